@@ -1,0 +1,7 @@
+"""``python -m llmforge`` (also ``torchrun -m llmforge train CONFIG``)."""
+
+import sys
+
+from llmforge.cli import main
+
+sys.exit(main())

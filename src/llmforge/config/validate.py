@@ -1,0 +1,214 @@
+"""Checks of a loaded config that need arithmetic or sets of allowed values.
+
+:func:`validate` is called once before building anything; it returns the :class:`BatchPlan`
+(the batch arithmetic every other part uses) or raises :class:`~llmforge.errors.ConfigError`
+naming the key and a fix. Nothing is rounded silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from llmforge.errors import ConfigError
+
+__all__ = ["BatchPlan", "data_parallel_size", "plan_batch", "validate"]
+
+PRECISIONS = ("fp32", "bf16-mixed", "bf16-true")
+SCHEDULERS = ("cosine", "linear", "wsd", "constant")
+STRATEGIES = ("auto", "single", "ddp", "fsdp2")
+DATA_SOURCES = ("shakespeare", "files", "hub")
+TOKENIZERS = ("huggingface", "tiktoken", "train_bpe")
+
+
+@dataclass
+class BatchPlan:
+    """Batch arithmetic of a run. Sizes are in sequences unless the name says tokens."""
+
+    world_size: int
+    """Processes in the job."""
+    dp_size: int
+    """Data-parallel ranks (dp_replicate x dp_shard); each sees different data."""
+    micro_batch_size: int
+    """Sequences per forward/backward on one rank."""
+    global_batch_size: int
+    """Sequences per optimizer step over all data-parallel ranks."""
+    gradient_accumulation_steps: int
+    """Micro-batches per optimizer step on one rank."""
+    local_batch_size: int
+    """Sequences per optimizer step on one rank (micro_batch_size x gradient_accumulation_steps)."""
+    seq_len: int
+    """Tokens per sequence."""
+    tokens_per_step: int
+    """Tokens per optimizer step over all ranks (global_batch_size x seq_len)."""
+
+
+def _divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _resolve_world(cfg: Any, world_size: Optional[int]) -> int:
+    if world_size is None:
+        world_size = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
+    if world_size < 1:
+        raise ConfigError(f"world size must be >= 1, got {world_size} (trainer.devices x trainer.num_nodes)")
+    return world_size
+
+
+def data_parallel_size(cfg: Any, world_size: Optional[int] = 1) -> int:
+    """Data-parallel size ``dp_replicate * dp_shard`` from ``cfg.strategy`` for ``world_size``
+    processes (None: ``trainer.devices * trainer.num_nodes``); ``dp_shard=-1`` takes the rest,
+    ``world_size // (dp_replicate * tp)``.
+
+    Raises:
+        ConfigError: tp, dp_replicate or dp_shard is not positive (dp_shard may be -1), tp does
+            not divide the world size, or dp_replicate x dp_shard x tp != world size; the message
+            names the sizes and a setting that works.
+    """
+    world = _resolve_world(cfg, world_size)
+    s = cfg.strategy
+    tp, rep, shard = int(s.tp), int(s.dp_replicate), int(s.dp_shard)
+    if tp < 1:
+        raise ConfigError(f"strategy.tp must be >= 1, got {tp}")
+    if rep < 1:
+        raise ConfigError(f"strategy.dp_replicate must be >= 1, got {rep}")
+    if shard < 1 and shard != -1:
+        raise ConfigError(f"strategy.dp_shard must be >= 1 or -1 (the rest of the world), got {shard}")
+    if world % tp:
+        options = ", ".join(map(str, _divisors(world)))
+        raise ConfigError(
+            f"strategy.tp={tp} does not divide the world size {world}; use one of {options} "
+            f"(e.g. strategy.tp=1)"
+        )
+    if shard == -1:
+        if (world // tp) % rep:
+            good = [d for d in _divisors(world // tp)]
+            raise ConfigError(
+                f"strategy.dp_replicate={rep} x strategy.tp={tp} = {rep * tp} does not divide the "
+                f"world size {world}; use strategy.dp_replicate in {good} (e.g. strategy.dp_replicate=1)"
+            )
+        shard = world // (tp * rep)
+    elif rep * shard * tp != world:
+        if world % (rep * tp) == 0:
+            fix = f"strategy.dp_shard=-1 (= {world // (rep * tp)})"
+        else:
+            fix = f"strategy.dp_replicate=1 strategy.dp_shard=-1 (= {world // tp})"
+        raise ConfigError(
+            f"strategy.dp_replicate ({rep}) x strategy.dp_shard ({shard}) x strategy.tp ({tp}) = "
+            f"{rep * shard * tp} must equal the world size ({world}); try {fix}"
+        )
+    return rep * shard
+
+
+def plan_batch(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
+    """Derive gradient accumulation and per-rank sizes from ``cfg.trainer`` and the strategy.
+
+    Raises:
+        ConfigError: micro_batch_size or seq_len is not positive, or global_batch_size is not a
+            positive multiple of micro_batch_size x data-parallel size (the message gives the
+            numbers and the nearest valid values), or a strategy size error (see
+            :func:`data_parallel_size`).
+    """
+    world = _resolve_world(cfg, world_size)
+    t = cfg.trainer
+    mbs, gbs, seq = int(t.micro_batch_size), int(t.global_batch_size), int(t.seq_len)
+    if mbs <= 0:
+        raise ConfigError(f"trainer.micro_batch_size must be > 0, got {mbs}")
+    if seq <= 0:
+        raise ConfigError(f"trainer.seq_len must be > 0, got {seq}")
+    dp = data_parallel_size(cfg, world)
+    unit = mbs * dp
+    if gbs <= 0 or gbs % unit:
+        lower = (max(gbs, 0) // unit) * unit
+        tries = f"{lower} or {lower + unit}" if lower > 0 else f"{unit}"
+        raise ConfigError(
+            f"trainer.global_batch_size={gbs} must be a multiple of micro_batch_size ({mbs}) x "
+            f"data-parallel size ({dp}) = {unit}; try {tries}"
+        )
+    accum = gbs // unit
+    return BatchPlan(
+        world_size=world,
+        dp_size=dp,
+        micro_batch_size=mbs,
+        global_batch_size=gbs,
+        gradient_accumulation_steps=accum,
+        local_batch_size=mbs * accum,
+        seq_len=seq,
+        tokens_per_step=gbs * seq,
+    )
+
+
+def _one_of(key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}: expected one of {', '.join(allowed)}; got {value!r}")
+
+
+def _require(ok: bool, key: str, rule: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{key} must be {rule}, got {value!r}")
+
+
+def _check_entries(section: str, entries: Any) -> None:
+    for i, entry in enumerate(entries or []):
+        if not isinstance(entry, Mapping):
+            raise ConfigError(
+                f"{section}[{i}]: expected a mapping like {{name: NAME, ...}}, got {entry!r}"
+            )
+        name = entry.get("name")
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigError(
+                f"{section}[{i}]: needs a string 'name' (a registered name or import path), "
+                f"got {name!r}"
+            )
+
+
+def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
+    """Check value ranges and allowed names, then return :func:`plan_batch`'s plan.
+
+    ``world_size=None`` uses ``trainer.devices * trainer.num_nodes``.
+
+    Raises:
+        ConfigError: the first invalid setting, naming its key (e.g. ``trainer.max_steps``,
+            ``scheduler.name``, ``algorithms[1]``), or a batch/strategy arithmetic error.
+    """
+    t, sch, opt = cfg.trainer, cfg.scheduler, cfg.optimizer
+    _require(t.max_steps > 0, "trainer.max_steps", "> 0", t.max_steps)
+    _require(t.seq_len > 0, "trainer.seq_len", "> 0", t.seq_len)
+    _require(t.micro_batch_size > 0, "trainer.micro_batch_size", "> 0", t.micro_batch_size)
+    _require(t.global_batch_size > 0, "trainer.global_batch_size", "> 0", t.global_batch_size)
+    _one_of("trainer.precision", t.precision, PRECISIONS)
+    _require(t.log_every > 0, "trainer.log_every", "> 0", t.log_every)
+    _require(t.eval_every >= 0, "trainer.eval_every", ">= 0 (0 = only at the end)", t.eval_every)
+    _require(t.eval_batches > 0, "trainer.eval_batches", "> 0", t.eval_batches)
+    if t.gradient_clip_val is not None:
+        _require(t.gradient_clip_val > 0, "trainer.gradient_clip_val", "> 0 or null", t.gradient_clip_val)
+    _require(t.devices >= 1, "trainer.devices", ">= 1", t.devices)
+    _require(t.num_nodes >= 1, "trainer.num_nodes", ">= 1", t.num_nodes)
+
+    _require(opt.lr > 0, "optimizer.lr", "> 0", opt.lr)
+    _one_of("scheduler.name", sch.name, SCHEDULERS)
+    _require(sch.warmup_steps >= 0, "scheduler.warmup_steps", ">= 0", sch.warmup_steps)
+    if sch.warmup_steps > 0 and sch.warmup_steps >= t.max_steps:
+        raise ConfigError(
+            f"scheduler.warmup_steps ({sch.warmup_steps}) must be < trainer.max_steps "
+            f"({t.max_steps}); try scheduler.warmup_steps={max(0, t.max_steps // 10)}"
+        )
+    _require(0 <= sch.min_lr_ratio <= 1, "scheduler.min_lr_ratio", "in [0, 1]", sch.min_lr_ratio)
+    _require(0 < sch.decay_fraction <= 1, "scheduler.decay_fraction", "in (0, 1]", sch.decay_fraction)
+
+    _one_of("strategy.name", cfg.strategy.name, STRATEGIES)
+    _one_of("data.source", cfg.data.source, DATA_SOURCES)
+    vf = cfg.data.val_fraction
+    _require(0 <= vf < 1, "data.val_fraction", "in [0, 1)", vf)
+    _one_of("tokenizer.type", cfg.tokenizer.type, TOKENIZERS)
+
+    ck = cfg.checkpoint
+    if ck.save_every is not None:
+        _require(ck.save_every > 0, "checkpoint.save_every", "> 0 or null", ck.save_every)
+    if ck.keep_last_n is not None:
+        _require(ck.keep_last_n > 0, "checkpoint.keep_last_n", "> 0 or null", ck.keep_last_n)
+
+    for section in ("algorithms", "callbacks", "loggers"):
+        _check_entries(section, getattr(cfg, section))
+    return plan_batch(cfg, world_size)

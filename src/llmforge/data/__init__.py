@@ -1,0 +1,1 @@
+"""Tokenizers, document sources (HF datasets), packing and the resumable per-rank loader."""

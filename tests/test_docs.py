@@ -1,0 +1,20 @@
+"""The README documents every YAML key exactly as the schema defines it."""
+
+from conftest import REPO
+from llmforge.config.docs import key_table
+
+
+def test_readme_key_table_matches_schema():
+    text = (REPO / "README.md").read_text()
+    begin, end = "<!-- keys:begin -->\n", "\n<!-- keys:end -->"
+    assert begin in text and end in text
+    table = text.split(begin, 1)[1].split(end, 1)[0]
+    assert table == key_table(), "regenerate with: python -m llmforge.config.docs"
+
+
+def test_readme_quick_start_commands():
+    text = (REPO / "README.md").read_text()
+    assert "pip install torch==2.13.0" in text
+    assert "llmforge train yamls/demo_cpu.yaml" in text
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "python -m pytest -q" in text and "python -m pytest -q" in ci

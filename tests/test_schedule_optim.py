@@ -1,0 +1,86 @@
+import math
+
+import pytest
+import torch
+
+from llmforge.models import Llama, LlamaArgs
+from llmforge.training.optim import build_optimizer, param_groups
+from llmforge.training.schedule import build_scheduler, lr_multiplier
+
+
+def lrs(name, max_steps=10, warmup=2, m=0.1, decay_fraction=0.5):
+    return [lr_multiplier(s, name=name, max_steps=max_steps, warmup_steps=warmup, min_lr_ratio=m,
+                          decay_fraction=decay_fraction) for s in range(max_steps)]
+
+
+def test_warmup_is_linear_from_first_step():
+    assert lrs("constant", warmup=4)[:5] == [0.25, 0.5, 0.75, 1.0, 1.0]
+
+
+def test_cosine_values():
+    got = lrs("cosine")
+    # p = (s - 2) / 8 for s >= 2
+    want = [0.5, 1.0] + [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - 2) / 8)) for s in range(2, 10)]
+    assert got == pytest.approx(want, abs=1e-12)
+    assert got[2] == 1.0 and got[6] == pytest.approx(0.55)
+
+
+def test_linear_values():
+    assert lrs("linear") == pytest.approx([0.5, 1.0, 1.0, 0.8875, 0.775, 0.6625, 0.55, 0.4375, 0.325, 0.2125])
+
+
+def test_wsd_stable_then_linear_decay_to_min():
+    got = lrs("wsd", max_steps=10, warmup=2, m=0.1, decay_fraction=0.5)
+    # 8 post-warmup steps, decay over the last 4: steps 6..9 -> 1-0.9*k/4 for k=1..4
+    assert got == pytest.approx([0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 0.775, 0.55, 0.325, 0.1])
+
+
+def test_unknown_schedule():
+    with pytest.raises(ValueError, match="scheduler.name"):
+        lr_multiplier(0, name="cosin", max_steps=10, warmup_steps=0)
+
+
+def test_scheduler_steps_once_per_optimizer_step():
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    opt = torch.optim.AdamW([p], lr=1.0)
+
+    class C:
+        name, warmup_steps, min_lr_ratio, decay_fraction = "linear", 2, 0.0, 0.2
+
+    sched = build_scheduler(opt, C, max_steps=4)
+    seen = []
+    for _ in range(4):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([0.5, 1.0, 1.0, 0.5])
+
+
+def test_weight_decay_skips_norms_and_counts_tied_once():
+    args = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16,
+                     max_seq_len=16, tie_embeddings=True)
+    model = Llama(args)
+    groups = {g["name"]: g for g in param_groups(model, 0.1)}
+    decay_ids = {id(p) for p in groups["decay"]["params"]}
+    no_decay_ids = {id(p) for p in groups["no_decay"]["params"]}
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            assert id(p) in no_decay_ids and p.ndim == 1, name
+        else:
+            assert id(p) in decay_ids, name
+    assert groups["no_decay"]["weight_decay"] == 0.0 and groups["decay"]["weight_decay"] == 0.1
+    n_listed = sum(p.numel() for g in groups.values() for p in g["params"])
+    assert n_listed == model.num_params()
+    # 2 blocks x 2 norms + final norm
+    assert len(groups["no_decay"]["params"]) == 5
+
+
+def test_frozen_parameters_left_out():
+    model = torch.nn.Linear(4, 4)
+    model.weight.requires_grad_(False)
+
+    class C:
+        name, lr, betas, eps, weight_decay = "adamw", 1e-3, [0.9, 0.95], 1e-8, 0.1
+
+    opt = build_optimizer(model, C)
+    assert [p for g in opt.param_groups for p in g["params"]] == [model.bias]

@@ -1,0 +1,92 @@
+import json
+
+import pytest
+from omegaconf import OmegaConf
+
+from llmforge.config.schema import DataConfig
+from llmforge.data.datamodule import LLMDataModule, tokenize_documents
+from llmforge.data.sources import clean_text, load_documents
+from llmforge.data.tokenizers import train_bpe_tokenizer
+from llmforge.errors import DataError
+
+
+def data_cfg(**kw):
+    return OmegaConf.merge(OmegaConf.structured(DataConfig), kw)
+
+
+def texts(ds):
+    return [r["text"] for r in ds]
+
+
+def test_clean_text():
+    assert clean_text("\ufeffa\r\nb\rc\n") == "a\nb\nc\n"
+    assert clean_text(None) == ""
+
+
+def test_text_files_bom_crlf_bad_bytes_and_empty_docs(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"\xef\xbb\xbfFirst line\r\nsecond line\r\n")
+    (tmp_path / "b.txt").write_bytes(b"bad \xff\xfe bytes here\n")
+    (tmp_path / "c.txt").write_bytes(b"  \n\n")  # empty after strip: skipped
+    cfg = data_cfg(source="files", path=str(tmp_path / "*.txt"), val_fraction=0.0)
+    docs = load_documents(cfg, seed=0)
+    got = sorted(texts(docs.train))
+    assert got == ["First line\nsecond line\n", "bad \ufffd\ufffd bytes here\n"]
+    assert docs.val is None
+
+
+def test_jsonl_text_field_and_holdout_is_seeded(tmp_path):
+    rows = [{"body": f"document number {i}", "id": i} for i in range(40)]
+    rows.insert(3, {"body": "", "id": -1})
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = data_cfg(source="files", path=str(tmp_path / "d.jsonl"), text_field="body", val_fraction=0.1)
+    a, b = load_documents(cfg, seed=5), load_documents(cfg, seed=5)
+    assert texts(a.val) == texts(b.val) and len(texts(a.val)) == 4
+    assert len(texts(a.train)) == 36
+    assert not set(texts(a.train)) & set(texts(a.val))
+    assert load_documents(cfg, seed=6).val["text"] != a.val["text"]
+
+
+def test_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["alpha beta", "gamma"]}), tmp_path / "x.parquet")
+    docs = load_documents(data_cfg(source="files", path=str(tmp_path / "x.parquet"), val_fraction=0), 0)
+    assert sorted(texts(docs.train)) == ["alpha beta", "gamma"]
+
+
+def test_errors(tmp_path):
+    with pytest.raises(DataError, match="no file matches"):
+        load_documents(data_cfg(source="files", path=str(tmp_path / "nope*.txt")), 0)
+    (tmp_path / "d.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
+    with pytest.raises(DataError, match=r"column 'text' not found.*\['body'\]"):
+        load_documents(data_cfg(source="files", path=str(tmp_path / "d.jsonl"), val_fraction=0), 0)
+    (tmp_path / "e.xyz").write_text("x")
+    with pytest.raises(DataError, match="data.format"):
+        load_documents(data_cfg(source="files", path=str(tmp_path / "e.xyz")), 0)
+
+
+def test_corpus_too_small_names_sizes(tmp_path):
+    (tmp_path / "a.txt").write_text("just a few words of text\n")
+    (tmp_path / "b.txt").write_text("and a few more words\n")
+    docs = load_documents(data_cfg(source="files", path=str(tmp_path / "*.txt"), val_fraction=0), 0)
+    tok = train_bpe_tokenizer(texts(docs.train), 300, tmp_path / "tok", "")
+    dm = LLMDataModule(docs, tok, seq_len=64, local_batch_size=4, micro_batch_size=4,
+                       eval_batches=1, seed=0, num_workers=0, dp_rank=0, dp_size=1)
+    with pytest.raises(DataError, match=r"has \d+ tokens = 0 windows of seq_len\+1=65 tokens.*needs 4"):
+        dm.setup()
+
+
+def test_datamodule_batches(tmp_path):
+    (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    (tmp_path / "b.txt").write_text("pack my box with five dozen liquor jugs. " * 200)
+    docs = load_documents(data_cfg(source="files", path=str(tmp_path / "*.txt"), val_fraction=0), 0)
+    tok = train_bpe_tokenizer(texts(docs.train), 300, tmp_path / "tok", "")
+    packed = tokenize_documents(docs.train, tok)
+    assert packed[0] == tok.bos_id and (packed == tok.eos_id).sum() == 2
+    dm = LLMDataModule(docs, tok, seq_len=16, local_batch_size=4, micro_batch_size=2,
+                       eval_batches=1, seed=0, num_workers=0, dp_rank=0, dp_size=1)
+    dm.setup()
+    batch = next(iter(dm.train_dataloader()))
+    assert tuple(batch.shape) == (4, 17)
+    assert dm.eval_dataloader() is None

@@ -1,6 +1,6 @@
 """The ``llmforge`` command line.
 
-    llmforge train CONFIG.yaml [key=value ...] [--dry-run] [--overwrite] [--debug]
+    llmforge train CONFIG.yaml [key=value ...] [--nproc N] [--dry-run] [--overwrite] [--debug]
     llmforge generate RUN_DIR_OR_CHECKPOINT --prompt TEXT [--max-new-tokens N] [--temperature T]
                       [--top-k K] [--seed S] [--debug]
 
@@ -27,6 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. trainer.max_steps=100")
     t.add_argument("--dry-run", action="store_true",
                    help="build the model on the meta device, print sizes and exit")
+    t.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="run N local processes (torchrun's launcher; gloo on CPU, NCCL on GPUs)")
     t.add_argument("--overwrite", action="store_true",
                    help="delete an existing run directory of the same run.name first")
     t.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -52,6 +54,9 @@ def _quiet_libraries() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     warnings.filterwarnings("ignore", message=".*isinstance.treespec, LeafSpec.*")
+    warnings.filterwarnings("ignore", module="torch.distributed.device_mesh")
+    warnings.filterwarnings("ignore", module="torch.distributed.tensor._random")
+    warnings.filterwarnings("ignore", message=".*_get_slice_mesh_layout.*|.*_rng_tracker.*")
     warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
     import datasets
 
@@ -65,6 +70,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from llmforge.training.trainer import Trainer, detect_world_size
 
     cfg = load_config(args.config, args.overrides)
+    if args.nproc:
+        cfg.trainer.devices = args.nproc
     if args.dry_run:
         from llmforge import registry
         from llmforge.training.dry_run import dry_run_report
@@ -73,6 +80,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         plan = validate(cfg, detect_world_size(cfg))
         print(dry_run_report(cfg, plan))
         return 0
+    if args.nproc and args.nproc > 1 and not os.environ.get("WORLD_SIZE"):
+        from llmforge.parallel.launch import launch_local
+
+        validate(cfg, detect_world_size(cfg))  # fail fast, before any process starts
+        argv = ["train", args.config, *args.overrides, f"trainer.devices={args.nproc}"]
+        argv += ["--overwrite"] * args.overwrite + ["--debug"] * args.debug
+        return launch_local(args.nproc, argv)
     trainer = Trainer(cfg, overwrite=args.overwrite)
     summary = trainer.fit()
     if trainer.is_rank_zero():

@@ -26,6 +26,7 @@ from llmforge.data.packing import (PackedWindows, ShardedSampler, StreamingWindo
                                    token_dtype)
 from llmforge.data.sources import DocumentSplits
 from llmforge.errors import DataError
+from llmforge.parallel.mesh import dp_coordinates
 
 
 def tokenize_documents(ds: Any, tokenizer: Any, batch_size: int = 512) -> np.ndarray:
@@ -51,8 +52,8 @@ class LLMDataModule(L.LightningDataModule):
         seed: fixes the order of windows.
         num_workers: background DataLoader workers.
         dp_rank, dp_size: this rank's data-parallel coordinate; ``None`` = read from the
-            Lightning trainer at ``setup`` (``global_rank // tp``).
-        tp: tensor-parallel degree (ranks of one tp group read the same data).
+            strategy's device mesh at ``setup`` (its ``dp`` dim; ranks of one tensor-parallel
+            group read the same data).
         start_sample: samples of this rank already consumed (resume).
 
     Raises:
@@ -62,13 +63,13 @@ class LLMDataModule(L.LightningDataModule):
 
     def __init__(self, docs: DocumentSplits, tokenizer: Any, *, seq_len: int, local_batch_size: int,
                  micro_batch_size: int, eval_batches: int, seed: int, num_workers: int = 1,
-                 dp_rank: Optional[int] = None, dp_size: Optional[int] = None, tp: int = 1,
+                 dp_rank: Optional[int] = None, dp_size: Optional[int] = None,
                  start_sample: int = 0) -> None:
         super().__init__()
         self.docs, self.tokenizer = docs, tokenizer
         self.seq_len, self.local_batch_size = seq_len, local_batch_size
         self.micro_batch_size, self.eval_batches = micro_batch_size, eval_batches
-        self.seed, self.num_workers, self.tp = seed, num_workers, tp
+        self.seed, self.num_workers = seed, num_workers
         self.dp_rank, self.dp_size, self.start_sample = dp_rank, dp_size, start_sample
         self.train_windows: Any = None
         self.val_windows: Any = None
@@ -80,7 +81,7 @@ class LLMDataModule(L.LightningDataModule):
         trainer = getattr(self, "trainer", None)
         if trainer is None:
             return 0, 1
-        return trainer.global_rank // self.tp, max(1, trainer.world_size // self.tp)
+        return dp_coordinates(getattr(trainer.strategy, "_device_mesh", None))
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_windows is not None:
@@ -128,10 +129,15 @@ class LLMDataModule(L.LightningDataModule):
                           drop_last=True, **common)
 
     def eval_dataloader(self) -> Optional[DataLoader]:
+        """The fixed evaluation set: the first ``eval_batches * micro_batch_size`` validation
+        windows (rounded down to a multiple of the data-parallel size), shared between ranks,
+        so every world size evaluates the same windows. Finite; batches of micro_batch_size."""
         if self.val_windows is None:
             return None
         rank, world = self._coords()
         if isinstance(self.val_windows, StreamingWindows):
             return DataLoader(self.val_windows, batch_size=self.micro_batch_size)
-        sampler = ShardedSampler(len(self.val_windows), rank, world, shuffle=False, infinite=False)
+        n = min(len(self.val_windows), self.eval_batches * self.micro_batch_size)
+        n = max(world, n // world * world)
+        sampler = ShardedSampler(n, rank, world, shuffle=False, infinite=False)
         return DataLoader(self.val_windows, batch_size=self.micro_batch_size, sampler=sampler)

@@ -22,9 +22,14 @@ def _jsonable(v: Any) -> Any:
 
 
 class JsonlLogger(Logger):
-    """A Lightning logger that appends metrics to ``<run_dir>/<filename>``."""
+    """A Lightning logger that appends metrics to ``<run_dir>/<filename>``.
 
-    def __init__(self, run_dir: str | Path, filename: str = "metrics.jsonl") -> None:
+    ``run`` and ``config`` (passed to every logger builder) are not used: the resolved config is
+    already in ``config.yaml`` beside the metrics.
+    """
+
+    def __init__(self, run_dir: str | Path, filename: str = "metrics.jsonl", run: Any = None,
+                 config: Optional[dict] = None) -> None:
         super().__init__()
         self.path = Path(run_dir) / filename
         self._file: Optional[Any] = None

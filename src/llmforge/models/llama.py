@@ -181,9 +181,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         """``x [B, T, D]``, ``rope [T, hd/2, 2]`` -> ``[B, T, D]``."""
         bsz, seqlen, _ = x.shape
-        q = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim)
-        k = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism each rank holds n_heads/tp and n_kv_heads/tp heads
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rotary_emb(q, rope), apply_rotary_emb(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, nh, T, hd]
         if self.n_rep > 1:

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmforge import registry
+from llmforge.algorithms.base import ModelContext, run_pipeline
+from llmforge.parallel.init import init_parallel_model
 from llmforge.training.optim import build_optimizer
 from llmforge.training.schedule import build_scheduler
 
@@ -56,6 +58,8 @@ class LLMModule(L.LightningModule):
         self.step_metrics: dict[str, Any] = {}
         self.history: list[dict[str, Any]] = []
         self.last_eval: Optional[dict[str, float]] = None
+        self.init_method = ""
+        self.mesh_override: Any = None
         self.train_start_time: Optional[float] = None
 
     # ----------------------------------------------------------------- model
@@ -64,20 +68,33 @@ class LLMModule(L.LightningModule):
         factory = registry.models.get(self.cfg.model.name, key="model.name")
         return factory(self.cfg.model)
 
+    @property
+    def mesh(self) -> Any:
+        """The strategy's device mesh (dims dp_replicate, dp_shard, tp; flattened dp), or None.
+        Without a Lightning trainer (tests, Fabric) it is whatever ``mesh_override`` holds."""
+        if self.mesh_override is not None or self._trainer is None:
+            return self.mesh_override
+        return getattr(self.trainer.strategy, "_device_mesh", None)
+
+    def model_context(self) -> ModelContext:
+        from llmforge.parallel.mesh import ParallelDims
+
+        dims = getattr(self.trainer.strategy, "dims", None) if self._trainer is not None else None
+        dims = dims or ParallelDims(1, 1, 1, 1)
+        device = self.trainer.strategy.root_device if self._trainer is not None else self.device
+        return ModelContext(cfg=self.cfg, mesh=self.mesh, dims=dims, device=device)
+
     def configure_model(self) -> None:
-        """Build on the meta device, apply the model pipeline, materialize and initialize."""
+        """Build on the meta device, run the model pipeline (algorithms and the strategy's
+        parallel transforms, sorted by stage), materialize and initialize."""
         if self.model is not None:
             return
         with torch.device("meta"):
             model = self.build_model()
-        for transform in self.pipeline:
-            model = transform(model, self)
-        device = self.trainer.strategy.root_device if self._trainer is not None else self.device
-        model.to_empty(device=device)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.cfg.run.seed)
-            with torch.no_grad():
-                model.init_weights()
+        ctx = self.model_context()
+        model = run_pipeline(model, self.pipeline, ctx)
+        model.to_empty(device=ctx.device)
+        self.init_method = init_parallel_model(model, self.build_model, self.cfg.run.seed)
         self.model = model
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -104,22 +121,21 @@ class LLMModule(L.LightningModule):
 
     # ------------------------------------------------------------- reductions
     def dp_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum ``t`` over data-parallel ranks (identity in one process)."""
-        if self._trainer is None or self.trainer.world_size == 1:
+        """Sum ``t`` over the data-parallel ranks (the mesh's ``dp`` dim); identity in one
+        process. Ranks of one tensor-parallel group hold the same data and are not summed."""
+        mesh = self.mesh
+        if mesh is None or mesh["dp"].size() == 1:
             return t
-        return self.trainer.strategy.reduce(t.clone(), reduce_op="sum") * self.data_parallel_scale()
+        t = t.detach().clone()
+        torch.distributed.all_reduce(t, group=mesh["dp"].get_group())
+        return t
 
-    def data_parallel_scale(self) -> float:
-        """Ranks of one tensor-parallel group hold the same data: a sum over all ranks counts
-        each data-parallel sample ``tp`` times."""
-        return 1.0 / max(1, self.cfg.strategy.tp)
-
-    def no_sync(self, last_micro_batch: bool):
-        """Context that skips the gradient all-reduce for all but the last micro-batch."""
-        if last_micro_batch or self._trainer is None:
-            return nullcontext()
-        block = getattr(self.trainer.strategy, "block_backward_sync", None)
-        return block() if block is not None else nullcontext()
+    def no_sync(self, last_micro_batch: bool) -> Any:
+        """Skip the gradient reduction for all but the last micro-batch (FSDP2 / replicate)."""
+        setter = getattr(self.model, "set_requires_gradient_sync", None)
+        if setter is not None:
+            setter(last_micro_batch)
+        return nullcontext()
 
     # -------------------------------------------------------------- training
     def backward_loss(self, loss: torch.Tensor) -> None:
@@ -168,21 +184,26 @@ class LLMModule(L.LightningModule):
         return loss_total, total_targets
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        """One optimizer step: micro-batches forward/backward, clip, AdamW step, schedule step.
+
+        ``step_metrics`` is filled before ``optimizer.step()``, so callbacks' hooks
+        ``on_before_optimizer_step`` (e.g. a NaN guard) see this step's loss and gradient norm.
+        """
         opt = self.optimizers()
         sched = self.lr_schedulers()
         lr = opt.optimizer.param_groups[0]["lr"]
         loss_total, total_targets = self.forward_backward(batch)
         grad_norm = self.clip_gradients_(opt.optimizer)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        self.tokens_seen += self.plan.tokens_per_step
         self.step_metrics = {
             "train/loss": self.dp_all_reduce(loss_total) / total_targets,
             "train/lr": lr,
             "train/grad_norm": grad_norm,
-            "train/tokens_seen": self.tokens_seen,
+            "train/tokens_seen": self.tokens_seen + self.plan.tokens_per_step,
         }
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        self.tokens_seen += self.plan.tokens_per_step
 
     def clip_gradients_(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """Clip the global L2 norm of all gradients to ``trainer.gradient_clip_val`` (once per
@@ -205,7 +226,8 @@ class LLMModule(L.LightningModule):
     # ------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self) -> Optional[dict[str, float]]:
-        """Mean loss per target token on up to ``trainer.eval_batches`` validation batches.
+        """Mean loss per target token on the fixed evaluation set (see
+        :meth:`LLMDataModule.eval_dataloader`), reduced over data-parallel ranks.
 
         Returns ``{"eval/loss": nats per token, "eval/perplexity": exp(loss)}``, or ``None``
         without a validation split.
@@ -219,7 +241,7 @@ class LLMModule(L.LightningModule):
         loss_sum = torch.zeros((), device=self.device)
         count = torch.zeros((), device=self.device)
         for i, batch in enumerate(loader):
-            if i >= self.cfg.trainer.eval_batches:
+            if i >= self.cfg.trainer.eval_batches:  # streaming sources have no end
                 break
             inputs, labels = self.split_batch(batch)
             with self.trainer.precision_plugin.forward_context():

@@ -23,21 +23,35 @@ from omegaconf import DictConfig
 from llmforge import registry
 from llmforge.callbacks import Checkpointer, RichProgress, SpeedMonitor
 from llmforge.checkpoint import list_checkpoints
-from llmforge.config import config_to_dict, load_config, save_config, validate
+from llmforge.config import config_to_dict, load_config, redact, save_config, validate
 from llmforge.data.datamodule import LLMDataModule
 from llmforge.data.shakespeare import cache_root
 from llmforge.data.sources import DocumentSplits, iter_texts, load_documents
 from llmforge.data.tokenizers import Tokenizer, build_tokenizer, check_vocab
 from llmforge.errors import ConfigError
+from llmforge.parallel.mesh import ParallelDims
+from llmforge.parallel.strategy import LLMParallelStrategy
+from llmforge.parallel.transforms import strategy_transforms
 
 PRECISION = {"fp32": "32-true", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true"}
 
 
 def detect_world_size(cfg: Any) -> int:
-    """``WORLD_SIZE`` from a launcher (torchrun, SLURM via Lightning), else devices x nodes."""
-    if os.environ.get("WORLD_SIZE"):
-        return int(os.environ["WORLD_SIZE"])
-    return cfg.trainer.devices * cfg.trainer.num_nodes
+    """``WORLD_SIZE`` from a launcher (torchrun; SLURM's ``SLURM_NTASKS``), else devices x nodes.
+
+    Under a launcher, ``trainer.devices`` and ``trainer.num_nodes`` are set from it
+    (``LOCAL_WORLD_SIZE`` / ``SLURM_NTASKS_PER_NODE``), so the YAML need not repeat them.
+    """
+    env = os.environ
+    if env.get("WORLD_SIZE") and env.get("LOCAL_WORLD_SIZE"):
+        world, local = int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"])
+    elif env.get("SLURM_NTASKS") and env.get("SLURM_NTASKS_PER_NODE") and not env.get("WORLD_SIZE"):
+        world = int(env["SLURM_NTASKS"])
+        local = int(env["SLURM_NTASKS_PER_NODE"].split("(")[0])
+    else:
+        return cfg.trainer.devices * cfg.trainer.num_nodes
+    cfg.trainer.devices, cfg.trainer.num_nodes = local, max(1, world // local)
+    return world
 
 
 def build_entries(reg: registry.Registry, section: str, entries: Any, **inject: Any) -> list[Any]:
@@ -76,6 +90,10 @@ class Trainer:
         registry.import_modules(cfg.imports)
         self.world_size = detect_world_size(cfg)
         self.plan = validate(cfg, self.world_size)
+        if cfg.strategy.name == "auto" and self.world_size > 1:
+            cfg.strategy.name = "fsdp2"
+        self.dims = ParallelDims.from_config(cfg, self.world_size)
+        strategy_transforms(cfg, self.dims)  # reject impossible strategy settings up front
         self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
         self.checkpoint_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self.overwrite = overwrite
@@ -132,14 +150,14 @@ class Trainer:
         return LLMDataModule(docs, tokenizer, seq_len=t.seq_len,
                              local_batch_size=self.plan.local_batch_size,
                              micro_batch_size=t.micro_batch_size, eval_batches=t.eval_batches,
-                             seed=self.cfg.run.seed, num_workers=self.cfg.data.num_workers,
-                             tp=self.cfg.strategy.tp)
+                             seed=self.cfg.run.seed, num_workers=self.cfg.data.num_workers)
 
     def build_module(self) -> Any:
         """Instantiate ``trainer.module`` (an :class:`LLMModule` or a subclass)."""
         cls = registry.import_object(self.cfg.trainer.module, key="trainer.module")
         try:
-            return cls(self.cfg, self.plan, **dict(self.cfg.trainer.module_kwargs))
+            return cls(self.cfg, self.plan, pipeline=self.build_pipeline(),
+                       **dict(self.cfg.trainer.module_kwargs))
         except TypeError as exc:
             raise ConfigError(f"trainer.module_kwargs: {exc}") from exc
 
@@ -154,19 +172,33 @@ class Trainer:
         return cbs + build_entries(registry.callbacks, "callbacks", self.cfg.callbacks)
 
     def build_loggers(self) -> list[Any]:
+        """Loggers from ``loggers:``; each builder is called as
+        ``builder(run_dir=..., run=cfg.run, config=<resolved config, secrets redacted>, **kwargs)``
+        and the config is logged as the run's hyperparameters."""
         import llmforge.loggers  # noqa: F401  (registers the built-in loggers)
 
-        return build_entries(registry.loggers, "loggers", self.cfg.loggers, run_dir=self.run_dir)
+        config = redact(config_to_dict(self.cfg))
+        built = build_entries(registry.loggers, "loggers", self.cfg.loggers, run_dir=self.run_dir,
+                              run=self.cfg.run, config=config)
+        for logger in built:
+            logger.log_hyperparams(config)
+        return built
 
     def build_strategy(self) -> Any:
-        """The Lightning strategy for ``strategy:`` (one process: ``auto``)."""
+        """The Lightning strategy: ``auto`` for one process, else :class:`LLMParallelStrategy`
+        over the (dp_replicate, dp_shard, tp) mesh (``strategy.name=auto`` with several
+        processes means fsdp2)."""
         name = self.cfg.strategy.name
-        if self.world_size == 1 or name in ("auto", "single"):
-            if self.world_size > 1:
-                raise ConfigError(f"strategy.name={name} runs one process, but the world size is "
-                                  f"{self.world_size}; use strategy.name=ddp or fsdp2")
+        if name == "single" and self.world_size > 1:
+            raise ConfigError(f"strategy.name=single runs one process, but the world size is "
+                              f"{self.world_size}; use strategy.name=ddp or fsdp2")
+        if self.world_size == 1 and name in ("auto", "single"):
             return "auto"
-        raise ConfigError(f"strategy.name={name}: multi-process strategies are not available yet")
+        return LLMParallelStrategy(self.dims)
+
+    def build_pipeline(self) -> list[Any]:
+        """Model transforms: the strategy's parallel stages (algorithms join in a later issue)."""
+        return strategy_transforms(self.cfg, self.dims)
 
     def build_lightning_trainer(self, callbacks: list[Any], loggers: list[Any]) -> L.Trainer:
         t = self.cfg.trainer

@@ -1,0 +1,46 @@
+"""``llmforge train CONFIG --nproc N``: N local processes through torchrun's launcher API.
+
+The parent is torch's elastic agent (``torch.distributed.launcher.elastic_launch``, what
+``torchrun --standalone --nproc-per-node N`` runs); every worker runs
+``python -m llmforge train CONFIG ...`` with the torchelastic environment (RANK, WORLD_SIZE,
+MASTER_ADDR, ...), which Lightning detects. On the CPU each worker gets
+``OMP_NUM_THREADS = max(1, cores // N)`` unless the variable is set.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from typing import Sequence
+
+from llmforge.errors import LLMForgeError
+
+
+def threads_per_process(nproc: int) -> int:
+    """``max(1, os.cpu_count() // nproc)``."""
+    return max(1, (os.cpu_count() or 1) // nproc)
+
+
+def launch_local(nproc: int, argv: Sequence[str]) -> int:
+    """Run ``python -m llmforge *argv`` in ``nproc`` processes; returns the exit code.
+
+    A failed worker's own message has already been printed by the worker; the exit code is the
+    first failed rank's (2 for configuration errors on every rank).
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(nproc)))
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                          monitor_interval=0.1)
+    try:
+        elastic_launch(config, entrypoint=sys.executable)("-m", "llmforge", *argv)
+    except ChildFailedError as exc:
+        failures = sorted(exc.failures.items())
+        code = failures[0][1].exitcode if failures else 1
+        return code if code and code > 0 else 1
+    except Exception as exc:  # rendezvous or agent failure
+        raise LLMForgeError(f"--nproc {nproc}: the local launcher failed: {exc}") from exc
+    return 0

@@ -13,7 +13,7 @@ import torch
 from conftest import REPO, TINY_OVERRIDES, run_cli
 
 DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
-COMMON = [*TINY_OVERRIDES, "trainer.global_batch_size=8", "trainer.micro_batch_size=4",
+COMMON = [*TINY_OVERRIDES, "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
           "trainer.max_steps=5", "trainer.log_every=1", "trainer.eval_every=0",
           "trainer.eval_batches=2", "scheduler.warmup_steps=2"]
 RUNS = {
@@ -22,6 +22,7 @@ RUNS = {
     "fsdp2": (["strategy.name=fsdp2"], 2),
     "tp2": (["strategy.name=fsdp2", "strategy.tp=2"], 2),
     "fsdp2_tp2": (["strategy.name=fsdp2", "strategy.tp=2"], 4),
+    "hsdp2x2": (["strategy.name=fsdp2", "strategy.dp_replicate=2"], 4),
 }
 
 

@@ -119,10 +119,9 @@ def apply_tp(model: nn.Module, ctx: ModelContext) -> nn.Module:
 
 
 def strategy_transforms(cfg: Any, dims: Any) -> list[Transform]:
-    """The strategy's pipeline steps: tensor parallel (tp > 1) and data parallel."""
+    """The strategy's pipeline steps: tensor parallel (tp > 1) and data parallel (DDP when
+    ``dp_replicate > 1``; FSDP2 when ``dp > 1``, or on one device when named explicitly)."""
     out: list[Transform] = []
-    if dims.world_size == 1:
-        return out
     if dims.tp > 1:
         out.append(Transform(Stage.TENSOR_PARALLEL, "tensor_parallel", apply_tp))
     if cfg.strategy.name == "ddp":
@@ -131,6 +130,7 @@ def strategy_transforms(cfg: Any, dims: Any) -> list[Transform]:
                               f"strategy.dp_shard={dims.dp_shard} needs strategy.name=fsdp2")
         if dims.dp_replicate > 1:
             out.append(Transform(Stage.DATA_PARALLEL, "ddp", apply_ddp))
-    elif dims.dp > 1:
+    elif dims.dp > 1 or (cfg.strategy.name == "fsdp2" and dims.world_size == 1):
+        # fsdp2 on one device still applies (mixed-precision policy, CPU offload)
         out.append(Transform(Stage.DATA_PARALLEL, "fsdp2", apply_fsdp))
     return out

@@ -8,7 +8,7 @@ temporary buffers and framework overhead come on top.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -52,6 +52,36 @@ def estimate_memory(n_params: int, precision: str, strategy: Any, world_size: in
                           2 * trainable * width / shards, shards)
 
 
+def estimate_activations(model: Any, micro_batch_size: int, seq_len: int, precision: str,
+                         tp: int = 1) -> Optional[tuple[float, float]]:
+    """Activation bytes per device for one micro-batch: ``(no checkpointing, full checkpointing)``.
+
+    Counts the tensors a Llama block saves for backward, per token (method of Korthikanti et
+    al. 2022, "Reducing Activation Recomputation in Large Transformer Models", sec. 4, adapted
+    to RMSNorm, GQA, SwiGLU and fused SDPA attention, which saves no T x T scores):
+    ``8 D + 3 kv_dim + 4 F`` elements (two norms' inputs and outputs, q/k/v and their rotated
+    copies, attention output, the SwiGLU's four F-wide tensors), in the activation dtype (2 bytes
+    for bf16 precisions, 4 for fp32), divided by ``tp`` (sequence parallel). Full activation
+    checkpointing keeps only each block's input (``D`` per token per layer) plus one block
+    recomputed at a time. The fp32 logits and their gradient (``2 x 4 V`` bytes per token) come
+    on top in both cases. ``None`` for models without Llama ``args``.
+    """
+    args = getattr(model, "args", None)
+    if args is None:
+        return None
+    from llmforge.models.llama import ffn_hidden_dim
+
+    width = 4 if precision == "fp32" else 2
+    tokens = micro_batch_size * seq_len
+    d, kv = args.dim, args.n_kv_heads * args.head_dim
+    f = ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier)
+    per_layer = tokens * (8 * d + 3 * kv + 4 * f) * width / tp
+    logits = tokens * args.vocab_size * 4 * 2 / tp
+    no_ac = args.n_layers * per_layer + logits
+    full_ac = args.n_layers * tokens * d * width / tp + per_layer + logits
+    return no_ac, full_ac
+
+
 def _fmt_count(n: float) -> str:
     for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= div:
@@ -84,4 +114,9 @@ def dry_run_report(cfg: Any, plan: BatchPlan) -> str:
         f" + AdamW {mem.optimizer_bytes / GIB:.2f} GiB = {mem.total_bytes / GIB:.2f} GiB"
         f" ({cfg.trainer.precision}, sharded {mem.shards}x; activations not included)",
     ]
+    act = estimate_activations(model, plan.micro_batch_size, seq, cfg.trainer.precision,
+                               max(1, cfg.strategy.tp))
+    if act is not None:
+        lines.append(f"activations     {act[0] / GIB:.2f} GiB per micro-batch without activation "
+                     f"checkpointing, {act[1] / GIB:.2f} GiB with full checkpointing (estimate)")
     return "\n".join(lines)

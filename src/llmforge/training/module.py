@@ -79,8 +79,12 @@ class LLMModule(L.LightningModule):
     def model_context(self) -> ModelContext:
         from llmforge.parallel.mesh import ParallelDims
 
-        dims = getattr(self.trainer.strategy, "dims", None) if self._trainer is not None else None
-        dims = dims or ParallelDims(1, 1, 1, 1)
+        mesh = self.mesh
+        if mesh is None:
+            dims = ParallelDims(1, 1, 1, 1)
+        else:
+            sizes = [mesh[d].size() for d in ("dp_replicate", "dp_shard", "tp")]
+            dims = ParallelDims(*sizes, world_size=sizes[0] * sizes[1] * sizes[2])
         device = self.trainer.strategy.root_device if self._trainer is not None else self.device
         return ModelContext(cfg=self.cfg, mesh=self.mesh, dims=dims, device=device)
 
@@ -277,12 +281,25 @@ class LLMModule(L.LightningModule):
         if self.trainer.global_step == 0:
             metrics = self.evaluate()
             if metrics:
+                self.after_evaluation(metrics)
                 self.log_record(0, metrics)
+
+    def after_evaluation(self, metrics: dict[str, float]) -> None:
+        """Call ``on_evaluation_end(trainer, pl_module, metrics)`` on every callback that defines
+        it, after each evaluation (it runs outside Lightning's validation loop), before the record
+        is written; e.g. ``early_stopping`` sets ``trainer.should_stop`` there."""
+        for cb in self.trainer.callbacks:
+            hook = getattr(cb, "on_evaluation_end", None)
+            if callable(hook):
+                hook(self.trainer, self, metrics)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Runs after every callback's ``on_train_batch_end``: evaluate, then write the record."""
         step = self.trainer.global_step
         if self.is_eval_step(step):
-            self.step_metrics.update(self.evaluate() or {})
+            evaluated = self.evaluate() or {}
+            self.step_metrics.update(evaluated)
+            if evaluated:
+                self.after_evaluation(evaluated)
         if self.is_log_step(step) or any(k.startswith("eval/") for k in self.step_metrics):
             self.log_record(step, self.step_metrics)

@@ -1,0 +1,29 @@
+"""Keep the benchmark scripts runnable (tiny CPU smoke runs), not their timings."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+
+
+def run_script(*args, timeout=600):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+
+
+def test_gpu_check_smoke_on_cpu(tmp_path):
+    proc = run_script("benchmarks/gpu_check.py", "--smoke", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = (tmp_path / "gpu_check-smoke.md").read_text()
+    assert "fsdp2_bf16" in report and "tokens_per_second" in report
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_check_full(tmp_path):
+    proc = run_script("benchmarks/gpu_check.py", "--out", str(tmp_path), timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-4000:]

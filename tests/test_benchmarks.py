@@ -27,3 +27,24 @@ def test_gpu_check_smoke_on_cpu(tmp_path):
 def test_gpu_check_full(tmp_path):
     proc = run_script("benchmarks/gpu_check.py", "--out", str(tmp_path), timeout=1200)
     assert proc.returncode == 0, proc.stdout[-4000:]
+
+
+def test_checkpoint_save_smoke():
+    proc = run_script("benchmarks/checkpoint_save.py", "--smoke")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "async" in proc.stdout and "ratio async/sync" in proc.stdout
+
+
+@pytest.mark.parametrize("script", ["overhead.py", "data.py", "startup.py"])
+def test_cpu_benchmark_smoke(script):
+    proc = run_script(f"benchmarks/{script}", "--smoke")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "tokens/s" in proc.stdout or " s " in proc.stdout
+
+
+def test_compile_cpu_smoke(tmp_path):
+    proc = run_script("benchmarks/compile_cpu.py", "--smoke", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    table = (tmp_path / "compile_cpu-smoke.md").read_text()
+    for variant in ("| eager |", "| compile per block |", "| compile whole model |"):
+        assert variant in table

@@ -3,6 +3,10 @@
     llmforge train CONFIG.yaml [key=value ...] [--nproc N] [--dry-run] [--overwrite] [--debug]
     llmforge generate RUN_DIR_OR_CHECKPOINT --prompt TEXT [--max-new-tokens N] [--temperature T]
                       [--top-k K] [--seed S] [--debug]
+    llmforge algorithms          # the algorithm plugins: name, pipeline stage, summary
+    llmforge runs plot RUN_DIR... [--metric train/loss] [--out FILE.png] [--x step|tokens]
+    llmforge launch CONFIG.yaml [--cluster NAME] [--gpus N] [--nodes M] [--dry-run] [key=value ...]
+    llmforge clusters | secrets | runs list|describe|logs|stop|delete|restart   (llmforge.runs.commands)
 
 Errors in the input print one line ``error: ...`` and exit non-zero (2 for configuration and
 data errors) without a traceback; ``--debug`` shows the traceback.
@@ -41,6 +45,48 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=50, help="sample among the K likeliest tokens")
     g.add_argument("--seed", type=int, default=0, help="sampling seed")
     g.add_argument("--debug", action="store_true", help="show tracebacks")
+
+    v = sub.add_parser("convert", help="Hugging Face <-> llmforge weights")
+    cv_sub = v.add_subparsers(dest="convert_command", required=True)
+    th = cv_sub.add_parser("to-hf", help="write config.json + safetensors + tokenizer for transformers")
+    th.add_argument("path", help="run directory or checkpoint folder")
+    th.add_argument("out", help="output folder")
+    th.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="cast weights (default: as trained)")
+    th.add_argument("--debug", action="store_true", help="show tracebacks")
+    fh = cv_sub.add_parser("from-hf", help="turn a Hugging Face Llama folder into an llmforge run directory")
+    fh.add_argument("path", help="Hugging Face folder (config.json, *.safetensors, tokenizer.json)")
+    fh.add_argument("out", help="output run directory (usable by generate and model.init_from)")
+    fh.add_argument("--debug", action="store_true", help="show tracebacks")
+
+    c = sub.add_parser("checkpoint", help="inspect or consolidate a checkpoint")
+    ck_sub = c.add_subparsers(dest="checkpoint_command", required=True)
+    ci = ck_sub.add_parser("inspect", help="step, tokens, world size, tensors and sizes")
+    ci.add_argument("path", help="a checkpoint folder or a run directory (its newest checkpoint)")
+    ci.add_argument("--debug", action="store_true", help="show tracebacks")
+    cc = ck_sub.add_parser("consolidate", help="write the model as one safetensors file")
+    cc.add_argument("path", help="a checkpoint folder or a run directory (its newest checkpoint)")
+    cc.add_argument("out", help="output .safetensors file, or a folder (model.safetensors in it)")
+    cc.add_argument("--debug", action="store_true", help="show tracebacks")
+
+    a = sub.add_parser("algorithms", help="list the algorithm plugins (name, stage, summary)")
+    a.add_argument("--debug", action="store_true", help="show tracebacks")
+
+    r = sub.add_parser("runs", help="look at runs (plot, ...)")
+    runs_sub = r.add_subparsers(dest="runs_command", required=True)
+    rp = runs_sub.add_parser("plot", help="draw a metric of one or several runs into a PNG")
+    rp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (runs/NAME)")
+    rp.add_argument("--metric", action="append", default=None,
+                    help="metric name, e.g. train/loss (default); repeat for several panels")
+    rp.add_argument("--out", default=None, help="PNG file (default: <metric>.png, / replaced by _)")
+    rp.add_argument("--x", choices=["step", "tokens"], default="step", help="x axis")
+    rp.add_argument("--width", type=int, default=1000, help="image width in pixels")
+    rp.add_argument("--height", type=int, default=600, help="image height in pixels")
+    rp.add_argument("--log-y", action="store_true", help="logarithmic y axis")
+    rp.add_argument("--debug", action="store_true", help="show tracebacks")
+    from llmforge.runs.commands import add_parsers  # launch, clusters, secrets, runs list/stop/...
+
+    add_parsers(sub, runs_sub)
     return p
 
 
@@ -70,20 +116,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     from llmforge.training.trainer import Trainer, detect_world_size
 
     cfg = load_config(args.config, args.overrides)
-    if args.nproc:
+    if args.nproc is not None:
+        if args.nproc < 1:
+            from llmforge.errors import ConfigError
+
+            raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
         cfg.trainer.devices = args.nproc
     if args.dry_run:
-        from llmforge import registry
         from llmforge.training.dry_run import dry_run_report
 
-        registry.import_modules(cfg.imports)
-        plan = validate(cfg, detect_world_size(cfg))
+        plan, pipeline = _static_checks(cfg, detect_world_size(cfg))
         print(dry_run_report(cfg, plan))
+        print(pipeline)
         return 0
     if args.nproc and args.nproc > 1 and not os.environ.get("WORLD_SIZE"):
         from llmforge.parallel.launch import launch_local
 
-        validate(cfg, detect_world_size(cfg))  # fail fast, before any process starts
+        _static_checks(cfg, detect_world_size(cfg))  # fail fast, before any process starts
         argv = ["train", args.config, *args.overrides, f"trainer.devices={args.nproc}"]
         argv += ["--overwrite"] * args.overwrite + ["--debug"] * args.debug
         return launch_local(args.nproc, argv)
@@ -92,6 +141,70 @@ def cmd_train(args: argparse.Namespace) -> int:
     if trainer.is_rank_zero():
         _print_summary(summary)
     return 0
+
+
+def _static_checks(cfg: Any, world_size: int) -> tuple[Any, str]:
+    """Everything that can be checked without data or processes: research imports, the HF
+    shape, batch arithmetic, the strategy and the algorithms. Returns (plan, pipeline line)."""
+    from llmforge import registry
+    from llmforge.checkpoint.init_from import apply_hf_shape
+    from llmforge.config import validate
+    from llmforge.parallel.mesh import ParallelDims
+    from llmforge.parallel.transforms import check_strategy
+
+    registry.import_modules(cfg.imports)
+    apply_hf_shape(cfg)
+    plan = validate(cfg, world_size)
+    if cfg.strategy.name == "auto" and world_size > 1:
+        cfg.strategy.name = "fsdp2"
+    check_strategy(cfg, ParallelDims.from_config(cfg, world_size))
+    return plan, _check_algorithms(cfg)  # instantiated and checked as a run would
+
+
+def _check_algorithms(cfg: Any) -> str:
+    """Instantiate and check ``algorithms:`` as a run would; returns the pipeline-order line."""
+    from llmforge import registry
+    from llmforge.algorithms.loading import build_algorithms, pipeline_order
+    from llmforge.parallel.mesh import ParallelDims
+    from llmforge.parallel.transforms import strategy_transforms
+
+    registry.import_modules(cfg.imports)
+    algos = build_algorithms(cfg)
+    dims = ParallelDims.from_config(cfg, cfg.trainer.devices * cfg.trainer.num_nodes)
+    order = pipeline_order(cfg, algos, strategy_transforms(cfg, dims))
+    return f"pipeline        build (meta) -> {' -> '.join(order + ['materialize'])}"
+
+
+def cmd_algorithms(args: argparse.Namespace) -> int:
+    from llmforge.algorithms.loading import available
+
+    rows = available()
+    width = max(len(r[0]) for r in rows)
+    swidth = max(len(r[1]) for r in rows)
+    for name, stage, summary in rows:
+        print(f"{name:<{width}}  {stage:<{swidth}}  {summary}")
+    return 0
+
+
+def cmd_runs_plot(args: argparse.Namespace) -> int:
+    from llmforge.runs.plot import plot_runs
+
+    metrics = args.metric or ["train/loss"]
+    out = args.out or metrics[0].replace("/", "_") + ".png"
+    path = plot_runs(args.run_dirs, metrics, out, x=args.x, width=args.width, height=args.height,
+                     log_y=args.log_y)
+    print(f"wrote {path}")
+    return 0
+
+
+RUNS_COMMANDS = {"plot": cmd_runs_plot}
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    """``llmforge runs SUBCOMMAND``: dispatch on :data:`RUNS_COMMANDS` (and run management's)."""
+    from llmforge.runs.commands import RUN_COMMANDS
+
+    return {**RUN_COMMANDS, **RUNS_COMMANDS}[args.runs_command](args)
 
 
 def _print_summary(s: dict[str, Any]) -> None:
@@ -111,8 +224,17 @@ def _print_summary(s: dict[str, Any]) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from llmforge.errors import ConfigError
     from llmforge.generate import sample_text
 
+    checks = [(args.max_new_tokens >= 0, "--max-new-tokens must be >= 0"),
+              (args.temperature >= 0 and args.temperature != float("inf"),
+               "--temperature must be a finite number >= 0 (0 = greedy)"),
+              (args.top_k is None or args.top_k >= 1, "--top-k must be >= 1"),
+              (0 <= args.seed < 2**63, "--seed must be in [0, 2**63)")]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
     try:
         text = sample_text(args.path, args.prompt, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_k=args.top_k, seed=args.seed)
@@ -122,17 +244,42 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from llmforge.checkpoint.convert import from_hf, to_hf
+
+    if args.convert_command == "to-hf":
+        print(f"wrote {to_hf(args.path, args.out, args.dtype)}")
+    else:
+        print(f"wrote {from_hf(args.path, args.out)}")
+    return 0
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from llmforge.checkpoint.tools import consolidate, inspect_checkpoint
+
+    if args.checkpoint_command == "inspect":
+        print(inspect_checkpoint(args.path))
+    else:
+        print(f"wrote {consolidate(args.path, args.out)}")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``llmforge`` script; returns the exit code."""
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
-    stray = [a for a in extra if args.command != "train" or "=" not in a or a.startswith("-")]
+    stray = [a for a in extra if not hasattr(args, "overrides") or "=" not in a or a.startswith("-")]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = list(args.overrides) + extra
-    _quiet_libraries()
-    handlers = {"train": cmd_train, "generate": cmd_generate}
+    from llmforge.runs.commands import RUN_COMMANDS, TOP_COMMANDS
+
+    if args.command not in TOP_COMMANDS and getattr(args, "runs_command", None) not in RUN_COMMANDS:
+        _quiet_libraries()  # run management imports neither datasets nor (mostly) torch
+    handlers = {"train": cmd_train, "generate": cmd_generate, "algorithms": cmd_algorithms,
+                "runs": cmd_runs, "checkpoint": cmd_checkpoint, "convert": cmd_convert}
+    handlers.update(TOP_COMMANDS)  # launch, clusters, secrets
     try:
         return handlers[args.command](args)
     except LLMForgeError as exc:
@@ -143,6 +290,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # output piped into `head` and closed
+        sys.stderr.close()
+        return 0
+    except Exception as exc:  # a bug or an input we did not foresee: one line, no traceback
+        if args.debug:
+            raise
+        print(f"error: {type(exc).__name__}: {exc} (run again with --debug for the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

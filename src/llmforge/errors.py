@@ -26,3 +26,13 @@ class DataError(LLMForgeError):
     """The data source cannot be read or is too small for the configured batch. Exit code 2."""
 
     exit_code = 2
+
+
+class TrainingDiverged(LLMForgeError):
+    """Training produced a non-finite loss or gradient norm (raised by the ``nan_guard``
+    callback before the bad update is applied). Exit code 3.
+
+    The message names the step and the values; the last complete checkpoint is left intact.
+    """
+
+    exit_code = 3

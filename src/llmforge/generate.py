@@ -39,8 +39,8 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
     return p, ckpt
 
 
-def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Any, Tokenizer, Any]:
-    """Return ``(model, tokenizer, cfg)`` of a run directory or checkpoint, model in eval mode."""
+def load_model(path: str | Path, device: str = "cpu") -> tuple[Any, Any, Path]:
+    """Return ``(model, cfg, run_dir)`` of a run directory or checkpoint, model in eval mode."""
     run_dir, ckpt = resolve_checkpoint(path)
     cfg = load_config(run_dir / "config.yaml")
     registry.import_modules(cfg.imports)
@@ -51,8 +51,13 @@ def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Any, Toke
     with torch.no_grad():
         model.init_weights()  # buffers (e.g. RoPE tables); weights come from the checkpoint
     load_model_weights(ckpt, model)
-    tokenizer = load_saved(run_dir / "tokenizer")
-    return model.eval(), tokenizer, cfg
+    return model.eval(), cfg, run_dir
+
+
+def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Any, Tokenizer, Any]:
+    """Return ``(model, tokenizer, cfg)`` of a run directory or checkpoint, model in eval mode."""
+    model, cfg, run_dir = load_model(path, device)
+    return model, load_saved(run_dir / "tokenizer"), cfg
 
 
 def sample_text(path: str | Path, prompt: str, *, max_new_tokens: int = 200,

@@ -78,8 +78,9 @@ def import_modules(names: Iterable[str]) -> None:
 class Registry:
     """A name -> object table for one kind of component (models, algorithms, ...)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, builtins: str = "") -> None:
         self.kind = kind
+        self.builtins = builtins  # module that registers the built-ins, imported on first use
         self._items: Dict[str, Any] = {}
         self._entry_points_loaded = False
 
@@ -96,6 +97,8 @@ class Registry:
         if self._entry_points_loaded:
             return
         self._entry_points_loaded = True
+        if self.builtins:
+            importlib.import_module(self.builtins)
         for ep in importlib.metadata.entry_points(group=f"llmforge.{self.kind}"):
             self._items.setdefault(ep.name, ep)
 
@@ -127,7 +130,7 @@ class Registry:
         )
 
 
-models = Registry("models")
-algorithms = Registry("algorithms")
-callbacks = Registry("callbacks")
-loggers = Registry("loggers")
+models = Registry("models", "llmforge.models")
+algorithms = Registry("algorithms", "llmforge.algorithms")
+callbacks = Registry("callbacks", "llmforge.callbacks")
+loggers = Registry("loggers", "llmforge.loggers")

@@ -1,5 +1,19 @@
-"""Algorithm plugins and the model pipeline (see :mod:`llmforge.algorithms.base`)."""
+"""Algorithm plugins and the model pipeline (see :mod:`llmforge.algorithms.base`).
+
+Built-ins (registered in :data:`llmforge.registry.algorithms`): ``float8`` (stage convert),
+``activation_checkpointing`` (activation_checkpointing), ``compile`` (compile). The pipeline
+order and why: ``docs/algorithms/README.md``.
+"""
 
 from llmforge.algorithms.base import Algorithm, ModelContext, Stage, Transform, run_pipeline
+from llmforge.algorithms.checkpointing import ActivationCheckpointing
+from llmforge.algorithms.compile import Compile
+from llmforge.algorithms.float8 import Float8
+from llmforge.registry import algorithms as _registry
 
-__all__ = ["Algorithm", "ModelContext", "Stage", "Transform", "run_pipeline"]
+_registry.register("compile", Compile)
+_registry.register("activation_checkpointing", ActivationCheckpointing)
+_registry.register("float8", Float8)
+
+__all__ = ["Algorithm", "ModelContext", "Stage", "Transform", "run_pipeline",
+           "ActivationCheckpointing", "Compile", "Float8"]

@@ -1,62 +1,182 @@
-"""Saves checkpoints every ``checkpoint.save_every`` steps and after the last step.
+"""Checkpointing: when to save, resuming, and preemption signals.
 
-See :mod:`llmforge.checkpoint.dcp` for the layout and the atomic write.
+Saves every ``checkpoint.save_every`` steps, every ``checkpoint.save_every_minutes`` minutes,
+after the last step, and on request: SIGTERM or SIGUSR1 (what schedulers send before
+preemption or a time limit) make the trainer finish the current optimizer step, save, and exit
+with :data:`EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``: "try again"), on which a scheduler can
+requeue; ``checkpoint.resume=auto`` then continues from that step. Ctrl-C (SIGINT) does the
+same and exits 130; a second Ctrl-C stops at once without saving. See
+:mod:`llmforge.checkpoint.dcp` for the layout and the atomic write.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import signal
+import time
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from llmforge.checkpoint.dcp import prune_checkpoints, save_checkpoint
+from llmforge.checkpoint.dcp import PendingSave, load_training_state, prune_checkpoints, save_checkpoint
+from llmforge.checkpoint.rng import capture_rng, restore_rng
+from llmforge.errors import LLMForgeError
+
+EXIT_PREEMPTED = 75
+
+
+EXIT_INTERRUPTED = 130
+
+
+class Preempted(LLMForgeError):
+    """Training stopped on a signal after saving a checkpoint: exit code 75 for SIGTERM and
+    SIGUSR1 (requeue), 130 for SIGINT (Ctrl-C)."""
+
+    exit_code = EXIT_PREEMPTED
+
+    def __init__(self, message: str, exit_code: int = EXIT_PREEMPTED) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def set_global_step(trainer: Any, step: int) -> None:
+    """Make Lightning count ``step`` optimizer steps done (manual optimization)."""
+    progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress.total
+    progress.ready = progress.completed = step
 
 
 class Checkpointer(Callback):
-    """Writes ``<dir>/step_NNNNNNNN`` checkpoints with model, optimizer and trainer state.
+    """Writes ``<dir>/step_NNNNNNNN`` checkpoints and resumes from one.
 
     Args:
         dir: checkpoint root folder.
-        save_every: steps between saves; ``None`` = only at the end.
+        save_every: steps between saves; ``None`` = none.
+        save_every_minutes: minutes between saves (checked after each step); ``None`` = none.
         save_final: save after the last step.
-        keep_last_n: prune older checkpoints after each complete save.
+        keep_last_n: delete older checkpoints once a new one is complete.
+        async_save: write through DCP's async save; training continues while files are written.
+        resume_from: a complete checkpoint to load at the start of training.
         config: the resolved config (its hash goes into ``meta.json``).
     """
 
-    def __init__(self, dir: str | Path, save_every: Optional[int] = None, save_final: bool = True,
-                 keep_last_n: Optional[int] = None, config: Optional[dict] = None) -> None:
+    def __init__(self, dir: str | Path, save_every: Optional[int] = None,
+                 save_every_minutes: Optional[float] = None, save_final: bool = True,
+                 keep_last_n: Optional[int] = None, async_save: bool = False,
+                 resume_from: Optional[str | Path] = None, config: Optional[dict] = None) -> None:
         self.dir = Path(dir)
-        self.save_every, self.save_final, self.keep_last_n = save_every, save_final, keep_last_n
+        self.save_every, self.save_every_minutes = save_every, save_every_minutes
+        self.save_final, self.keep_last_n, self.async_save = save_final, keep_last_n, async_save
+        self.resume_from = Path(resume_from) if resume_from else None
         blob = json.dumps(config or {}, sort_keys=True, default=str).encode()
         self.config_hash = hashlib.sha256(blob).hexdigest()[:16]
         self.last_saved_step: Optional[int] = None
         self.last_path: Optional[Path] = None
+        self.pending: Optional[PendingSave] = None
+        self.save_seconds: list[float] = []  # time the training thread spent in each save
+        self._last_save_time = time.monotonic()
+        self._signal: Optional[int] = None
+        self._old_handlers: dict[int, Any] = {}
+
+    # ------------------------------------------------------------------ saving
+    def _finish_pending(self) -> None:
+        if self.pending is not None:
+            self.last_path = self.pending.finish()
+            self.pending = None
+            prune_checkpoints(self.dir, self.keep_last_n)
 
     def save(self, trainer: Any, pl_module: Any) -> Path:
-        """Save now (every rank must call it)."""
+        """Save now (every rank must call it); returns the checkpoint folder."""
         from llmforge import __version__
 
+        start = time.perf_counter()
+        self._finish_pending()  # at most one save in flight
         step = trainer.global_step
         opt = trainer.optimizers[0] if trainer.optimizers else None
         sched = trainer.lr_scheduler_configs[0].scheduler if trainer.lr_scheduler_configs else None
+        dims = pl_module.model_context().dims
         state = {"step": step, "tokens_seen": pl_module.tokens_seen,
+                 "global_batch_size": pl_module.plan.global_batch_size,
+                 "samples_consumed": step * pl_module.plan.global_batch_size,
                  "scheduler": sched.state_dict() if sched is not None else None}
-        mesh = {"world_size": trainer.world_size, "dp_size": pl_module.plan.dp_size}
-        meta = {"tokens_seen": pl_module.tokens_seen, **mesh, "config_hash": self.config_hash,
-                "llmforge_version": __version__}
-        self.last_path = save_checkpoint(self.dir, step, pl_module.model, opt, state, meta)
+        meta = {"tokens_seen": pl_module.tokens_seen, "world_size": trainer.world_size,
+                "mesh": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp},
+                "config_hash": self.config_hash, "llmforge_version": __version__}
+        self.pending = save_checkpoint(self.dir, step, pl_module.model, opt, state, meta,
+                                       rng=capture_rng(), async_save=self.async_save)
         self.last_saved_step = step
-        prune_checkpoints(self.dir, self.keep_last_n)
-        return self.last_path
+        self._last_save_time = time.monotonic()
+        if not self.async_save:
+            self._finish_pending()
+        self.save_seconds.append(time.perf_counter() - start)
+        return self.pending.final if self.pending is not None else self.last_path  # type: ignore[return-value]
+
+    # ---------------------------------------------------------------- resuming
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._install_signal_handlers()
+        if self.resume_from is None:
+            return
+        opt = trainer.optimizers[0] if trainer.optimizers else None
+        state = load_training_state(self.resume_from, pl_module.model, opt)
+        sched = trainer.lr_scheduler_configs[0].scheduler if trainer.lr_scheduler_configs else None
+        if sched is not None and state.get("scheduler"):
+            sched.load_state_dict(state["scheduler"])
+        pl_module.tokens_seen = int(state["tokens_seen"])
+        set_global_step(trainer, int(state["step"]))
+        if "rng" in state:
+            restore_rng(state["rng"])
+        self.last_saved_step = int(state["step"])
+
+    # ------------------------------------------------------------ when to save
+    def _signal_handler(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self._signal == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without saving
+        self._signal = signum
+
+    def _install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            try:
+                self._old_handlers[sig] = signal.signal(sig, self._signal_handler)
+            except ValueError:  # not the main thread
+                pass
+
+    def _restore_signal_handlers(self) -> None:
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+        self._old_handlers.clear()
+
+    def _stop_requested(self, pl_module: Any) -> bool:
+        flag = torch.tensor(float(self._signal is not None))
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            if dist.get_backend() == "nccl":
+                flag = flag.to(pl_module.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops at the same step
+        return bool(flag.item())
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
-        if self.save_every and step % self.save_every == 0:
+        due = bool(self.save_every and step % self.save_every == 0)
+        if self.save_every_minutes and time.monotonic() - self._last_save_time >= 60 * self.save_every_minutes:
+            due = True
+        if self._stop_requested(pl_module):
+            if self.last_saved_step != step:
+                self.save(trainer, pl_module)
+            self._finish_pending()
+            name = signal.Signals(self._signal).name if self._signal else "a signal on another rank"
+            code = EXIT_INTERRUPTED if self._signal == signal.SIGINT else EXIT_PREEMPTED
+            raise Preempted(f"received {name}: saved the checkpoint of step {step} in {self.dir}; "
+                            f"exit code {code} (continue with checkpoint.resume=auto)", code)
+        if due:
             self.save(trainer, pl_module)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.save_final and self.last_saved_step != trainer.global_step:
             self.save(trainer, pl_module)
+        self._finish_pending()
+        self._restore_signal_handlers()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._restore_signal_handlers()

@@ -5,13 +5,20 @@ Layout of a checkpoint root (``<run_dir>/checkpoints``)::
     step_00000100/           one complete checkpoint
         .metadata, __*.distcp   DCP files: {"model": ..., "optim": ...}, sharded per rank
         trainer_state.json   step, tokens seen, scheduler state, data position
-        meta.json            step, tokens, world size, llmforge version, config hash
+        rng/rank<R>.json     RNG states of every rank (Python, NumPy, torch CPU/CUDA)
+        meta.json            step, tokens, world size and mesh, llmforge version, config hash
         COMPLETE             written last; a folder without it is never loaded
     .tmp-step_00000200/      a save in progress (ignored by readers)
 
 A save writes into ``.tmp-<name>``, waits for every rank, writes ``COMPLETE`` and renames the
 folder in one ``os.replace``: an interrupted save leaves the previous checkpoints intact.
-Loading goes through DCP's ``FileSystemReader``; tensors are read, no pickled code is run.
+Loading goes through :mod:`llmforge.checkpoint.safe_load` (DCP metadata unpickled with an
+allow-list, non-tensor entries read with ``torch.load(weights_only=True)``) and JSON: no
+checkpoint can run code.
+
+``save_checkpoint(..., async_save=True)`` writes through ``dcp.async_save`` and returns a
+:class:`PendingSave`; the folder becomes visible when :meth:`PendingSave.finish` has run (the
+next save calls it first, so at most one save is in flight).
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+
+from llmforge.checkpoint.safe_load import safe_load
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_model_state_dict)
 
@@ -47,35 +56,114 @@ def _is_rank0() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
+class PendingSave:
+    """A save whose DCP files may still be in flight; :meth:`finish` completes it."""
+
+    def __init__(self, future: Any, tmp: Path, final: Path, trainer_state: dict, meta: dict) -> None:
+        self.future, self.tmp, self.final = future, tmp, final
+        self.trainer_state, self.meta = trainer_state, meta
+        self.done = False
+
+    def finish(self) -> Path:
+        """Wait for the files, then every rank meets and rank 0 marks and renames the folder."""
+        if self.done:
+            return self.final
+        if self.future is not None:
+            self.future.result()
+        _barrier()
+        if _is_rank0():
+            (self.tmp / "trainer_state.json").write_text(json.dumps(self.trainer_state, indent=1))
+            (self.tmp / "meta.json").write_text(json.dumps(self.meta, indent=1))
+            _crash_point("before_complete")
+            (self.tmp / COMPLETE).write_text("ok\n")
+            if self.final.exists():  # a stale checkpoint of the same step: replace it
+                shutil.rmtree(self.final)
+            os.replace(self.tmp, self.final)
+        _barrier()
+        self.done = True
+        return self.final
+
+
+_CRASH_COUNTS: dict[str, int] = {}
+
+
+def _crash_point(name: str) -> None:
+    """Fault injection for crash tests: ``LLMFORGE_CRASH_AT=<name>[:<n>]`` kills the process
+    with SIGKILL the n-th time (default 1st) it passes point ``name`` (``after_dcp_write``:
+    files written, no marker yet; ``before_complete``)."""
+    spec = os.environ.get("LLMFORGE_CRASH_AT", "")
+    point, _, nth = spec.partition(":")
+    if point != name:
+        return
+    _CRASH_COUNTS[name] = _CRASH_COUNTS.get(name, 0) + 1
+    if _CRASH_COUNTS[name] == int(nth or 1):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def save_checkpoint(root: str | Path, step: int, model: nn.Module,
                     optimizer: Optional[torch.optim.Optimizer], trainer_state: dict[str, Any],
-                    meta: dict[str, Any]) -> Path:
+                    meta: dict[str, Any], rng: Optional[dict[str, Any]] = None,
+                    async_save: bool = False) -> PendingSave:
     """Save model (and optimizer) state sharded by DCP, plus JSON state, atomically.
 
-    Every rank must call it. Returns the final checkpoint folder.
+    Every rank must call it (with its own ``rng``). Returns a :class:`PendingSave`: already
+    finished unless ``async_save``.
     """
     root = Path(root)
     final, tmp = root / step_name(step), root / f".tmp-{step_name(step)}"
     if _is_rank0():
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        (tmp / "rng").mkdir(parents=True)
     _barrier()
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if rng is not None:
+        (tmp / "rng" / f"rank{rank}.json").write_text(json.dumps(rng))
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
     else:
         state = {"model": get_model_state_dict(model)}
-    dcp.save(state, checkpoint_id=str(tmp))
-    _barrier()
-    if _is_rank0():
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
-        (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=1))
-        (tmp / COMPLETE).write_text("ok\n")
-        if final.exists():  # a stale checkpoint of the same step (e.g. a re-run): replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    _barrier()
-    return final
+    future = None
+    if async_save:
+        future = dcp.async_save(state, checkpoint_id=str(tmp))
+    else:
+        dcp.save(state, checkpoint_id=str(tmp))
+    _crash_point("after_dcp_write")
+    pending = PendingSave(future, tmp, final, trainer_state, {"step": step, **meta})
+    if not async_save:
+        pending.finish()
+    return pending
+
+
+def load_training_state(path: str | Path, model: nn.Module,
+                        optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
+    """Load model and optimizer state (resharded to the current layout) from a checkpoint and
+    return its ``trainer_state.json`` plus this rank's RNG state under ``"rng"`` (if saved).
+
+    Raises:
+        FileNotFoundError: ``path`` is not a complete checkpoint.
+    """
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    path = Path(path)
+    if not (path / COMPLETE).exists():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        safe_load(state, str(path))
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+    else:
+        load_model_weights(path, model)
+    out = read_json(path, "trainer_state.json")
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    rng_file = path / "rng" / f"rank{rank}.json"
+    if rng_file.exists():
+        out["rng"] = json.loads(rng_file.read_text())
+    return out
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:
@@ -107,7 +195,7 @@ def load_model_weights(path: str | Path, model: nn.Module) -> None:
     """Load the ``model`` part of a checkpoint into ``model`` (materialized, any sharding)."""
     sd = get_model_state_dict(model)
     state = {"model": sd}
-    dcp.load(state, checkpoint_id=str(path))
+    safe_load(state, str(path))
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
 
 

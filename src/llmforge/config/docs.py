@@ -20,6 +20,7 @@ SECTIONS = {
     "optimizer": schema.OptimizerConfig, "scheduler": schema.SchedulerConfig,
     "strategy": schema.StrategyConfig, "strategy.mixed_precision": schema.MixedPrecisionConfig,
     "checkpoint": schema.CheckpointConfig,
+    "compute": schema.ComputeConfig, "scheduling": schema.SchedulingConfig,
 }
 
 

@@ -67,6 +67,9 @@ class ModelConfig:
     """Standard deviation of the normal init of linear and embedding weights."""
     kwargs: Dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments handed to a custom model factory."""
+    init_from: Optional[str] = None
+    """Start from these weights: ``hf:PATH`` (a Hugging Face Llama folder; its config.json sets
+    the model's shape) or an llmforge checkpoint / run directory (weights only)."""
 
 
 @dataclass
@@ -221,10 +224,44 @@ class CheckpointConfig:
     """Checkpoint folder; null = ``<run_dir>/checkpoints``."""
     save_every: Optional[int] = None
     """Save every N optimizer steps; null = only at the end."""
+    save_every_minutes: Optional[float] = None
+    """Also save when this many minutes have passed since the last save; null = off."""
     save_final: bool = True
     """Save after the last step."""
     keep_last_n: Optional[int] = None
-    """Keep only the newest N checkpoints; null keeps all."""
+    """Keep only the newest N checkpoints (older ones are deleted after a new one is complete)."""
+    async_save: bool = False
+    """Write checkpoints with DCP's async save while training continues (the next save waits)."""
+    resume: Optional[str] = None
+    """``auto`` (the newest complete checkpoint of this run, or a fresh start if none), a
+    checkpoint folder, or null (fresh start; an existing run directory is an error)."""
+
+
+@dataclass
+class ComputeConfig:
+    """``compute:`` — where ``llmforge launch`` runs the job and how wide (``llmforge train``
+    ignores it). The global batch stays fixed; gradient accumulation follows the GPU count."""
+
+    gpus: Optional[int] = None
+    """GPUs for the whole job (CPU processes on a machine without GPUs); null = trainer.devices
+    on ``local``, one full node elsewhere. ``--gpus`` overrides."""
+    cluster: str = "local"
+    """Cluster name: ``local`` or one from ``$LLMFORGE_HOME/clusters.yaml``. ``--cluster``
+    overrides."""
+    nodes: Optional[int] = None
+    """Nodes; null = derived from gpus and the cluster's gpus_per_node. ``--nodes`` overrides."""
+    secrets: List[str] = field(default_factory=list)
+    """Environment variables forwarded to the job by name (e.g. [WANDB_API_KEY]); values are
+    never written down."""
+
+
+@dataclass
+class SchedulingConfig:
+    """``scheduling:`` — what ``llmforge launch`` does when a run fails."""
+
+    max_retries: int = 0
+    """Restart a run that failed for a system reason (killed process, lost node: a non-zero
+    exit other than 2 and 75) from its newest checkpoint, up to this many times."""
 
 
 @dataclass
@@ -241,6 +278,8 @@ class TrainConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
+    scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     algorithms: List[Dict[str, Any]] = field(default_factory=list)
     """Algorithm plugins: ``[{name: compile, ...}, {name: my_lab.algos.Trick, ...}]``."""
     callbacks: List[Dict[str, Any]] = field(default_factory=list)

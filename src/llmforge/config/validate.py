@@ -186,7 +186,16 @@ def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
     _require(t.devices >= 1, "trainer.devices", ">= 1", t.devices)
     _require(t.num_nodes >= 1, "trainer.num_nodes", ">= 1", t.num_nodes)
 
-    _require(opt.lr > 0, "optimizer.lr", "> 0", opt.lr)
+    _require(0 < opt.lr < float("inf"), "optimizer.lr", "> 0 and finite", opt.lr)
+    _require(len(opt.betas) == 2 and all(0 <= b < 1 for b in opt.betas), "optimizer.betas",
+             "two numbers in [0, 1), e.g. [0.9, 0.95]", list(opt.betas))
+    _require(0 < opt.eps < 1, "optimizer.eps", "in (0, 1), e.g. 1e-8", opt.eps)
+    _require(opt.weight_decay >= 0, "optimizer.weight_decay", ">= 0", opt.weight_decay)
+    _require(0 <= cfg.run.seed < 2**32, "run.seed", "in [0, 2**32)", cfg.run.seed)
+    _require(cfg.data.num_workers >= 0, "data.num_workers", ">= 0", cfg.data.num_workers)
+    _require(cfg.data.max_documents is None or cfg.data.max_documents > 0, "data.max_documents",
+             "> 0 or null", cfg.data.max_documents)
+    _one_of("trainer.accelerator", t.accelerator, ("auto", "cpu", "gpu", "cuda", "mps"))
     _one_of("scheduler.name", sch.name, SCHEDULERS)
     _require(sch.warmup_steps >= 0, "scheduler.warmup_steps", ">= 0", sch.warmup_steps)
     if sch.warmup_steps > 0 and sch.warmup_steps >= t.max_steps:

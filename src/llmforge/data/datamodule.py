@@ -29,6 +29,22 @@ from llmforge.errors import DataError
 from llmforge.parallel.mesh import dp_coordinates
 
 
+def ignore_stop_signals(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: loader workers ignore SIGTERM/SIGUSR1/SIGINT, which a
+    scheduler or ``llmforge runs stop`` sends to the whole process group; the training process
+    handles them (save, exit 75) and its workers end with it. Seeds the worker as Lightning's
+    own ``worker_init_fn`` would (``seed_everything(workers=True)``)."""
+    import os
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    if os.environ.get("PL_SEED_WORKERS") == "1":
+        from lightning.fabric.utilities.seed import pl_worker_init_function
+
+        pl_worker_init_function(worker_id)
+
+
 def tokenize_documents(ds: Any, tokenizer: Any, batch_size: int = 512) -> np.ndarray:
     """Tokenize every document of a map-style dataset and pack it (see :func:`pack_documents`)."""
     dtype = token_dtype(tokenizer.vocab_size)
@@ -54,7 +70,8 @@ class LLMDataModule(L.LightningDataModule):
         dp_rank, dp_size: this rank's data-parallel coordinate; ``None`` = read from the
             strategy's device mesh at ``setup`` (its ``dp`` dim; ranks of one tensor-parallel
             group read the same data).
-        start_sample: samples of this rank already consumed (resume).
+        start_step: optimizer steps already done (resume): the sampler continues at that
+            global batch, whatever the data-parallel size was before.
 
     Raises:
         DataError (at ``setup``): the training split holds fewer windows per rank than one
@@ -64,13 +81,13 @@ class LLMDataModule(L.LightningDataModule):
     def __init__(self, docs: DocumentSplits, tokenizer: Any, *, seq_len: int, local_batch_size: int,
                  micro_batch_size: int, eval_batches: int, seed: int, num_workers: int = 1,
                  dp_rank: Optional[int] = None, dp_size: Optional[int] = None,
-                 start_sample: int = 0) -> None:
+                 start_step: int = 0) -> None:
         super().__init__()
         self.docs, self.tokenizer = docs, tokenizer
         self.seq_len, self.local_batch_size = seq_len, local_batch_size
         self.micro_batch_size, self.eval_batches = micro_batch_size, eval_batches
         self.seed, self.num_workers = seed, num_workers
-        self.dp_rank, self.dp_size, self.start_sample = dp_rank, dp_size, start_sample
+        self.dp_rank, self.dp_size, self.start_step = dp_rank, dp_size, start_step
         self.train_windows: Any = None
         self.val_windows: Any = None
         self.train_tokens = 0
@@ -120,11 +137,13 @@ class LLMDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         rank, world = self._coords()
         common = dict(num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
-                      prefetch_factor=4 if self.num_workers > 0 else None)
+                      prefetch_factor=4 if self.num_workers > 0 else None,
+                      worker_init_fn=ignore_stop_signals if self.num_workers > 0 else None)
         if isinstance(self.train_windows, StreamingWindows):
+            self.train_windows.skip = self.start_step * self.local_batch_size
             return DataLoader(self.train_windows, batch_size=self.local_batch_size, **common)
         sampler = ShardedSampler(len(self.train_windows), rank, world, self.seed,
-                                 start=self.start_sample)
+                                 start_step=self.start_step, local_batch=self.local_batch_size)
         return DataLoader(self.train_windows, batch_size=self.local_batch_size, sampler=sampler,
                           drop_last=True, **common)
 
@@ -139,5 +158,6 @@ class LLMDataModule(L.LightningDataModule):
             return DataLoader(self.val_windows, batch_size=self.micro_batch_size)
         n = min(len(self.val_windows), self.eval_batches * self.micro_batch_size)
         n = max(world, n // world * world)
-        sampler = ShardedSampler(n, rank, world, shuffle=False, infinite=False)
+        sampler = ShardedSampler(n, rank, world, shuffle=False, infinite=False,
+                                 local_batch=n // world)
         return DataLoader(self.val_windows, batch_size=self.micro_batch_size, sampler=sampler)

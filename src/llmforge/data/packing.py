@@ -65,43 +65,67 @@ class PackedWindows(Dataset):
 
 
 class ShardedSampler(Sampler[int]):
-    """Infinite, seeded sampler that gives each data-parallel rank a disjoint share of windows.
+    """Infinite, seeded sampler in global batches, split between data-parallel ranks.
 
-    Epoch ``e`` permutes ``range(num_samples)`` with ``seed + e`` (or keeps the order when
-    ``shuffle`` is false), drops the tail that does not divide by ``world_size`` and gives rank
-    ``r`` the items ``perm[r::world_size]``. ``start`` skips that many of this rank's samples
-    (resume: samples already consumed).
+    Epoch ``e`` permutes ``range(num_samples)`` with ``seed + e`` (identity order when
+    ``shuffle`` is false) and cuts it into global batches of ``local_batch * world_size``
+    samples (the tail that does not fill one is dropped). Global batch ``j`` is
+    ``perm[j*G:(j+1)*G]``; rank ``r`` takes its ``r``-th contiguous slice of ``local_batch``.
+    Which samples a step sees depends only on the step and the global batch, not on the number
+    of ranks: a run resumed with another data-parallel size continues exactly where it stopped.
+
+    Args:
+        num_samples: windows in the dataset.
+        rank, world_size: this rank's data-parallel coordinate and the data-parallel size.
+        seed: fixes the permutation of each epoch.
+        shuffle: permute each epoch (else keep the order).
+        start_step: global batches already consumed (resume).
+        infinite: repeat epochs forever (training) or stop after one (evaluation).
+        local_batch: samples per rank per global batch.
+
+    Raises:
+        ValueError: fewer samples than one global batch.
     """
 
     def __init__(self, num_samples: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 shuffle: bool = True, start: int = 0, infinite: bool = True) -> None:
-        if num_samples < world_size:
-            raise ValueError(f"{num_samples} samples cannot be shared by {world_size} ranks")
+                 shuffle: bool = True, start_step: int = 0, infinite: bool = True,
+                 local_batch: int = 1) -> None:
+        self.global_batch = local_batch * world_size
+        if num_samples < self.global_batch:
+            raise ValueError(f"{num_samples} samples do not fill one global batch of {self.global_batch}")
         self.num_samples, self.rank, self.world_size = num_samples, rank, world_size
-        self.seed, self.shuffle, self.start, self.infinite = seed, shuffle, start, infinite
-        self.per_rank = num_samples // world_size
+        self.seed, self.shuffle, self.infinite = seed, shuffle, infinite
+        self.local_batch, self.start_step = local_batch, start_step
+        self.steps_per_epoch = num_samples // self.global_batch
 
     def __len__(self) -> int:
         if self.infinite:
             raise TypeError("ShardedSampler is infinite")
-        return self.per_rank - self.start
+        return max(0, self.steps_per_epoch - self.start_step) * self.local_batch
 
-    def indices(self, epoch: int) -> np.ndarray:
-        """This rank's sample indices in ``epoch``: ``per_rank`` of them."""
+    def global_indices(self, step: int) -> np.ndarray:
+        """All ranks' samples of global batch ``step`` (0-based over epochs)."""
+        epoch, j = divmod(step, self.steps_per_epoch)
         if self.shuffle:
             perm = np.random.default_rng(self.seed + epoch).permutation(self.num_samples)
         else:
             perm = np.arange(self.num_samples)
-        return perm[: self.per_rank * self.world_size][self.rank::self.world_size]
+        return perm[j * self.global_batch:(j + 1) * self.global_batch]
 
     def __iter__(self) -> Iterator[int]:
-        epoch, offset = divmod(self.start, self.per_rank)
-        while True:
-            for i in self.indices(epoch)[offset:]:
+        step = self.start_step
+        lo = self.rank * self.local_batch
+        perm_epoch, perm = -1, None
+        while self.infinite or step < self.steps_per_epoch:
+            epoch, j = divmod(step, self.steps_per_epoch)
+            if epoch != perm_epoch:
+                perm_epoch = epoch
+                perm = (np.random.default_rng(self.seed + epoch).permutation(self.num_samples)
+                        if self.shuffle else np.arange(self.num_samples))
+            start = j * self.global_batch + lo
+            for i in perm[start:start + self.local_batch]:
                 yield int(i)
-            if not self.infinite:
-                return
-            epoch, offset = epoch + 1, 0
+            step += 1
 
 
 class StreamingWindows(IterableDataset):
@@ -110,6 +134,11 @@ class StreamingWindows(IterableDataset):
     Documents are split between data-parallel ranks with ``datasets.distributed.
     split_dataset_by_node`` and between DataLoader workers by ``datasets`` itself; each yields
     ``LongTensor[seq_len + 1]`` windows. The epoch repeats when the source ends.
+
+    Resume: ``skip`` windows (this rank's consumed samples) are read and dropped first. This is
+    exact when the data-parallel size and worker count are unchanged; with another size the
+    documents are split differently between ranks, so a resumed streaming run sees a different
+    (still disjoint per rank) continuation of the stream.
     """
 
     def __init__(self, docs: Any, tokenizer: Any, seq_len: int, rank: int = 0,
@@ -122,8 +151,10 @@ class StreamingWindows(IterableDataset):
             self.docs = self.docs.shuffle(seed=seed, buffer_size=shuffle_buffer)
         self.tokenizer, self.seq_len, self.repeat = tokenizer, seq_len, repeat
         self.encode_batch_size = encode_batch_size
+        self.skip = 0
 
-    def _texts(self) -> Iterator[list[str]]:
+    def _texts(self) -> Iterator[Optional[list[str]]]:
+        """Batches of texts; ``None`` marks the end of each pass over the source."""
         epoch = 0
         while True:
             self.docs.set_epoch(epoch)
@@ -135,6 +166,7 @@ class StreamingWindows(IterableDataset):
                     batch = []
             if batch:
                 yield batch
+            yield None
             if not self.repeat:
                 return
             epoch += 1
@@ -143,12 +175,25 @@ class StreamingWindows(IterableDataset):
         _ = get_worker_info()  # datasets assigns shards to workers itself
         tok, w = self.tokenizer, self.seq_len + 1
         buf: list[int] = []
+        skip = self.skip
+        produced = 0
         for texts in self._texts():
+            if texts is None:  # one pass over the source done
+                if produced == 0:
+                    from llmforge.errors import DataError
+
+                    raise DataError(f"data: one pass over the streaming source gave no complete window "
+                                    f"of seq_len+1={w} tokens; the source is empty or too small")
+                continue
             for ids in tok.encode_batch(texts):
                 if ids:
                     buf.append(tok.bos_id)
                     buf.extend(ids)
                     buf.append(tok.eos_id)
             while len(buf) >= w:
-                yield torch.tensor(buf[:w], dtype=torch.long)
+                produced += 1
+                if skip:
+                    skip -= 1
+                else:
+                    yield torch.tensor(buf[:w], dtype=torch.long)
                 del buf[:w]

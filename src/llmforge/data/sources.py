@@ -28,9 +28,16 @@ _REMOTE = ("s3://", "gs://", "gcs://", "http://", "https://", "hf://", "az://", 
 
 
 def clean_text(text: Optional[str]) -> str:
-    """Remove a leading BOM and normalize line ends to ``\\n``."""
+    """Remove a leading BOM and normalize line ends to ``\\n``.
+
+    Raises:
+        DataError: the value is not text (e.g. a number in a json ``text`` field).
+    """
     if not text:
         return ""
+    if not isinstance(text, str):
+        raise DataError(f"data.text_field: found a {type(text).__name__} value ({str(text)[:40]!r}) "
+                        "where text was expected; point data.text_field at a string column")
     if text.startswith("\ufeff"):
         text = text[1:]
     return text.replace("\r\n", "\n").replace("\r", "\n")
@@ -89,8 +96,9 @@ def _load(builder: str, data_files: Any, cfg: Any, split: str, **kwargs: Any) ->
         return datasets.load_dataset(builder, data_files=data_files, split=split,
                                      streaming=cfg.streaming,
                                      storage_options=dict(cfg.storage_options) or None, **kwargs)
-    except (FileNotFoundError, ValueError, OSError) as exc:
-        raise DataError(f"data: cannot read {data_files!r} as {builder}: {exc}") from exc
+    except (FileNotFoundError, ValueError, OSError, datasets.exceptions.DatasetGenerationError) as exc:
+        cause = exc.__cause__ or exc
+        raise DataError(f"data: cannot read {data_files!r} as {builder}: {cause}") from exc
 
 
 def _normalize(ds: AnyDataset, text_field: str, max_documents: Optional[int]) -> AnyDataset:

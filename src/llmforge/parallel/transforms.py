@@ -83,15 +83,7 @@ def apply_tp(model: nn.Module, ctx: ModelContext) -> nn.Module:
                                                    RowwiseParallel, SequenceParallel,
                                                    parallelize_module)
 
-    tp = ctx.dims.tp
-    args = getattr(model, "args", None)
-    if args is None:
-        raise ConfigError("strategy.tp > 1 needs a Llama-shaped model (the built-in 'llama3' factory)")
-    if args.tie_embeddings:
-        raise ConfigError("strategy.tp > 1 does not support tied embeddings (model.tie_embeddings=false)")
-    if args.n_heads % tp or args.n_kv_heads % tp:
-        raise ConfigError(f"strategy.tp={tp} must divide model.n_heads ({args.n_heads}) and "
-                          f"model.n_kv_heads ({args.n_kv_heads})")
+    _check_tp(model, ctx)
     mesh = ctx.mesh["tp"]
     parallelize_module(model, mesh, {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -116,6 +108,38 @@ def apply_tp(model: nn.Module, ctx: ModelContext) -> nn.Module:
             "feed_forward.w3": ColwiseParallel(),
         })
     return model
+
+
+def check_strategy(cfg: Any, dims: Any) -> None:
+    """Reject strategy settings that cannot work, before any process or weight exists.
+
+    Raises:
+        ConfigError: ``single`` with several processes, ``ddp`` with sharding, or a
+            tensor-parallel degree the model's heads (or tied embeddings) do not allow.
+    """
+    if cfg.strategy.name == "single" and dims.world_size > 1:
+        raise ConfigError(f"strategy.name=single runs one process, but the world size is "
+                          f"{dims.world_size}; use strategy.name=ddp or fsdp2")
+    strategy_transforms(cfg, dims)
+    if dims.tp > 1:
+        from llmforge import registry
+
+        with torch.device("meta"):
+            model = registry.models.get(cfg.model.name, key="model.name")(cfg.model)
+        ctx = ModelContext(cfg=cfg, mesh=None, dims=dims, device=torch.device("meta"))
+        _check_tp(model, ctx)
+
+
+def _check_tp(model: nn.Module, ctx: ModelContext) -> None:
+    tp = ctx.dims.tp
+    args = getattr(model, "args", None)
+    if args is None:
+        raise ConfigError("strategy.tp > 1 needs a Llama-shaped model (the built-in 'llama3' factory)")
+    if args.tie_embeddings:
+        raise ConfigError("strategy.tp > 1 does not support tied embeddings (model.tie_embeddings=false)")
+    if args.n_heads % tp or args.n_kv_heads % tp:
+        raise ConfigError(f"strategy.tp={tp} must divide model.n_heads ({args.n_heads}) and "
+                          f"model.n_kv_heads ({args.n_kv_heads})")
 
 
 def strategy_transforms(cfg: Any, dims: Any) -> list[Transform]:

@@ -99,6 +99,10 @@ class LLMModule(L.LightningModule):
         model = run_pipeline(model, self.pipeline, ctx)
         model.to_empty(device=ctx.device)
         self.init_method = init_parallel_model(model, self.build_model, self.cfg.run.seed)
+        if self.cfg.model.get("init_from"):
+            from llmforge.checkpoint.init_from import load_initial_weights
+
+            self.init_method = load_initial_weights(model, self.cfg.model.init_from)
         self.model = model
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -22,16 +22,17 @@ from omegaconf import DictConfig
 
 from llmforge import registry
 from llmforge.callbacks import Checkpointer, RichProgress, SpeedMonitor
-from llmforge.checkpoint import list_checkpoints
+from llmforge.checkpoint import COMPLETE, latest_checkpoint, list_checkpoints, read_json
+from llmforge.checkpoint.init_from import apply_hf_shape
 from llmforge.config import config_to_dict, load_config, redact, save_config, validate
 from llmforge.data.datamodule import LLMDataModule
 from llmforge.data.shakespeare import cache_root
-from llmforge.data.sources import DocumentSplits, iter_texts, load_documents
+from llmforge.data.sources import DocumentSplits, hash_str, iter_texts, load_documents
 from llmforge.data.tokenizers import Tokenizer, build_tokenizer, check_vocab
 from llmforge.errors import ConfigError
 from llmforge.parallel.mesh import ParallelDims
 from llmforge.parallel.strategy import LLMParallelStrategy
-from llmforge.parallel.transforms import strategy_transforms
+from llmforge.parallel.transforms import check_strategy, strategy_transforms
 
 PRECISION = {"fp32": "32-true", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true"}
 
@@ -73,6 +74,41 @@ def build_entries(reg: registry.Registry, section: str, entries: Any, **inject: 
     return out
 
 
+def _inside(path: Path, parent: Path) -> bool:
+    try:
+        path.resolve().relative_to(parent.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def check_run_name(name: str) -> None:
+    """A run name is one folder name: not empty, not ``.``/``..``, no path separator.
+
+    Raises:
+        ConfigError: otherwise (``--overwrite`` deletes the run folder, so it must be one).
+    """
+    if not name or name in (".", "..") or "/" in name or "\\" in name or name != name.strip():
+        raise ConfigError(f"run.name={name!r} must be a plain folder name (no '/', not empty, "
+                          "not '.' or '..'); use run.output_dir for the parent folder")
+
+
+def truncate_metrics(path: Path, step: int) -> int:
+    """Drop records after ``step`` from a metrics file (they are redone after a resume);
+    returns how many were dropped. The file is replaced atomically."""
+    if not path.exists():
+        return 0
+    import json
+
+    lines = path.read_text(encoding="utf-8").splitlines()
+    keep = [x for x in lines if x.strip() and json.loads(x).get("step", 0) <= step]
+    if len(keep) != len(lines):
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(x + "\n" for x in keep), encoding="utf-8")
+        os.replace(tmp, path)
+    return len(lines) - len(keep)
+
+
 class Trainer:
     """Builds every piece of a run from a resolved config and runs ``lightning.Trainer.fit``.
 
@@ -82,18 +118,24 @@ class Trainer:
 
     Raises:
         ConfigError: invalid settings (see :func:`llmforge.config.validate`), or a run directory
-            that already holds a run (use another ``run.name`` or ``overwrite``).
+            that already holds a run (use ``checkpoint.resume``, another ``run.name`` or ``overwrite``).
     """
 
     def __init__(self, cfg: DictConfig, *, overwrite: bool = False) -> None:
         self.cfg = cfg
         registry.import_modules(cfg.imports)
         self.world_size = detect_world_size(cfg)
+        apply_hf_shape(cfg)  # model.init_from: hf:PATH fixes the model's shape
         self.plan = validate(cfg, self.world_size)
         if cfg.strategy.name == "auto" and self.world_size > 1:
             cfg.strategy.name = "fsdp2"
         self.dims = ParallelDims.from_config(cfg, self.world_size)
-        strategy_transforms(cfg, self.dims)  # reject impossible strategy settings up front
+        check_strategy(cfg, self.dims)  # reject impossible strategy settings up front
+        self.algorithms = self.build_algorithms()  # instantiated and checked before any allocation
+        check_run_name(cfg.run.name)
+        if cfg.trainer.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"trainer.accelerator={cfg.trainer.accelerator}, but torch finds no "
+                              "CUDA device here; use trainer.accelerator=auto or cpu")
         self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
         self.checkpoint_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self.overwrite = overwrite
@@ -101,6 +143,7 @@ class Trainer:
         self.module: Any = None
         self.datamodule: Optional[LLMDataModule] = None
         self.lightning: Optional[L.Trainer] = None
+        self.resume_path: Optional[Path] = None
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: Sequence[str] = (), **kwargs: Any) -> "Trainer":
@@ -111,43 +154,96 @@ class Trainer:
     def is_rank_zero(self) -> bool:
         return int(os.environ.get("RANK", "0")) == 0
 
-    def prepare_run_dir(self) -> None:
-        """Create the run directory and write the resolved config (secrets redacted)."""
-        used = (self.run_dir / "metrics.jsonl").exists() or bool(list_checkpoints(self.checkpoint_dir))
-        if used and not self.overwrite:
+    def resolve_resume(self) -> Optional[Path]:
+        """The checkpoint to resume from (``checkpoint.resume``), or ``None``.
+
+        Raises:
+            ConfigError: a given path is not a complete checkpoint.
+        """
+        resume = self.cfg.checkpoint.resume
+        if not resume or self.overwrite:
+            return None
+        if resume == "auto":
+            return latest_checkpoint(self.checkpoint_dir)
+        path = Path(resume)
+        if not (path / COMPLETE).exists():
+            raise ConfigError(f"checkpoint.resume: {path} is not a complete checkpoint (no {COMPLETE} "
+                              "marker); use checkpoint.resume=auto for the newest complete one")
+        return path
+
+    def check_run_dir(self) -> bool:
+        """Whether the run directory (or the checkpoint folder) already holds a run.
+
+        Raises:
+            ConfigError: it does, and neither ``checkpoint.resume`` nor ``overwrite`` is set.
+        """
+        metrics = (self.run_dir / "metrics.jsonl").exists()
+        ckpts = bool(list_checkpoints(self.checkpoint_dir))
+        used = metrics or ckpts
+        if used and not self.overwrite and not self.cfg.checkpoint.resume:
+            where = self.run_dir if metrics else self.checkpoint_dir
             raise ConfigError(
-                f"run directory {self.run_dir} already holds a run; choose another run.name "
-                "(e.g. run.name=my-run-2) or pass --overwrite to delete it"
+                f"{where} already holds a run; continue it with checkpoint.resume=auto, choose "
+                "another run.name (e.g. run.name=my-run-2) or pass --overwrite to delete it"
             )
+        return used
+
+    def prepare_run_dir(self, used: bool) -> None:
+        """Create the run directory and write the resolved config (secrets redacted).
+
+        With ``overwrite``, the old run's own files are deleted here, after the new run's
+        config, data and tokenizer have been checked: the run directory and, when the checkpoint
+        folder lies elsewhere, only its ``step_*`` checkpoints.
+        """
         if used and self.overwrite and self.is_rank_zero():
-            shutil.rmtree(self.run_dir)
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            if self.checkpoint_dir.exists() and not _inside(self.checkpoint_dir, self.run_dir):
+                for old in self.checkpoint_dir.iterdir():
+                    if old.is_dir() and (old.name.startswith("step_") or old.name.startswith(".tmp-step_")):
+                        shutil.rmtree(old)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.is_rank_zero():
             save_config(self.cfg, self.run_dir / "config.yaml")
+            if self.resume_path is not None:
+                step = int(read_json(self.resume_path, "trainer_state.json")["step"])
+                truncate_metrics(self.run_dir / "metrics.jsonl", step)
 
     def model_vocab_size(self) -> int:
-        """Embedding rows of the configured model, read from a build on the meta device."""
+        """Embedding rows of the configured model, read from a build on the meta device.
+
+        Raises:
+            ConfigError: ``trainer.seq_len`` exceeds the model's ``max_seq_len``.
+        """
         factory = registry.models.get(self.cfg.model.name, key="model.name")
         with torch.device("meta"):
             model = factory(self.cfg.model)
+        limit = getattr(model, "max_seq_len", None)
+        if limit is not None and self.cfg.trainer.seq_len > limit:
+            raise ConfigError(f"trainer.seq_len={self.cfg.trainer.seq_len} exceeds the model's "
+                              f"max_seq_len={limit}; raise model.max_seq_len or lower trainer.seq_len")
         return int(model.vocab_size)
 
     def build_documents(self) -> DocumentSplits:
         return load_documents(self.cfg.data, self.cfg.run.seed)
 
     def build_tokenizer(self, docs: DocumentSplits) -> Tokenizer:
-        """Build (or train and cache) the tokenizer, check it fits the model, save it in the run."""
+        """Build (or train and cache) the tokenizer and check it fits the model.
+
+        A trained BPE is cached by what determines it: the source, the held-out documents (seed,
+        val_fraction, val_split) and the training-byte budget (vocab size is in the file name)."""
         max_bytes = self.cfg.tokenizer.train_max_bytes
+        d = self.cfg.data
+        key = hash_str(f"{docs.fingerprint}-{self.cfg.run.seed}-{d.val_fraction}-{d.val_split}-"
+                       f"{d.max_documents}-{max_bytes}")
         tok = build_tokenizer(self.cfg.tokenizer, lambda: iter_texts(docs.train, max_bytes),
-                              cache_dir=cache_root() / "tokenizers", fingerprint=docs.fingerprint)
+                              cache_dir=cache_root() / "tokenizers", fingerprint=key)
         check_vocab(tok, self.model_vocab_size())
-        if self.is_rank_zero():
-            tok.save(self.run_dir / "tokenizer")
         return tok
 
     def build_datamodule(self, docs: DocumentSplits, tokenizer: Tokenizer) -> LLMDataModule:
         t = self.cfg.trainer
-        return LLMDataModule(docs, tokenizer, seq_len=t.seq_len,
+        start_step = int(read_json(self.resume_path, "trainer_state.json")["step"]) if self.resume_path else 0
+        return LLMDataModule(docs, tokenizer, seq_len=t.seq_len, start_step=start_step,
                              local_batch_size=self.plan.local_batch_size,
                              micro_batch_size=t.micro_batch_size, eval_batches=t.eval_batches,
                              seed=self.cfg.run.seed, num_workers=self.cfg.data.num_workers)
@@ -162,19 +258,34 @@ class Trainer:
             raise ConfigError(f"trainer.module_kwargs: {exc}") from exc
 
     def build_callbacks(self) -> list[Any]:
-        """Speed monitor, progress bar, checkpointer, then the YAML's ``callbacks:``."""
+        """The algorithms, speed monitor, progress bar, checkpointer, then ``callbacks:``.
+
+        The speed monitor is always there: a ``speed_monitor`` entry (or a subclass of
+        :class:`SpeedMonitor`) in ``callbacks:`` replaces the default one instead of adding a
+        second."""
         ck = self.cfg.checkpoint
-        cbs: list[Any] = [SpeedMonitor()]
+        extra = build_entries(registry.callbacks, "callbacks", self.cfg.callbacks)
+        speed = next((c for c in extra if isinstance(c, SpeedMonitor)), None)
+        extra = [c for c in extra if c is not speed]
+        cbs: list[Any] = [speed or SpeedMonitor()]
         if self.cfg.trainer.progress_bar:
             cbs.append(RichProgress())
-        cbs.append(Checkpointer(self.checkpoint_dir, ck.save_every, ck.save_final, ck.keep_last_n,
-                                config=config_to_dict(self.cfg)))
-        return cbs + build_entries(registry.callbacks, "callbacks", self.cfg.callbacks)
+        cbs.append(Checkpointer(self.checkpoint_dir, save_every=ck.save_every,
+                                save_every_minutes=ck.save_every_minutes, save_final=ck.save_final,
+                                keep_last_n=ck.keep_last_n, async_save=ck.async_save,
+                                resume_from=self.resume_path, config=config_to_dict(self.cfg)))
+        if os.environ.get("LLMFORGE_RUN_ID") and self.is_rank_zero():  # started by `llmforge launch`
+            from llmforge.runs.tracker import RunTracker
+
+            cbs.append(RunTracker(os.environ["LLMFORGE_RUN_ID"]))
+        return list(self.algorithms) + cbs + extra  # algorithms are Lightning callbacks too
 
     def build_loggers(self) -> list[Any]:
         """Loggers from ``loggers:``; each builder is called as
         ``builder(run_dir=..., run=cfg.run, config=<resolved config, secrets redacted>, **kwargs)``
-        and the config is logged as the run's hyperparameters."""
+        and the config is logged as the run's hyperparameters. Building checks settings (SDK
+        installed, API key in the environment) but writes nothing and contacts no server: the
+        built-in loggers start with their first record, after the run directory is prepared."""
         import llmforge.loggers  # noqa: F401  (registers the built-in loggers)
 
         config = redact(config_to_dict(self.cfg))
@@ -196,9 +307,18 @@ class Trainer:
             return "auto"
         return LLMParallelStrategy(self.dims)
 
+    def build_algorithms(self) -> list[Any]:
+        """``algorithms:`` instantiated (registered names, entry points or import paths) and
+        checked together (:func:`llmforge.algorithms.loading.build_algorithms`)."""
+        from llmforge.algorithms.loading import build_algorithms
+
+        return build_algorithms(self.cfg)
+
     def build_pipeline(self) -> list[Any]:
-        """Model transforms: the strategy's parallel stages (algorithms join in a later issue)."""
-        return strategy_transforms(self.cfg, self.dims)
+        """Model transforms: the algorithms' and the strategy's parallel stages (the module's
+        ``run_pipeline`` sorts them by stage, so the YAML order does not matter)."""
+        algos = [t for t in (a.transform() for a in self.algorithms) if t is not None]
+        return algos + strategy_transforms(self.cfg, self.dims)
 
     def build_lightning_trainer(self, callbacks: list[Any], loggers: list[Any]) -> L.Trainer:
         t = self.cfg.trainer
@@ -214,12 +334,19 @@ class Trainer:
     def setup(self) -> None:
         """Build everything that ``fit`` needs (tokenizer, data, module, Lightning trainer)."""
         L.seed_everything(self.cfg.run.seed, workers=True, verbose=False)
-        self.prepare_run_dir()
+        self.resume_path = self.resolve_resume()
+        used = self.check_run_dir()
+        # everything that can fail on bad input runs before an old run is deleted (--overwrite)
+        # (loggers too: a missing SDK or API key; building one writes nothing, see build_loggers)
+        callbacks, loggers = self.build_callbacks(), self.build_loggers()
         docs = self.build_documents()
         self.tokenizer = self.build_tokenizer(docs)
+        self.prepare_run_dir(used)
+        if self.is_rank_zero():
+            self.tokenizer.save(self.run_dir / "tokenizer")
         self.datamodule = self.build_datamodule(docs, self.tokenizer)
         self.module = self.build_module()
-        self.lightning = self.build_lightning_trainer(self.build_callbacks(), self.build_loggers())
+        self.lightning = self.build_lightning_trainer(callbacks, loggers)
 
     def fit(self) -> dict[str, Any]:
         """Train; returns the closing summary (steps, tokens, seconds, final losses, paths)."""

@@ -1,0 +1,174 @@
+"""llmforge against a bare PyTorch loop: same model, data, batch, optimizer, precision, steps.
+
+    python benchmarks/overhead.py                 # demo model, 5 interleaved pairs after a warm-up pair
+    python benchmarks/overhead.py --small         # a model ~10x smaller (per-step overhead shows first)
+    python benchmarks/overhead.py --compile       # llmforge with its `compile` algorithm vs the bare eager loop
+    python benchmarks/overhead.py --smoke         # tiny, for the test suite
+
+(a) the bare loop, written here: forward, cross-entropy, backward, clip, AdamW step, zero_grad,
+nothing else; (b) ``llmforge`` (``Trainer.fit`` with its default callbacks and the jsonl logger).
+Each run is a fresh subprocess (so peak RSS is its own); runs alternate a b a b ...; each
+measures tokens/s over the steps after the first ``--warmup`` ones. Prints the median tokens/s
+of each, the ratio b/a with its spread (min-max of the per-pair ratios) and peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+DEMO = REPO / "yamls" / "demo_cpu.yaml"
+SMALL = ["model.dim=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+         "model.multiple_of=64"]
+SMOKE = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+         "model.multiple_of=32", "tokenizer.vocab_size=1024", "variables.seq_len=64"]
+
+
+def config(overrides: list[str], steps: int, work: Path):
+    from llmforge import load_config
+
+    return load_config(DEMO, [*overrides, f"trainer.max_steps={steps}", "trainer.eval_every=0",
+                              "trainer.progress_bar=false", "scheduler.warmup_steps=1",
+                              f"run.output_dir={work}", "checkpoint.save_final=false",
+                              "data.num_workers=0"])
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def worker_llmforge(overrides: list[str], steps: int, warmup: int, work: Path) -> dict:
+    from lightning.pytorch.callbacks import Callback
+
+    from llmforge import Trainer
+
+    marks: dict[int, float] = {}
+
+    class Clock(Callback):  # wall time at the end of each step: the same span as the bare loop
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            marks[trainer.global_step] = time.perf_counter()
+
+    trainer = Trainer(config(overrides, steps, work), overwrite=True)
+    trainer.setup()
+    trainer.lightning.callbacks.append(Clock())
+    trainer.lightning.fit(trainer.module, datamodule=trainer.datamodule)
+    seconds = marks[steps] - marks[warmup]
+    return {"tokens_per_second": (steps - warmup) * trainer.plan.tokens_per_step / seconds}
+
+
+def worker_bare(overrides: list[str], steps: int, warmup: int, work: Path) -> dict:
+    """The bare loop: data prepared with llmforge's loader code outside the timed steps."""
+    import torch
+    import torch.nn.functional as F
+
+    from llmforge import registry
+    from llmforge.config import validate
+    from llmforge.data.datamodule import tokenize_documents
+    from llmforge.data.packing import PackedWindows, ShardedSampler
+    from llmforge.data.shakespeare import cache_root
+    from llmforge.data.sources import iter_texts, load_documents
+    from llmforge.data.tokenizers import build_tokenizer
+    from llmforge.training.optim import build_optimizer
+
+    cfg = config(overrides, steps, work)
+    plan = validate(cfg, 1)
+    torch.manual_seed(cfg.run.seed)
+    docs = load_documents(cfg.data, cfg.run.seed)
+    tok = build_tokenizer(cfg.tokenizer, lambda: iter_texts(docs.train, cfg.tokenizer.train_max_bytes),
+                          cache_dir=cache_root() / "tokenizers", fingerprint=docs.fingerprint)
+    windows = PackedWindows(tokenize_documents(docs.train, tok), cfg.trainer.seq_len)
+    order = iter(ShardedSampler(len(windows), seed=cfg.run.seed, local_batch=plan.local_batch_size))
+    model = registry.models.get(cfg.model.name)(cfg.model)
+    model.init_weights()
+    opt = build_optimizer(model, cfg.optimizer)
+    mb, accum = plan.micro_batch_size, plan.gradient_accumulation_steps
+    timed, start = 0, 0.0
+    for step in range(steps):
+        if step == warmup:
+            start = time.perf_counter()
+        batch = torch.stack([windows[next(order)] for _ in range(plan.local_batch_size)])
+        inputs, labels = batch[:, :-1], batch[:, 1:]
+        n_targets = labels.numel()
+        for i in range(accum):
+            logits = model(inputs[i * mb:(i + 1) * mb])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels[i * mb:(i + 1) * mb].flatten(),
+                                   reduction="sum") / n_targets
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.gradient_clip_val)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        timed += step >= warmup
+    seconds = time.perf_counter() - start
+    return {"tokens_per_second": timed * plan.tokens_per_step / seconds}
+
+
+def run_worker(kind: str, overrides: list[str], steps: int, warmup: int) -> dict:
+    cmd = [sys.executable, __file__, "--worker", kind, "--steps", str(steps), "--warmup", str(warmup),
+           "--overrides", json.dumps(overrides)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    if proc.returncode != 0:
+        raise RuntimeError(f"{kind} worker failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pairs", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--small", action="store_true", help="a model ~10x smaller than the demo")
+    ap.add_argument("--compile", action="store_true", help="llmforge with algorithms=[compile]")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--worker", choices=["bare", "llmforge"], help=argparse.SUPPRESS)
+    ap.add_argument("--overrides", default="[]", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        import datasets
+
+        datasets.disable_progress_bars()
+        overrides = json.loads(args.overrides)
+        with tempfile.TemporaryDirectory() as tmp:
+            fn = worker_bare if args.worker == "bare" else worker_llmforge
+            out = fn(overrides, args.steps, args.warmup, Path(tmp))
+        out["peak_rss_mib"] = peak_rss_mib()
+        print(json.dumps(out))
+        return 0
+    overrides = SMOKE if args.smoke else (SMALL if args.small else [])
+    if args.smoke:
+        args.pairs, args.steps, args.warmup = 1, 4, 1
+    llm_overrides = overrides + (["algorithms=[{name: compile}]"] if args.compile else [])
+    results: dict[str, list[dict]] = {"bare": [], "llmforge": []}
+    for pair in range(args.pairs + (0 if args.smoke else 1)):  # the first pair warms caches
+        a = run_worker("bare", overrides, args.steps, args.warmup)
+        b = run_worker("llmforge", llm_overrides, args.steps, args.warmup)
+        if pair > 0 or args.smoke:
+            results["bare"].append(a)
+            results["llmforge"].append(b)
+    tps = {k: [r["tokens_per_second"] for r in v] for k, v in results.items()}
+    ratios = [b / a for a, b in zip(tps["bare"], tps["llmforge"])]
+    label = "llmforge+compile" if args.compile else "llmforge"
+    print(f"model: {'smoke' if args.smoke else 'small' if args.small else 'demo'}; "
+          f"{args.pairs} pairs x {args.steps} steps ({args.warmup} warm-up)")
+    for k in ("bare", "llmforge"):
+        name = label if k == "llmforge" else "bare eager loop"
+        print(f"{name:18s} median {statistics.median(tps[k]):9.1f} tokens/s   "
+              f"peak RSS {max(r['peak_rss_mib'] for r in results[k]):7.0f} MiB")
+    print(f"ratio {label}/bare: median {statistics.median(ratios):.3f} "
+          f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Start-up costs: ``llmforge --help`` and time to the first finished optimizer step.
+
+    python benchmarks/startup.py            # 5 runs of --help, 2 runs of the demo's first step
+    python benchmarks/startup.py --smoke
+
+Targets: ``--help`` under 0.5 s (no torch import for help and listing commands); the first
+optimizer step of ``llmforge train yamls/demo_cpu.yaml`` under 10 s, the one-time corpus
+download excluded (a warm-up run fills the cache first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+
+
+def time_help() -> float:
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "llmforge", "--help"], capture_output=True, env=ENV, check=True)
+    return time.perf_counter() - start
+
+
+def time_first_step(work: Path, name: str, extra: list[str]) -> float:
+    """Seconds from process start to the first record of step 1 in metrics.jsonl."""
+    metrics = work / name / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "llmforge", "train", str(REPO / "yamls" / "demo_cpu.yaml"),
+           f"run.output_dir={work}", f"run.name={name}", "trainer.max_steps=2",
+           "scheduler.warmup_steps=1", "trainer.progress_bar=false", *extra]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV, text=True)
+    try:
+        while proc.poll() is None:
+            if metrics.exists() and any(json.loads(x).get("step") == 1
+                                        for x in metrics.read_text().splitlines() if x.strip()):
+                return time.perf_counter() - start
+            time.sleep(0.02)
+        raise RuntimeError(f"training ended before step 1: {proc.stderr.read()[-2000:]}")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    extra = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+             "model.multiple_of=32", "tokenizer.vocab_size=1024", "variables.seq_len=64"] if args.smoke else []
+    helps = [time_help() for _ in range(2 if args.smoke else 5)]
+    with tempfile.TemporaryDirectory() as tmp:
+        time_first_step(Path(tmp), "warm", extra)  # fills the corpus and tokenizer caches
+        firsts = [time_first_step(Path(tmp), f"r{i}", extra) for i in range(1 if args.smoke else 2)]
+    print(f"llmforge --help          median {statistics.median(helps):.3f} s   (target < 0.5 s)")
+    print(f"first optimizer step     median {statistics.median(firsts):.2f} s   (target < 10 s, caches warm)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""``compile``: ``torch.compile`` per transformer block (or the whole model), in place.
+
+YAML::
+
+    algorithms:
+      - name: compile
+        per_block: true       # compile each block of model.blocks(); false = the whole model
+        fullgraph: true       # a graph break is an error instead of a silent slowdown
+        mode: null            # torch.compile mode: default, reduce-overhead, max-autotune, ...
+        dynamic: false        # shapes are fixed (seq_len, micro_batch_size): no dynamic shapes
+        backend: inductor
+        compile_loss: false   # also compile LLMModule.compute_loss (fuses the fp32 upcast + CE)
+
+Stage ``COMPILE``: after activation checkpointing (the checkpoint wrapper is compiled with its
+block, so recomputation is compiled too) and before FSDP2 (torchtitan's order). Compilation is
+in place (``nn.Module.compile``), so ``model.blocks()``, module types and state-dict keys are
+unchanged (no ``_orig_mod.`` prefix). Identical blocks share one compiled graph.
+
+The first training step pays the compilation: ``time/compile_seconds`` (first step's wall time
+minus the second's, seconds) is printed once on rank 0 and written to the next logged record.
+
+Source: torch.compile tutorial and torchtitan ``apply_compile``
+(torchtitan/models/llama3/infra/parallelize.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Sequence
+
+from torch import nn
+
+from llmforge.algorithms.base import Algorithm, ModelContext, Stage
+from llmforge.errors import ConfigError
+
+MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+class Compile(Algorithm):
+    """torch.compile each transformer block (or the whole model) in place.
+
+    Args:
+        per_block: compile every module of ``model.blocks()`` (default); ``False`` compiles the
+            whole model once (longer compile; under data parallelism only with
+            ``fullgraph: false``, see :meth:`check`).
+        fullgraph: refuse graph breaks (``torch.compile(fullgraph=True)``).
+        mode: ``torch.compile`` mode (``None`` = default).
+        dynamic: dynamic-shape compilation (``False``: shapes are fixed by the config).
+        backend: ``torch.compile`` backend (``inductor``; ``aot_eager`` for debugging).
+        compile_loss: also compile the module's ``compute_loss``.
+
+    Raises:
+        ConfigError: an unknown ``mode``.
+    """
+
+    name = "compile"
+    stage = Stage.COMPILE
+    summary = "torch.compile per transformer block (or whole model), in place; logs compile time"
+
+    def __init__(self, per_block: bool = True, fullgraph: bool = True, mode: Optional[str] = None,
+                 dynamic: bool = False, backend: str = "inductor",
+                 compile_loss: bool = False) -> None:
+        if mode not in MODES:
+            raise ConfigError(f"algorithms: compile.mode '{mode}' is not one of "
+                              f"{', '.join(str(m) for m in MODES if m)} (or null)")
+        self.per_block, self.fullgraph, self.mode = bool(per_block), bool(fullgraph), mode
+        self.dynamic, self.backend, self.compile_loss = bool(dynamic), backend, bool(compile_loss)
+        self.compile_seconds: Optional[float] = None
+        self._pending = False
+        self._t0 = 0.0
+        self._durations: list[float] = []
+
+    def compile_kwargs(self, fullgraph: Optional[bool] = None) -> dict[str, Any]:
+        """Keyword arguments for ``torch.compile``."""
+        kw: dict[str, Any] = {"backend": self.backend, "dynamic": self.dynamic,
+                              "fullgraph": self.fullgraph if fullgraph is None else fullgraph}
+        if self.mode not in (None, "default"):
+            kw["mode"] = self.mode
+        return kw
+
+    def check(self, cfg: Any, algorithms: Sequence[Algorithm]) -> None:
+        """A whole-model ``fullgraph`` compile cannot trace through the data-parallel hooks
+        that FSDP2 / replicate put on every block (they are ``torch._dynamo.disable``-d).
+
+        Raises:
+            ConfigError: ``per_block: false`` and ``fullgraph: true`` under FSDP2 or DDP (names
+                ``compile.per_block``, ``compile.fullgraph`` and ``strategy.name``).
+        """
+        world = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
+        data_parallel = world > 1 or cfg.strategy.name == "fsdp2"
+        if not self.per_block and self.fullgraph and data_parallel:
+            raise ConfigError(
+                f"algorithms: compile.per_block=false with compile.fullgraph=true cannot trace "
+                f"through the hooks that data parallelism (strategy.name={cfg.strategy.name}, "
+                f"{world} process(es)) puts on every block; use compile.per_block=true "
+                "(torchtitan's choice) or compile.fullgraph=false (a graph break per block)")
+
+    def apply(self, model: nn.Module, ctx: ModelContext) -> nn.Module:
+        """Compile ``model.blocks()`` (or ``model``) in place; returns ``model``."""
+        kw = self.compile_kwargs()
+        if not self.per_block:
+            model.compile(**kw)
+            return model
+        blocks = getattr(model, "blocks", None)
+        if blocks is None:
+            raise ConfigError("compile.per_block=true needs a model with blocks(); "
+                              "set compile.per_block=false to compile the whole model")
+        for block in blocks():
+            block.compile(**kw)
+        return model
+
+    # ------------------------------------------------------------------ training events
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self.compile_loss and not getattr(pl_module, "_llmforge_loss_compiled", False):
+            import torch
+
+            pl_module.compute_loss = torch.compile(pl_module.compute_loss,
+                                                   **self.compile_kwargs(fullgraph=False))
+            pl_module._llmforge_loss_compiled = True
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if len(self._durations) < 2:
+            self._durations.append(time.perf_counter() - self._t0)
+            if len(self._durations) == 2:
+                first, second = self._durations
+                self.compile_seconds = max(0.0, first - second)
+                self._pending = True
+                if trainer.is_global_zero:
+                    what = "each block" if self.per_block else "the whole model"
+                    print(f"compile: {self.compile_seconds:.1f} s of compilation in the first step "
+                          f"(torch.compile of {what}, {self.backend}; first step {first:.1f} s, "
+                          f"second {second:.2f} s)", flush=True)
+        if self._pending:
+            step = trainer.global_step
+            is_log = getattr(pl_module, "is_log_step", lambda s: True)
+            if is_log(step) and isinstance(getattr(pl_module, "step_metrics", None), dict):
+                pl_module.step_metrics["time/compile_seconds"] = self.compile_seconds
+                self._pending = False

@@ -1,0 +1,228 @@
+"""``float8``: FP8 matrix multiplies in the linear layers, through torchao.
+
+YAML::
+
+    algorithms:
+      - name: float8
+        recipe: tensorwise                          # tensorwise | rowwise | rowwise_with_gw_hp
+        enable_fsdp_float8_all_gather: false        # FSDP2 all-gathers weights in FP8 (tensorwise)
+        precompute_float8_dynamic_scale_for_fsdp: null   # null = same as the all-gather key
+        emulate: false                              # FP8 numerics with high-precision matmuls
+        filter_fqns: [output]                       # Linear layers kept in high precision
+        modules: null                               # only these FQN substrings (null = all others)
+
+``torchao.float8.convert_to_float8_training`` swaps ``nn.Linear`` for ``Float8Linear`` (a
+subclass of ``nn.Linear``: names, shapes and state dict unchanged). The weights stay in high
+precision; each matmul casts its inputs to FP8 with dynamic scales (per tensor, or per row for
+the rowwise recipes) and accumulates in high precision. Default filter: keep the layers whose
+FQN contains a ``filter_fqns`` entry (the output projection, whose FP8 cast hurts the loss the
+most) and every Linear whose in or out features are not multiples of 16 (an FP8 GEMM
+requirement) in high precision.
+
+With ``enable_fsdp_float8_all_gather`` FSDP2 all-gathers the weights already cast to FP8 (half
+the bytes of bf16), and ``precompute_float8_dynamic_scale_for_fsdp`` computes all weight scales
+with one all-reduce after each optimizer step instead of one per layer.
+
+Stage ``CONVERT`` (first: every later stage sees the final module types). The FP8 dtypes are
+torchao's choice per device (e4m3fn/e5m2, or the fnuz variants on MI300). Sources: torchao
+``torchao/float8/README.md``; torchtitan ``docs/float8.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from typing import Any, Optional, Sequence
+
+from torch import nn
+
+from llmforge.algorithms.base import Algorithm, ModelContext, Stage
+from llmforge.errors import ConfigError
+
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+def fsdp_shard_degree(cfg: Any) -> int:
+    """FSDP2 shard-group size the strategy will use, or 0 when the model is not FSDP2-sharded
+    (``strategy.name`` ``single``/``ddp``, or ``auto`` in one process)."""
+    from llmforge.parallel.mesh import ParallelDims
+
+    world = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
+    name = cfg.strategy.name
+    if name == "auto":
+        name = "fsdp2" if world > 1 else "single"
+    if name != "fsdp2":
+        return 0
+    return ParallelDims.from_config(cfg, world).dp_shard
+
+
+def import_float8() -> Any:
+    """``torchao.float8``, imported without its CPU-only notices (skipped C++ extensions, a
+    torch 2.13 deprecation of Enum pytree constants), which are not actionable here."""
+    import logging
+
+    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        import torchao.float8 as f8
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+    return f8
+
+
+def build_model_on_meta(cfg: Any) -> nn.Module:
+    """The configured model on the meta device (nothing allocated)."""
+    import torch
+
+    from llmforge import registry
+
+    factory = registry.models.get(cfg.model.name, key="model.name")
+    with torch.device("meta"):
+        return factory(cfg.model)
+
+
+class Float8(Algorithm):
+    """Convert ``nn.Linear`` layers to torchao ``Float8Linear`` for FP8 training.
+
+    Args:
+        recipe: ``tensorwise`` (one scale per tensor; fastest, FP8 all-gather), ``rowwise``
+            (one scale per row: more accurate), ``rowwise_with_gw_hp`` (rowwise, weight gradient
+            in high precision).
+        enable_fsdp_float8_all_gather: FSDP2 all-gathers FP8 weights (``tensorwise`` only).
+            ``fsdp_float8_all_gather`` is accepted as a short alias.
+        precompute_float8_dynamic_scale_for_fsdp: one all-reduce for all weight scales after
+            each optimizer step; ``None`` follows ``enable_fsdp_float8_all_gather``.
+        emulate: emulate FP8 matmuls in high precision (hardware without FP8 units; testing).
+        filter_fqns: FQN substrings of Linear layers kept in high precision.
+        modules: if given, only Linear layers whose FQN contains one of these are converted,
+            and each must have in/out features divisible by 16.
+
+    Raises:
+        ConfigError: unknown ``recipe``; FP8 all-gather with a rowwise recipe; precompute
+            without FP8 all-gather.
+    """
+
+    name = "float8"
+    stage = Stage.CONVERT
+    summary = "FP8 linear layers via torchao (tensorwise/rowwise), optional FP8 FSDP2 all-gather"
+
+    def __init__(self, recipe: str = "tensorwise", enable_fsdp_float8_all_gather: bool = False,
+                 precompute_float8_dynamic_scale_for_fsdp: Optional[bool] = None,
+                 emulate: bool = False, filter_fqns: Sequence[str] = ("output",),
+                 modules: Optional[Sequence[str]] = None,
+                 fsdp_float8_all_gather: Optional[bool] = None) -> None:
+        if recipe not in RECIPES:
+            raise ConfigError(f"algorithms: float8.recipe '{recipe}' is not one of {', '.join(RECIPES)}")
+        if fsdp_float8_all_gather is not None:
+            enable_fsdp_float8_all_gather = fsdp_float8_all_gather
+        self.recipe, self.all_gather = recipe, bool(enable_fsdp_float8_all_gather)
+        self.precompute = (self.all_gather if precompute_float8_dynamic_scale_for_fsdp is None
+                           else bool(precompute_float8_dynamic_scale_for_fsdp))
+        self.emulate = bool(emulate)
+        self.filter_fqns = [str(f) for f in (filter_fqns or [])]
+        self.modules = None if modules is None else [str(m) for m in modules]
+        if self.all_gather and recipe != "tensorwise":
+            raise ConfigError(
+                f"algorithms: float8.enable_fsdp_float8_all_gather=true needs float8.recipe="
+                f"tensorwise (one scale per weight tensor); float8.recipe={recipe} scales per row. "
+                "Use recipe: tensorwise or set enable_fsdp_float8_all_gather: false")
+        if self.precompute and not self.all_gather:
+            raise ConfigError(
+                "algorithms: float8.precompute_float8_dynamic_scale_for_fsdp=true only acts on "
+                "FP8 all-gathered weights; set float8.enable_fsdp_float8_all_gather=true too")
+        self.converted: list[str] = []
+        self.kept: list[str] = []
+
+    # -------------------------------------------------------------------- filter
+    def keep_reason(self, module: nn.Module, fqn: str) -> Optional[str]:
+        """Why the Linear ``fqn`` stays in high precision, or ``None`` if it is converted.
+
+        Raises:
+            ConfigError: a layer selected by ``modules`` has a dimension not divisible by 16.
+        """
+        if any(f in fqn for f in self.filter_fqns):
+            return "filter_fqns"
+        if self.modules is not None and not any(m in fqn for m in self.modules):
+            return "not in modules"
+        n, k = module.out_features, module.in_features
+        if n % 16 or k % 16:
+            if self.modules is not None:
+                raise ConfigError(
+                    f"algorithms: float8.modules selects '{fqn}' ({k} -> {n} features), but FP8 "
+                    "matmuls need in and out features divisible by 16; remove it from "
+                    "float8.modules or add it to float8.filter_fqns")
+            return "dims not multiples of 16"
+        return None
+
+    def module_filter(self, module: nn.Module, fqn: str) -> bool:
+        """``module_filter_fn`` for torchao: True converts the layer."""
+        if not isinstance(module, nn.Linear):
+            return False
+        reason = self.keep_reason(module, fqn)
+        (self.kept if reason else self.converted).append(fqn)
+        return reason is None
+
+    def plan(self, model: nn.Module) -> tuple[list[str], list[str]]:
+        """``(converted, kept)`` FQNs of ``model``'s Linear layers under this filter."""
+        conv, kept = [], []
+        for fqn, m in model.named_modules():
+            if isinstance(m, nn.Linear):
+                (kept if self.keep_reason(m, fqn) else conv).append(fqn)
+        return conv, kept
+
+    def config(self) -> Any:
+        """The torchao ``Float8LinearConfig`` for these settings."""
+        cfg = import_float8().Float8LinearConfig.from_recipe_name(self.recipe)
+        return dataclasses.replace(cfg, enable_fsdp_float8_all_gather=self.all_gather,
+                                   emulate=self.emulate)
+
+    # -------------------------------------------------------------------- pipeline
+    def check(self, cfg: Any, algorithms: Sequence[Algorithm]) -> None:
+        """torchao installed; FP8 all-gather only under FSDP2 sharding; ``modules`` dims.
+
+        Raises:
+            ConfigError: see the class docstring; names ``float8.*`` and the strategy keys.
+        """
+        if importlib.util.find_spec("torchao") is None:
+            raise ConfigError("algorithms: float8 needs torchao: pip install 'llmforge[fp8]' "
+                              "(torchao>=0.18, tested with 0.18.0 and torch 2.13)")
+        if self.all_gather:
+            shard = fsdp_shard_degree(cfg)
+            if shard <= 1:
+                s = cfg.strategy
+                raise ConfigError(
+                    "algorithms: float8.enable_fsdp_float8_all_gather=true needs FSDP2 sharding "
+                    f"(strategy.name=fsdp2 with strategy.dp_shard > 1), but strategy.name="
+                    f"{s.name} on {int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)} "
+                    f"process(es) shards over {max(shard, 1)}; set "
+                    "float8.enable_fsdp_float8_all_gather=false or train with FSDP2 on several devices")
+        if self.modules is not None:
+            conv, _ = self.plan(build_model_on_meta(cfg))
+            if not conv:
+                raise ConfigError(f"algorithms: float8.modules {self.modules} matches no Linear layer")
+
+    def apply(self, model: nn.Module, ctx: ModelContext) -> nn.Module:
+        """Swap the selected Linear layers for ``Float8Linear``; returns the model."""
+        self.converted, self.kept = [], []
+        return import_float8().convert_to_float8_training(model, module_filter_fn=self.module_filter,
+                                          config=self.config())
+
+    # -------------------------------------------------------------------- training
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.is_global_zero:
+            ag = ", FP8 all-gather" if self.all_gather else ""
+            print(f"float8: {len(self.converted)} Linear layers in FP8 ({self.recipe}{ag}"
+                  f"{', emulated' if self.emulate else ''}), {len(self.kept)} kept in high "
+                  f"precision ({', '.join(self.kept[:4])}{' ...' if len(self.kept) > 4 else ''})",
+                  flush=True)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        """After the optimizer step: the next all-gather's weight scales, one all-reduce."""
+        if self.precompute:
+            import_float8().precompute_float8_dynamic_scale_for_fsdp(pl_module.model)

@@ -1,0 +1,83 @@
+"""Build the YAML's ``algorithms:`` list, check it as a whole, and describe what is available.
+
+``algorithms: [{name: compile, ...}, {name: my_lab.algos.Trick, ...}]``: each ``name`` is a
+built-in (``compile``, ``activation_checkpointing``, ``float8``), a name registered in
+:data:`llmforge.registry.algorithms` (also through the ``llmforge.algorithms`` entry-point
+group of installed packages) or an import path; the other keys are the class's keyword
+arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from llmforge import registry
+from llmforge.algorithms.base import Algorithm
+from llmforge.errors import ConfigError
+
+
+def build_algorithms(cfg: Any) -> list[Algorithm]:
+    """Instantiate ``cfg.algorithms`` and run :func:`check_algorithms` (nothing is allocated).
+
+    ``cfg.trainer.devices``/``num_nodes`` must already reflect the world size (the Trainer's
+    ``detect_world_size`` sets them under a launcher).
+
+    Raises:
+        ConfigError: unknown name or key, a class that is not an :class:`Algorithm`, or an
+            impossible combination (see :func:`check_algorithms`).
+    """
+    import llmforge.algorithms  # noqa: F401  (registers the built-ins)
+    from llmforge.training.trainer import build_entries
+
+    algos = build_entries(registry.algorithms, "algorithms", cfg.algorithms)
+    check_algorithms(cfg, algos)
+    return algos
+
+
+def entry_label(cfg: Any, index: int) -> str:
+    return f"algorithms[{index}] ({cfg.algorithms[index]['name']})"
+
+
+def check_algorithms(cfg: Any, algos: Sequence[Any]) -> None:
+    """Every entry is an :class:`Algorithm`, none is listed twice (unless its class sets
+    ``allow_multiple = True``), then each algorithm's own :meth:`Algorithm.check`.
+
+    Raises:
+        ConfigError: naming the entries (``algorithms[i] (name)``) or keys involved.
+    """
+    seen: dict[type, int] = {}
+    for i, algo in enumerate(algos):
+        if not isinstance(algo, Algorithm):
+            raise ConfigError(f"{entry_label(cfg, i)}: {type(algo).__name__} is not an "
+                              "llmforge.algorithms.Algorithm (subclass it; plain callbacks go "
+                              "under callbacks:)")
+        cls = type(algo)
+        if cls in seen and not getattr(cls, "allow_multiple", False):
+            raise ConfigError(f"{entry_label(cfg, seen[cls])} and {entry_label(cfg, i)} are the "
+                              f"same algorithm; list it once with all its keys")
+        seen[cls] = i
+    for algo in algos:
+        algo.check(cfg, algos)
+
+
+def pipeline_order(cfg: Any, algos: Sequence[Algorithm], strategy: Sequence[Any]) -> list[str]:
+    """Names of the model transforms in the order they run (algorithms and strategy)."""
+    transforms = [t for t in (a.transform() for a in algos) if t is not None] + list(strategy)
+    return [t.name for t in sorted(transforms, key=lambda t: int(t.stage))]
+
+
+def available() -> list[tuple[str, str, str]]:
+    """``(name, stage, summary)`` of every registered algorithm (entry points loaded)."""
+    import llmforge.algorithms  # noqa: F401
+
+    rows = []
+    for name in registry.algorithms.names():
+        try:
+            obj = registry.algorithms.get(name)
+        except Exception as exc:  # a broken third-party entry point must not hide the others
+            rows.append((name, "?", f"cannot load: {exc}"))
+            continue
+        stage = getattr(obj, "stage", None)
+        summary = getattr(obj, "summary", None) or (obj.__doc__ or "").strip().split("\n")[0]
+        rows.append((name, stage.name.lower() if stage is not None else "callback", summary))
+    return rows

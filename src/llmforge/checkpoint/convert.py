@@ -1,0 +1,58 @@
+"""``llmforge convert to-hf`` and ``llmforge convert from-hf``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from llmforge.errors import LLMForgeError
+
+
+def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None) -> Path:
+    """A run directory or checkpoint -> a Hugging Face Llama folder (config, safetensors,
+    tokenizer) that ``LlamaForCausalLM.from_pretrained`` loads.
+
+    Raises:
+        LLMForgeError: the model is not an llmforge Llama, or the path has no checkpoint.
+    """
+    from llmforge.checkpoint.hf import save_hf
+    from llmforge.generate import load_model
+
+    model, _, run_dir = load_model(path)
+    if not hasattr(model, "args"):
+        raise LLMForgeError(f"{path}: only the built-in llama3 model can be exported to Hugging Face format")
+    tok_dir = run_dir / "tokenizer"
+    return save_hf(model, out, tokenizer_dir=tok_dir if tok_dir.is_dir() else None,
+                   dtype=getattr(torch, dtype) if dtype else None)
+
+
+def from_hf(path: str | Path, out: str | Path) -> Path:
+    """A Hugging Face Llama folder -> an llmforge run directory (``config.yaml``, ``tokenizer/``,
+    ``checkpoints/step_00000000``) usable by ``llmforge generate`` and ``model.init_from``."""
+    from omegaconf import OmegaConf
+
+    from llmforge.checkpoint.dcp import save_checkpoint
+    from llmforge.checkpoint.hf import load_hf_weights, model_overrides_from_hf, read_hf_config
+    from llmforge.config import save_config
+    from llmforge.config.schema import TrainConfig
+    from llmforge.data.tokenizers import HFTokenizer
+    from llmforge.models import build_llama
+
+    src, out = Path(path), Path(out)
+    cfg = OmegaConf.structured(TrainConfig)
+    for key, value in model_overrides_from_hf(read_hf_config(src)).items():
+        cfg.model[key] = value
+    cfg.run.name, cfg.run.output_dir = out.name, str(out.parent)
+    model = build_llama(cfg.model)
+    model.init_weights()
+    load_hf_weights(model, src)
+    out.mkdir(parents=True, exist_ok=True)
+    if (src / "tokenizer.json").exists():
+        cfg.tokenizer.type, cfg.tokenizer.path = "huggingface", str((src / "tokenizer.json").resolve())
+        HFTokenizer(src / "tokenizer.json").save(out / "tokenizer")
+    save_config(cfg, out / "config.yaml")
+    save_checkpoint(out / "checkpoints", 0, model, None, {"step": 0, "tokens_seen": 0},
+                    {"source": str(src), "world_size": 1})
+    return out

@@ -1,0 +1,52 @@
+"""``model.init_from``: start training from existing weights.
+
+``hf:PATH`` is a Hugging Face Llama folder (its ``config.json`` fixes the model's shape, see
+:func:`apply_hf_shape`; weights are read rank-locally by :func:`llmforge.checkpoint.hf.load_hf_weights`);
+anything else is an llmforge checkpoint folder or run directory whose model weights are loaded
+through DCP (resharded to the current layout). Optimizer, schedule and data start fresh.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from llmforge.errors import ConfigError
+
+HF_PREFIX = "hf:"
+
+
+def apply_hf_shape(cfg: Any) -> None:
+    """For ``model.init_from: hf:PATH``, set the ``model:`` shape fields from its config.json
+    (they must match the weights, so they win over the YAML's)."""
+    spec = cfg.model.init_from
+    if spec and spec.startswith(HF_PREFIX):
+        from llmforge.checkpoint.hf import model_overrides_from_hf, read_hf_config
+
+        for key, value in model_overrides_from_hf(read_hf_config(spec[len(HF_PREFIX):])).items():
+            cfg.model[key] = value
+
+
+def load_initial_weights(model: nn.Module, spec: str) -> str:
+    """Load ``spec`` into a materialized model; returns a short description of what was loaded.
+
+    Raises:
+        ConfigError: the path holds no usable weights.
+    """
+    if spec.startswith(HF_PREFIX):
+        from llmforge.checkpoint.hf import load_hf_weights
+
+        n = load_hf_weights(model, spec[len(HF_PREFIX):])
+        return f"{n} tensors from Hugging Face folder {spec[len(HF_PREFIX):]}"
+    from llmforge.checkpoint.dcp import load_model_weights
+    from llmforge.checkpoint.tools import resolve
+    from llmforge.errors import LLMForgeError
+
+    try:
+        ckpt = resolve(spec)
+    except LLMForgeError as exc:
+        raise ConfigError(f"model.init_from: {exc}") from exc
+    load_model_weights(Path(ckpt), model)
+    return f"model weights of {ckpt}"

@@ -1,0 +1,109 @@
+"""Hugging Face bridge: a tiny random LlamaForCausalLM (built locally, no download) is imported
+with the same logits, exported back, and loaded by transformers with the same logits again."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+transformers = pytest.importorskip("transformers")
+
+from llmforge.checkpoint.hf import load_hf_weights, model_overrides_from_hf, read_hf_config, save_hf  # noqa: E402
+from llmforge.config.schema import ModelConfig  # noqa: E402
+from llmforge.models import build_llama  # noqa: E402
+
+
+def tiny_hf(tmp_path, tie: bool, inter: int = 96):
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=inter, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, rope_theta=500000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=tie,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    path = tmp_path / f"hf_{tie}_{inter}"
+    model.save_pretrained(path)
+    return model, path
+
+
+def ours_from(path):
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), model_overrides_from_hf(read_hf_config(path)))
+    model = build_llama(cfg)
+    model.init_weights()
+    load_hf_weights(model, path)
+    return model.eval()
+
+
+@pytest.mark.parametrize("tie, inter", [(False, 96), (True, 96), (False, 200)])
+def test_import_then_export_keeps_logits(tmp_path, tie, inter):
+    hf, path = tiny_hf(tmp_path, tie, inter)
+    tokens = torch.randint(0, 128, (2, 24))
+    with torch.no_grad():
+        ref = hf(tokens).logits
+        ours = ours_from(path)
+        got = ours(tokens)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    if tie:
+        assert ours.output.weight is ours.tok_embeddings.weight
+
+    out = save_hf(ours, tmp_path / "exported")
+    back = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens).logits, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_sharded_index_export_and_import(tmp_path):
+    hf, path = tiny_hf(tmp_path, False)
+    ours = ours_from(path)
+    out = save_hf(ours, tmp_path / "sharded", max_shard_bytes=20_000)
+    assert (out / "model.safetensors.index.json").exists()
+    again = ours_from(out)
+    tokens = torch.randint(0, 128, (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(again(tokens), hf(tokens).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_convert_cli_round_trip(tmp_path):
+    from conftest import run_cli
+
+    hf, path = tiny_hf(tmp_path, False)
+    proc = run_cli("convert", "from-hf", str(path), str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "run" / "checkpoints" / "step_00000000" / "COMPLETE").exists()
+    proc = run_cli("convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "back"))
+    assert proc.returncode == 0, proc.stderr
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()
+    tokens = torch.randint(0, 128, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens).logits, hf(tokens).logits, atol=1e-5, rtol=1e-5)
+    bad = run_cli("convert", "from-hf", str(tmp_path / "nothing"), str(tmp_path / "x"))
+    assert bad.returncode == 2 and "config.json" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_train_from_hf_weights(tmp_path, nproc):
+    """model.init_from=hf:PATH loads the weights (rank-locally under FSDP2): with a ~0 learning
+    rate the trained model still gives the HF model's logits."""
+    from conftest import REPO, TINY_OVERRIDES, run_cli
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
+                                   max_position_embeddings=128, rope_theta=500000.0)
+    torch.manual_seed(1)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    args = ["train", str(REPO / "yamls" / "demo_cpu.yaml"), *TINY_OVERRIDES, "trainer.max_steps=1",
+            "trainer.eval_every=0", "optimizer.lr=1e-30", "optimizer.weight_decay=0",
+            "scheduler.warmup_steps=0", f"model.init_from=hf:{tmp_path / 'hf'}",
+            f"run.output_dir={tmp_path}", "run.name=ft"]
+    if nproc > 1:
+        args += ["--nproc", "2", "strategy.name=fsdp2"]
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = run_cli("convert", "to-hf", str(tmp_path / "ft"), str(tmp_path / "back"))
+    assert out.returncode == 0, out.stderr
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()
+    tokens = torch.randint(0, 1024, (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens).logits, hf(tokens).logits, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,159 @@
+"""Checkpoints that never lose a run: bit-exact resume after SIGKILL (1 and 2 processes), a save
+killed half-way, SIGTERM, and resuming on another number of processes."""
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, TINY_OVERRIDES, run_cli
+
+DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
+BASE = [*TINY_OVERRIDES, "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
+        "trainer.max_steps=8", "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_batches=1",
+        "scheduler.warmup_steps=2"]
+
+
+def train(out: Path, name: str, *extra: str, nproc: int = 1, env=None):
+    args = ["train", DEMO, *BASE, f"run.output_dir={out}", f"run.name={name}", *extra]
+    if nproc > 1:
+        args += ["--nproc", str(nproc)]
+    return run_cli(*args, cwd=REPO, env=env, timeout=600)
+
+
+def kill_at(step: int, sig: str = "SIGKILL") -> str:
+    return f"callbacks=[{{name: tests.helpers.killers.KillAt, step: {step}, sig: {sig}}}]"
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if "train/loss" in r:
+            out[r["step"]] = r["train/loss"]
+    return out
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    from llmforge.generate import load_for_inference
+
+    model, _, _ = load_for_inference(run_dir)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_bit_exact(a: Path, b: Path, from_step: int):
+    la, lb = losses(a), losses(b)
+    assert sorted(lb) == list(range(1, 9))
+    for s in range(from_step, 9):
+        assert la[s] == lb[s], (s, la[s], lb[s])
+    wa, wb = weights(a), weights(b)
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    return tmp_path_factory.mktemp("resume")
+
+
+@pytest.fixture(scope="module")
+def reference(out):
+    proc = train(out, "ref")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out / "ref"
+
+
+@pytest.fixture(scope="module")
+def reference2(out):
+    proc = train(out, "ref2", "strategy.name=fsdp2", "checkpoint.save_every=4", nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out / "ref2"
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_is_bit_exact_one_process(out, reference):
+    killed = train(out, "k1", "checkpoint.save_every=3", kill_at(6))
+    assert killed.returncode == -signal.SIGKILL
+    ckpts = sorted(p.name for p in (out / "k1" / "checkpoints").iterdir())
+    assert ckpts == ["step_00000003"]
+    resumed = train(out, "k1", "checkpoint.save_every=3", "checkpoint.resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_bit_exact(reference, out / "k1", from_step=4)
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_is_bit_exact_fsdp2_two_processes(out, reference2):
+    killed = train(out, "k2", "strategy.name=fsdp2", "checkpoint.save_every=4", kill_at(6), nproc=2)
+    assert killed.returncode != 0
+    resumed = train(out, "k2", "strategy.name=fsdp2", "checkpoint.save_every=4",
+                    "checkpoint.resume=auto", nproc=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_bit_exact(reference2, out / "k2", from_step=5)
+
+
+@pytest.mark.slow
+def test_save_killed_half_way_keeps_previous_checkpoint(out, reference):
+    crashed = train(out, "half", "checkpoint.save_every=2",
+                    env={"LLMFORGE_CRASH_AT": "after_dcp_write:2"})
+    assert crashed.returncode == -signal.SIGKILL
+    root = out / "half" / "checkpoints"
+    assert (root / "step_00000002" / "COMPLETE").exists()
+    assert (root / ".tmp-step_00000004").is_dir() and not (root / "step_00000004").exists()
+    resumed = train(out, "half", "checkpoint.save_every=2", "checkpoint.resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_bit_exact(reference, out / "half", from_step=3)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_last_step_and_exits_75(out, reference):
+    stopped = train(out, "term", kill_at(4, "SIGTERM"))
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    assert "received SIGTERM" in stopped.stderr and "Traceback" not in stopped.stderr
+    root = out / "term" / "checkpoints"
+    assert [p.name for p in root.iterdir()] == ["step_00000004"]
+    assert json.loads((root / "step_00000004" / "meta.json").read_text())["step"] == 4
+    resumed = train(out, "term", "checkpoint.resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_bit_exact(reference, out / "term", from_step=5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 4])
+def test_resume_two_process_checkpoint_on_other_world_sizes(out, reference, reference2, nproc):
+    ckpt = reference2 / "checkpoints" / "step_00000004"
+    extra = ["strategy.name=fsdp2"] if nproc > 1 else []
+    proc = train(out, f"from2to{nproc}", f"checkpoint.resume={ckpt}", *extra, nproc=nproc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, ref = losses(out / f"from2to{nproc}"), losses(reference)
+    assert sorted(got) == [5, 6, 7, 8]
+    for s in range(5, 9):
+        assert got[s] == pytest.approx(ref[s], abs=1e-5), s
+
+
+@pytest.mark.slow
+def test_async_save_trains_identically_and_tools_read_it(out, reference, tmp_path):
+    proc = train(out, "async", "checkpoint.async_save=true", "checkpoint.save_every=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    root = out / "async" / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000003", "step_00000006", "step_00000008"]
+    assert_bit_exact(reference, out / "async", from_step=1)
+
+    info = run_cli("checkpoint", "inspect", str(out / "async"))
+    assert info.returncode == 0, info.stderr
+    assert "step         8" in info.stdout and "layers.0.attention.wq.weight" in info.stdout
+    assert "(64, 64)" in info.stdout and "optim" in info.stdout
+
+    done = run_cli("checkpoint", "consolidate", str(root / "step_00000008"), str(tmp_path / "m.safetensors"))
+    assert done.returncode == 0, done.stderr
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(tmp_path / "m.safetensors"))
+    ref = weights(reference)
+    assert set(tensors) == set(ref)
+    for k in ref:
+        assert torch.equal(tensors[k], ref[k]), k
+
+    bad = run_cli("checkpoint", "inspect", str(tmp_path))
+    assert bad.returncode == 1 and "not a checkpoint" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,0 +1,196 @@
+"""Generated jobs for a 16-GPU run (2 nodes x 8): the sbatch script, the SkyPilot task and the
+SageMaker estimator; secrets appear by name only."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import REPO, run_cli
+
+DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
+SECRETS = {"WANDB_API_KEY": "wandb-FAKE-secret-0001", "HF_TOKEN": "hf_FAKE_secret_0002",
+           "AWS_SECRET_ACCESS_KEY": "aws-FAKE-secret-0003"}
+BATCH = ["trainer.global_batch_size=256", "trainer.micro_batch_size=2"]
+CLUSTERS = """
+big:
+  type: slurm
+  partition: gpu
+  account: llm-team
+  gpus_per_node: 8
+  gpu_type: h100
+  time_limit: "04:00:00"
+  sbatch: ["--qos=high"]
+  setup: source /opt/venv/bin/activate
+sky:
+  type: skypilot
+  cloud: aws
+  accelerator: H100
+  gpus_per_node: 8
+  spot: true
+  region: us-east-1
+k8s:
+  type: skypilot
+  cloud: kubernetes
+  context: lab-cluster
+  accelerator: H100
+  gpus_per_node: 8
+sm:
+  type: sagemaker
+  instance_type: ml.p5.48xlarge
+  image_uri: 123456789012.dkr.ecr.us-east-1.amazonaws.com/llmforge:latest
+  role: arn:aws:iam::123456789012:role/SageMakerRole
+  channels: {train: s3://my-bucket/shakespeare}
+  checkpoint_s3_uri: s3://my-bucket/checkpoints
+"""
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    h = tmp_path / "home"
+    h.mkdir()
+    (h / "clusters.yaml").write_text(CLUSTERS)
+    monkeypatch.setenv("LLMFORGE_HOME", str(h))
+    for k, v in SECRETS.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.chdir(REPO)
+    return h
+
+
+def _no_secret_values(text: str) -> None:
+    for value in SECRETS.values():
+        assert value not in text
+
+
+def _dry(cluster, *extra, secrets=("WANDB_API_KEY",)):
+    from llmforge.runs.launch import launch
+
+    return launch(DEMO, [*BATCH, *extra], cluster=cluster, gpus=16, dry_run=True, secrets=secrets)
+
+
+def test_sbatch_script_for_two_nodes_of_eight_gpus(home, tmp_path):
+    res = _dry("big")
+    script = res.definition
+    assert (res.plan.nodes, res.plan.procs_per_node, res.plan.batch.gradient_accumulation_steps) == (2, 8, 8)
+    path = tmp_path / "job.sh"
+    path.write_text(script)
+    check = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=h100:8",
+                 "#SBATCH --partition=gpu", "#SBATCH --account=llm-team", "#SBATCH --time=04:00:00",
+                 "#SBATCH --signal=USR1@120", "#SBATCH --requeue", "#SBATCH --qos=high",
+                 "source /opt/venv/bin/activate"):
+        assert line in script.splitlines(), line
+    assert 'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
+    assert "--nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d" in script
+    assert '--rdzv-endpoint="$HEAD_NODE:29500" --rdzv-id="$SLURM_JOB_ID"' in script
+    assert "srun --export=ALL --kill-on-bad-exit=1 --nodes=2 --ntasks-per-node=1" in script
+    assert 'if [ "$code" -eq 75 ]; then' in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+    assert "checkpoint.resume=auto" in script and "-m llmforge.runs.torchrun" in script
+    export = next(ln for ln in script.splitlines() if ln.startswith("#SBATCH --export="))
+    assert export.endswith(",WANDB_API_KEY") and "HF_TOKEN" not in export  # only the named secret
+    _no_secret_values(script)
+
+
+def test_slurm_submit_records_the_job_with_a_fake_sbatch(home, tmp_path, monkeypatch):
+    from llmforge.runs.launch import launch
+    from llmforge.runs.registry import RunRegistry
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho \"$@\" > \"$(dirname \"$0\")/args\"\necho 4242\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    out = tmp_path / "runs"
+    res = launch(DEMO, [*BATCH, f"run.output_dir={out}", "run.name=big16"], cluster="big", gpus=16,
+                 secrets=["WANDB_API_KEY", "HF_TOKEN"])
+    run = RunRegistry().get(res.run.id)
+    assert run.job_id == "4242" and run.status == "pending" and run.kind == "slurm"
+    script = out / "big16" / "launch" / "sbatch-0.sh"
+    assert (bin_dir / "args").read_text().split() == ["--parsable", str(script)]
+    assert run.spec["secrets"] == ["WANDB_API_KEY", "HF_TOKEN"]
+    blobs = [p.read_bytes() for p in home.iterdir() if p.is_file()]
+    blobs += [p.read_bytes() for p in (out / "big16").rglob("*") if p.is_file()]
+    for blob in blobs:
+        for value in SECRETS.values():
+            assert value.encode() not in blob
+
+
+def _sky_fields_ok(task: dict) -> None:
+    from llmforge.runs.skypilot import RESOURCE_FIELDS, TASK_FIELDS
+
+    assert set(task) <= TASK_FIELDS, set(task) - TASK_FIELDS
+    assert set(task["resources"]) <= RESOURCE_FIELDS, set(task["resources"]) - RESOURCE_FIELDS
+
+
+def test_skypilot_task_for_two_nodes_of_eight_gpus(home):
+    text = _dry("sky").definition
+    _no_secret_values(text)
+    task = yaml.safe_load(text)
+    _sky_fields_ok(task)
+    assert task["num_nodes"] == 2
+    assert task["resources"] == {"infra": "aws/us-east-1", "accelerators": "H100:8", "use_spot": True}
+    assert task["secrets"] == {"WANDB_API_KEY": None} and task["envs"]["LLMFORGE_RUN_ID"] == task["name"]
+    for var in ("SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS", "SKYPILOT_NUM_GPUS_PER_NODE", "SKYPILOT_NUM_NODES"):
+        assert var in task["run"], var
+    assert "checkpoint.resume=auto" in task["run"] and task["setup"] == "pip install ."
+    assert task["workdir"] == str(REPO) and " yamls/demo_cpu.yaml " in task["run"]
+    k8s = yaml.safe_load(_dry("k8s").definition)
+    assert k8s["resources"]["infra"] == "k8s/lab-cluster"
+    check = subprocess.run(["bash", "-n", "-c", task["run"]], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+
+
+def _sky_python():
+    try:
+        import sky  # noqa: F401
+
+        return sys.executable
+    except ImportError:
+        return os.environ.get("LLMFORGE_SKYPILOT_PYTHON")
+
+
+@pytest.mark.skipif(not _sky_python(), reason="SkyPilot is not installed (pip install 'llmforge[launch]', or "
+                    "point LLMFORGE_SKYPILOT_PYTHON at a Python that has it); the task's fields are "
+                    "checked against SkyPilot's documented ones in test_skypilot_task_for_two_nodes...")
+def test_skypilot_parser_accepts_the_task(home, tmp_path):
+    path = tmp_path / "task.yaml"
+    path.write_text(_dry("sky").definition)
+    code = ("import sys, sky; t = sky.Task.from_yaml(sys.argv[1]); t.update_secrets({'WANDB_API_KEY': 'x'}); "
+            "r = list(t.resources)[0]; print(t.num_nodes, r.accelerators, r.use_spot, r.region, sorted(t.envs))")
+    out = subprocess.run([_sky_python(), "-c", code, str(path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[-2].startswith("2 {'H100': 8} True us-east-1"), out.stdout
+
+
+def test_sagemaker_estimator_definition(home):
+    text = _dry("sm", secrets=("WANDB_API_KEY", "HF_TOKEN")).definition
+    _no_secret_values(text)
+    d = json.loads(text)
+    assert d["distribution"] == {"torch_distributed": {"enabled": True}}
+    assert (d["instance_type"], d["instance_count"]) == ("ml.p5.48xlarge", 2)
+    assert d["image_uri"].endswith("llmforge:latest") and d["role"].startswith("arn:aws:iam::")
+    assert d["inputs"] == {"train": "s3://my-bucket/shakespeare"}
+    assert d["entry_point"] == "src/llmforge/runs/sagemaker_entry.py" and d["source_dir"] == str(REPO)
+    assert d["hyperparameters"]["config"] == "yamls/demo_cpu.yaml"
+    assert set(d["environment"]) == {"LLMFORGE_RUN_ID", "PYTHONUNBUFFERED", "WANDB_API_KEY", "HF_TOKEN"}
+    assert d["checkpoint_s3_uri"].startswith("s3://my-bucket/checkpoints/")
+
+
+def test_compute_section_drives_the_launch_and_cli_dry_run(home, tmp_path):
+    cfg = tmp_path / "big.yaml"
+    cfg.write_text(f"base: {DEMO}\ntrainer: {{global_batch_size: 256, micro_batch_size: 2}}\n"
+                   "compute: {gpus: 128, cluster: big, secrets: [WANDB_API_KEY]}\nscheduling: {max_retries: 3}\n")
+    env = {"LLMFORGE_HOME": str(home), **SECRETS}
+    proc = run_cli("launch", str(cfg), "--dry-run", env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("# 128 GPUs = 16 node(s) x 8 on big; global batch 256 = micro 2 x "
+                                  "data-parallel 128 x accumulation 1")
+    assert "#SBATCH --nodes=16" in proc.stdout and "WANDB_API_KEY" in proc.stdout
+    _no_secret_values(proc.stdout)
+    if shutil.which("bash"):
+        assert subprocess.run(["bash", "-n"], input=proc.stdout, text=True).returncode == 0

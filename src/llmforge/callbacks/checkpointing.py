@@ -162,6 +162,9 @@ class Checkpointer(Callback):
         if self.save_every_minutes and time.monotonic() - self._last_save_time >= 60 * self.save_every_minutes:
             due = True
         if self._stop_requested(pl_module):
+            # the module logs after callbacks: write this last step's record before stopping
+            if pl_module.step_metrics and hasattr(pl_module, "log_record"):
+                pl_module.log_record(step, pl_module.step_metrics)
             if self.last_saved_step != step:
                 self.save(trainer, pl_module)
             self._finish_pending()

@@ -1,0 +1,293 @@
+"""Command-line parts of run management (registered into ``llmforge``'s parser by cli.py)::
+
+    llmforge launch CONFIG.yaml [--cluster NAME] [--gpus N] [--nodes M] [--secret NAME]... [--dry-run] [key=value ...]
+    llmforge clusters
+    llmforge secrets
+    llmforge runs list [--status S] [--cluster C]
+    llmforge runs describe RUN
+    llmforge runs logs RUN [--follow] [--resumption K]
+    llmforge runs stop RUN [--no-wait] [--timeout S]
+    llmforge runs delete RUN [--purge] [--yes]
+    llmforge runs restart RUN [key=value ...]
+
+RUN is a run id, a unique prefix of one, or a run name (its newest run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from llmforge.errors import LLMForgeError
+
+
+def _debug(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def add_parsers(sub: Any, runs_sub: Any) -> None:
+    """Add ``launch``, ``clusters``, ``secrets`` to ``sub`` and list/describe/logs/stop/delete/
+    restart to the ``runs`` group ``runs_sub``."""
+    la = sub.add_parser("launch", help="start a recorded run on a cluster (local, slurm, skypilot, sagemaker)")
+    la.add_argument("config", help="YAML file (e.g. yamls/demo_cpu.yaml)")
+    la.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. trainer.max_steps=100")
+    la.add_argument("--cluster", default=None, help="cluster name (default: compute.cluster, i.e. local)")
+    la.add_argument("--gpus", type=int, default=None, metavar="N",
+                    help="GPUs for the whole job (CPU processes without GPUs); default compute.gpus")
+    la.add_argument("--nodes", type=int, default=None, metavar="M", help="nodes (default: derived)")
+    la.add_argument("--secret", action="append", default=[], metavar="NAME",
+                    help="forward this environment variable to the job by name (repeatable)")
+    la.add_argument("--dry-run", action="store_true", help="print the script/task/estimator; submit nothing")
+    _debug(la)
+    _debug(sub.add_parser("clusters", help="list the clusters (GPU type and count per node)"))
+    _debug(sub.add_parser("secrets", help="list the credentials this environment provides (names only)"))
+
+    rl = runs_sub.add_parser("list", help="a table of runs")
+    rl.add_argument("--status", choices=["pending", "running", "completed", "failed", "stopped"])
+    rl.add_argument("--cluster", default=None)
+    _debug(rl)
+    rd = runs_sub.add_parser("describe", help="config, timeline and last metrics of a run")
+    rd.add_argument("run", metavar="RUN")
+    _debug(rd)
+    lg = runs_sub.add_parser("logs", help="print a run's output")
+    lg.add_argument("run", metavar="RUN")
+    lg.add_argument("--follow", "-f", action="store_true", help="keep printing until the run ends")
+    lg.add_argument("--resumption", type=int, default=None, metavar="K", help="default: the latest")
+    _debug(lg)
+    st = runs_sub.add_parser("stop", help="stop a run (it saves a checkpoint and exits 75)")
+    st.add_argument("run", metavar="RUN")
+    st.add_argument("--no-wait", action="store_true", help="return after signalling")
+    st.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for the processes")
+    _debug(st)
+    de = runs_sub.add_parser("delete", help="remove a run's record (--purge: and its run directory)")
+    de.add_argument("run", metavar="RUN")
+    de.add_argument("--purge", action="store_true", help="also delete the run directory")
+    de.add_argument("--yes", "-y", action="store_true", help="do not ask before purging")
+    _debug(de)
+    rs = runs_sub.add_parser("restart", help="start a run again from its newest checkpoint")
+    rs.add_argument("run", metavar="RUN")
+    rs.add_argument("overrides", nargs="*", help="extra dotlist overrides")
+    _debug(rs)
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 200, soft_wrap=False)
+
+
+def _time(t: Optional[float]) -> str:
+    return dt.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S") if t else "-"
+
+
+def _duration(run: Any) -> str:
+    if not run.started_at:
+        return "-"
+    seconds = int((run.ended_at or time.time()) - run.started_at)
+    return str(dt.timedelta(seconds=seconds))
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from llmforge.runs.launch import launch
+
+    res = launch(args.config, args.overrides, cluster=args.cluster, gpus=args.gpus, nodes=args.nodes,
+                 dry_run=args.dry_run, secrets=args.secret)
+    if args.dry_run:
+        print(f"# {res.plan.summary()}")
+        sys.stdout.write(res.definition)
+        return 0
+    run = res.run
+    assert run is not None
+    where = f"job {run.job_id}" if run.job_id else f"process group {run.pgid}"
+    print(f"launched {run.id} on {run.cluster} ({where}): {res.plan.summary()}")
+    print(f"run directory: {run.run_dir}")
+    print(f"follow: llmforge runs logs {run.id} --follow | status: llmforge runs list | "
+          f"stop: llmforge runs stop {run.id}")
+    return 0
+
+
+def cmd_clusters(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from llmforge.runs.clusters import clusters_file, describe, load_clusters
+
+    table = Table(title=f"clusters ({clusters_file()})")
+    for col in ("name", "type", "GPU type", "GPUs/node", "where"):
+        table.add_column(col, no_wrap=True)
+    for cluster in load_clusters().values():
+        row = describe(cluster)
+        table.add_row(row["name"], row["type"], row["gpu_type"], row["gpus_per_node"], row["where"])
+    _console().print(table)
+    return 0
+
+
+def cmd_secrets(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from llmforge.runs.secrets import available
+
+    rows = available()
+    table = Table(title="credentials in this environment (values never shown)")
+    for col in ("name", "service", "source"):
+        table.add_column(col, no_wrap=True)
+    for r in rows:
+        table.add_row(r["name"], r["service"], r["source"])
+    _console().print(table)
+    if not rows:
+        print("none found")
+    print("forward to a job by name: llmforge launch CONFIG --secret NAME (or compute.secrets: [NAME])")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from llmforge.runs.launch import refresh
+    from llmforge.runs.registry import RunRegistry
+
+    registry = RunRegistry()
+    refresh(registry)
+    runs = registry.list(status=args.status, cluster=args.cluster)
+    table = Table()
+    for col in ("id", "name", "cluster", "status", "step", "loss", "resumptions", "created", "duration"):
+        table.add_column(col, no_wrap=True)
+    colors = {"running": "cyan", "completed": "green", "failed": "red", "stopped": "yellow"}
+    for r in runs:
+        loss = f"{r.last_loss:.4f}" if r.last_loss is not None else "-"
+        status = f"[{colors.get(r.status, 'white')}]{r.status}[/]"
+        table.add_row(r.id, r.name, r.cluster, status, str(r.last_step if r.last_step is not None else "-"),
+                      loss, str(r.resumptions), _time(r.created_at), _duration(r))
+    _console().print(table)
+    if not runs:
+        print(f"no runs in {registry.path}")
+    return 0
+
+
+def _last_metrics(run_dir: Optional[str]) -> dict[str, Any]:
+    path = Path(run_dir or "") / "metrics.jsonl"
+    last: dict[str, Any] = {}
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                last.update(json.loads(line))
+    return last
+
+
+def cmd_describe(args: argparse.Namespace) -> int:
+    import yaml
+
+    from llmforge.runs.launch import refresh
+    from llmforge.runs.registry import RunRegistry
+
+    registry = RunRegistry()
+    refresh(registry)
+    r = registry.resolve(args.run)
+    where = f"SLURM/SkyPilot/SageMaker job {r.job_id}" if r.job_id else f"process group {r.pgid}"
+    lines = [f"run          {r.id}", f"name         {r.name}", f"cluster      {r.cluster} ({r.kind})",
+             f"status       {r.status}" + (f" (exit code {r.exit_code})" if r.exit_code is not None else ""),
+             f"created      {_time(r.created_at)}", f"started      {_time(r.started_at)}",
+             f"ended        {_time(r.ended_at)}", f"duration     {_duration(r)}",
+             f"run dir      {r.run_dir}", f"process      {where}",
+             f"size         {r.spec.get('summary', '-')}",
+             f"resumptions  {r.resumptions} (automatic restarts {r.retries}/{r.spec.get('max_retries', 0)})",
+             f"secrets      {', '.join(r.spec.get('secrets', [])) or '-'} (names only)",
+             f"last step    {r.last_step if r.last_step is not None else '-'}  loss "
+             f"{r.last_loss if r.last_loss is not None else '-'}"]
+    if r.message:
+        lines.append(f"message      {r.message}")
+    lines.append("\ntimeline")
+    for e in registry.events(r.id):
+        lines.append(f"  {_time(e['time'])}  {e['kind']:<10} {e['detail'] or ''}")
+    metrics = _last_metrics(r.run_dir)
+    if metrics:
+        lines.append("\nlast metrics (metrics.jsonl)")
+        lines += [f"  {k:<40} {v}" for k, v in metrics.items()]
+    lines.append("\nconfig (secrets redacted)")
+    lines.append(yaml.safe_dump(r.config, sort_keys=False).rstrip())
+    print("\n".join(lines))
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from llmforge.runs.launch import refresh
+    from llmforge.runs.registry import RunRegistry
+
+    registry = RunRegistry()
+    r = registry.resolve(args.run)
+    k = r.resumptions if args.resumption is None else args.resumption
+    path = Path(r.run_dir or "") / "logs" / f"resumption-{k}.log"
+    if not path.is_file() and not args.follow:
+        hint = {"skypilot": f"; SkyPilot keeps its own: sky logs {str(r.job_id).split('/')[0]}",
+                "sagemaker": "; see the job's CloudWatch logs"}.get(r.kind, "")
+        raise LLMForgeError(f"no log {path} (resumptions of this run: 0..{r.resumptions}){hint}")
+    pos = 0
+    while True:
+        if path.is_file():
+            with open(path, "rb") as f:
+                f.seek(pos)
+                chunk = f.read()
+                pos += len(chunk)
+            if chunk:
+                sys.stdout.write(chunk.decode("utf-8", errors="replace"))
+                sys.stdout.flush()
+        if not args.follow:
+            return 0
+        refresh(registry)
+        now = registry.get(r.id)
+        if not now.active and (now.resumptions == k or args.resumption is not None):
+            return 0
+        if now.resumptions != k and args.resumption is None:  # a restart began: follow it
+            k, pos = now.resumptions, 0
+            path = Path(r.run_dir or "") / "logs" / f"resumption-{k}.log"
+            continue
+        time.sleep(0.5)
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from llmforge.runs.launch import stop
+
+    r = stop(args.run, wait=not args.no_wait, timeout=args.timeout)
+    print(f"{r.id}: {r.status}" + (f" (exit code {r.exit_code})" if r.exit_code is not None else ""))
+    return 0
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    from llmforge.runs.launch import refresh
+    from llmforge.runs.registry import RunRegistry
+
+    registry = RunRegistry()
+    refresh(registry)
+    r = registry.resolve(args.run)
+    if r.active:
+        raise LLMForgeError(f"run {r.id} is {r.status}; stop it first (llmforge runs stop {r.id})")
+    if args.purge and r.run_dir and Path(r.run_dir).exists():
+        if not args.yes:
+            if not sys.stdin.isatty():
+                raise LLMForgeError(f"--purge deletes {r.run_dir}: confirm with --yes")
+            if input(f"delete {r.run_dir} and everything in it? [y/N] ").strip().lower() not in ("y", "yes"):
+                print("nothing deleted")
+                return 1
+        shutil.rmtree(r.run_dir)
+        print(f"deleted {r.run_dir}")
+    registry.delete(r.id)
+    print(f"deleted record {r.id}")
+    return 0
+
+
+def cmd_restart(args: argparse.Namespace) -> int:
+    from llmforge.runs.launch import restart
+
+    r = restart(args.run, args.overrides)
+    print(f"restarted {r.id} as resumption {r.resumptions} (checkpoint.resume=auto) on {r.cluster}")
+    return 0
+
+
+TOP_COMMANDS = {"launch": cmd_launch, "clusters": cmd_clusters, "secrets": cmd_secrets}
+RUN_COMMANDS = {"list": cmd_list, "describe": cmd_describe, "logs": cmd_logs, "stop": cmd_stop,
+                "delete": cmd_delete, "restart": cmd_restart}

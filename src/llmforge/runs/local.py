@@ -1,0 +1,133 @@
+"""The ``local`` backend: a detached supervisor process group on this machine.
+
+``llmforge launch --cluster local`` starts ``python -m llmforge.runs.supervisor RUN_ID`` in a new
+session (its process group id is the supervisor's pid, recorded as the run's ``pgid``); the
+supervisor runs torchrun (:mod:`llmforge.runs.torchrun`) with the output in
+``<run_dir>/logs/resumption-<k>.log`` and updates the registry. torch's launcher starts each
+worker in a session of its own, so "the run's processes" are the supervisor's process group and
+every descendant of it (found through /proc).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Mapping, Optional
+
+from llmforge.runs.registry import RunRecord
+
+
+def _proc_table() -> Optional[dict[int, tuple[int, int, str]]]:
+    """``{pid: (ppid, pgid, state)}`` from /proc, or None where /proc is missing."""
+    root = Path("/proc")
+    if not (root / "self" / "stat").exists():
+        return None
+    table = {}
+    for stat in root.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        table[int(stat.parent.name)] = (int(fields[1]), int(fields[2]), fields[0])
+    return table
+
+
+def run_pids(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of a local run: the process group ``pgid`` and all their
+    descendants (the torch workers live in sessions of their own)."""
+    table = _proc_table()
+    if table is None:
+        return []
+    members = {pid for pid, (_, g, _) in table.items() if g == pgid}
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    todo = list(members)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in members:
+                members.add(child)
+                todo.append(child)
+    return sorted(p for p in members if table[p][2] not in ("Z", "X"))
+
+
+def group_alive(pgid: Optional[int]) -> bool:
+    """Whether any non-zombie process is left in process group ``pgid``."""
+    if not pgid:
+        return False
+    table = _proc_table()
+    if table is None:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return any(g == pgid and state not in ("Z", "X") for _, g, state in table.values())
+
+
+def start_supervisor(run: RunRecord, env: Mapping[str, str], workdir: str) -> int:
+    """Start the detached supervisor of ``run``; returns its pid (= the process group id).
+
+    Its own output goes to ``<run_dir>/logs/supervisor.log``; it never holds the caller's
+    terminal or pipes, so the caller can exit at once."""
+    logs = Path(run.run_dir or ".") / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / "supervisor.log", "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "llmforge.runs.supervisor", run.id], cwd=workdir,
+                                env=dict(env), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    return proc.pid
+
+
+def signal_run(pgid: int, sig: int = signal.SIGTERM) -> list[int]:
+    """Send ``sig`` to the process group of every training worker of the run (each worker and
+    its data-loader processes), or to the run's own group ``pgid`` when no worker runs yet;
+    returns the pids that were alive. Missing processes are ignored.
+
+    The workers save and exit 75; torch's agent then reports 75 and the supervisor records
+    ``stopped`` (signalling the agent instead would make it exit with the signal)."""
+    pids = run_pids(pgid)
+    groups = set()
+    for pid in pids:
+        try:
+            groups.add(os.getpgid(pid))
+        except ProcessLookupError:
+            pass
+    groups.discard(pgid)
+    groups = groups or {pgid}
+    for group in sorted(groups):
+        try:
+            os.killpg(group, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return pids
+
+
+def wait_gone(pids: list[int], timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for every pid to exit (zombies count as gone)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        table = _proc_table()
+        alive = [p for p in pids if table is not None and p in table and table[p][2] not in ("Z", "X")]
+        if table is None:
+            alive = [p for p in pids if _exists(p)]
+        if not alive:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

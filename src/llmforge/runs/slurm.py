@@ -1,0 +1,138 @@
+"""The ``slurm`` backend: an sbatch script, submitted with ``sbatch``.
+
+One srun task per node runs torchrun (:mod:`llmforge.runs.torchrun`, torchrun's arguments)
+with a c10d rendezvous on the first node's hostname. ``#SBATCH --signal=USR1@<s>`` makes SLURM
+send SIGUSR1 ``s`` seconds before the time limit: llmforge saves a checkpoint and exits 75, on
+which the script requeues the job (``--requeue``) and the next start continues with
+``checkpoint.resume=auto``. Credentials are forwarded by name only (``--export``; the values
+come from the submitting environment). Output: ``<run_dir>/logs/resumption-<k>.log``.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from typing import Any
+
+from llmforge.errors import LLMForgeError
+from llmforge.runs.clusters import SlurmCluster
+
+# Non-secret variables a job needs from the submitting environment (exported by name if set).
+# sbatch passes only these (and the named secrets); srun inside uses --export=ALL so that the
+# variables the script sets (LLMFORGE_RUN_ID, ...) reach the tasks.
+ENV_NAMES = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "VIRTUAL_ENV", "CONDA_PREFIX", "PYTHONPATH",
+             "LD_LIBRARY_PATH", "LLMFORGE_CACHE", "HF_HOME", "HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE",
+             "TOKENIZERS_PARALLELISM", "TORCHAO_FORCE_SKIP_LOADING_SO_FILES")
+
+
+def train_args(spec: dict[str, Any]) -> list[str]:
+    """``-m llmforge train CONFIG OVERRIDES checkpoint.resume=auto`` (the part after torchrun's options)."""
+    return ["-m", "llmforge", "train", spec["config_path"], *spec.get("overrides", []),
+            "checkpoint.resume=auto"]
+
+
+def export_names(spec: dict[str, Any], env: Any = None) -> list[str]:
+    """Variable names for ``--export``: the non-secret basics that are set, plus the secrets."""
+    env = os.environ if env is None else env
+    return [n for n in ENV_NAMES if env.get(n)] + list(spec.get("secrets", []))
+
+
+def sbatch_script(run_id: str, name: str, spec: dict[str, Any], cluster: SlurmCluster,
+                  base_resumption: int = 0) -> str:
+    """The sbatch script of a run (names of secrets only, never values)."""
+    q = shlex.quote
+    run_dir, nodes, per_node = spec["run_dir"], int(spec["nodes"]), int(spec["procs_per_node"])
+    lines = ["#!/bin/bash",
+             f"# llmforge launch: run {run_id} on cluster {cluster.name}: {spec.get('summary', '')}",
+             f"#SBATCH --job-name={name}"]
+    if cluster.partition:
+        lines.append(f"#SBATCH --partition={cluster.partition}")
+    if cluster.account:
+        lines.append(f"#SBATCH --account={cluster.account}")
+    lines += [f"#SBATCH --nodes={nodes}", "#SBATCH --ntasks-per-node=1"]
+    if cluster.gpus_per_node:
+        gres = f"{cluster.gpu_type}:{per_node}" if cluster.gpu_type else str(per_node)
+        lines.append(f"#SBATCH --gpus-per-node={gres}")
+    if cluster.cpus_per_task:
+        lines.append(f"#SBATCH --cpus-per-task={cluster.cpus_per_task}")
+    if cluster.time_limit:
+        lines.append(f"#SBATCH --time={cluster.time_limit}")
+    lines += [f"#SBATCH --signal=USR1@{cluster.signal_seconds}",
+              "#SBATCH --requeue",
+              "#SBATCH --open-mode=append",
+              f"#SBATCH --output={run_dir}/logs/slurm-%j.log",
+              f"#SBATCH --export={','.join(export_names(spec)) or 'NONE'}"]
+    lines += [f"#SBATCH {opt}" for opt in cluster.sbatch]
+    python = cluster.python or sys.executable
+    torchrun = [python, "-m", "llmforge.runs.torchrun", f"--nnodes={nodes}",
+                f"--nproc-per-node={per_node}", "--rdzv-backend=c10d"]
+    command = " ".join(q(a) for a in torchrun)
+    command += f' --rdzv-endpoint="$HEAD_NODE:{cluster.port}" --rdzv-id="$SLURM_JOB_ID" \\\n    '
+    command += " ".join(q(a) for a in train_args(spec))
+    lines += ["",
+              "set -uo pipefail",
+              f"export LLMFORGE_RUN_ID={q(run_id)}",
+              f"export LLMFORGE_HOME={q(spec['home'])}",
+              f"export LLMFORGE_BASE_RESUMPTION={int(base_resumption)}",
+              "export PYTHONUNBUFFERED=1",
+              'RESUMPTION=$((LLMFORGE_BASE_RESUMPTION + ${SLURM_RESTART_COUNT:-0}))',
+              f'mkdir -p {q(run_dir + "/logs")}',
+              f'LOG={q(run_dir + "/logs")}/resumption-$RESUMPTION.log',
+              'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+              f"cd {q(spec['workdir'])}"]
+    if cluster.setup:
+        lines += ["", cluster.setup.rstrip(), ""]
+    lines += ['echo "== llmforge: job $SLURM_JOB_ID, resumption $RESUMPTION, rendezvous '
+              f'$HEAD_NODE:{cluster.port}, $(date)" >> "$LOG"',
+              f"srun --export=ALL --kill-on-bad-exit=1 --nodes={nodes} --ntasks-per-node=1 \\\n  {command} \\\n"
+              '  >> "$LOG" 2>&1',
+              "code=$?",
+              'echo "== exit code $code" >> "$LOG"',
+              'if [ "$code" -eq 75 ]; then',
+              '  # saved a checkpoint on SIGUSR1 (time limit) or preemption: continue in a new allocation',
+              '  scontrol requeue "$SLURM_JOB_ID"',
+              "fi",
+              'exit "$code"', ""]
+    return "\n".join(lines)
+
+
+def submit(script_path: str) -> str:
+    """``sbatch --parsable SCRIPT``; returns the job id.
+
+    Raises:
+        LLMForgeError: sbatch is missing or refuses the job (its message is included).
+    """
+    try:
+        out = subprocess.run(["sbatch", "--parsable", script_path], capture_output=True, text=True,
+                             timeout=120)
+    except FileNotFoundError as exc:
+        raise LLMForgeError("sbatch not found: run llmforge launch on a SLURM login node") from exc
+    if out.returncode != 0:
+        raise LLMForgeError(f"sbatch refused the job: {out.stderr.strip() or out.stdout.strip()}")
+    return out.stdout.strip().split(";")[0]
+
+
+def cancel(job_id: str) -> None:
+    """``scancel JOB``: SLURM sends SIGTERM to every task (llmforge saves and exits 75), then kills.
+
+    Raises:
+        LLMForgeError: scancel is missing or fails.
+    """
+    try:
+        out = subprocess.run(["scancel", str(job_id)], capture_output=True, text=True, timeout=60)
+    except FileNotFoundError as exc:
+        raise LLMForgeError("scancel not found: run this on a SLURM login node") from exc
+    if out.returncode != 0:
+        raise LLMForgeError(f"scancel {job_id}: {out.stderr.strip()}")
+
+
+def job_state(job_id: str) -> str:
+    """The job's state from ``squeue`` (e.g. RUNNING, PENDING), or "" when it has left the queue."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True,
+                             text=True, timeout=30)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return "UNKNOWN"
+    return out.stdout.strip() if out.returncode == 0 else ""

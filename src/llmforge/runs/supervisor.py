@@ -1,0 +1,137 @@
+"""``python -m llmforge.runs.supervisor RUN_ID``: runs a local job, records it, restarts it.
+
+Started detached by ``llmforge launch``/``llmforge runs restart`` (the leader of the run's
+process group). For each resumption ``k`` it runs torchrun (:mod:`llmforge.runs.torchrun`)
+with the output in ``<run_dir>/logs/resumption-<k>.log`` and ``checkpoint.resume=auto`` from
+the first restart on, waits, and records the outcome:
+
+========================================  ===========================================
+exit of the training                      status
+========================================  ===========================================
+0                                         ``completed``
+75 (saved on SIGTERM/SIGUSR1), or a stop  ``stopped`` (never restarted)
+2 (configuration or data error)           ``failed`` (never restarted)
+anything else (killed process, crash)     restarted up to ``scheduling.max_retries``
+                                          times as a new resumption, then ``failed``
+========================================  ===========================================
+
+SIGTERM, SIGINT and SIGHUP to the supervisor mean "stop": it keeps waiting for the workers
+(which save and exit 75) and does not restart them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from llmforge.runs.registry import RunRecord, RunRegistry
+
+EXIT_CONFIG = 2
+EXIT_PREEMPTED = 75  # llmforge.callbacks.checkpointing.EXIT_PREEMPTED (not imported: no torch here)
+SHUTDOWN_TIMEOUT_S = 300
+
+
+def torchrun_command(spec: dict[str, Any], resume: bool, python: str = sys.executable) -> list[str]:
+    """The local training command: torchrun on one node with ``spec['procs_per_node']`` workers."""
+    cmd = [python, "-m", "llmforge.runs.torchrun", "--standalone",
+           f"--nproc-per-node={spec['procs_per_node']}", f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}",
+           "-m", "llmforge", "train", spec["config_path"], *spec.get("overrides", [])]
+    if resume:
+        cmd.append("checkpoint.resume=auto")
+    return cmd
+
+
+def decide(code: int, stop_requested: bool, retries: int, max_retries: int) -> Optional[str]:
+    """Final status for an exit code, or None to restart (see the module table)."""
+    if code == 0:
+        return "completed"
+    if stop_requested or code == EXIT_PREEMPTED:
+        return "stopped"
+    if code == EXIT_CONFIG or retries >= max_retries:
+        return "failed"
+    return None
+
+
+class Supervisor:
+    """Runs the resumptions of one local run (see the module doc)."""
+
+    def __init__(self, run_id: str, registry: Optional[RunRegistry] = None) -> None:
+        self.registry = registry or RunRegistry()
+        self.run_id = run_id
+        self.stop = False
+        self.child: Optional[subprocess.Popen] = None
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.stop = True  # the workers get the signal too (or from torch's agent) and save
+
+    def stop_requested(self) -> bool:
+        return self.stop or bool(self.registry.get(self.run_id).stop_requested)
+
+    def run_once(self, run: RunRecord) -> int:
+        spec = run.spec
+        k = run.resumptions
+        log_path = Path(run.run_dir or ".") / "logs" / f"resumption-{k}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = torchrun_command(spec, resume=k > 0 or bool(spec.get("resume")))
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(spec["procs_per_node"]))))
+        fields: dict[str, Any] = {"pgid": os.getpgid(0), "exit_code": None}
+        if run.started_at is None:
+            fields["started_at"] = time.time()
+        self.registry.set_status(self.run_id, "running", f"resumption {k}: {' '.join(cmd[1:])}", **fields)
+        with open(log_path, "ab") as log:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            log.write(f"== llmforge supervisor {stamp}: run {run.id}, resumption {k}\n"
+                      f"== {' '.join(cmd)}\n".encode())
+            log.flush()
+            self.child = subprocess.Popen(cmd, cwd=spec.get("workdir") or None, env=env,
+                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+            code = self.child.wait()
+            log.write(f"== exit code {code}\n".encode())
+        return code
+
+    def supervise(self) -> int:
+        """Run until a final status; returns the last exit code."""
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+        while True:
+            run = self.registry.get(self.run_id)
+            if self.stop_requested():  # stopped before (re)starting: nothing to save
+                self.registry.set_status(self.run_id, "stopped", "stop requested before training started")
+                return 0
+            code = self.run_once(run)
+            run = self.registry.get(self.run_id)
+            max_retries = int(run.spec.get("max_retries", 0))
+            status = decide(code, self.stop_requested(), run.retries, max_retries)
+            if status is None:
+                retries = self.registry.increment(self.run_id, "retries")
+                self.registry.increment(self.run_id, "resumptions")
+                self.registry.update(self.run_id, event=(
+                    "restart", f"exit code {code} (system failure); restart {retries}/{max_retries} "
+                               "from the newest checkpoint"))
+                continue
+            why = {"completed": "exit code 0", "stopped": f"exit code {code} (stop requested or "
+                   "preempted; checkpoint saved)", "failed": f"exit code {code}"}[status]
+            if status == "failed" and code == EXIT_CONFIG:
+                why += " (configuration or data error: see the log)"
+            elif status == "failed" and max_retries:
+                why += f" after {run.retries} restart(s)"
+            self.registry.set_status(self.run_id, status, why, exit_code=code)
+            return code
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        print("usage: python -m llmforge.runs.supervisor RUN_ID", file=sys.stderr)
+        return 2
+    return Supervisor(args[0]).supervise()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

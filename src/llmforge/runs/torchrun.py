@@ -1,0 +1,81 @@
+"""``python -m llmforge.runs.torchrun ARGS``: torchrun (same arguments) that keeps the exit code.
+
+Plain ``torchrun`` exits 1 whenever a worker fails, so a scheduler cannot tell a clean
+preemption (llmforge exits 75 after saving) from a crash. This runs torch's own launcher
+(``torch.distributed.run``: argument parsing, rendezvous, elastic agent) and exits with:
+
+- 0 when every worker succeeded;
+- 75 when a worker exited 75 (saved on SIGTERM/SIGUSR1), else 2 when one exited 2 (a
+  configuration error), else the first failed rank's code (128 + N for a worker killed by
+  signal N);
+- 128 + N when the launcher itself got signal N (it has already forwarded it to the workers and
+  waited ``--shutdown-timeout`` seconds for them).
+
+SIGUSR1 — what SLURM sends before a time limit — is forwarded to every worker's process group
+(workers are session leaders) instead of killing the launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc; empty where /proc is missing)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _forward_usr1(signum: int, frame: object) -> None:
+    for child in child_pids(os.getpid()):
+        try:
+            os.killpg(child, signal.SIGUSR1)
+        except (ProcessLookupError, PermissionError):
+            try:
+                os.kill(child, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+
+
+def exit_code(failures: dict) -> int:
+    """The code to exit with for torchelastic's ``{rank: ProcessFailure}`` (see module doc)."""
+    codes = [f.exitcode for _, f in sorted(failures.items())]
+    for wanted in (75, 2):
+        if wanted in codes:
+            return wanted
+    if not codes:
+        return 1
+    code = codes[0]
+    return 128 - code if code < 0 else (code or 1)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Parse torchrun arguments, run the workers, return the exit code (see module doc)."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    signal.signal(signal.SIGUSR1, _forward_usr1)
+    args = torchrun.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        torchrun.run(args)
+    except ChildFailedError as exc:
+        return exit_code(exc.failures)
+    except SignalException as exc:
+        return 128 + int(exc.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

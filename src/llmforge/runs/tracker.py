@@ -1,0 +1,92 @@
+"""``RunTracker``: the training process reports to the runs registry.
+
+:meth:`llmforge.training.trainer.Trainer.build_callbacks` adds it on rank 0 when the
+environment has ``LLMFORGE_RUN_ID`` (set by ``llmforge launch`` for every backend). It marks
+the run ``running`` when training starts, records the last step and ``train/loss`` at every
+logged step, and at the end marks it ``completed``, ``stopped`` (the run saved and exits 75 on
+SIGTERM/SIGUSR1: :class:`~llmforge.callbacks.checkpointing.Preempted`) or ``failed`` (any other
+exception, with its message). Registry errors are reported once and never stop training.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Optional
+
+from lightning.pytorch.callbacks import Callback
+
+from llmforge.runs.registry import RunRegistry
+
+
+class RunTracker(Callback):
+    """Writes a run's progress into the registry.
+
+    Args:
+        run_id: the registry id (``LLMFORGE_RUN_ID``).
+        db_path: the registry file; default ``$LLMFORGE_HOME/runs.db``.
+    """
+
+    def __init__(self, run_id: str, db_path: Optional[str] = None) -> None:
+        self.run_id = run_id
+        self.registry = RunRegistry(db_path)
+        self._seen = 0
+        self._warned = False
+
+    def _safe(self, fn: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            fn(*args, **kwargs)
+        except Exception as exc:  # the registry must never break a training run
+            if not self._warned:
+                print(f"warning: runs registry {self.registry.path}: {exc}", file=sys.stderr)
+                self._warned = True
+
+    def _progress(self, pl_module: Any) -> dict[str, Any]:
+        history = getattr(pl_module, "history", [])
+        new = history[self._seen:]
+        self._seen = len(history)
+        out: dict[str, Any] = {}
+        for record in new:
+            out["last_step"] = int(record.get("step", 0))
+            if "train/loss" in record:
+                out["last_loss"] = float(record["train/loss"])
+        return out
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._safe(self._start, trainer)
+
+    def _start(self, trainer: Any) -> None:
+        fields: dict[str, Any] = {"last_step": int(trainer.global_step)}
+        base = os.environ.get("LLMFORGE_BASE_RESUMPTION")
+        if base is not None:  # a scheduler job: each SLURM requeue is a new resumption
+            fields["resumptions"] = int(base) + int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+        run = self.registry.get(self.run_id)
+        if run.started_at is None:
+            import time
+
+            fields["started_at"] = time.time()
+        if run.status != "running":
+            self.registry.set_status(self.run_id, "running", f"training started at step "
+                                     f"{trainer.global_step}", **fields)
+        else:
+            self.registry.update(self.run_id, **fields)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        fields = self._progress(pl_module)  # records up to the previous logged step
+        if fields:
+            self._safe(self.registry.update, self.run_id, **fields)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        fields = {**self._progress(pl_module), "last_step": int(trainer.global_step)}
+        self._safe(self.registry.set_status, self.run_id, "completed",
+                   f"training finished at step {trainer.global_step}", **fields)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        from llmforge.callbacks.checkpointing import Preempted
+
+        fields = {**self._progress(pl_module), "last_step": int(trainer.global_step)}  # steps done
+        if isinstance(exception, Preempted):
+            self._safe(self.registry.set_status, self.run_id, "stopped", str(exception)[:500], **fields)
+        else:
+            msg = f"{type(exception).__name__}: {exception}"[:500]
+            self._safe(self.registry.set_status, self.run_id, "failed", msg, message=msg, **fields)

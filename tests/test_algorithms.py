@@ -205,3 +205,17 @@ def test_doc_examples_load_and_check(page, tmp_path):
     path.write_text(blocks[0].replace("base: yamls/", f"base: {REPO}/yamls/"))
     algos = build_algorithms(load_config(path))
     assert algos and algos[0].name == page.removesuffix(".md")
+
+
+def test_fp8_all_gather_weights_save_as_plain_tensors():
+    torch.manual_seed(0)
+    model = Llama(LlamaArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=256,
+                            multiple_of=32, max_seq_len=32))
+    model = Float8(enable_fsdp_float8_all_gather=True).apply(model, None)
+    wq = model.layers[0].attention.wq.weight
+    assert type(wq).__name__ == "WeightWithDynamicFloat8CastTensor"
+    sd = model.state_dict()
+    assert all(type(v) is torch.Tensor for v in sd.values())
+    model.load_state_dict({k: torch.full_like(v, 0.5) for k, v in sd.items()})
+    assert type(wq).__name__ == "WeightWithDynamicFloat8CastTensor"
+    assert bool((wq._tensor == 0.5).all())

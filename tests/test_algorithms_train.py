@@ -144,8 +144,13 @@ def test_fp8_all_gather_under_fsdp2_same_losses_and_float8_shards(cli_dir):
     proc, gathered = cli_run(
         cli_dir, "fsdp2_fp8_all_gather",
         "algorithms=[{name: float8, enable_fsdp_float8_all_gather: true}]",
-        f"callbacks=[{{name: f8probe.Probe, out: '{probe}'}}]", nproc=2)
+        f"callbacks=[{{name: f8probe.Probe, out: '{probe}'}}]", nproc=2, save=True)
     assert losses(gathered) == pytest.approx(losses(plain), abs=1e-4)
+    # the checkpoint holds plain tensors: it loads without torchao's classes (weights_only)
+    from llmforge.generate import load_for_inference
+
+    model = load_for_inference(cli_dir / "fsdp2_fp8_all_gather")[0]
+    assert type(model.layers[0].attention.wq.weight.data) is torch.Tensor
     assert "float8: 14 Linear layers in FP8 (tensorwise, FP8 all-gather), 1 kept" in proc.stdout
     types = json.loads(probe.read_text())
     assert types["layers.0.attention.wq.weight"] == ["DTensor", "WeightWithDynamicFloat8CastTensor"]

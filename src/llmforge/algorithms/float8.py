@@ -86,6 +86,28 @@ def build_model_on_meta(cfg: Any) -> nn.Module:
         return factory(cfg.model)
 
 
+def plain_weight_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """State-dict post-hook: replace a float8 all-gather weight wrapper (possibly inside a
+    DTensor shard) by a view of its plain inner tensor."""
+    import torch
+
+    key = prefix + "weight"
+    t = state_dict.get(key)
+    local = getattr(t, "_local_tensor", None)
+    inner = getattr(local if local is not None else t, "_tensor", None)
+    if inner is None:
+        return
+    inner = inner.detach()  # the original Parameter: a detached view shares its storage
+    with torch.no_grad():
+        if local is None:
+            state_dict[key] = inner
+        else:
+            from torch.distributed.tensor import DTensor
+
+            state_dict[key] = DTensor.from_local(inner, t.device_mesh, t.placements,
+                                                 run_check=False, shape=t.shape, stride=t.stride())
+
+
 class Float8(Algorithm):
     """Convert ``nn.Linear`` layers to torchao ``Float8Linear`` for FP8 training.
 
@@ -207,10 +229,21 @@ class Float8(Algorithm):
                 raise ConfigError(f"algorithms: float8.modules {self.modules} matches no Linear layer")
 
     def apply(self, model: nn.Module, ctx: ModelContext) -> nn.Module:
-        """Swap the selected Linear layers for ``Float8Linear``; returns the model."""
+        """Swap the selected Linear layers for ``Float8Linear``; returns the model.
+
+        With FP8 all-gather the weights become torchao's ``WeightWithDynamicFloat8CastTensor``;
+        a state-dict hook hands out their plain high-precision tensor instead (same storage),
+        so checkpoints hold plain tensors that load without torchao (and with
+        ``weights_only``), and loading into them still writes the weights in place.
+        """
         self.converted, self.kept = [], []
-        return import_float8().convert_to_float8_training(model, module_filter_fn=self.module_filter,
-                                          config=self.config())
+        model = import_float8().convert_to_float8_training(
+            model, module_filter_fn=self.module_filter, config=self.config())
+        if self.all_gather:
+            for module in model.modules():
+                if type(module).__name__ == "Float8Linear":
+                    module.register_state_dict_post_hook(plain_weight_hook)
+        return model
 
     # -------------------------------------------------------------------- training
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:

@@ -182,7 +182,7 @@ def test_monitor_callbacks_in_one_run(tmp_path, capsys):
         "{name: memory_snapshot, at_steps: [1]}]")
     trainer = Trainer.from_yaml(REPO / "yamls" / "demo_cpu.yaml", [
         *TINY_OVERRIDES, f"run.output_dir={tmp_path}", "trainer.max_steps=8", "trainer.log_every=1",
-        "trainer.eval_every=2", "trainer.eval_batches=1", "checkpoint.save_final=false", callbacks])
+        "trainer.eval_every=2", "trainer.eval_batches=1", callbacks])
     summary = trainer.fit()
     err = capsys.readouterr().err
     run_dir = Path(summary["run_dir"])
@@ -198,4 +198,14 @@ def test_monitor_callbacks_in_one_run(tmp_path, capsys):
     [trace] = (run_dir / "profiler").glob("trace_rank0_steps2-2.json")
     assert json.loads(trace.read_text())["traceEvents"]
     assert err.count("memory_snapshot: training runs on the CPU") == 1
+    # early stopping's state travels in the checkpoint, and a resumed run gets it back
+    [ckpt] = (run_dir / "checkpoints").glob("step_*")
+    saved = json.loads((ckpt / "trainer_state.json").read_text())["callbacks"]
+    assert saved == {"EarlyStopping": {"best": records[0]["eval/loss"], "wait": 1}}
+    from llmforge.callbacks.checkpointing import restore_callback_states
+    from llmforge.callbacks.early_stopping import EarlyStopping
+
+    fresh = EarlyStopping(patience=1)
+    restore_callback_states(SimpleNamespace(callbacks=[fresh]), saved)
+    assert (fresh.best, fresh.wait) == (records[0]["eval/loss"], 1)
     assert not (run_dir / "memory_snapshots").exists()

@@ -49,6 +49,33 @@ def set_global_step(trainer: Any, step: int) -> None:
     progress.ready = progress.completed = step
 
 
+def callback_states(trainer: Any, skip: Any = None) -> dict[str, Any]:
+    """``{state_key: state_dict()}`` of every callback with a non-empty, JSON-serializable state
+    (Lightning's ``Callback.state_dict`` protocol; e.g. ``early_stopping``'s best value and
+    patience counter), for ``trainer_state.json``.
+
+    Raises:
+        TypeError: a callback's state is not JSON-serializable (say so in that callback).
+    """
+    out = {}
+    for cb in trainer.callbacks:
+        if cb is skip:
+            continue
+        sd = cb.state_dict()
+        if sd:
+            json.dumps(sd)  # fail at the first save, not when reading it back
+            out[cb.state_key] = sd
+    return out
+
+
+def restore_callback_states(trainer: Any, states: dict[str, Any]) -> None:
+    """Give each callback back the state :func:`callback_states` saved under its ``state_key``;
+    callbacks added or removed since the save are left as they are."""
+    for cb in trainer.callbacks:
+        if cb.state_key in states:
+            cb.load_state_dict(states[cb.state_key])
+
+
 class Checkpointer(Callback):
     """Writes ``<dir>/step_NNNNNNNN`` checkpoints and resumes from one.
 
@@ -101,7 +128,8 @@ class Checkpointer(Callback):
         state = {"step": step, "tokens_seen": pl_module.tokens_seen,
                  "global_batch_size": pl_module.plan.global_batch_size,
                  "samples_consumed": step * pl_module.plan.global_batch_size,
-                 "scheduler": sched.state_dict() if sched is not None else None}
+                 "scheduler": sched.state_dict() if sched is not None else None,
+                 "callbacks": callback_states(trainer, self)}
         meta = {"tokens_seen": pl_module.tokens_seen, "world_size": trainer.world_size,
                 "mesh": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp},
                 "config_hash": self.config_hash, "llmforge_version": __version__}
@@ -125,6 +153,7 @@ class Checkpointer(Callback):
         if sched is not None and state.get("scheduler"):
             sched.load_state_dict(state["scheduler"])
         pl_module.tokens_seen = int(state["tokens_seen"])
+        restore_callback_states(trainer, state.get("callbacks") or {})
         set_global_step(trainer, int(state["step"]))
         if "rng" in state:
             restore_rng(state["rng"])

@@ -9,7 +9,9 @@ YAML::
 
 Checked after every evaluation (``trainer.eval_every`` steps, and step 0), through the module's
 ``on_evaluation_end`` hook; stopping sets ``trainer.should_stop``, so the run ends after the
-current step, writes its final checkpoint and summary as usual.
+current step, writes its final checkpoint and summary as usual. The best value and the count of
+evaluations without improvement are saved in every checkpoint (``trainer_state.json``, under
+``callbacks``) and restored on resume, so patience is not reset by a preemption.
 """
 
 from __future__ import annotations

@@ -209,3 +209,42 @@ def test_monitor_callbacks_in_one_run(tmp_path, capsys):
     restore_callback_states(SimpleNamespace(callbacks=[fresh]), saved)
     assert (fresh.best, fresh.wait) == (records[0]["eval/loss"], 1)
     assert not (run_dir / "memory_snapshots").exists()
+
+
+# ------------------------------------------------------- GPU paths (and their logic on the CPU)
+def test_memory_snapshot_dump_logic_on_the_cpu(tmp_path, monkeypatch):
+    """The CUDA recorder is replaced by a file writer: dumps happen at ``at_steps``, on a request
+    file (which is then removed) and on OOM only, with the documented file names."""
+    from llmforge.callbacks import memory_snapshot as ms
+
+    monkeypatch.setattr(ms.torch.cuda.memory, "_dump_snapshot", lambda p: Path(p).write_bytes(b"x"))
+    cb = ms.MemorySnapshot(at_steps=[2])
+    cb.active = True  # what on_train_start does on a CUDA device
+    trainer = SimpleNamespace(default_root_dir=str(tmp_path), global_step=0, global_rank=0,
+                              is_global_zero=True)
+    for step in (1, 2, 3):
+        trainer.global_step = step
+        if step == 3:
+            (tmp_path / ms.REQUEST_FILE).touch()
+        cb.on_train_batch_end(trainer, None, None, None, 0)
+    assert not (tmp_path / ms.REQUEST_FILE).exists()
+    cb.on_exception(trainer, None, ValueError("not an OOM"))
+    cb.on_exception(trainer, None, torch.OutOfMemoryError("CUDA out of memory"))
+    names = sorted(p.name for p in (tmp_path / "memory_snapshots").iterdir())
+    assert names == ["rank0_step2.pickle", "rank0_step3.pickle", "rank0_step3_oom.pickle"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_memory_monitor_and_snapshot_on_a_gpu(tmp_path):
+    from llmforge import Trainer
+
+    trainer = Trainer.from_yaml(REPO / "yamls" / "demo_cpu.yaml", [
+        *TINY_OVERRIDES, f"run.output_dir={tmp_path}", "trainer.max_steps=3", "trainer.log_every=1",
+        "trainer.eval_every=0", "checkpoint.save_final=false", "trainer.accelerator=gpu",
+        "callbacks=[{name: memory_monitor}, {name: memory_snapshot, at_steps: [2]}]"])
+    summary = trainer.fit()
+    run_dir = Path(summary["run_dir"])
+    last = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    assert 0 < last["memory/peak_gib"] <= last["memory/reserved_gib"] < 200
+    assert (run_dir / "memory_snapshots" / "rank0_step2.pickle").stat().st_size > 0

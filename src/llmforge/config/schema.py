@@ -118,6 +118,30 @@ class DataConfig:
     """Background DataLoader workers (0 = load on the training thread)."""
     max_documents: Optional[int] = None
     """Read at most this many documents (quick experiments)."""
+    task: str = "pretrain"
+    """``pretrain`` (documents concatenated and cut into windows) or ``sft`` (supervised
+    fine-tuning: jsonl examples with ``prompt``/``response`` or chat ``messages``, rendered with
+    ``chat_template``, loss on response tokens only; see docs/sft.md)."""
+    chat_template: str = "llama3"
+    """``sft``: template that renders conversations (``llama3``: Llama 3 Instruct headers and
+    ``<|eot_id|>``)."""
+    prompt_field: str = "prompt"
+    """``sft``: jsonl field of the prompt (a user turn)."""
+    response_field: str = "response"
+    """``sft``: jsonl field of the response (an assistant turn; the loss is on it)."""
+    messages_field: str = "messages"
+    """``sft``: jsonl field of a chat, a list of ``{role: system|user|assistant, content}``."""
+    packed: bool = True
+    """``sft``: pack several examples into one seq_len row (attention and positions restart
+    per example); false = one example per row, right-padded."""
+    train_on_input: bool = False
+    """``sft``: also compute the loss on system/user tokens (default: response tokens only)."""
+    overlong: str = "drop"
+    """``sft``: an example longer than seq_len + 1 tokens is ``drop``ped (counted and
+    reported), ``truncate``d, or an ``error`` naming its file and line."""
+    pad_id: Optional[int] = None
+    """``sft``: input id of padding; null = the tokenizer's pad token (or a non-EOS id).
+    Padding is masked through the labels, never by comparing ids, so EOS stays a target."""
 
 
 @dataclass

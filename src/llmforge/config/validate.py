@@ -20,6 +20,8 @@ SCHEDULERS = ("cosine", "linear", "wsd", "constant")
 STRATEGIES = ("auto", "single", "ddp", "fsdp2")
 DATA_SOURCES = ("shakespeare", "files", "hub")
 TOKENIZERS = ("huggingface", "tiktoken", "train_bpe")
+DATA_TASKS = ("pretrain", "sft")
+OVERLONG = ("drop", "truncate", "error")
 
 
 @dataclass
@@ -211,6 +213,18 @@ def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
     vf = cfg.data.val_fraction
     _require(0 <= vf < 1, "data.val_fraction", "in [0, 1)", vf)
     _one_of("tokenizer.type", cfg.tokenizer.type, TOKENIZERS)
+    _one_of("data.task", cfg.data.task, DATA_TASKS)
+    if cfg.data.task == "sft":
+        _one_of("data.overlong", cfg.data.overlong, OVERLONG)
+        if cfg.data.source != "files":
+            raise ConfigError(f"data.task=sft reads jsonl files: set data.source=files and "
+                              f"data.path (got data.source={cfg.data.source})")
+        if cfg.data.streaming:
+            raise ConfigError("data.task=sft tokenizes its examples up front; set "
+                              "data.streaming=false")
+        if cfg.data.val_split:
+            raise ConfigError("data.task=sft holds out data.val_fraction of the examples; set "
+                              "data.val_split=null")
 
     ck = cfg.checkpoint
     if ck.save_every is not None:

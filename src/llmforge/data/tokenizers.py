@@ -45,8 +45,10 @@ _LLAMA3_BASIC_SPECIALS = [
 LLAMA3_SPECIAL_TOKENS: list[str] = _LLAMA3_BASIC_SPECIALS + [
     f"<|reserved_special_token_{2 + i}|>" for i in range(256 - len(_LLAMA3_BASIC_SPECIALS))
 ]
-#: Special tokens of a trained BPE (ids 0, 1, 2): bos, eos, pad.
-BPE_SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"]
+#: Special tokens of a trained BPE (ids 0..5): bos, eos, pad, then the Llama 3 chat-template
+#: tokens (header start/end, end of turn), each a single id so SFT data can use the template.
+BPE_SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>",
+                      "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 #: Valid values of ``tokenizer.type``.
 TOKENIZER_TYPES = ("huggingface", "tiktoken", "train_bpe")
 #: File written by :meth:`Tokenizer.save` that says how to load the directory.
@@ -98,6 +100,11 @@ class Tokenizer(ABC):
     @abstractmethod
     def _save_files(self, directory: Path) -> dict[str, Any]:
         """Write the tokenizer's files into ``directory``; return the metadata to store."""
+
+    def token_id(self, token: str) -> int | None:
+        """Id of the single special (or added) token ``token`` (e.g. ``"<|eot_id|>"``), or None
+        when the vocabulary has no such single token."""
+        return None
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         """Ids of ``text``, optionally framed by ``bos_id``/``eos_id``.
@@ -202,6 +209,9 @@ class HFTokenizer(_StoredIds):
                               f"tokenizer.json that defines one, or pass {arg}= to HFTokenizer")
         return None
 
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
     def _encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
@@ -288,6 +298,9 @@ class TiktokenTokenizer(_StoredIds):
         self._eos = self.special_tokens["<|end_of_text|>"]
         self._pad: int | None = self.special_tokens["<|finetune_right_pad_id|>"]
 
+    def token_id(self, token: str) -> int | None:
+        return self.special_tokens.get(token)
+
     def _encode(self, text: str) -> list[int]:
         return self.encoding.encode_ordinary(text)
 
@@ -334,8 +347,9 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, cache_dir: str | 
                         fingerprint: str) -> HFTokenizer:
     """Train (or load from cache) a byte-level BPE with ``vocab_size`` ids in all.
 
-    Special tokens ``<|begin_of_text|>``, ``<|end_of_text|>``, ``<|pad|>`` get ids 0, 1, 2, the
-    256 byte symbols follow, then merges. The vocabulary has exactly ``vocab_size`` ids unless
+    Special tokens :data:`BPE_SPECIAL_TOKENS` get ids 0..5 (``<|begin_of_text|>``,
+    ``<|end_of_text|>``, ``<|pad|>``, then the Llama 3 chat tokens ``<|start_header_id|>``,
+    ``<|end_header_id|>``, ``<|eot_id|>``), the 256 byte symbols follow, then merges. The vocabulary has exactly ``vocab_size`` ids unless
     the text is too small to learn that many merges (then fewer). Training is deterministic.
 
     The result is cached as ``cache_dir/bpe-<vocab_size>-<fingerprint>/tokenizer.json``
@@ -345,13 +359,13 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, cache_dir: str | 
     disables the cache (always train, write nothing).
 
     Raises:
-        ConfigError: ``vocab_size`` < 259 (256 bytes + 3 special tokens).
+        ConfigError: ``vocab_size`` < 262 (256 bytes + 6 special tokens).
     """
     if vocab_size < 256 + len(BPE_SPECIAL_TOKENS):
         raise ConfigError(f"tokenizer.vocab_size: {vocab_size} is too small for a byte-level BPE; "
                           f"set it to at least {256 + len(BPE_SPECIAL_TOKENS)} (256 bytes + "
                           f"{len(BPE_SPECIAL_TOKENS)} special tokens), e.g. 8192")
-    bos, eos, pad = BPE_SPECIAL_TOKENS
+    bos, eos, pad = BPE_SPECIAL_TOKENS[:3]
     cache_file = None
     if fingerprint:
         fp = fingerprint if _SAFE_FP.fullmatch(fingerprint) else \
@@ -359,9 +373,11 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, cache_dir: str | 
         cache_file = Path(cache_dir) / f"bpe-{vocab_size}-{fp}" / "tokenizer.json"
         if cache_file.is_file():
             try:
-                return HFTokenizer(cache_file, bos_token=bos, eos_token=eos, pad_token=pad)
+                cached = HFTokenizer(cache_file, bos_token=bos, eos_token=eos, pad_token=pad)
+                if all(cached.token_id(t) == i for i, t in enumerate(BPE_SPECIAL_TOKENS)):
+                    return cached
             except ConfigError:
-                pass  # a corrupt cache entry: train again and overwrite it
+                pass  # a corrupt or outdated cache entry: train again and overwrite it
 
     from tokenizers import Tokenizer as _HFTok
     from tokenizers import decoders, models, pre_tokenizers, trainers

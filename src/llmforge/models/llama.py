@@ -44,6 +44,9 @@ __all__ = [
     "rope_frequencies",
     "precompute_rope",
     "apply_rotary_emb",
+    "document_runs",
+    "document_positions",
+    "document_causal_mask",
 ]
 
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
@@ -145,13 +148,49 @@ def precompute_rope(head_dim: int, max_seq_len: int, theta: float,
 
 def apply_rotary_emb(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Rotate pairs ``(x[..., 2i], x[..., 2i+1])`` of ``x [B, T, nh, hd]`` by the table
-    ``rope [T, hd // 2, 2]``. Computed in float32, returned in ``x.dtype``."""
+    ``rope [T, hd // 2, 2]`` (one position per time step, shared by the batch) or
+    ``rope [B, T, hd // 2, 2]`` (per-row positions, e.g. restarting at every packed document).
+    Computed in float32, returned in ``x.dtype``."""
     xf = x.float().reshape(*x.shape[:-1], -1, 2)
     x0, x1 = xf[..., 0], xf[..., 1]
-    cos = rope[..., 0].float()[None, :, None, :]
-    sin = rope[..., 1].float()[None, :, None, :]
+    if rope.dim() == 4:
+        cos = rope[..., 0].float()[:, :, None, :]
+        sin = rope[..., 1].float()[:, :, None, :]
+    else:
+        cos = rope[..., 0].float()[None, :, None, :]
+        sin = rope[..., 1].float()[None, :, None, :]
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     return out.flatten(-2).type_as(x)
+
+
+def document_runs(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Run index ``[B, T]`` int64 of ``doc_ids [B, T]``: a new run starts wherever the id changes
+    from the previous position (so ids need only differ between neighbours; values are not
+    compared across runs). Position 0 starts run 0."""
+    start = torch.ones_like(doc_ids, dtype=torch.long)
+    start[:, 1:] = (doc_ids[:, 1:] != doc_ids[:, :-1]).long()
+    return start.cumsum(dim=1) - 1
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Position of each token inside its document, ``[B, T]`` int64 (0 at every document start):
+    the per-document position ids of packed sequences, so RoPE restarts for each document."""
+    bsz, seqlen = doc_ids.shape
+    idx = torch.arange(seqlen, device=doc_ids.device).expand(bsz, seqlen)
+    start = torch.ones_like(doc_ids, dtype=torch.bool)
+    start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    first = torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return idx - first
+
+
+def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal causal attention mask ``[B, 1, T, T]`` bool (True = may attend): query ``i``
+    sees key ``j`` iff ``j <= i`` and both lie in the same document run (:func:`document_runs`).
+    Memory: ``B * T * T`` bytes (e.g. 64 MiB for B=1, T=8192)."""
+    runs = document_runs(doc_ids)
+    seqlen = doc_ids.shape[1]
+    causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=doc_ids.device).tril()
+    return ((runs[:, :, None] == runs[:, None, :]) & causal)[:, None]
 
 
 class Attention(nn.Module):
@@ -178,8 +217,13 @@ class Attention(nn.Module):
             nn.init.normal_(lin.weight, mean=0.0, std=std)
         nn.init.normal_(self.wo.weight, mean=0.0, std=out_std)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        """``x [B, T, D]``, ``rope [T, hd/2, 2]`` -> ``[B, T, D]``."""
+    def forward(self, x: torch.Tensor, rope: torch.Tensor,
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x [B, T, D]``, ``rope [T, hd/2, 2]`` or ``[B, T, hd/2, 2]`` -> ``[B, T, D]``.
+
+        ``mask``: None = plain causal attention (SDPA ``is_causal``); else a boolean
+        ``[B, 1, T, T]`` mask (True = may attend, e.g. :func:`document_causal_mask`) passed to
+        SDPA as ``attn_mask`` (every query must see at least one key)."""
         bsz, seqlen, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds n_heads/tp and n_kv_heads/tp heads
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
@@ -190,7 +234,10 @@ class Attention(nn.Module):
         if self.n_rep > 1:
             k = k.repeat_interleave(self.n_rep, dim=1)
             v = v.repeat_interleave(self.n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # scale 1/sqrt(hd)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # scale 1/sqrt(hd)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -232,9 +279,14 @@ class TransformerBlock(nn.Module):
         self.attention.init_weights(std, out_std)
         self.feed_forward.init_weights(std, out_std)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        """``x [B, T, D]``, ``rope [T, hd/2, 2]`` -> ``[B, T, D]``."""
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor,
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x [B, T, D]``, ``rope [T, hd/2, 2]`` (or ``[B, T, hd/2, 2]``), optional attention
+        ``mask [B, 1, T, T]`` (see :meth:`Attention.forward`) -> ``[B, T, D]``."""
+        if mask is None:
+            h = x + self.attention(self.attention_norm(x), rope)
+        else:
+            h = x + self.attention(self.attention_norm(x), rope, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -359,13 +411,30 @@ class Llama(nn.Module):
         return float(6 * n + 12 * a.n_layers * a.n_heads * a.head_dim * int(seq_len))
 
     # -- forward ---------------------------------------------------------------------------
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """``tokens [B, T]`` (int64 ids < V, ``T <= max_seq_len``) -> logits ``[B, T, V]``."""
+    def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``tokens [B, T]`` (int64 ids < V, ``T <= max_seq_len``) -> logits ``[B, T, V]``.
+
+        ``doc_ids [B, T]`` (optional, any integer dtype): the document each token belongs to in
+        a packed row (a new document starts wherever the id changes). With it, positions
+        restart at 0 for every document (:func:`document_positions`, so RoPE sees each
+        document as if it were alone) and attention is block-diagonal causal
+        (:func:`document_causal_mask`): no token attends across a document boundary. Without
+        it (pretraining), every block runs ``layer(h, rope)`` with causal SDPA, unchanged.
+        """
         seqlen = tokens.shape[1]
         if seqlen > self.max_seq_len:
             raise ValueError(f"sequence length {seqlen} exceeds max_seq_len={self.max_seq_len}")
-        rope = self.rope_cache[:seqlen]
         h = self.tok_embeddings(tokens)
+        if doc_ids is None:
+            rope = self.rope_cache[:seqlen]
+            for layer in self.layers:
+                h = layer(h, rope)
+            return self.output(self.norm(h))
+        if doc_ids.shape != tokens.shape:
+            raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} differs from tokens shape "
+                             f"{tuple(tokens.shape)}")
+        rope = self.rope_cache[document_positions(doc_ids)]  # [B, T, hd/2, 2]
+        mask = document_causal_mask(doc_ids)
         for layer in self.layers:
-            h = layer(h, rope)
+            h = layer(h, rope, mask=mask)
         return self.output(self.norm(h))

@@ -105,10 +105,16 @@ class LLMModule(L.LightningModule):
             self.init_method = load_initial_weights(model, self.cfg.model.init_from)
         self.model = model
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """``tokens: LongTensor[B, T] -> logits: FloatTensor[B, T, vocab_size]``."""
+    def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``tokens: LongTensor[B, T] -> logits: FloatTensor[B, T, vocab_size]``.
+
+        ``doc_ids: LongTensor[B, T]`` (packed SFT rows): the document of each token; the model
+        restarts positions and masks attention per document (:meth:`Llama.forward`). Without
+        it the model is called as ``model(tokens)``."""
         assert self.model is not None, "configure_model() has not run"
-        return self.model(tokens)
+        if doc_ids is None:
+            return self.model(tokens)
+        return self.model(tokens, doc_ids=doc_ids)
 
     # ------------------------------------------------------------------ loss
     def compute_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,13 +167,20 @@ class LLMModule(L.LightningModule):
             return batch["input_ids"], batch["labels"]
         return batch[:, :-1], batch[:, 1:]
 
+    @staticmethod
+    def doc_ids(batch: Any) -> Optional[torch.Tensor]:
+        """``LongTensor[B, T]`` document ids of a packed SFT batch (dict key ``doc_ids``), else
+        None."""
+        return batch.get("doc_ids") if isinstance(batch, dict) else None
+
     def forward_backward(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Run every micro-batch of one optimizer step forward and backward.
 
         Args:
             batch: windows ``LongTensor[local_batch_size, seq_len + 1]``, or a dict with
                 ``input_ids`` and ``labels`` (``LongTensor[local_batch_size, seq_len]``, -100 =
-                no target); see :meth:`split_batch`.
+                no target) and optionally ``doc_ids`` (packed SFT rows); see
+                :meth:`split_batch`.
 
         Gradients equal those of the mean cross-entropy over all target tokens of the whole
         accumulation window on all data-parallel ranks: each micro-batch's summed loss is
@@ -178,6 +191,7 @@ class LLMModule(L.LightningModule):
             ``(loss_sum, n_targets)`` over this rank's micro-batches and over all ranks.
         """
         inputs, labels = self.split_batch(batch)
+        doc_ids = self.doc_ids(batch)
         mb = self.plan.micro_batch_size
         n_micro = max(1, inputs.shape[0] // mb)
         total_targets = self.dp_all_reduce((labels != IGNORE_INDEX).sum().float()).clamp(min=1)
@@ -186,7 +200,8 @@ class LLMModule(L.LightningModule):
         for i in range(n_micro):
             sl = slice(i * mb, (i + 1) * mb)
             with self.no_sync(i == n_micro - 1):
-                loss_sum, _ = self.compute_loss(self(inputs[sl]), labels[sl])
+                logits = self(inputs[sl]) if doc_ids is None else self(inputs[sl], doc_ids[sl])
+                loss_sum, _ = self.compute_loss(logits, labels[sl])
                 self.backward_loss(loss_sum * scale)
             loss_total += loss_sum.detach()
         return loss_total, total_targets
@@ -252,8 +267,13 @@ class LLMModule(L.LightningModule):
             if i >= self.cfg.trainer.eval_batches:  # streaming sources have no end
                 break
             inputs, labels = self.split_batch(batch)
+            doc_ids = self.doc_ids(batch)
             with self.trainer.precision_plugin.forward_context():
-                s, n = self.compute_loss(self(inputs.to(self.device)), labels.to(self.device))
+                if doc_ids is None:
+                    logits = self(inputs.to(self.device))
+                else:
+                    logits = self(inputs.to(self.device), doc_ids.to(self.device))
+                s, n = self.compute_loss(logits, labels.to(self.device))
             loss_sum += s.float()
             count += n
         self.model.train(was_training)

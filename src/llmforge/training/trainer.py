@@ -223,7 +223,13 @@ class Trainer:
                               f"max_seq_len={limit}; raise model.max_seq_len or lower trainer.seq_len")
         return int(model.vocab_size)
 
-    def build_documents(self) -> DocumentSplits:
+    def build_documents(self) -> Any:
+        """Documents (:class:`DocumentSplits`), or conversations for ``data.task: sft``
+        (:class:`llmforge.data.sft.ConversationSplits`)."""
+        if self.cfg.data.task == "sft":
+            from llmforge.data.sft import load_conversations
+
+            return load_conversations(self.cfg.data, self.cfg.run.seed)
         return load_documents(self.cfg.data, self.cfg.run.seed)
 
     def build_tokenizer(self, docs: DocumentSplits) -> Tokenizer:
@@ -235,18 +241,33 @@ class Trainer:
         d = self.cfg.data
         key = hash_str(f"{docs.fingerprint}-{self.cfg.run.seed}-{d.val_fraction}-{d.val_split}-"
                        f"{d.max_documents}-{max_bytes}")
-        tok = build_tokenizer(self.cfg.tokenizer, lambda: iter_texts(docs.train, max_bytes),
+        if self.cfg.data.task == "sft":
+            texts = lambda: (c.text for c in docs.train)  # noqa: E731 (sft: conversations)
+        else:
+            texts = lambda: iter_texts(docs.train, max_bytes)  # noqa: E731
+        tok = build_tokenizer(self.cfg.tokenizer, texts,
                               cache_dir=cache_root() / "tokenizers", fingerprint=key)
         check_vocab(tok, self.model_vocab_size())
         return tok
 
-    def build_datamodule(self, docs: DocumentSplits, tokenizer: Tokenizer) -> LLMDataModule:
+    def build_datamodule(self, docs: Any, tokenizer: Tokenizer) -> LLMDataModule:
+        """:class:`LLMDataModule` (pretraining windows) or, for ``data.task: sft``,
+        :class:`llmforge.data.sft.SFTDataModule` (masked, optionally packed rows)."""
         t = self.cfg.trainer
         start_step = int(read_json(self.resume_path, "trainer_state.json")["step"]) if self.resume_path else 0
-        return LLMDataModule(docs, tokenizer, seq_len=t.seq_len, start_step=start_step,
-                             local_batch_size=self.plan.local_batch_size,
-                             micro_batch_size=t.micro_batch_size, eval_batches=t.eval_batches,
-                             seed=self.cfg.run.seed, num_workers=self.cfg.data.num_workers)
+        common = dict(seq_len=t.seq_len, start_step=start_step,
+                      local_batch_size=self.plan.local_batch_size,
+                      micro_batch_size=t.micro_batch_size, eval_batches=t.eval_batches,
+                      seed=self.cfg.run.seed, num_workers=self.cfg.data.num_workers)
+        d = self.cfg.data
+        if d.task == "sft":
+            from llmforge.data.chat import build_chat_template
+            from llmforge.data.sft import SFTDataModule
+
+            return SFTDataModule(docs, tokenizer, template=build_chat_template(d.chat_template, tokenizer),
+                                 packed=d.packed, overlong=d.overlong,
+                                 train_on_input=d.train_on_input, pad_id=d.pad_id, **common)
+        return LLMDataModule(docs, tokenizer, **common)
 
     def build_module(self) -> Any:
         """Instantiate ``trainer.module`` (an :class:`LLMModule` or a subclass)."""

@@ -293,8 +293,10 @@ class TransformerBlock(nn.Module):
 class Llama(nn.Module):
     """Llama 3 decoder-only language model.
 
-    ``forward(tokens [B, T] int64) -> logits [B, T, V]`` (in the parameters' compute dtype;
-    upcast for the loss if needed). Attributes ``args``, ``vocab_size``, ``max_seq_len``.
+    ``forward(tokens [B, T] int64, doc_ids [B, T] | None) -> logits [B, T, V]`` (in the
+    parameters' compute dtype; upcast for the loss if needed); ``doc_ids`` marks the documents
+    of packed rows (per-document positions, block-diagonal causal attention). Attributes
+    ``args``, ``vocab_size``, ``max_seq_len``.
 
     The RoPE table is the non-persistent buffer ``rope_cache [max_seq_len, hd/2, 2]`` (not in the
     state dict); :meth:`init_weights` recomputes it.

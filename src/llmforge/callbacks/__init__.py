@@ -3,12 +3,13 @@
 A callback entry in YAML is ``{name: REGISTERED_NAME_OR_IMPORT_PATH, **kwargs}``; the class is
 called with the kwargs. Registered names: ``speed_monitor`` (always on; an entry configures
 it), ``memory_monitor``, ``lr_monitor``, ``nan_guard``, ``early_stopping``,
-``generate_samples``, ``profiler``, ``memory_snapshot``, ``rich_progress``. See
+``generate_samples``, ``profiler``, ``memory_snapshot``, ``eval_harness``, ``rich_progress``. See
 ``docs/callbacks.md`` for every key.
 """
 
 from llmforge.callbacks.checkpointing import Checkpointer
 from llmforge.callbacks.early_stopping import EarlyStopping
+from llmforge.callbacks.eval_harness import EvalHarness
 from llmforge.callbacks.lr_monitor import LearningRateMonitor
 from llmforge.callbacks.memory import MemoryMonitor
 from llmforge.callbacks.memory_snapshot import MemorySnapshot
@@ -28,7 +29,8 @@ callbacks.register("early_stopping", EarlyStopping)
 callbacks.register("generate_samples", GenerateSamples)
 callbacks.register("profiler", Profiler)
 callbacks.register("memory_snapshot", MemorySnapshot)
+callbacks.register("eval_harness", EvalHarness)
 
-__all__ = ["Checkpointer", "EarlyStopping", "GenerateSamples", "LearningRateMonitor",
+__all__ = ["Checkpointer", "EarlyStopping", "EvalHarness", "GenerateSamples", "LearningRateMonitor",
            "MemoryMonitor", "MemorySnapshot", "NaNGuard", "Profiler", "RichProgress",
            "SpeedMonitor"]

@@ -1,0 +1,53 @@
+"""``llmforge eval``: lm-evaluation-harness tasks on a finished run or a checkpoint.
+
+Scores are written to the run directory: one line ``{"step", "checkpoint", "tasks",
+"scores", "results", "time"}`` appended to ``eval_harness.jsonl``, and one record ``{"step",
+"eval/harness/<task>/<metric>": value, ...}`` appended to ``metrics.jsonl`` (what the ``jsonl``
+logger writes and ``llmforge runs plot`` reads). Trackers (W&B, Comet, TensorBoard) receive the
+same keys when the ``eval_harness`` callback runs the tasks during training.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from llmforge.evaluation.harness import evaluate_harness, import_lm_eval
+
+PREFIX = "eval/harness/"
+
+
+def evaluate_run(path: str | Path, tasks: Sequence[str], *, include_path: Sequence[str] = (),
+                 limit: Optional[int | float] = None, num_fewshot: Optional[int] = None,
+                 batch_size: int = 8, max_gen_toks: int = 256, seed: int = 0,
+                 device: str = "cpu") -> dict[str, Any]:
+    """Evaluate the newest complete checkpoint of a run directory (or the given checkpoint).
+
+    Returns ``{"scores": {"<task>/<metric>": value}, "step", "path"}`` (``path``: the
+    ``eval_harness.jsonl`` written to).
+
+    Raises:
+        ConfigError: lm-eval missing, unknown tasks, bad task data (see
+            :func:`llmforge.evaluation.harness.evaluate_harness`).
+        LLMForgeError: the path is not a run directory or checkpoint.
+    """
+    import_lm_eval()  # say which extra is missing before loading weights
+    from llmforge.checkpoint.dcp import read_json
+    from llmforge.generate import load_for_inference, resolve_checkpoint
+
+    run_dir, ckpt = resolve_checkpoint(path)
+    step = int(read_json(ckpt, "meta.json").get("step", 0))
+    model, tokenizer, _ = load_for_inference(ckpt, device=device)
+    out = evaluate_harness(model, tokenizer, tasks, include_path=include_path, limit=limit,
+                           num_fewshot=num_fewshot, batch_size=batch_size,
+                           max_gen_toks=max_gen_toks, seed=seed)
+    line = {"step": step, "checkpoint": str(ckpt), "tasks": list(tasks), "scores": out["scores"],
+            "results": out["results"], "time": time.time()}
+    target = run_dir / "eval_harness.jsonl"
+    with open(target, "a", encoding="utf-8") as f:
+        f.write(json.dumps(line, default=str) + "\n")
+    with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"step": step, **{PREFIX + k: v for k, v in out["scores"].items()}}) + "\n")
+    return {"scores": out["scores"], "step": step, "path": target}

@@ -270,6 +270,26 @@ def test_holdout_and_other_errors(tmp_path):
         load_conversations(data_cfg(source="shakespeare"), 0)
 
 
+def test_config_validation_of_sft_keys():
+    from llmforge.config.schema import TrainConfig
+    from llmforge.config.validate import validate
+
+    def check(**data):
+        cfg = OmegaConf.structured(TrainConfig)
+        cfg.data.merge_with({"task": "sft", "source": "files", "path": "x.jsonl", **data})
+        return validate(cfg)
+
+    check()
+    with pytest.raises(ConfigError, match="data.task: expected one of pretrain, sft; got 'chat'"):
+        check(task="chat")
+    with pytest.raises(ConfigError, match="data.overlong: expected one of drop, truncate, error"):
+        check(overlong="cut")
+    with pytest.raises(ConfigError, match="set data.source=files"):
+        check(source="shakespeare")
+    with pytest.raises(ConfigError, match="data.streaming=false"):
+        check(streaming=True)
+
+
 # ------------------------------------------------------------------ the CLI
 def sft_args(out, data):
     return [*TINY_OVERRIDES, "variables.seq_len=128", f"run.output_dir={out}",

@@ -264,10 +264,28 @@ def test_holdout_and_other_errors(tmp_path):
     assert [c.where for c in a.val] == [c.where for c in b.val]
     assert not {c.where for c in a.train} & {c.where for c in a.val}
     (tmp_path / "d.txt").write_text("x")
-    with pytest.raises(DataError, match="is not a .jsonl file"):
+    with pytest.raises(DataError, match="is not a .jsonl or .parquet file"):
         load_conversations(data_cfg(path=str(tmp_path / "d.txt")), 0)
     with pytest.raises(DataError, match="data.source=files"):
         load_conversations(data_cfg(source="shakespeare"), 0)
+    capped = load_conversations(data_cfg(path=str(path), val_fraction=0, max_documents=5), 0)
+    assert [c.where for c in capped.train] == [f"{path}:{i}" for i in range(1, 6)]
+
+
+def test_parquet_rows_and_bad_row(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    msgs = [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+            [{"role": "user", "content": "again"}, {"role": "assistant", "content": "yes"}]]
+    pq.write_table(pa.table({"messages": msgs}), tmp_path / "chat.parquet")
+    docs = load_conversations(data_cfg(path=str(tmp_path / "chat.parquet"), val_fraction=0), 0)
+    assert [c.messages for c in docs.train] == msgs
+    assert docs.train[1].where == f"{tmp_path / 'chat.parquet'} row 2"
+    pq.write_table(pa.table({"prompt": ["a", "b"], "response": ["c", None]}), tmp_path / "pr.parquet")
+    with pytest.raises(DataError, match=r"pr.parquet row 2: field 'response' must be a string, "
+                                        r"got NoneType"):
+        load_conversations(data_cfg(path=str(tmp_path / "pr.parquet"), val_fraction=0), 0)
 
 
 def test_config_validation_of_sft_keys():
@@ -286,6 +304,9 @@ def test_config_validation_of_sft_keys():
         check(overlong="cut")
     with pytest.raises(ConfigError, match="set data.source=files"):
         check(source="shakespeare")
+    with pytest.raises(ConfigError, match="data.val_split=null"):
+        check(val_split="validation")
+    check(source="hub", path="org/chats", val_split="test")
     with pytest.raises(ConfigError, match="data.streaming=false"):
         check(streaming=True)
 

@@ -216,15 +216,16 @@ def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
     _one_of("data.task", cfg.data.task, DATA_TASKS)
     if cfg.data.task == "sft":
         _one_of("data.overlong", cfg.data.overlong, OVERLONG)
-        if cfg.data.source != "files":
-            raise ConfigError(f"data.task=sft reads jsonl files: set data.source=files and "
-                              f"data.path (got data.source={cfg.data.source})")
+        if cfg.data.source not in ("files", "hub"):
+            raise ConfigError(f"data.task=sft reads jsonl/parquet files or a Hub dataset: set "
+                              f"data.source=files (or hub) and data.path (got data.source="
+                              f"{cfg.data.source})")
         if cfg.data.streaming:
             raise ConfigError("data.task=sft tokenizes its examples up front; set "
                               "data.streaming=false")
-        if cfg.data.val_split:
-            raise ConfigError("data.task=sft holds out data.val_fraction of the examples; set "
-                              "data.val_split=null")
+        if cfg.data.val_split and cfg.data.source != "hub":
+            raise ConfigError("data.task=sft with files holds out data.val_fraction of the "
+                              "examples; set data.val_split=null")
 
     ck = cfg.checkpoint
     if ck.save_every is not None:

@@ -1,7 +1,8 @@
 """Supervised fine-tuning data (``data.task: sft``): jsonl conversations -> masked, packed rows.
 
 Input: jsonl files (``data.path`` / ``data.paths``, globs; ``.jsonl``, optionally ``.gz``; local
-or fsspec URLs), one example per line, either
+or fsspec URLs), one example per line, or parquet files or a Hugging Face Hub dataset
+(``data.source: hub``) with the same fields per row; each example is either
 
 * ``{"prompt": "...", "response": "..."}`` (LLM Foundry's fields; names set by
   ``data.prompt_field`` / ``data.response_field``) -- a user turn and an assistant turn, or
@@ -23,7 +24,8 @@ masks attention block-diagonally; ``packed: false`` puts one example per row, ri
 ``data.overlong``: ``drop`` (default; counted and reported), ``truncate`` (keep the first
 ``seq_len + 1`` ids; dropped if no target survives) or ``error``.
 
-Bad lines raise :class:`~llmforge.errors.DataError` naming ``file:line``: invalid JSON, neither
+Bad lines raise :class:`~llmforge.errors.DataError` naming ``file:line`` (``file row N`` for
+parquet and Hub rows): invalid JSON, neither
 format's fields, a field that is not text, an unknown role, an empty response (or no assistant
 message).
 """
@@ -45,7 +47,7 @@ from llmforge.data.sources import _resolve_files, clean_text, hash_str
 from llmforge.errors import DataError
 
 __all__ = ["Conversation", "ConversationSplits", "SFTStats", "parse_example", "read_jsonl",
-           "load_conversations", "encode_examples", "build_rows", "SFTRows", "SFTDataModule",
+           "load_conversations", "read_rows", "encode_examples", "build_rows", "SFTRows", "SFTDataModule",
            "resolve_pad_id", "OVERLONG", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
@@ -163,50 +165,114 @@ def read_jsonl(path: str, cfg: Any) -> Iterator[Conversation]:
             yield parse_example(row, where, cfg)
 
 
-def load_conversations(cfg: Any, seed: int) -> ConversationSplits:
-    """Read every file of ``data.path``/``data.paths`` and hold out ``data.val_fraction`` of the
-    examples (at least one, chosen by ``seed``) for validation.
+def read_rows(ds: Any, label: str, cfg: Any) -> Iterator[Conversation]:
+    """Conversations of a ``datasets`` split (parquet files, Hub datasets), validated row by
+    row; messages name ``LABEL row N`` (1-based).
 
     Raises:
-        DataError: ``data.source`` is not ``files``, a file is not jsonl, no file matches, a
-            line is bad (see :func:`read_jsonl`), no example at all, or too few to hold out.
+        DataError: :func:`parse_example` rejects a row.
     """
-    if cfg.source != "files":
-        raise DataError(f"data.task=sft reads jsonl files: set data.source=files and data.path "
-                        f"(got data.source={cfg.source})")
-    files = _resolve_files(cfg)
-    for f in files:
-        base = f.removesuffix(".gz").removesuffix(".zst")
-        if not base.endswith((".jsonl", ".json")) and cfg.format not in ("json", "jsonl"):
-            raise DataError(f"data.path: {f} is not a .jsonl file; data.task=sft reads jsonl "
-                            "(one JSON object per line; set data.format=jsonl for another "
-                            "extension)")
-    convs: list[Conversation] = []
-    for f in files:
-        for c in read_jsonl(f, cfg):
-            convs.append(c)
-            if cfg.max_documents and len(convs) >= cfg.max_documents:
-                break
-        if cfg.max_documents and len(convs) >= cfg.max_documents:
-            break
-    if not convs:
-        raise DataError(f"data.path: {files} hold no examples (every line is blank)")
-    import os
+    for i, row in enumerate(ds, 1):
+        yield parse_example(row, f"{label} row {i}", cfg)
 
-    stats = [(f, os.path.getsize(f), int(os.path.getmtime(f))) if os.path.exists(f) else (f,)
-             for f in files]
-    fingerprint = hash_str(f"sft-{stats}-{cfg.max_documents}")
-    if cfg.val_fraction <= 0:
-        return ConversationSplits(convs, None, fingerprint)
+
+def _file_kind(path: str, fmt: Optional[str]) -> str:
+    if fmt:
+        kind = {"jsonl": "json"}.get(fmt, fmt)
+        if kind not in ("json", "parquet"):
+            raise DataError(f"data.format: data.task=sft reads jsonl or parquet; got {fmt!r}")
+        return kind
+    base = path.removesuffix(".gz").removesuffix(".zst")
+    if base.endswith((".jsonl", ".json")):
+        return "json"
+    if base.endswith(".parquet"):
+        return "parquet"
+    raise DataError(f"data.path: {path} is not a .jsonl or .parquet file; data.task=sft reads "
+                    "jsonl (one JSON object per line) or parquet (set data.format for another "
+                    "extension)")
+
+
+def _take(it: Iterator[Conversation], limit: Optional[int], out: list[Conversation]) -> None:
+    for c in it:
+        if limit and len(out) >= limit:
+            return
+        out.append(c)
+
+
+def _hold_out(convs: list[Conversation], fraction: float,
+              seed: int) -> tuple[list[Conversation], Optional[list[Conversation]]]:
+    if fraction <= 0:
+        return convs, None
     if len(convs) < 2:
         raise DataError(f"data: {len(convs)} example(s) cannot be split into train and "
                         "validation; add examples or set data.val_fraction=0")
     perm = np.random.default_rng(seed).permutation(len(convs))
-    n_val = min(len(convs) - 1, max(1, round(cfg.val_fraction * len(convs))))
+    n_val = min(len(convs) - 1, max(1, round(fraction * len(convs))))
     val_idx = set(perm[:n_val].tolist())
-    train = [c for i, c in enumerate(convs) if i not in val_idx]
-    val = [c for i, c in enumerate(convs) if i in val_idx]
-    return ConversationSplits(train, val, fingerprint)
+    return ([c for i, c in enumerate(convs) if i not in val_idx],
+            [c for i, c in enumerate(convs) if i in val_idx])
+
+
+def load_conversations(cfg: Any, seed: int) -> ConversationSplits:
+    """Read the SFT examples of ``data:`` and split off validation.
+
+    ``source: files``: every file of ``data.path``/``data.paths`` (jsonl, read line by line, or
+    parquet); ``source: hub``: the Hub dataset ``data.path`` (config ``data.name``), split
+    ``data.split``. Validation is ``data.val_split`` (hub only), else ``data.val_fraction`` of
+    the examples (at least one, chosen by ``seed``). ``data.max_documents`` caps the examples
+    read per split.
+
+    Raises:
+        DataError: another ``data.source``, a file that is neither jsonl nor parquet, no file
+            matches, a bad line or row (see :func:`read_jsonl`, :func:`read_rows`), no example
+            at all, or too few to hold out.
+    """
+    import os
+
+    import datasets
+
+    limit = cfg.max_documents
+    convs: list[Conversation] = []
+    val: Optional[list[Conversation]] = None
+    if cfg.source == "files":
+        files = _resolve_files(cfg)
+        kinds = [_file_kind(f, cfg.format) for f in files]
+        for f, kind in zip(files, kinds):
+            if kind == "json":
+                _take(read_jsonl(f, cfg), limit, convs)
+            else:
+                ds = datasets.load_dataset("parquet", data_files=[f], split="train",
+                                           storage_options=dict(cfg.storage_options) or None)
+                _take(read_rows(ds, f, cfg), limit, convs)
+        stats = [(f, os.path.getsize(f), int(os.path.getmtime(f))) if os.path.exists(f) else (f,)
+                 for f in files]
+        origin = f"files {files}"
+        fingerprint = hash_str(f"sft-{stats}-{limit}")
+    elif cfg.source == "hub":
+        if not cfg.path:
+            raise DataError("data.source=hub needs data.path, the dataset name")
+
+        def split(name: str) -> Any:
+            try:
+                return datasets.load_dataset(cfg.path, cfg.name, split=name)
+            except Exception as exc:  # hub errors come in many types
+                raise DataError(f"data.path: cannot load hub dataset '{cfg.path}' split "
+                                f"'{name}': {exc}") from exc
+
+        _take(read_rows(split(cfg.split), f"{cfg.path}[{cfg.split}]", cfg), limit, convs)
+        if cfg.val_split:
+            val = []
+            _take(read_rows(split(cfg.val_split), f"{cfg.path}[{cfg.val_split}]", cfg), limit, val)
+        origin = f"hub dataset {cfg.path} split {cfg.split}"
+        fingerprint = hash_str(f"sft-hub-{cfg.path}-{cfg.name}-{cfg.split}-{cfg.val_split}-{limit}")
+    else:
+        raise DataError(f"data.task=sft reads jsonl/parquet files (data.source=files) or a Hub "
+                        f"dataset (data.source=hub); got data.source={cfg.source}")
+    if not convs:
+        raise DataError(f"data: {origin} hold no examples")
+    if val is None:
+        convs, val = _hold_out(convs, cfg.val_fraction, seed)
+    return ConversationSplits(convs, val or None, fingerprint)
 
 
 @dataclass

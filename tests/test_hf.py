@@ -107,3 +107,41 @@ def test_train_from_hf_weights(tmp_path, nproc):
     tokens = torch.randint(0, 1024, (1, 16))
     with torch.no_grad():
         torch.testing.assert_close(back(tokens).logits, hf(tokens).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_rank_local_import_keeps_each_process_below_the_checkpoint_size(tmp_path):
+    """2 processes (FSDP2) import a ~400 MB fp32 HF checkpoint: each process's anonymous
+    memory grows by less than the checkpoint's size (it holds its shard plus one slice at a
+    time, never the whole state dict; rank 0 does not build a full model either)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), {
+        "dim": 1024, "n_layers": 6, "n_heads": 16, "n_kv_heads": 4, "vocab_size": 16384,
+        "multiple_of": 256, "max_seq_len": 64})
+    torch.manual_seed(0)
+    model = build_llama(cfg)
+    model.init_weights()
+    want = float(sum(p.detach().double().sum() for p in model.parameters()))
+    path = save_hf(model, tmp_path / "hf")
+    del model
+    ckpt_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    assert ckpt_bytes > 350 * 2**20
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "tests" / "dist" / "hf_import_worker.py"), str(path), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in range(2):
+        r = json.loads((out / f"rank{rank}.json").read_text())
+        print(rank, {k: (f"{v / 2**20:.0f} MiB" if k.endswith("bytes") else v) for k, v in r.items()},
+              f"checkpoint {ckpt_bytes / 2**20:.0f} MiB")
+        assert r["local_param_bytes"] <= 0.55 * ckpt_bytes  # a half shard (+ replicated norms)
+        assert r["local_param_bytes"] * 0.9 <= r["growth_bytes"] < 0.8 * ckpt_bytes
+        assert r["checksum"] == pytest.approx(want, rel=1e-9)

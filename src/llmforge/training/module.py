@@ -25,7 +25,7 @@ from torch import nn
 
 from llmforge import registry
 from llmforge.algorithms.base import ModelContext, run_pipeline
-from llmforge.parallel.init import init_parallel_model
+from llmforge.parallel.init import init_parallel_model, seeded_init
 from llmforge.training.optim import build_optimizer
 from llmforge.training.schedule import build_scheduler
 
@@ -98,11 +98,15 @@ class LLMModule(L.LightningModule):
         ctx = self.model_context()
         model = run_pipeline(model, self.pipeline, ctx)
         model.to_empty(device=ctx.device)
-        self.init_method = init_parallel_model(model, self.build_model, self.cfg.run.seed)
         if self.cfg.model.get("init_from"):
             from llmforge.checkpoint.init_from import load_initial_weights
 
+            # buffers and parameters the source lacks (e.g. LoRA adapters) by the seeded init of
+            # each rank's shards; no full copy of the model on rank 0 (the weights come next)
+            seeded_init(model, self.cfg.run.seed)
             self.init_method = load_initial_weights(model, self.cfg.model.init_from)
+        else:
+            self.init_method = init_parallel_model(model, self.build_model, self.cfg.run.seed)
         self.model = model
 
     def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -291,7 +291,6 @@ def test_data_parallel_size(tmp_path):
     ("trainer.precision=fp16", "trainer.precision"),
     ("scheduler.name=step", "scheduler.name"),
     ("scheduler.warmup_steps=-1", "scheduler.warmup_steps"),
-    ("scheduler.warmup_steps=100", "scheduler.warmup_steps"),
     ("scheduler.min_lr_ratio=1.5", "scheduler.min_lr_ratio"),
     ("scheduler.decay_fraction=0", "scheduler.decay_fraction"),
     ("optimizer.lr=0", "optimizer.lr"),
@@ -309,6 +308,14 @@ def test_data_parallel_size(tmp_path):
 def test_validate_errors(tmp_path, override, key):
     msg = error_of(validate, cfg_with(override, tmp_path=tmp_path))
     assert key in msg
+
+
+def test_warmup_longer_than_the_run_is_a_warning_not_an_error(tmp_path, capsys):
+    cfg = cfg_with("scheduler.warmup_steps=100", "trainer.max_steps=10", tmp_path=tmp_path)
+    assert validate(cfg).gradient_accumulation_steps >= 1
+    err = capsys.readouterr().err
+    assert err.startswith("warning: scheduler.warmup_steps (100) >= trainer.max_steps (10)")
+    assert "scheduler.warmup_steps=1" in err
 
 
 def test_validate_accepts_edges(tmp_path):

@@ -165,6 +165,20 @@ def _check_entries(section: str, entries: Any) -> None:
             )
 
 
+_WARNED: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """Print ``warning: MESSAGE`` on stderr once per process, on global rank 0 only."""
+    import os
+    import sys
+
+    if message in _WARNED or os.environ.get("RANK", "0") != "0":
+        return
+    _WARNED.add(message)
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
 def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
     """Check value ranges and allowed names, then return :func:`plan_batch`'s plan.
 
@@ -201,10 +215,10 @@ def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
     _one_of("scheduler.name", sch.name, SCHEDULERS)
     _require(sch.warmup_steps >= 0, "scheduler.warmup_steps", ">= 0", sch.warmup_steps)
     if sch.warmup_steps > 0 and sch.warmup_steps >= t.max_steps:
-        raise ConfigError(
-            f"scheduler.warmup_steps ({sch.warmup_steps}) must be < trainer.max_steps "
-            f"({t.max_steps}); try scheduler.warmup_steps={max(0, t.max_steps // 10)}"
-        )
+        warn_once(f"scheduler.warmup_steps ({sch.warmup_steps}) >= trainer.max_steps "
+                  f"({t.max_steps}): the learning rate only warms up and never reaches "
+                  f"optimizer.lr; for a whole schedule set scheduler.warmup_steps="
+                  f"{max(0, t.max_steps // 10)}")
     _require(0 <= sch.min_lr_ratio <= 1, "scheduler.min_lr_ratio", "in [0, 1]", sch.min_lr_ratio)
     _require(0 < sch.decay_fraction <= 1, "scheduler.decay_fraction", "in (0, 1]", sch.decay_fraction)
 

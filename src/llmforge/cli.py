@@ -1,6 +1,7 @@
 """The ``llmforge`` command line.
 
-    llmforge train CONFIG.yaml [key=value ...] [--nproc N] [--dry-run] [--overwrite] [--debug]
+    llmforge train CONFIG.yaml [key=value ...] [--nproc N] [--dry-run [--device-memory-gib G]]
+                   [--overwrite] [--debug]
     llmforge generate RUN_DIR_OR_CHECKPOINT --prompt TEXT [--max-new-tokens N] [--temperature T]
                       [--top-k K] [--seed S] [--debug]
     llmforge algorithms          # the algorithm plugins: name, pipeline stage, summary
@@ -31,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. trainer.max_steps=100")
     t.add_argument("--dry-run", action="store_true",
                    help="build the model on the meta device, print sizes and exit")
+    t.add_argument("--device-memory-gib", type=float, default=None, metavar="GIB",
+                   help="with --dry-run: memory of one device for the fit verdict of LoRA "
+                        "configs (default: 80 and 192)")
     t.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="run N local processes (torchrun's launcher; gloo on CPU, NCCL on GPUs)")
     t.add_argument("--overwrite", action="store_true",
@@ -52,7 +56,10 @@ def _parser() -> argparse.ArgumentParser:
     th.add_argument("path", help="run directory or checkpoint folder")
     th.add_argument("out", help="output folder")
     th.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                    help="cast weights (default: as trained)")
+                    help="cast weights (default: as trained; merged LoRA weights: float32)")
+    th.add_argument("--adapters-only", action="store_true",
+                    help="LoRA runs: write only the adapters in PEFT's format (adapter_config.json + "
+                         "adapter_model.safetensors) instead of merged weights")
     th.add_argument("--debug", action="store_true", help="show tracebacks")
     fh = cv_sub.add_parser("from-hf", help="turn a Hugging Face Llama folder into an llmforge run directory")
     fh.add_argument("path", help="Hugging Face folder (config.json, *.safetensors, tokenizer.json)")
@@ -125,8 +132,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.dry_run:
         from llmforge.training.dry_run import dry_run_report
 
-        plan, pipeline = _static_checks(cfg, detect_world_size(cfg))
-        print(dry_run_report(cfg, plan))
+        plan, pipeline = _static_checks(cfg, detect_world_size(cfg), dry_run=True)
+        print(dry_run_report(cfg, plan, device_memory_gib=args.device_memory_gib))
         print(pipeline)
         return 0
     if args.nproc and args.nproc > 1 and not os.environ.get("WORLD_SIZE"):
@@ -143,9 +150,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _static_checks(cfg: Any, world_size: int) -> tuple[Any, str]:
+def _static_checks(cfg: Any, world_size: int, dry_run: bool = False) -> tuple[Any, str]:
     """Everything that can be checked without data or processes: research imports, the HF
-    shape, batch arithmetic, the strategy and the algorithms. Returns (plan, pipeline line)."""
+    shape, batch arithmetic, the strategy and the algorithms. Returns (plan, pipeline line).
+
+    ``dry_run``: a ``model.init_from: hf:PATH`` folder that is not on this machine is noted and
+    the YAML's model fields (e.g. its preset) are used, so big configs are sized anywhere."""
     from llmforge import registry
     from llmforge.checkpoint.init_from import apply_hf_shape
     from llmforge.config import validate
@@ -153,7 +163,12 @@ def _static_checks(cfg: Any, world_size: int) -> tuple[Any, str]:
     from llmforge.parallel.transforms import check_strategy
 
     registry.import_modules(cfg.imports)
-    apply_hf_shape(cfg)
+    spec = cfg.model.get("init_from") or ""
+    if dry_run and spec.startswith("hf:") and not os.path.exists(os.path.join(spec[3:], "config.json")):
+        print(f"note            model.init_from {spec}: no config.json on this machine; the YAML's "
+              "model fields are used for the sizes")
+    else:
+        apply_hf_shape(cfg)
     plan = validate(cfg, world_size)
     if cfg.strategy.name == "auto" and world_size > 1:
         cfg.strategy.name = "fsdp2"
@@ -248,7 +263,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from llmforge.checkpoint.convert import from_hf, to_hf
 
     if args.convert_command == "to-hf":
-        print(f"wrote {to_hf(args.path, args.out, args.dtype)}")
+        print(f"wrote {to_hf(args.path, args.out, args.dtype, adapters_only=args.adapters_only)}")
     else:
         print(f"wrote {from_hf(args.path, args.out)}")
     return 0

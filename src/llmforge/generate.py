@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 
 from llmforge import registry
-from llmforge.checkpoint import COMPLETE, latest_checkpoint, load_model_weights
+from llmforge.checkpoint import COMPLETE, latest_checkpoint, load_model_weights, read_json
 from llmforge.config import load_config
 from llmforge.data.tokenizers import Tokenizer, load_saved
 from llmforge.errors import LLMForgeError
@@ -40,10 +40,19 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
 
 
 def load_model(path: str | Path, device: str = "cpu") -> tuple[Any, Any, Path]:
-    """Return ``(model, cfg, run_dir)`` of a run directory or checkpoint, model in eval mode."""
+    """Return ``(model, cfg, run_dir)`` of a run directory or checkpoint, model in eval mode.
+
+    A LoRA run's checkpoint (``adapters_only`` in meta.json) gives the base model rebuilt from
+    its pointer with the adapters loaded, not merged
+    (:func:`llmforge.algorithms.lora.load_lora_model`)."""
     run_dir, ckpt = resolve_checkpoint(path)
     cfg = load_config(run_dir / "config.yaml")
     registry.import_modules(cfg.imports)
+    if (ckpt / "meta.json").exists() and read_json(ckpt, "meta.json").get("adapters_only"):
+        # a LoRA run: the base from its pointer, then the adapters (unmerged; see merge_lora)
+        from llmforge.algorithms.lora import load_lora_model
+
+        return load_lora_model(cfg, ckpt, device), cfg, run_dir
     factory = registry.models.get(cfg.model.name, key="model.name")
     with torch.device("meta"):
         model = factory(cfg.model)

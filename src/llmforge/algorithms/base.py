@@ -53,16 +53,22 @@ class ModelContext:
 
 @dataclass
 class Transform:
-    """One pipeline step: ``fn(model, ctx) -> model`` at ``stage``."""
+    """One pipeline step: ``fn(model, ctx) -> model`` at ``stage``; within a stage, lower
+    ``priority`` runs first (``lora`` has 1, so ``float8`` converts the base layers before LoRA
+    adds its adapters)."""
 
     stage: Stage
     name: str
     fn: Callable[[nn.Module, ModelContext], nn.Module]
+    priority: int = 0
+
+    def sort_key(self) -> tuple[int, int]:
+        return int(self.stage), int(self.priority)
 
 
 def run_pipeline(model: nn.Module, transforms: Sequence[Transform], ctx: ModelContext) -> nn.Module:
-    """Apply ``transforms`` sorted by stage (stable), returning the transformed model."""
-    for t in sorted(transforms, key=lambda t: int(t.stage)):
+    """Apply ``transforms`` sorted by stage, then priority (stable), returning the model."""
+    for t in sorted(transforms, key=lambda t: t.sort_key()):
         model = t.fn(model, ctx)
     return model
 
@@ -78,6 +84,7 @@ class Algorithm(Callback):
 
     name: str = "algorithm"
     stage: Optional[Stage] = None
+    priority: int = 0
 
     def apply(self, model: nn.Module, ctx: ModelContext) -> nn.Module:
         """Transform the (meta-device) model; return it (or a wrapper)."""
@@ -90,4 +97,4 @@ class Algorithm(Callback):
         """This algorithm's pipeline step, or ``None`` if it only acts on training events."""
         if self.stage is None:
             return None
-        return Transform(self.stage, self.name, self.apply)
+        return Transform(self.stage, self.name, self.apply, int(self.priority))

@@ -1,7 +1,7 @@
 """Build the YAML's ``algorithms:`` list, check it as a whole, and describe what is available.
 
 ``algorithms: [{name: compile, ...}, {name: my_lab.algos.Trick, ...}]``: each ``name`` is a
-built-in (``compile``, ``activation_checkpointing``, ``float8``), a name registered in
+built-in (``compile``, ``activation_checkpointing``, ``float8``, ``lora``), a name registered in
 :data:`llmforge.registry.algorithms` (also through the ``llmforge.algorithms`` entry-point
 group of installed packages) or an import path; the other keys are the class's keyword
 arguments.
@@ -63,7 +63,7 @@ def check_algorithms(cfg: Any, algos: Sequence[Any]) -> None:
 def pipeline_order(cfg: Any, algos: Sequence[Algorithm], strategy: Sequence[Any]) -> list[str]:
     """Names of the model transforms in the order they run (algorithms and strategy)."""
     transforms = [t for t in (a.transform() for a in algos) if t is not None] + list(strategy)
-    return [t.name for t in sorted(transforms, key=lambda t: int(t.stage))]
+    return [t.name for t in sorted(transforms, key=lambda t: t.sort_key())]
 
 
 def available() -> list[tuple[str, str, str]]:

@@ -76,6 +76,42 @@ def restore_callback_states(trainer: Any, states: dict[str, Any]) -> None:
             cb.load_state_dict(states[cb.state_key])
 
 
+def lora_meta(pl_module: Any) -> dict[str, Any]:
+    """``meta.json`` fields of a LoRA run: ``base`` (what rebuilds the frozen base, see
+    :func:`llmforge.algorithms.lora.base_pointer`) and ``lora`` (rank, alpha, targets, ...);
+    empty for other runs."""
+    from llmforge.algorithms.lora import LoRA, base_pointer, has_adapters, lora_entry
+
+    cfg = getattr(pl_module, "cfg", None)
+    if cfg is None or pl_module.model is None or not has_adapters(pl_module.model):
+        return {}
+    entry = lora_entry(cfg)
+    return {"base": base_pointer(cfg), "lora": LoRA(**entry).options() if entry is not None else None}
+
+
+def check_lora_base(path: Path, pl_module: Any) -> None:
+    """Resuming an adapter-only checkpoint needs the same base as when it was saved.
+
+    Raises:
+        ConfigError: ``model.init_from`` (or the seed of a randomly initialized base) differs.
+    """
+    meta_file = Path(path) / "meta.json"
+    if not meta_file.exists():
+        return
+    saved = json.loads(meta_file.read_text()).get("base")
+    if not saved:
+        return
+    from llmforge.algorithms.lora import base_pointer
+    from llmforge.errors import ConfigError
+
+    now = base_pointer(pl_module.cfg)
+    if now != saved:
+        raise ConfigError(f"checkpoint.resume: {path} holds LoRA adapters trained on the base "
+                          f"'{saved.get('description')}', but this run's base is "
+                          f"'{now.get('description')}'; set model.init_from (and run.seed) as "
+                          "in the original run")
+
+
 class Checkpointer(Callback):
     """Writes ``<dir>/step_NNNNNNNN`` checkpoints and resumes from one.
 
@@ -133,6 +169,9 @@ class Checkpointer(Callback):
         meta = {"tokens_seen": pl_module.tokens_seen, "world_size": trainer.world_size,
                 "mesh": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp},
                 "config_hash": self.config_hash, "llmforge_version": __version__}
+        lora = lora_meta(pl_module)
+        if lora:
+            meta.update(lora)
         self.pending = save_checkpoint(self.dir, step, pl_module.model, opt, state, meta,
                                        rng=capture_rng(), async_save=self.async_save)
         self.last_saved_step = step
@@ -148,6 +187,7 @@ class Checkpointer(Callback):
         if self.resume_from is None:
             return
         opt = trainer.optimizers[0] if trainer.optimizers else None
+        check_lora_base(self.resume_from, pl_module)
         state = load_training_state(self.resume_from, pl_module.model, opt)
         sched = trainer.lr_scheduler_configs[0].scheduler if trainer.lr_scheduler_configs else None
         if sched is not None and state.get("scheduler"):

@@ -10,22 +10,42 @@ import torch
 from llmforge.errors import LLMForgeError
 
 
-def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None) -> Path:
+def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
+          adapters_only: bool = False) -> Path:
     """A run directory or checkpoint -> a Hugging Face Llama folder (config, safetensors,
     tokenizer) that ``LlamaForCausalLM.from_pretrained`` loads.
 
+    A LoRA run is exported merged (``W + (alpha / r) B A``, computed in float32; written in
+    float32 unless ``dtype`` is given, since a bf16 base would round small adapter updates
+    away), or with ``adapters_only`` as PEFT's adapter folder (``adapter_config.json`` +
+    ``adapter_model.safetensors``, see :mod:`llmforge.checkpoint.peft`).
+
     Raises:
-        LLMForgeError: the model is not an llmforge Llama, or the path has no checkpoint.
+        LLMForgeError: the model is not an llmforge Llama, the path has no checkpoint, or
+            ``adapters_only`` for a run without LoRA adapters.
     """
+    from llmforge.algorithms.lora import LoRA, has_adapters, lora_entry, merge_lora
     from llmforge.checkpoint.hf import save_hf
     from llmforge.generate import load_model
 
-    model, _, run_dir = load_model(path)
+    model, cfg, run_dir = load_model(path)
     if not hasattr(model, "args"):
         raise LLMForgeError(f"{path}: only the built-in llama3 model can be exported to Hugging Face format")
+    cast = getattr(torch, dtype) if dtype else None
+    lora = has_adapters(model)
+    if adapters_only:
+        if not lora:
+            raise LLMForgeError(f"{path}: --adapters-only needs a LoRA run (algorithms: [{{name: lora}}]); "
+                                "this checkpoint has no adapters")
+        from llmforge.checkpoint.peft import save_peft
+
+        init_from = cfg.model.get("init_from") or ""
+        base = init_from[3:] if init_from.startswith("hf:") else None
+        return save_peft(model, out, LoRA(**(lora_entry(cfg) or {})).options(), base=base, dtype=cast)
+    if lora:
+        model = merge_lora(model.float())
     tok_dir = run_dir / "tokenizer"
-    return save_hf(model, out, tokenizer_dir=tok_dir if tok_dir.is_dir() else None,
-                   dtype=getattr(torch, dtype) if dtype else None)
+    return save_hf(model, out, tokenizer_dir=tok_dir if tok_dir.is_dir() else None, dtype=cast)
 
 
 def from_hf(path: str | Path, out: str | Path) -> Path:

@@ -7,6 +7,7 @@ Layout of a checkpoint root (``<run_dir>/checkpoints``)::
         trainer_state.json   step, tokens seen, scheduler state, data position
         rng/rank<R>.json     RNG states of every rank (Python, NumPy, torch CPU/CUDA)
         meta.json            step, tokens, world size and mesh, llmforge version, config hash
+                             (LoRA runs: ``adapters_only: true`` and ``base``, the base's pointer)
         COMPLETE             written last; a folder without it is never loaded
     .tmp-step_00000200/      a save in progress (ignored by readers)
 
@@ -19,6 +20,10 @@ checkpoint can run code.
 ``save_checkpoint(..., async_save=True)`` writes through ``dcp.async_save`` and returns a
 :class:`PendingSave`; the folder becomes visible when :meth:`PendingSave.finish` has run (the
 next save calls it first, so at most one save is in flight).
+
+A model with LoRA adapters (:mod:`llmforge.algorithms.lora`) saves and loads only the adapter
+tensors (``*.lora_A.weight``, ``*.lora_B.weight``) and their optimizer state: the frozen base
+is rebuilt from its pointer (``model.init_from`` or the seeded init) when the model is built.
 """
 
 from __future__ import annotations
@@ -102,6 +107,16 @@ def _crash_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _adapter_filter(model: nn.Module, model_sd: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """``(state dict to save/load, adapters_only)``: only the LoRA adapter entries when the
+    model has adapters, else ``model_sd`` unchanged."""
+    from llmforge.algorithms.lora import has_adapters, is_adapter_key
+
+    if not has_adapters(model):
+        return model_sd, False
+    return {k: v for k, v in model_sd.items() if is_adapter_key(k)}, True
+
+
 def save_checkpoint(root: str | Path, step: int, model: nn.Module,
                     optimizer: Optional[torch.optim.Optimizer], trainer_state: dict[str, Any],
                     meta: dict[str, Any], rng: Optional[dict[str, Any]] = None,
@@ -122,9 +137,13 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module,
         (tmp / "rng" / f"rank{rank}.json").write_text(json.dumps(rng))
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, adapters_only = _adapter_filter(model, model_sd)
         state = {"model": model_sd, "optim": optim_sd}
     else:
-        state = {"model": get_model_state_dict(model)}
+        model_sd, adapters_only = _adapter_filter(model, get_model_state_dict(model))
+        state = {"model": model_sd}
+    if adapters_only:
+        meta = {**meta, "adapters_only": True}
     future = None
     if async_save:
         future = dcp.async_save(state, checkpoint_id=str(tmp))
@@ -152,12 +171,14 @@ def load_training_state(path: str | Path, model: nn.Module,
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, adapters_only = _adapter_filter(model, model_sd)
         state = {"model": model_sd, "optim": optim_sd}
         safe_load(state, str(path))
         set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=not adapters_only))
     else:
-        load_model_weights(path, model)
+        load_model_weights(path, model, adapters_only=None)
     out = read_json(path, "trainer_state.json")
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     rng_file = path / "rng" / f"rank{rank}.json"
@@ -191,12 +212,41 @@ def prune_checkpoints(root: str | Path, keep_last_n: Optional[int]) -> list[Path
     return old
 
 
-def load_model_weights(path: str | Path, model: nn.Module) -> None:
-    """Load the ``model`` part of a checkpoint into ``model`` (materialized, any sharding)."""
-    sd = get_model_state_dict(model)
+def load_model_weights(path: str | Path, model: nn.Module, adapters_only: Optional[bool] = False) -> None:
+    """Load the ``model`` part of a checkpoint into ``model`` (materialized, any sharding).
+
+    Args:
+        adapters_only: ``True``: load only the LoRA adapter tensors (the checkpoint of a LoRA
+            run); ``False``: every tensor of ``model`` except LoRA adapters (e.g.
+            ``model.init_from`` of a full checkpoint into a LoRA model); ``None``: adapters only
+            if ``model`` has adapters.
+
+    Raises:
+        ConfigError: a full load from a checkpoint that holds only LoRA adapters.
+    """
+    from llmforge.algorithms.lora import has_adapters, is_adapter_key
+
+    path = Path(path)
+    sd = full = get_model_state_dict(model)
+    if adapters_only is None:
+        adapters_only = has_adapters(model)
+    if adapters_only:
+        sd = {k: v for k, v in sd.items() if is_adapter_key(k)}
+    else:
+        meta = path / "meta.json"
+        if meta.exists() and json.loads(meta.read_text()).get("adapters_only"):
+            from llmforge.errors import ConfigError
+
+            raise ConfigError(f"{path} holds only LoRA adapters (its base is "
+                              f"{json.loads(meta.read_text()).get('base', {}).get('description', '?')}); "
+                              "load the run with `llmforge generate`/`convert to-hf` (merged), "
+                              "or export merged weights with `llmforge convert to-hf` and use "
+                              "model.init_from=hf:OUT")
+        sd = {k: v for k, v in sd.items() if not is_adapter_key(k)}
+    partial = len(sd) != len(full)
     state = {"model": sd}
     safe_load(state, str(path))
-    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not partial))
 
 
 def read_json(path: str | Path, name: str) -> dict[str, Any]:

@@ -201,6 +201,8 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> int:
     handles: dict[Path, Any] = {}
     try:
         for name, param in model.named_parameters():
+            if ".lora_A." in name or ".lora_B." in name:
+                continue  # LoRA adapters are initialized by the lora algorithm, not loaded
             hf_key = ours.get(name)
             if hf_key is None:
                 if name == "output.weight" and a.tie_embeddings:

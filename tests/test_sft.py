@@ -3,7 +3,6 @@ when padding shares its id, packing with document masking, bad input, and the de
 
 import base64
 import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -168,12 +167,12 @@ def test_packed_loss_equals_unpacked_per_example(tok):
     assert len(packed["input_ids"]) == 1 and len(single["input_ids"]) == 3
     assert "doc_ids" not in single
     model = tiny_llama(tok.vocab_size, 256)  # fp32
-    t = {k: torch.from_numpy(v) for k, v in packed.items()}
+    t = {k: torch.from_numpy(v.astype(np.int64)) for k, v in packed.items()}
     with torch.no_grad():
         logits = model(t["input_ids"], doc_ids=t["doc_ids"])
         ce = F.cross_entropy(logits[0], t["labels"][0], ignore_index=IGNORE_INDEX, reduction="none")
         for d in range(3):
-            row = {k: torch.from_numpy(v[d:d + 1]) for k, v in single.items()}
+            row = {k: torch.from_numpy(v[d:d + 1].astype(np.int64)) for k, v in single.items()}
             ce1 = F.cross_entropy(model(row["input_ids"])[0], row["labels"][0],
                                   ignore_index=IGNORE_INDEX, reduction="none")
             sel = t["doc_ids"][0] == d

@@ -358,10 +358,15 @@ def build_rows(examples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_
     """Lay examples into rows of ``seq_len`` positions.
 
     Returns:
-        ``{"input_ids", "labels"}`` (and ``"doc_ids"`` when ``packed``), each int64
-        ``[rows, seq_len]``. Padding: input ``pad_id``, label -100, and (packed) a doc id of its
-        own (one past the row's last example), so no example attends to it.
+        ``{"input_ids", "labels"}`` (and ``"doc_ids"`` when ``packed``), each ``[rows,
+        seq_len]``, stored compactly (input ids int32, or uint16/uint32 by the largest id;
+        labels and doc ids int32; :class:`SFTRows` hands out int64). Padding: input ``pad_id``,
+        label -100, and (packed) a doc id of its own (one past the row's last example), so no
+        example attends to it.
     """
+    from llmforge.data.packing import token_dtype
+
+    top = max([pad_id] + [int(ids.max()) for ids, _ in examples if len(ids)])
     rows: list[list[tuple[np.ndarray, np.ndarray]]] = []
     used = seq_len + 1  # forces a new row at the first example
     for ex in examples:
@@ -372,9 +377,9 @@ def build_rows(examples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_
         rows[-1].append(ex)
         used += n
     shape = (len(rows), seq_len)
-    input_ids = np.full(shape, pad_id, dtype=np.int64)
-    labels = np.full(shape, IGNORE_INDEX, dtype=np.int64)
-    doc_ids = np.zeros(shape, dtype=np.int64)
+    input_ids = np.full(shape, pad_id, dtype=token_dtype(top + 1))
+    labels = np.full(shape, IGNORE_INDEX, dtype=np.int32)
+    doc_ids = np.zeros(shape, dtype=np.int32)
     for r, row in enumerate(rows):
         pos = 0
         for d, (ids, lab) in enumerate(row):
@@ -402,7 +407,7 @@ class SFTRows(Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         if not 0 <= i < len(self):
             raise IndexError(i)
-        return {k: torch.from_numpy(v[i]) for k, v in self.rows.items()}
+        return {k: torch.from_numpy(v[i].astype(np.int64)) for k, v in self.rows.items()}
 
 
 def resolve_pad_id(configured: Optional[int], tokenizer: Any, stop_id: int) -> int:

@@ -359,7 +359,7 @@ def build_rows(examples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_
 
     Returns:
         ``{"input_ids", "labels"}`` (and ``"doc_ids"`` when ``packed``), each ``[rows,
-        seq_len]``, stored compactly (input ids int32, or uint16/uint32 by the largest id;
+        seq_len]``, stored compactly (input ids uint16 or uint32 by the largest id;
         labels and doc ids int32; :class:`SFTRows` hands out int64). Padding: input ``pad_id``,
         label -100, and (packed) a doc id of its own (one past the row's last example), so no
         example attends to it.

@@ -52,6 +52,9 @@ def test_llama3_template_renders_the_exact_format(tok):
                 "<|start_header_id|>user<|end_header_id|>\n\nAnd three plus three?<|eot_id|>"
                 "<|start_header_id|>assistant<|end_header_id|>\n\nSix.<|eot_id|>")
     assert render_llama3(CHAT) == expected
+    prompt = render_llama3(CHAT[:2], add_generation_prompt=True)
+    assert prompt.endswith("<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert tok.decode(Llama3ChatTemplate(tok).prompt_ids(CHAT[:2])) == prompt
     ids, _ = Llama3ChatTemplate(tok).tokenize(CHAT)
     assert tok.decode(ids) == expected
     for t in ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"):
@@ -341,6 +344,21 @@ def test_demo_sft_yaml_trains_and_loss_decreases(tmp_path):
     train = [r["train/loss"] for r in recs if "train/loss" in r]
     assert len(evals) == 2 and evals[-1] < evals[0] - 1.0, evals
     assert np.mean(train[-5:]) < np.mean(train[:5]) - 1.0, train
+    # generate --chat: the prompt as a user turn, the answer alone, stopped at <|eot_id|>
+    from llmforge.generate import load_for_inference
+    from llmforge.models.sampling import generate
+
+    run = tmp_path / "demo_cpu_sft"
+    gen = run_cli("generate", str(run), "--chat", "--prompt", "What is 3 plus 4?",
+                  "--temperature", "0", "--max-new-tokens", "40")
+    assert gen.returncode == 0, gen.stderr[-2000:]
+    model, tok, _ = load_for_inference(run)
+    template = Llama3ChatTemplate(tok)
+    ids = template.prompt_ids([{"role": "user", "content": "What is 3 plus 4?"}])
+    new = generate(model, ids, 40, temperature=0.0, eos_id=template.stop_id)
+    answer = tok.decode([i for i in new if i not in (tok.eos_id, template.stop_id)])
+    assert gen.stdout.rstrip("\n") == answer and "What is" not in gen.stdout
+    assert "<|eot_id|>" not in gen.stdout
 
 
 def test_sft_from_a_pretrained_run_and_bad_line_exit_2(tmp_path):

@@ -3,7 +3,7 @@
     llmforge train CONFIG.yaml [key=value ...] [--nproc N] [--dry-run [--device-memory-gib G]]
                    [--overwrite] [--debug]
     llmforge generate RUN_DIR_OR_CHECKPOINT --prompt TEXT [--max-new-tokens N] [--temperature T]
-                      [--top-k K] [--seed S] [--debug]
+                      [--top-k K] [--seed S] [--chat] [--debug]
     llmforge algorithms          # the algorithm plugins: name, pipeline stage, summary
     llmforge runs plot RUN_DIR... [--metric train/loss] [--out FILE.png] [--x step|tokens]
     llmforge launch CONFIG.yaml [--cluster NAME] [--gpus N] [--nodes M] [--dry-run] [key=value ...]
@@ -48,6 +48,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=50, help="sample among the K likeliest tokens")
     g.add_argument("--seed", type=int, default=0, help="sampling seed")
+    g.add_argument("--chat", action="store_true",
+                   help="the prompt is a user turn: render it with the run's chat template "
+                        "(data.chat_template, Llama 3 by default), print only the answer, stop "
+                        "at the end of the assistant turn (SFT runs)")
     g.add_argument("--debug", action="store_true", help="show tracebacks")
 
     v = sub.add_parser("convert", help="Hugging Face <-> llmforge weights")
@@ -252,10 +256,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise ConfigError(message)
     try:
         text = sample_text(args.path, args.prompt, max_new_tokens=args.max_new_tokens,
-                           temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+                           temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                           chat=args.chat)
     except ValueError as exc:
         raise LLMForgeError(str(exc)) from exc
-    print(args.prompt + text)
+    print(text if args.chat else args.prompt + text)
     return 0
 
 

@@ -70,11 +70,27 @@ def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Any, Toke
 
 
 def sample_text(path: str | Path, prompt: str, *, max_new_tokens: int = 200,
-                temperature: float = 0.8, top_k: Optional[int] = 50, seed: int = 0) -> str:
-    """Sample a continuation of ``prompt`` (the returned text excludes the prompt)."""
-    model, tok, _ = load_for_inference(path)
+                temperature: float = 0.8, top_k: Optional[int] = 50, seed: int = 0,
+                chat: bool = False) -> str:
+    """Sample a continuation of ``prompt`` (the returned text excludes the prompt).
+
+    ``chat``: ``prompt`` is one user turn, rendered with the run's ``data.chat_template``
+    (Llama 3 by default) and followed by the assistant header; sampling stops at the template's
+    end-of-turn token (``<|eot_id|>``), which is left out of the returned answer.
+
+    Raises:
+        ConfigError: ``chat`` and the run's tokenizer lacks the template's special tokens.
+    """
+    model, tok, cfg = load_for_inference(path)
     gen = torch.Generator().manual_seed(seed)
-    ids = tok.encode(prompt, bos=True)
+    stop = tok.eos_id
+    if chat:
+        from llmforge.data.chat import build_chat_template
+
+        template = build_chat_template(cfg.data.get("chat_template") or "llama3", tok)
+        ids, stop = template.prompt_ids([{"role": "user", "content": prompt}]), template.stop_id
+    else:
+        ids = tok.encode(prompt, bos=True)
     new = generate(model, ids, max_new_tokens, temperature=temperature, top_k=top_k,
-                   eos_id=tok.eos_id, generator=gen)
-    return tok.decode([i for i in new if i != tok.eos_id])
+                   eos_id=stop, generator=gen)
+    return tok.decode([i for i in new if i not in (tok.eos_id, stop)])

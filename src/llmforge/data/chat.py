@@ -37,20 +37,28 @@ ROLES = ("system", "user", "assistant")
 LLAMA3_TOKENS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 
 
-def render_llama3(messages: list[dict[str, str]]) -> str:
+def render_llama3(messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
     """The Llama 3 chat string of ``messages`` (see the module docstring), exactly as the
-    Llama 3 Instruct ``chat_template`` renders it without a generation prompt."""
+    Llama 3 Instruct ``chat_template`` renders it; ``add_generation_prompt`` appends the
+    assistant header ``<|start_header_id|>assistant<|end_header_id|>\n\n`` (what a model
+    continues at inference)."""
     out = ["<|begin_of_text|>"]
     for m in messages:
         out.append(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n"
                    f"{m['content'].strip()}<|eot_id|>")
+    if add_generation_prompt:
+        out.append("<|start_header_id|>assistant<|end_header_id|>\n\n")
     return "".join(out)
 
 
 class ChatTemplate:
-    """Base class: ``tokenize(messages) -> (ids, targets)``."""
+    """Base class: ``tokenize(messages) -> (ids, targets)``, ``prompt_ids(messages)``."""
 
     name = ""
+
+    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Ids of ``messages`` plus the opening of an assistant turn (for generation)."""
+        raise NotImplementedError
 
     def tokenize(self, messages: list[dict[str, str]],
                  train_on_input: bool = False) -> tuple[list[int], list[bool]]:
@@ -94,6 +102,13 @@ class Llama3ChatTemplate(ChatTemplate):
     @property
     def stop_id(self) -> int:
         return self.eot
+
+    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Ids of ``messages`` followed by the assistant header (``render_llama3(messages,
+        add_generation_prompt=True)``): the prompt a chat model continues; it should stop at
+        :attr:`stop_id`."""
+        ids, _ = self.tokenize(messages)
+        return ids + [self.start_header, *self._roles["assistant"], self.end_header, *self._nl2]
 
     def tokenize(self, messages: list[dict[str, str]],
                  train_on_input: bool = False) -> tuple[list[int], list[bool]]:

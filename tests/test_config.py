@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import pytest
 import yaml
@@ -323,3 +324,13 @@ def test_validate_accepts_edges(tmp_path):
                    "data.val_fraction=0", "scheduler.min_lr_ratio=0", "scheduler.decay_fraction=1",
                    tmp_path=tmp_path)
     assert validate(cfg).gradient_accumulation_steps == 1
+
+
+def test_error_for_a_secret_looking_override_does_not_echo_its_value():
+    from llmforge.config import load_config
+    from llmforge.errors import ConfigError
+
+    for item in ["wandb_api_key=SEKRET123", "run.hf_token=SEKRET123", "trainer.api_key=SEKRET123"]:
+        with pytest.raises(ConfigError) as info:
+            load_config(Path(__file__).parents[1] / "yamls" / "demo_cpu.yaml", [item])
+        assert "SEKRET123" not in str(info.value) and "=***'" in str(info.value), str(info.value)

@@ -276,7 +276,8 @@ def _parse_override(item: str) -> tuple[str, Any]:
 
 def _apply_override(cfg: DictConfig, item: str) -> None:
     key, value = _parse_override(item)
-    source = f"override '{item}'"
+    secret = any(_is_secret(p) for p in key.split("."))
+    source = f"override '{key}=***'" if secret else f"override '{item}'"  # never echo a secret
     parts = key.split(".")
     node: Any = cfg
     for i, part in enumerate(parts):

@@ -239,7 +239,9 @@ def _print_summary(s: dict[str, Any]) -> None:
     print(f"run directory: {s['run_dir']}")
     if s["checkpoint"]:
         print(f"checkpoint: {s['checkpoint']}")
-        print(f"try: llmforge generate {s['run_dir']} --prompt \"ROMEO.\"")
+        hint = ('--chat --prompt "What is 3 plus 4?"' if s.get("data_task") == "sft"
+                else '--prompt "ROMEO."')
+        print(f"try: llmforge generate {s['run_dir']} {hint}")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

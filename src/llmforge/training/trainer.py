@@ -393,4 +393,5 @@ class Trainer:
             "final_eval_loss": last_eval.get("eval/loss"),
             "run_dir": str(self.run_dir),
             "checkpoint": str(ckpt) if ckpt else None,
+            "data_task": self.cfg.data.task,
         }

@@ -253,6 +253,11 @@ def test_cli_checkpoint_holds_adapters_and_the_base_pointer(hf_runs):
                    "run.name=bad", "trainer.max_steps=2")
     assert proc.returncode == 2 and "holds only LoRA adapters" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+    # resuming needs the same base (here: a random init instead of the HF weights)
+    other = run_cli("train", DEMO, *COMMON, LORA_CLI, "trainer.max_steps=6",
+                    f"checkpoint.resume={ckpt}", f"run.output_dir={out}", "run.name=other_base")
+    assert other.returncode == 2 and "trained on the base 'weights of hf:" in other.stderr, other.stderr[-2000:]
+    assert "Traceback" not in other.stderr
 
 
 @pytest.mark.slow
@@ -318,6 +323,25 @@ def test_fsdp2_two_processes_with_compile_and_checkpointing(tmp_path):
             torch.testing.assert_close(wb[k], wa[k], atol=1e-4, rtol=0, msg=k)
         else:  # the base is rebuilt from the seed: bit-identical
             assert torch.equal(wb[k], wa[k]), k
+
+
+@pytest.mark.slow
+def test_fsdp2_float8_all_gather_on_a_bf16_base(tmp_path):
+    """float8 converts the frozen bf16 base (FP8 all-gather, emulated on the CPU), LoRA adds
+    fp32 adapters on top: 2 processes train like 1 within the FP8 tolerance of PLATFORM.md."""
+    from llmforge.generate import load_model
+
+    algos = ("algorithms=[{name: lora, rank: 4, alpha: 8, base_dtype: bfloat16}, "
+             "{name: float8, emulate: true%s}]")
+    cli_train(tmp_path, "one", algos % "", "trainer.max_steps=3")
+    proc = cli_train(tmp_path, "two", algos % ", enable_fsdp_float8_all_gather: true",
+                     "trainer.max_steps=3", nproc=2)
+    assert "FP8 all-gather" in proc.stdout and "base in bfloat16" in proc.stdout
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert list(two.values()) == pytest.approx(list(one.values()), abs=1e-3)
+    model = load_model(tmp_path / "two")[0]  # adapters onto the rebuilt base, without torchao
+    assert model.layers[0].attention.wq.weight.dtype == torch.bfloat16
+    assert torch.count_nonzero(model.layers[0].attention.wq.lora_B.weight) > 0
 
 
 # ------------------------------------------------------------------------ dry run

@@ -90,20 +90,31 @@ def lora_meta(pl_module: Any) -> dict[str, Any]:
 
 
 def check_lora_base(path: Path, pl_module: Any) -> None:
-    """Resuming an adapter-only checkpoint needs the same base as when it was saved.
+    """Resuming an adapter-only checkpoint needs a LoRA run on the same base as when it was
+    saved (and a full checkpoint a run without LoRA).
 
     Raises:
-        ConfigError: ``model.init_from`` (or the seed of a randomly initialized base) differs.
+        ConfigError: ``model.init_from`` (or the seed of a randomly initialized base) differs,
+            or the checkpoint and the run disagree on LoRA.
     """
     meta_file = Path(path) / "meta.json"
     if not meta_file.exists():
         return
-    saved = json.loads(meta_file.read_text()).get("base")
-    if not saved:
-        return
-    from llmforge.algorithms.lora import base_pointer
+    from llmforge.algorithms.lora import base_pointer, has_adapters
     from llmforge.errors import ConfigError
 
+    meta = json.loads(meta_file.read_text())
+    lora_now = pl_module.model is not None and has_adapters(pl_module.model)
+    if bool(meta.get("adapters_only")) != lora_now:
+        if lora_now:
+            raise ConfigError(f"checkpoint.resume: {path} is a full-model checkpoint, but this run "
+                              "trains LoRA adapters; start from its weights with "
+                              f"model.init_from={path} (and checkpoint.resume=null)")
+        raise ConfigError(f"checkpoint.resume: {path} holds only LoRA adapters, but this run has "
+                          "no lora entry under algorithms:; resume with the original algorithms")
+    saved = meta.get("base")
+    if not saved:
+        return
     now = base_pointer(pl_module.cfg)
     if now != saved:
         raise ConfigError(f"checkpoint.resume: {path} holds LoRA adapters trained on the base "

@@ -115,7 +115,9 @@ def test_bf16_base_and_float8_composition():
 
 
 def test_bad_settings_are_config_errors():
-    from llmforge.algorithms.loading import build_algorithms
+    from llmforge.algorithms.loading import available, build_algorithms
+
+    assert any(name == "lora" and stage == "convert" for name, stage, _ in available())
 
     with pytest.raises(ConfigError, match=r"lora.targets entry 'q_proj' matches no Linear layer.*wq"):
         build_algorithms(make_cfg([{**LORA, "targets": ["wq", "q_proj"]}]))

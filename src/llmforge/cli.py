@@ -4,6 +4,8 @@
                    [--overwrite] [--debug]
     llmforge generate RUN_DIR_OR_CHECKPOINT --prompt TEXT [--max-new-tokens N] [--temperature T]
                       [--top-k K] [--seed S] [--chat] [--debug]
+    llmforge eval RUN_DIR_OR_CHECKPOINT --tasks T1,T2 [--include-path DIR] [--limit N]
+                  [--num-fewshot K] [--batch-size B] [--device D]
     llmforge algorithms          # the algorithm plugins: name, pipeline stage, summary
     llmforge runs plot RUN_DIR... [--metric train/loss] [--out FILE.png] [--x step|tokens]
     llmforge launch CONFIG.yaml [--cluster NAME] [--gpus N] [--nodes M] [--dry-run] [key=value ...]
@@ -53,6 +55,21 @@ def _parser() -> argparse.ArgumentParser:
                         "(data.chat_template, Llama 3 by default), print only the answer, stop "
                         "at the end of the assistant turn (SFT runs)")
     g.add_argument("--debug", action="store_true", help="show tracebacks")
+
+    e = sub.add_parser("eval", help="run lm-evaluation-harness tasks on a run or checkpoint")
+    e.add_argument("path", help="run directory (runs/NAME) or a checkpoint folder")
+    e.add_argument("--tasks", required=True,
+                   help="comma-separated lm-eval task names, e.g. hellaswag,arc_easy")
+    e.add_argument("--include-path", action="append", default=[], metavar="DIR",
+                   help="folder of extra task YAMLs (local data); repeatable")
+    e.add_argument("--limit", type=float, default=None,
+                   help="documents per task: a count, or a share if < 1")
+    e.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt")
+    e.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
+    e.add_argument("--max-gen-toks", type=int, default=256, help="cap on generated tokens")
+    e.add_argument("--seed", type=int, default=0, help="lm-eval's seeds")
+    e.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    e.add_argument("--debug", action="store_true", help="show tracebacks")
 
     v = sub.add_parser("convert", help="Hugging Face <-> llmforge weights")
     cv_sub = v.add_subparsers(dest="convert_command", required=True)
@@ -115,6 +132,7 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", module="torch.distributed.tensor._random")
     warnings.filterwarnings("ignore", message=".*_get_slice_mesh_layout.*|.*_rng_tracker.*")
     warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
+    warnings.filterwarnings("ignore", message=".*Found a non-scalar tensor with numel=1 and ndim!=0.*")
     import datasets
 
     datasets.disable_progress_bars()
@@ -266,6 +284,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from llmforge.errors import ConfigError
+    from llmforge.evaluation.run import evaluate_run
+
+    if args.limit is not None and not args.limit > 0:
+        raise ConfigError(f"--limit must be > 0 (a count, or a share if < 1); got {args.limit:g}")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise ConfigError(f"--num-fewshot must be >= 0; got {args.num_fewshot}")
+    if args.batch_size < 1 or args.max_gen_toks < 1:
+        raise ConfigError("--batch-size and --max-gen-toks must be >= 1")
+    limit = None if args.limit is None else (args.limit if args.limit < 1 else int(args.limit))
+    out = evaluate_run(args.path, args.tasks.split(","), include_path=args.include_path,
+                       limit=limit, num_fewshot=args.num_fewshot, batch_size=args.batch_size,
+                       max_gen_toks=args.max_gen_toks, seed=args.seed, device=args.device)
+    for key, value in sorted(out["scores"].items()):
+        print(f"{key:40s} {value:.4f}")
+    print(f"wrote {out['path']}")
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from llmforge.checkpoint.convert import from_hf, to_hf
 
@@ -300,7 +338,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command not in TOP_COMMANDS and getattr(args, "runs_command", None) not in RUN_COMMANDS:
         _quiet_libraries()  # run management imports neither datasets nor (mostly) torch
     handlers = {"train": cmd_train, "generate": cmd_generate, "algorithms": cmd_algorithms,
-                "runs": cmd_runs, "checkpoint": cmd_checkpoint, "convert": cmd_convert}
+                "runs": cmd_runs, "checkpoint": cmd_checkpoint, "convert": cmd_convert, "eval": cmd_eval}
     handlers.update(TOP_COMMANDS)  # launch, clusters, secrets
     try:
         return handlers[args.command](args)

@@ -1,6 +1,7 @@
 """Training time lost per checkpoint save, with DCP async save on and off, side by side.
 
     python benchmarks/checkpoint_save.py            # demo model, 3 interleaved rounds
+    python benchmarks/checkpoint_save.py --big      # dim 512, 8 blocks: 25.7M parameters, 0.29 GiB per save
     python benchmarks/checkpoint_save.py --smoke    # tiny, for the test suite
 
 Each round trains the same run three ways in one process: no saves, a save every
@@ -40,6 +41,7 @@ def run(overrides: list[str], work: Path, name: str) -> tuple[float, list[float]
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--big", action="store_true", help="dim 512, 8 blocks (larger checkpoints)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--every", type=int, default=5)
@@ -49,6 +51,8 @@ def main() -> int:
     datasets.disable_progress_bars()
     common = ["trainer.progress_bar=false", "trainer.eval_every=0", "data.num_workers=0",
               "loggers=[]", "checkpoint.save_final=false"]
+    if args.big:
+        common += ["model.dim=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=4"]
     if args.smoke:
         common += ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
                    "model.multiple_of=32", "tokenizer.vocab_size=1024", "variables.seq_len=64",

@@ -1,5 +1,6 @@
 """Keep the benchmark scripts runnable (tiny CPU smoke runs), not their timings."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -48,3 +49,17 @@ def test_compile_cpu_smoke(tmp_path):
     table = (tmp_path / "compile_cpu-smoke.md").read_text()
     for variant in ("| eager |", "| compile per block |", "| compile whole model |"):
         assert variant in table
+
+
+def test_peers_smoke():
+    """peers.py runs the peers installed here (plain Lightning always; LitGPT and torchtitan only
+    where their packages are, never in CI) and says which it skipped."""
+    proc = run_script("benchmarks/peers.py", "--smoke")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "ratio llmforge/lightning (eager)" in proc.stdout
+    for package in ("litgpt", "torchtitan"):
+        if importlib.util.find_spec(package) is None:
+            assert f"{package}: skipped: {package} not installed" in proc.stdout
+        else:
+            assert f"ratio llmforge/{package} (eager)" in proc.stdout or \
+                f"{package} (eager): cannot run:" in proc.stdout

@@ -3,6 +3,7 @@
     python benchmarks/overhead.py                 # demo model, 5 interleaved pairs after a warm-up pair
     python benchmarks/overhead.py --small         # a model ~10x smaller (per-step overhead shows first)
     python benchmarks/overhead.py --compile       # llmforge with its `compile` algorithm vs the bare eager loop
+    python benchmarks/overhead.py --compile --compile-entry '{name: compile, per_block: false, compile_loss: true}'
     python benchmarks/overhead.py --smoke         # tiny, for the test suite
 
 (a) the bare loop, written here: forward, cross-entropy, backward, clip, AdamW step, zero_grad,
@@ -64,7 +65,13 @@ def worker_llmforge(overrides: list[str], steps: int, warmup: int, work: Path) -
     trainer.lightning.callbacks.append(Clock())
     trainer.lightning.fit(trainer.module, datamodule=trainer.datamodule)
     seconds = marks[steps] - marks[warmup]
-    return {"tokens_per_second": (steps - warmup) * trainer.plan.tokens_per_step / seconds}
+    records = [json.loads(x) for x in (Path(trainer.cfg.run.output_dir) / trainer.cfg.run.name /
+                                       "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in records if r["step"] > warmup and "time/step_seconds" in r]
+    data_share = (sum(r["time/data_seconds"] for r in timed) / sum(r["time/step_seconds"] for r in timed)
+                  if timed else float("nan"))
+    return {"tokens_per_second": (steps - warmup) * trainer.plan.tokens_per_step / seconds,
+            "data_share": data_share}
 
 
 def worker_bare(overrides: list[str], steps: int, warmup: int, work: Path) -> dict:
@@ -130,6 +137,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--small", action="store_true", help="a model ~10x smaller than the demo")
     ap.add_argument("--compile", action="store_true", help="llmforge with algorithms=[compile]")
+    ap.add_argument("--compile-entry", default="{name: compile}",
+                    help="the algorithms entry used by --compile (YAML flow mapping)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--worker", choices=["bare", "llmforge"], help=argparse.SUPPRESS)
     ap.add_argument("--overrides", default="[]", help=argparse.SUPPRESS)
@@ -148,7 +157,7 @@ def main() -> int:
     overrides = SMOKE if args.smoke else (SMALL if args.small else [])
     if args.smoke:
         args.pairs, args.steps, args.warmup = 1, 4, 1
-    llm_overrides = overrides + (["algorithms=[{name: compile}]"] if args.compile else [])
+    llm_overrides = overrides + ([f"algorithms=[{args.compile_entry}]"] if args.compile else [])
     results: dict[str, list[dict]] = {"bare": [], "llmforge": []}
     for pair in range(args.pairs + (0 if args.smoke else 1)):  # the first pair warms caches
         a = run_worker("bare", overrides, args.steps, args.warmup)
@@ -158,7 +167,7 @@ def main() -> int:
             results["llmforge"].append(b)
     tps = {k: [r["tokens_per_second"] for r in v] for k, v in results.items()}
     ratios = [b / a for a, b in zip(tps["bare"], tps["llmforge"])]
-    label = "llmforge+compile" if args.compile else "llmforge"
+    label = f"llmforge+{args.compile_entry}" if args.compile else "llmforge"
     print(f"model: {'smoke' if args.smoke else 'small' if args.small else 'demo'}; "
           f"{args.pairs} pairs x {args.steps} steps ({args.warmup} warm-up)")
     for k in ("bare", "llmforge"):
@@ -167,6 +176,9 @@ def main() -> int:
               f"peak RSS {max(r['peak_rss_mib'] for r in results[k]):7.0f} MiB")
     print(f"ratio {label}/bare: median {statistics.median(ratios):.3f} "
           f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
+    shares = [r["data_share"] for r in results["llmforge"]]
+    print(f"llmforge data wait: median {statistics.median(shares):.2%} of step time "
+          f"(time/data_seconds / time/step_seconds; max {max(shares):.2%})")
     return 0
 
 

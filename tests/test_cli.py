@@ -97,6 +97,18 @@ def test_train_on_shakespeare_then_generate(tmp_path, tiny_overrides):
 
     again = run_cli("train", DEMO, *tiny_overrides, "run.name=e2e")
     assert_config_error(again, "already holds a run", "--overwrite")
+    # resuming with another model shape is refused; the run's config.yaml stays as it was
+    before = (run_dir / "config.yaml").read_text()
+    bad = run_cli("train", DEMO, *tiny_overrides, "run.name=e2e", "model.dim=128",
+                  "checkpoint.resume=auto", "trainer.max_steps=210")
+    assert_config_error(bad, "does not fit this run's model or optimizer")
+    assert (run_dir / "config.yaml").read_text() == before
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == len(records)
+    # starting from this run's weights with a tokenizer trained anew (on other text) is refused
+    other = run_cli("train", DEMO, *tiny_overrides, "run.name=ft", f"model.init_from={run_dir}",
+                    "data.max_documents=3", "trainer.max_steps=2")
+    assert_config_error(other, "was trained with another tokenizer",
+                        f"tokenizer.path={run_dir / 'tokenizer' / 'tokenizer.json'}")
 
 
 def test_generate_on_missing_run(tmp_path):

@@ -315,7 +315,7 @@ def test_warmup_longer_than_the_run_is_a_warning_not_an_error(tmp_path, capsys):
     cfg = cfg_with("scheduler.warmup_steps=100", "trainer.max_steps=10", tmp_path=tmp_path)
     assert validate(cfg).gradient_accumulation_steps >= 1
     err = capsys.readouterr().err
-    assert err.startswith("warning: scheduler.warmup_steps (100) >= trainer.max_steps (10)")
+    assert err.startswith("warning: scheduler.warmup_steps (100) > trainer.max_steps (10)")
     assert "scheduler.warmup_steps=1" in err
 
 
@@ -334,3 +334,15 @@ def test_error_for_a_secret_looking_override_does_not_echo_its_value():
         with pytest.raises(ConfigError) as info:
             load_config(Path(__file__).parents[1] / "yamls" / "demo_cpu.yaml", [item])
         assert "SEKRET123" not in str(info.value) and "=***'" in str(info.value), str(info.value)
+
+
+def test_url_credentials_are_redacted_in_configs_and_errors(tmp_path):
+    from conftest import run_cli
+
+    assert redact({"data": {"path": "https://alice:pw12345@host/x.jsonl"}}) == {
+        "data": {"path": "https://***@host/x.jsonl"}}
+    proc = run_cli("train", str(Path(__file__).parents[1] / "yamls" / "demo_cpu.yaml"),
+                   "data.source=files", "data.path=https://alice:hunter2SECRET@127.0.0.1:9/x.jsonl",
+                   f"run.output_dir={tmp_path}")  # a closed local port: fails at once
+    assert proc.returncode == 2 and "https://***@127.0.0.1:9/x.jsonl" in proc.stderr, proc.stderr[-2000:]
+    assert "hunter2SECRET" not in proc.stdout + proc.stderr

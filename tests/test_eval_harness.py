@@ -105,6 +105,26 @@ def test_llmforge_eval_runs_a_local_task_and_writes_the_score(trained):
     bad = run_cli("eval", str(run_dir), "--tasks", "tiny_mcq", "--include-path", str(tasks))
     assert bad.returncode == 2 and "unknown lm-eval task(s): 'tiny_mcq' (did you mean tiny_mc" in bad.stderr
     assert "Traceback" not in bad.stderr
+    # a task whose template does not render: exit 2, naming the task folder
+    broken = tasks.parent / "broken"
+    broken.mkdir()
+    (broken / "tiny_bad.yaml").write_text((tasks / "tiny_mc.yaml").read_text().replace(
+        "task: tiny_mc", "task: tiny_bad").replace("{{question}}", "{{question | nosuchfilter}}"))
+    bad = run_cli("eval", str(run_dir), "--tasks", "tiny_bad", "--include-path", str(broken / "tiny_bad.yaml"))
+    assert bad.returncode == 2 and "could not run tiny_bad (task YAMLs in" in bad.stderr, bad.stderr[-2000:]
+    assert "nosuchfilter" in bad.stderr and "Traceback" not in bad.stderr
+    for args, words in [(["--limit", "1.5"], "--limit must be a whole count"),
+                        (["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "foo"], "--device")]:
+        bad = run_cli("eval", str(run_dir), "--tasks", "tiny_mc", *args)
+        assert bad.returncode == 2 and words in bad.stderr, bad.stderr[-2000:]
+
+
+def test_scores_leave_out_bookkeeping_entries():
+    from llmforge.evaluation.harness import flatten_results
+
+    res = {"results": {"t": {"alias": "t", "acc,none": 0.5, "acc_stderr,none": 0.1, "sample_len": 4,
+                             "acc_norm,none": float("nan")}}}
+    assert flatten_results(res) == {"t/acc": 0.5, "t/acc_stderr": 0.1}
 
 
 def test_eval_harness_callback_logs_scores_during_training(tmp_path, trained):

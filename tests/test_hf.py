@@ -107,6 +107,15 @@ def test_train_from_hf_weights(tmp_path, nproc):
     tokens = torch.randint(0, 1024, (1, 16))
     with torch.no_grad():
         torch.testing.assert_close(back(tokens).logits, hf(tokens).logits, atol=1e-5, rtol=1e-5)
+    if nproc == 1:  # the exported tokenizer adds BOS as llmforge trains, and files are readable
+        from llmforge.data.tokenizers import load_saved
+
+        ours = load_saved(tmp_path / "ft" / "tokenizer")
+        theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "back")
+        assert theirs("ROMEO.").input_ids == ours.encode("ROMEO.", bos=True)
+        assert all(f.stat().st_mode & 0o044 == 0o044 for f in (tmp_path / "back").iterdir())
+        again = run_cli("convert", "to-hf", str(tmp_path / "ft"), str(tmp_path / "back"))
+        assert again.returncode == 2 and "--overwrite" in again.stderr
 
 
 def test_rank_local_import_keeps_each_process_below_the_checkpoint_size(tmp_path):

@@ -260,6 +260,20 @@ def test_cli_checkpoint_holds_adapters_and_the_base_pointer(hf_runs):
                     f"checkpoint.resume={ckpt}", f"run.output_dir={out}", "run.name=other_base")
     assert other.returncode == 2 and "trained on the base 'weights of hf:" in other.stderr, other.stderr[-2000:]
     assert "Traceback" not in other.stderr
+    # resuming with other lora settings is refused, and the refused run keeps its config.yaml
+    import shutil
+
+    shutil.copytree(out / "straight", out / "changed")
+    before = (out / "changed" / "config.yaml").read_text()
+    base = [f"model.init_from=hf:{out / 'hf'}", "trainer.max_steps=6", "checkpoint.resume=auto",
+            f"run.output_dir={out}", "run.name=changed"]
+    for lora, words in [(LORA_CLI.replace("alpha: 12", "alpha: 99"), "saved with alpha=12.0; this run has alpha=99.0"),
+                        (LORA_CLI.replace("rank: 4", "rank: 8"), "saved with rank=4; this run has rank=8"),
+                        ("algorithms=[]", "holds only LoRA adapters")]:
+        proc = run_cli("train", DEMO, *COMMON, lora, *base)
+        assert proc.returncode == 2 and words in proc.stderr, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr
+        assert (out / "changed" / "config.yaml").read_text() == before
 
 
 @pytest.mark.slow

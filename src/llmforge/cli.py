@@ -81,10 +81,12 @@ def _parser() -> argparse.ArgumentParser:
     th.add_argument("--adapters-only", action="store_true",
                     help="LoRA runs: write only the adapters in PEFT's format (adapter_config.json + "
                          "adapter_model.safetensors) instead of merged weights")
+    th.add_argument("--overwrite", action="store_true", help="replace files in a non-empty OUT")
     th.add_argument("--debug", action="store_true", help="show tracebacks")
     fh = cv_sub.add_parser("from-hf", help="turn a Hugging Face Llama folder into an llmforge run directory")
     fh.add_argument("path", help="Hugging Face folder (config.json, *.safetensors, tokenizer.json)")
     fh.add_argument("out", help="output run directory (usable by generate and model.init_from)")
+    fh.add_argument("--overwrite", action="store_true", help="replace files in a non-empty OUT")
     fh.add_argument("--debug", action="store_true", help="show tracebacks")
 
     c = sub.add_parser("checkpoint", help="inspect or consolidate a checkpoint")
@@ -285,11 +287,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from torch import device as torch_device
+    from torch.cuda import is_available as cuda_available
+
     from llmforge.errors import ConfigError
     from llmforge.evaluation.run import evaluate_run
 
-    if args.limit is not None and not args.limit > 0:
-        raise ConfigError(f"--limit must be > 0 (a count, or a share if < 1); got {args.limit:g}")
+    if args.limit is not None and not (0 < args.limit < 1 or (args.limit >= 1 and args.limit.is_integer()
+                                                               and args.limit < 2**62)):
+        raise ConfigError(f"--limit must be a whole count >= 1 or a share in (0, 1); got {args.limit:g}")
+    try:
+        device = torch_device(args.device)
+    except (RuntimeError, ValueError) as exc:
+        raise ConfigError(f"--device {args.device!r}: {exc}; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not cuda_available():
+        raise ConfigError(f"--device {args.device}: no CUDA device here (this torch build or machine "
+                          "has none); use --device cpu")
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise ConfigError(f"--num-fewshot must be >= 0; got {args.num_fewshot}")
     if args.batch_size < 1 or args.max_gen_toks < 1:
@@ -305,7 +318,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from llmforge.checkpoint.convert import from_hf, to_hf
+    from llmforge.errors import ConfigError
+
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
+        raise ConfigError(f"{out} already exists and is not empty; choose another output folder or "
+                          "pass --overwrite to write into it")
 
     if args.convert_command == "to-hf":
         print(f"wrote {to_hf(args.path, args.out, args.dtype, adapters_only=args.adapters_only)}")
@@ -322,6 +343,13 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     else:
         print(f"wrote {consolidate(args.path, args.out)}")
     return 0
+
+
+def _scrub(message: str) -> str:
+    """An error message without URL credentials or the environment's credential values."""
+    from llmforge.config.loader import redact
+
+    return redact({"message": message})["message"]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -345,7 +373,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except LLMForgeError as exc:
         if args.debug:
             raise
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {_scrub(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -356,8 +384,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except Exception as exc:  # a bug or an input we did not foresee: one line, no traceback
         if args.debug:
             raise
-        print(f"error: {type(exc).__name__}: {exc} (run again with --debug for the traceback)",
-              file=sys.stderr)
+        print(f"error: {type(exc).__name__}: {_scrub(str(exc))} (run again with --debug for the "
+              "traceback)", file=sys.stderr)
         return 1
 
 

@@ -225,10 +225,11 @@ class LoRA(Algorithm):
                  targets: Optional[Sequence[str]] = None, base_dtype: str = "bfloat16") -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ConfigError(f"algorithms: lora.rank={rank!r} must be an integer >= 1 (e.g. 8 or 16)")
-        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
-            raise ConfigError(f"algorithms: lora.alpha={alpha!r} must be a number > 0 (e.g. 2 * rank)")
+        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 < alpha < float("inf"):
+            raise ConfigError(f"algorithms: lora.alpha={alpha!r} must be a finite number > 0 (e.g. 2 * rank)")
         if not isinstance(dropout, (int, float)) or not 0.0 <= float(dropout) < 1.0:
             raise ConfigError(f"algorithms: lora.dropout={dropout!r} must be in [0, 1)")
+        targets = [targets] if isinstance(targets, str) else targets  # `targets: wq` = [wq]
         targets = list(DEFAULT_TARGETS if targets is None else targets)
         if not targets or not all(isinstance(t, str) and t for t in targets):
             raise ConfigError(f"algorithms: lora.targets={targets!r} must be a non-empty list of "
@@ -363,7 +364,14 @@ def load_lora_model(cfg: Any, ckpt: Any, device: str = "cpu") -> nn.Module:
     from llmforge.checkpoint.dcp import load_model_weights
     from llmforge.parallel.init import seeded_init
 
+    import json
+    from pathlib import Path
+
     entry = lora_entry(cfg)
+    meta_file = Path(ckpt) / "meta.json"
+    saved = json.loads(meta_file.read_text()).get("lora") if meta_file.exists() else None
+    if saved:  # the settings the adapters were trained with win over config.yaml's
+        entry = {**(entry or {}), **saved}
     if entry is None:
         raise ConfigError(f"{ckpt}: the checkpoint holds LoRA adapters only, but the run's "
                           "config.yaml has no 'lora' entry under algorithms:")

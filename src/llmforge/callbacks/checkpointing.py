@@ -16,7 +16,7 @@ import json
 import signal
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -112,6 +112,16 @@ def check_lora_base(path: Path, pl_module: Any) -> None:
                               f"model.init_from={path} (and checkpoint.resume=null)")
         raise ConfigError(f"checkpoint.resume: {path} holds only LoRA adapters, but this run has "
                           "no lora entry under algorithms:; resume with the original algorithms")
+    saved_lora, now_lora = meta.get("lora"), lora_meta(pl_module).get("lora")
+    if saved_lora and now_lora:
+        changed = sorted(k for k in set(saved_lora) | set(now_lora)
+                         if saved_lora.get(k) != now_lora.get(k))
+        if changed:
+            raise ConfigError(
+                f"checkpoint.resume: {path} holds LoRA adapters saved with "
+                + ", ".join(f"{k}={saved_lora.get(k)!r}" for k in changed) + "; this run has "
+                + ", ".join(f"{k}={now_lora.get(k)!r}" for k in changed)
+                + "; resume with the lora settings it was saved with, or start a new run")
     saved = meta.get("base")
     if not saved:
         return
@@ -140,8 +150,10 @@ class Checkpointer(Callback):
     def __init__(self, dir: str | Path, save_every: Optional[int] = None,
                  save_every_minutes: Optional[float] = None, save_final: bool = True,
                  keep_last_n: Optional[int] = None, async_save: bool = False,
-                 resume_from: Optional[str | Path] = None, config: Optional[dict] = None) -> None:
+                 resume_from: Optional[str | Path] = None, config: Optional[dict] = None,
+                 on_resumed: Optional[Callable[[], None]] = None) -> None:
         self.dir = Path(dir)
+        self.on_resumed = on_resumed  # called once the resume checkpoint has loaded
         self.save_every, self.save_every_minutes = save_every, save_every_minutes
         self.save_final, self.keep_last_n, self.async_save = save_final, keep_last_n, async_save
         self.resume_from = Path(resume_from) if resume_from else None
@@ -199,7 +211,16 @@ class Checkpointer(Callback):
             return
         opt = trainer.optimizers[0] if trainer.optimizers else None
         check_lora_base(self.resume_from, pl_module)
-        state = load_training_state(self.resume_from, pl_module.model, opt)
+        try:
+            state = load_training_state(self.resume_from, pl_module.model, opt)
+        except (ValueError, RuntimeError, KeyError) as exc:  # DCP: shapes or keys differ
+            from llmforge.errors import ConfigError
+
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(
+                f"checkpoint.resume: {self.resume_from} does not fit this run's model or "
+                f"optimizer ({first[:300]}); resume with the settings it was saved with (model "
+                "shape, algorithms such as lora) or start a new run") from exc
         sched = trainer.lr_scheduler_configs[0].scheduler if trainer.lr_scheduler_configs else None
         if sched is not None and state.get("scheduler"):
             sched.load_state_dict(state["scheduler"])
@@ -209,6 +230,13 @@ class Checkpointer(Callback):
         if "rng" in state:
             restore_rng(state["rng"])
         self.last_saved_step = int(state["step"])
+        if trainer.is_global_zero:
+            import sys
+
+            print(f"resumed from {self.resume_from} at step {int(state['step'])} "
+                  f"({int(state['tokens_seen']):,} tokens seen)", file=sys.stderr, flush=True)
+        if self.on_resumed is not None:
+            self.on_resumed()
 
     # ------------------------------------------------------------ when to save
     def _signal_handler(self, signum: int, frame: Any) -> None:

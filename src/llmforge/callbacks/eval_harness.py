@@ -54,10 +54,20 @@ class EvalHarness(Callback):
         tasks = [tasks] if isinstance(tasks, str) else list(tasks or [])
         if not tasks:
             raise ConfigError("callbacks: eval_harness: give at least one task in tasks: [...]")
-        if int(every) < 1:
-            raise ConfigError(f"callbacks: eval_harness: every must be >= 1; got {every!r}")
-        if limit is not None and not float(limit) > 0:
-            raise ConfigError(f"callbacks: eval_harness: limit must be > 0; got {limit!r}")
+        for key, value, ok in [
+                ("every", every, isinstance(every, int) and not isinstance(every, bool) and every >= 1),
+                ("batch_size", batch_size, isinstance(batch_size, int) and batch_size >= 1),
+                ("max_gen_toks", max_gen_toks, isinstance(max_gen_toks, int) and max_gen_toks >= 1),
+                ("num_fewshot", num_fewshot, num_fewshot is None or (isinstance(num_fewshot, int)
+                                                                    and num_fewshot >= 0)),
+                ("limit", limit, limit is None or (isinstance(limit, (int, float))
+                                                   and not isinstance(limit, bool)
+                                                   and (0 < limit < 1 or (limit >= 1 and float(limit).is_integer()
+                                                                          and limit < 2**62))))]:
+            if not ok:
+                raise ConfigError(f"callbacks: eval_harness: {key}={value!r} is not valid (every, "
+                                  "batch_size, max_gen_toks: integers >= 1; num_fewshot: an integer "
+                                  ">= 0; limit: a whole count or a share in (0, 1))")
         self.tasks, self.every = [str(t) for t in tasks], int(every)
         self.limit = None if limit is None else (float(limit) if float(limit) < 1 else int(limit))
         self.num_fewshot, self.include_path = num_fewshot, list(include_path or [])

@@ -41,7 +41,13 @@ def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
 
         init_from = cfg.model.get("init_from") or ""
         base = init_from[3:] if init_from.startswith("hf:") else None
-        return save_peft(model, out, LoRA(**(lora_entry(cfg) or {})).options(), base=base, dtype=cast)
+        from llmforge.checkpoint.dcp import read_json
+        from llmforge.generate import resolve_checkpoint
+
+        # the settings the adapters were trained with (meta.json) win over config.yaml's
+        saved = read_json(resolve_checkpoint(path)[1], "meta.json").get("lora") or {}
+        options = {**LoRA(**(lora_entry(cfg) or {})).options(), **saved}
+        return save_peft(model, out, options, base=base, dtype=cast)
     if lora:
         model = merge_lora(model.float())
     tok_dir = run_dir / "tokenizer"

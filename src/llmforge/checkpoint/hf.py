@@ -277,7 +277,20 @@ def save_hf(model: nn.Module, out: str | Path, tokenizer_dir: Optional[Path] = N
     (out / "config.json").write_text(json.dumps(hf_config_from_model(model, dt), indent=1))
     if tokenizer_dir is not None:
         _export_tokenizer(tokenizer_dir, out)
+    _readable(out)
     return out
+
+
+def _readable(folder: Path) -> None:
+    """Give every file in ``folder`` the mode a plain ``open`` would (0666 minus the umask):
+    safetensors writes owner-only temporary files and renames them."""
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in folder.iterdir():
+        if f.is_file():
+            f.chmod(0o666 & ~mask)
 
 
 def _export_tokenizer(tokenizer_dir: Path, out: Path) -> None:
@@ -286,8 +299,19 @@ def _export_tokenizer(tokenizer_dir: Path, out: Path) -> None:
 
     tok = load_saved(tokenizer_dir)
     if (tokenizer_dir / "tokenizer.json").exists():
-        shutil.copy(tokenizer_dir / "tokenizer.json", out / "tokenizer.json")
+        from tokenizers import Tokenizer as HFFastTokenizer
+        from tokenizers.processors import TemplateProcessing
+
         names = {i: getattr(tok, f"{n}_token", None) for i, n in ((0, "bos"), (1, "eos"), (2, "pad"))}
+        fast = HFFastTokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+        bos = names[0]
+        if fast.post_processor is None and bos and fast.token_to_id(bos) is not None:
+            # llmforge trains every document after BOS; like Meta's Llama 3 tokenizer.json, the
+            # exported one adds it (our own loader encodes with add_special_tokens=False)
+            fast.post_processor = TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                special_tokens=[(bos, fast.token_to_id(bos))])
+        (out / "tokenizer.json").write_text(fast.to_str(pretty=True))
         cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": names[0],
                "eos_token": names[1], "pad_token": names[2], "model_max_length": 1 << 30}
         (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))

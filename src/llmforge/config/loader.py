@@ -418,6 +418,14 @@ def _env_secret_values() -> set:
     return {v for k, v in os.environ.items() if _is_secret(k.lower()) and v and len(v) >= 6}
 
 
+_URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@:]+:[^/\s@]+@")
+
+
+def scrub_url_credentials(text: str) -> str:
+    """``scheme://user:password@host/...`` -> ``scheme://***@host/...`` anywhere in ``text``."""
+    return _URL_USERINFO.sub(r"\1***@", text)
+
+
 def _scrub(container: Any, values: set) -> Any:
     if isinstance(container, dict):
         return {k: _scrub(v, values) for k, v in container.items()}
@@ -427,6 +435,7 @@ def _scrub(container: Any, values: set) -> Any:
         for secret in values:
             if secret in container:
                 container = container.replace(secret, "***")
+        container = scrub_url_credentials(container)
     return container
 
 
@@ -436,7 +445,8 @@ def redact(container: Any) -> Any:
     ``private_key``, ``credentials``, ``key``, ``*_key``, ``*_pat``, ``token``, ``hf_token``; not
     ``max_tokens`` or ``eos_token``) replaced by ``"***"``. None stays None. Those values, and
     the values of the environment's credential variables (``WANDB_API_KEY``, ``HF_TOKEN``, ...),
-    are also replaced wherever else they appear (e.g. interpolated into ``run.tags``)."""
+    are also replaced wherever else they appear (e.g. interpolated into ``run.tags``), and so is
+    the ``user:password@`` part of URLs (``https://user:pw@host/x`` -> ``https://***@host/x``)."""
     if isinstance(container, (DictConfig, ListConfig)) or dataclasses.is_dataclass(container):
         container = config_to_dict(container)
     values = _secret_values(container, set()) | _env_secret_values()

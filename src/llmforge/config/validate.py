@@ -214,8 +214,8 @@ def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
     _one_of("trainer.accelerator", t.accelerator, ("auto", "cpu", "gpu", "cuda", "mps"))
     _one_of("scheduler.name", sch.name, SCHEDULERS)
     _require(sch.warmup_steps >= 0, "scheduler.warmup_steps", ">= 0", sch.warmup_steps)
-    if sch.warmup_steps > 0 and sch.warmup_steps >= t.max_steps:
-        warn_once(f"scheduler.warmup_steps ({sch.warmup_steps}) >= trainer.max_steps "
+    if sch.warmup_steps > t.max_steps:
+        warn_once(f"scheduler.warmup_steps ({sch.warmup_steps}) > trainer.max_steps "
                   f"({t.max_steps}): the learning rate only warms up and never reaches "
                   f"optimizer.lr; for a whole schedule set scheduler.warmup_steps="
                   f"{max(0, t.max_steps // 10)}")

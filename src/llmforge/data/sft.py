@@ -474,8 +474,11 @@ class SFTDataModule(LLMDataModule):
                 f"data: the SFT training split gives {len(self.train_windows)} rows of "
                 f"{self.seq_len} tokens ({s.kept} of {s.examples} examples kept, packed="
                 f"{self.packed}), {per_rank} per data-parallel rank ({world} ranks), but one "
-                f"optimizer step needs {self.local_batch_size} per rank; add examples or lower "
-                "trainer.global_batch_size / trainer.seq_len")
+                f"optimizer step needs {self.local_batch_size} per rank; "
+                + ("most examples were dropped as too long: raise trainer.seq_len or set "
+                   "data.overlong=truncate" if s.dropped_overlong + s.dropped_no_target > s.kept else
+                   "add examples or lower trainer.global_batch_size"
+                   + (" (or trainer.seq_len: rows are packed)" if self.packed else "")))
         if self.docs.val:
             self.val_windows = self._rows(self.docs.val, "val")
             if len(self.val_windows) < world:

@@ -216,7 +216,8 @@ def flatten_results(results: dict[str, Any]) -> dict[str, float]:
     flat: dict[str, float] = {}
     for task, metrics in (results.get("results") or {}).items():
         for key, value in metrics.items():
-            if key == "alias" or isinstance(value, bool) or not isinstance(value, (int, float)):
+            if key in ("alias", "sample_len", "sample_count") or isinstance(value, bool) \
+                    or not isinstance(value, (int, float)):
                 continue
             if not math.isfinite(float(value)):
                 continue
@@ -241,10 +242,12 @@ def task_manager(tasks: Sequence[str], include_path: Sequence[str] = ()) -> Any:
     """
     from lm_eval.tasks import TaskManager
 
-    paths = [str(Path(p).expanduser()) for p in include_path]
-    for p in paths:
-        if not Path(p).exists():
-            raise ConfigError(f"eval: include_path {p} does not exist")
+    paths = []
+    for p in include_path:
+        path = Path(p).expanduser()
+        if not path.exists():
+            raise ConfigError(f"eval: include_path {path} does not exist")
+        paths.append(str(path.parent if path.is_file() else path))  # a task file: its folder
     key = (tuple(tasks), tuple(paths))
     if key in _MANAGERS:
         return _MANAGERS[key]
@@ -263,7 +266,8 @@ def task_manager(tasks: Sequence[str], include_path: Sequence[str] = ()) -> Any:
         hints = {t: difflib.get_close_matches(t, sorted(known), n=3) for t in unknown}
         raise ConfigError("eval: unknown lm-eval task(s): " + "; ".join(
             f"{t!r}" + (f" (did you mean {', '.join(h)}?)" if h else "") for t, h in hints.items())
-            + ("" if paths else "; local task YAMLs go in a folder given as include_path"))
+            + ("; if one is defined in include_path, check that its YAML parses and names it "
+               "under task:" if paths else "; local task YAMLs go in a folder given as include_path"))
     _MANAGERS[key] = manager
     return manager
 
@@ -305,8 +309,15 @@ def evaluate_harness(model: torch.nn.Module, tokenizer: Any, tasks: Sequence[str
                                       bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed,
                                       torch_random_seed=seed, fewshot_random_seed=seed,
                                       verbosity="WARNING" if not verbose else "INFO")
-    except (FileNotFoundError, ValueError) as e:  # bad task data (missing file, bad template)
-        raise ConfigError(f"eval: lm-eval could not run {', '.join(tasks)}: {e}") from e
+    except Exception as e:  # bad task data or template: missing file, Jinja errors, ...
+        import jinja2
+
+        if not isinstance(e, (FileNotFoundError, ValueError, KeyError, jinja2.TemplateError)):
+            raise
+        where = f" (task YAMLs in {', '.join(paths)})" if paths else ""
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"eval: lm-eval could not run {', '.join(tasks)}{where}: "
+                          f"{type(e).__name__}: {first[:300]}") from e
     res = res or {}
     return {"scores": flatten_results(res), "results": res.get("results", {}),
             "versions": {k: v for k, v in (res.get("versions") or {}).items()},

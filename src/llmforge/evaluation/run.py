@@ -34,6 +34,7 @@ def evaluate_run(path: str | Path, tasks: Sequence[str], *, include_path: Sequen
         LLMForgeError: the path is not a run directory or checkpoint.
     """
     import_lm_eval()  # say which extra is missing before loading weights
+    tasks = [t.strip() for t in tasks if t and t.strip()]
     from llmforge.checkpoint.dcp import read_json
     from llmforge.generate import load_for_inference, resolve_checkpoint
 

@@ -29,7 +29,7 @@ from llmforge.data.datamodule import LLMDataModule
 from llmforge.data.shakespeare import cache_root
 from llmforge.data.sources import DocumentSplits, hash_str, iter_texts, load_documents
 from llmforge.data.tokenizers import Tokenizer, build_tokenizer, check_vocab
-from llmforge.errors import ConfigError
+from llmforge.errors import ConfigError, LLMForgeError
 from llmforge.parallel.mesh import ParallelDims
 from llmforge.parallel.strategy import LLMParallelStrategy
 from llmforge.parallel.transforms import check_strategy, strategy_transforms
@@ -107,6 +107,46 @@ def truncate_metrics(path: Path, step: int) -> int:
         tmp.write_text("".join(x + "\n" for x in keep), encoding="utf-8")
         os.replace(tmp, path)
     return len(lines) - len(keep)
+
+
+TOKENIZER_PROBE = "ROMEO. But, soft! what light through yonder window breaks? 0123456789 \u00e9\n"
+
+
+def check_init_from_tokenizer(tok: Tokenizer, init_from: Optional[str]) -> None:
+    """Refuse to start from an llmforge run's weights with a tokenizer that maps text to other
+    ids than the one that run trained with (its embeddings would be read with the wrong rows).
+
+    Compares the vocabulary size, the special ids and the encoding of a probe text with the
+    tokenizer saved in that run (``<run>/tokenizer``); ``hf:`` sources and runs without a
+    saved tokenizer are not checked.
+
+    Raises:
+        ConfigError: they differ; the message names the tokenizer to use.
+    """
+    if not init_from or init_from.startswith("hf:"):
+        return
+    from llmforge.checkpoint.tools import resolve
+    from llmforge.data.tokenizers import load_saved
+
+    try:
+        ckpt = resolve(init_from)
+    except LLMForgeError:
+        return  # reported when the weights are loaded
+    run_dir = next((d for d in (ckpt.parent.parent, ckpt.parent, ckpt)
+                    if (d / "tokenizer").is_dir()), None)
+    if run_dir is None:
+        return
+    saved = load_saved(run_dir / "tokenizer")
+    same = (saved.vocab_size == tok.vocab_size and saved.bos_id == tok.bos_id
+            and saved.eos_id == tok.eos_id and saved.encode(TOKENIZER_PROBE) == tok.encode(TOKENIZER_PROBE))
+    if not same:
+        path = run_dir / "tokenizer" / "tokenizer.json"
+        hint = (f"tokenizer.type=huggingface tokenizer.path={path}" if path.exists()
+                else f"the tokenizer saved in {run_dir / 'tokenizer'}")
+        raise ConfigError(
+            f"model.init_from: {run_dir} was trained with another tokenizer than this run's "
+            f"(vocabulary {saved.vocab_size} vs {tok.vocab_size}, or other ids for the same text); "
+            f"its embeddings would be read with the wrong rows; use {hint}")
 
 
 class Trainer:
@@ -202,11 +242,18 @@ class Trainer:
                     if old.is_dir() and (old.name.startswith("step_") or old.name.startswith(".tmp-step_")):
                         shutil.rmtree(old)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.is_rank_zero():
+        if self.resume_path is None and self.is_rank_zero():
             save_config(self.cfg, self.run_dir / "config.yaml")
-            if self.resume_path is not None:
-                step = int(read_json(self.resume_path, "trainer_state.json")["step"])
-                truncate_metrics(self.run_dir / "metrics.jsonl", step)
+        # resuming: config.yaml and metrics.jsonl change only once the checkpoint has loaded
+        # (finish_resume), so a refused resume leaves the run as it was
+
+    def finish_resume(self) -> None:
+        """After the resume checkpoint loaded: write this run's config and drop the metrics
+        records after the checkpoint's step (they are recomputed), on rank 0."""
+        if self.resume_path is not None and self.is_rank_zero():
+            save_config(self.cfg, self.run_dir / "config.yaml")
+            step = int(read_json(self.resume_path, "trainer_state.json")["step"])
+            truncate_metrics(self.run_dir / "metrics.jsonl", step)
 
     def model_vocab_size(self) -> int:
         """Embedding rows of the configured model, read from a build on the meta device.
@@ -248,6 +295,7 @@ class Trainer:
         tok = build_tokenizer(self.cfg.tokenizer, texts,
                               cache_dir=cache_root() / "tokenizers", fingerprint=key)
         check_vocab(tok, self.model_vocab_size())
+        check_init_from_tokenizer(tok, self.cfg.model.get("init_from"))
         return tok
 
     def build_datamodule(self, docs: Any, tokenizer: Tokenizer) -> LLMDataModule:
@@ -294,7 +342,8 @@ class Trainer:
         cbs.append(Checkpointer(self.checkpoint_dir, save_every=ck.save_every,
                                 save_every_minutes=ck.save_every_minutes, save_final=ck.save_final,
                                 keep_last_n=ck.keep_last_n, async_save=ck.async_save,
-                                resume_from=self.resume_path, config=config_to_dict(self.cfg)))
+                                resume_from=self.resume_path, config=config_to_dict(self.cfg),
+                                on_resumed=self.finish_resume))
         if os.environ.get("LLMFORGE_RUN_ID") and self.is_rank_zero():  # started by `llmforge launch`
             from llmforge.runs.tracker import RunTracker
 

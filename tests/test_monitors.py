@@ -248,3 +248,23 @@ def test_memory_monitor_and_snapshot_on_a_gpu(tmp_path):
     last = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
     assert 0 < last["memory/peak_gib"] <= last["memory/reserved_gib"] < 200
     assert (run_dir / "memory_snapshots" / "rank0_step2.pickle").stat().st_size > 0
+
+
+def test_garbage_collection_is_scheduled_during_training(monkeypatch):
+    import gc
+
+    from llmforge.callbacks import gc as gc_mod
+
+    calls = []
+    monkeypatch.setattr(gc_mod.gc, "collect", lambda gen=2: calls.append(gen))
+    cb = gc_mod.GarbageCollection(every=2)
+    trainer = SimpleNamespace(global_step=0)
+    assert gc.isenabled()
+    cb.on_train_start(trainer, None)
+    assert not gc.isenabled() and calls == [2]
+    for step in (1, 2, 3, 4):
+        trainer.global_step = step
+        cb.on_train_batch_end(trainer, None, None, None, 0)
+    assert calls == [2, 1, 1]  # the young generation, every 2 steps
+    cb.on_exception(trainer, None, RuntimeError("x"))
+    assert gc.isenabled()

@@ -10,6 +10,7 @@ it), ``memory_monitor``, ``lr_monitor``, ``nan_guard``, ``early_stopping``,
 from llmforge.callbacks.checkpointing import Checkpointer
 from llmforge.callbacks.early_stopping import EarlyStopping
 from llmforge.callbacks.eval_harness import EvalHarness
+from llmforge.callbacks.gc import GarbageCollection
 from llmforge.callbacks.lr_monitor import LearningRateMonitor
 from llmforge.callbacks.memory import MemoryMonitor
 from llmforge.callbacks.memory_snapshot import MemorySnapshot
@@ -31,6 +32,6 @@ callbacks.register("profiler", Profiler)
 callbacks.register("memory_snapshot", MemorySnapshot)
 callbacks.register("eval_harness", EvalHarness)
 
-__all__ = ["Checkpointer", "EarlyStopping", "EvalHarness", "GenerateSamples", "LearningRateMonitor",
+__all__ = ["Checkpointer", "EarlyStopping", "EvalHarness", "GarbageCollection", "GenerateSamples", "LearningRateMonitor",
            "MemoryMonitor", "MemorySnapshot", "NaNGuard", "Profiler", "RichProgress",
            "SpeedMonitor"]

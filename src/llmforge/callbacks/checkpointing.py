@@ -211,12 +211,17 @@ class Checkpointer(Callback):
             return
         opt = trainer.optimizers[0] if trainer.optimizers else None
         check_lora_base(self.resume_from, pl_module)
+        from torch.distributed.checkpoint.api import CheckpointException
+
         try:
             state = load_training_state(self.resume_from, pl_module.model, opt)
-        except (ValueError, RuntimeError, KeyError) as exc:  # DCP: shapes or keys differ
+        except (ValueError, RuntimeError, KeyError, CheckpointException) as exc:  # shapes/keys differ
             from llmforge.errors import ConfigError
 
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            lines = [x.strip() for x in str(exc).strip().splitlines() if x.strip()]
+            # DCP's CheckpointException carries each rank's traceback; its last line is the cause
+            first = (lines[-1] if isinstance(exc, CheckpointException) else lines[0]) if lines \
+                else type(exc).__name__
             raise ConfigError(
                 f"checkpoint.resume: {self.resume_from} does not fit this run's model or "
                 f"optimizer ({first[:300]}); resume with the settings it was saved with (model "

@@ -150,6 +150,9 @@ class TrainerSettings:
 
     max_steps: int = 100
     """Optimizer steps to train."""
+    gc_every: int = 50
+    """Python's automatic garbage collector is off during training and the young generation is
+    collected every this many optimizer steps (as torchtitan does); 0 = leave it on."""
     global_batch_size: int = 8
     """Sequences per optimizer step over all data-parallel ranks."""
     micro_batch_size: int = 8

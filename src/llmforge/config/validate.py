@@ -213,6 +213,7 @@ def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
              "> 0 or null", cfg.data.max_documents)
     _one_of("trainer.accelerator", t.accelerator, ("auto", "cpu", "gpu", "cuda", "mps"))
     _one_of("scheduler.name", sch.name, SCHEDULERS)
+    _require(t.gc_every >= 0, "trainer.gc_every", ">= 0 (0 = Python's own collector)", t.gc_every)
     _require(sch.warmup_steps >= 0, "scheduler.warmup_steps", ">= 0", sch.warmup_steps)
     if sch.warmup_steps > t.max_steps:
         warn_once(f"scheduler.warmup_steps ({sch.warmup_steps}) > trainer.max_steps "

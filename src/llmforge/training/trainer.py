@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig
 
 from llmforge import registry
-from llmforge.callbacks import Checkpointer, RichProgress, SpeedMonitor
+from llmforge.callbacks import Checkpointer, GarbageCollection, RichProgress, SpeedMonitor
 from llmforge.checkpoint import COMPLETE, latest_checkpoint, list_checkpoints, read_json
 from llmforge.checkpoint.init_from import apply_hf_shape
 from llmforge.config import config_to_dict, load_config, redact, save_config, validate
@@ -337,6 +337,8 @@ class Trainer:
         speed = next((c for c in extra if isinstance(c, SpeedMonitor)), None)
         extra = [c for c in extra if c is not speed]
         cbs: list[Any] = [speed or SpeedMonitor()]
+        if self.cfg.trainer.gc_every > 0:
+            cbs.append(GarbageCollection(self.cfg.trainer.gc_every))
         if self.cfg.trainer.progress_bar:
             cbs.append(RichProgress())
         cbs.append(Checkpointer(self.checkpoint_dir, save_every=ck.save_every,

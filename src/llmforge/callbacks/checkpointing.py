@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from llmforge.callbacks._util import say
 from llmforge.checkpoint.dcp import PendingSave, load_training_state, prune_checkpoints, save_checkpoint
 from llmforge.checkpoint.rng import capture_rng, restore_rng
 from llmforge.errors import LLMForgeError
@@ -235,11 +236,8 @@ class Checkpointer(Callback):
         if "rng" in state:
             restore_rng(state["rng"])
         self.last_saved_step = int(state["step"])
-        if trainer.is_global_zero:
-            import sys
-
-            print(f"resumed from {self.resume_from} at step {int(state['step'])} "
-                  f"({int(state['tokens_seen']):,} tokens seen)", file=sys.stderr, flush=True)
+        say(trainer, f"resumed from {self.resume_from} at step {int(state['step'])} "
+                     f"({int(state['tokens_seen']):,} tokens seen)")
         if self.on_resumed is not None:
             self.on_resumed()
 

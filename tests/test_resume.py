@@ -107,6 +107,19 @@ def test_save_killed_half_way_keeps_previous_checkpoint(out, reference):
 
 
 @pytest.mark.slow
+def test_killed_right_after_a_save_loses_no_record(out, reference):
+    # the checkpoint of step 4 is whole when the process dies: step 4's record must be written
+    # already, else the resumed run (steps 5..8) never logs step 4
+    crashed = train(out, "after", "checkpoint.save_every=2", env={"LLMFORGE_CRASH_AT": "after_complete:2"})
+    assert crashed.returncode == -signal.SIGKILL
+    assert (out / "after" / "checkpoints" / "step_00000004" / "COMPLETE").exists()
+    assert sorted(losses(out / "after")) == [1, 2, 3, 4]
+    resumed = train(out, "after", "checkpoint.save_every=2", "checkpoint.resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_bit_exact(reference, out / "after", from_step=5)
+
+
+@pytest.mark.slow
 def test_sigterm_saves_last_step_and_exits_75(out, reference):
     stopped = train(out, "term", kill_at(4, "SIGTERM"))
     assert stopped.returncode == 75, stopped.stderr[-3000:]

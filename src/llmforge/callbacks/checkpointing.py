@@ -268,13 +268,24 @@ class Checkpointer(Callback):
         return bool(flag.item())
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not callable(getattr(pl_module, "after_record", None)):
+            self.end_of_step(trainer, pl_module)  # a module that does not call on_step_recorded
+
+    def on_step_recorded(self, trainer: Any, pl_module: Any, step: int) -> None:
+        """LLMModule's last hook of a step: save after the step's evaluation and record."""
+        self.end_of_step(trainer, pl_module)
+
+    def end_of_step(self, trainer: Any, pl_module: Any) -> None:
+        """Save when due, or when a stop signal arrived (then raise :class:`Preempted`)."""
         step = trainer.global_step
         due = bool(self.save_every and step % self.save_every == 0)
         if self.save_every_minutes and time.monotonic() - self._last_save_time >= 60 * self.save_every_minutes:
             due = True
         if self._stop_requested(pl_module):
-            # the module logs after callbacks: write this last step's record before stopping
-            if pl_module.step_metrics and hasattr(pl_module, "log_record"):
+            # not a logging step: write this last step's record anyway before stopping
+            history = getattr(pl_module, "history", None)
+            recorded = bool(history) and history[-1].get("step") == step
+            if getattr(pl_module, "step_metrics", None) and hasattr(pl_module, "log_record") and not recorded:
                 pl_module.log_record(step, pl_module.step_metrics)
             if self.last_saved_step != step:
                 self.save(trainer, pl_module)

@@ -86,6 +86,7 @@ class PendingSave:
             os.replace(self.tmp, self.final)
         _barrier()
         self.done = True
+        _crash_point("after_complete")
         return self.final
 
 
@@ -95,7 +96,8 @@ _CRASH_COUNTS: dict[str, int] = {}
 def _crash_point(name: str) -> None:
     """Fault injection for crash tests: ``LLMFORGE_CRASH_AT=<name>[:<n>]`` kills the process
     with SIGKILL the n-th time (default 1st) it passes point ``name`` (``after_dcp_write``:
-    files written, no marker yet; ``before_complete``)."""
+    files written, no marker yet; ``before_complete``; ``after_complete``: the checkpoint is
+    whole and in place)."""
     spec = os.environ.get("LLMFORGE_CRASH_AT", "")
     point, _, nth = spec.partition(":")
     if point != name:

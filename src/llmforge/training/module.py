@@ -331,3 +331,14 @@ class LLMModule(L.LightningModule):
                 self.after_evaluation(evaluated)
         if self.is_log_step(step) or any(k.startswith("eval/") for k in self.step_metrics):
             self.log_record(step, self.step_metrics)
+        self.after_record(step)
+
+    def after_record(self, step: int) -> None:
+        """Call ``on_step_recorded(trainer, pl_module, step)`` on every callback that defines it:
+        the last hook of an optimizer step, after its evaluation and its record. The checkpointer
+        saves there, so a checkpoint of step N never exists without step N's record in the
+        loggers (a run killed in between would otherwise resume past a step it never logged)."""
+        for cb in self.trainer.callbacks:
+            hook = getattr(cb, "on_step_recorded", None)
+            if callable(hook):
+                hook(self.trainer, self, step)

@@ -91,8 +91,10 @@ def test_wrong_mesh_under_torchrun_errors_on_every_rank(tmp_path):
     import subprocess
     import sys
 
+    # torchrun stops the other workers as soon as it sees one fail (it polls every 0.1 s): give
+    # the slower rank time to print its own error, which is what this test looks for
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "llmforge", "train", DEMO, *COMMON, "strategy.name=fsdp2", "strategy.dp_shard=3",
+           "--monitor-interval", "5", "-m", "llmforge", "train", DEMO, *COMMON, "strategy.name=fsdp2", "strategy.dp_shard=3",
            f"run.output_dir={tmp_path}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
                           env={**__import__("os").environ, "PYTHONPATH": str(REPO)})

@@ -291,11 +291,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from torch.cuda import is_available as cuda_available
 
     from llmforge.errors import ConfigError
+    from llmforge.evaluation.harness import parse_limit
     from llmforge.evaluation.run import evaluate_run
 
-    if args.limit is not None and not (0 < args.limit < 1 or (args.limit >= 1 and args.limit.is_integer()
-                                                               and args.limit < 2**62)):
-        raise ConfigError(f"--limit must be a whole count >= 1 or a share in (0, 1); got {args.limit:g}")
+    try:
+        limit = parse_limit(args.limit)
+    except ValueError as exc:
+        raise ConfigError(f"--{exc}") from None
     try:
         device = torch_device(args.device)
     except (RuntimeError, ValueError) as exc:
@@ -307,7 +309,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"--num-fewshot must be >= 0; got {args.num_fewshot}")
     if args.batch_size < 1 or args.max_gen_toks < 1:
         raise ConfigError("--batch-size and --max-gen-toks must be >= 1")
-    limit = None if args.limit is None else (args.limit if args.limit < 1 else int(args.limit))
     out = evaluate_run(args.path, args.tasks.split(","), include_path=args.include_path,
                        limit=limit, num_fewshot=args.num_fewshot, batch_size=args.batch_size,
                        max_gen_toks=args.max_gen_toks, seed=args.seed, device=args.device)

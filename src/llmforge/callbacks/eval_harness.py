@@ -29,6 +29,15 @@ from lightning.pytorch.callbacks import Callback
 
 from llmforge.callbacks._util import run_dir, say
 from llmforge.errors import ConfigError
+from llmforge.evaluation.harness import parse_limit
+
+
+def _limit_ok(limit: Any) -> bool:
+    try:
+        parse_limit(limit)
+    except ValueError:
+        return False
+    return True
 
 
 class EvalHarness(Callback):
@@ -60,16 +69,13 @@ class EvalHarness(Callback):
                 ("max_gen_toks", max_gen_toks, isinstance(max_gen_toks, int) and max_gen_toks >= 1),
                 ("num_fewshot", num_fewshot, num_fewshot is None or (isinstance(num_fewshot, int)
                                                                     and num_fewshot >= 0)),
-                ("limit", limit, limit is None or (isinstance(limit, (int, float))
-                                                   and not isinstance(limit, bool)
-                                                   and (0 < limit < 1 or (limit >= 1 and float(limit).is_integer()
-                                                                          and limit < 2**62))))]:
+                ("limit", limit, _limit_ok(limit))]:
             if not ok:
                 raise ConfigError(f"callbacks: eval_harness: {key}={value!r} is not valid (every, "
                                   "batch_size, max_gen_toks: integers >= 1; num_fewshot: an integer "
                                   ">= 0; limit: a whole count or a share in (0, 1))")
         self.tasks, self.every = [str(t) for t in tasks], int(every)
-        self.limit = None if limit is None else (float(limit) if float(limit) < 1 else int(limit))
+        self.limit = parse_limit(limit)
         self.num_fewshot, self.include_path = num_fewshot, list(include_path or [])
         self.batch_size, self.max_gen_toks = int(batch_size), int(max_gen_toks)
         self._last_step: Optional[int] = None

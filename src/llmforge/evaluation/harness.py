@@ -210,6 +210,24 @@ class LLMForgeLMMixin:
         return out
 
 
+def parse_limit(limit: Any) -> Optional[float]:
+    """lm-eval's ``limit`` checked: ``None`` (every document), a whole count >= 1 (returned as
+    ``int``) or a share of each task's documents in (0, 1) (returned as ``float``).
+
+    Raises:
+        ValueError: not a number, a bool, <= 0, or >= 1 but not whole (e.g. ``2.5``).
+    """
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not math.isfinite(limit):
+        raise ValueError(f"limit must be a whole count >= 1 or a share in (0, 1); got {limit!r}")
+    if 0 < limit < 1:
+        return float(limit)
+    if limit >= 1 and float(limit).is_integer() and limit < 2**62:
+        return int(limit)
+    raise ValueError(f"limit must be a whole count >= 1 or a share in (0, 1); got {limit:g}")
+
+
 def flatten_results(results: dict[str, Any]) -> dict[str, float]:
     """lm-eval's ``results["results"]`` -> ``{"<task>/<metric>": value}`` for finite numbers
     (the filter suffix ``,none`` dropped; standard errors kept as ``<metric>_stderr``)."""

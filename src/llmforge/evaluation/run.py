@@ -37,6 +37,7 @@ def evaluate_run(path: str | Path, tasks: Sequence[str], *, include_path: Sequen
     tasks = [t.strip() for t in tasks if t and t.strip()]
     from llmforge.checkpoint.dcp import read_json
     from llmforge.generate import load_for_inference, resolve_checkpoint
+    from llmforge.loggers.jsonl import JsonlLogger
 
     run_dir, ckpt = resolve_checkpoint(path)
     step = int(read_json(ckpt, "meta.json").get("step", 0))
@@ -49,6 +50,7 @@ def evaluate_run(path: str | Path, tasks: Sequence[str], *, include_path: Sequen
     target = run_dir / "eval_harness.jsonl"
     with open(target, "a", encoding="utf-8") as f:
         f.write(json.dumps(line, default=str) + "\n")
-    with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
-        f.write(json.dumps({"step": step, **{PREFIX + k: v for k, v in out["scores"].items()}}) + "\n")
+    metrics = JsonlLogger(run_dir)  # the run's metrics.jsonl, as training writes it
+    metrics.log_metrics({PREFIX + k: v for k, v in out["scores"].items()}, step=step)
+    metrics.finalize("success")
     return {"scores": out["scores"], "step": step, "path": target}

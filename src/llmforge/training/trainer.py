@@ -125,16 +125,14 @@ def check_init_from_tokenizer(tok: Tokenizer, init_from: Optional[str]) -> None:
     """
     if not init_from or init_from.startswith("hf:"):
         return
-    from llmforge.checkpoint.tools import resolve
     from llmforge.data.tokenizers import load_saved
+    from llmforge.generate import resolve_checkpoint
 
     try:
-        ckpt = resolve(init_from)
+        run_dir, _ = resolve_checkpoint(init_from)
     except LLMForgeError:
         return  # reported when the weights are loaded
-    run_dir = next((d for d in (ckpt.parent.parent, ckpt.parent, ckpt)
-                    if (d / "tokenizer").is_dir()), None)
-    if run_dir is None:
+    if not (run_dir / "tokenizer").is_dir():
         return
     saved = load_saved(run_dir / "tokenizer")
     same = (saved.vocab_size == tok.vocab_size and saved.bos_id == tok.bos_id

@@ -4,6 +4,7 @@
     python benchmarks/overhead.py --small         # a model ~10x smaller (per-step overhead shows first)
     python benchmarks/overhead.py --compile       # llmforge with its `compile` algorithm vs the bare eager loop
     python benchmarks/overhead.py --compile --compile-entry '{name: compile, per_block: false, compile_loss: true}'
+    python benchmarks/overhead.py --paired-steps  # one process, a bare step after each llmforge step
     python benchmarks/overhead.py --smoke         # tiny, for the test suite
 
 (a) the bare loop, written here: forward, cross-entropy, backward, clip, AdamW step, zero_grad,
@@ -90,6 +91,10 @@ def worker_bare(overrides: list[str], steps: int, warmup: int, work: Path) -> di
 
     cfg = config(overrides, steps, work)
     plan = validate(cfg, 1)
+    if os.environ.get("BARE_MALLOC_TUNING") == "1":  # --bare-malloc-tuning: llmforge's allocator settings
+        from llmforge.training.host_malloc import tune_host_malloc
+
+        tune_host_malloc()
     torch.manual_seed(cfg.run.seed)
     docs = load_documents(cfg.data, cfg.run.seed)
     tok = build_tokenizer(cfg.tokenizer, lambda: iter_texts(docs.train, cfg.tokenizer.train_max_bytes),
@@ -120,11 +125,62 @@ def worker_bare(overrides: list[str], steps: int, warmup: int, work: Path) -> di
     return {"tokens_per_second": timed * plan.tokens_per_step / seconds}
 
 
-def run_worker(kind: str, overrides: list[str], steps: int, warmup: int) -> dict:
+def worker_paired(overrides: list[str], steps: int, warmup: int, work: Path) -> dict:
+    """Both in one process, step by step: after each llmforge step, a callback runs one step of
+    the bare loop on its own copy of the model with the same batch. llmforge's step is the time
+    from the end of that bare step to the end of llmforge's next step (Lightning's loop, data,
+    callbacks, logging included); machine drift hits both alike, so the per-step ratio is far
+    less noisy than ratios of separate runs (but both share caches and the allocator)."""
+    import torch
+    import torch.nn.functional as F
+    from lightning.pytorch.callbacks import Callback
+
+    from llmforge import Trainer, registry
+    from llmforge.training.optim import build_optimizer
+
+    trainer = Trainer(config(overrides, steps, work), overwrite=True)
+    trainer.setup()
+    cfg, plan = trainer.cfg, trainer.plan
+    model = registry.models.get(cfg.model.name)(cfg.model)
+    model.init_weights()
+    opt = build_optimizer(model, cfg.optimizer)
+    mb, accum = plan.micro_batch_size, plan.gradient_accumulation_steps
+    rows: list[tuple[float, float]] = []
+
+    class BareStep(Callback):
+        end: float | None = None
+
+        def on_train_batch_end(self, trainer_, pl_module, outputs, batch, batch_idx):
+            start = time.perf_counter()
+            inputs, labels = batch[:, :-1], batch[:, 1:]
+            for i in range(accum):
+                logits = model(inputs[i * mb:(i + 1) * mb])
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels[i * mb:(i + 1) * mb].flatten(),
+                                       reduction="sum") / labels.numel()
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.gradient_clip_val)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            end = time.perf_counter()
+            if self.end is not None and trainer_.global_step > warmup:
+                rows.append((start - self.end, end - start))  # (llmforge step, bare step)
+            self.end = end
+
+    trainer.lightning.callbacks.insert(0, BareStep())  # first: right at the end of the step
+    trainer.lightning.fit(trainer.module, datamodule=trainer.datamodule)
+    ratios = sorted(b / a for a, b in rows)
+    return {"llmforge_step_s": statistics.median(a for a, _ in rows),
+            "bare_step_s": statistics.median(b for _, b in rows), "steps": len(rows),
+            "ratio_median": statistics.median(ratios), "ratio_p10": ratios[len(ratios) // 10],
+            "ratio_p90": ratios[(9 * len(ratios)) // 10], "ratio_sum": sum(b for _, b in rows) / sum(a for a, _ in rows)}
+
+
+def run_worker(kind: str, overrides: list[str], steps: int, warmup: int, bare_malloc: bool = False) -> dict:
     cmd = [sys.executable, __file__, "--worker", kind, "--steps", str(steps), "--warmup", str(warmup),
            "--overrides", json.dumps(overrides)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+                          env={**os.environ, "PYTHONPATH": str(REPO / "src"),
+                               "BARE_MALLOC_TUNING": "1" if bare_malloc else "0"})
     if proc.returncode != 0:
         raise RuntimeError(f"{kind} worker failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -139,8 +195,12 @@ def main() -> int:
     ap.add_argument("--compile", action="store_true", help="llmforge with algorithms=[compile]")
     ap.add_argument("--compile-entry", default="{name: compile}",
                     help="the algorithms entry used by --compile (YAML flow mapping)")
+    ap.add_argument("--bare-malloc-tuning", action="store_true",
+                    help="give the bare loop llmforge's host allocator settings too (trainer.malloc_tuning)")
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--worker", choices=["bare", "llmforge"], help=argparse.SUPPRESS)
+    ap.add_argument("--paired-steps", action="store_true",
+                    help="one process, a bare step after every llmforge step: per-step overhead with little noise")
+    ap.add_argument("--worker", choices=["bare", "llmforge", "paired"], help=argparse.SUPPRESS)
     ap.add_argument("--overrides", default="[]", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -149,7 +209,7 @@ def main() -> int:
         datasets.disable_progress_bars()
         overrides = json.loads(args.overrides)
         with tempfile.TemporaryDirectory() as tmp:
-            fn = worker_bare if args.worker == "bare" else worker_llmforge
+            fn = {"bare": worker_bare, "llmforge": worker_llmforge, "paired": worker_paired}[args.worker]
             out = fn(overrides, args.steps, args.warmup, Path(tmp))
         out["peak_rss_mib"] = peak_rss_mib()
         print(json.dumps(out))
@@ -158,9 +218,18 @@ def main() -> int:
     if args.smoke:
         args.pairs, args.steps, args.warmup = 1, 4, 1
     llm_overrides = overrides + ([f"algorithms=[{args.compile_entry}]"] if args.compile else [])
+    if args.paired_steps:
+        r = run_worker("paired", llm_overrides, args.steps if args.smoke else max(args.steps, 40), args.warmup)
+        print(f"model: {'smoke' if args.smoke else 'small' if args.small else 'demo'}; one process, "
+              f"{r['steps']} paired steps after {args.warmup} warm-up")
+        print(f"median step: llmforge {r['llmforge_step_s'] * 1e3:.1f} ms, bare {r['bare_step_s'] * 1e3:.1f} ms")
+        print(f"per-step ratio bare time / llmforge time (llmforge speed relative to bare): median "
+              f"{r['ratio_median']:.3f} (p10 {r['ratio_p10']:.3f}, p90 {r['ratio_p90']:.3f}); "
+              f"total time ratio {r['ratio_sum']:.3f}")
+        return 0
     results: dict[str, list[dict]] = {"bare": [], "llmforge": []}
     for pair in range(args.pairs + (0 if args.smoke else 1)):  # the first pair warms caches
-        a = run_worker("bare", overrides, args.steps, args.warmup)
+        a = run_worker("bare", overrides, args.steps, args.warmup, args.bare_malloc_tuning)
         b = run_worker("llmforge", llm_overrides, args.steps, args.warmup)
         if pair > 0 or args.smoke:
             results["bare"].append(a)
@@ -171,7 +240,7 @@ def main() -> int:
     print(f"model: {'smoke' if args.smoke else 'small' if args.small else 'demo'}; "
           f"{args.pairs} pairs x {args.steps} steps ({args.warmup} warm-up)")
     for k in ("bare", "llmforge"):
-        name = label if k == "llmforge" else "bare eager loop"
+        name = label if k == "llmforge" else "bare eager loop" + (" (malloc tuned)" if args.bare_malloc_tuning else "")
         print(f"{name:18s} median {statistics.median(tps[k]):9.1f} tokens/s   "
               f"peak RSS {max(r['peak_rss_mib'] for r in results[k]):7.0f} MiB")
     print(f"ratio {label}/bare: median {statistics.median(ratios):.3f} "

@@ -43,6 +43,12 @@ def test_cpu_benchmark_smoke(script):
     assert "tokens/s" in proc.stdout or " s " in proc.stdout
 
 
+def test_overhead_paired_steps_smoke():
+    proc = run_script("benchmarks/overhead.py", "--smoke", "--paired-steps")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "paired steps after 1 warm-up" in proc.stdout and "per-step ratio" in proc.stdout
+
+
 def test_compile_cpu_smoke(tmp_path):
     proc = run_script("benchmarks/compile_cpu.py", "--smoke", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -153,6 +153,10 @@ class TrainerSettings:
     gc_every: int = 50
     """Python's automatic garbage collector is off during training and the young generation is
     collected every this many optimizer steps (as torchtitan does); 0 = leave it on."""
+    malloc_tuning: bool = True
+    """Linux/glibc: keep host blocks up to 32 MiB on the heap and freed memory for the next
+    step (``mallopt``; no page faults on every step's activations); false = glibc's defaults.
+    Process-wide; see llmforge.training.host_malloc."""
     global_batch_size: int = 8
     """Sequences per optimizer step over all data-parallel ranks."""
     micro_batch_size: int = 8

@@ -33,6 +33,7 @@ from llmforge.errors import ConfigError, LLMForgeError
 from llmforge.parallel.mesh import ParallelDims
 from llmforge.parallel.strategy import LLMParallelStrategy
 from llmforge.parallel.transforms import check_strategy, strategy_transforms
+from llmforge.training.host_malloc import tune_host_malloc
 
 PRECISION = {"fp32": "32-true", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true"}
 
@@ -404,6 +405,8 @@ class Trainer:
     def setup(self) -> None:
         """Build everything that ``fit`` needs (tokenizer, data, module, Lightning trainer)."""
         L.seed_everything(self.cfg.run.seed, workers=True, verbose=False)
+        if self.cfg.trainer.malloc_tuning:
+            tune_host_malloc()
         self.resume_path = self.resolve_resume()
         used = self.check_run_dir()
         # everything that can fail on bad input runs before an old run is deleted (--overwrite)

@@ -170,3 +170,10 @@ def test_async_save_trains_identically_and_tools_read_it(out, reference, tmp_pat
 
     bad = run_cli("checkpoint", "inspect", str(tmp_path))
     assert bad.returncode == 1 and "not a checkpoint" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_module_without_super_still_saves_when_due(out):
+    proc = train(out, "nosuper", "trainer.max_steps=3", "checkpoint.save_every=2", "checkpoint.save_final=false",
+                 "trainer.module=tests.helpers.modules.NoSuperModule")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [p.name for p in (out / "nosuper" / "checkpoints").iterdir()] == ["step_00000002"]

@@ -165,6 +165,7 @@ class Checkpointer(Callback):
         self.pending: Optional[PendingSave] = None
         self.save_seconds: list[float] = []  # time the training thread spent in each save
         self._last_save_time = time.monotonic()
+        self._awaiting_record: Optional[int] = None  # a step whose on_step_recorded is due
         self._signal: Optional[int] = None
         self._old_handlers: dict[int, Any] = {}
 
@@ -268,12 +269,21 @@ class Checkpointer(Callback):
         return bool(flag.item())
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if not callable(getattr(pl_module, "after_record", None)):
-            self.end_of_step(trainer, pl_module)  # a module that does not call on_step_recorded
+        if callable(getattr(pl_module, "after_record", None)):
+            self._awaiting_record = trainer.global_step  # LLMModule calls on_step_recorded next
+        else:
+            self.end_of_step(trainer, pl_module)
 
     def on_step_recorded(self, trainer: Any, pl_module: Any, step: int) -> None:
         """LLMModule's last hook of a step: save after the step's evaluation and record."""
+        self._awaiting_record = None
         self.end_of_step(trainer, pl_module)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        # a module subclass whose on_train_batch_end skipped super(): save the last step now
+        if self._awaiting_record is not None:
+            self._awaiting_record = None
+            self.end_of_step(trainer, pl_module)
 
     def end_of_step(self, trainer: Any, pl_module: Any) -> None:
         """Save when due, or when a stop signal arrived (then raise :class:`Preempted`)."""
@@ -298,6 +308,9 @@ class Checkpointer(Callback):
             self.save(trainer, pl_module)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._awaiting_record is not None:
+            self._awaiting_record = None
+            self.end_of_step(trainer, pl_module)
         if self.save_final and self.last_saved_step != trainer.global_step:
             self.save(trainer, pl_module)
         self._finish_pending()

@@ -214,12 +214,18 @@ def main() -> int:
         out["peak_rss_mib"] = peak_rss_mib()
         print(json.dumps(out))
         return 0
+    if args.paired_steps and args.bare_malloc_tuning:
+        ap.error("--paired-steps runs both sides in one process, which has llmforge's allocator "
+                 "settings already; drop --bare-malloc-tuning")
+    if not args.smoke and not (args.pairs >= 1 and 1 <= args.warmup < args.steps):
+        ap.error(f"need --pairs >= 1 and 1 <= --warmup < --steps; got --pairs {args.pairs} "
+                 f"--warmup {args.warmup} --steps {args.steps}")
     overrides = SMOKE if args.smoke else (SMALL if args.small else [])
     if args.smoke:
         args.pairs, args.steps, args.warmup = 1, 4, 1
     llm_overrides = overrides + ([f"algorithms=[{args.compile_entry}]"] if args.compile else [])
     if args.paired_steps:
-        r = run_worker("paired", llm_overrides, args.steps if args.smoke else max(args.steps, 40), args.warmup)
+        r = run_worker("paired", llm_overrides, args.steps, args.warmup)  # --pairs is not used
         print(f"model: {'smoke' if args.smoke else 'small' if args.small else 'demo'}; one process, "
               f"{r['steps']} paired steps after {args.warmup} warm-up")
         print(f"median step: llmforge {r['llmforge_step_s'] * 1e3:.1f} ms, bare {r['bare_step_s'] * 1e3:.1f} ms")

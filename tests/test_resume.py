@@ -177,3 +177,28 @@ def test_module_without_super_still_saves_when_due(out):
                  "trainer.module=tests.helpers.modules.NoSuperModule")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [p.name for p in (out / "nosuper" / "checkpoints").iterdir()] == ["step_00000002"]
+
+
+def test_truncate_metrics_drops_later_and_torn_lines(tmp_path):
+    from llmforge.training.trainer import truncate_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\n{"step": 1}\n{"step": 2}\n{"step": 3, "train/lo')  # killed mid-line
+    assert truncate_metrics(path, 1) == 2
+    assert path.read_text() == '{"step": 0}\n{"step": 1}\n'
+    assert truncate_metrics(path, -1) == 2 and path.read_text() == ""
+
+
+@pytest.mark.slow
+def test_resume_auto_before_any_checkpoint_starts_over_without_duplicates(out):
+    killed = train(out, "early", "checkpoint.save_every=100", kill_at(4))
+    assert killed.returncode != 0
+    run = out / "early"
+    assert not (run / "checkpoints").exists() or not list((run / "checkpoints").glob("step_*"))
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "train/lo')  # torn by the kill
+    again = train(out, "early", "checkpoint.resume=auto", "trainer.max_steps=4")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "no complete checkpoint" in again.stderr
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[0] == 0 and steps[-1] == 4

@@ -49,3 +49,12 @@ def test_plot_errors_are_one_line(tmp_path, capsys):
     assert "no metrics.jsonl" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["runs"])  # a subcommand is required
+
+
+def test_series_sorted_by_step_after_an_eval_of_an_older_checkpoint(tmp_path):
+    from llmforge.runs.plot import series
+
+    lines = [{"step": 2, "eval/harness/t/acc": 0.5}, {"step": 4, "eval/harness/t/acc": 0.75},
+             {"step": 2, "eval/harness/t/acc": 0.6}, {"step": 1, "eval/harness/t/acc": 0.25}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert series(tmp_path, "eval/harness/t/acc") == ([1.0, 2.0, 2.0, 4.0], [0.25, 0.5, 0.6, 0.75])

@@ -225,7 +225,7 @@ def parse_limit(limit: Any) -> Optional[float]:
         return float(limit)
     if limit >= 1 and float(limit).is_integer() and limit < 2**62:
         return int(limit)
-    raise ValueError(f"limit must be a whole count >= 1 or a share in (0, 1); got {limit:g}")
+    raise ValueError(f"limit must be a whole count in [1, 2**62) or a share in (0, 1); got {limit:g}")
 
 
 def flatten_results(results: dict[str, Any]) -> dict[str, float]:

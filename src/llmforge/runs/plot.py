@@ -33,7 +33,8 @@ def metrics_file(run: str | Path) -> Path:
 
 
 def series(run: str | Path, metric: str, x: str = "step") -> tuple[list[float], list[float]]:
-    """``(xs, ys)`` of ``metric`` in a run, in file order; non-finite values are left out.
+    """``(xs, ys)`` of ``metric`` in a run, sorted by x (records of one step keep their file
+    order); non-finite values are left out.
 
     Args:
         run: a run directory or a metrics.jsonl file.
@@ -52,7 +53,8 @@ def series(run: str | Path, metric: str, x: str = "step") -> tuple[list[float], 
         if isinstance(xv, (int, float)) and isinstance(yv, (int, float)) and math.isfinite(yv):
             xs.append(float(xv))
             ys.append(float(yv))
-    return xs, ys
+    order = sorted(range(len(xs)), key=xs.__getitem__)  # stable: `llmforge eval` of an older
+    return [xs[i] for i in order], [ys[i] for i in order]  # checkpoint appends a lower step
 
 
 def plot_runs(runs: Sequence[str | Path], metrics: Sequence[str] = ("train/loss",),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -95,14 +96,22 @@ def check_run_name(name: str) -> None:
 
 
 def truncate_metrics(path: Path, step: int) -> int:
-    """Drop records after ``step`` from a metrics file (they are redone after a resume);
-    returns how many were dropped. The file is replaced atomically."""
+    """Drop records after ``step`` from a metrics file (they are redone after a resume), and
+    lines that are not JSON records (torn by a killed process); ``step=-1`` drops every record.
+    Returns how many lines were dropped. The file is replaced atomically."""
     if not path.exists():
         return 0
     import json
 
-    lines = path.read_text(encoding="utf-8").splitlines()
-    keep = [x for x in lines if x.strip() and json.loads(x).get("step", 0) <= step]
+    def kept(line: str) -> bool:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return False  # a line torn by a killed process: its step is redone anyway
+        return isinstance(record, dict) and record.get("step", 0) <= step
+
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    keep = [x for x in lines if x.strip() and kept(x)]
     if len(keep) != len(lines):
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(x + "\n" for x in keep), encoding="utf-8")
@@ -243,6 +252,14 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.resume_path is None and self.is_rank_zero():
             save_config(self.cfg, self.run_dir / "config.yaml")
+            if used and self.cfg.checkpoint.resume == "auto" and not self.overwrite:
+                # resume=auto before any checkpoint was complete: the run starts over at step 0,
+                # so the records of the attempt that never reached a checkpoint go
+                dropped = truncate_metrics(self.run_dir / "metrics.jsonl", -1)
+                if dropped:
+                    print(f"checkpoint.resume=auto: no complete checkpoint in {self.checkpoint_dir} "
+                          f"yet; starting at step 0 (dropped {dropped} records of the earlier attempt "
+                          "from metrics.jsonl)", file=sys.stderr, flush=True)
         # resuming: config.yaml and metrics.jsonl change only once the checkpoint has loaded
         # (finish_resume), so a refused resume leaves the run as it was
 

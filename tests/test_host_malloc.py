@@ -35,11 +35,12 @@ def faults(tuned: bool) -> tuple[bool, int]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt (Linux)")
 def test_tuned_malloc_reuses_blocks_instead_of_faulting_them_in():
     applied, tuned = faults(True)
-    _, default = faults(False)
     assert applied
-    # 40 x 4 x 8 MiB = 1.25 GiB written: ~330,000 page faults when every block is a fresh mmap
-    assert default > 100_000, default
-    assert tuned < default / 20, (tuned, default)
+    # 40 x 4 x 8 MiB = 1.25 GiB written (327,680 pages): tuned, the blocks are reused and
+    # nothing is faulted in again. glibc's defaults fault them in every step (326,400 measured)
+    # whenever its dynamic trim threshold hands the freed blocks back, which depends on what
+    # else sits at the heap top (another run measured 4,096), so only the tuned side is checked
+    assert tuned < 5_000, tuned  # < 2 % of the pages written
 
 
 def test_tuning_is_applied_once_and_reports_it():

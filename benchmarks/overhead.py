@@ -75,10 +75,28 @@ def worker_llmforge(overrides: list[str], steps: int, warmup: int, work: Path) -
             "data_share": data_share}
 
 
+def bare_step(model, opt, batch, mb: int, accum: int, clip: float) -> None:
+    """One optimizer step of the bare loop on windows ``batch`` ``[accum * mb, seq_len + 1]``:
+    forward, cross-entropy (sum / targets of the step), backward per micro-batch; clip; AdamW
+    step; zero_grad. Nothing else."""
+    import torch
+    import torch.nn.functional as F
+
+    inputs, labels = batch[:, :-1], batch[:, 1:]
+    n_targets = labels.numel()
+    for i in range(accum):
+        logits = model(inputs[i * mb:(i + 1) * mb])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels[i * mb:(i + 1) * mb].flatten(),
+                               reduction="sum") / n_targets
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def worker_bare(overrides: list[str], steps: int, warmup: int, work: Path) -> dict:
     """The bare loop: data prepared with llmforge's loader code outside the timed steps."""
     import torch
-    import torch.nn.functional as F
 
     from llmforge import registry
     from llmforge.config import validate
@@ -110,16 +128,7 @@ def worker_bare(overrides: list[str], steps: int, warmup: int, work: Path) -> di
         if step == warmup:
             start = time.perf_counter()
         batch = torch.stack([windows[next(order)] for _ in range(plan.local_batch_size)])
-        inputs, labels = batch[:, :-1], batch[:, 1:]
-        n_targets = labels.numel()
-        for i in range(accum):
-            logits = model(inputs[i * mb:(i + 1) * mb])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels[i * mb:(i + 1) * mb].flatten(),
-                                   reduction="sum") / n_targets
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.gradient_clip_val)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        bare_step(model, opt, batch, mb, accum, cfg.trainer.gradient_clip_val)
         timed += step >= warmup
     seconds = time.perf_counter() - start
     return {"tokens_per_second": timed * plan.tokens_per_step / seconds}
@@ -131,8 +140,6 @@ def worker_paired(overrides: list[str], steps: int, warmup: int, work: Path) -> 
     from the end of that bare step to the end of llmforge's next step (Lightning's loop, data,
     callbacks, logging included); machine drift hits both alike, so the per-step ratio is far
     less noisy than ratios of separate runs (but both share caches and the allocator)."""
-    import torch
-    import torch.nn.functional as F
     from lightning.pytorch.callbacks import Callback
 
     from llmforge import Trainer, registry
@@ -152,15 +159,7 @@ def worker_paired(overrides: list[str], steps: int, warmup: int, work: Path) -> 
 
         def on_train_batch_end(self, trainer_, pl_module, outputs, batch, batch_idx):
             start = time.perf_counter()
-            inputs, labels = batch[:, :-1], batch[:, 1:]
-            for i in range(accum):
-                logits = model(inputs[i * mb:(i + 1) * mb])
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels[i * mb:(i + 1) * mb].flatten(),
-                                       reduction="sum") / labels.numel()
-                loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.gradient_clip_val)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            bare_step(model, opt, batch, mb, accum, cfg.trainer.gradient_clip_val)
             end = time.perf_counter()
             if self.end is not None and trainer_.global_step > warmup:
                 rows.append((start - self.end, end - start))  # (llmforge step, bare step)

@@ -219,13 +219,12 @@ def parse_limit(limit: Any) -> Optional[float]:
     """
     if limit is None:
         return None
-    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not math.isfinite(limit):
-        raise ValueError(f"limit must be a whole count >= 1 or a share in (0, 1); got {limit!r}")
-    if 0 < limit < 1:
-        return float(limit)
-    if limit >= 1 and float(limit).is_integer() and limit < 2**62:
-        return int(limit)
-    raise ValueError(f"limit must be a whole count in [1, 2**62) or a share in (0, 1); got {limit:g}")
+    if not isinstance(limit, bool) and isinstance(limit, (int, float)) and math.isfinite(limit):
+        if 0 < limit < 1:
+            return float(limit)
+        if 1 <= limit < 2**62 and float(limit).is_integer():
+            return int(limit)
+    raise ValueError(f"limit must be a whole count in [1, 2**62) or a share in (0, 1); got {limit!r}")
 
 
 def flatten_results(results: dict[str, Any]) -> dict[str, float]:

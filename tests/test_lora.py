@@ -170,7 +170,7 @@ def lora_from_hf(path: Path, entry: dict):
 
 def test_peft_export_loads_with_peft_and_gives_equal_logits(tmp_path):
     peft = pytest.importorskip("peft")
-    from llmforge.checkpoint.peft import save_peft
+    from llmforge.algorithms.lora.peft import save_peft
 
     entry = {"rank": 4, "alpha": 12, "targets": ALL + ["output"], "base_dtype": "float32"}
     hf_path = tmp_path / "hf"
@@ -237,7 +237,8 @@ def test_cli_checkpoint_holds_adapters_and_the_base_pointer(hf_runs):
     ckpt = out / "straight" / "checkpoints" / "step_00000004"
     meta = json.loads((ckpt / "meta.json").read_text())
     assert meta["adapters_only"] and meta["base"]["init_from"] == f"hf:{out / 'hf'}"
-    assert meta["lora"]["rank"] == 4 and meta["lora"]["targets"] == ALL
+    assert meta["adapters_by"] == ["lora"]
+    assert meta["plugins"]["lora"]["rank"] == 4 and meta["plugins"]["lora"]["targets"] == ALL
     keys = [k for k in tensor_entries(ckpt) if k.startswith("model.")]
     assert len(keys) == 28 and all(is_adapter_key(k) for k in keys)
     # the base rebuilt from the pointer is the HF model bit for bit; every adapter trained
@@ -253,7 +254,7 @@ def test_cli_checkpoint_holds_adapters_and_the_base_pointer(hf_runs):
     # init_from on an adapter-only checkpoint explains itself
     proc = run_cli("train", DEMO, *COMMON, f"model.init_from={ckpt}", f"run.output_dir={out}",
                    "run.name=bad", "trainer.max_steps=2")
-    assert proc.returncode == 2 and "holds only LoRA adapters" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2 and "holds only the adapters of lora" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     # resuming needs the same base (here: a random init instead of the HF weights)
     other = run_cli("train", DEMO, *COMMON, LORA_CLI, "trainer.max_steps=6",
@@ -269,7 +270,7 @@ def test_cli_checkpoint_holds_adapters_and_the_base_pointer(hf_runs):
             f"run.output_dir={out}", "run.name=changed"]
     for lora, words in [(LORA_CLI.replace("alpha: 12", "alpha: 99"), "saved with alpha=12.0; this run has alpha=99.0"),
                         (LORA_CLI.replace("rank: 4", "rank: 8"), "saved with rank=4; this run has rank=8"),
-                        ("algorithms=[]", "holds only LoRA adapters")]:
+                        ("algorithms=[]", "holds only the adapters of lora")]:
         proc = run_cli("train", DEMO, *COMMON, lora, *base)
         assert proc.returncode == 2 and words in proc.stderr, proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr

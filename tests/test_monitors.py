@@ -202,11 +202,11 @@ def test_monitor_callbacks_in_one_run(tmp_path, capsys):
     [ckpt] = (run_dir / "checkpoints").glob("step_*")
     saved = json.loads((ckpt / "trainer_state.json").read_text())["callbacks"]
     assert saved == {"EarlyStopping": {"best": records[0]["eval/loss"], "wait": 1}}
-    from llmforge.callbacks.checkpointing import restore_callback_states
     from llmforge.callbacks.early_stopping import EarlyStopping
+    from llmforge.checkpoint.plugins import restore_plain_states
 
     fresh = EarlyStopping(patience=1)
-    restore_callback_states(SimpleNamespace(callbacks=[fresh]), saved)
+    restore_plain_states([fresh], saved)
     assert (fresh.best, fresh.wait) == (records[0]["eval/loss"], 1)
     assert not (run_dir / "memory_snapshots").exists()
 

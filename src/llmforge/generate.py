@@ -39,28 +39,58 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
     return p, ckpt
 
 
-def load_model(path: str | Path, device: str = "cpu") -> tuple[Any, Any, Path]:
-    """Return ``(model, cfg, run_dir)`` of a run directory or checkpoint, model in eval mode.
+def inference_plugins(cfg: Any) -> list[Any]:
+    """The run's algorithms that take part in loading or exporting its checkpoints (those that
+    override :meth:`~llmforge.algorithms.base.Algorithm.inference_model`, ``export_model`` or
+    ``export_adapters``), instantiated from ``cfg.algorithms``; the others (e.g. compile) are
+    not built, so their optional packages need not be installed to load a run."""
+    import llmforge.algorithms  # noqa: F401  (registers the built-ins)
+    from llmforge.algorithms.base import Algorithm
 
-    A LoRA run's checkpoint (``adapters_only`` in meta.json) gives the base model rebuilt from
-    its pointer with the adapters loaded, not merged
-    (:func:`llmforge.algorithms.lora.load_lora_model`)."""
+    out = []
+    for i, entry in enumerate(cfg.algorithms or []):
+        kwargs = dict(entry)
+        cls = registry.algorithms.get(kwargs.pop("name"), key=f"algorithms[{i}].name")
+        if isinstance(cls, type) and any(getattr(cls, h) is not getattr(Algorithm, h)
+                                         for h in ("inference_model", "export_model", "export_adapters")):
+            out.append(cls(**kwargs))
+    return out
+
+
+def load_model(path: str | Path, device: str = "cpu", with_plugins: bool = False) -> Any:
+    """Return ``(model, cfg, run_dir)`` of a run directory or checkpoint, model in eval mode
+    (with ``with_plugins``: ``(model, cfg, run_dir, plugins, checkpoint, meta)``).
+
+    The model is built on the meta device, each :func:`inference_plugins` entry's
+    ``inference_model`` prepares it (e.g. adds adapter layers), it is materialized with the
+    run's seeded init, and the checkpoint is loaded. A checkpoint of adapters only
+    (``adapters_only`` in meta.json) gets its base from the run's pointer first
+    (``model.init_from``, else the seeded init), then the adapters.
+    """
+    from llmforge.parallel.init import seeded_init
+
     run_dir, ckpt = resolve_checkpoint(path)
     cfg = load_config(run_dir / "config.yaml")
     registry.import_modules(cfg.imports)
-    if (ckpt / "meta.json").exists() and read_json(ckpt, "meta.json").get("adapters_only"):
-        # a LoRA run: the base from its pointer, then the adapters (unmerged; see merge_lora)
-        from llmforge.algorithms.lora import load_lora_model
-
-        return load_lora_model(cfg, ckpt, device), cfg, run_dir
+    meta = read_json(ckpt, "meta.json") if (ckpt / "meta.json").exists() else {}
+    plugins = inference_plugins(cfg)
     factory = registry.models.get(cfg.model.name, key="model.name")
     with torch.device("meta"):
         model = factory(cfg.model)
+    for plugin in plugins:
+        model = plugin.inference_model(model, cfg, meta)
     model.to_empty(device=device)
-    with torch.no_grad():
-        model.init_weights()  # buffers (e.g. RoPE tables); weights come from the checkpoint
-    load_model_weights(ckpt, model)
-    return model.eval(), cfg, run_dir
+    seeded_init(model, cfg.run.seed)  # buffers (RoPE tables); the base of an adapter run
+    adapters_only = bool(meta.get("adapters_only"))
+    if adapters_only and cfg.model.get("init_from"):
+        from llmforge.checkpoint.init_from import load_initial_weights
+
+        load_initial_weights(model, cfg.model.init_from)
+    load_model_weights(ckpt, model, adapters_only=adapters_only)
+    model.eval()
+    if with_plugins:
+        return model, cfg, run_dir, plugins, ckpt, meta
+    return model, cfg, run_dir
 
 
 def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Any, Tokenizer, Any]:

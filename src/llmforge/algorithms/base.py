@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from lightning.pytorch.callbacks import Callback
@@ -73,18 +74,61 @@ def run_pipeline(model: nn.Module, transforms: Sequence[Transform], ctx: ModelCo
     return model
 
 
-class Algorithm(Callback):
-    """A Lightning ``Callback`` that may also transform the model at one pipeline stage.
+ADAPTER_CHILDREN = "adapter_children"
+"""Attribute of an ``nn.Module``: names of its child modules whose parameters a plugin added
+(adapters, e.g. ``("lora_A", "lora_B")``). Base-model weights (a plain build, a Hugging Face
+folder, a full checkpoint) do not have them: core code skips them when it loads or broadcasts
+base weights, and saves only them for a plugin with ``adapters_only``."""
 
-    Subclasses set ``stage`` and override :meth:`apply`; they may also override any Lightning
-    hook (``on_before_optimizer_step``, ``on_train_batch_start``, ...) and :meth:`check`, which
-    sees every configured algorithm before any weight is allocated and raises
+
+def adapter_names(model: nn.Module) -> frozenset[str]:
+    """The child names marked by :data:`ADAPTER_CHILDREN` anywhere in ``model``."""
+    return frozenset(n for m in model.modules() for n in getattr(m, ADAPTER_CHILDREN, ()))
+
+
+def has_adapters(model: nn.Module) -> bool:
+    """Whether any module of ``model`` carries adapters."""
+    return bool(adapter_names(model))
+
+
+def adapter_key_filter(model: nn.Module) -> Callable[[str], bool]:
+    """A predicate on parameter / state-dict keys: True for the parameters of ``model``'s
+    adapters (a key with one of :func:`adapter_names` as a path component)."""
+    names = adapter_names(model)
+    return lambda key: bool(names) and any(part in names for part in key.split("."))
+
+
+class Algorithm(Callback):
+    """A Lightning ``Callback`` that may also transform the model at one pipeline stage and act
+    on the events of :mod:`llmforge.events`.
+
+    Subclasses set ``stage`` and override :meth:`apply`; handle an event by defining the method
+    of its name (``after_loss(self, state)``, ...; several plugins on one event run by
+    ``order``, then ``name``); they may also override any Lightning hook and :meth:`check`,
+    which sees every configured algorithm before any weight is allocated and raises
     :class:`llmforge.errors.ConfigError` for combinations that cannot work.
+
+    Checkpoints: ``state_dict()``/``load_state_dict()`` (plain values) and
+    :meth:`sharded_state_dict`/:meth:`load_sharded_state_dict` (tensors, sharded like the
+    weights) are saved in every checkpoint and restored on resume. A plugin with
+    ``adapters_only = True`` makes checkpoints hold only the adapter parameters (the frozen base
+    is rebuilt from its pointer, ``model.init_from`` or the seeded init).
+
+    Attributes:
+        name: the registered name (messages, ``meta.json``, ordering).
+        stage, priority: where the transform runs in the model pipeline.
+        order: position among the handlers of one event (lower first; default 0).
+        adapters_only: checkpoints hold only adapter parameters.
+        replaces_memory_estimate: the :meth:`dry_run_lines` replace the dry run's generic
+            ``memory/device`` line.
     """
 
     name: str = "algorithm"
     stage: Optional[Stage] = None
     priority: int = 0
+    order: int = 0
+    adapters_only: bool = False
+    replaces_memory_estimate: bool = False
 
     def apply(self, model: nn.Module, ctx: ModelContext) -> nn.Module:
         """Transform the (meta-device) model; return it (or a wrapper)."""
@@ -98,3 +142,49 @@ class Algorithm(Callback):
         if self.stage is None:
             return None
         return Transform(self.stage, self.name, self.apply, int(self.priority))
+
+    # ---------------------------------------------------------------- checkpoints
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """Tensors to save in every checkpoint (through DCP, resharded on load), e.g. an EMA
+        copy of the weights; ``{}`` (default) saves nothing."""
+        return {}
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        """Take back what :meth:`sharded_state_dict` saved (``state`` has its keys, loaded into
+        the tensors :meth:`sharded_state_dict` returns now)."""
+
+    def checkpoint_meta(self, cfg: Any) -> dict[str, Any]:
+        """JSON values written to the checkpoint's ``meta.json`` under ``plugins.<name>``
+        (e.g. settings a resume must match)."""
+        return {}
+
+    def check_resume(self, checkpoint: Path, meta: dict[str, Any], cfg: Any) -> None:
+        """Refuse a resume from ``checkpoint`` (its ``meta.json`` is ``meta``) that this
+        plugin cannot continue exactly.
+
+        Raises:
+            ConfigError: naming the setting that differs and how to resume.
+        """
+
+    # ------------------------------------------------------- inference and export
+    def inference_model(self, model: nn.Module, cfg: Any, meta: dict[str, Any]) -> nn.Module:
+        """Prepare a model built on the meta device for loading a checkpoint of this run
+        outside training (``generate``, ``eval``, ``convert``): e.g. add adapter layers with the
+        settings in ``meta`` (the checkpoint's ``meta.json``). Default: unchanged."""
+        return model
+
+    def export_model(self, model: nn.Module, checkpoint: Path) -> nn.Module:
+        """The model to write for ``convert to-hf`` (unsharded, loaded from ``checkpoint``):
+        e.g. adapters merged into the base weights. Default: unchanged."""
+        return model
+
+    def export_adapters(self, model: nn.Module, out: Path, cfg: Any, meta: dict[str, Any],
+                        dtype: Any = None) -> Optional[Path]:
+        """``convert to-hf --adapters-only``: write only this plugin's adapters to ``out`` and
+        return it, or ``None`` if it has none."""
+        return None
+
+    def dry_run_lines(self, cfg: Any, plan: Any, device_memory_gib: Optional[float]) -> list[str]:
+        """Lines for ``llmforge train --dry-run`` (e.g. trainable parameters, memory)."""
+        return []
+

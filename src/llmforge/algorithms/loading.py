@@ -79,5 +79,5 @@ def available() -> list[tuple[str, str, str]]:
             continue
         stage = getattr(obj, "stage", None)
         summary = getattr(obj, "summary", None) or (obj.__doc__ or "").strip().split("\n")[0]
-        rows.append((name, stage.name.lower() if stage is not None else "callback", summary))
+        rows.append((name, stage.name.lower() if stage is not None else "events", summary))
     return rows

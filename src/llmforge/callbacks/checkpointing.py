@@ -24,6 +24,8 @@ from lightning.pytorch.callbacks import Callback
 
 from llmforge.callbacks._util import say
 from llmforge.checkpoint.dcp import PendingSave, load_training_state, prune_checkpoints, save_checkpoint
+from llmforge.checkpoint.plugins import (check_resume, checkpoint_meta, plain_states, restore_plain_states,
+                                         restore_sharded_states, sharded_states)
 from llmforge.checkpoint.rng import capture_rng, restore_rng
 from llmforge.errors import LLMForgeError
 
@@ -48,90 +50,6 @@ def set_global_step(trainer: Any, step: int) -> None:
     """Make Lightning count ``step`` optimizer steps done (manual optimization)."""
     progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress.total
     progress.ready = progress.completed = step
-
-
-def callback_states(trainer: Any, skip: Any = None) -> dict[str, Any]:
-    """``{state_key: state_dict()}`` of every callback with a non-empty, JSON-serializable state
-    (Lightning's ``Callback.state_dict`` protocol; e.g. ``early_stopping``'s best value and
-    patience counter), for ``trainer_state.json``.
-
-    Raises:
-        TypeError: a callback's state is not JSON-serializable (say so in that callback).
-    """
-    out = {}
-    for cb in trainer.callbacks:
-        if cb is skip:
-            continue
-        sd = cb.state_dict()
-        if sd:
-            json.dumps(sd)  # fail at the first save, not when reading it back
-            out[cb.state_key] = sd
-    return out
-
-
-def restore_callback_states(trainer: Any, states: dict[str, Any]) -> None:
-    """Give each callback back the state :func:`callback_states` saved under its ``state_key``;
-    callbacks added or removed since the save are left as they are."""
-    for cb in trainer.callbacks:
-        if cb.state_key in states:
-            cb.load_state_dict(states[cb.state_key])
-
-
-def lora_meta(pl_module: Any) -> dict[str, Any]:
-    """``meta.json`` fields of a LoRA run: ``base`` (what rebuilds the frozen base, see
-    :func:`llmforge.algorithms.lora.base_pointer`) and ``lora`` (rank, alpha, targets, ...);
-    empty for other runs."""
-    from llmforge.algorithms.lora import LoRA, base_pointer, has_adapters, lora_entry
-
-    cfg = getattr(pl_module, "cfg", None)
-    if cfg is None or pl_module.model is None or not has_adapters(pl_module.model):
-        return {}
-    entry = lora_entry(cfg)
-    return {"base": base_pointer(cfg), "lora": LoRA(**entry).options() if entry is not None else None}
-
-
-def check_lora_base(path: Path, pl_module: Any) -> None:
-    """Resuming an adapter-only checkpoint needs a LoRA run on the same base as when it was
-    saved (and a full checkpoint a run without LoRA).
-
-    Raises:
-        ConfigError: ``model.init_from`` (or the seed of a randomly initialized base) differs,
-            or the checkpoint and the run disagree on LoRA.
-    """
-    meta_file = Path(path) / "meta.json"
-    if not meta_file.exists():
-        return
-    from llmforge.algorithms.lora import base_pointer, has_adapters
-    from llmforge.errors import ConfigError
-
-    meta = json.loads(meta_file.read_text())
-    lora_now = pl_module.model is not None and has_adapters(pl_module.model)
-    if bool(meta.get("adapters_only")) != lora_now:
-        if lora_now:
-            raise ConfigError(f"checkpoint.resume: {path} is a full-model checkpoint, but this run "
-                              "trains LoRA adapters; start from its weights with "
-                              f"model.init_from={path} (and checkpoint.resume=null)")
-        raise ConfigError(f"checkpoint.resume: {path} holds only LoRA adapters, but this run has "
-                          "no lora entry under algorithms:; resume with the original algorithms")
-    saved_lora, now_lora = meta.get("lora"), lora_meta(pl_module).get("lora")
-    if saved_lora and now_lora:
-        changed = sorted(k for k in set(saved_lora) | set(now_lora)
-                         if saved_lora.get(k) != now_lora.get(k))
-        if changed:
-            raise ConfigError(
-                f"checkpoint.resume: {path} holds LoRA adapters saved with "
-                + ", ".join(f"{k}={saved_lora.get(k)!r}" for k in changed) + "; this run has "
-                + ", ".join(f"{k}={now_lora.get(k)!r}" for k in changed)
-                + "; resume with the lora settings it was saved with, or start a new run")
-    saved = meta.get("base")
-    if not saved:
-        return
-    now = base_pointer(pl_module.cfg)
-    if now != saved:
-        raise ConfigError(f"checkpoint.resume: {path} holds LoRA adapters trained on the base "
-                          f"'{saved.get('description')}', but this run's base is "
-                          f"'{now.get('description')}'; set model.init_from (and run.seed) as "
-                          "in the original run")
 
 
 class Checkpointer(Callback):
@@ -165,7 +83,7 @@ class Checkpointer(Callback):
         self.pending: Optional[PendingSave] = None
         self.save_seconds: list[float] = []  # time the training thread spent in each save
         self._last_save_time = time.monotonic()
-        self._awaiting_record: Optional[int] = None  # a step whose on_step_recorded is due
+        self._awaiting_record: Optional[int] = None  # a step whose STEP_RECORDED is due
         self._signal: Optional[int] = None
         self._old_handlers: dict[int, Any] = {}
 
@@ -190,15 +108,16 @@ class Checkpointer(Callback):
                  "global_batch_size": pl_module.plan.global_batch_size,
                  "samples_consumed": step * pl_module.plan.global_batch_size,
                  "scheduler": sched.state_dict() if sched is not None else None,
-                 "callbacks": callback_states(trainer, self)}
+                 "callbacks": plain_states(trainer.callbacks, self)}
         meta = {"tokens_seen": pl_module.tokens_seen, "world_size": trainer.world_size,
                 "mesh": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp},
                 "config_hash": self.config_hash, "llmforge_version": __version__}
-        lora = lora_meta(pl_module)
-        if lora:
-            meta.update(lora)
+        cfg = getattr(pl_module, "cfg", None)
+        meta.update(checkpoint_meta(trainer.callbacks, cfg, pl_module.model) if cfg is not None else {})
         self.pending = save_checkpoint(self.dir, step, pl_module.model, opt, state, meta,
-                                       rng=capture_rng(), async_save=self.async_save)
+                                       rng=capture_rng(), async_save=self.async_save,
+                                       adapters_only=bool(meta.get("adapters_only")),
+                                       plugin_state=sharded_states(trainer.callbacks))
         self.last_saved_step = step
         self._last_save_time = time.monotonic()
         if not self.async_save:
@@ -212,11 +131,13 @@ class Checkpointer(Callback):
         if self.resume_from is None:
             return
         opt = trainer.optimizers[0] if trainer.optimizers else None
-        check_lora_base(self.resume_from, pl_module)
+        if getattr(pl_module, "cfg", None) is not None:
+            check_resume(self.resume_from, trainer.callbacks, pl_module.cfg, pl_module.model)
         from torch.distributed.checkpoint.api import CheckpointException
 
+        templates = sharded_states(trainer.callbacks)
         try:
-            state = load_training_state(self.resume_from, pl_module.model, opt)
+            state = load_training_state(self.resume_from, pl_module.model, opt, plugin_state=templates)
         except (ValueError, RuntimeError, KeyError, CheckpointException) as exc:  # shapes/keys differ
             from llmforge.errors import ConfigError
 
@@ -227,12 +148,14 @@ class Checkpointer(Callback):
             raise ConfigError(
                 f"checkpoint.resume: {self.resume_from} does not fit this run's model or "
                 f"optimizer ({first[:300]}); resume with the settings it was saved with (model "
-                "shape, algorithms such as lora) or start a new run") from exc
+                "shape, algorithms) or start a new run") from exc
         sched = trainer.lr_scheduler_configs[0].scheduler if trainer.lr_scheduler_configs else None
         if sched is not None and state.get("scheduler"):
             sched.load_state_dict(state["scheduler"])
         pl_module.tokens_seen = int(state["tokens_seen"])
-        restore_callback_states(trainer, state.get("callbacks") or {})
+        restore_plain_states(trainer.callbacks, state.get("callbacks") or {})
+        for key in restore_sharded_states(trainer.callbacks, templates, state.get("plugins_loaded") or []):
+            say(trainer, f"checkpoint.resume: {self.resume_from} has no state of {key}; it starts fresh")
         set_global_step(trainer, int(state["step"]))
         if "rng" in state:
             restore_rng(state["rng"])
@@ -269,15 +192,16 @@ class Checkpointer(Callback):
         return bool(flag.item())
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if callable(getattr(pl_module, "after_record", None)):
-            self._awaiting_record = trainer.global_step  # LLMModule calls on_step_recorded next
+        if callable(getattr(pl_module, "event", None)):
+            self._awaiting_record = trainer.global_step  # LLMModule's STEP_RECORDED comes next
         else:
             self.end_of_step(trainer, pl_module)
 
-    def on_step_recorded(self, trainer: Any, pl_module: Any, step: int) -> None:
-        """LLMModule's last hook of a step: save after the step's evaluation and record."""
+    def step_recorded(self, state: Any) -> None:
+        """The last event of a step (``STEP_RECORDED``): save after the step's evaluation and
+        record."""
         self._awaiting_record = None
-        self.end_of_step(trainer, pl_module)
+        self.end_of_step(state.trainer, state.module)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         # a module subclass whose on_train_batch_end skipped super(): save the last step now

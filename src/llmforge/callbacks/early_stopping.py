@@ -7,8 +7,8 @@ YAML::
         patience: 3        # evaluations without improvement before stopping
         min_delta: 0.0     # an improvement must lower eval/loss by more than this (nats/token)
 
-Checked after every evaluation (``trainer.eval_every`` steps, and step 0), through the module's
-``on_evaluation_end`` hook; stopping sets ``trainer.should_stop``, so the run ends after the
+Checked after every evaluation (``trainer.eval_every`` steps, and step 0), through the event
+``AFTER_EVALUATION`` (:mod:`llmforge.events`); stopping sets ``trainer.should_stop``, so the run ends after the
 current step, writes its final checkpoint and summary as usual. The best value and the count of
 evaluations without improvement are saved in every checkpoint (``trainer_state.json``, under
 ``callbacks``) and restored on resume, so patience is not reset by a preemption.
@@ -50,8 +50,11 @@ class EarlyStopping(Callback):
         self.wait = 0
         self.stopped_step: Optional[int] = None
 
-    def on_evaluation_end(self, trainer: Any, pl_module: Any, metrics: dict[str, float]) -> None:
-        value = metrics.get(self.monitor)
+    def after_evaluation(self, state: Any) -> None:
+        """Event ``AFTER_EVALUATION``: count an evaluation without improvement, stop after
+        ``patience`` of them."""
+        trainer = state.trainer
+        value = state.eval_metrics.get(self.monitor)
         if value is None:
             return
         value = float(value)

@@ -45,8 +45,11 @@ def uses_float8(model: Any) -> bool:
 
 
 def count_targets(pl_module: Any, batch: Any) -> torch.Tensor:
-    """Target tokens of one local batch (labels != -100), as a tensor on the batch's device."""
-    _, labels = pl_module.split_batch(batch)
+    """Target tokens of one local batch (labels != -100), as a tensor on the batch's device:
+    the batch the step really trained on (``state.batch``, after ``BATCH_START`` handlers such
+    as ``seq_length_warmup`` replaced it) when the module has one."""
+    trained = getattr(getattr(pl_module, "state", None), "batch", None)
+    _, labels = pl_module.split_batch(batch if trained is None else trained)
     return (labels != IGNORE_INDEX).sum()
 
 
@@ -137,8 +140,8 @@ class SpeedMonitor(Callback):
         self._window_start = self._last_end = time.perf_counter()
         self._window_steps, self._window_data, self._window_tokens = 0, 0.0, 0
 
-    def on_evaluation_end(self, trainer: Any, pl_module: Any, metrics: dict[str, float]) -> None:
-        """Leave the evaluation's time out of the step and data times (called by the module)."""
+    def after_evaluation(self, state: Any) -> None:
+        """Leave the evaluation's time out of the step and data times (event ``AFTER_EVALUATION``)."""
         now = time.perf_counter()
         if self._last_end is not None and self._window_start is not None:
             self._window_start += now - self._last_end

@@ -15,41 +15,32 @@ def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
     """A run directory or checkpoint -> a Hugging Face Llama folder (config, safetensors,
     tokenizer) that ``LlamaForCausalLM.from_pretrained`` loads.
 
-    A LoRA run is exported merged (``W + (alpha / r) B A``, computed in float32; written in
-    float32 unless ``dtype`` is given, since a bf16 base would round small adapter updates
-    away), or with ``adapters_only`` as PEFT's adapter folder (``adapter_config.json`` +
-    ``adapter_model.safetensors``, see :mod:`llmforge.checkpoint.peft`).
+    Each of the run's algorithms shapes the export (``Algorithm.export_model``): an adapter run
+    is written merged (computed in float32; written in float32 unless ``dtype`` is given, since
+    a bf16 base would round small adapter updates away). With ``adapters_only`` the first
+    algorithm that exports adapters (``Algorithm.export_adapters``, e.g. PEFT's folder) writes
+    them instead.
 
     Raises:
         LLMForgeError: the model is not an llmforge Llama, the path has no checkpoint, or
-            ``adapters_only`` for a run without LoRA adapters.
+            ``adapters_only`` for a run without adapters.
     """
-    from llmforge.algorithms.lora import LoRA, has_adapters, lora_entry, merge_lora
     from llmforge.checkpoint.hf import save_hf
     from llmforge.generate import load_model
 
-    model, cfg, run_dir = load_model(path)
+    model, cfg, run_dir, plugins, ckpt, meta = load_model(path, with_plugins=True)
     if not hasattr(model, "args"):
         raise LLMForgeError(f"{path}: only the built-in llama3 model can be exported to Hugging Face format")
     cast = getattr(torch, dtype) if dtype else None
-    lora = has_adapters(model)
     if adapters_only:
-        if not lora:
-            raise LLMForgeError(f"{path}: --adapters-only needs a LoRA run (algorithms: [{{name: lora}}]); "
-                                "this checkpoint has no adapters")
-        from llmforge.checkpoint.peft import save_peft
-
-        init_from = cfg.model.get("init_from") or ""
-        base = init_from[3:] if init_from.startswith("hf:") else None
-        from llmforge.checkpoint.dcp import read_json
-        from llmforge.generate import resolve_checkpoint
-
-        # the settings the adapters were trained with (meta.json) win over config.yaml's
-        saved = read_json(resolve_checkpoint(path)[1], "meta.json").get("lora") or {}
-        options = {**LoRA(**(lora_entry(cfg) or {})).options(), **saved}
-        return save_peft(model, out, options, base=base, dtype=cast)
-    if lora:
-        model = merge_lora(model.float())
+        for plugin in plugins:
+            written = plugin.export_adapters(model, Path(out), cfg, meta, dtype=cast)
+            if written is not None:
+                return written
+        raise LLMForgeError(f"{path}: --adapters-only needs a run whose algorithms add adapters "
+                            "(see `llmforge algorithms`); this checkpoint has none")
+    for plugin in plugins:
+        model = plugin.export_model(model, ckpt)
     tok_dir = run_dir / "tokenizer"
     return save_hf(model, out, tokenizer_dir=tok_dir if tok_dir.is_dir() else None, dtype=cast)
 

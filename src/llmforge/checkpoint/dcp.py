@@ -6,8 +6,9 @@ Layout of a checkpoint root (``<run_dir>/checkpoints``)::
         .metadata, __*.distcp   DCP files: {"model": ..., "optim": ...}, sharded per rank
         trainer_state.json   step, tokens seen, scheduler state, data position
         rng/rank<R>.json     RNG states of every rank (Python, NumPy, torch CPU/CUDA)
-        meta.json            step, tokens, world size and mesh, llmforge version, config hash
-                             (LoRA runs: ``adapters_only: true`` and ``base``, the base's pointer)
+        meta.json            step, tokens, world size and mesh, llmforge version, config hash,
+                             ``plugins`` (each plugin's checkpoint_meta); adapter runs:
+                             ``adapters_only: true``, ``adapters_by`` and ``base`` (its pointer)
         COMPLETE             written last; a folder without it is never loaded
     .tmp-step_00000200/      a save in progress (ignored by readers)
 
@@ -21,9 +22,11 @@ checkpoint can run code.
 :class:`PendingSave`; the folder becomes visible when :meth:`PendingSave.finish` has run (the
 next save calls it first, so at most one save is in flight).
 
-A model with LoRA adapters (:mod:`llmforge.algorithms.lora`) saves and loads only the adapter
-tensors (``*.lora_A.weight``, ``*.lora_B.weight``) and their optimizer state: the frozen base
-is rebuilt from its pointer (``model.init_from`` or the seeded init) when the model is built.
+A run whose plugin declares ``adapters_only`` (:class:`llmforge.algorithms.base.Algorithm`)
+saves and loads only the adapter tensors (parameters of modules marked with
+:data:`~llmforge.algorithms.base.ADAPTER_CHILDREN`) and their optimizer state: the frozen base is
+rebuilt from its pointer (``model.init_from`` or the seeded init) when the model is built.
+Plugins' own tensors (``Algorithm.sharded_state_dict``) are saved under ``plugins.<key>``.
 """
 
 from __future__ import annotations
@@ -109,24 +112,34 @@ def _crash_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _adapter_filter(model: nn.Module, model_sd: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    """``(state dict to save/load, adapters_only)``: only the LoRA adapter entries when the
-    model has adapters, else ``model_sd`` unchanged."""
-    from llmforge.algorithms.lora import has_adapters, is_adapter_key
+def _adapter_filter(model: nn.Module, model_sd: dict[str, Any],
+                    adapters_only: Optional[bool] = None) -> tuple[dict[str, Any], bool]:
+    """``(state dict to save/load, adapters_only)``: only the adapter entries when
+    ``adapters_only`` (``None``: when the model has adapters), else ``model_sd`` unchanged."""
+    from llmforge.algorithms.base import adapter_key_filter, has_adapters
 
-    if not has_adapters(model):
+    if adapters_only is None:
+        adapters_only = has_adapters(model)
+    if not adapters_only:
         return model_sd, False
-    return {k: v for k, v in model_sd.items() if is_adapter_key(k)}, True
+    is_adapter = adapter_key_filter(model)
+    return {k: v for k, v in model_sd.items() if is_adapter(k)}, True
 
 
 def save_checkpoint(root: str | Path, step: int, model: nn.Module,
                     optimizer: Optional[torch.optim.Optimizer], trainer_state: dict[str, Any],
                     meta: dict[str, Any], rng: Optional[dict[str, Any]] = None,
-                    async_save: bool = False) -> PendingSave:
+                    async_save: bool = False, adapters_only: Optional[bool] = None,
+                    plugin_state: Optional[dict[str, Any]] = None) -> PendingSave:
     """Save model (and optimizer) state sharded by DCP, plus JSON state, atomically.
 
     Every rank must call it (with its own ``rng``). Returns a :class:`PendingSave`: already
     finished unless ``async_save``.
+
+    Args:
+        adapters_only: save only the model's adapter parameters (``None``: if it has any).
+        plugin_state: ``{state_key: {name: tensor}}`` of plugins' own tensors, saved under
+            ``plugins`` (sharded like the weights).
     """
     root = Path(root)
     final, tmp = root / step_name(step), root / f".tmp-{step_name(step)}"
@@ -139,11 +152,13 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module,
         (tmp / "rng" / f"rank{rank}.json").write_text(json.dumps(rng))
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        model_sd, adapters_only = _adapter_filter(model, model_sd)
+        model_sd, adapters_only = _adapter_filter(model, model_sd, adapters_only)
         state = {"model": model_sd, "optim": optim_sd}
     else:
-        model_sd, adapters_only = _adapter_filter(model, get_model_state_dict(model))
+        model_sd, adapters_only = _adapter_filter(model, get_model_state_dict(model), adapters_only)
         state = {"model": model_sd}
+    if plugin_state:
+        state["plugins"] = plugin_state
     if adapters_only:
         meta = {**meta, "adapters_only": True}
     future = None
@@ -159,9 +174,15 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module,
 
 
 def load_training_state(path: str | Path, model: nn.Module,
-                        optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
+                        optimizer: Optional[torch.optim.Optimizer],
+                        plugin_state: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Load model and optimizer state (resharded to the current layout) from a checkpoint and
     return its ``trainer_state.json`` plus this rank's RNG state under ``"rng"`` (if saved).
+
+    Args:
+        plugin_state: ``{state_key: {name: tensor}}`` templates of plugins' own tensors; the
+            entries the checkpoint holds are loaded into them in place, and the returned dict
+            lists under ``"plugins_loaded"`` the state keys that were found.
 
     Raises:
         FileNotFoundError: ``path`` is not a complete checkpoint.
@@ -173,8 +194,11 @@ def load_training_state(path: str | Path, model: nn.Module,
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        model_sd, adapters_only = _adapter_filter(model, model_sd)
+        model_sd, adapters_only = _adapter_filter(model, model_sd, _saved_adapters_only(path))
         state = {"model": model_sd, "optim": optim_sd}
+        found = _saved_plugin_keys(path, plugin_state or {})
+        if found:
+            state["plugins"] = {k: plugin_state[k] for k in found}  # type: ignore[index]
         safe_load(state, str(path))
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"],
@@ -182,11 +206,32 @@ def load_training_state(path: str | Path, model: nn.Module,
     else:
         load_model_weights(path, model, adapters_only=None)
     out = read_json(path, "trainer_state.json")
+    if optimizer is not None:
+        out["plugins_loaded"] = found
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     rng_file = path / "rng" / f"rank{rank}.json"
     if rng_file.exists():
         out["rng"] = json.loads(rng_file.read_text())
     return out
+
+
+def _saved_adapters_only(path: Path) -> Optional[bool]:
+    """``meta.json``'s ``adapters_only`` (``None`` without a meta.json: decide by the model)."""
+    meta = path / "meta.json"
+    if not meta.exists():
+        return None
+    return bool(json.loads(meta.read_text()).get("adapters_only"))
+
+
+def _saved_plugin_keys(path: Path, templates: dict[str, Any]) -> list[str]:
+    """The plugin state keys of ``templates`` that the checkpoint holds (a plugin added since
+    the save starts fresh)."""
+    if not templates:
+        return []
+    from llmforge.checkpoint.safe_load import load_metadata
+
+    names = load_metadata(path / ".metadata").state_dict_metadata.keys()
+    return [k for k in templates if any(n.startswith(f"plugins.{k}.") for n in names)]
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:
@@ -218,33 +263,36 @@ def load_model_weights(path: str | Path, model: nn.Module, adapters_only: Option
     """Load the ``model`` part of a checkpoint into ``model`` (materialized, any sharding).
 
     Args:
-        adapters_only: ``True``: load only the LoRA adapter tensors (the checkpoint of a LoRA
-            run); ``False``: every tensor of ``model`` except LoRA adapters (e.g.
-            ``model.init_from`` of a full checkpoint into a LoRA model); ``None``: adapters only
-            if ``model`` has adapters.
+        adapters_only: ``True``: load only the adapter tensors (the checkpoint of an adapter
+            run); ``False``: every tensor of ``model`` except adapters (e.g.
+            ``model.init_from`` of a full checkpoint into a model with adapters); ``None``:
+            adapters only if ``model`` has adapters.
 
     Raises:
-        ConfigError: a full load from a checkpoint that holds only LoRA adapters.
+        ConfigError: a full load from a checkpoint that holds only adapters.
     """
-    from llmforge.algorithms.lora import has_adapters, is_adapter_key
+    from llmforge.algorithms.base import adapter_key_filter, has_adapters
 
     path = Path(path)
     sd = full = get_model_state_dict(model)
+    is_adapter = adapter_key_filter(model)
     if adapters_only is None:
         adapters_only = has_adapters(model)
     if adapters_only:
-        sd = {k: v for k, v in sd.items() if is_adapter_key(k)}
+        sd = {k: v for k, v in sd.items() if is_adapter(k)}
     else:
         meta = path / "meta.json"
         if meta.exists() and json.loads(meta.read_text()).get("adapters_only"):
             from llmforge.errors import ConfigError
 
-            raise ConfigError(f"{path} holds only LoRA adapters (its base is "
-                              f"{json.loads(meta.read_text()).get('base', {}).get('description', '?')}); "
+            saved = json.loads(meta.read_text())
+            raise ConfigError(f"{path} holds only the adapters of "
+                              f"{', '.join(saved.get('adapters_by') or ['a plugin'])} (its base is "
+                              f"{saved.get('base', {}).get('description', '?')}); "
                               "load the run with `llmforge generate`/`convert to-hf` (merged), "
                               "or export merged weights with `llmforge convert to-hf` and use "
                               "model.init_from=hf:OUT")
-        sd = {k: v for k, v in sd.items() if not is_adapter_key(k)}
+        sd = {k: v for k, v in sd.items() if not is_adapter(k)}
     partial = len(sd) != len(full)
     state = {"model": sd}
     safe_load(state, str(path))

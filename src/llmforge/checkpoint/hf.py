@@ -199,10 +199,13 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> int:
     a = model.args
     loaded = 0
     handles: dict[Path, Any] = {}
+    from llmforge.algorithms.base import adapter_key_filter
+
+    is_adapter = adapter_key_filter(model)
     try:
         for name, param in model.named_parameters():
-            if ".lora_A." in name or ".lora_B." in name:
-                continue  # LoRA adapters are initialized by the lora algorithm, not loaded
+            if is_adapter(name):
+                continue  # a plugin's adapters are initialized by the plugin, not loaded
             hf_key = ours.get(name)
             if hf_key is None:
                 if name == "output.weight" and a.tie_embeddings:

@@ -51,9 +51,11 @@ def init_parallel_model(model: nn.Module, build: Callable[[], nn.Module], seed: 
             ref = build()
         seeded_init(ref, seed)
         full = ref.state_dict()
-    # LoRA adapters are not in the plain build's state dict; they are initialized (the same on
-    # every rank) by init_weights above, so they are left out of the broadcast
-    extra = any(".lora_A." in k or ".lora_B." in k for k, _ in model.named_parameters())
+    # a plugin's adapters are not in the plain build's state dict; they are initialized (the
+    # same on every rank) by init_weights above, so they are left out of the broadcast
+    from llmforge.algorithms.base import has_adapters
+
+    extra = has_adapters(model)
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                                broadcast_from_rank0=True,
                                                                strict=not extra))

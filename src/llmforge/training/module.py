@@ -16,20 +16,32 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import lightning as L
+from lightning.pytorch.callbacks import Callback
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from llmforge import registry
 from llmforge.algorithms.base import ModelContext, run_pipeline
+from llmforge.events import Dispatcher, Event, State
 from llmforge.parallel.init import init_parallel_model, seeded_init
 from llmforge.training.optim import build_optimizer
 from llmforge.training.schedule import build_scheduler
 
 IGNORE_INDEX = -100
+
+
+def count_optimizer_step(trainer: Any) -> None:
+    """Make Lightning count one more optimizer step without one (a skipped update), so
+    ``global_step``, the data position and ``max_steps`` stay in steps of batches."""
+    if trainer is None:
+        return
+    progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress.total
+    progress.ready += 1
+    progress.completed += 1
 
 
 class LLMModule(L.LightningModule):
@@ -43,8 +55,10 @@ class LLMModule(L.LightningModule):
 
     Attributes:
         model: the ``nn.Module`` (``None`` until :meth:`configure_model`).
-        step_metrics: metrics of the current optimizer step; callbacks add theirs and the module
-            writes them to every logger at the end of a logging step.
+        step_metrics: metrics of the current optimizer step (the same dict as
+            ``state.metrics``); callbacks add theirs and the module writes them to every logger
+            at the end of a logging step.
+        state: the :class:`llmforge.events.State` every event handler receives.
         history: every record written to the loggers (``list[dict]``), for the closing summary.
     """
 
@@ -61,6 +75,9 @@ class LLMModule(L.LightningModule):
         self.init_method = ""
         self.mesh_override: Any = None
         self.train_start_time: Optional[float] = None
+        self.step_tokens = 0  # tokens (inputs, all ranks) of the last step
+        self.state = State(cfg=cfg, module=self)  # what every event handler sees
+        self.dispatch: Optional[Dispatcher] = Dispatcher()  # set up at fit start (setup_events)
 
     # ----------------------------------------------------------------- model
     def build_model(self) -> nn.Module:
@@ -101,7 +118,7 @@ class LLMModule(L.LightningModule):
         if self.cfg.model.get("init_from"):
             from llmforge.checkpoint.init_from import load_initial_weights
 
-            # buffers and parameters the source lacks (e.g. LoRA adapters) by the seeded init of
+            # buffers and parameters the source lacks (e.g. a plugin's adapters) by the seeded init of
             # each rank's shards; no full copy of the model on rank 0 (the weights come next)
             seeded_init(model, self.cfg.run.seed)
             self.init_method = load_initial_weights(model, self.cfg.model.init_from)
@@ -177,16 +194,48 @@ class LLMModule(L.LightningModule):
         None."""
         return batch.get("doc_ids") if isinstance(batch, dict) else None
 
-    def forward_backward(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # ---------------------------------------------------------------- events
+    def setup_events(self, plugins: Optional[Sequence[Any]] = None) -> None:
+        """Collect the event handlers of ``plugins`` (default: the Lightning trainer's
+        callbacks, which include the algorithms) in their documented order
+        (:mod:`llmforge.events`)."""
+        if plugins is None:
+            plugins = list(self.trainer.callbacks) if self._trainer is not None else []
+        self.dispatch = Dispatcher(plugins)
+        self.state.trainer = self._trainer
+
+    def event(self, event: Event) -> None:
+        """Run every handler of ``event`` on :attr:`state`."""
+        self.dispatch(event, self.state)
+
+    def micro_batch_loss(self, index: int, inputs: torch.Tensor, labels: torch.Tensor,
+                         doc_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """Forward and loss of one micro-batch through the events ``BEFORE_FORWARD`` ..
+        ``AFTER_LOSS``; returns ``state.loss``: the loss summed over the micro-batch's target
+        tokens (a scalar tensor). ``inputs``, ``labels``, ``doc_ids``: ``LongTensor[b, T]``."""
+        st = self.state
+        st.micro_batch, st.inputs, st.labels, st.doc_ids = index, inputs, labels, doc_ids
+        self.event(Event.BEFORE_FORWARD)
+        st.outputs = self(st.inputs) if st.doc_ids is None else self(st.inputs, st.doc_ids)
+        self.event(Event.AFTER_FORWARD)
+        st.loss, st.n_targets = None, (st.labels != IGNORE_INDEX).sum()
+        self.event(Event.BEFORE_LOSS)
+        if st.loss is None:  # no plugin computed it (e.g. chunked cross-entropy)
+            st.loss, _ = self.compute_loss(st.outputs, st.labels)
+        self.event(Event.AFTER_LOSS)
+        return st.loss
+
+    def forward_backward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Run every micro-batch of one optimizer step forward and backward.
 
         Args:
             batch: windows ``LongTensor[local_batch_size, seq_len + 1]``, or a dict with
                 ``input_ids`` and ``labels`` (``LongTensor[local_batch_size, seq_len]``, -100 =
                 no target) and optionally ``doc_ids`` (packed SFT rows); see
-                :meth:`split_batch`.
+                :meth:`split_batch`. ``BATCH_START`` handlers may replace it (shorter windows,
+                other labels); the target count is taken after them.
 
-        Gradients equal those of the mean cross-entropy over all target tokens of the whole
+        Gradients equal those of the mean loss over all target tokens of the whole
         accumulation window on all data-parallel ranks: each micro-batch's summed loss is
         divided by the global target count (times ``dp_size``, since data parallelism averages
         gradients over ranks).
@@ -194,43 +243,65 @@ class LLMModule(L.LightningModule):
         Returns:
             ``(loss_sum, n_targets)`` over this rank's micro-batches and over all ranks.
         """
+        st = self.state
+        st.training, st.batch = True, batch
+        self.event(Event.BATCH_START)
+        batch = st.batch
         inputs, labels = self.split_batch(batch)
         doc_ids = self.doc_ids(batch)
         mb = self.plan.micro_batch_size
         n_micro = max(1, inputs.shape[0] // mb)
         total_targets = self.dp_all_reduce((labels != IGNORE_INDEX).sum().float()).clamp(min=1)
+        st.total_targets, st.n_micro = total_targets, n_micro
         scale = self.plan.dp_size / total_targets
         loss_total = torch.zeros((), device=inputs.device)
         for i in range(n_micro):
             sl = slice(i * mb, (i + 1) * mb)
             with self.no_sync(i == n_micro - 1):
-                logits = self(inputs[sl]) if doc_ids is None else self(inputs[sl], doc_ids[sl])
-                loss_sum, _ = self.compute_loss(logits, labels[sl])
-                self.backward_loss(loss_sum * scale)
-            loss_total += loss_sum.detach()
+                self.micro_batch_loss(i, inputs[sl], labels[sl], None if doc_ids is None else doc_ids[sl])
+                self.event(Event.BEFORE_BACKWARD)
+                self.backward_loss(st.loss * scale)
+                self.event(Event.AFTER_BACKWARD)
+                st.outputs = None  # the logits [b, T, V] must not outlive their micro-batch
+            loss_total += st.loss.detach()
+        self.step_tokens = int(inputs.numel()) * self.plan.dp_size  # real tokens, all ranks
         return loss_total, total_targets
 
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        """One optimizer step: micro-batches forward/backward, clip, AdamW step, schedule step.
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        """One optimizer step: micro-batches forward/backward, clip, AdamW step, schedule step,
+        with the events of :mod:`llmforge.events` in between.
 
-        ``step_metrics`` is filled before ``optimizer.step()``, so callbacks' hooks
-        ``on_before_optimizer_step`` (e.g. a NaN guard) see this step's loss and gradient norm.
+        ``step_metrics`` (``state.metrics``) is filled before ``BEFORE_OPTIMIZER_STEP`` and
+        ``optimizer.step()``, so handlers and Lightning's ``on_before_optimizer_step`` hooks
+        (e.g. a NaN guard) see this step's loss and gradient norm. A handler that sets
+        ``state.skip_step`` drops the update: no optimizer or schedule step, gradients cleared,
+        the batch counted as consumed (the step number advances).
         """
         opt = self.optimizers()
         sched = self.lr_schedulers()
+        st = self.state
+        st.step = self.trainer.global_step + 1
+        st.skip_step, st.grad_norm = False, None
+        st.metrics = self.step_metrics = {}
         lr = opt.optimizer.param_groups[0]["lr"]
         loss_total, total_targets = self.forward_backward(batch)
-        grad_norm = self.clip_gradients_(opt.optimizer)
-        self.step_metrics = {
+        st.grad_norm = grad_norm = self.clip_gradients_(opt.optimizer)
+        st.metrics.update({
             "train/loss": self.dp_all_reduce(loss_total) / total_targets,
             "train/lr": lr,
             "train/grad_norm": grad_norm,
-            "train/tokens_seen": self.tokens_seen + self.plan.tokens_per_step,
-        }
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        self.tokens_seen += self.plan.tokens_per_step
+            "train/tokens_seen": self.tokens_seen + self.step_tokens,
+        })
+        self.event(Event.BEFORE_OPTIMIZER_STEP)
+        if st.skip_step:
+            opt.zero_grad(set_to_none=True)
+            count_optimizer_step(self.trainer)  # the batch is consumed: step numbers stay aligned
+        else:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+        self.tokens_seen += self.step_tokens
+        self.event(Event.AFTER_OPTIMIZER_STEP)
 
     def clip_gradients_(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """Clip the global L2 norm of all gradients to ``trainer.gradient_clip_val`` (once per
@@ -254,7 +325,9 @@ class LLMModule(L.LightningModule):
     @torch.no_grad()
     def evaluate(self) -> Optional[dict[str, float]]:
         """Mean loss per target token on the fixed evaluation set (see
-        :meth:`LLMDataModule.eval_dataloader`), reduced over data-parallel ranks.
+        :meth:`LLMDataModule.eval_dataloader`), reduced over data-parallel ranks; the events
+        ``BEFORE_EVALUATION``, then ``BEFORE_FORWARD`` .. ``AFTER_LOSS`` per batch with
+        ``state.training = False``, then ``AFTER_EVALUATION``.
 
         Returns ``{"eval/loss": nats per token, "eval/perplexity": exp(loss)}``, or ``None``
         without a validation split.
@@ -263,6 +336,9 @@ class LLMModule(L.LightningModule):
         loader = dm.eval_dataloader() if dm is not None else None
         if loader is None:
             return None
+        st = self.state
+        st.training = False
+        self.event(Event.BEFORE_EVALUATION)
         was_training = self.model.training
         self.model.eval()
         loss_sum = torch.zeros((), device=self.device)
@@ -273,16 +349,17 @@ class LLMModule(L.LightningModule):
             inputs, labels = self.split_batch(batch)
             doc_ids = self.doc_ids(batch)
             with self.trainer.precision_plugin.forward_context():
-                if doc_ids is None:
-                    logits = self(inputs.to(self.device))
-                else:
-                    logits = self(inputs.to(self.device), doc_ids.to(self.device))
-                s, n = self.compute_loss(logits, labels.to(self.device))
+                s = self.micro_batch_loss(i, inputs.to(self.device), labels.to(self.device),
+                                          None if doc_ids is None else doc_ids.to(self.device))
+            st.outputs = None
             loss_sum += s.float()
-            count += n
+            count += st.n_targets
         self.model.train(was_training)
+        st.training = True
         loss = (self.dp_all_reduce(loss_sum) / self.dp_all_reduce(count.float()).clamp(min=1)).item()
         self.last_eval = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 80.0))}
+        st.eval_metrics = dict(self.last_eval)
+        self.event(Event.AFTER_EVALUATION)
         return self.last_eval
 
     # --------------------------------------------------------------- logging
@@ -304,41 +381,48 @@ class LLMModule(L.LightningModule):
         every = self.cfg.trainer.eval_every
         return step == self.cfg.trainer.max_steps or (every > 0 and step % every == 0)
 
+    def on_fit_start(self) -> None:
+        self.setup_events()
+
     def on_train_start(self) -> None:
+        """After the callbacks' ``on_train_start`` (a resumed checkpoint is loaded): the event
+        ``FIT_START``, then the evaluation before training (step 0, a fresh run only)."""
         self.train_start_time = time.perf_counter()
+        if self.dispatch is None or self.state.trainer is None:
+            self.setup_events()
+        self.state.step = self.trainer.global_step
+        self.event(Event.FIT_START)
         if self.trainer.global_step == 0:
             metrics = self.evaluate()
             if metrics:
-                self.after_evaluation(metrics)
                 self.log_record(0, metrics)
 
-    def after_evaluation(self, metrics: dict[str, float]) -> None:
-        """Call ``on_evaluation_end(trainer, pl_module, metrics)`` on every callback that defines
-        it, after each evaluation (it runs outside Lightning's validation loop), before the record
-        is written; e.g. ``early_stopping`` sets ``trainer.should_stop`` there."""
-        for cb in self.trainer.callbacks:
-            hook = getattr(cb, "on_evaluation_end", None)
-            if callable(hook):
-                hook(self.trainer, self, metrics)
+    def on_train_end(self) -> None:
+        self.event(Event.FIT_END)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """Runs after every callback's ``on_train_batch_end``: evaluate, then write the record."""
+        """Runs after every callback's ``on_train_batch_end``: evaluate, write the record, then
+        the event ``STEP_RECORDED`` (the checkpointer saves there, so a checkpoint of step N
+        never exists without step N's record in the loggers)."""
         step = self.trainer.global_step
         if self.is_eval_step(step):
             evaluated = self.evaluate() or {}
             self.step_metrics.update(evaluated)
             if evaluated:
-                self.after_evaluation(evaluated)
+                self.publish_evaluation(evaluated)
         if self.is_log_step(step) or any(k.startswith("eval/") for k in self.step_metrics):
             self.log_record(step, self.step_metrics)
-        self.after_record(step)
+        self.state.step = step
+        self.event(Event.STEP_RECORDED)
 
-    def after_record(self, step: int) -> None:
-        """Call ``on_step_recorded(trainer, pl_module, step)`` on every callback that defines it:
-        the last hook of an optimizer step, after its evaluation and its record. The checkpointer
-        saves there, so a checkpoint of step N never exists without step N's record in the
-        loggers (a run killed in between would otherwise resume past a step it never logged)."""
+    def publish_evaluation(self, metrics: dict[str, float]) -> None:
+        """Hand an evaluation's metrics to Lightning the Lightning way: ``self.log`` (so
+        ``trainer.callback_metrics`` holds them) and the callbacks' ``on_validation_end``
+        hook, which Lightning's own ``EarlyStopping``/``ModelCheckpoint(monitor=...)`` check.
+        llmforge evaluates outside Lightning's validation loop (a fixed set, every
+        ``trainer.eval_every`` steps), so it calls the hook itself."""
+        for key, value in metrics.items():
+            self.log(key, float(value), on_step=True, on_epoch=False, logger=False, sync_dist=False)
         for cb in self.trainer.callbacks:
-            hook = getattr(cb, "on_step_recorded", None)
-            if callable(hook):
-                hook(self.trainer, self, step)
+            if type(cb).on_validation_end is not Callback.on_validation_end:
+                cb.on_validation_end(self.trainer, self)

@@ -2,7 +2,7 @@
 Decay Regularization", 2019).
 
 Parameters with two or more dimensions (linear and embedding weights) decay; 1-D parameters
-(RMSNorm scales, biases) do not. Frozen parameters (``requires_grad=False``, e.g. LoRA base
+(RMSNorm scales, biases) do not. Frozen parameters (``requires_grad=False``, e.g. an adapter run's base
 weights) are left out of the optimizer.
 """
 

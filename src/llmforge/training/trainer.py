@@ -57,8 +57,25 @@ def detect_world_size(cfg: Any) -> int:
     return world
 
 
+def accepted(factory: Any, inject: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``inject`` that ``factory``'s signature accepts (all of them when it takes
+    ``**kwargs``): llmforge's loggers get ``run_dir``/``run``/``config``, Lightning's own (e.g.
+    ``lightning.pytorch.loggers.MLFlowLogger``) only what they declare."""
+    import inspect
+
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: inject nothing
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(inject)
+    return {k: v for k, v in inject.items() if k in params}
+
+
 def build_entries(reg: registry.Registry, section: str, entries: Any, **inject: Any) -> list[Any]:
-    """Instantiate ``[{name: ..., **kwargs}]`` entries from a registry.
+    """Instantiate ``[{name: ..., **kwargs}]`` entries from a registry; ``inject`` (e.g. the run
+    directory) goes to the factories whose signature accepts it (:func:`accepted`), and the
+    entry's own keys win over it.
 
     Raises:
         ConfigError: unknown name, or keyword arguments the class does not accept.
@@ -70,7 +87,7 @@ def build_entries(reg: registry.Registry, section: str, entries: Any, **inject: 
         key = f"{section}[{i}]"
         factory = reg.get(name, key=f"{key}.name")
         try:
-            out.append(factory(**inject, **kwargs))
+            out.append(factory(**{**accepted(factory, inject), **kwargs}))
         except TypeError as exc:
             raise ConfigError(f"{key} ({name}): {exc}; check the keys of this entry") from exc
     return out
@@ -414,8 +431,13 @@ class Trainer:
             accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes,
             strategy=self.build_strategy(), precision=PRECISION[t.precision],
             max_steps=t.max_steps, max_epochs=-1, callbacks=callbacks, logger=loggers or False,
+            log_every_n_steps=max(1, t.log_every),  # Lightning's own callbacks log at this cadence
             enable_checkpointing=False, enable_progress_bar=t.progress_bar,
             enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+            # llmforge evaluates every eval_every steps outside Lightning's loop and then calls
+            # on_validation_end (LLMModule.publish_evaluation); saying so here makes Lightning's
+            # own EarlyStopping check there instead of at an epoch end that never comes
+            val_check_interval=max(1, t.eval_every), check_val_every_n_epoch=None,
             use_distributed_sampler=False, default_root_dir=str(self.run_dir))
 
     # ---------------------------------------------------------------- run

@@ -27,7 +27,7 @@ from llmforge.errors import LLMForgeError
 
 def peft_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """PEFT key -> tensor for every adapter of an unsharded llmforge Llama with LoRA."""
-    from llmforge.algorithms.lora import lora_modules
+    from llmforge.algorithms.lora.layers import lora_modules
     from llmforge.checkpoint.hf import our_key_to_hf, permute_to_hf
 
     a = model.args
@@ -50,7 +50,7 @@ def peft_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def peft_config(model: nn.Module, options: dict[str, Any], base: Optional[str]) -> dict[str, Any]:
     """``adapter_config.json`` for PEFT's ``LoraConfig``."""
-    from llmforge.algorithms.lora import lora_modules
+    from llmforge.algorithms.lora.layers import lora_modules
 
     targets = sorted({k.rsplit(".", 3)[-3] for k in peft_state_dict(model) if k.endswith("lora_A.weight")})
     ranks = {m.lora_rank for _, m in lora_modules(model)}

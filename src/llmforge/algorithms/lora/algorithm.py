@@ -10,14 +10,7 @@ YAML::
         targets: [wq, wk, wv, wo]   # Linear layers by module-name suffix (default: attention)
         base_dtype: bfloat16     # storage dtype of every frozen parameter (bfloat16 | float32)
 
-Each targeted ``nn.Linear`` ``W [out, in]`` gains ``A [r, in]`` (``lora_A.weight``) and
-``B [out, r]`` (``lora_B.weight``); the forward becomes::
-
-    y = x W^T + (alpha / r) * B(A(dropout(x)))        x: [..., in] -> y: [..., out]
-
-``A`` is Kaiming-uniform (``a = sqrt(5)``, i.e. U(-1/sqrt(in), 1/sqrt(in)), as PEFT) and ``B`` is
-zero, so training starts from the base model exactly (Hu et al. 2021, "LoRA: Low-Rank
-Adaptation of Large Language Models", arXiv:2106.09685, sec. 4.1). Every other parameter
+The layers and their math: :mod:`llmforge.algorithms.lora.layers`. Every other parameter
 (embeddings, norms, the base weights) is frozen (``requires_grad=False``: not in the optimizer,
 no gradient) and stored in ``base_dtype``; the adapters stay in float32 (their gradients and
 AdamW moments too).
@@ -33,152 +26,32 @@ precision) on top, whatever the YAML order. FSDP2 shards base and adapters per b
 activation checkpointing and compile wrap the converted blocks. Tensor parallelism is not
 supported (``strategy.tp > 1`` is a ConfigError): the adapters would need their own plan.
 
-Checkpoints hold only the adapters (and their optimizer state) plus, in ``meta.json``, the
-pointer to the base (``model.init_from`` or the init seed); see
-:func:`llmforge.checkpoint.dcp.save_checkpoint`. :func:`merge_lora` folds the adapters in
-(``W + (alpha / r) B A``); :mod:`llmforge.checkpoint.peft` writes PEFT's adapter format.
+Everything else goes through the plugin hooks of :class:`llmforge.algorithms.base.Algorithm`,
+so no core file knows LoRA: ``adapters_only`` checkpoints (the adapters and their optimizer
+state; the base is rebuilt from its pointer), the settings in ``meta.json``
+(:meth:`LoRA.checkpoint_meta`) that a resume must match (:meth:`LoRA.check_resume`), the
+adapter layers for ``generate``/``eval``/``convert`` (:meth:`LoRA.inference_model`), the merged
+export (:meth:`LoRA.export_model`), PEFT's adapter format (:meth:`LoRA.export_adapters`,
+:mod:`llmforge.algorithms.lora.peft`) and the dry run's memory estimate
+(:mod:`llmforge.algorithms.lora.memory`).
 """
 
 from __future__ import annotations
 
-import math
-import zlib
-from typing import Any, Iterator, Optional, Sequence
+from pathlib import Path
+from typing import Any, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from llmforge.algorithms.base import Algorithm, ModelContext, Stage
+from llmforge.algorithms.lora.layers import (LoRAMixin, init_adapters, is_adapter_key, lora_class,
+                                             lora_modules, merge_lora)
 from llmforge.errors import ConfigError
 
 DEFAULT_TARGETS = ("wq", "wk", "wv", "wo")
 BASE_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
                "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
-
-
-def is_adapter_key(name: str) -> bool:
-    """Whether a parameter / state-dict key belongs to a LoRA adapter
-    (``...wq.lora_A.weight``, ``...wq.lora_B.weight``; wrapper prefixes allowed)."""
-    return ".lora_A." in name or ".lora_B." in name or name.startswith(("lora_A.", "lora_B."))
-
-
-class LoRAMixin:
-    """Adds ``lora_A``/``lora_B``/``lora_dropout`` to a Linear-like module (class swap: the base
-    module keeps its type's behaviour through ``super().forward``)."""
-
-    lora_rank: int
-    lora_alpha: float
-    lora_scaling: float
-    lora_fqn: str
-
-    def add_adapters(self, rank: int, alpha: float, dropout: float, fqn: str) -> None:
-        dev = self.weight.device  # type: ignore[attr-defined]
-        self.lora_A = nn.Linear(self.in_features, rank, bias=False, device=dev)  # type: ignore[attr-defined]
-        self.lora_B = nn.Linear(rank, self.out_features, bias=False, device=dev)  # type: ignore[attr-defined]
-        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        self.lora_rank, self.lora_alpha = int(rank), float(alpha)
-        self.lora_scaling = float(alpha) / int(rank)
-        self.lora_fqn = fqn
-
-    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x)  # type: ignore[misc]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., in] -> [..., out]``: base output plus the scaled adapter output."""
-        out = self.base_forward(x)
-        a = self.lora_A.weight
-        h = x if x.dtype == a.dtype or torch.is_autocast_enabled(x.device.type) else x.to(a.dtype)
-        delta = self.lora_B(self.lora_A(self.lora_dropout(h)))
-        return out + (self.lora_scaling * delta).to(out.dtype)
-
-    def extra_repr(self) -> str:
-        return (f"{super().extra_repr()}, lora_rank={self.lora_rank}, "  # type: ignore[misc]
-                f"lora_alpha={self.lora_alpha}")
-
-
-class LoRALinear(LoRAMixin, nn.Linear):
-    """``nn.Linear`` with LoRA adapters. The base weight may be stored in a lower precision
-    than the input (``base_dtype``): the base matmul then runs in the weight's dtype and its
-    output is cast back to the input's dtype."""
-
-    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if x.dtype == w.dtype or torch.is_autocast_enabled(x.device.type):
-            return F.linear(x, w, self.bias)
-        return F.linear(x.to(w.dtype), w, self.bias).to(x.dtype)
-
-
-_CLASSES: dict[type, type] = {nn.Linear: LoRALinear}
-
-
-def lora_class(base: type) -> type:
-    """The LoRA class for a Linear type (``nn.Linear`` -> :class:`LoRALinear`; a subclass such
-    as torchao's ``Float8Linear`` -> a ``LoRAFloat8Linear`` made once and cached)."""
-    if base not in _CLASSES:
-        _CLASSES[base] = type(f"LoRA{base.__name__}", (LoRAMixin, base), {})
-    return _CLASSES[base]
-
-
-def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRAMixin]]:
-    """``(fqn at conversion time, module)`` of every LoRA layer of ``model``."""
-    for m in model.modules():
-        if isinstance(m, LoRAMixin):
-            yield m.lora_fqn, m
-
-
-def has_adapters(model: nn.Module) -> bool:
-    return any(isinstance(m, LoRAMixin) for m in model.modules())
-
-
-def adapter_seed(seed: int, fqn: str) -> int:
-    """Seed of one adapter's ``A``: ``run.seed`` mixed with a CRC32 of its module name."""
-    return (int(seed) * 1_000_003 + zlib.crc32(fqn.encode())) % (2**63)
-
-
-def _local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    from llmforge.checkpoint.hf import _local_box as box
-
-    return box(param)
-
-
-@torch.no_grad()
-def init_adapters(model: nn.Module, seed: int) -> None:
-    """``A`` Kaiming-uniform (``a = sqrt(5)``) from :func:`adapter_seed`, ``B`` zeros, in place.
-
-    ``A`` is drawn in full on the CPU and each rank copies its own part, so the result does
-    not depend on the sharding. A no-op on the meta device.
-    """
-    for fqn, m in lora_modules(model):
-        a, b = m.lora_A.weight, m.lora_B.weight
-        if a.device.type == "meta":
-            continue
-        full = torch.empty(tuple(a.shape), dtype=torch.float32)
-        nn.init.kaiming_uniform_(full, a=math.sqrt(5),
-                                 generator=torch.Generator().manual_seed(adapter_seed(seed, fqn)))
-        offset, shape = _local_box(a)
-        local = a.to_local() if hasattr(a, "to_local") else a
-        part = full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
-        local.copy_(part.to(device=local.device, dtype=local.dtype))
-        (b.to_local() if hasattr(b, "to_local") else b).zero_()
-
-
-@torch.no_grad()
-def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold every adapter into its base weight, ``W <- W + (alpha / r) B A`` (computed in
-    float32, stored in ``W``'s dtype), and turn the layers back into their base type; returns
-    ``model`` (unsharded models only). Logits equal the unmerged model's up to rounding in
-    ``W``'s dtype (within 1e-5 in float32)."""
-    for _, m in list(lora_modules(model)):
-        w = m.weight
-        delta = m.lora_B.weight.float() @ m.lora_A.weight.float()
-        w.copy_((w.float() + m.lora_scaling * delta).to(w.dtype))
-        base = next(c for c in type(m).__mro__[1:] if c is not LoRAMixin
-                    and not issubclass(c, LoRAMixin))
-        for name in ("lora_A", "lora_B", "lora_dropout"):
-            delattr(m, name)
-        m.__class__ = base
-    return model
 
 
 def parse_dtype(name: str, key: str) -> torch.dtype:
@@ -219,6 +92,8 @@ class LoRA(Algorithm):
     name = "lora"
     stage = Stage.CONVERT
     priority = 1  # after float8 in the same stage: float8 converts the base Linear layers first
+    adapters_only = True  # checkpoints: the adapters; the frozen base comes from its pointer
+    replaces_memory_estimate = True
     summary = "LoRA adapters on chosen Linear layers; base frozen (bf16/fp32), adapter-only checkpoints"
 
     def __init__(self, rank: int = 8, alpha: float = 16.0, dropout: float = 0.0,
@@ -315,6 +190,64 @@ class LoRA(Algorithm):
                   f"{counts[0]:,} / frozen {counts[1]:,} parameters (base in "
                   f"{self.base_dtype_name})", flush=True)
 
+    # ------------------------------------------------------------- plugin hooks
+    @staticmethod
+    def saved_options(meta: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """The settings a checkpoint's adapters were trained with (``meta.json``:
+        ``plugins.lora``; ``lora`` in checkpoints of llmforge before the event contract)."""
+        return (meta.get("plugins") or {}).get("lora") or meta.get("lora")
+
+    def checkpoint_meta(self, cfg: Any) -> dict[str, Any]:
+        return self.options()
+
+    def check_resume(self, checkpoint: Path, meta: dict[str, Any], cfg: Any) -> None:
+        """The adapters' settings must be those they were saved with.
+
+        Raises:
+            ConfigError: a setting differs (names it, with both values).
+        """
+        saved, now = self.saved_options(meta), self.options()
+        if not saved:
+            return
+        changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+        if changed:
+            raise ConfigError(
+                f"checkpoint.resume: {checkpoint} holds LoRA adapters saved with "
+                + ", ".join(f"{k}={saved.get(k)!r}" for k in changed) + "; this run has "
+                + ", ".join(f"{k}={now.get(k)!r}" for k in changed)
+                + "; resume with the lora settings it was saved with, or start a new run")
+
+    def inference_model(self, model: nn.Module, cfg: Any, meta: dict[str, Any]) -> nn.Module:
+        """Add the adapter layers with the settings the checkpoint was saved with (they win
+        over config.yaml's)."""
+        saved = self.saved_options(meta)
+        lora = LoRA(**{**self.options(), **saved}) if saved else self
+        return lora.convert(model, cfg.run.seed)
+
+    def export_model(self, model: nn.Module, checkpoint: Path) -> nn.Module:
+        """Merged: ``W + (alpha / r) B A`` in float32 (a bf16 base would round small adapter
+        updates away; ``convert --dtype`` casts afterwards)."""
+        return merge_lora(model.float()) if any(True for _ in lora_modules(model)) else model
+
+    def export_adapters(self, model: nn.Module, out: Path, cfg: Any, meta: dict[str, Any],
+                        dtype: Any = None) -> Optional[Path]:
+        """PEFT's adapter folder (:func:`llmforge.algorithms.lora.peft.save_peft`)."""
+        from llmforge.algorithms.lora.peft import save_peft
+
+        if not any(True for _ in lora_modules(model)):
+            return None
+        init_from = cfg.model.get("init_from") or ""
+        base = init_from[3:] if init_from.startswith("hf:") else None
+        return save_peft(model, out, {**self.options(), **(self.saved_options(meta) or {})},
+                         base=base, dtype=dtype)
+
+    def dry_run_lines(self, cfg: Any, plan: Any, device_memory_gib: Optional[float]) -> list[str]:
+        """Rank, trainable/frozen counts and the per-device memory of a LoRA run
+        (:func:`llmforge.algorithms.lora.memory.lora_lines`)."""
+        from llmforge.algorithms.lora.memory import lora_lines
+
+        return lora_lines(self, cfg, plan, device_memory_gib)
+
 
 def parameter_counts(model: nn.Module) -> tuple[int, int]:
     """``(trainable, frozen)`` parameter counts (global for sharded parameters; a tied
@@ -330,57 +263,3 @@ def parameter_counts(model: nn.Module) -> tuple[int, int]:
         else:
             frozen += p.numel()
     return trainable, frozen
-
-
-# ----------------------------------------------------------------------------- runs
-def lora_entry(cfg: Any) -> Optional[dict[str, Any]]:
-    """The ``algorithms:`` entry named ``lora`` (as a dict without ``name``), or ``None``."""
-    for entry in cfg.algorithms or []:
-        if entry.get("name") in ("lora", "llmforge.algorithms.lora.LoRA"):
-            out = dict(entry)
-            out.pop("name")
-            return out
-    return None
-
-
-def base_pointer(cfg: Any) -> dict[str, Any]:
-    """What rebuilds the frozen base of a LoRA run: ``model.init_from`` when set, else the
-    random init of ``run.seed`` (with the model config, saved in the run's config.yaml)."""
-    init_from = cfg.model.get("init_from")
-    if init_from:
-        return {"init_from": str(init_from), "description": f"weights of {init_from}"}
-    return {"init_from": None, "seed": int(cfg.run.seed),
-            "description": f"random init of model '{cfg.model.name}' with run.seed={cfg.run.seed}"}
-
-
-def load_lora_model(cfg: Any, ckpt: Any, device: str = "cpu") -> nn.Module:
-    """Rebuild a LoRA run's model from a checkpoint that holds only adapters: the base from
-    its pointer (``model.init_from`` or the seeded init), then the adapters. Eval mode, unmerged.
-
-    Raises:
-        ConfigError: the run config has no ``lora`` entry, or the base cannot be loaded.
-    """
-    from llmforge.algorithms.float8 import build_model_on_meta
-    from llmforge.checkpoint.dcp import load_model_weights
-    from llmforge.parallel.init import seeded_init
-
-    import json
-    from pathlib import Path
-
-    entry = lora_entry(cfg)
-    meta_file = Path(ckpt) / "meta.json"
-    saved = json.loads(meta_file.read_text()).get("lora") if meta_file.exists() else None
-    if saved:  # the settings the adapters were trained with win over config.yaml's
-        entry = {**(entry or {}), **saved}
-    if entry is None:
-        raise ConfigError(f"{ckpt}: the checkpoint holds LoRA adapters only, but the run's "
-                          "config.yaml has no 'lora' entry under algorithms:")
-    model = LoRA(**entry).convert(build_model_on_meta(cfg), cfg.run.seed)
-    model.to_empty(device=device)
-    seeded_init(model, cfg.run.seed)
-    if cfg.model.get("init_from"):
-        from llmforge.checkpoint.init_from import load_initial_weights
-
-        load_initial_weights(model, cfg.model.init_from)
-    load_model_weights(ckpt, model, adapters_only=True)
-    return model.eval()

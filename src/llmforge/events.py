@@ -1,0 +1,170 @@
+"""The event contract: what an algorithm or callback may see and change during training.
+
+Composer's ``composer/core/event.py`` is the anchor. One optimizer step of
+:class:`llmforge.training.module.LLMModule` is this fixed sequence (``x n`` = once per
+micro-batch)::
+
+    BATCH_START                 state.batch: this rank's windows; may be replaced
+    ├─ BEFORE_FORWARD      x n  state.inputs / labels / doc_ids of the micro-batch; may be replaced
+    ├─ AFTER_FORWARD       x n  state.outputs: the model's output (logits [b, T, V]); may be replaced
+    ├─ BEFORE_LOSS         x n  may set state.loss: then the default cross-entropy is not computed
+    ├─ AFTER_LOSS          x n  state.loss: summed loss over the micro-batch's target tokens; may
+    │                           be replaced or gain terms; state.metrics may gain entries
+    ├─ BEFORE_BACKWARD     x n
+    ├─ AFTER_BACKWARD      x n
+    BEFORE_OPTIMIZER_STEP       gradients reduced and clipped, state.grad_norm; may set
+                                state.skip_step (no optimizer or schedule step for this batch)
+    AFTER_OPTIMIZER_STEP        weights updated (unless skipped)
+    BEFORE_EVALUATION / AFTER_EVALUATION   around each evaluation; state.eval_metrics after it
+    STEP_RECORDED               the step's record is written (loggers); last event of a step;
+                                the checkpointer saves here
+
+plus ``FIT_START`` (model materialized, optimizer built, a resumed checkpoint loaded) and
+``FIT_END``. Evaluation runs ``BEFORE_FORWARD`` to ``AFTER_LOSS`` too, with
+``state.training = False`` (an extra loss term such as z-loss stays out of ``eval/loss``).
+
+A plugin handles an event by defining the method of the event's name
+(``def after_loss(self, state): ...``); :class:`Event` values are those names. Several plugins
+on one event run by ascending ``order`` (class attribute, default 0), then by ``name``: never
+in the order of the YAML lists. Events nobody handles cost nothing (the handlers of each event
+are collected once per fit).
+
+Plugin state: ``state_dict()``/``load_state_dict()`` (Lightning's ``Callback`` protocol; plain
+JSON values, in ``trainer_state.json``) and ``sharded_state_dict()``/
+``load_sharded_state_dict()`` (tensors, sharded like the weights, in the DCP checkpoint) are
+saved in every checkpoint and restored on resume.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+
+class Event(str, Enum):
+    """The points of a run at which plugins act; the value is the handler method's name."""
+
+    FIT_START = "fit_start"
+    BATCH_START = "batch_start"
+    BEFORE_FORWARD = "before_forward"
+    AFTER_FORWARD = "after_forward"
+    BEFORE_LOSS = "before_loss"
+    AFTER_LOSS = "after_loss"
+    BEFORE_BACKWARD = "before_backward"
+    AFTER_BACKWARD = "after_backward"
+    BEFORE_OPTIMIZER_STEP = "before_optimizer_step"
+    AFTER_OPTIMIZER_STEP = "after_optimizer_step"
+    BEFORE_EVALUATION = "before_evaluation"
+    AFTER_EVALUATION = "after_evaluation"
+    STEP_RECORDED = "step_recorded"
+    FIT_END = "fit_end"
+
+
+@dataclass
+class State:
+    """What a plugin receives at each event (one object per fit, updated in place).
+
+    Attributes:
+        cfg: the resolved run config.
+        module: the :class:`~llmforge.training.module.LLMModule`.
+        trainer: the ``lightning.Trainer`` (``None`` outside one, e.g. in unit tests).
+        step: the optimizer step being computed (1-based; during ``BATCH_START`` ..
+            ``STEP_RECORDED`` of step ``n`` it is ``n``; 0 for the evaluation before training).
+        training: ``False`` during an evaluation.
+        batch: this rank's batch of the step: windows ``LongTensor[local_batch, T + 1]`` or a dict
+            with ``input_ids``/``labels`` (``[local_batch, T]``) and optionally ``doc_ids``.
+        micro_batch: index of the current micro-batch; ``n_micro`` how many the step has.
+        inputs, labels, doc_ids: the current micro-batch, ``LongTensor[b, T]`` (labels -100 = no
+            target; ``doc_ids`` ``None`` unless packed SFT rows).
+        outputs: what the model returned for ``inputs`` (logits ``[b, T, V]`` for the built-ins),
+            from ``AFTER_FORWARD`` to ``AFTER_BACKWARD`` of its micro-batch (then ``None``, so
+            the logits never outlive it).
+        loss: the micro-batch's loss summed over its target tokens (nats, a scalar tensor),
+            set by the default cross-entropy or a plugin in ``BEFORE_LOSS``.
+        n_targets: target tokens of the micro-batch (``labels != -100``), a scalar tensor.
+        total_targets: target tokens of the whole step on all data-parallel ranks (the loss
+            normalizer; the step's mean loss is ``sum(loss) / total_targets``).
+        grad_norm: global gradient L2 norm before clipping (``BEFORE_OPTIMIZER_STEP`` on).
+        skip_step: set ``True`` in ``BEFORE_OPTIMIZER_STEP`` to drop this batch's update.
+        metrics: the step's record (``train/loss``, ...); plugins add ``"name": value``.
+        eval_metrics: the last evaluation's metrics (``AFTER_EVALUATION``).
+    """
+
+    cfg: Any = None
+    module: Any = None
+    trainer: Any = None
+    step: int = 0
+    training: bool = True
+    batch: Any = None
+    micro_batch: int = 0
+    n_micro: int = 1
+    inputs: Optional[torch.Tensor] = None
+    labels: Optional[torch.Tensor] = None
+    doc_ids: Optional[torch.Tensor] = None
+    outputs: Any = None
+    loss: Optional[torch.Tensor] = None
+    n_targets: Optional[torch.Tensor] = None
+    total_targets: Optional[torch.Tensor] = None
+    grad_norm: Optional[torch.Tensor] = None
+    skip_step: bool = False
+    metrics: dict[str, Any] = field(default_factory=dict)
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def model(self) -> Any:
+        """The (transformed, possibly sharded) ``nn.Module``."""
+        return getattr(self.module, "model", None)
+
+    @property
+    def optimizer(self) -> Any:
+        """The torch optimizer (``None`` before ``configure_optimizers``)."""
+        trainer = self.trainer
+        if trainer is not None and trainer.optimizers:
+            return trainer.optimizers[0]
+        return getattr(self.module, "bare_optimizer", None)
+
+    @property
+    def mesh(self) -> Any:
+        """The device mesh (dims ``dp_replicate``, ``dp_shard``, ``tp``; flattened ``dp``) or
+        ``None`` in one process."""
+        return getattr(self.module, "mesh", None)
+
+    def dp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the data-parallel ranks (identity in one process)."""
+        return self.module.dp_all_reduce(t)
+
+
+def handles(plugin: Any, event: Event) -> bool:
+    """Whether ``plugin`` defines a handler for ``event`` (a callable attribute of its name)."""
+    return callable(getattr(plugin, event.value, None))
+
+
+def plugin_order(plugin: Any) -> tuple[int, str, str]:
+    """Sort key of plugins on one event: ``order``, then ``name``, then the class path."""
+    cls = type(plugin)
+    return (int(getattr(plugin, "order", 0)), str(getattr(plugin, "name", cls.__name__)),
+            f"{cls.__module__}.{cls.__qualname__}")
+
+
+class Dispatcher:
+    """Calls the handlers of each event in the documented order.
+
+    Args:
+        plugins: algorithms and callbacks (objects without any handler are ignored).
+    """
+
+    def __init__(self, plugins: Iterable[Any] = ()) -> None:
+        ordered = sorted(plugins, key=plugin_order)
+        self.plugins = ordered
+        self.handlers: dict[Event, list[Callable[[State], Any]]] = {
+            e: [getattr(p, e.value) for p in ordered if handles(p, e)] for e in Event}
+
+    def __call__(self, event: Event, state: State) -> None:
+        for handler in self.handlers[event]:
+            handler(state)
+
+    def has(self, event: Event) -> bool:
+        return bool(self.handlers[event])

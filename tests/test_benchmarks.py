@@ -69,3 +69,11 @@ def test_peers_smoke():
         else:
             assert f"ratio llmforge/{package} (eager)" in proc.stdout or \
                 f"{package} (eager): cannot run:" in proc.stdout
+
+
+def test_chunked_ce_memory_smoke():
+    proc = run_script("benchmarks/chunked_ce_memory.py", "--smoke")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "ratio chunked/plain step peak" in proc.stdout
+    losses = {line.split()[0]: line.split("loss ")[1] for line in proc.stdout.splitlines() if "loss " in line}
+    assert abs(float(losses["plain"]) - float(losses["chunked"])) < 1e-4

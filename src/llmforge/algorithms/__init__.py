@@ -1,22 +1,32 @@
-"""Algorithm plugins and the model pipeline (see :mod:`llmforge.algorithms.base`).
+"""Algorithm plugins and the model pipeline (see :mod:`llmforge.algorithms.base`), acting on
+the training events of :mod:`llmforge.events`.
 
 Built-ins (registered in :data:`llmforge.registry.algorithms`): ``float8`` (stage convert),
 ``activation_checkpointing`` (activation_checkpointing), ``compile`` (compile), ``lora``
-(convert, after float8). The pipeline
-order and why: ``docs/algorithms/README.md``.
+(convert, after float8), ``chunked_cross_entropy`` (convert, after lora), and the event-only
+``z_loss``, ``seq_length_warmup``, ``ema``, ``loss_spike_guard``. The pipeline order and why,
+the events and how to write an algorithm: ``docs/algorithms/README.md``.
 """
 
 from llmforge.algorithms.base import Algorithm, ModelContext, Stage, Transform, run_pipeline
 from llmforge.algorithms.checkpointing import ActivationCheckpointing
+from llmforge.algorithms.chunked_cross_entropy import ChunkedCrossEntropy
 from llmforge.algorithms.compile import Compile
+from llmforge.algorithms.ema import EMA
 from llmforge.algorithms.float8 import Float8
 from llmforge.algorithms.lora import LoRA
+from llmforge.algorithms.loss_spike_guard import LossSpikeGuard
+from llmforge.algorithms.seq_length_warmup import SeqLengthWarmup
+from llmforge.algorithms.z_loss import ZLoss
 from llmforge.registry import algorithms as _registry
 
-_registry.register("compile", Compile)
-_registry.register("activation_checkpointing", ActivationCheckpointing)
-_registry.register("float8", Float8)
-_registry.register("lora", LoRA)
+# the list of built-ins: a new algorithm is one file above plus one line here
+BUILTINS = {"compile": Compile, "activation_checkpointing": ActivationCheckpointing, "float8": Float8,
+            "lora": LoRA, "z_loss": ZLoss, "seq_length_warmup": SeqLengthWarmup, "ema": EMA,
+            "loss_spike_guard": LossSpikeGuard, "chunked_cross_entropy": ChunkedCrossEntropy}
+for _name, _cls in BUILTINS.items():
+    _registry.register(_name, _cls)
 
-__all__ = ["Algorithm", "ModelContext", "Stage", "Transform", "run_pipeline",
-           "ActivationCheckpointing", "Compile", "Float8", "LoRA"]
+__all__ = ["Algorithm", "ModelContext", "Stage", "Transform", "run_pipeline", "BUILTINS",
+           "ActivationCheckpointing", "ChunkedCrossEntropy", "Compile", "EMA", "Float8", "LoRA",
+           "LossSpikeGuard", "SeqLengthWarmup", "ZLoss"]

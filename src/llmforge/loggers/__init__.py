@@ -4,7 +4,10 @@ A logger entry in YAML is ``{name: NAME_OR_IMPORT_PATH, **kwargs}``; the registe
 called as ``builder(run_dir=Path, run=cfg.run, config=<resolved config, secrets redacted>,
 **kwargs)`` and returns a Lightning ``Logger``; the trainer then calls ``log_hyperparams(config)``.
 
-Built in: ``jsonl`` (``metrics.jsonl``), ``console``, ``tensorboard``, ``wandb``, ``comet``.
+Built in: ``jsonl`` (``metrics.jsonl``), ``console``, ``tensorboard``, ``wandb``, ``comet``,
+``mlflow``. Lightning's own loggers work too, named by import path
+(``lightning.pytorch.loggers.CSVLogger``): a builder gets only the keyword arguments its
+signature accepts.
 The tracker SDKs are optional extras, imported only when their logger is built. Loggers that
 also have ``log_text(key, columns, data, step)`` receive text samples (``generate_samples``).
 """
@@ -13,6 +16,7 @@ from llmforge.loggers._common import TrackerOfflineWarning
 from llmforge.loggers.comet import CometLogger
 from llmforge.loggers.console import ConsoleLogger
 from llmforge.loggers.jsonl import JsonlLogger, read_metrics
+from llmforge.loggers.mlflow import MLflowLogger
 from llmforge.loggers.tensorboard import TensorBoardLogger
 from llmforge.loggers.wandb import WandbLogger
 from llmforge.registry import loggers
@@ -22,6 +26,7 @@ loggers.register("console", ConsoleLogger)
 loggers.register("tensorboard", TensorBoardLogger)
 loggers.register("wandb", WandbLogger)
 loggers.register("comet", CometLogger)
+loggers.register("mlflow", MLflowLogger)
 
-__all__ = ["CometLogger", "ConsoleLogger", "JsonlLogger", "TensorBoardLogger",
+__all__ = ["CometLogger", "ConsoleLogger", "JsonlLogger", "MLflowLogger", "TensorBoardLogger",
            "TrackerOfflineWarning", "WandbLogger", "read_metrics"]

@@ -147,7 +147,7 @@ def test_secrets_lists_names_and_sources_never_values(tmp_path):
     for name in ("WANDB_API_KEY", "HF_TOKEN", "AWS_PROFILE"):
         assert name in proc.stdout
     assert "VALUE" not in proc.stdout and "research" not in proc.stdout
-    from llmforge.runs.secrets import job_environment, secret_overrides
+    from llmforge.runs.credentials import job_environment, secret_overrides
 
     job = job_environment(["WANDB_API_KEY"], {"WANDB_API_KEY": "a", "HF_TOKEN": "b", "PATH": "/bin"})
     assert job == {"WANDB_API_KEY": "a", "PATH": "/bin"}

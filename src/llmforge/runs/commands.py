@@ -130,7 +130,7 @@ def cmd_clusters(args: argparse.Namespace) -> int:
 def cmd_secrets(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from llmforge.runs.secrets import available
+    from llmforge.runs.credentials import available
 
     rows = available()
     table = Table(title="credentials in this environment (values never shown)")

@@ -22,7 +22,7 @@ from llmforge.runs import local
 from llmforge.runs.clusters import Cluster, get_cluster
 from llmforge.runs.compute import ComputePlan, check_scheduling, plan_compute
 from llmforge.runs.registry import RunRecord, RunRegistry, llmforge_home
-from llmforge.runs.secrets import check_names, job_environment, secret_overrides
+from llmforge.runs.credentials import check_names, job_environment, secret_overrides
 
 
 @dataclass

@@ -36,6 +36,18 @@ def _proc_table() -> Optional[dict[int, tuple[int, int, str]]]:
     return table
 
 
+def catches(pid: int, sig: int) -> Optional[bool]:
+    """Whether process ``pid`` has a handler for ``sig`` installed (``SigCgt`` in
+    /proc/PID/status); None where that cannot be read (no /proc, the process is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (int(sig) - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def run_pids(pgid: int) -> list[int]:
     """Live (non-zombie) processes of a local run: the process group ``pgid`` and all their
     descendants (the torch workers live in sessions of their own)."""

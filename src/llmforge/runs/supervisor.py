@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from llmforge.runs.registry import RunRecord, RunRegistry
+from llmforge.signals import EXIT_PREEMPTED
 
 EXIT_CONFIG = 2
-EXIT_PREEMPTED = 75  # llmforge.callbacks.checkpointing.EXIT_PREEMPTED (not imported: no torch here)
 SHUTDOWN_TIMEOUT_S = 300
 
 

@@ -1,0 +1,113 @@
+"""What a launched job checks when it starts, checked by ``llmforge launch`` before it submits.
+
+A job that would stop at once with exit 2 should never be queued: :func:`check_job` loads the
+config again in the environment the job will have (:meth:`Backend.job_environment`: an
+``${oc.env:NAME}`` whose variable is not forwarded fails here), refuses API keys written in the
+config (every logger refuses them), and runs the training command's own static checks (research
+imports, batch arithmetic, strategy, algorithms) at the job's world size. :func:`check_restart`
+refuses a restart that could train nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Optional, Sequence
+
+from llmforge.errors import ConfigError
+
+
+@contextmanager
+def environment(env: Mapping[str, str]) -> Iterator[None]:
+    """``os.environ`` is exactly ``env`` inside the block, and as before after it."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def inline_keys(cfg: Any) -> list[str]:
+    """``loggers.N.KEY`` of every secret-looking logger setting that holds a value (``api_key``)."""
+    from llmforge.config.loader import _is_secret
+
+    out = []
+    for i, entry in enumerate(cfg.loggers or []):
+        for key, value in (entry or {}).items():
+            if _is_secret(key) and value not in (None, ""):
+                out.append(f"loggers.{i}.{key}")
+    return out
+
+
+def check_job(config_path: str, overrides: Sequence[str], cfg: Any, spec: dict[str, Any], backend: Any,
+              *, local_files: bool = True) -> None:
+    """Run the job's start-up checks here (see the module doc); nothing is written.
+
+    Args:
+        config_path: the YAML as this machine finds it.
+        overrides: the job's dotlist overrides.
+        cfg: the config loaded here (not changed).
+        spec: the launch spec (secrets, world size, nodes, procs per node).
+        backend: the cluster's :class:`~llmforge.runs.backend.Backend`.
+        local_files: the job reads this machine's files (``model.init_from`` folders are
+            checked); False for backends that upload the launch folder.
+
+    Raises:
+        ConfigError: what the job would exit 2 with, naming the key and how to fix it.
+    """
+    keys = inline_keys(cfg)
+    if keys:
+        raise ConfigError(f"{', '.join(keys)}: API keys are not read from config files (the job refuses "
+                          "them: configs are saved with the run); export the key (e.g. WANDB_API_KEY) and "
+                          "forward it by name with --secret NAME or compute.secrets")
+    from llmforge.config import load_config
+
+    env = backend.job_environment(spec)
+    try:
+        with environment(env):
+            load_config(config_path, list(overrides))
+    except ConfigError as exc:
+        found = re.search(r"Environment variable '([^']+)' not found", str(exc))
+        var = found.group(1) if found else "the variable"
+        raise ConfigError(f"{exc} -- the job on cluster {backend.cluster.name!r} will not have {var}: forward "
+                          f"it by name with --secret {var if found else 'NAME'} (or compute.secrets), or set it "
+                          "in the cluster's setup") from None
+    job_cfg = copy.deepcopy(cfg)
+    job_cfg.trainer.devices, job_cfg.trainer.num_nodes = int(spec["procs_per_node"]), int(spec["nodes"])
+    from llmforge.cli import _static_checks  # the checks `llmforge train` runs before training
+
+    _static_checks(job_cfg, int(spec["gpus"]), dry_run=not local_files)
+
+
+def newest_checkpoint_step(folder: Path) -> Optional[int]:
+    """The step of the newest complete checkpoint (``step_N/COMPLETE``) in ``folder``, or None."""
+    steps = []
+    for child in folder.glob("step_*") if folder.is_dir() else []:
+        if (child / "COMPLETE").exists() and child.name[5:].isdigit():
+            steps.append(int(child.name[5:]))
+    return max(steps) if steps else None
+
+
+def check_restart(run: Any, cfg: Any) -> None:
+    """A restart resumes from the newest checkpoint: it must have steps left to train.
+
+    Raises:
+        ConfigError: the newest checkpoint is at or past ``trainer.max_steps`` (names both).
+    """
+    run_dir = Path(run.run_dir or ".")
+    folder = Path(cfg.checkpoint.dir) if cfg.checkpoint.get("dir") else run_dir / "checkpoints"
+    step = newest_checkpoint_step(folder)
+    if step is None and run.last_step is not None and run.status == "completed":
+        step = int(run.last_step)  # the checkpoints live where this machine cannot see them
+    limit = int(cfg.trainer.max_steps)
+    if step is not None and step >= limit:
+        raise ConfigError(f"run {run.id} is already at step {step} (newest checkpoint in {folder}) and "
+                          f"trainer.max_steps={limit}: the restart would train nothing; restart with "
+                          f"trainer.max_steps above {step} (e.g. trainer.max_steps={step + limit}), or launch "
+                          "a new run")

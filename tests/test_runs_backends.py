@@ -42,9 +42,6 @@ def test_a_registered_backend_is_a_cluster_type_like_the_builtins(home, capsys):
         type = "lab"
         cluster_class = LabCluster
 
-        def render(self, run_id, name, spec, resumption=0):
-            return f"lab-submit --queue {self.cluster.queue} -n {spec['gpus']} {spec['config_path']}\n"
-
         def where(self):
             return f"queue {self.cluster.queue}"
 
@@ -53,10 +50,6 @@ def test_a_registered_backend_is_a_cluster_type_like_the_builtins(home, capsys):
         (home / "clusters.yaml").write_text("mine: {type: lab, queue: fast, gpus_per_node: 4}\n")
         assert load_clusters(detect=False)["mine"] == LabCluster(name="mine", type="lab", queue="fast",
                                                                  gpus_per_node=4)
-        assert main(["launch", DEMO, "trainer.global_batch_size=32", "trainer.micro_batch_size=8",
-                     "--cluster", "mine", "--gpus", "4", "--dry-run"]) == 0
-        out = capsys.readouterr().out
-        assert out.splitlines()[1] == f"lab-submit --queue fast -n 4 {DEMO}"
         assert main(["clusters"]) == 0 and "queue fast" in capsys.readouterr().out
         (home / "clusters.yaml").write_text("mine: {type: lab, qeue: fast}\n")
         assert main(["clusters"]) == 2
@@ -221,3 +214,22 @@ def test_sagemaker_entry_runs_as_a_script_and_nothing_beside_it_shadows_a_module
     assert out.returncode == 0, out.stderr
     assert out.stdout == ("llmforge train yamls/demo_cpu.yaml 'data.path=/opt/ml/input/data/train/**/*.*' "
                           "run.output_dir=/opt/ml/checkpoints checkpoint.resume=auto\n")
+
+
+def test_the_backend_example_in_docs_runs(home, monkeypatch, capsys):
+    from llmforge.registry import backends
+
+    text = (REPO / "docs" / "backends.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(REPO)
+    try:
+        with pytest.raises(SystemExit) as info:
+            exec(compile(code, "lab_queue.py", "exec"), {"__name__": "__main__"})
+    finally:
+        backends._items.pop("lab", None)
+    assert info.value.code == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("# 1 CPU processes = 1 node(s) x 1 on mine")
+    assert out[1].startswith("lab-submit --queue fast --name demo_cpu-") and out[1].endswith(
+        f"-- python -m llmforge.runs.torchrun --nproc-per-node=1 -m llmforge train {DEMO} "
+        "checkpoint.resume=auto")

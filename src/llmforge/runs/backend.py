@@ -111,6 +111,13 @@ class Backend:
         return "-"
 
 
+def train_args(spec: dict[str, Any]) -> list[str]:
+    """``-m llmforge train CONFIG OVERRIDES checkpoint.resume=auto``: what every backend runs after
+    torchrun's options (a restarted or requeued job continues from its newest checkpoint)."""
+    return ["-m", "llmforge", "train", spec["config_path"], *spec.get("overrides", []),
+            "checkpoint.resume=auto"]
+
+
 def files_dir(spec: dict[str, Any]) -> Path:
     """``<run_dir>/launch`` for generated files (``logs/`` too: SLURM opens its output file there)."""
     out = Path(spec["run_dir"]) / "launch"

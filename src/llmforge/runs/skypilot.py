@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from llmforge.errors import LLMForgeError
-from llmforge.runs.backend import Backend, files_dir
+from llmforge.runs.backend import Backend, files_dir, train_args
 from llmforge.runs.clusters import Cluster, ClusterError
 from llmforge.runs.registry import RunRecord
-from llmforge.runs.slurm import train_args
 
 # Task fields SkyPilot documents (docs: "SkyPilot YAML"); tests check the task uses only these.
 TASK_FIELDS = {"name", "workdir", "num_nodes", "resources", "envs", "secrets", "file_mounts", "setup",

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Mapping, Optional
 
 from llmforge.errors import LLMForgeError
-from llmforge.runs.backend import JOB_VARIABLES, Backend, files_dir
+from llmforge.runs.backend import JOB_VARIABLES, Backend, files_dir, train_args
 from llmforge.runs.clusters import Cluster, ClusterError
 from llmforge.runs.registry import RunRecord
 
@@ -74,12 +74,6 @@ def cpus_per_task(spec: dict[str, Any], cluster: SlurmCluster) -> int:
     if cluster.cpus_per_task:
         return int(cluster.cpus_per_task)
     return int(spec["procs_per_node"]) * (1 + int(spec.get("data_workers", 1)))
-
-
-def train_args(spec: dict[str, Any]) -> list[str]:
-    """``-m llmforge train CONFIG OVERRIDES checkpoint.resume=auto`` (the part after torchrun's options)."""
-    return ["-m", "llmforge", "train", spec["config_path"], *spec.get("overrides", []),
-            "checkpoint.resume=auto"]
 
 
 def export_names(spec: dict[str, Any], env: Any = None) -> list[str]:

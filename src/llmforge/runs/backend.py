@@ -71,13 +71,24 @@ class Backend:
         """The definition text of the job (names of secrets only, never values)."""
         raise NotImplementedError
 
+    definition_file: ClassVar[str] = ""
+    """Name of the rendered definition under ``<run_dir>/launch/`` (``{resumption}`` is filled)."""
+
     def submit(self, run: RunRecord) -> tuple[dict[str, Any], str]:
         """Start the job; returns the registry fields to record (``pgid`` or ``job_id``) and the
-        detail of the ``submitted`` event.
+        detail of the ``submitted`` event. By default: write :meth:`render`'s text to
+        ``<run_dir>/launch/<definition_file>`` and hand it to :meth:`start`.
 
         Raises:
             LLMForgeError: the scheduler or cloud refused the job (its message included).
         """
+        path = files_dir(run.spec) / self.definition_file.format(resumption=run.resumptions)
+        path.write_text(self.render(run.id, run.name, run.spec, run.resumptions), encoding="utf-8")
+        job = self.start(path, run)
+        return {"job_id": job}, f"{self.job_label} {job} ({path})"
+
+    def start(self, path: Path, run: RunRecord) -> str:
+        """Submit the written definition ``path``; returns the scheduler's job id."""
         raise NotImplementedError
 
     def poll(self, run: RunRecord) -> tuple[Optional[str], str]:
@@ -96,8 +107,12 @@ class Backend:
 
     def logs(self, run: RunRecord, resumption: int) -> tuple[Path, str]:
         """The log file of one resumption (it may not exist yet) and a hint naming where else
-        the job's output is (empty when the file is all there is)."""
-        return Path(run.run_dir or "") / "logs" / f"resumption-{resumption}.log", ""
+        the job's output is (:meth:`logs_hint`)."""
+        return Path(run.run_dir or "") / "logs" / f"resumption-{resumption}.log", self.logs_hint(run)
+
+    def logs_hint(self, run: RunRecord) -> str:
+        """Where else the job's output is (``"; ..."``), or "" when the log file is all there is."""
+        return ""
 
     def job_environment(self, spec: dict[str, Any], env: Optional[Mapping[str, str]] = None) -> dict[str, str]:
         """The environment the job's processes will have, as far as it is known here: the

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from llmforge.errors import ConfigError, LLMForgeError
-from llmforge.runs.backend import Backend, files_dir
+from llmforge.runs.backend import Backend
 from llmforge.runs.clusters import Cluster
 from llmforge.runs.registry import RunRecord
 
@@ -183,6 +183,7 @@ class SageMakerBackend(Backend):
     cluster_class = SageMakerCluster
     uploads_workdir = True
     job_label = "SageMaker job"
+    definition_file = "estimator.json"
 
     def render(self, run_id: str, name: str, spec: dict[str, Any], resumption: int = 0) -> str:
         return json.dumps(estimator_definition(run_id, name, spec, self.cluster), indent=2) + "\n"  # type: ignore[arg-type]
@@ -193,19 +194,15 @@ class SageMakerBackend(Backend):
                     for n in getattr(self.cluster, "channels", {})})
         return out
 
-    def submit(self, run: RunRecord) -> tuple[dict[str, Any], str]:
-        text = self.render(run.id, run.name, run.spec, run.resumptions)
-        (files_dir(run.spec) / "estimator.json").write_text(text, encoding="utf-8")
-        job = submit(json.loads(text), self.cluster)  # type: ignore[arg-type]
-        return {"job_id": job}, f"SageMaker job {job}"
+    def start(self, path: Any, run: RunRecord) -> str:
+        return submit(json.loads(Path(path).read_text(encoding="utf-8")), self.cluster)  # type: ignore[arg-type]
 
     def cancel(self, run: RunRecord, *, wait: bool = True, timeout: float = 180.0) -> bool:
         stop(run.job_id or "")
         return True
 
-    def logs(self, run: RunRecord, resumption: int) -> tuple[Any, str]:
-        path, _ = super().logs(run, resumption)
-        return path, "; see the job's CloudWatch logs"
+    def logs_hint(self, run: RunRecord) -> str:
+        return "; see the job's CloudWatch logs"
 
     def where(self) -> str:
         return f"{self.cluster.instance_type} (SageMaker)"

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from llmforge.errors import LLMForgeError
-from llmforge.runs.backend import Backend, files_dir, train_args
+from llmforge.runs.backend import Backend, train_args
 from llmforge.runs.clusters import Cluster, ClusterError
 from llmforge.runs.registry import RunRecord
 
@@ -152,6 +152,7 @@ class SkyPilotBackend(Backend):
     cluster_class = SkyPilotCluster
     uploads_workdir = True
     job_label = "SkyPilot job"
+    definition_file = "task.yaml"
 
     def render(self, run_id: str, name: str, spec: dict[str, Any], resumption: int = 0) -> str:
         return task_yaml(run_id, spec, self.cluster)  # type: ignore[arg-type]
@@ -162,19 +163,15 @@ class SkyPilotBackend(Backend):
                                                      "SKYPILOT_NUM_NODES", "SKYPILOT_NUM_GPUS_PER_NODE")})
         return out
 
-    def submit(self, run: RunRecord) -> tuple[dict[str, Any], str]:
-        path = files_dir(run.spec) / "task.yaml"
-        path.write_text(self.render(run.id, run.name, run.spec, run.resumptions), encoding="utf-8")
-        job = submit(str(path), run.id, run.spec, self.cluster)  # type: ignore[arg-type]
-        return {"job_id": job}, f"SkyPilot job {job}"
+    def start(self, path: Any, run: RunRecord) -> str:
+        return submit(str(path), run.id, run.spec, self.cluster)  # type: ignore[arg-type]
 
     def cancel(self, run: RunRecord, *, wait: bool = True, timeout: float = 180.0) -> bool:
         cancel(run.job_id or "")
         return True
 
-    def logs(self, run: RunRecord, resumption: int) -> tuple[Any, str]:
-        path, _ = super().logs(run, resumption)
-        return path, f"; SkyPilot keeps its own: sky logs {str(run.job_id).split('/')[0]}"
+    def logs_hint(self, run: RunRecord) -> str:
+        return f"; SkyPilot keeps its own: sky logs {str(run.job_id).split('/')[0]}"
 
     def where(self) -> str:
         c = self.cluster

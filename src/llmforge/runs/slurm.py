@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Mapping, Optional
 
 from llmforge.errors import LLMForgeError
-from llmforge.runs.backend import JOB_VARIABLES, Backend, files_dir, train_args
+from llmforge.runs.backend import JOB_VARIABLES, Backend, train_args
 from llmforge.runs.clusters import Cluster, ClusterError
 from llmforge.runs.registry import RunRecord
 
@@ -181,6 +181,7 @@ class SlurmBackend(Backend):
     type = "slurm"
     cluster_class = SlurmCluster
     job_label = "SLURM job"
+    definition_file = "sbatch-{resumption}.sh"
 
     def render(self, run_id: str, name: str, spec: dict[str, Any], resumption: int = 0) -> str:
         return sbatch_script(run_id, name, spec, self.cluster, resumption)  # type: ignore[arg-type]
@@ -193,11 +194,8 @@ class SlurmBackend(Backend):
         out.update({n: "<set by setup>" for n in setup_variables(setup)})
         return out
 
-    def submit(self, run: RunRecord) -> tuple[dict[str, Any], str]:
-        path = files_dir(run.spec) / f"sbatch-{run.resumptions}.sh"
-        path.write_text(self.render(run.id, run.name, run.spec, run.resumptions), encoding="utf-8")
-        job = submit(str(path))
-        return {"job_id": job}, f"SLURM job {job} ({path})"
+    def start(self, path: Any, run: RunRecord) -> str:
+        return submit(str(path))
 
     def poll(self, run: RunRecord) -> tuple[Optional[str], str]:
         if not run.job_id:
@@ -215,9 +213,8 @@ class SlurmBackend(Backend):
         cancel(run.job_id or "")
         return True
 
-    def logs(self, run: RunRecord, resumption: int) -> tuple[Any, str]:
-        path, _ = super().logs(run, resumption)
-        return path, f"; SLURM's own output: {path.parent}/slurm-{run.job_id}.log" if run.job_id else ""
+    def logs_hint(self, run: RunRecord) -> str:
+        return f"; SLURM's own output: {run.run_dir}/logs/slurm-{run.job_id}.log" if run.job_id else ""
 
     def where(self) -> str:
         c = self.cluster

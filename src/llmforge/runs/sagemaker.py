@@ -130,7 +130,8 @@ def sdk_estimator() -> Any:
             version: Optional[str] = importlib.metadata.version("sagemaker")
         except importlib.metadata.PackageNotFoundError:
             version = None
-        fix = f"pip install '{SDK}' (or pip install 'llmforge[sagemaker]'); --dry-run prints the definition without it"
+        fix = (f"pip install '{SDK}' (or pip install 'llmforge[sagemaker]'); --dry-run prints the "
+               "definition without it")
         if version is None:
             why = "the SageMaker Python SDK is not installed"
         elif int(version.split(".")[0]) >= 3:
@@ -186,7 +187,8 @@ class SageMakerBackend(Backend):
     definition_file = "estimator.json"
 
     def render(self, run_id: str, name: str, spec: dict[str, Any], resumption: int = 0) -> str:
-        return json.dumps(estimator_definition(run_id, name, spec, self.cluster), indent=2) + "\n"  # type: ignore[arg-type]
+        definition = estimator_definition(run_id, name, spec, self.cluster)  # type: ignore[arg-type]
+        return json.dumps(definition, indent=2) + "\n"
 
     def job_environment(self, spec: dict[str, Any], env: Any = None) -> dict[str, str]:
         out = super().job_environment(spec, env)

@@ -22,6 +22,7 @@ from llmforge.errors import LLMForgeError
 from llmforge.runs.backend import Backend
 from llmforge.runs.clusters import LocalCluster
 from llmforge.runs.registry import RunRecord
+from llmforge.runs.torchrun import catches  # noqa: F401  (re-exported: tests, callers)
 
 
 def _proc_table() -> Optional[dict[int, tuple[int, int, str]]]:
@@ -37,18 +38,6 @@ def _proc_table() -> Optional[dict[int, tuple[int, int, str]]]:
             continue
         table[int(stat.parent.name)] = (int(fields[1]), int(fields[2]), fields[0])
     return table
-
-
-def catches(pid: int, sig: int) -> Optional[bool]:
-    """Whether process ``pid`` has a handler for ``sig`` installed (``SigCgt`` in
-    /proc/PID/status); None where that cannot be read (no /proc, the process is gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("SigCgt:"):
-                return bool(int(line.split()[1], 16) >> (int(sig) - 1) & 1)
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def run_pids(pgid: int) -> list[int]:

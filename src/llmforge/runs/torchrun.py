@@ -43,12 +43,22 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
+def catches(pid: int, sig: int) -> Optional[bool]:
+    """Whether process ``pid`` has a handler for ``sig`` installed (``SigCgt`` in
+    /proc/PID/status); None where that cannot be read (no /proc, the process is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (int(sig) - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def forward(pids: Sequence[int], sig: int, deadline: float) -> list[int]:
     """Send ``sig`` to each pid's process group (or the pid) once it catches ``sig``; those that
     do not yet are retried every 0.2 s in a timer thread until ``deadline`` (monotonic seconds),
     then sent anyway. Returns the pids left for later."""
-    from llmforge.runs.local import catches
-
     later = [p for p in pids if catches(p, sig) is False and time.monotonic() < deadline]
     for child in (p for p in pids if p not in later):
         try:

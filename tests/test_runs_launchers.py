@@ -227,6 +227,8 @@ def _config(tmp_path, text):
     ("local", "run: {name: '${oc.env:LAB_SECRET_TOKEN}'}\n", (),
      "not found\" -- the job on cluster 'local' will not have LAB_SECRET_TOKEN"),
     ("big", "imports: [no_such_lab_module]\n", (), "imports: cannot import 'no_such_lab_module'"),
+    ("local", "model: {init_from: 'hf:/nonexistent/llama'}\n", (),
+     "model.init_from: /nonexistent/llama/config.json not found"),
 ])
 def test_launch_refuses_what_the_job_would_refuse_before_submitting(home, tmp_path, monkeypatch, capsys,
                                                                     cluster, text, secrets, expect):
@@ -262,3 +264,6 @@ def test_an_env_interpolation_forwarded_by_name_or_set_in_setup_passes(home, tmp
         f.write("lab:\n  type: slurm\n  gpus_per_node: 8\n  setup: |\n    export LAB_RUN_NAME=lab\n")
     named = _config(tmp_path, "run: {name: '${oc.env:LAB_RUN_NAME}'}\n")
     assert "#SBATCH" in launch(named, BATCH, cluster="lab", gpus=8, dry_run=True).definition
+    # weights that live on the cluster, not on the login node: noted, not refused
+    there = _config(tmp_path, "model: {init_from: 'hf:/nonexistent/llama'}\n")
+    assert "#SBATCH" in launch(there, BATCH, cluster="lab", gpus=8, dry_run=True).definition

@@ -63,6 +63,9 @@ class Backend:
     is not on this machine, so it is not checked here)."""
     job_label: ClassVar[str] = "job"
     """How ``runs describe`` names the recorded job id."""
+    runs_here: ClassVar[bool] = False
+    """The job runs on this machine (its files are the job's files: ``launch`` checks that a
+    ``model.init_from`` folder exists; elsewhere a missing one is only noted)."""
 
     def __init__(self, cluster: Optional[Cluster] = None) -> None:
         self.cluster = cluster

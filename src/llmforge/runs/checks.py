@@ -56,7 +56,7 @@ def check_job(config_path: str, overrides: Sequence[str], cfg: Any, spec: dict[s
         spec: the launch spec (secrets, world size, nodes, procs per node).
         backend: the cluster's :class:`~llmforge.runs.backend.Backend`.
         local_files: the job reads this machine's files (``model.init_from`` folders are
-            checked); False for backends that upload the launch folder.
+            checked); False for jobs that run elsewhere (a missing folder is only noted).
 
     Raises:
         ConfigError: what the job would exit 2 with, naming the key and how to fix it.

@@ -75,7 +75,7 @@ def prepare(config_path: str, overrides: Sequence[str] = (), *, cluster: Optiona
         "max_retries": max_retries, "summary": plan.summary(), "cluster_type": target.type,
         "data_workers": int(cfg.data.num_workers),
     }
-    check_job(config_path, overrides, cfg, spec, backend, local_files=not remote)
+    check_job(config_path, overrides, cfg, spec, backend, local_files=backend.runs_here)
     return cfg, target, plan, spec
 
 

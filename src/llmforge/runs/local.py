@@ -143,6 +143,7 @@ class LocalBackend(Backend):
     type = "local"
     cluster_class = LocalCluster
     job_label = "process group"
+    runs_here = True
 
     def render(self, run_id: str, name: str, spec: dict[str, Any], resumption: int = 0) -> str:
         from llmforge.runs.supervisor import torchrun_command

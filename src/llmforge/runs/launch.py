@@ -44,11 +44,12 @@ def _rel(path: Path, workdir: Path) -> str:
 def prepare(config_path: str, overrides: Sequence[str] = (), *, cluster: Optional[str] = None,
             gpus: Optional[int] = None, nodes: Optional[int] = None,
             secrets: Sequence[str] = ()) -> tuple[Any, Cluster, ComputePlan, dict[str, Any]]:
-    """Load and size a launch; returns ``(cfg, cluster, plan, spec)`` (nothing is written).
+    """Load, size and check a launch; returns ``(cfg, cluster, plan, spec)`` (nothing is written).
 
     Raises:
         ConfigError: invalid config or overrides, a secret value in an override, an unknown or
-            invalid cluster, a size that does not fit, a named secret that is not set.
+            invalid cluster, a size that does not fit, a named secret that is not set, or
+            anything the job would refuse at its start (:func:`llmforge.runs.checks.check_job`).
     """
     from llmforge.config import load_config
     from llmforge.runs.checks import check_job

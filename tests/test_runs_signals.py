@@ -32,13 +32,15 @@ def test_phases_startup_raises_training_records_second_ctrl_c_stops(owned):
         time.sleep(1)  # the handler runs at the next bytecode
     assert info.value.exit_code == 75 and "received SIGUSR1 before training started" in str(info.value)
 
-    signals.install()  # back to startup (a second in-process run)
+    signals.uninstall()  # a second in-process run
+    signals.install()
     signals.training_started()
     os.kill(os.getpid(), signal.SIGTERM)
     os.kill(os.getpid(), signal.SIGUSR1)
     assert signals.received() == signal.SIGTERM  # the first one counts
     assert signals.exit_code_for(signals.received()) == 75
 
+    signals.uninstall()  # a second in-process run
     signals.install()
     signals.training_started()
     os.kill(os.getpid(), signal.SIGINT)
@@ -53,13 +55,15 @@ def test_phases_startup_raises_training_records_second_ctrl_c_stops(owned):
 
 
 def test_a_signal_swallowed_during_startup_stops_at_training_start(owned):
+    from llmforge.callbacks.checkpointing import Checkpointer
+
     try:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(1)
     except Exception:  # library code with a broad except on the way
         pass
     with pytest.raises(signals.StoppedBeforeTraining, match="SIGTERM"):
-        signals.training_started()
+        Checkpointer("unused").on_train_start(None, None)  # where training starts
 
 
 def test_uninstall_gives_the_handlers_back():

@@ -79,10 +79,10 @@ def _handler(signum: int, frame: Any) -> None:
 
 def install() -> bool:
     """Own SIGTERM, SIGUSR1 and SIGINT from now on, in the startup phase. Idempotent (installed
-    already: back to the startup phase); returns whether this call installed the handlers (False:
-    already installed, or not the main thread, where Python allows no handlers)."""
+    already: nothing changes, a signal already received stays); returns whether this call
+    installed the handlers (False: already installed, or not the main thread, where Python
+    allows no handlers)."""
     if _state.phase != "off":
-        _state.phase, _state.received = "startup", None
         return False
     if threading.current_thread() is not threading.main_thread():
         return False

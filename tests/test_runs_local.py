@@ -9,6 +9,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -42,7 +43,24 @@ def out(tmp_path_factory):
 
 
 def cli(home, *args):
-    return run_cli(*args, cwd=REPO, env={"LLMFORGE_HOME": str(home), **SECRETS})
+    """``llmforge ARGS`` in this process (torch is imported once, not per launch), from REPO with
+    LLMFORGE_HOME and the secrets set; returns returncode, stdout, stderr like a subprocess."""
+    import contextlib
+    import io
+
+    from llmforge.cli import main
+    from llmforge.runs.checks import environment
+
+    out, err, cwd = io.StringIO(), io.StringIO(), os.getcwd()
+    try:
+        os.chdir(REPO)
+        path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])  # as run_cli: tests.helpers
+        with environment({**os.environ, "LLMFORGE_HOME": str(home), "PYTHONPATH": path, **SECRETS}), \
+                contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        os.chdir(cwd)
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def launch(home, out, name, *extra):

@@ -229,6 +229,12 @@ def _config(tmp_path, text):
     ("big", "imports: [no_such_lab_module]\n", (), "imports: cannot import 'no_such_lab_module'"),
     ("local", "model: {init_from: 'hf:/nonexistent/llama'}\n", (),
      "model.init_from: /nonexistent/llama/config.json not found"),
+    ("big", "loggers: [{name: wandb, mode: online}]\n", (),
+     "loggers: wandb is online but WANDB_API_KEY is not set; export WANDB_API_KEY=... before training, or "
+     "set mode: offline in its loggers: entry -- the job on cluster 'big' will not have WANDB_API_KEY: "
+     "forward it by name with --secret WANDB_API_KEY"),
+    ("big", "loggers: [{name: wandb, mode: sometimes}]\n", (),
+     "error: loggers: wandb: mode must be 'online' or 'offline'; got 'sometimes'\n"),
 ])
 def test_launch_refuses_what_the_job_would_refuse_before_submitting(home, tmp_path, monkeypatch, capsys,
                                                                     cluster, text, secrets, expect):
@@ -264,6 +270,9 @@ def test_an_env_interpolation_forwarded_by_name_or_set_in_setup_passes(home, tmp
         f.write("lab:\n  type: slurm\n  gpus_per_node: 8\n  setup: |\n    export LAB_RUN_NAME=lab\n")
     named = _config(tmp_path, "run: {name: '${oc.env:LAB_RUN_NAME}'}\n")
     assert "#SBATCH" in launch(named, BATCH, cluster="lab", gpus=8, dry_run=True).definition
+    online = _config(tmp_path, "loggers: [{name: wandb, mode: online}]\n")
+    assert "WANDB_API_KEY" in launch(online, BATCH, cluster="big", gpus=8, dry_run=True,
+                                     secrets=["WANDB_API_KEY"]).definition
     # weights that live on the cluster, not on the login node: noted, not refused
     there = _config(tmp_path, "model: {init_from: 'hf:/nonexistent/llama'}\n")
     assert "#SBATCH" in launch(there, BATCH, cluster="lab", gpus=8, dry_run=True).definition

@@ -2,8 +2,9 @@
 
 A job that would stop at once with exit 2 should never be queued: :func:`check_job` loads the
 config again in the environment the job will have (:meth:`Backend.job_environment`: an
-``${oc.env:NAME}`` whose variable is not forwarded fails here), refuses API keys written in the
-config (every logger refuses them), and runs the training command's own static checks (research
+``${oc.env:NAME}`` whose variable is not forwarded fails here) and builds its loggers there (an
+online tracker whose key is not forwarded fails), refuses API keys written in the config (every
+logger refuses them), and runs the training command's own static checks (research
 imports, batch arithmetic, strategy, algorithms) at the job's world size. :func:`check_restart`
 refuses a restart that could train nothing.
 """
@@ -71,18 +72,44 @@ def check_job(config_path: str, overrides: Sequence[str], cfg: Any, spec: dict[s
     env = backend.job_environment(spec)
     try:
         with environment(env):
-            load_config(config_path, list(overrides))
+            build_loggers(load_config(config_path, list(overrides)), spec, strict=local_files)
     except ConfigError as exc:
-        found = re.search(r"Environment variable '([^']+)' not found", str(exc))
-        var = found.group(1) if found else "the variable"
+        found = re.search(r"Environment variable '([^']+)' not found|\b([A-Z_][A-Z0-9_]*) is not set", str(exc))
+        if not found:  # not about the environment (e.g. a logger setting): as the job would say it
+            raise
+        var = found.group(1) or found.group(2)
         raise ConfigError(f"{exc} -- the job on cluster {backend.cluster.name!r} will not have {var}: forward "
-                          f"it by name with --secret {var if found else 'NAME'} (or compute.secrets), or set it "
-                          "in the cluster's setup") from None
+                          f"it by name with --secret {var} (or compute.secrets), or set it in the cluster's "
+                          "setup") from None
     job_cfg = copy.deepcopy(cfg)
     job_cfg.trainer.devices, job_cfg.trainer.num_nodes = int(spec["procs_per_node"]), int(spec["nodes"])
     from llmforge.cli import _static_checks  # the checks `llmforge train` runs before training
 
     _static_checks(job_cfg, int(spec["gpus"]), dry_run=not local_files)
+
+
+def build_loggers(cfg: Any, spec: dict[str, Any], *, strict: bool) -> None:
+    """Instantiate ``loggers:`` as the job does before training (an online tracker needs its key
+    in the environment); building writes nothing and contacts no server.
+
+    Args:
+        strict: a tracker SDK missing here is an error too (the job runs here); else it is
+            left to the job's machine.
+
+    Raises:
+        ConfigError: what the loggers refuse (a key not in the environment, a bad setting).
+    """
+    import llmforge.loggers  # noqa: F401  (registers the built-in loggers)
+    from llmforge import registry
+    from llmforge.config import config_to_dict, redact
+    from llmforge.training.trainer import build_entries
+
+    try:
+        build_entries(registry.loggers, "loggers", cfg.loggers, run_dir=Path(spec["run_dir"]), run=cfg.run,
+                      config=redact(config_to_dict(cfg)))
+    except ConfigError as exc:
+        if strict or not isinstance(exc.__cause__, ImportError):
+            raise
 
 
 def newest_checkpoint_step(folder: Path) -> Optional[int]:

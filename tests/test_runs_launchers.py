@@ -10,7 +10,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import REPO, run_cli
+from conftest import REPO
 
 DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
 SECRETS = {"WANDB_API_KEY": "wandb-FAKE-secret-0001", "HF_TOKEN": "hf_FAKE_secret_0002",
@@ -90,7 +90,9 @@ def test_sbatch_script_for_two_nodes_of_eight_gpus(home, tmp_path):
     assert '--rdzv-endpoint="$HEAD_NODE:29500" --rdzv-id="$SLURM_JOB_ID"' in script
     assert "srun --export=ALL --kill-on-bad-exit=1 --nodes=2 --ntasks-per-node=1" in script
     assert 'if [ "$code" -eq 75 ]; then' in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
-    assert "checkpoint.resume=auto" in script and "-m llmforge.runs.torchrun" in script
+    assert "checkpoint.resume=auto" in script and "\n  python3 -m llmforge.runs.torchrun --nnodes=2" in script
+    assert sys.executable not in script  # the nodes' interpreter (after setup), not this machine's path
+    assert "#SBATCH --cpus-per-task=16" in script.splitlines()  # 8 processes x (1 + data.num_workers=1)
     export = next(ln for ln in script.splitlines() if ln.startswith("#SBATCH --export="))
     assert export.endswith(",WANDB_API_KEY") and "HF_TOKEN" not in export  # only the named secret
     _no_secret_values(script)
@@ -181,16 +183,96 @@ def test_sagemaker_estimator_definition(home):
     assert d["checkpoint_s3_uri"].startswith("s3://my-bucket/checkpoints/")
 
 
-def test_compute_section_drives_the_launch_and_cli_dry_run(home, tmp_path):
+def test_compute_section_drives_the_launch_and_cli_dry_run(home, tmp_path, capsys):
+    from llmforge.cli import main
+
     cfg = tmp_path / "big.yaml"
     cfg.write_text(f"base: {DEMO}\ntrainer: {{global_batch_size: 256, micro_batch_size: 2}}\n"
                    "compute: {gpus: 128, cluster: big, secrets: [WANDB_API_KEY]}\nscheduling: {max_retries: 3}\n")
-    env = {"LLMFORGE_HOME": str(home), **SECRETS}
-    proc = run_cli("launch", str(cfg), "--dry-run", env=env, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("# 128 GPUs = 16 node(s) x 8 on big; global batch 256 = micro 2 x "
+    assert main(["launch", str(cfg), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# 128 GPUs = 16 node(s) x 8 on big; global batch 256 = micro 2 x "
                                   "data-parallel 128 x accumulation 1")
-    assert "#SBATCH --nodes=16" in proc.stdout and "WANDB_API_KEY" in proc.stdout
-    _no_secret_values(proc.stdout)
+    assert "#SBATCH --nodes=16" in out and "WANDB_API_KEY" in out
+    _no_secret_values(out)
     if shutil.which("bash"):
-        assert subprocess.run(["bash", "-n"], input=proc.stdout, text=True).returncode == 0
+        assert subprocess.run(["bash", "-n"], input=out, text=True).returncode == 0
+
+
+def test_sbatch_uses_the_clusters_python_and_cpus_per_task(home):
+    with open(home / "clusters.yaml", "a") as f:
+        f.write("own:\n  type: slurm\n  gpus_per_node: 0\n  processes_per_node: 2\n  cpus_per_task: 6\n"
+                "  python: /shared/envs/llm/bin/python\n")
+    from llmforge.runs.launch import launch
+
+    script = launch(DEMO, ["data.num_workers=2"], cluster="own", gpus=2, dry_run=True).definition
+    assert "\n  /shared/envs/llm/bin/python -m llmforge.runs.torchrun --nnodes=1 --nproc-per-node=2" in script
+    assert "#SBATCH --cpus-per-task=6" in script.splitlines() and "--gpus-per-node" not in script
+    default = launch(DEMO, [*BATCH, "data.num_workers=2"], cluster="big", gpus=8, dry_run=True).definition
+    assert "#SBATCH --cpus-per-task=24" in default.splitlines()  # 8 x (1 + 2 workers)
+
+
+def _config(tmp_path, text):
+    path = tmp_path / "job.yaml"
+    path.write_text(f"base: {DEMO}\n{text}")
+    return str(path)
+
+
+@pytest.mark.parametrize("cluster, text, secrets, expect", [
+    ("local", "loggers: [{name: jsonl}, {name: wandb, mode: offline, api_key: abc123}]\n", (),
+     "loggers.1.api_key: API keys are not read from config files"),
+    ("big", "run: {name: '${oc.env:LAB_RUN_NAME}'}\n", (),
+     "Environment variable 'LAB_RUN_NAME' not found\" -- the job on cluster 'big' will not have LAB_RUN_NAME: "
+     "forward it by name with --secret LAB_RUN_NAME"),
+    ("local", "run: {name: '${oc.env:LAB_SECRET_TOKEN}'}\n", (),
+     "not found\" -- the job on cluster 'local' will not have LAB_SECRET_TOKEN"),
+    ("big", "imports: [no_such_lab_module]\n", (), "imports: cannot import 'no_such_lab_module'"),
+    ("local", "model: {init_from: 'hf:/nonexistent/llama'}\n", (),
+     "model.init_from: /nonexistent/llama/config.json not found"),
+    ("big", "loggers: [{name: wandb, mode: online}]\n", (),
+     "loggers: wandb is online but WANDB_API_KEY is not set; export WANDB_API_KEY=... before training, or "
+     "set mode: offline in its loggers: entry -- the job on cluster 'big' will not have WANDB_API_KEY: "
+     "forward it by name with --secret WANDB_API_KEY"),
+    ("big", "loggers: [{name: wandb, mode: sometimes}]\n", (),
+     "error: loggers: wandb: mode must be 'online' or 'offline'; got 'sometimes'\n"),
+])
+def test_launch_refuses_what_the_job_would_refuse_before_submitting(home, tmp_path, monkeypatch, capsys,
+                                                                    cluster, text, secrets, expect):
+    from llmforge.cli import main
+
+    monkeypatch.setenv("LAB_RUN_NAME", "from-the-login-node")
+    monkeypatch.setenv("LAB_SECRET_TOKEN", "tok-FAKE-0004")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\ntouch \"$(dirname \"$0\")/submitted\"\necho 4242\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    gpus = ["--gpus", "16"] if cluster == "big" else []
+    argv = ["launch", _config(tmp_path, text), *BATCH, f"run.output_dir={tmp_path / 'runs'}", "--cluster", cluster,
+            *gpus]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and expect in err and "tok-FAKE" not in err, err
+    assert not (bin_dir / "submitted").exists() and not (tmp_path / "runs").exists()  # nothing submitted
+    from llmforge.runs.registry import RunRegistry
+
+    assert RunRegistry().list() == []
+
+
+def test_an_env_interpolation_forwarded_by_name_or_set_in_setup_passes(home, tmp_path, monkeypatch):
+    from llmforge.runs.launch import launch
+
+    monkeypatch.setenv("LAB_SECRET_TOKEN", "tok-FAKE-0004")
+    monkeypatch.setenv("LAB_RUN_NAME", "lab")
+    secret = _config(tmp_path, "run: {name: '${oc.env:LAB_SECRET_TOKEN}'}\n")
+    assert launch(secret, [], dry_run=True, secrets=["LAB_SECRET_TOKEN"]).definition
+    with open(home / "clusters.yaml", "a") as f:
+        f.write("lab:\n  type: slurm\n  gpus_per_node: 8\n  setup: |\n    export LAB_RUN_NAME=lab\n")
+    named = _config(tmp_path, "run: {name: '${oc.env:LAB_RUN_NAME}'}\n")
+    assert "#SBATCH" in launch(named, BATCH, cluster="lab", gpus=8, dry_run=True).definition
+    online = _config(tmp_path, "loggers: [{name: wandb, mode: online}]\n")
+    assert "WANDB_API_KEY" in launch(online, BATCH, cluster="big", gpus=8, dry_run=True,
+                                     secrets=["WANDB_API_KEY"]).definition
+    # weights that live on the cluster, not on the login node: noted, not refused
+    there = _config(tmp_path, "model: {init_from: 'hf:/nonexistent/llama'}\n")
+    assert "#SBATCH" in launch(there, BATCH, cluster="lab", gpus=8, dry_run=True).definition

@@ -9,6 +9,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -42,7 +43,24 @@ def out(tmp_path_factory):
 
 
 def cli(home, *args):
-    return run_cli(*args, cwd=REPO, env={"LLMFORGE_HOME": str(home), **SECRETS})
+    """``llmforge ARGS`` in this process (torch is imported once, not per launch), from REPO with
+    LLMFORGE_HOME and the secrets set; returns returncode, stdout, stderr like a subprocess."""
+    import contextlib
+    import io
+
+    from llmforge.cli import main
+    from llmforge.runs.checks import environment
+
+    out, err, cwd = io.StringIO(), io.StringIO(), os.getcwd()
+    try:
+        os.chdir(REPO)
+        path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])  # as run_cli: tests.helpers
+        with environment({**os.environ, "LLMFORGE_HOME": str(home), "PYTHONPATH": path, **SECRETS}), \
+                contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        os.chdir(cwd)
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def launch(home, out, name, *extra):
@@ -181,3 +199,22 @@ def test_max_retries_restarts_a_killed_run_which_completes(home, out):
     assert "checkpoint.resume=auto" not in (Path(run.run_dir) / "logs" / "resumption-0.log").read_text()
     assert "checkpoint.resume=auto" in log1.splitlines()[1] and "done: 10 steps" in log1
     assert sorted(train_losses(run.run_dir)) == list(range(1, 11))
+
+
+@pytest.mark.slow
+def test_stop_before_the_first_step_loses_nothing_and_says_stopped(home, out):
+    run = launch(home, out, "early", "trainer.max_steps=40", f"callbacks=[{SLOW}]")
+
+    def workers_listening():  # the training process started and owns its stop signals
+        workers = [p for p in local.run_pids(run.pgid) if os.getpgid(p) != run.pgid]
+        return workers and all(local.catches(p, signal.SIGTERM) for p in workers)
+
+    wait(workers_listening, 120, "the training process to start")
+    assert not train_losses(run.run_dir)  # still starting up: no step yet
+    stopped = cli(home, "runs", "stop", run.id)
+    assert stopped.returncode == 0, stopped.stderr
+    done = wait_status(home, run.id, ("stopped", "completed", "failed"), timeout=120)
+    assert (done.status, done.exit_code) == ("stopped", 75), done
+    log = (Path(run.run_dir) / "logs" / "resumption-0.log").read_text()
+    assert "before training started: nothing to save" in log and "== exit code 75" in log, log[-2000:]
+    assert not (Path(run.run_dir) / "checkpoints").exists() and not train_losses(run.run_dir)

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO
+from llmforge.cli import main
 from llmforge.errors import ConfigError
 from llmforge.runs.registry import RunNotFound, RunRegistry
 
@@ -67,7 +68,8 @@ def test_registry_resolve_status_and_delete(tmp_path):
 @pytest.mark.parametrize("text, expect", [
     ("big: {type: slurm, gpus_per_node: eight}", "big.gpus_per_node: expected an integer"),
     ("big: {type: slurm, partiton: gpu}", "big.partiton: unknown key for a slurm cluster (did you mean 'partition'?)"),
-    ("big: {type: kube}", "big.type: expected one of slurm, skypilot, sagemaker"),
+    ("big: {type: kube}", "big.type: expected one of sagemaker, skypilot, slurm (or a backend's import path)"),
+    ("big: {type: slurm, cpus_per_task: 0}", "big.cpus_per_task: must be >= 1"),
     ("sm: {type: sagemaker, instance_type: ml.p5.48xlarge}", "sm: a sagemaker cluster needs 'image_uri'"),
     ("a: [1, 2\n", "not valid YAML"),
     ("local: {type: slurm}", "the name 'local' is reserved"),
@@ -83,26 +85,32 @@ def test_bad_clusters_file_is_a_clear_error(tmp_path, text, expect):
     assert info.value.exit_code == 2
 
 
-def test_bad_clusters_file_exits_2_without_traceback(tmp_path):
-    (tmp_path / "clusters.yaml").write_text("big: {type: slurm, gpus_per_node: eight}")
-    proc = run_cli("clusters", env={"LLMFORGE_HOME": str(tmp_path)})
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert f"error: {tmp_path / 'clusters.yaml'}: big.gpus_per_node: expected an integer" in proc.stderr
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMFORGE_HOME", str(tmp_path))
+    return tmp_path
 
 
-def test_clusters_lists_gpu_type_and_count(tmp_path):
-    (tmp_path / "clusters.yaml").write_text(
+def test_bad_clusters_file_exits_2_without_traceback(home, capsys):
+    (home / "clusters.yaml").write_text("big: {type: slurm, gpus_per_node: eight}")
+    assert main(["clusters"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {home / 'clusters.yaml'}: big.gpus_per_node: expected an integer, got 'eight'\n"
+
+
+def test_clusters_lists_gpu_type_and_count(home, capsys):
+    (home / "clusters.yaml").write_text(
         "big: {type: slurm, partition: gpu, gpus_per_node: 8, gpu_type: h100}\n"
         "sky: {type: skypilot, cloud: aws, accelerator: A100-80GB, gpus_per_node: 4, spot: true}\n"
         "sm: {type: sagemaker, instance_type: ml.p5.48xlarge, image_uri: img, role: arn:role}\n")
-    proc = run_cli("clusters", env={"LLMFORGE_HOME": str(tmp_path)})
-    assert proc.returncode == 0, proc.stderr
-    lines = {ln.split("│")[1].strip(): ln for ln in proc.stdout.splitlines() if ln.count("│") > 3}
+    assert main(["clusters"]) == 0
+    out = capsys.readouterr().out
+    lines = {ln.split("│")[1].strip(): ln for ln in out.splitlines() if ln.count("│") > 3}
     assert set(lines) >= {"local", "big", "sky", "sm"}
     assert "h100" in lines["big"] and " 8 " in lines["big"]
     assert "A100-80GB" in lines["sky"] and " 4 " in lines["sky"]
     assert "H100" in lines["sm"] and " 8 " in lines["sm"]  # from the instance type
-    assert "cpu" in lines["local"]
+    assert "cpu" in lines["local"] and "partition=gpu" in lines["big"] and "aws spot" in lines["sky"]
 
 
 def _cfg(*overrides):
@@ -112,8 +120,9 @@ def _cfg(*overrides):
 
 
 def test_compute_scales_one_yaml_from_one_cpu_process_to_128_gpus():
-    from llmforge.runs.clusters import LocalCluster, SlurmCluster
+    from llmforge.runs.clusters import LocalCluster
     from llmforge.runs.compute import plan_compute
+    from llmforge.runs.slurm import SlurmCluster
 
     cfg = _cfg("trainer.global_batch_size=256", "trainer.micro_batch_size=2")
     slurm = SlurmCluster(name="big", type="slurm", gpus_per_node=8, gpu_type="h100")
@@ -133,27 +142,28 @@ def test_compute_scales_one_yaml_from_one_cpu_process_to_128_gpus():
         plan_compute(cfg, LocalCluster(name="local", gpus_per_node=2, gpu_type="x"), 4)
 
 
-def test_launch_with_bad_gpu_count_says_which_work(tmp_path):
-    proc = run_cli("launch", DEMO, "--gpus", "3", "--dry-run", env={"LLMFORGE_HOME": str(tmp_path)})
-    assert proc.returncode == 2
-    assert "compute.gpus=3 cannot divide the batch" in proc.stderr and "work on 'local': 1, 2" in proc.stderr
+def test_launch_with_bad_gpu_count_says_which_work(home, capsys):
+    assert main(["launch", DEMO, "--gpus", "3", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "compute.gpus=3 cannot divide the batch" in err and "work on 'local': 1, 2" in err
 
 
-def test_secrets_lists_names_and_sources_never_values(tmp_path):
-    env = {"LLMFORGE_HOME": str(tmp_path), "WANDB_API_KEY": "wb-fake-VALUE-1", "HF_TOKEN": "hf_fake_VALUE_2",
-           "AWS_PROFILE": "research", "HOME": str(tmp_path)}
-    proc = run_cli("secrets", env=env)
-    assert proc.returncode == 0, proc.stderr
+def test_secrets_lists_names_and_sources_never_values(home, capsys, monkeypatch):
+    for k, v in {"WANDB_API_KEY": "wb-fake-VALUE-1", "HF_TOKEN": "hf_fake_VALUE_2", "AWS_PROFILE": "research",
+                 "HOME": str(home)}.items():
+        monkeypatch.setenv(k, v)
+    assert main(["secrets"]) == 0
+    out = capsys.readouterr().out
     for name in ("WANDB_API_KEY", "HF_TOKEN", "AWS_PROFILE"):
-        assert name in proc.stdout
-    assert "VALUE" not in proc.stdout and "research" not in proc.stdout
-    from llmforge.runs.secrets import job_environment, secret_overrides
+        assert name in out
+    assert "VALUE" not in out and "research" not in out
+    from llmforge.runs.credentials import job_environment, secret_overrides
 
     job = job_environment(["WANDB_API_KEY"], {"WANDB_API_KEY": "a", "HF_TOKEN": "b", "PATH": "/bin"})
     assert job == {"WANDB_API_KEY": "a", "PATH": "/bin"}
     assert secret_overrides(["loggers.0.api_key=x", "trainer.max_steps=3"]) == ["loggers.0.api_key"]
-    bad = run_cli("launch", DEMO, "--dry-run", "--secret", "NOT_SET_ANYWHERE", env={"LLMFORGE_HOME": str(tmp_path)})
-    assert bad.returncode == 2 and "NOT_SET_ANYWHERE is not set" in bad.stderr
+    assert main(["launch", DEMO, "--dry-run", "--secret", "NOT_SET_ANYWHERE"]) == 2
+    assert "NOT_SET_ANYWHERE is not set" in capsys.readouterr().err
 
 
 def test_supervisor_decisions_and_torchrun_exit_codes():
@@ -169,14 +179,17 @@ def test_supervisor_decisions_and_torchrun_exit_codes():
     assert exit_code(f(-15, 75)) == 75 and exit_code(f(1, 2)) == 2 and exit_code(f(-9)) == 137
 
 
-def test_runs_commands_on_an_empty_or_unknown_run(tmp_path):
-    env = {"LLMFORGE_HOME": str(tmp_path)}
-    listed = run_cli("runs", "list", env=env)
-    assert listed.returncode == 0 and "no runs" in listed.stdout
-    for cmd in (["describe", "x"], ["stop", "x"]):
-        proc = run_cli("runs", *cmd, env=env)
-        assert proc.returncode == 1 and "no run with id or name 'x'" in proc.stderr, (cmd, proc.stderr)
-    assert Path(tmp_path / "runs.db").exists()
+def test_runs_commands_on_an_empty_or_unknown_run_exit_2(home, capsys):
+    assert main(["runs", "list"]) == 0 and "no runs" in capsys.readouterr().out
+    for cmd in (["describe", "x"], ["stop", "x"], ["logs", "x"], ["delete", "x"], ["restart", "x"]):
+        assert main(["runs", *cmd]) == 2, cmd
+        assert capsys.readouterr().err == "error: no run with id or name 'x' (see: llmforge runs list)\n", cmd
+    reg = RunRegistry(home / "runs.db")
+    done = reg.create("done", "local", "local")
+    reg.set_status(done.id, "completed", "done")
+    assert main(["runs", "stop", done.id]) == 2
+    assert capsys.readouterr().err == f"error: run {done.id} is already completed; nothing to stop\n"
+    assert main(["runs", "logs", done.id]) == 2 and "no log" in capsys.readouterr().err
 
 
 def test_readme_clusters_example_parses(tmp_path):
@@ -190,18 +203,16 @@ def test_readme_clusters_example_parses(tmp_path):
     assert clusters["sm"].gpus_per_node == 8 and clusters["big"].gpu_type == "h100"
 
 
-def test_delete_purge_asks_first_unless_yes(tmp_path):
-    home, run_dir = tmp_path / "home", tmp_path / "runs" / "old"
+def test_delete_purge_asks_first_unless_yes(home, tmp_path, capsys, monkeypatch):
+    run_dir = tmp_path / "runs" / "old"
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "logs" / "resumption-0.log").write_text("hello from the run\n")
     reg = RunRegistry(home / "runs.db")
     run = reg.create("old", "local", "local", run_dir=str(run_dir))
     reg.set_status(run.id, "completed", "done")
-    env = {"LLMFORGE_HOME": str(home)}
-    logs = run_cli("runs", "logs", "old", env=env)
-    assert logs.returncode == 0 and logs.stdout == "hello from the run\n"
-    refused = run_cli("runs", "delete", "old", "--purge", env=env)
-    assert refused.returncode == 1 and "confirm with --yes" in refused.stderr and run_dir.exists()
-    done = run_cli("runs", "delete", "old", "--purge", "--yes", env=env)
-    assert done.returncode == 0, done.stderr
+    assert main(["runs", "logs", "old"]) == 0 and capsys.readouterr().out == "hello from the run\n"
+    monkeypatch.setattr("sys.stdin.isatty", lambda: False)
+    assert main(["runs", "delete", "old", "--purge"]) == 2
+    assert "confirm with --yes" in capsys.readouterr().err and run_dir.exists()
+    assert main(["runs", "delete", "old", "--purge", "--yes"]) == 0
     assert not run_dir.exists() and reg.list() == []

@@ -362,14 +362,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = list(args.overrides) + extra
+    from llmforge import signals
     from llmforge.runs.commands import RUN_COMMANDS, TOP_COMMANDS
 
-    if args.command not in TOP_COMMANDS and getattr(args, "runs_command", None) not in RUN_COMMANDS:
-        _quiet_libraries()  # run management imports neither datasets nor (mostly) torch
+    # before the heavy imports: a stop during startup loses nothing (see llmforge.signals)
+    owns_signals = args.command == "train" and signals.install()
     handlers = {"train": cmd_train, "generate": cmd_generate, "algorithms": cmd_algorithms,
                 "runs": cmd_runs, "checkpoint": cmd_checkpoint, "convert": cmd_convert, "eval": cmd_eval}
     handlers.update(TOP_COMMANDS)  # launch, clusters, secrets
     try:
+        if args.command not in TOP_COMMANDS and getattr(args, "runs_command", None) not in RUN_COMMANDS:
+            _quiet_libraries()  # run management imports neither datasets nor (mostly) torch
         return handlers[args.command](args)
     except LLMForgeError as exc:
         if args.debug:
@@ -388,6 +391,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {type(exc).__name__}: {_scrub(str(exc))} (run again with --debug for the "
               "traceback)", file=sys.stderr)
         return 1
+    finally:
+        if owns_signals:  # an in-process caller (tests) gets its handlers back
+            signals.uninstall()
 
 
 if __name__ == "__main__":

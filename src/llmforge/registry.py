@@ -4,7 +4,8 @@ YAML names either a registered name (``llama3``, ``compile``, ``jsonl``) or an i
 (``my_lab.models.build_model`` or ``my_lab.models:build_model``). Built-ins and user code are
 equal: research code registers with the decorators below, and installed packages may register
 through the entry-point groups ``llmforge.models``, ``llmforge.algorithms``,
-``llmforge.callbacks`` and ``llmforge.loggers``.
+``llmforge.callbacks``, ``llmforge.loggers`` and ``llmforge.backends`` (launch backends,
+:mod:`llmforge.runs.backend`).
 
 Example::
 
@@ -134,3 +135,4 @@ models = Registry("models", "llmforge.models")
 algorithms = Registry("algorithms", "llmforge.algorithms")
 callbacks = Registry("callbacks", "llmforge.callbacks")
 loggers = Registry("loggers", "llmforge.loggers")
+backends = Registry("backends", "llmforge.runs.backend")

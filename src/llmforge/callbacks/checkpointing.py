@@ -5,8 +5,10 @@ after the last step, and on request: SIGTERM or SIGUSR1 (what schedulers send be
 preemption or a time limit) make the trainer finish the current optimizer step, save, and exit
 with :data:`EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``: "try again"), on which a scheduler can
 requeue; ``checkpoint.resume=auto`` then continues from that step. Ctrl-C (SIGINT) does the
-same and exits 130; a second Ctrl-C stops at once without saving. See
-:mod:`llmforge.checkpoint.dcp` for the layout and the atomic write.
+same and exits 130; a second Ctrl-C stops at once without saving. The handlers are
+:mod:`llmforge.signals`' (installed when ``llmforge train`` starts; before training a signal
+stops at once with nothing to save). See :mod:`llmforge.checkpoint.dcp` for the layout and the
+atomic write.
 """
 
 from __future__ import annotations
@@ -22,28 +24,18 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from llmforge import signals
 from llmforge.callbacks._util import say
 from llmforge.checkpoint.dcp import PendingSave, load_training_state, prune_checkpoints, save_checkpoint
 from llmforge.checkpoint.plugins import (check_resume, checkpoint_meta, plain_states, restore_plain_states,
                                          restore_sharded_states, sharded_states)
 from llmforge.checkpoint.rng import capture_rng, restore_rng
-from llmforge.errors import LLMForgeError
-
-EXIT_PREEMPTED = 75
+from llmforge.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, StopRequested  # noqa: F401 (re-exported)
 
 
-EXIT_INTERRUPTED = 130
-
-
-class Preempted(LLMForgeError):
+class Preempted(StopRequested):
     """Training stopped on a signal after saving a checkpoint: exit code 75 for SIGTERM and
     SIGUSR1 (requeue), 130 for SIGINT (Ctrl-C)."""
-
-    exit_code = EXIT_PREEMPTED
-
-    def __init__(self, message: str, exit_code: int = EXIT_PREEMPTED) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 def set_global_step(trainer: Any, step: int) -> None:
@@ -84,8 +76,7 @@ class Checkpointer(Callback):
         self.save_seconds: list[float] = []  # time the training thread spent in each save
         self._last_save_time = time.monotonic()
         self._awaiting_record: Optional[int] = None  # a step whose STEP_RECORDED is due
-        self._signal: Optional[int] = None
-        self._old_handlers: dict[int, Any] = {}
+        self._owns_signals = False  # installed llmforge's handlers itself (not started by the CLI)
 
     # ------------------------------------------------------------------ saving
     def _finish_pending(self) -> None:
@@ -126,6 +117,9 @@ class Checkpointer(Callback):
         return self.pending.final if self.pending is not None else self.last_path  # type: ignore[return-value]
 
     # ---------------------------------------------------------------- resuming
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        signals.own(trainer)  # before fit installs Lightning's SIGTERM handler
+
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._install_signal_handlers()
         if self.resume_from is None:
@@ -166,25 +160,18 @@ class Checkpointer(Callback):
             self.on_resumed()
 
     # ------------------------------------------------------------ when to save
-    def _signal_handler(self, signum: int, frame: Any) -> None:
-        if signum == signal.SIGINT and self._signal == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without saving
-        self._signal = signum
-
     def _install_signal_handlers(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-            try:
-                self._old_handlers[sig] = signal.signal(sig, self._signal_handler)
-            except ValueError:  # not the main thread
-                pass
+        self._owns_signals = signals.install()  # a no-op under `llmforge train` (installed at start)
+        signals.training_started()
 
     def _restore_signal_handlers(self) -> None:
-        for sig, handler in self._old_handlers.items():
-            signal.signal(sig, handler)
-        self._old_handlers.clear()
+        signals.training_ended()
+        if self._owns_signals:
+            signals.uninstall()
+            self._owns_signals = False
 
     def _stop_requested(self, pl_module: Any) -> bool:
-        flag = torch.tensor(float(self._signal is not None))
+        flag = torch.tensor(float(signals.received() is not None))
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             if dist.get_backend() == "nccl":
                 flag = flag.to(pl_module.device)
@@ -224,8 +211,9 @@ class Checkpointer(Callback):
             if self.last_saved_step != step:
                 self.save(trainer, pl_module)
             self._finish_pending()
-            name = signal.Signals(self._signal).name if self._signal else "a signal on another rank"
-            code = EXIT_INTERRUPTED if self._signal == signal.SIGINT else EXIT_PREEMPTED
+            sig = signals.received()
+            name = signal.Signals(sig).name if sig else "a signal on another rank"
+            code = signals.exit_code_for(sig)
             raise Preempted(f"received {name}: saved the checkpoint of step {step} in {self.dir}; "
                             f"exit code {code} (continue with checkpoint.resume=auto)", code)
         if due:

@@ -25,12 +25,24 @@ def threads_per_process(nproc: int) -> int:
 def launch_local(nproc: int, argv: Sequence[str]) -> int:
     """Run ``python -m llmforge *argv`` in ``nproc`` processes; returns the exit code.
 
-    A failed worker's own message has already been printed by the worker; the exit code is the
-    first failed rank's (2 for configuration errors on every rank).
+    A failed worker's own message has already been printed by the worker; the exit code is
+    :func:`llmforge.runs.torchrun.exit_code`'s (75 when a worker saved on a stop signal, 2 for
+    configuration errors, else the first failed rank's), or 128 + N when this process got signal
+    N (torch's agent has passed SIGTERM/SIGINT on to the workers; SIGUSR1 is forwarded).
     """
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from llmforge import signals
+    from llmforge.runs.torchrun import _forward_usr1
+
+    # the workers own the stop signals from here: torch's agent forwards SIGTERM/SIGINT to them,
+    # and SIGUSR1 (SLURM's warning) is forwarded as llmforge.runs.torchrun does
+    signals.uninstall()
+    signal.signal(signal.SIGUSR1, _forward_usr1)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(nproc)))
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
@@ -38,9 +50,11 @@ def launch_local(nproc: int, argv: Sequence[str]) -> int:
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "llmforge", *argv)
     except ChildFailedError as exc:
-        failures = sorted(exc.failures.items())
-        code = failures[0][1].exitcode if failures else 1
-        return code if code and code > 0 else 1
+        from llmforge.runs.torchrun import exit_code
+
+        return exit_code(exc.failures)  # 75 when a worker saved on a stop signal, else 2, else the first
+    except SignalException as exc:  # the agent got SIGTERM/SIGINT and stopped the workers
+        return 128 + int(exc.sigval)
     except Exception as exc:  # rendezvous or agent failure
         raise LLMForgeError(f"--nproc {nproc}: the local launcher failed: {exc}") from exc
     return 0

@@ -1,7 +1,9 @@
 """Clusters: where ``llmforge launch`` can run a job, named in ``$LLMFORGE_HOME/clusters.yaml``.
 
 ``local`` (this machine) is always there: its GPUs as ``torch.cuda`` sees them, else CPU
-processes on gloo. The file adds named clusters of four types::
+processes on gloo. The file adds named clusters; ``type`` names the backend that runs their jobs
+(:mod:`llmforge.runs.backend`: the built-ins below, or a registered one), whose cluster dataclass
+lists the valid keys::
 
     big-slurm:                       # a name of your choice
       type: slurm
@@ -35,19 +37,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, get_type_hints
+from typing import Any, ClassVar, Dict, List, Optional, get_type_hints
 
 from llmforge.errors import ConfigError
 from llmforge.runs.registry import llmforge_home
-
-SAGEMAKER_GPUS = {  # instance type -> (GPUs, GPU type)
-    "ml.p3.16xlarge": (8, "V100"), "ml.p3dn.24xlarge": (8, "V100"), "ml.p4d.24xlarge": (8, "A100"),
-    "ml.p4de.24xlarge": (8, "A100-80GB"), "ml.p5.48xlarge": (8, "H100"), "ml.p5e.48xlarge": (8, "H200"),
-    "ml.p5en.48xlarge": (8, "H200"), "ml.g5.xlarge": (1, "A10G"), "ml.g5.12xlarge": (4, "A10G"),
-    "ml.g5.48xlarge": (8, "A10G"), "ml.g6.12xlarge": (4, "L4"), "ml.g6.48xlarge": (8, "L4"),
-}
 
 
 class ClusterError(ConfigError):
@@ -61,13 +56,31 @@ class Cluster:
     name: str = ""
     """The name in clusters.yaml (``local`` for this machine)."""
     type: str = "local"
-    """local, slurm, skypilot or sagemaker."""
+    """The backend: local, slurm, skypilot, sagemaker, or a registered/import-path one."""
     gpus_per_node: int = 0
     """GPUs per node; 0 = CPU-only nodes (processes_per_node CPU processes each)."""
     gpu_type: str = ""
     """GPU model shown by ``llmforge clusters`` (e.g. h100)."""
     processes_per_node: int = 1
     """CPU-only nodes: most training processes per node."""
+
+    required: ClassVar[tuple[str, ...]] = ()  # keys a clusters.yaml entry must set
+    max_nodes: ClassVar[Optional[int]] = None  # None: any number of nodes
+
+    def finish(self, where: str) -> None:
+        """Derive and check fields after parsing (``where`` names the entry in errors).
+
+        Raises:
+            ClusterError: a value out of range.
+        """
+        for key in ("gpus_per_node", "processes_per_node", "instance_count"):
+            low = 0 if key == "gpus_per_node" else 1
+            if getattr(self, key, low) < low:
+                raise ClusterError(f"{where}.{key}: must be >= {low}")
+
+    def default_world_size(self, cfg: Any, nodes: Optional[int]) -> int:
+        """Training processes when neither ``--gpus`` nor ``compute.gpus`` says: full nodes."""
+        return self.slots_per_node * (nodes or 1)
 
     @property
     def slots_per_node(self) -> int:
@@ -85,77 +98,10 @@ class LocalCluster(Cluster):
     """This machine: ``torch.cuda`` GPUs, else any number of CPU processes (gloo)."""
 
     processes_per_node: int = 1024
+    max_nodes: ClassVar[Optional[int]] = 1
 
-
-@dataclass
-class SlurmCluster(Cluster):
-    """A SLURM cluster reached through ``sbatch`` on this machine."""
-
-    partition: Optional[str] = None
-    """Partition (``#SBATCH --partition``); null = the cluster's default."""
-    account: Optional[str] = None
-    """Account to charge (``#SBATCH --account``)."""
-    time_limit: Optional[str] = None
-    """Wall-time limit, e.g. ``24:00:00`` (``#SBATCH --time``)."""
-    cpus_per_task: Optional[int] = None
-    """CPUs per node task (``#SBATCH --cpus-per-task``)."""
-    sbatch: List[str] = field(default_factory=list)
-    """Extra ``#SBATCH`` options, e.g. ``--qos=high``."""
-    setup: str = ""
-    """Shell lines run before training (e.g. ``module load cuda``, activating a venv)."""
-    signal_seconds: int = 120
-    """Seconds before the time limit at which SLURM sends SIGUSR1 (checkpoint, exit 75, requeue)."""
-    port: int = 29500
-    """Rendezvous port on the first node."""
-    python: Optional[str] = None
-    """Python interpreter on the nodes; null = the one running ``llmforge launch``."""
-
-
-@dataclass
-class SkyPilotCluster(Cluster):
-    """A cloud or Kubernetes cluster provisioned by SkyPilot (``pip install 'llmforge[launch]'``)."""
-
-    cloud: Optional[str] = None
-    """aws, gcp, azure, lambda, kubernetes, ... (null = SkyPilot chooses)."""
-    context: Optional[str] = None
-    """Kubernetes context (cloud: kubernetes)."""
-    accelerator: Optional[str] = None
-    """SkyPilot accelerator name, e.g. H100, A100-80GB."""
-    spot: bool = False
-    """Use spot/preemptible instances (SkyPilot recovers them)."""
-    region: Optional[str] = None
-    """Cloud region."""
-    cluster_name: Optional[str] = None
-    """SkyPilot cluster name; null = the run id."""
-    setup: str = "pip install ."
-    """Setup commands of the task (run once per node)."""
-
-
-@dataclass
-class SageMakerCluster(Cluster):
-    """Amazon SageMaker training jobs (the ``sagemaker`` SDK, if installed, submits them)."""
-
-    instance_type: str = ""
-    """e.g. ml.p5.48xlarge; sets gpus_per_node and gpu_type for known types."""
-    instance_count: int = 1
-    """Default number of instances (nodes) when compute.nodes and compute.gpus do not say."""
-    image_uri: str = ""
-    """Training image (build it from docker/Dockerfile and push it to ECR)."""
-    role: str = ""
-    """IAM role ARN of the training job."""
-    channels: Dict[str, str] = field(default_factory=dict)
-    """Data channels: name -> s3:// URI (mounted under /opt/ml/input/data/NAME)."""
-    checkpoint_s3_uri: Optional[str] = None
-    """S3 prefix that /opt/ml/checkpoints (the run directory) is synced to."""
-    max_run_seconds: int = 86400
-    """Time limit of the job (seconds)."""
-    region: Optional[str] = None
-    """AWS region."""
-
-
-TYPES: dict[str, type] = {"local": LocalCluster, "slurm": SlurmCluster, "skypilot": SkyPilotCluster,
-                          "sagemaker": SageMakerCluster}
-REQUIRED = {"sagemaker": ("instance_type", "image_uri", "role")}
+    def default_world_size(self, cfg: Any, nodes: Optional[int]) -> int:
+        return int(cfg.trainer.devices)
 
 
 def clusters_file() -> Path:
@@ -206,14 +152,21 @@ def parse_cluster(name: str, spec: Any, source: str) -> Cluster:
         ClusterError: not a mapping, unknown type or key (with the closest valid key), a wrong
             value type, a missing required key, or a non-positive size.
     """
+    from llmforge.registry import backends
+    from llmforge.runs.backend import backend_class
+
     where = f"{source}: {name}"
     if not isinstance(spec, dict):
         raise ClusterError(f"{where}: expected a mapping with a 'type' key, got {spec!r}")
     kind = spec.get("type")
-    if kind not in TYPES or kind == "local":
-        allowed = ", ".join(t for t in TYPES if t != "local")
-        raise ClusterError(f"{where}.type: expected one of {allowed}, got {kind!r}")
-    cls = TYPES[kind]
+    known = [t for t in backends.names() if t != "local"]
+    if not isinstance(kind, str) or kind == "local" or (kind not in known and "." not in kind):
+        raise ClusterError(f"{where}.type: expected one of {', '.join(known)} (or a backend's import "
+                           f"path), got {kind!r}")
+    try:
+        cls = backend_class(kind, key=f"{where}.type").cluster_class
+    except ConfigError as exc:
+        raise ClusterError(str(exc)) from None
     hints = get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.name != "name"]
     values: dict[str, Any] = {}
@@ -223,21 +176,11 @@ def parse_cluster(name: str, spec: Any, source: str) -> Cluster:
             hint = f" (did you mean {close[0]!r}?)" if close else f"; valid keys: {', '.join(names)}"
             raise ClusterError(f"{where}.{key}: unknown key for a {kind} cluster{hint}")
         values[key] = _check_value(value, hints[key], f"{where}.{key}")
-    for key in REQUIRED.get(kind, ()):
+    for key in cls.required:
         if not values.get(key):
             raise ClusterError(f"{where}: a {kind} cluster needs '{key}'")
     cluster = cls(name=name, **values)
-    if isinstance(cluster, SageMakerCluster) and cluster.instance_type in SAGEMAKER_GPUS:
-        gpus, gpu_type = SAGEMAKER_GPUS[cluster.instance_type]
-        cluster.gpus_per_node = cluster.gpus_per_node or gpus
-        cluster.gpu_type = cluster.gpu_type or gpu_type
-    if isinstance(cluster, SkyPilotCluster) and not cluster.gpu_type and cluster.accelerator:
-        cluster.gpu_type = cluster.accelerator
-    for key in ("gpus_per_node", "processes_per_node", "instance_count"):
-        if getattr(cluster, key, 1) < (0 if key == "gpus_per_node" else 1):
-            raise ClusterError(f"{where}.{key}: must be >= {0 if key == 'gpus_per_node' else 1}")
-    if isinstance(cluster, SkyPilotCluster) and cluster.gpus_per_node and not cluster.accelerator:
-        raise ClusterError(f"{where}: a skypilot cluster with gpus_per_node needs 'accelerator' (e.g. H100)")
+    cluster.finish(where)
     return cluster
 
 
@@ -292,20 +235,14 @@ def get_cluster(name: Optional[str], path: Optional[str | Path] = None) -> Clust
 
 def describe(cluster: Cluster) -> dict[str, str]:
     """One row for ``llmforge clusters``: name, type, GPU type, GPUs per node, where."""
-    c: Any = cluster
-    if c.type == "local":
-        where = "this machine" + ("" if c.gpus_per_node else " (CPU processes, gloo)")
-    elif c.type == "slurm":
-        where = " ".join(f"{k}={getattr(c, k)}" for k in ("partition", "account", "time_limit") if getattr(c, k))
-    elif c.type == "skypilot":
-        where = "/".join(str(x) for x in (c.cloud, c.context, c.region) if x) + (" spot" if c.spot else "")
-    else:
-        where = f"{c.instance_type} (SageMaker)"
+    from llmforge.runs.backend import backend_for
+
+    c = cluster
     if c.gpus_per_node:
         gpus = str(c.gpus_per_node)
-    elif c.type == "local":
+    elif isinstance(c, LocalCluster):
         gpus = f"0 (CPU, {os.cpu_count()} cores)"
     else:
         gpus = f"0 (CPU, {c.processes_per_node} processes)"
     return {"name": c.name, "type": c.type, "gpu_type": c.gpu_type or "-", "gpus_per_node": gpus,
-            "where": where or "-"}
+            "where": backend_for(c).where() or "-"}

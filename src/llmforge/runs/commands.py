@@ -7,10 +7,12 @@
     llmforge runs describe RUN
     llmforge runs logs RUN [--follow] [--resumption K]
     llmforge runs stop RUN [--no-wait] [--timeout S]
-    llmforge runs delete RUN [--purge] [--yes]
+    llmforge runs delete RUN [--purge] [--yes] [--force]
     llmforge runs restart RUN [key=value ...]
 
-RUN is a run id, a unique prefix of one, or a run name (its newest run).
+RUN is a run id, a unique prefix of one, or a run name (its newest run). Errors in what is
+asked (an unknown run, a run in the wrong state, a restart with nothing to train) exit 2 like
+the other input errors; a scheduler that refuses exits 1.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from llmforge.errors import LLMForgeError
+from llmforge.errors import ConfigError, LLMForgeError
 
 
 def _debug(p: argparse.ArgumentParser) -> None:
@@ -69,6 +71,9 @@ def add_parsers(sub: Any, runs_sub: Any) -> None:
     de.add_argument("run", metavar="RUN")
     de.add_argument("--purge", action="store_true", help="also delete the run directory")
     de.add_argument("--yes", "-y", action="store_true", help="do not ask before purging")
+    de.add_argument("--force", action="store_true",
+                    help="a pending or running run: stop it first (it saves), then delete")
+    de.add_argument("--timeout", type=float, default=180.0, help="with --force: seconds to wait for the stop")
     _debug(de)
     rs = runs_sub.add_parser("restart", help="start a run again from its newest checkpoint")
     rs.add_argument("run", metavar="RUN")
@@ -130,7 +135,7 @@ def cmd_clusters(args: argparse.Namespace) -> int:
 def cmd_secrets(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from llmforge.runs.secrets import available
+    from llmforge.runs.credentials import available
 
     rows = available()
     table = Table(title="credentials in this environment (values never shown)")
@@ -182,13 +187,18 @@ def _last_metrics(run_dir: Optional[str]) -> dict[str, Any]:
 def cmd_describe(args: argparse.Namespace) -> int:
     import yaml
 
+    from llmforge.runs.backend import backend_of
     from llmforge.runs.launch import refresh
     from llmforge.runs.registry import RunRegistry
 
     registry = RunRegistry()
     refresh(registry)
     r = registry.resolve(args.run)
-    where = f"SLURM/SkyPilot/SageMaker job {r.job_id}" if r.job_id else f"process group {r.pgid}"
+    try:
+        label = backend_of(r).job_label
+    except LLMForgeError:  # its backend is not installed here
+        label = "job"
+    where = f"{label} {r.job_id}" if r.job_id else f"process group {r.pgid}"
     lines = [f"run          {r.id}", f"name         {r.name}", f"cluster      {r.cluster} ({r.kind})",
              f"status       {r.status}" + (f" (exit code {r.exit_code})" if r.exit_code is not None else ""),
              f"created      {_time(r.created_at)}", f"started      {_time(r.started_at)}",
@@ -215,17 +225,17 @@ def cmd_describe(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
+    from llmforge.runs.backend import backend_of
     from llmforge.runs.launch import refresh
     from llmforge.runs.registry import RunRegistry
 
     registry = RunRegistry()
     r = registry.resolve(args.run)
+    backend = backend_of(r)
     k = r.resumptions if args.resumption is None else args.resumption
-    path = Path(r.run_dir or "") / "logs" / f"resumption-{k}.log"
+    path, hint = backend.logs(r, k)
     if not path.is_file() and not args.follow:
-        hint = {"skypilot": f"; SkyPilot keeps its own: sky logs {str(r.job_id).split('/')[0]}",
-                "sagemaker": "; see the job's CloudWatch logs"}.get(r.kind, "")
-        raise LLMForgeError(f"no log {path} (resumptions of this run: 0..{r.resumptions}){hint}")
+        raise ConfigError(f"no log {path} (resumptions of this run: 0..{r.resumptions}){hint}")
     pos = 0
     while True:
         if path.is_file():
@@ -244,7 +254,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
             return 0
         if now.resumptions != k and args.resumption is None:  # a restart began: follow it
             k, pos = now.resumptions, 0
-            path = Path(r.run_dir or "") / "logs" / f"resumption-{k}.log"
+            path = backend.logs(now, k)[0]
             continue
         time.sleep(0.5)
 
@@ -258,18 +268,22 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
-    from llmforge.runs.launch import refresh
+    from llmforge.runs.launch import refresh, stop
     from llmforge.runs.registry import RunRegistry
 
     registry = RunRegistry()
     refresh(registry)
     r = registry.resolve(args.run)
+    if r.active and not args.force:  # deleting the record would orphan the job
+        raise ConfigError(f"run {r.id} is {r.status}: stop it first (llmforge runs stop {r.id}), or "
+                          f"pass --force to stop it and then delete it")
+    if args.purge and r.run_dir and Path(r.run_dir).exists() and not args.yes and not sys.stdin.isatty():
+        raise ConfigError(f"--purge deletes {r.run_dir}: confirm with --yes")
     if r.active:
-        raise LLMForgeError(f"run {r.id} is {r.status}; stop it first (llmforge runs stop {r.id})")
+        r = stop(r.id, wait=True, timeout=args.timeout, registry=registry)
+        print(f"{r.id}: {r.status}")
     if args.purge and r.run_dir and Path(r.run_dir).exists():
         if not args.yes:
-            if not sys.stdin.isatty():
-                raise LLMForgeError(f"--purge deletes {r.run_dir}: confirm with --yes")
             if input(f"delete {r.run_dir} and everything in it? [y/N] ").strip().lower() not in ("y", "yes"):
                 print("nothing deleted")
                 return 1

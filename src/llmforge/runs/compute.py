@@ -62,9 +62,9 @@ def _layout(gpus: int, nodes: Optional[int], cluster: Cluster) -> tuple[int, int
         lo = (gpus // slots) * slots
         raise ConfigError(f"compute.gpus={gpus} does not fill whole nodes of {slots} {unit} on cluster "
                           f"{cluster.name!r}; use {lo} or {lo + slots}, or set compute.nodes")
-    if cluster.type == "local" and nodes != 1:
-        raise ConfigError(f"cluster 'local' is one machine with {slots} {unit}; compute.nodes={nodes} "
-                          "needs a slurm, skypilot or sagemaker cluster")
+    if cluster.max_nodes is not None and nodes > cluster.max_nodes:
+        raise ConfigError(f"cluster {cluster.name!r} is {cluster.max_nodes} machine(s) with {slots} {unit} "
+                          f"each; compute.nodes={nodes} needs a slurm, skypilot or sagemaker cluster")
     return nodes, per_node
 
 
@@ -97,8 +97,7 @@ def plan_compute(cfg: Any, cluster: Cluster, gpus: Optional[int] = None,
     gpus = gpus if gpus is not None else comp.gpus
     nodes = nodes if nodes is not None else comp.nodes
     if gpus is None:
-        base = nodes or getattr(cluster, "instance_count", 1)
-        gpus = int(cfg.trainer.devices) if cluster.type == "local" else cluster.slots_per_node * base
+        gpus = cluster.default_world_size(cfg, nodes)
     if gpus < 1:
         raise ConfigError(f"compute.gpus must be >= 1, got {gpus}")
     n_nodes, per_node = _layout(gpus, nodes, cluster)

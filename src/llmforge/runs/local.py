@@ -16,9 +16,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
+from llmforge.errors import LLMForgeError
+from llmforge.runs.backend import Backend
+from llmforge.runs.clusters import LocalCluster
 from llmforge.runs.registry import RunRecord
+from llmforge.runs.torchrun import catches  # noqa: F401  (re-exported: tests, callers)
 
 
 def _proc_table() -> Optional[dict[int, tuple[int, int, str]]]:
@@ -131,3 +135,55 @@ def _exists(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+class LocalBackend(Backend):
+    """``local``: a detached supervisor (:mod:`llmforge.runs.supervisor`) running torchrun here."""
+
+    type = "local"
+    cluster_class = LocalCluster
+    job_label = "process group"
+    runs_here = True
+
+    def render(self, run_id: str, name: str, spec: dict[str, Any], resumption: int = 0) -> str:
+        from llmforge.runs.supervisor import torchrun_command
+
+        cmd = torchrun_command(spec, resume=resumption > 0)
+        env = ", ".join(spec["secrets"]) or "none"
+        return (f"# local: a detached supervisor runs, in {spec['workdir']} (output in "
+                f"{spec['run_dir']}/logs/resumption-{resumption}.log; secrets forwarded: {env}):\n"
+                + " ".join(cmd) + "\n")
+
+    def job_environment(self, spec: dict[str, Any], env: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+        from llmforge.runs.credentials import job_environment
+
+        out = job_environment(spec["secrets"], env)
+        out.update(LLMFORGE_RUN_ID="<run id>", LLMFORGE_HOME=spec["home"], PYTHONUNBUFFERED="1")
+        return out
+
+    def submit(self, run: RunRecord) -> tuple[dict[str, Any], str]:
+        env = self.job_environment(run.spec)
+        env["LLMFORGE_RUN_ID"] = run.id
+        pgid = start_supervisor(run, env, run.spec["workdir"])
+        return {"pgid": pgid}, f"supervisor pid/pgid {pgid}"
+
+    def poll(self, run: RunRecord) -> tuple[Optional[str], str]:
+        if run.pgid is None:
+            late = time.time() - run.created_at > 120
+            return ("gone", "the launch did not start a supervisor") if late else (None, "")
+        if group_alive(run.pgid):
+            return None, ""  # the supervisor and the training record the status themselves
+        return "gone", f"process group {run.pgid} is gone without a final status (killed?)"
+
+    def cancel(self, run: RunRecord, *, wait: bool = True, timeout: float = 180.0) -> bool:
+        pids = signal_run(run.pgid, signal.SIGTERM) if run.pgid else []
+        if not wait:
+            return False
+        if not wait_gone(pids, timeout):
+            raise LLMForgeError(f"run {run.id}: processes {run_pids(run.pgid or 0)} still alive "
+                                f"{timeout:.0f}s after SIGTERM")
+        return True
+
+    def where(self) -> str:
+        gpus = self.cluster.gpus_per_node if self.cluster else 0
+        return "this machine" + ("" if gpus else " (CPU processes, gloo)")

@@ -6,7 +6,9 @@ and loss, resumptions, and a timeline of events. ``launch``, the local superviso
 in-training :class:`~llmforge.runs.tracker.RunTracker` and ``llmforge runs ...`` write it at the
 same time: the database is in WAL mode with a busy timeout, and every read-modify-write is one
 ``BEGIN IMMEDIATE`` transaction, so concurrent writers wait for each other instead of losing
-updates. Times are Unix seconds (float). This module imports only the standard library.
+updates. Times are Unix seconds (float). The schema is versioned (SQLite's ``user_version``):
+opening a registry written by an older llmforge applies :data:`MIGRATIONS` in one transaction, so
+a new column never breaks an existing ``runs.db``. This module imports only the standard library.
 """
 
 from __future__ import annotations
@@ -34,9 +36,15 @@ _COLUMNS = {
     "run_dir": "TEXT", "pgid": "INTEGER", "job_id": "TEXT", "last_step": "INTEGER",
     "last_loss": "REAL", "resumptions": "INTEGER NOT NULL DEFAULT 0",
     "retries": "INTEGER NOT NULL DEFAULT 0", "exit_code": "INTEGER",
-    "stop_requested": "INTEGER NOT NULL DEFAULT 0", "message": "TEXT",
+    "stop_requested": "INTEGER NOT NULL DEFAULT 0", "message": "TEXT", "backend_state": "TEXT",
 }
 _JSON = ("config", "spec")
+SCHEMA_VERSION = 2
+# version -> SQL that brings a registry of the version before to it (version 1: the first
+# release, written with user_version 0). Append; never edit a released step.
+MIGRATIONS: dict[int, tuple[str, ...]] = {
+    2: ("ALTER TABLE runs ADD COLUMN backend_state TEXT",),  # the scheduler's last word on the job
+}
 
 
 def llmforge_home() -> Path:
@@ -46,7 +54,15 @@ def llmforge_home() -> Path:
 
 
 class RunNotFound(LLMForgeError):
-    """No run (or several) match the given id, id prefix or name. Exit code 1."""
+    """No run (or several) match the given id, id prefix or name. Exit code 2."""
+
+    exit_code = 2
+
+
+class RegistryError(LLMForgeError):
+    """``runs.db`` cannot be used (written by a newer llmforge). Exit code 2."""
+
+    exit_code = 2
 
 
 @dataclass
@@ -73,6 +89,7 @@ class RunRecord:
     exit_code: Optional[int] = None
     stop_requested: int = 0
     message: Optional[str] = None
+    backend_state: Optional[str] = None
 
     @property
     def active(self) -> bool:
@@ -102,11 +119,34 @@ class RunRegistry:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._connect() as con:
             con.execute("PRAGMA journal_mode=WAL")
-            cols = ", ".join(f"{k} {v}" for k, v in _COLUMNS.items())
-            con.execute(f"CREATE TABLE IF NOT EXISTS runs ({cols})")
+            if con.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION:
+                return
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Create the tables, or bring an older schema up to :data:`SCHEMA_VERSION` (under the
+        write lock: processes opening the file at once migrate it once).
+
+        Raises:
+            RegistryError: the file's schema is newer than this llmforge's.
+        """
+        with self.transaction() as con:
+            version = con.execute("PRAGMA user_version").fetchone()[0]
+            exists = con.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'runs'").fetchone()
+            if version > SCHEMA_VERSION:
+                raise RegistryError(f"{self.path}: runs registry schema {version} is newer than this "
+                                    f"llmforge's ({SCHEMA_VERSION}); upgrade llmforge (pip install -U llmforge)")
+            if not exists:
+                cols = ", ".join(f"{k} {v}" for k, v in _COLUMNS.items())
+                con.execute(f"CREATE TABLE runs ({cols})")
+            else:
+                for step in range(max(version, 1) + 1, SCHEMA_VERSION + 1):
+                    for sql in MIGRATIONS[step]:
+                        con.execute(sql)
             con.execute("CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
                         "run_id TEXT NOT NULL, time REAL NOT NULL, kind TEXT NOT NULL, detail TEXT)")
             con.execute("CREATE INDEX IF NOT EXISTS events_run ON events(run_id)")
+            con.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     # ------------------------------------------------------------ plumbing
     @contextmanager

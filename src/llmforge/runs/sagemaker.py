@@ -7,22 +7,72 @@ the training image (``image_uri``, built from ``docker/Dockerfile``), ``instance
 ``src/llmforge/runs/sagemaker_entry.py`` as the entry point, and the data channels. The run
 directory is ``/opt/ml/checkpoints/<run.name>``, synced to ``checkpoint_s3_uri``. Secret values
 are added to ``environment`` in memory at submit time only; the definition printed or written
-lists their names. The ``sagemaker`` SDK is needed to submit (``pip install sagemaker``), not to
-print the definition.
+lists their names. Each data channel SageMaker mounts (``SM_CHANNEL_<NAME>``) becomes the config
+key that ``channel_keys`` names (``train`` -> ``data.path`` by default). Submitting needs the
+SageMaker Python SDK 2.x (``pip install 'llmforge[sagemaker]'``, which pins ``sagemaker<3``: 3.x
+has no ``sagemaker.pytorch``); printing the definition needs nothing.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
 import os
 import shlex
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Dict, Optional
 
 from llmforge.errors import ConfigError, LLMForgeError
-from llmforge.runs.clusters import SageMakerCluster
+from llmforge.runs.backend import Backend
+from llmforge.runs.clusters import Cluster
+from llmforge.runs.registry import RunRecord
 
 ENTRY = Path(__file__).with_name("sagemaker_entry.py")
 SECRET_PLACEHOLDER = "<from the submitting environment>"
+SDK = "sagemaker>=2.200,<3"  # the pyproject extra; 3.x removed sagemaker.pytorch.PyTorch
+SAGEMAKER_GPUS = {  # instance type -> (GPUs, GPU type)
+    "ml.p3.16xlarge": (8, "V100"), "ml.p3dn.24xlarge": (8, "V100"), "ml.p4d.24xlarge": (8, "A100"),
+    "ml.p4de.24xlarge": (8, "A100-80GB"), "ml.p5.48xlarge": (8, "H100"), "ml.p5e.48xlarge": (8, "H200"),
+    "ml.p5en.48xlarge": (8, "H200"), "ml.g5.xlarge": (1, "A10G"), "ml.g5.12xlarge": (4, "A10G"),
+    "ml.g5.48xlarge": (8, "A10G"), "ml.g6.12xlarge": (4, "L4"), "ml.g6.48xlarge": (8, "L4"),
+}
+
+
+@dataclass
+class SageMakerCluster(Cluster):
+    """Amazon SageMaker training jobs (the ``sagemaker`` SDK 2.x, if installed, submits them)."""
+
+    instance_type: str = ""
+    """e.g. ml.p5.48xlarge; sets gpus_per_node and gpu_type for known types."""
+    instance_count: int = 1
+    """Default number of instances (nodes) when compute.nodes and compute.gpus do not say."""
+    image_uri: str = ""
+    """Training image (build it from docker/Dockerfile and push it to ECR)."""
+    role: str = ""
+    """IAM role ARN of the training job."""
+    channels: Dict[str, str] = field(default_factory=dict)
+    """Data channels: name -> s3:// URI (mounted under /opt/ml/input/data/NAME)."""
+    channel_keys: Dict[str, str] = field(default_factory=lambda: {"train": "data.path"})
+    """Channel name -> config key set to the files of its mounted folder (``<dir>/**/*.*``)."""
+    checkpoint_s3_uri: Optional[str] = None
+    """S3 prefix that /opt/ml/checkpoints (the run directory) is synced to."""
+    max_run_seconds: int = 86400
+    """Time limit of the job (seconds)."""
+    region: Optional[str] = None
+    """AWS region."""
+
+    required = ("instance_type", "image_uri", "role")
+
+    def finish(self, where: str) -> None:
+        super().finish(where)
+        if self.instance_type in SAGEMAKER_GPUS:
+            gpus, gpu_type = SAGEMAKER_GPUS[self.instance_type]
+            self.gpus_per_node = self.gpus_per_node or gpus
+            self.gpu_type = self.gpu_type or gpu_type
+
+    def default_world_size(self, cfg: Any, nodes: Optional[int]) -> int:
+        return self.slots_per_node * (nodes or self.instance_count)
 
 
 def estimator_definition(run_id: str, name: str, spec: dict[str, Any], cluster: SageMakerCluster) -> dict:
@@ -50,7 +100,9 @@ def estimator_definition(run_id: str, name: str, spec: dict[str, Any], cluster: 
         "instance_count": int(spec["nodes"]),
         "distribution": {"torch_distributed": {"enabled": True}},
         "hyperparameters": {"config": spec["config_path"],
-                            "overrides": shlex.join(spec.get("overrides", []))},
+                            "overrides": shlex.join(spec.get("overrides", [])),
+                            "channel_keys": json.dumps({k: v for k, v in cluster.channel_keys.items()
+                                                        if k in cluster.channels}, sort_keys=True)},
         "environment": env,
         "base_job_name": "".join(c if c.isalnum() else "-" for c in name)[:50].strip("-") or "llmforge",
         "max_run": cluster.max_run_seconds,
@@ -62,6 +114,34 @@ def estimator_definition(run_id: str, name: str, spec: dict[str, Any], cluster: 
     return definition
 
 
+def sdk_estimator() -> Any:
+    """``sagemaker.pytorch.PyTorch`` of the installed SDK.
+
+    Raises:
+        LLMForgeError: the SDK is missing, or it is 3.x (no ``sagemaker.pytorch``): the message
+            names the installed version and the install command that works.
+    """
+    try:
+        from sagemaker.pytorch import PyTorch
+
+        return PyTorch
+    except ImportError as exc:
+        try:
+            version: Optional[str] = importlib.metadata.version("sagemaker")
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+        fix = (f"pip install '{SDK}' (or pip install 'llmforge[sagemaker]'); --dry-run prints the "
+               "definition without it")
+        if version is None:
+            why = "the SageMaker Python SDK is not installed"
+        elif int(version.split(".")[0]) >= 3:
+            why = (f"sagemaker {version} is installed, but SDK 3.x has no sagemaker.pytorch (llmforge "
+                   "submits through SDK 2.x's sagemaker.pytorch.PyTorch)")
+        else:
+            why = f"sagemaker {version} is installed, but sagemaker.pytorch does not import ({exc})"
+        raise LLMForgeError(f"the sagemaker cluster type cannot submit: {why}; {fix}") from exc
+
+
 def submit(definition: dict, cluster: SageMakerCluster) -> str:
     """Build the estimator with the ``sagemaker`` SDK and start the job (no waiting); returns
     the training job name.
@@ -69,11 +149,7 @@ def submit(definition: dict, cluster: SageMakerCluster) -> str:
     Raises:
         LLMForgeError: the SDK is not installed, or SageMaker refuses the job.
     """
-    try:
-        from sagemaker.pytorch import PyTorch
-    except ImportError as exc:
-        raise LLMForgeError("the sagemaker cluster type needs the SageMaker SDK to submit: "
-                            "pip install sagemaker (--dry-run prints the definition without it)") from exc
+    PyTorch = sdk_estimator()
     kwargs = {k: v for k, v in definition.items() if k != "inputs"}
     kwargs["environment"] = {k: (os.environ[k] if v == SECRET_PLACEHOLDER else v)
                              for k, v in kwargs["environment"].items()}
@@ -99,3 +175,36 @@ def stop(job_name: str) -> None:
         raise LLMForgeError("pip install sagemaker (boto3) to stop SageMaker runs") from exc
     except Exception as exc:
         raise LLMForgeError(f"stopping SageMaker job {job_name} failed: {exc}") from exc
+
+
+class SageMakerBackend(Backend):
+    """``sagemaker``: a PyTorch estimator (:func:`estimator_definition`) started with the SDK 2.x."""
+
+    type = "sagemaker"
+    cluster_class = SageMakerCluster
+    uploads_workdir = True
+    job_label = "SageMaker job"
+    definition_file = "estimator.json"
+
+    def render(self, run_id: str, name: str, spec: dict[str, Any], resumption: int = 0) -> str:
+        definition = estimator_definition(run_id, name, spec, self.cluster)  # type: ignore[arg-type]
+        return json.dumps(definition, indent=2) + "\n"
+
+    def job_environment(self, spec: dict[str, Any], env: Any = None) -> dict[str, str]:
+        out = super().job_environment(spec, env)
+        out.update({f"SM_CHANNEL_{n.upper()}": f"/opt/ml/input/data/{n}"
+                    for n in getattr(self.cluster, "channels", {})})
+        return out
+
+    def start(self, path: Any, run: RunRecord) -> str:
+        return submit(json.loads(Path(path).read_text(encoding="utf-8")), self.cluster)  # type: ignore[arg-type]
+
+    def cancel(self, run: RunRecord, *, wait: bool = True, timeout: float = 180.0) -> bool:
+        stop(run.job_id or "")
+        return True
+
+    def logs_hint(self, run: RunRecord) -> str:
+        return "; see the job's CloudWatch logs"
+
+    def where(self) -> str:
+        return f"{self.cluster.instance_type} (SageMaker)"

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import os
 import shlex
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
 
 from llmforge.errors import LLMForgeError
-from llmforge.runs.clusters import SkyPilotCluster
-from llmforge.runs.slurm import train_args
+from llmforge.runs.backend import Backend, train_args
+from llmforge.runs.clusters import Cluster, ClusterError
+from llmforge.runs.registry import RunRecord
 
 # Task fields SkyPilot documents (docs: "SkyPilot YAML"); tests check the task uses only these.
 TASK_FIELDS = {"name", "workdir", "num_nodes", "resources", "envs", "secrets", "file_mounts", "setup",
@@ -27,6 +29,33 @@ RESOURCE_FIELDS = {"infra", "cloud", "region", "zone", "accelerators", "accelera
                    "memory", "instance_type", "use_spot", "disk_size", "disk_tier", "ports", "image_id",
                    "labels", "any_of", "ordered", "job_recovery", "autostop", "network_tier"}
 PORT = 29500
+
+
+@dataclass
+class SkyPilotCluster(Cluster):
+    """A cloud or Kubernetes cluster provisioned by SkyPilot (``pip install 'llmforge[launch]'``)."""
+
+    cloud: Optional[str] = None
+    """aws, gcp, azure, lambda, kubernetes, ... (null = SkyPilot chooses)."""
+    context: Optional[str] = None
+    """Kubernetes context (cloud: kubernetes)."""
+    accelerator: Optional[str] = None
+    """SkyPilot accelerator name, e.g. H100, A100-80GB."""
+    spot: bool = False
+    """Use spot/preemptible instances (SkyPilot recovers them)."""
+    region: Optional[str] = None
+    """Cloud region."""
+    cluster_name: Optional[str] = None
+    """SkyPilot cluster name; null = the run id."""
+    setup: str = "pip install ."
+    """Setup commands of the task (run once per node)."""
+
+    def finish(self, where: str) -> None:
+        super().finish(where)
+        if not self.gpu_type and self.accelerator:
+            self.gpu_type = self.accelerator
+        if self.gpus_per_node and not self.accelerator:
+            raise ClusterError(f"{where}: a skypilot cluster with gpus_per_node needs 'accelerator' (e.g. H100)")
 
 
 def task_dict(run_id: str, spec: dict[str, Any], cluster: SkyPilotCluster) -> dict[str, Any]:
@@ -114,3 +143,36 @@ def cancel(job: str) -> None:
             sky.stream_and_get(request)
     except Exception as exc:
         raise LLMForgeError(f"SkyPilot cancel of {job} failed: {exc}") from exc
+
+
+class SkyPilotBackend(Backend):
+    """``skypilot``: a task YAML (:func:`task_yaml`) launched through SkyPilot's Python API."""
+
+    type = "skypilot"
+    cluster_class = SkyPilotCluster
+    uploads_workdir = True
+    job_label = "SkyPilot job"
+    definition_file = "task.yaml"
+
+    def render(self, run_id: str, name: str, spec: dict[str, Any], resumption: int = 0) -> str:
+        return task_yaml(run_id, spec, self.cluster)  # type: ignore[arg-type]
+
+    def job_environment(self, spec: dict[str, Any], env: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+        out = super().job_environment(spec, env)
+        out.update({n: "<set by SkyPilot>" for n in ("SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS",
+                                                     "SKYPILOT_NUM_NODES", "SKYPILOT_NUM_GPUS_PER_NODE")})
+        return out
+
+    def start(self, path: Any, run: RunRecord) -> str:
+        return submit(str(path), run.id, run.spec, self.cluster)  # type: ignore[arg-type]
+
+    def cancel(self, run: RunRecord, *, wait: bool = True, timeout: float = 180.0) -> bool:
+        cancel(run.job_id or "")
+        return True
+
+    def logs_hint(self, run: RunRecord) -> str:
+        return f"; SkyPilot keeps its own: sky logs {str(run.job_id).split('/')[0]}"
+
+    def where(self) -> str:
+        c = self.cluster
+        return "/".join(str(x) for x in (c.cloud, c.context, c.region) if x) + (" spot" if c.spot else "")

@@ -4,20 +4,28 @@ One srun task per node runs torchrun (:mod:`llmforge.runs.torchrun`, torchrun's 
 with a c10d rendezvous on the first node's hostname. ``#SBATCH --signal=USR1@<s>`` makes SLURM
 send SIGUSR1 ``s`` seconds before the time limit: llmforge saves a checkpoint and exits 75, on
 which the script requeues the job (``--requeue``) and the next start continues with
-``checkpoint.resume=auto``. Credentials are forwarded by name only (``--export``; the values
-come from the submitting environment). Output: ``<run_dir>/logs/resumption-<k>.log``.
+``checkpoint.resume=auto``; while SLURM holds the requeued job the run shows ``pending``.
+Credentials are forwarded by name only (``--export``; the values come from the submitting
+environment). The nodes run the cluster's interpreter: ``python`` of the cluster definition,
+else ``python3`` as the job's PATH finds it (after ``setup`` has activated an environment, or
+the launching shell's activated venv, whose PATH is exported) — never the launching machine's
+absolute path. ``cpus_per_task`` defaults to one CPU per training process and per data worker.
+Output: ``<run_dir>/logs/resumption-<k>.log``.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
-import sys
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, List, Mapping, Optional
 
 from llmforge.errors import LLMForgeError
-from llmforge.runs.clusters import SlurmCluster
+from llmforge.runs.backend import JOB_VARIABLES, Backend, train_args
+from llmforge.runs.clusters import Cluster, ClusterError
+from llmforge.runs.registry import RunRecord
 
 # Non-secret variables a job needs from the submitting environment (exported by name if set).
 # sbatch passes only these (and the named secrets); srun inside uses --export=ALL so that the
@@ -26,11 +34,46 @@ ENV_NAMES = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "VIRTUAL_ENV", "CONDA_PRE
              "LD_LIBRARY_PATH", "LLMFORGE_CACHE", "HF_HOME", "HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE",
              "TOKENIZERS_PARALLELISM", "TORCHAO_FORCE_SKIP_LOADING_SO_FILES")
 
+# squeue states (``%T``) in which SLURM holds a job that does not run: a requeued job is here
+HELD = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "CONFIGURING"}
+RUNNING = {"RUNNING", "COMPLETING", "SIGNALING", "STAGE_OUT", "SUSPENDED", "RESIZING"}
 
-def train_args(spec: dict[str, Any]) -> list[str]:
-    """``-m llmforge train CONFIG OVERRIDES checkpoint.resume=auto`` (the part after torchrun's options)."""
-    return ["-m", "llmforge", "train", spec["config_path"], *spec.get("overrides", []),
-            "checkpoint.resume=auto"]
+
+@dataclass
+class SlurmCluster(Cluster):
+    """A SLURM cluster reached through ``sbatch`` on this machine."""
+
+    partition: Optional[str] = None
+    """Partition (``#SBATCH --partition``); null = the cluster's default."""
+    account: Optional[str] = None
+    """Account to charge (``#SBATCH --account``)."""
+    time_limit: Optional[str] = None
+    """Wall-time limit, e.g. ``24:00:00`` (``#SBATCH --time``)."""
+    cpus_per_task: Optional[int] = None
+    """CPUs per node task (``#SBATCH --cpus-per-task``); null = one per training process on the
+    node plus one per data worker of each (``data.num_workers``)."""
+    sbatch: List[str] = field(default_factory=list)
+    """Extra ``#SBATCH`` options, e.g. ``--qos=high``."""
+    setup: str = ""
+    """Shell lines run before training (e.g. ``module load cuda``, activating a venv)."""
+    signal_seconds: int = 120
+    """Seconds before the time limit at which SLURM sends SIGUSR1 (checkpoint, exit 75, requeue)."""
+    port: int = 29500
+    """Rendezvous port on the first node."""
+    python: Optional[str] = None
+    """Python interpreter on the nodes; null = ``python3`` from the job's PATH (after ``setup``)."""
+
+    def finish(self, where: str) -> None:
+        super().finish(where)
+        if self.cpus_per_task is not None and self.cpus_per_task < 1:
+            raise ClusterError(f"{where}.cpus_per_task: must be >= 1 (or null for the default)")
+
+
+def cpus_per_task(spec: dict[str, Any], cluster: SlurmCluster) -> int:
+    """``#SBATCH --cpus-per-task``: the cluster's, else processes per node x (1 + data workers)."""
+    if cluster.cpus_per_task:
+        return int(cluster.cpus_per_task)
+    return int(spec["procs_per_node"]) * (1 + int(spec.get("data_workers", 1)))
 
 
 def export_names(spec: dict[str, Any], env: Any = None) -> list[str]:
@@ -55,8 +98,7 @@ def sbatch_script(run_id: str, name: str, spec: dict[str, Any], cluster: SlurmCl
     if cluster.gpus_per_node:
         gres = f"{cluster.gpu_type}:{per_node}" if cluster.gpu_type else str(per_node)
         lines.append(f"#SBATCH --gpus-per-node={gres}")
-    if cluster.cpus_per_task:
-        lines.append(f"#SBATCH --cpus-per-task={cluster.cpus_per_task}")
+    lines.append(f"#SBATCH --cpus-per-task={cpus_per_task(spec, cluster)}")
     if cluster.time_limit:
         lines.append(f"#SBATCH --time={cluster.time_limit}")
     lines += [f"#SBATCH --signal=USR1@{cluster.signal_seconds}",
@@ -65,7 +107,7 @@ def sbatch_script(run_id: str, name: str, spec: dict[str, Any], cluster: SlurmCl
               f"#SBATCH --output={run_dir}/logs/slurm-%j.log",
               f"#SBATCH --export={','.join(export_names(spec)) or 'NONE'}"]
     lines += [f"#SBATCH {opt}" for opt in cluster.sbatch]
-    python = cluster.python or sys.executable
+    python = cluster.python or "python3"  # the node's, after setup: not this machine's path
     torchrun = [python, "-m", "llmforge.runs.torchrun", f"--nnodes={nodes}",
                 f"--nproc-per-node={per_node}", "--rdzv-backend=c10d"]
     command = " ".join(q(a) for a in torchrun)
@@ -126,6 +168,57 @@ def cancel(job_id: str) -> None:
         raise LLMForgeError("scancel not found: run this on a SLURM login node") from exc
     if out.returncode != 0:
         raise LLMForgeError(f"scancel {job_id}: {out.stderr.strip()}")
+
+
+def setup_variables(setup: str) -> list[str]:
+    """Names the cluster's ``setup`` lines assign or export (``export NAME=...``, ``NAME=...``)."""
+    return re.findall(r"(?m)(?:^|[;&|]\s*|\bexport\s+)([A-Za-z_][A-Za-z0-9_]*)=", setup or "")
+
+
+class SlurmBackend(Backend):
+    """``slurm``: an sbatch script (:func:`sbatch_script`) submitted with ``sbatch``."""
+
+    type = "slurm"
+    cluster_class = SlurmCluster
+    job_label = "SLURM job"
+    definition_file = "sbatch-{resumption}.sh"
+
+    def render(self, run_id: str, name: str, spec: dict[str, Any], resumption: int = 0) -> str:
+        return sbatch_script(run_id, name, spec, self.cluster, resumption)  # type: ignore[arg-type]
+
+    def job_environment(self, spec: dict[str, Any], env: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+        env = os.environ if env is None else env
+        out = {n: env.get(n, "") for n in export_names(spec, env)}
+        out.update({n: "<set by the job>" for n in (*JOB_VARIABLES, "LLMFORGE_BASE_RESUMPTION")})
+        setup = getattr(self.cluster, "setup", "")
+        out.update({n: "<set by setup>" for n in setup_variables(setup)})
+        return out
+
+    def start(self, path: Any, run: RunRecord) -> str:
+        return submit(str(path))
+
+    def poll(self, run: RunRecord) -> tuple[Optional[str], str]:
+        if not run.job_id:
+            return None, ""
+        state = job_state(run.job_id)
+        if state == "":
+            return "gone", f"SLURM job {run.job_id} left the queue without a final status"
+        if state.split()[0] in HELD:
+            return "pending", f"SLURM holds job {run.job_id} ({state})"
+        if state.split()[0] in RUNNING:
+            return "running", f"SLURM job {run.job_id} is {state}"
+        return None, ""
+
+    def cancel(self, run: RunRecord, *, wait: bool = True, timeout: float = 180.0) -> bool:
+        cancel(run.job_id or "")
+        return True
+
+    def logs_hint(self, run: RunRecord) -> str:
+        return f"; SLURM's own output: {run.run_dir}/logs/slurm-{run.job_id}.log" if run.job_id else ""
+
+    def where(self) -> str:
+        c = self.cluster
+        return " ".join(f"{k}={getattr(c, k)}" for k in ("partition", "account", "time_limit") if getattr(c, k))
 
 
 def job_state(job_id: str) -> str:

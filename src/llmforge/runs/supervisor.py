@@ -29,10 +29,10 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from llmforge.runs.registry import RunRecord, RunRegistry
+from llmforge.runs.registry import RunNotFound, RunRecord, RunRegistry
+from llmforge.signals import EXIT_PREEMPTED
 
 EXIT_CONFIG = 2
-EXIT_PREEMPTED = 75  # llmforge.callbacks.checkpointing.EXIT_PREEMPTED (not imported: no torch here)
 SHUTDOWN_TIMEOUT_S = 300
 
 
@@ -130,7 +130,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if len(args) != 1:
         print("usage: python -m llmforge.runs.supervisor RUN_ID", file=sys.stderr)
         return 2
-    return Supervisor(args[0]).supervise()
+    try:
+        return Supervisor(args[0]).supervise()
+    except RunNotFound:  # the record was deleted (runs delete --force): nothing left to report to
+        print(f"run {args[0]}: its record was deleted; the supervisor exits", file=sys.stderr)
+        return 0
 
 
 if __name__ == "__main__":

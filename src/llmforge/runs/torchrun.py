@@ -12,7 +12,9 @@ preemption (llmforge exits 75 after saving) from a crash. This runs torch's own 
   waited ``--shutdown-timeout`` seconds for them).
 
 SIGUSR1 — what SLURM sends before a time limit — is forwarded to every worker's process group
-(workers are session leaders) instead of killing the launcher.
+(workers are session leaders) instead of killing the launcher. A worker that has not installed
+llmforge's handlers yet (its interpreter is still starting) gets it once it has (within
+:data:`FORWARD_WAIT_S`), so a SIGUSR1 during startup stops it with exit 75 instead of killing it.
 """
 
 from __future__ import annotations
@@ -20,8 +22,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Optional, Sequence
+
+FORWARD_WAIT_S = 60.0
 
 
 def child_pids(pid: int) -> list[int]:
@@ -37,15 +43,40 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
-def _forward_usr1(signum: int, frame: object) -> None:
-    for child in child_pids(os.getpid()):
+def catches(pid: int, sig: int) -> Optional[bool]:
+    """Whether process ``pid`` has a handler for ``sig`` installed (``SigCgt`` in
+    /proc/PID/status); None where that cannot be read (no /proc, the process is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (int(sig) - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def forward(pids: Sequence[int], sig: int, deadline: float) -> list[int]:
+    """Send ``sig`` to each pid's process group (or the pid) once it catches ``sig``; those that
+    do not yet are retried every 0.2 s in a timer thread until ``deadline`` (monotonic seconds),
+    then sent anyway. Returns the pids left for later."""
+    later = [p for p in pids if catches(p, sig) is False and time.monotonic() < deadline]
+    for child in (p for p in pids if p not in later):
         try:
-            os.killpg(child, signal.SIGUSR1)
+            os.killpg(child, sig)
         except (ProcessLookupError, PermissionError):
             try:
-                os.kill(child, signal.SIGUSR1)
+                os.kill(child, sig)
             except ProcessLookupError:
                 pass
+    if later:
+        timer = threading.Timer(0.2, forward, (later, sig, deadline))
+        timer.daemon = True
+        timer.start()
+    return later
+
+
+def _forward_usr1(signum: int, frame: object) -> None:
+    forward(child_pids(os.getpid()), signal.SIGUSR1, time.monotonic() + FORWARD_WAIT_S)
 
 
 def exit_code(failures: dict) -> int:

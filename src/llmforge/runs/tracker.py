@@ -4,7 +4,7 @@
 environment has ``LLMFORGE_RUN_ID`` (set by ``llmforge launch`` for every backend). It marks
 the run ``running`` when training starts, records the last step and ``train/loss`` at every
 logged step, and at the end marks it ``completed``, ``stopped`` (the run saved and exits 75 on
-SIGTERM/SIGUSR1: :class:`~llmforge.callbacks.checkpointing.Preempted`) or ``failed`` (any other
+SIGTERM/SIGUSR1: :class:`~llmforge.signals.StopRequested`) or ``failed`` (any other
 exception, with its message). Registry errors are reported once and never stop training.
 """
 
@@ -82,10 +82,10 @@ class RunTracker(Callback):
                    f"training finished at step {trainer.global_step}", **fields)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        from llmforge.callbacks.checkpointing import Preempted
+        from llmforge.signals import StopRequested
 
         fields = {**self._progress(pl_module), "last_step": int(trainer.global_step)}  # steps done
-        if isinstance(exception, Preempted):
+        if isinstance(exception, StopRequested):  # saved and exits 75, or stopped before training
             self._safe(self.registry.set_status, self.run_id, "stopped", str(exception)[:500], **fields)
         else:
             msg = f"{type(exception).__name__}: {exception}"[:500]

@@ -1,0 +1,175 @@
+"""The launch backend protocol: one class per cluster type, registered by name like loggers.
+
+A backend turns a sized launch (the ``spec`` of :func:`llmforge.runs.launch.prepare`) into a
+running job and answers for it afterwards:
+
+==================  ==========================================================================
+method              does
+==================  ==========================================================================
+``render``          the text that is submitted (a command line, an sbatch script, a task YAML,
+                    an estimator definition); ``launch --dry-run`` prints it
+``submit``          writes the generated files under ``<run_dir>/launch/``, starts the job and
+                    returns ``{"pgid": ...}`` or ``{"job_id": ...}`` plus an event detail
+``poll``            the scheduler's view of a recorded job: ``pending``, ``running``, ``gone``
+                    (left without a final status) or None (nothing known)
+``cancel``          stops the job (the training saves and exits 75 on the signal it gets)
+``logs``            the job's log file for a resumption and where else its logs are
+``job_environment`` the names and values the job's processes will see (the launch loads the
+                    config in it, so an environment interpolation the job lacks is refused)
+==================  ==========================================================================
+
+Built-ins: ``local`` (:mod:`llmforge.runs.local`), ``slurm``, ``skypilot``, ``sagemaker``.
+Others register with ``@llmforge.registry.backends.register("name")`` or through the
+``llmforge.backends`` entry-point group, and a clusters.yaml entry may also name the backend by
+import path (``type: my_lab.k8s.KubeBackend``). See docs/backends.md.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from pathlib import Path
+from typing import Any, ClassVar, Mapping, Optional
+
+from llmforge.errors import LLMForgeError
+from llmforge.registry import backends
+from llmforge.runs.clusters import Cluster
+from llmforge.runs.registry import RunRecord
+
+BUILTIN = {"local": "llmforge.runs.local:LocalBackend", "slurm": "llmforge.runs.slurm:SlurmBackend",
+           "skypilot": "llmforge.runs.skypilot:SkyPilotBackend",
+           "sagemaker": "llmforge.runs.sagemaker:SageMakerBackend"}
+for _name, _target in BUILTIN.items():  # loaded on first use: no backend imports another's SDK
+    backends.register(_name, importlib.metadata.EntryPoint(_name, _target, "llmforge.backends"))
+
+# Set by every backend in the job's environment (never credentials).
+JOB_VARIABLES = ("LLMFORGE_RUN_ID", "LLMFORGE_HOME", "PYTHONUNBUFFERED")
+
+
+class Backend:
+    """Base class of launch backends (see the module doc for the protocol).
+
+    Args:
+        cluster: the cluster jobs go to; None when only a recorded run is looked after
+            (``poll``, ``cancel``, ``logs`` need only the run record).
+    """
+
+    type: ClassVar[str] = ""
+    """The ``type:`` of its clusters.yaml entries."""
+    cluster_class: ClassVar[type] = Cluster
+    """The dataclass of its clusters.yaml entries (its fields are the valid keys)."""
+    uploads_workdir: ClassVar[bool] = False
+    """The launch folder is uploaded (paths in the spec are relative to it; the run directory
+    is not on this machine, so it is not checked here)."""
+    job_label: ClassVar[str] = "job"
+    """How ``runs describe`` names the recorded job id."""
+    runs_here: ClassVar[bool] = False
+    """The job runs on this machine (its files are the job's files: ``launch`` checks that a
+    ``model.init_from`` folder exists; elsewhere a missing one is only noted)."""
+
+    def __init__(self, cluster: Optional[Cluster] = None) -> None:
+        self.cluster = cluster
+
+    def render(self, run_id: str, name: str, spec: dict[str, Any], resumption: int = 0) -> str:
+        """The definition text of the job (names of secrets only, never values)."""
+        raise NotImplementedError
+
+    definition_file: ClassVar[str] = ""
+    """Name of the rendered definition under ``<run_dir>/launch/`` (``{resumption}`` is filled)."""
+
+    def submit(self, run: RunRecord) -> tuple[dict[str, Any], str]:
+        """Start the job; returns the registry fields to record (``pgid`` or ``job_id``) and the
+        detail of the ``submitted`` event. By default: write :meth:`render`'s text to
+        ``<run_dir>/launch/<definition_file>`` and hand it to :meth:`start`.
+
+        Raises:
+            LLMForgeError: the scheduler or cloud refused the job (its message included).
+        """
+        path = files_dir(run.spec) / self.definition_file.format(resumption=run.resumptions)
+        path.write_text(self.render(run.id, run.name, run.spec, run.resumptions), encoding="utf-8")
+        job = self.start(path, run)
+        return {"job_id": job}, f"{self.job_label} {job} ({path})"
+
+    def start(self, path: Path, run: RunRecord) -> str:
+        """Submit the written definition ``path``; returns the scheduler's job id."""
+        raise NotImplementedError
+
+    def poll(self, run: RunRecord) -> tuple[Optional[str], str]:
+        """``(state, detail)``: ``pending``/``running`` while the scheduler holds the job,
+        ``gone`` when it left without the training recording a final status, None when nothing
+        is known (the training's own reports then stand)."""
+        return None, ""
+
+    def cancel(self, run: RunRecord, *, wait: bool = True, timeout: float = 180.0) -> bool:
+        """Stop the job; returns whether it has ended (False: signalled, not waited for).
+
+        Raises:
+            LLMForgeError: the scheduler refused, or processes outlived ``timeout`` seconds.
+        """
+        raise NotImplementedError
+
+    def logs(self, run: RunRecord, resumption: int) -> tuple[Path, str]:
+        """The log file of one resumption (it may not exist yet) and a hint naming where else
+        the job's output is (:meth:`logs_hint`)."""
+        return Path(run.run_dir or "") / "logs" / f"resumption-{resumption}.log", self.logs_hint(run)
+
+    def logs_hint(self, run: RunRecord) -> str:
+        """Where else the job's output is (``"; ..."``), or "" when the log file is all there is."""
+        return ""
+
+    def job_environment(self, spec: dict[str, Any], env: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+        """The environment the job's processes will have, as far as it is known here: the
+        forwarded secrets and the backend's own variables (values from ``env``)."""
+        env = os.environ if env is None else env
+        names = [*spec.get("secrets", []), *JOB_VARIABLES]
+        return {n: env.get(n, "<set by the job>") for n in names}
+
+    def where(self) -> str:
+        """The ``where`` column of ``llmforge clusters``."""
+        return "-"
+
+
+def train_args(spec: dict[str, Any]) -> list[str]:
+    """``-m llmforge train CONFIG OVERRIDES checkpoint.resume=auto``: what every backend runs after
+    torchrun's options (a restarted or requeued job continues from its newest checkpoint)."""
+    return ["-m", "llmforge", "train", spec["config_path"], *spec.get("overrides", []),
+            "checkpoint.resume=auto"]
+
+
+def files_dir(spec: dict[str, Any]) -> Path:
+    """``<run_dir>/launch`` for generated files (``logs/`` too: SLURM opens its output file there)."""
+    out = Path(spec["run_dir"]) / "launch"
+    out.mkdir(parents=True, exist_ok=True)
+    (out.parent / "logs").mkdir(exist_ok=True)
+    return out
+
+
+def backend_class(kind: str, *, key: str = "type") -> type[Backend]:
+    """The backend class registered as ``kind`` (or at that import path).
+
+    Raises:
+        ConfigError: unknown name (the message lists the registered ones).
+    """
+    cls = backends.get(kind, key=key)
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        from llmforge.errors import ConfigError
+
+        raise ConfigError(f"{key}: {kind!r} is not a llmforge.runs.backend.Backend subclass")
+    return cls
+
+
+def backend_for(cluster: Cluster) -> Backend:
+    """The backend that runs jobs on ``cluster``."""
+    return backend_class(cluster.type)(cluster)
+
+
+def backend_of(run: RunRecord) -> Backend:
+    """The backend of a recorded run (no cluster: clusters.yaml may have changed since).
+
+    Raises:
+        LLMForgeError: the run's backend is no longer installed.
+    """
+    try:
+        return backend_class(run.kind)(None)
+    except LLMForgeError as exc:
+        raise LLMForgeError(f"run {run.id}: its backend {run.kind!r} is not available here: {exc}") from exc

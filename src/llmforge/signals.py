@@ -1,0 +1,143 @@
+"""Stop signals, owned by llmforge from the start of the process to its end.
+
+``llmforge train`` calls :func:`install` before anything heavy is imported, so SIGTERM, SIGUSR1
+(what schedulers send before preemption or a time limit: SLURM's ``--signal=USR1@s``) and
+SIGINT (Ctrl-C) are llmforge's from the first moment. What a signal does depends on the phase:
+
+===========================  =====================================================================
+phase                        a stop signal
+===========================  =====================================================================
+startup (imports, data,      raises :class:`StoppedBeforeTraining` at once: nothing has been
+tokenizer, model, until the  trained, so nothing needs saving and nothing written before is
+resume checkpoint loaded)    touched; exit code 75 (SIGTERM/SIGUSR1: a scheduler requeues) or
+                             130 (SIGINT); a launched run's status becomes ``stopped``
+training (from               only recorded: the Checkpointer finishes the optimizer step, saves
+:func:`training_started`)    and raises :class:`~llmforge.callbacks.checkpointing.Preempted` (exit
+                             75, or 130 for SIGINT); a second SIGINT stops at once, unsaved
+after training               ignored (the final checkpoint is written; the run completes), a
+(:func:`training_ended`)     SIGINT raises ``KeyboardInterrupt``
+===========================  =====================================================================
+
+Lightning installs its own SIGTERM handler at the start of every ``fit`` (it exits 0 without a
+checkpoint); :func:`own` turns that off for one ``lightning.Trainer`` so llmforge's handler is the
+one that runs throughout. This module imports only the standard library.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any, Optional
+
+from llmforge.errors import LLMForgeError
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again" (a scheduler requeues)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+
+
+class StopRequested(LLMForgeError):
+    """The run stopped on a stop signal; ``exit_code`` is 75 (SIGTERM/SIGUSR1) or 130 (SIGINT)."""
+
+    exit_code = EXIT_PREEMPTED
+
+    def __init__(self, message: str, exit_code: int = EXIT_PREEMPTED) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class StoppedBeforeTraining(StopRequested):
+    """A stop signal arrived before training started: nothing to save (exit 75 or 130)."""
+
+
+def exit_code_for(signum: Optional[int]) -> int:
+    """75 for SIGTERM/SIGUSR1 (and a stop seen on another rank: ``None``), 130 for SIGINT."""
+    return EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED
+
+
+class _State:
+    phase = "off"  # off | startup | training | finished
+    received: Optional[int] = None
+    previous: dict[int, Any] = {}  # handlers before install(); restored by uninstall()
+
+
+_state = _State()
+
+
+def _handler(signum: int, frame: Any) -> None:
+    phase, first = _state.phase, _state.received
+    if signum == signal.SIGINT and (first == signal.SIGINT or phase == "finished"):
+        raise KeyboardInterrupt  # a second Ctrl-C: stop now, without saving
+    if phase == "finished":
+        return
+    _state.received = first if first is not None else signum
+    if phase == "startup":
+        name = signal.Signals(signum).name
+        raise StoppedBeforeTraining(f"received {name} before training started: nothing to save "
+                                    f"(exit code {exit_code_for(signum)})", exit_code_for(signum))
+
+
+def install() -> bool:
+    """Own SIGTERM, SIGUSR1 and SIGINT from now on, in the startup phase. Idempotent (installed
+    already: nothing changes, a signal already received stays); returns whether this call
+    installed the handlers (False: already installed, or not the main thread, where Python
+    allows no handlers)."""
+    if _state.phase != "off":
+        return False
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    _state.previous = {sig: signal.signal(sig, _handler) for sig in STOP_SIGNALS}
+    _state.phase, _state.received = "startup", None
+    return True
+
+
+def uninstall() -> None:
+    """Give the signals back to the handlers that were there before :func:`install`."""
+    for sig, old in _state.previous.items():
+        signal.signal(sig, old)
+    _state.previous, _state.phase, _state.received = {}, "off", None
+
+
+def training_started() -> None:
+    """Enter the training phase (signals are recorded; see :func:`received`).
+
+    Raises:
+        StoppedBeforeTraining: a stop signal arrived during startup but its exception was
+            swallowed by library code on the way (a broad ``except Exception``).
+    """
+    first = _state.received
+    if first is not None and _state.phase == "startup":
+        raise StoppedBeforeTraining(f"received {signal.Signals(first).name} before training started: "
+                                    f"nothing to save (exit code {exit_code_for(first)})", exit_code_for(first))
+    _state.phase, _state.received = "training", None
+
+
+def training_ended() -> None:
+    """Enter the after-training phase (SIGTERM/SIGUSR1 ignored; the run completes)."""
+    if _state.phase != "off":
+        _state.phase = "finished"
+
+
+def received() -> Optional[int]:
+    """The first stop signal of the training phase, or None."""
+    return _state.received if _state.phase == "training" else None
+
+
+def phase() -> str:
+    """``off``, ``startup``, ``training`` or ``finished``."""
+    return _state.phase
+
+
+def own(trainer: Any) -> None:
+    """Keep Lightning's SIGTERM handler out of ``trainer``'s ``fit`` (it would set its own flag
+    and exit 0 without saving, or, installed over ours, hide the signal from the Checkpointer).
+    Lightning installs it through the trainer's signal connector at every ``fit``; the connector
+    then has nothing to restore."""
+    connector = getattr(trainer, "_signal_connector", None)
+    if connector is not None and hasattr(connector, "register_signal_handlers"):
+        connector.register_signal_handlers = lambda: None
+
+
+__all__ = ["EXIT_INTERRUPTED", "EXIT_PREEMPTED", "STOP_SIGNALS", "StopRequested", "StoppedBeforeTraining",
+           "exit_code_for", "install", "own", "phase", "received", "training_ended", "training_started",
+           "uninstall"]

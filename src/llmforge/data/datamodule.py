@@ -25,9 +25,10 @@ from typing import Any, Optional
 import datasets
 import lightning as L
 import numpy as np
-from torch.utils.data import DataLoader
+from torch.utils.data import ConcatDataset, DataLoader
 
 from llmforge.data.loader import PositionedLoader
+from llmforge.data.mixture import MixtureSampler, MixtureWindows, PreparedMixture
 from llmforge.data.packing import PackedWindows, ShardedSampler, pack_documents, token_dtype
 from llmforge.data.prepared import PreparedSplits, PreparedWindows
 from llmforge.data.sources import DocumentSplits
@@ -124,7 +125,15 @@ class LLMDataModule(L.LightningDataModule):
                                                     rank, world, self.seed, shuffle=False,
                                                     repeat=False)
             return
-        if isinstance(self.docs, PreparedSplits):  # memory-mapped token shards, no tokenizing
+        if isinstance(self.docs, PreparedMixture):
+            parts = [PreparedWindows(p, "train", self.seq_len) for p in self.docs.parts]
+            for i, part in enumerate(parts):
+                if not len(part):
+                    raise DataError(f"data.mixture[{i}].path: {self.docs.parts[i].root} holds fewer "
+                                    f"tokens than one window of seq_len+1={self.seq_len + 1} per shard")
+            self.train_windows = MixtureWindows(parts)
+            n_tokens = self.train_tokens = sum(p.tokens for p in parts)
+        elif isinstance(self.docs, PreparedSplits):  # memory-mapped token shards, no tokenizing
             self.train_windows = PreparedWindows(self.docs, "train", self.seq_len)
             n_tokens = self.train_tokens = self.train_windows.tokens
         else:
@@ -139,8 +148,9 @@ class LLMDataModule(L.LightningDataModule):
                 f"rank ({world} ranks), but one optimizer step needs {self.local_batch_size} per "
                 "rank; use more text, a smaller trainer.seq_len or trainer.global_batch_size"
             )
-        if isinstance(self.docs, PreparedSplits):
-            val = PreparedWindows(self.docs, "val", self.seq_len)
+        if isinstance(self.docs, (PreparedSplits, PreparedMixture)):
+            parts = self.docs.parts if isinstance(self.docs, PreparedMixture) else [self.docs]
+            val = ConcatDataset([PreparedWindows(p, "val", self.seq_len) for p in parts])
             self.val_windows = val if len(val) >= world else None  # too few: no evaluation
         elif self.docs.val is not None:
             val_tokens = tokenize_documents(self.docs.val, self.tokenizer)
@@ -159,8 +169,14 @@ class LLMDataModule(L.LightningDataModule):
                       worker_init_fn=ignore_stop_signals if self.num_workers > 0 else None)
         if isinstance(self.train_windows, StreamingWindows):
             return self._streaming_loader(common)
-        sampler = ShardedSampler(len(self.train_windows), rank, world, self.seed,
-                                 start_step=self.start_step, local_batch=self.local_batch_size)
+        if isinstance(self.train_windows, MixtureWindows):
+            entries = self.docs.entries
+            sampler: Any = MixtureSampler([e["share"] for e in entries],
+                                          [len(p) for p in self.train_windows.parts], rank, world,
+                                          self.seed, self.start_step, self.local_batch_size)
+        else:
+            sampler = ShardedSampler(len(self.train_windows), rank, world, self.seed,
+                                     start_step=self.start_step, local_batch=self.local_batch_size)
         return DataLoader(self.train_windows, batch_size=self.local_batch_size, sampler=sampler,
                           drop_last=True, **common)
 

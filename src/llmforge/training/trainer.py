@@ -27,7 +27,8 @@ from llmforge.checkpoint import COMPLETE, latest_checkpoint, list_checkpoints, r
 from llmforge.checkpoint.init_from import apply_hf_shape
 from llmforge.config import config_to_dict, load_config, redact, save_config, validate
 from llmforge.data.datamodule import LLMDataModule
-from llmforge.data.prepared import PreparedSplits
+from llmforge.data.mixture import MixtureTokens, PreparedMixture
+from llmforge.data.prepared import PreparedSplits, check_tokenizer
 from llmforge.data.shakespeare import cache_root
 from llmforge.data.sources import DocumentSplits, hash_str, iter_texts, load_documents
 from llmforge.data.tokenizers import Tokenizer, build_tokenizer, check_vocab
@@ -321,8 +322,13 @@ class Trainer:
 
             return load_conversations(self.cfg.data, self.cfg.run.seed)
         if self.cfg.data.source == "prepared":
+            from llmforge.data.mixture import mixture_entries
             from llmforge.data.prepared import open_prepared
 
+            entries = mixture_entries(self.cfg)
+            if entries:
+                parts = [open_prepared(e["path"]) for e in entries]
+                return PreparedMixture(entries, parts)
             if not self.cfg.data.path:
                 raise ConfigError("data.source=prepared needs data.path, the folder written by "
                                   "`llmforge data prepare`")
@@ -334,6 +340,11 @@ class Trainer:
 
         A trained BPE is cached by :func:`tokenizer_cache_key`; a prepared source reads the
         tokenizer saved with its shards (see :meth:`_prepared_tokenizer`)."""
+        if isinstance(docs, PreparedMixture):
+            tok = self._prepared_tokenizer(docs.parts[0])
+            for entry, part in zip(docs.entries[1:], docs.parts[1:]):
+                check_tokenizer(part, tok, f"the tokenizer of data.mixture[0] ({docs.parts[0].root})")
+            return tok
         if isinstance(docs, PreparedSplits):
             return self._prepared_tokenizer(docs)
         max_bytes = self.cfg.tokenizer.train_max_bytes
@@ -355,7 +366,6 @@ class Trainer:
         Raises:
             DataError: the fingerprints differ (the shards would be read with other ids).
         """
-        from llmforge.data.prepared import check_tokenizer
         from llmforge.data.tokenizers import load_saved
 
         if self.cfg.tokenizer.type == "train_bpe":
@@ -493,6 +503,9 @@ class Trainer:
         if self.is_rank_zero():
             self.tokenizer.save(self.run_dir / "tokenizer")
         self.datamodule = self.build_datamodule(docs, self.tokenizer)
+        if isinstance(docs, PreparedMixture):  # data/<name>/tokens_seen in every logger's records
+            callbacks.append(MixtureTokens([e["name"] for e in docs.entries], [e["share"] for e in docs.entries],
+                                           self.cfg.run.seed, self.plan.global_batch_size, self.cfg.trainer.seq_len))
         self.module = self.build_module()
         self.lightning = self.build_lightning_trainer(callbacks, loggers)
 

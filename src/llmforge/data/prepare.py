@@ -166,7 +166,8 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
     if workers > 1:
         import multiprocessing as mp
 
-        pool = mp.get_context("spawn").Pool(workers, _init_worker, (str(out / "tokenizer"),))
+        # fork: starts in milliseconds and works from any __main__ (spawn re-imports it)
+        pool = mp.get_context("fork").Pool(workers, _init_worker, (str(out / "tokenizer"),))
     try:
         if bar is not None:
             bar.start()

@@ -99,7 +99,8 @@ class StreamingWindows(IterableDataset):
             self.docs.set_epoch(epoch)
             # datasets applies a loaded position only to the pass of the epoch it was saved in
             self.docs.load_state_dict(state["docs"] if state["docs"] is not None else None)
-            whole_pass, produced = state["docs"] is None and state["block"] == 0, 0
+            whole_pass = state["docs"] is None and state["block"] == 0 and state["yielded"] == 0
+            produced = 0
             rows = iter(self.docs)
             while True:
                 texts = [row["text"] for _, row in zip(range(self.block_docs), rows)]

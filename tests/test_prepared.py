@@ -142,6 +142,11 @@ def test_damaged_prepared_folder_exits_2_naming_the_file(prepared, tmp_path, cap
     assert not (tmp_path / "runs" / "p").exists()  # nothing written
 
 
+def test_object_store_path_exits_2_with_the_reason(tmp_path, capsys):
+    code, err = train(tmp_path, capsys, "data.path=s3://bucket/tokens")
+    assert code == 2 and "copy it to local disk first" in err, err
+
+
 def test_another_tokenizer_exits_2_before_training(prepared, tmp_path, capsys):
     from llmforge.data.tokenizers import train_bpe_tokenizer
 

@@ -115,6 +115,10 @@ def open_prepared(root: str | Path, verify: bool = True) -> PreparedSplits:
         DataError: missing or incomplete manifest, a missing, truncated or corrupt shard (the
             message names the file), or no training tokens.
     """
+    if "://" in str(root):
+        raise DataError(f"data.path: {root}: prepared corpora are read from a local or mounted "
+                        "folder (memory-mapped); copy it to local disk first (object stores are "
+                        "not supported yet)")
     root = Path(root)
     manifest = read_manifest(root)
     itemsize = np.dtype(manifest["dtype"]).itemsize

@@ -114,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("--height", type=int, default=600, help="image height in pixels")
     rp.add_argument("--log-y", action="store_true", help="logarithmic y axis")
     rp.add_argument("--debug", action="store_true", help="show tracebacks")
+    from llmforge.data.commands import add_parser as add_data_parser  # data prepare
+
+    add_data_parser(sub)
     from llmforge.runs.commands import add_parsers  # launch, clusters, secrets, runs list/stop/...
 
     add_parsers(sub, runs_sub)
@@ -370,6 +373,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     handlers = {"train": cmd_train, "generate": cmd_generate, "algorithms": cmd_algorithms,
                 "runs": cmd_runs, "checkpoint": cmd_checkpoint, "convert": cmd_convert, "eval": cmd_eval}
     handlers.update(TOP_COMMANDS)  # launch, clusters, secrets
+    from llmforge.data.commands import cmd_data
+
+    handlers["data"] = cmd_data
     try:
         if args.command not in TOP_COMMANDS and getattr(args, "runs_command", None) not in RUN_COMMANDS:
             _quiet_libraries()  # run management imports neither datasets nor (mostly) torch

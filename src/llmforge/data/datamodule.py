@@ -10,21 +10,29 @@ evaluation at fixed optimizer steps, not Lightning's validation loop).
 
 Non-streaming sources are tokenized once in :meth:`LLMDataModule.setup` (the ``tokenizers``
 batch encoder runs on all cores) and sampled by :class:`ShardedSampler` in background workers;
-streaming sources are tokenized inside the DataLoader workers by :class:`StreamingWindows`.
+streaming sources are tokenized inside the DataLoader workers by :class:`StreamingWindows`,
+through torchdata's ``StatefulDataLoader``: :meth:`LLMDataModule.state_dict` is the position of
+every worker of this rank, saved in each checkpoint (``data/rank<R>.json``) and restored at
+resume without replaying the stream.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, Optional
 
 import datasets
 import lightning as L
 import numpy as np
-from torch.utils.data import DataLoader
+from torch.utils.data import ConcatDataset, DataLoader
 
-from llmforge.data.packing import (PackedWindows, ShardedSampler, StreamingWindows, pack_documents,
-                                   token_dtype)
+from llmforge.data.loader import PositionedLoader
+from llmforge.data.mixture import MixtureSampler, MixtureWindows, PreparedMixture
+from llmforge.data.packing import PackedWindows, ShardedSampler, pack_documents, token_dtype
+from llmforge.data.prepared import PreparedSplits, PreparedWindows
 from llmforge.data.sources import DocumentSplits
+from llmforge.data.streaming import StreamingWindows
 from llmforge.errors import DataError
 from llmforge.parallel.mesh import dp_coordinates
 
@@ -72,6 +80,8 @@ class LLMDataModule(L.LightningDataModule):
             group read the same data).
         start_step: optimizer steps already done (resume): the sampler continues at that
             global batch, whatever the data-parallel size was before.
+        resume_dir: the checkpoint resumed from; a streaming source continues at the loader
+            position saved there (``data/rank<R>.json``).
 
     Raises:
         DataError (at ``setup``): the training split holds fewer windows per rank than one
@@ -81,13 +91,15 @@ class LLMDataModule(L.LightningDataModule):
     def __init__(self, docs: DocumentSplits, tokenizer: Any, *, seq_len: int, local_batch_size: int,
                  micro_batch_size: int, eval_batches: int, seed: int, num_workers: int = 1,
                  dp_rank: Optional[int] = None, dp_size: Optional[int] = None,
-                 start_step: int = 0) -> None:
+                 start_step: int = 0, resume_dir: Optional[str | Path] = None) -> None:
         super().__init__()
         self.docs, self.tokenizer = docs, tokenizer
         self.seq_len, self.local_batch_size = seq_len, local_batch_size
         self.micro_batch_size, self.eval_batches = micro_batch_size, eval_batches
         self.seed, self.num_workers = seed, num_workers
         self.dp_rank, self.dp_size, self.start_step = dp_rank, dp_size, start_step
+        self.resume_dir = Path(resume_dir) if resume_dir else None
+        self.positioned: Optional[PositionedLoader] = None
         self.train_windows: Any = None
         self.val_windows: Any = None
         self.train_tokens = 0
@@ -105,26 +117,42 @@ class LLMDataModule(L.LightningDataModule):
             return
         rank, world = self._coords()
         self.dp_rank, self.dp_size = rank, world
-        if isinstance(self.docs.train, datasets.IterableDataset):
+        if isinstance(getattr(self.docs, "train", None), datasets.IterableDataset):
             self.train_windows = StreamingWindows(self.docs.train, self.tokenizer, self.seq_len,
                                                   rank, world, self.seed)
             if self.docs.val is not None:
                 self.val_windows = StreamingWindows(self.docs.val, self.tokenizer, self.seq_len,
-                                                    rank, world, self.seed, shuffle_buffer=None,
+                                                    rank, world, self.seed, shuffle=False,
                                                     repeat=False)
             return
-        tokens = tokenize_documents(self.docs.train, self.tokenizer)
-        self.train_tokens = len(tokens)
-        self.train_windows = PackedWindows(tokens, self.seq_len)
+        if isinstance(self.docs, PreparedMixture):
+            parts = [PreparedWindows(p, "train", self.seq_len) for p in self.docs.parts]
+            for i, part in enumerate(parts):
+                if not len(part):
+                    raise DataError(f"data.mixture[{i}].path: {self.docs.parts[i].root} holds fewer "
+                                    f"tokens than one window of seq_len+1={self.seq_len + 1} per shard")
+            self.train_windows = MixtureWindows(parts)
+            n_tokens = self.train_tokens = sum(p.tokens for p in parts)
+        elif isinstance(self.docs, PreparedSplits):  # memory-mapped token shards, no tokenizing
+            self.train_windows = PreparedWindows(self.docs, "train", self.seq_len)
+            n_tokens = self.train_tokens = self.train_windows.tokens
+        else:
+            tokens = tokenize_documents(self.docs.train, self.tokenizer)
+            n_tokens = self.train_tokens = len(tokens)
+            self.train_windows = PackedWindows(tokens, self.seq_len)
         per_rank = len(self.train_windows) // world
         if per_rank < self.local_batch_size:
             raise DataError(
-                f"data: the training split has {len(tokens):,} tokens = {len(self.train_windows)} "
+                f"data: the training split has {n_tokens:,} tokens = {len(self.train_windows)} "
                 f"windows of seq_len+1={self.seq_len + 1} tokens, {per_rank} per data-parallel "
                 f"rank ({world} ranks), but one optimizer step needs {self.local_batch_size} per "
                 "rank; use more text, a smaller trainer.seq_len or trainer.global_batch_size"
             )
-        if self.docs.val is not None:
+        if isinstance(self.docs, (PreparedSplits, PreparedMixture)):
+            parts = self.docs.parts if isinstance(self.docs, PreparedMixture) else [self.docs]
+            val = ConcatDataset([PreparedWindows(p, "val", self.seq_len) for p in parts])
+            self.val_windows = val if len(val) >= world else None  # too few: no evaluation
+        elif self.docs.val is not None:
             val_tokens = tokenize_documents(self.docs.val, self.tokenizer)
             self.val_windows = PackedWindows(val_tokens, self.seq_len)
             if len(self.val_windows) < world:
@@ -140,10 +168,15 @@ class LLMDataModule(L.LightningDataModule):
                       prefetch_factor=4 if self.num_workers > 0 else None,
                       worker_init_fn=ignore_stop_signals if self.num_workers > 0 else None)
         if isinstance(self.train_windows, StreamingWindows):
-            self.train_windows.skip = self.start_step * self.local_batch_size
-            return DataLoader(self.train_windows, batch_size=self.local_batch_size, **common)
-        sampler = ShardedSampler(len(self.train_windows), rank, world, self.seed,
-                                 start_step=self.start_step, local_batch=self.local_batch_size)
+            return self._streaming_loader(common)
+        if isinstance(self.train_windows, MixtureWindows):
+            entries = self.docs.entries
+            sampler: Any = MixtureSampler([e["share"] for e in entries],
+                                          [len(p) for p in self.train_windows.parts], rank, world,
+                                          self.seed, self.start_step, self.local_batch_size)
+        else:
+            sampler = ShardedSampler(len(self.train_windows), rank, world, self.seed,
+                                     start_step=self.start_step, local_batch=self.local_batch_size)
         return DataLoader(self.train_windows, batch_size=self.local_batch_size, sampler=sampler,
                           drop_last=True, **common)
 
@@ -161,3 +194,55 @@ class LLMDataModule(L.LightningDataModule):
         sampler = ShardedSampler(n, rank, world, shuffle=False, infinite=False,
                                  local_batch=n // world)
         return DataLoader(self.val_windows, batch_size=self.micro_batch_size, sampler=sampler)
+
+    # ------------------------------------------------- streaming position (checkpoints)
+    def _streaming_loader(self, common: dict) -> PositionedLoader:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        loader = StatefulDataLoader(self.train_windows, batch_size=self.local_batch_size, **common)
+        start = self._saved_position()
+        if start is not None:
+            loader.load_state_dict(start)
+        self.positioned = PositionedLoader(loader, start)
+        return self.positioned
+
+    def _saved_position(self) -> Optional[dict]:
+        """This rank's loader state from the resume checkpoint, or ``None`` (fresh stream) when
+        there is none or it was saved with another data-parallel size or worker count."""
+        if self.resume_dir is None:
+            return None
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        path = self.resume_dir / "data" / f"rank{rank}.json"
+        saved = json.loads(path.read_text()) if path.exists() else {}
+        now = {"dp_size": self.dp_size, "num_workers": self.num_workers}
+        then = {k: saved.get(k) for k in now}
+        if saved.get("loader") is not None and then == now:
+            return saved["loader"]
+        if rank == 0:
+            import sys
+
+            why = (f"it was saved with data-parallel size {then['dp_size']} and data.num_workers="
+                   f"{then['num_workers']}, this run has {now['dp_size']} and {now['num_workers']}"
+                   if saved else "it holds no streaming position (saved by an older llmforge)")
+            print(f"data: {self.resume_dir} cannot restore the streaming position ({why}); every "
+                  "rank restarts the stream from its beginning, so documents already trained on "
+                  "are seen again (disjoint between ranks)", file=sys.stderr, flush=True)
+        return None
+
+    def teardown(self, stage: Optional[str] = None) -> None:
+        if self.positioned is not None:
+            self.positioned.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's streaming position after the optimizer steps done so far (what a
+        checkpoint saves as ``data/rank<R>.json``): ``{"dp_rank", "dp_size", "num_workers",
+        "loader": StatefulDataLoader state}``. Empty for in-memory sources, whose position is
+        the step (:class:`ShardedSampler`)."""
+        if self.positioned is None:
+            return {}
+        trainer = getattr(self, "trainer", None)
+        step = trainer.global_step if trainer is not None else self.start_step
+        return {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "num_workers": self.num_workers,
+                "step": step, "loader": self.positioned.position(step - self.start_step)}

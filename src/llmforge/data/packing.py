@@ -8,11 +8,11 @@ labels ``w[1:]`` (the label shift), both ``seq_len`` tokens long.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Optional
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
+from torch.utils.data import Dataset, Sampler
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -126,74 +126,3 @@ class ShardedSampler(Sampler[int]):
             for i in perm[start:start + self.local_batch]:
                 yield int(i)
             step += 1
-
-
-class StreamingWindows(IterableDataset):
-    """Tokenize and pack a streaming ``datasets.IterableDataset`` on the fly (background workers).
-
-    Documents are split between data-parallel ranks with ``datasets.distributed.
-    split_dataset_by_node`` and between DataLoader workers by ``datasets`` itself; each yields
-    ``LongTensor[seq_len + 1]`` windows. The epoch repeats when the source ends.
-
-    Resume: ``skip`` windows (this rank's consumed samples) are read and dropped first. This is
-    exact when the data-parallel size and worker count are unchanged; with another size the
-    documents are split differently between ranks, so a resumed streaming run sees a different
-    (still disjoint per rank) continuation of the stream.
-    """
-
-    def __init__(self, docs: Any, tokenizer: Any, seq_len: int, rank: int = 0,
-                 world_size: int = 1, seed: int = 0, shuffle_buffer: Optional[int] = 1000,
-                 repeat: bool = True, encode_batch_size: int = 64) -> None:
-        from datasets.distributed import split_dataset_by_node
-
-        self.docs = split_dataset_by_node(docs, rank=rank, world_size=world_size)
-        if shuffle_buffer:
-            self.docs = self.docs.shuffle(seed=seed, buffer_size=shuffle_buffer)
-        self.tokenizer, self.seq_len, self.repeat = tokenizer, seq_len, repeat
-        self.encode_batch_size = encode_batch_size
-        self.skip = 0
-
-    def _texts(self) -> Iterator[Optional[list[str]]]:
-        """Batches of texts; ``None`` marks the end of each pass over the source."""
-        epoch = 0
-        while True:
-            self.docs.set_epoch(epoch)
-            batch: list[str] = []
-            for row in self.docs:
-                batch.append(row["text"])
-                if len(batch) == self.encode_batch_size:
-                    yield batch
-                    batch = []
-            if batch:
-                yield batch
-            yield None
-            if not self.repeat:
-                return
-            epoch += 1
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        _ = get_worker_info()  # datasets assigns shards to workers itself
-        tok, w = self.tokenizer, self.seq_len + 1
-        buf: list[int] = []
-        skip = self.skip
-        produced = 0
-        for texts in self._texts():
-            if texts is None:  # one pass over the source done
-                if produced == 0:
-                    from llmforge.errors import DataError
-
-                    raise DataError(f"data: one pass over the streaming source gave no complete window "
-                                    f"of seq_len+1={w} tokens; the source is empty or too small")
-                continue
-            for ids in tok.encode_batch(texts):
-                if ids:
-                    buf.append(tok.bos_id)
-                    buf.extend(ids)
-                    buf.append(tok.eos_id)
-            while len(buf) >= w:
-                produced += 1
-                if skip:
-                    skip -= 1
-                else:
-                    yield torch.tensor(buf[:w], dtype=torch.long)
-                del buf[:w]

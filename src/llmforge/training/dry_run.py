@@ -132,6 +132,9 @@ def dry_run_report(cfg: Any, plan: BatchPlan, device_memory_gib: Optional[float]
         f" + AdamW {mem.optimizer_bytes / GIB:.2f} GiB = {mem.total_bytes / GIB:.2f} GiB"
         f" ({cfg.trainer.precision}, sharded {mem.shards}x; activations not included)",
     ]
+    from llmforge.data.mixture import mixture_report
+
+    lines += mixture_report(cfg, plan.tokens_per_step)  # data.mixture: share and tokens per source
     if algorithms is None:
         from llmforge.algorithms.loading import build_algorithms
 

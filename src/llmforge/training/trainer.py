@@ -27,6 +27,8 @@ from llmforge.checkpoint import COMPLETE, latest_checkpoint, list_checkpoints, r
 from llmforge.checkpoint.init_from import apply_hf_shape
 from llmforge.config import config_to_dict, load_config, redact, save_config, validate
 from llmforge.data.datamodule import LLMDataModule
+from llmforge.data.mixture import MixtureTokens, PreparedMixture
+from llmforge.data.prepared import PreparedSplits, check_tokenizer
 from llmforge.data.shakespeare import cache_root
 from llmforge.data.sources import DocumentSplits, hash_str, iter_texts, load_documents
 from llmforge.data.tokenizers import Tokenizer, build_tokenizer, check_vocab
@@ -134,6 +136,15 @@ def truncate_metrics(path: Path, step: int) -> int:
         tmp.write_text("".join(x + "\n" for x in keep), encoding="utf-8")
         os.replace(tmp, path)
     return len(lines) - len(keep)
+
+
+def tokenizer_cache_key(cfg: Any, docs: Any) -> str:
+    """What determines a trained BPE (the cache key of ``tokenizer.type: train_bpe``): the
+    source, the held-out documents (seed, val_fraction, val_split) and the training-byte budget
+    (the vocabulary size is in the file name)."""
+    d = cfg.data
+    return hash_str(f"{docs.fingerprint}-{cfg.run.seed}-{d.val_fraction}-{d.val_split}-"
+                    f"{d.max_documents}-{cfg.tokenizer.train_max_bytes}")
 
 
 TOKENIZER_PROBE = "ROMEO. But, soft! what light through yonder window breaks? 0123456789 \u00e9\n"
@@ -310,23 +321,58 @@ class Trainer:
             from llmforge.data.sft import load_conversations
 
             return load_conversations(self.cfg.data, self.cfg.run.seed)
+        if self.cfg.data.source == "prepared":
+            from llmforge.data.mixture import mixture_entries
+            from llmforge.data.prepared import open_prepared
+
+            entries = mixture_entries(self.cfg)
+            if entries:
+                parts = [open_prepared(e["path"]) for e in entries]
+                return PreparedMixture(entries, parts)
+            if not self.cfg.data.path:
+                raise ConfigError("data.source=prepared needs data.path, the folder written by "
+                                  "`llmforge data prepare`")
+            return open_prepared(self.cfg.data.path)
         return load_documents(self.cfg.data, self.cfg.run.seed)
 
     def build_tokenizer(self, docs: DocumentSplits) -> Tokenizer:
         """Build (or train and cache) the tokenizer and check it fits the model.
 
-        A trained BPE is cached by what determines it: the source, the held-out documents (seed,
-        val_fraction, val_split) and the training-byte budget (vocab size is in the file name)."""
+        A trained BPE is cached by :func:`tokenizer_cache_key`; a prepared source reads the
+        tokenizer saved with its shards (see :meth:`_prepared_tokenizer`)."""
+        if isinstance(docs, PreparedMixture):
+            tok = self._prepared_tokenizer(docs.parts[0])
+            for entry, part in zip(docs.entries[1:], docs.parts[1:]):
+                check_tokenizer(part, tok, f"the tokenizer of data.mixture[0] ({docs.parts[0].root})")
+            return tok
+        if isinstance(docs, PreparedSplits):
+            return self._prepared_tokenizer(docs)
         max_bytes = self.cfg.tokenizer.train_max_bytes
-        d = self.cfg.data
-        key = hash_str(f"{docs.fingerprint}-{self.cfg.run.seed}-{d.val_fraction}-{d.val_split}-"
-                       f"{d.max_documents}-{max_bytes}")
+        key = tokenizer_cache_key(self.cfg, docs)
         if self.cfg.data.task == "sft":
             texts = lambda: (c.text for c in docs.train)  # noqa: E731 (sft: conversations)
         else:
             texts = lambda: iter_texts(docs.train, max_bytes)  # noqa: E731
         tok = build_tokenizer(self.cfg.tokenizer, texts,
                               cache_dir=cache_root() / "tokenizers", fingerprint=key)
+        check_vocab(tok, self.model_vocab_size())
+        check_init_from_tokenizer(tok, self.cfg.model.get("init_from"))
+        return tok
+
+    def _prepared_tokenizer(self, docs: PreparedSplits) -> Tokenizer:
+        """``data.source: prepared``: ``train_bpe`` means the tokenizer saved with the shards;
+        any other must write the same ids (fingerprint) as the one that wrote them.
+
+        Raises:
+            DataError: the fingerprints differ (the shards would be read with other ids).
+        """
+        from llmforge.data.tokenizers import load_saved
+
+        if self.cfg.tokenizer.type == "train_bpe":
+            tok = load_saved(docs.root / "tokenizer")
+        else:
+            tok = build_tokenizer(self.cfg.tokenizer, None, cache_dir=cache_root() / "tokenizers")
+        check_tokenizer(docs, tok, f"tokenizer.type={self.cfg.tokenizer.type}")
         check_vocab(tok, self.model_vocab_size())
         check_init_from_tokenizer(tok, self.cfg.model.get("init_from"))
         return tok
@@ -348,7 +394,7 @@ class Trainer:
             return SFTDataModule(docs, tokenizer, template=build_chat_template(d.chat_template, tokenizer),
                                  packed=d.packed, overlong=d.overlong,
                                  train_on_input=d.train_on_input, pad_id=d.pad_id, **common)
-        return LLMDataModule(docs, tokenizer, **common)
+        return LLMDataModule(docs, tokenizer, resume_dir=self.resume_path, **common)
 
     def build_module(self) -> Any:
         """Instantiate ``trainer.module`` (an :class:`LLMModule` or a subclass)."""
@@ -457,6 +503,9 @@ class Trainer:
         if self.is_rank_zero():
             self.tokenizer.save(self.run_dir / "tokenizer")
         self.datamodule = self.build_datamodule(docs, self.tokenizer)
+        if isinstance(docs, PreparedMixture):  # data/<name>/tokens_seen in every logger's records
+            callbacks.append(MixtureTokens([e["name"] for e in docs.entries], [e["share"] for e in docs.entries],
+                                           self.cfg.run.seed, self.plan.global_batch_size, self.cfg.trainer.seq_len))
         self.module = self.build_module()
         self.lightning = self.build_lightning_trainer(callbacks, loggers)
 

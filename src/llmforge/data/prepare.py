@@ -1,0 +1,223 @@
+"""``llmforge data prepare``: tokenize a corpus once into token shards (see
+:mod:`llmforge.data.prepared` for the layout and how runs read them).
+
+Documents are read lazily (``datasets`` streaming) in the order a run would read them, the
+validation documents held out as the run's ``data.val_fraction`` / ``data.val_split`` would,
+and cut into shards of ``docs_per_shard`` documents. Shards are tokenized by a pool of
+processes (one per core), each writing its shard to a temporary file that is renamed when
+whole; ``progress.json`` lists the finished shards, so an interrupted prepare started again
+keeps them and re-reads (without tokenizing) only their documents. ``manifest.json`` is
+written last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import numpy as np
+
+from llmforge.data.packing import pack_documents, token_dtype
+from llmforge.data.prepared import FORMAT, MANIFEST, file_sha256, tokenizer_fingerprint
+from llmforge.errors import DataError
+
+PROGRESS = "progress.json"
+
+_WORKER_TOK: Any = None
+
+
+def _init_worker(tokenizer_dir: str) -> None:
+    global _WORKER_TOK
+    from llmforge.data.tokenizers import load_saved
+
+    _WORKER_TOK = load_saved(tokenizer_dir)
+
+
+def write_shard(tok: Any, texts: list[str], path: Path) -> dict[str, Any]:
+    """Tokenize ``texts`` into ``path`` (``[BOS] doc [EOS]`` each, the smallest dtype), atomically.
+
+    Returns:
+        ``{"file", "tokens", "sha256", "documents", "bytes"}`` (bytes: UTF-8 text read).
+    """
+    arr = pack_documents(tok.encode_batch(texts), tok.bos_id, tok.eos_id, token_dtype(tok.vocab_size))
+    tmp = path.with_suffix(".tmp")
+    arr.tofile(tmp)
+    os.replace(tmp, path)
+    return {"file": f"{path.parent.name}/{path.name}", "tokens": int(len(arr)),
+            "sha256": file_sha256(path), "documents": len(texts),
+            "bytes": sum(len(t.encode("utf-8", "replace")) for t in texts)}
+
+
+def _pool_shard(args: tuple[list[str], str]) -> dict[str, Any]:
+    return write_shard(_WORKER_TOK, args[0], Path(args[1]))
+
+
+def _blocks(ds: Any, size: int) -> Iterator[list[str]]:
+    block: list[str] = []
+    for row in ds:
+        block.append(row["text"])
+        if len(block) == size:
+            yield block
+            block = []
+    if block:
+        yield block
+
+
+def source_files(cfg: Any) -> list[dict[str, Any]]:
+    """``[{path, bytes, sha256}]`` of a ``files`` source (a hub dataset: its name)."""
+    if cfg.data.source != "files":
+        return [{"path": f"{cfg.data.source}:{cfg.data.path or ''}:{cfg.data.name or ''}"}]
+    from llmforge.data.sources import _resolve_files
+
+    return [{"path": f, "bytes": os.path.getsize(f), "sha256": file_sha256(Path(f))}
+            for f in _resolve_files(cfg.data)]
+
+
+def _atomic_json(path: Path, value: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value, indent=1))
+    os.replace(tmp, path)
+
+
+def _check_out(out: Path, key: dict[str, Any]) -> dict[str, list]:
+    """Finished shards of an interrupted prepare of the same source and tokenizer, or ``{}``.
+
+    Raises:
+        DataError: OUT holds something else (another corpus, another tokenizer, other files).
+    """
+    if not out.exists() or not any(out.iterdir()):
+        return {}
+    progress = out / PROGRESS
+    if progress.exists():
+        saved = json.loads(progress.read_text())
+        if saved.get("key") == key:
+            return saved["splits"]
+        raise DataError(f"{out} holds an interrupted prepare of another source, tokenizer or "
+                        "--docs-per-shard; choose another folder or delete it")
+    if (out / MANIFEST).exists():
+        raise DataError(f"{out} already holds a prepared corpus ({out / MANIFEST}); choose "
+                        "another folder or delete it")
+    raise DataError(f"{out} exists and is not empty; choose an empty or new folder")
+
+
+def _progress_bar(total_bytes: Optional[int]) -> Any:
+    from rich.progress import (BarColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                    TextColumn("{task.fields[docs]:,} docs  {task.fields[tokens]:,} tokens  "
+                               "{task.fields[mbps]:.1f} MB/s"),
+                    TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                    transient=False)
+
+
+def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
+            docs_per_shard: int = 10_000, show_progress: bool = True) -> dict[str, Any]:
+    """Tokenize ``cfg.data`` with the run's tokenizer (``cfg.tokenizer``) into ``out``.
+
+    Args:
+        cfg: a resolved run config (:func:`llmforge.config.load_config`).
+        out: output folder (new, empty, or an interrupted prepare of the same inputs).
+        workers: tokenizing processes; ``None`` = every core; 1 = in this process.
+        docs_per_shard: documents per shard file.
+        show_progress: draw a rich progress bar (documents, tokens, MB/s, ETA) on stderr.
+
+    Returns:
+        The manifest (also written as ``out/manifest.json``).
+
+    Raises:
+        DataError: the source is empty or unreadable, ``out`` holds something else, or
+            ``docs_per_shard < 1``.
+    """
+    from llmforge.data.sources import iter_texts, load_documents
+    from llmforge.training.trainer import tokenizer_cache_key
+
+    if docs_per_shard < 1:
+        raise DataError(f"--docs-per-shard must be >= 1, got {docs_per_shard}")
+    out = Path(out)
+    cfg.data.streaming = True  # read lazily: a corpus never sits in memory
+    docs = load_documents(cfg.data, cfg.run.seed)
+    if next(iter(docs.train), None) is None:
+        raise DataError(f"data: the source ({cfg.data.source} {cfg.data.path or ''}) holds no "
+                        f"non-empty document; nothing was written to {out}")
+    from llmforge.data.shakespeare import cache_root
+    from llmforge.data.tokenizers import build_tokenizer
+
+    tok = build_tokenizer(cfg.tokenizer, lambda: iter_texts(docs.train, cfg.tokenizer.train_max_bytes),
+                          cache_dir=cache_root() / "tokenizers", fingerprint=tokenizer_cache_key(cfg, docs))
+    sources = source_files(cfg)
+    fp = tokenizer_fingerprint(tok)
+    key = {"fingerprint": fp, "sources": sources, "docs_per_shard": docs_per_shard,
+           "seed": cfg.run.seed, "val_fraction": cfg.data.val_fraction, "split": cfg.data.split,
+           "val_split": cfg.data.val_split, "max_documents": cfg.data.max_documents}
+    done = _check_out(out, key)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(out / "tokenizer")
+    total = sum(s.get("bytes", 0) for s in sources) or None
+    workers = workers or os.cpu_count() or 1
+    splits: dict[str, list] = {"train": list(done.get("train", [])), "val": list(done.get("val", []))}
+    bar = _progress_bar(total) if show_progress else None
+    start = time.perf_counter()
+    seen = {"docs": 0, "tokens": 0, "bytes": 0}
+    pool = None
+    if workers > 1:
+        import multiprocessing as mp
+
+        # fork: starts in milliseconds and works from any __main__ (spawn re-imports it)
+        pool = mp.get_context("fork").Pool(workers, _init_worker, (str(out / "tokenizer"),))
+    try:
+        if bar is not None:
+            bar.start()
+            task = bar.add_task("prepare", total=total, docs=0, tokens=0, mbps=0.0)
+
+        def record(entry: dict[str, Any], split: str) -> None:
+            splits[split].append(entry)
+            _atomic_json(out / PROGRESS, {"key": key, "splits": splits})
+            for k, v in (("docs", entry["documents"]), ("tokens", entry["tokens"]), ("bytes", entry["bytes"])):
+                seen[k] += v
+            if bar is not None:
+                mbps = seen["bytes"] / 1e6 / max(time.perf_counter() - start, 1e-9)
+                bar.update(task, completed=seen["bytes"], docs=seen["docs"], tokens=seen["tokens"], mbps=mbps)
+
+        for split, ds in (("train", docs.train), ("val", docs.val)):
+            if ds is None:
+                continue
+            (out / split).mkdir(exist_ok=True)
+            finished = len(splits[split])
+            pending: list = []
+            for k, texts in enumerate(_blocks(ds, docs_per_shard)):
+                if k < finished:
+                    continue  # written by the interrupted run: its documents are only re-read
+                path = out / split / f"shard_{k:05d}.bin"
+                if pool is None:
+                    record(write_shard(tok, texts, path), split)
+                    continue
+                pending.append(pool.apply_async(_pool_shard, ((texts, str(path)),)))
+                while len(pending) >= 2 * workers or (pending and pending[0].ready()):
+                    record(pending.pop(0).get(), split)  # in order: progress lists a prefix
+            for p in pending:
+                record(p.get(), split)
+    finally:
+        if bar is not None:
+            bar.stop()
+        if pool is not None:
+            pool.terminate()
+    if not sum(s["tokens"] for s in splits["train"]):
+        raise DataError(f"data: the source gave no training tokens; {out} is not usable")
+    manifest = {
+        "format": FORMAT, "complete": True, "dtype": token_dtype(tok.vocab_size).name,
+        "tokenizer": {"fingerprint": fp, "vocab_size": tok.vocab_size, "bos_id": tok.bos_id,
+                      "eos_id": tok.eos_id, "type": cfg.tokenizer.type, "path": cfg.tokenizer.path},
+        "sources": sources, "seed": cfg.run.seed,
+        "splits": {name: {"documents": sum(s["documents"] for s in shards),
+                          "tokens": sum(s["tokens"] for s in shards),
+                          "shards": [{k: s[k] for k in ("file", "tokens", "sha256")} for s in shards]}
+                   for name, shards in splits.items() if shards},
+        "seconds": round(time.perf_counter() - start, 3),
+    }
+    _atomic_json(out / MANIFEST, manifest)
+    (out / PROGRESS).unlink(missing_ok=True)
+    return manifest

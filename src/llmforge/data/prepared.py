@@ -1,0 +1,181 @@
+"""Prepared token shards (``llmforge data prepare``): read memory-mapped, checked against their
+manifest, cut into windows.
+
+Layout of a prepared folder::
+
+    manifest.json        format, dtype, tokenizer fingerprint, documents and tokens per split,
+                         source files (size, sha256), shards (file, tokens, sha256), complete
+    tokenizer/           the tokenizer that wrote the shards (``Tokenizer.save``)
+    train/shard_NNNNN.bin, val/shard_NNNNN.bin
+                         raw token ids (``dtype``): ``[BOS] doc [EOS]`` per document, in order
+
+A shard is opened with ``numpy.memmap`` (read-only): the ranks of one node share the page
+cache, nothing is copied per rank. Window ``i`` of a split is window ``i - first[s]`` of shard
+``s`` (windows never cross shards; each shard's tail shorter than a window is dropped), so the
+window count and every window's content depend only on the files and ``seq_len``. The order
+and the resume position come from :class:`llmforge.data.packing.ShardedSampler` (global
+batches indexed by step): exact, O(1), and the same on any data-parallel size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from llmforge.errors import DataError
+
+MANIFEST = "manifest.json"
+FORMAT = "llmforge-tokens/1"
+FINGERPRINT_PROBE = ["ROMEO. But, soft! what light through yonder window breaks?",
+                     " 0123456789 \u00e9\u00e8 \u4e2d\u6587 \U0001f600\t\n  x", "def f(x):\n    return x ** 2\n"]
+
+
+def tokenizer_fingerprint(tok: Any) -> str:
+    """A hex digest of what decides the ids a tokenizer writes: vocabulary size, BOS/EOS ids and
+    the encoding of probe texts (ASCII, accents, CJK, emoji, whitespace, code)."""
+    ids = [tok.encode(t) for t in FINGERPRINT_PROBE]
+    blob = json.dumps([tok.vocab_size, tok.bos_id, tok.eos_id, ids]).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    """sha256 of a file, read in 4 MiB chunks (no copy of the file in memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_manifest(root: str | Path) -> dict[str, Any]:
+    """The manifest of a prepared folder.
+
+    Raises:
+        DataError: no manifest (not prepared), an unreadable one, or an interrupted prepare.
+    """
+    root = Path(root)
+    path = root / MANIFEST
+    if not path.exists():
+        raise DataError(f"data.path: {root} has no {MANIFEST}, so it is not a prepared corpus; "
+                        f"create it with `llmforge data prepare CONFIG_OR_SOURCE {root}`")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise DataError(f"data.path: {path} is not valid JSON ({exc}); run `llmforge data "
+                        "prepare` again into an empty folder") from exc
+    if manifest.get("format") != FORMAT:
+        raise DataError(f"data.path: {path} has format {manifest.get('format')!r}, expected "
+                        f"{FORMAT!r}; prepare the corpus again with this llmforge")
+    if not manifest.get("complete"):
+        raise DataError(f"data.path: {root} is an interrupted `llmforge data prepare`; run the "
+                        "same command again to finish it (finished shards are kept)")
+    return manifest
+
+
+@dataclass
+class PreparedSplits:
+    """A prepared folder as the data module's input (in place of documents)."""
+
+    root: Path
+    manifest: dict[str, Any]
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest["tokenizer"]["fingerprint"]
+
+
+def check_tokenizer(prepared: PreparedSplits, tok: Any, what: str) -> None:
+    """Refuse a tokenizer that writes other ids than the one that prepared the shards.
+
+    Raises:
+        DataError: the fingerprints (:func:`tokenizer_fingerprint`) differ.
+    """
+    have = tokenizer_fingerprint(tok)
+    if have != prepared.fingerprint:
+        saved = prepared.manifest["tokenizer"]
+        raise DataError(
+            f"tokenizer: {what} (fingerprint {have}, vocabulary {tok.vocab_size}) is not the "
+            f"tokenizer that prepared {prepared.root} (fingerprint {prepared.fingerprint}, "
+            f"vocabulary {saved['vocab_size']}, {saved['type']}); use tokenizer.type=train_bpe "
+            "to read the one saved with the shards, or prepare the corpus again with this one")
+
+
+def open_prepared(root: str | Path, verify: bool = True) -> PreparedSplits:
+    """Read and check a prepared folder: every shard exists with the manifest's size and, with
+    ``verify``, its sha256 (one sequential read per shard, at about disk speed).
+
+    Raises:
+        DataError: missing or incomplete manifest, a missing, truncated or corrupt shard (the
+            message names the file), or no training tokens.
+    """
+    if "://" in str(root):
+        raise DataError(f"data.path: {root}: prepared corpora are read from a local or mounted "
+                        "folder (memory-mapped); copy it to local disk first (object stores are "
+                        "not supported yet)")
+    root = Path(root)
+    manifest = read_manifest(root)
+    itemsize = np.dtype(manifest["dtype"]).itemsize
+    for split, info in manifest["splits"].items():
+        for shard in info["shards"]:
+            path = root / shard["file"]
+            want = shard["tokens"] * itemsize
+            if not path.exists():
+                raise DataError(f"data.path: shard {path} is missing; run `llmforge data prepare` "
+                                "again into this folder to rewrite it")
+            size = path.stat().st_size
+            if size != want:
+                raise DataError(f"data.path: shard {path} is truncated or damaged: {size:,} bytes, "
+                                f"the manifest says {want:,}; delete it and run `llmforge data "
+                                "prepare` again to rewrite it")
+            if verify and file_sha256(path) != shard["sha256"]:
+                raise DataError(f"data.path: shard {path} is corrupt (its sha256 differs from the "
+                                "manifest's); delete it and run `llmforge data prepare` again")
+    if not manifest["splits"].get("train", {}).get("tokens"):
+        raise DataError(f"data.path: {root} holds no training tokens; prepare a non-empty source")
+    return PreparedSplits(root, manifest)
+
+
+class PreparedWindows(Dataset):
+    """Map-style windows ``LongTensor[seq_len + 1]`` over the memory-mapped shards of one split.
+
+    Args:
+        prepared: an opened folder (:func:`open_prepared`).
+        split: ``train`` or ``val``.
+        seq_len: tokens per training sequence (windows hold ``seq_len + 1``).
+    """
+
+    def __init__(self, prepared: PreparedSplits, split: str, seq_len: int) -> None:
+        info = prepared.manifest["splits"].get(split) or {"shards": []}
+        self.dtype = np.dtype(prepared.manifest["dtype"])
+        self.paths = [prepared.root / s["file"] for s in info["shards"]]
+        self.window = seq_len + 1
+        counts = np.array([s["tokens"] // self.window for s in info["shards"]], dtype=np.int64)
+        self.first = np.concatenate([[0], np.cumsum(counts)])  # first window of each shard
+        self.tokens = int(sum(s["tokens"] for s in info["shards"]))
+        self._maps: dict[int, np.memmap] = {}
+
+    def __len__(self) -> int:
+        return int(self.first[-1])
+
+    def _shard(self, s: int) -> np.memmap:
+        m = self._maps.get(s)
+        if m is None:  # opened lazily: each loader worker maps the files itself
+            m = self._maps[s] = np.memmap(self.paths[s], dtype=self.dtype, mode="r")
+        return m
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        s = int(np.searchsorted(self.first, i, side="right")) - 1
+        lo = (i - int(self.first[s])) * self.window
+        return torch.from_numpy(self._shard(s)[lo:lo + self.window].astype(np.int64))
+
+    def __getstate__(self) -> dict:  # loader workers (spawn) map the files again
+        return {**self.__dict__, "_maps": {}}

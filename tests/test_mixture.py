@@ -1,0 +1,92 @@
+"""Weighted mixtures of prepared sources: shares held within 1%, deterministic, exact on resume
+and on another world size, per-source tokens in the metrics, bad weights exit 2."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO, TINY_OVERRIDES
+from llmforge.cli import main
+from llmforge.data.mixture import MixtureSampler
+
+DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
+
+
+def take(sampler: MixtureSampler, steps: int) -> list:
+    it = iter(sampler)
+    return [next(it) for _ in range(steps * sampler.local)]
+
+
+def test_shares_within_one_percent_over_10000_windows_and_fixed_by_seed():
+    shares = [0.5, 0.3, 0.15, 0.05]
+    got = take(MixtureSampler(shares, [97, 50, 31, 7], seed=3, local_batch=100), 100)
+    counts = np.bincount([s for s, _ in got], minlength=4) / len(got)
+    assert len(got) == 10_000 and np.abs(counts - shares).max() < 0.01, counts
+    assert got == take(MixtureSampler(shares, [97, 50, 31, 7], seed=3, local_batch=100), 100)
+    assert got != take(MixtureSampler(shares, [97, 50, 31, 7], seed=4, local_batch=100), 100)
+    # each source is read without repeats within its own epoch
+    first = [w for s, w in got if s == 3][:7]
+    assert sorted(first) == list(range(7))
+
+
+def test_resume_on_other_world_sizes_is_exact():
+    args = dict(shares=[0.7, 0.3], sizes=[40, 13], seed=5)
+    straight = take(MixtureSampler(**args, local_batch=8), 12)
+
+    def ranks(world, start, stop):
+        out = []
+        for step in range(start, stop):  # all ranks' samples of each step, in rank order
+            for r in range(world):
+                s = MixtureSampler(**args, rank=r, world_size=world, start_step=step,
+                                   local_batch=8 // world)
+                out += take(s, 1)
+        return out
+
+    assert ranks(2, 0, 4) + ranks(1, 4, 8) + ranks(4, 8, 12) == straight
+
+
+@pytest.mark.parametrize("weight", ["0", "-1", "nan"])
+def test_bad_weight_exits_2_naming_the_key(tmp_path, capsys, weight):
+    code = main(["train", DEMO, "data.source=prepared",
+                 f"data.mixture=[{{path: a, weight: 1}}, {{path: b, weight: {weight}}}]", "--dry-run"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: data.mixture[1].weight="), err
+    assert "finite number > 0" in err
+
+
+@pytest.fixture(scope="module")
+def two_sources(tmp_path_factory):
+    """Two prepared corpora written with one tokenizer."""
+    root = tmp_path_factory.mktemp("mix")
+    for name, word in (("books", "page"), ("code", "def")):
+        (root / name).mkdir()
+        rows = [{"text": f"{name} {d}: " + " ".join(f"{word}{(d + i) % 50}" for i in range(30))}
+                for d in range(80)]
+        (root / name / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = ["tokenizer.vocab_size=1024"]
+    assert main(["data", "prepare", str(root / "books" / "a.jsonl"), str(root / "p-books"), *tok,
+                 "--workers", "1"]) == 0
+    shared = f"tokenizer.path={root / 'p-books' / 'tokenizer' / 'tokenizer.json'}"
+    assert main(["data", "prepare", str(root / "code" / "a.jsonl"), str(root / "p-code"),
+                 "tokenizer.type=huggingface", shared, "--workers", "1"]) == 0
+    return root
+
+
+def test_mixture_trains_logs_tokens_per_source_and_dry_run_shows_shares(two_sources, tmp_path, capsys):
+    mix = (f"data.mixture=[{{path: {two_sources / 'p-books'}, weight: 3, name: books}}, "
+           f"{{path: {two_sources / 'p-code'}, weight: 1, name: code}}]")
+    common = [DEMO, *TINY_OVERRIDES, "data.source=prepared", mix, f"run.output_dir={tmp_path}",
+              "trainer.max_steps=2", "trainer.log_every=1", "trainer.eval_every=0",
+              "trainer.eval_batches=1", "trainer.global_batch_size=8", "trainer.micro_batch_size=4"]
+    capsys.readouterr()
+    assert main(["train", *common, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "mixture         books: 75.0% share, ~384 tokens per step" in out
+    assert "mixture         code: 25.0% share, ~128 tokens per step" in out
+    assert main(["train", *common, "run.name=m"]) == 0, capsys.readouterr().err
+    rows = [json.loads(x) for x in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if "train/loss" in r][-1]
+    assert last["data/books/tokens_seen"] + last["data/code/tokens_seen"] == last["train/tokens_seen"]
+    assert last["data/books/tokens_seen"] >= last["data/code/tokens_seen"]

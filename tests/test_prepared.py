@@ -1,0 +1,210 @@
+"""`llmforge data prepare` and `data.source: prepared`: token shards written once, checked against
+their manifest, read memory-mapped; exact O(1) resume on any world size; bad input exits 2."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO, TINY_OVERRIDES
+from llmforge.cli import main
+
+DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
+TOK = ["tokenizer.vocab_size=1024", "tokenizer.train_max_bytes=2000000"]
+
+
+def write_corpus(folder: Path, files: int = 3, docs: int = 60) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in range(files):
+        rows = [{"text": f"file {f} document {d}: " + " ".join(f"w{(d * 7 + i) % 97}" for i in range(40))}
+                for d in range(docs)]
+        (folder / f"part{f}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(folder / "*.jsonl")
+
+
+def prepare(source: str, out: Path, *extra: str) -> int:
+    return main(["data", "prepare", source, str(out), *TOK, "--workers", "1", "--docs-per-shard", "25",
+                 *extra])
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """One corpus prepared once (in this process, shards of 25 documents)."""
+    root = tmp_path_factory.mktemp("prepared")
+    source = write_corpus(root / "corpus")
+    assert prepare(source, root / "tokens") == 0
+    return source, root / "tokens"
+
+
+def manifest(out: Path) -> dict:
+    return json.loads((out / "manifest.json").read_text())
+
+
+def test_shards_hold_the_runs_tokenization_and_the_manifest_counts(prepared):
+    from omegaconf import OmegaConf
+
+    from llmforge.config.schema import DataConfig
+    from llmforge.data.packing import pack_documents
+    from llmforge.data.prepared import tokenizer_fingerprint
+    from llmforge.data.sources import load_documents
+    from llmforge.data.tokenizers import load_saved
+
+    source, out = prepared
+    m = manifest(out)
+    tok = load_saved(out / "tokenizer")
+    assert m["tokenizer"]["fingerprint"] == tokenizer_fingerprint(tok)
+    assert [s["path"].rsplit("/", 1)[1] for s in m["sources"]] == ["part0.jsonl", "part1.jsonl", "part2.jsonl"]
+    assert all(len(s["sha256"]) == 64 and s["bytes"] > 0 for s in m["sources"])
+    cfg = OmegaConf.structured(DataConfig(source="files", path=source, streaming=True))
+    docs = load_documents(cfg, 1234)  # the documents and hold-out a run of this seed reads
+    for split, ds in (("train", docs.train), ("val", docs.val)):
+        want = pack_documents(tok.encode_batch([r["text"] for r in ds]), tok.bos_id, tok.eos_id)
+        got = np.concatenate([np.fromfile(out / s["file"], dtype=m["dtype"]) for s in m["splits"][split]["shards"]])
+        assert np.array_equal(got, want), split
+        assert m["splits"][split]["tokens"] == len(want)
+    assert m["splits"]["train"]["documents"] + m["splits"]["val"]["documents"] == 180
+    assert len(m["splits"]["train"]["shards"]) == -(-m["splits"]["train"]["documents"] // 25)
+
+
+def test_an_interrupted_prepare_keeps_its_shards_and_finishes(prepared, tmp_path, monkeypatch, capsys):
+    import llmforge.data.prepare as prep
+
+    source, reference = prepared
+    real, calls, stop = prep.write_shard, [], [True]
+
+    def flaky(tok, texts, path):
+        calls.append(path.name)
+        if len(calls) == 3 and stop[0]:
+            raise KeyboardInterrupt
+        return real(tok, texts, path)
+
+    monkeypatch.setattr(prep, "write_shard", flaky)
+    assert prepare(source, tmp_path / "t") == 130
+    assert not (tmp_path / "t" / "manifest.json").exists()
+    progress = json.loads((tmp_path / "t" / "progress.json").read_text())
+    assert [s["file"] for s in progress["splits"]["train"]] == ["train/shard_00000.bin", "train/shard_00001.bin"]
+    calls.clear()
+    stop[0] = False
+    assert prepare(source, tmp_path / "t") == 0
+    assert calls[:2] == ["shard_00002.bin", "shard_00003.bin"]  # the finished two are not redone
+    assert manifest(tmp_path / "t")["splits"] == manifest(reference)["splits"]
+    assert not (tmp_path / "t" / "progress.json").exists()
+    capsys.readouterr()
+
+
+def train(tmp_path, capsys, *extra):
+    code = main(["train", DEMO, *TINY_OVERRIDES, f"run.output_dir={tmp_path / 'runs'}", "run.name=p",
+                 "trainer.max_steps=2", "trainer.eval_every=0", "trainer.eval_batches=1",
+                 "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "data.source=prepared",
+                 *extra])
+    return code, capsys.readouterr().err
+
+
+def test_a_run_trains_from_prepared_shards(prepared, tmp_path, capsys):
+    code, err = train(tmp_path, capsys, f"data.path={prepared[1]}")
+    assert code == 0, err
+    rows = [json.loads(x) for x in (tmp_path / "runs" / "p" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2] and "eval/loss" in rows[-1]
+
+
+def _copy(prepared, tmp_path) -> Path:
+    out = tmp_path / "copy"
+    shutil.copytree(prepared[1], out)
+    return out
+
+
+@pytest.mark.parametrize("damage,words", [
+    ("manifest", ["has no manifest.json", "llmforge data prepare"]),
+    ("truncate", ["train/shard_00001.bin", "truncated"]),
+    ("corrupt", ["train/shard_00001.bin", "corrupt"]),
+    ("interrupted", ["interrupted", "run the same command again"]),
+])
+def test_damaged_prepared_folder_exits_2_naming_the_file(prepared, tmp_path, capsys, damage, words):
+    out = _copy(prepared, tmp_path)
+    shard = out / "train" / "shard_00001.bin"
+    if damage == "manifest":
+        (out / "manifest.json").unlink()
+    elif damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:-2])
+    elif damage == "corrupt":
+        data = bytearray(shard.read_bytes())
+        data[10] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    else:
+        m = manifest(out)
+        m["complete"] = False
+        (out / "manifest.json").write_text(json.dumps(m))
+    code, err = train(tmp_path, capsys, f"data.path={out}")
+    assert code == 2 and err.startswith("error: data.path: ") and "Traceback" not in err, err
+    assert all(w in err for w in words), err
+    assert not (tmp_path / "runs" / "p").exists()  # nothing written
+
+
+def test_object_store_path_exits_2_with_the_reason(tmp_path, capsys):
+    code, err = train(tmp_path, capsys, "data.path=s3://bucket/tokens")
+    assert code == 2 and "copy it to local disk first" in err, err
+
+
+def test_another_tokenizer_exits_2_before_training(prepared, tmp_path, capsys):
+    from llmforge.data.tokenizers import train_bpe_tokenizer
+
+    other = train_bpe_tokenizer(["another text entirely " * 50], 300, tmp_path / "tok", "other")
+    path = next((tmp_path / "tok").rglob("tokenizer.json"))
+    assert other.vocab_size <= 300
+    code, err = train(tmp_path, capsys, f"data.path={prepared[1]}", "tokenizer.type=huggingface",
+                      f"tokenizer.path={path}")
+    assert code == 2 and "error: tokenizer: tokenizer.type=huggingface" in err, err
+    assert f"is not the tokenizer that prepared {prepared[1]}" in err
+    assert not (tmp_path / "runs" / "p").exists()
+
+
+def test_bad_prepare_input_exits_2(tmp_path, capsys):
+    (tmp_path / "empty.jsonl").write_text('{"text": ""}\n{"text": "   "}\n')
+    assert prepare(str(tmp_path / "empty.jsonl"), tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert "holds no non-empty document" in err and not (tmp_path / "out").exists()
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    (tmp_path / "doc.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n{"text": "c"}\n')
+    assert prepare(str(tmp_path / "doc.jsonl"), tmp_path / "busy") == 2
+    assert "is not empty" in capsys.readouterr().err
+    assert (tmp_path / "busy" / "notes.txt").read_text() == "mine"
+    assert main(["data", "prepare", str(tmp_path / "doc.jsonl"), str(tmp_path / "o"), "--workers", "0"]) == 2
+    assert "--workers must be >= 1" in capsys.readouterr().err
+
+
+def consumed(prepared_dir: Path, world: int, start: int, stop: int) -> list[int]:
+    """Window ids the ranks of a ``world``-rank run read in steps [start, stop) after resuming at
+    ``start`` (each rank's data module, as its process builds it)."""
+    from llmforge.data.datamodule import LLMDataModule
+    from llmforge.data.prepared import open_prepared
+    from llmforge.data.tokenizers import load_saved
+
+    ids = []
+    for rank in range(world):
+        dm = LLMDataModule(open_prepared(prepared_dir), load_saved(prepared_dir / "tokenizer"), seq_len=15,
+                           local_batch_size=8 // world, micro_batch_size=1, eval_batches=1, seed=7,
+                           num_workers=0, dp_rank=rank, dp_size=world, start_step=start)
+        dm.setup()
+        loader = dm.train_dataloader()
+        order, batches = iter(loader.sampler), iter(loader)
+        for _ in range(start, stop):
+            rows = [next(order) for _ in range(8 // world)]
+            batch = next(batches)
+            assert all(np.array_equal(batch[j].numpy(), dm.train_windows[i].numpy()) for j, i in enumerate(rows))
+            ids += rows
+    return ids
+
+
+def test_resume_on_2_then_1_then_4_ranks_loses_and_repeats_no_window(prepared):
+    out = prepared[1]
+    straight = consumed(out, 1, 0, 30)  # 240 windows
+    resumed = consumed(out, 2, 0, 10) + consumed(out, 1, 10, 20) + consumed(out, 4, 20, 30)
+    assert sorted(resumed) == sorted(straight)
+    from llmforge.data.prepared import PreparedWindows, open_prepared
+
+    n = len(PreparedWindows(open_prepared(out), "train", 15))
+    first_epoch = straight[: n // 8 * 8]
+    assert len(set(first_epoch)) == len(first_epoch)  # no window twice within an epoch

@@ -72,13 +72,18 @@ def accepted(factory: Any, inject: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in inject.items() if k in params}
 
 
-def build_entries(reg: registry.Registry, section: str, entries: Any, **inject: Any) -> list[Any]:
+def build_entries(reg: registry.Registry, section: str, entries: Any, *, base: Any = None,
+                  **inject: Any) -> list[Any]:
     """Instantiate ``[{name: ..., **kwargs}]`` entries from a registry; ``inject`` (e.g. the run
     directory) goes to the factories whose signature accepts it (:func:`accepted`), and the
     entry's own keys win over it.
 
+    An import path must name a class (a subclass of ``base`` when given), checked before it is
+    called: ``{name: os.system, command: ...}`` must not run anything.
+
     Raises:
-        ConfigError: unknown name, or keyword arguments the class does not accept.
+        ConfigError: unknown name, an import path that is not such a class, or keyword
+            arguments the class does not accept.
     """
     out = []
     for i, entry in enumerate(entries):
@@ -86,6 +91,13 @@ def build_entries(reg: registry.Registry, section: str, entries: Any, **inject: 
         name = kwargs.pop("name")
         key = f"{section}[{i}]"
         factory = reg.get(name, key=f"{key}.name")
+        registered = name in reg.names()
+        if not registered and not isinstance(factory, type):
+            raise ConfigError(f"{key}.name: '{name}' is a {type(factory).__name__}, not a class; "
+                              f"name a class (e.g. 'my_pkg.module.MyClass')")
+        if base is not None and isinstance(factory, type) and not issubclass(factory, base):
+            raise ConfigError(f"{key} ({name}): {factory.__name__} is not a {base.__module__}."
+                              f"{base.__name__} (subclass it)")
         try:
             out.append(factory(**{**accepted(factory, inject), **kwargs}))
         except TypeError as exc:

@@ -53,7 +53,7 @@ class EMA(Algorithm):
         use_for_export: ``convert to-hf`` writes the averaged weights.
 
     Raises:
-        ConfigError: ``decay`` outside ``[0, 1)``.
+        ConfigError: ``decay`` outside ``[0, 1)``, or a ``use_for_*`` that is not a bool.
     """
 
     name = "ema"
@@ -63,8 +63,11 @@ class EMA(Algorithm):
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not (
                 math.isfinite(decay) and 0.0 <= decay < 1.0):
             raise ConfigError(f"algorithms: ema.decay={decay!r} must be in [0, 1) (e.g. 0.999)")
+        for key, value in (("use_for_eval", use_for_eval), ("use_for_export", use_for_export)):
+            if not isinstance(value, bool):  # bool("false") is True
+                raise ConfigError(f"algorithms: ema.{key}={value!r} must be true or false")
         self.decay = float(decay)
-        self.use_for_eval, self.use_for_export = bool(use_for_eval), bool(use_for_export)
+        self.use_for_eval, self.use_for_export = use_for_eval, use_for_export
         self.model: Optional[nn.Module] = None
         self.params: dict[str, nn.Parameter] = {}
         self.shadow: dict[str, torch.Tensor] = {}

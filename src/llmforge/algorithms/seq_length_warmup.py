@@ -48,7 +48,7 @@ class SeqLengthWarmup(Algorithm):
         step_size: lengths are multiples of it (>= 1).
 
     Raises:
-        ConfigError: a bad value, or ``min_seq_len`` above ``trainer.seq_len``.
+        ConfigError: a bad value, or ``min_seq_len`` or ``step_size`` above ``trainer.seq_len``.
     """
 
     name = "seq_length_warmup"
@@ -64,6 +64,9 @@ class SeqLengthWarmup(Algorithm):
         if self.min_seq_len > int(cfg.trainer.seq_len):
             raise ConfigError(f"algorithms: seq_length_warmup.min_seq_len={self.min_seq_len} exceeds "
                               f"trainer.seq_len={cfg.trainer.seq_len}; lower it")
+        if self.step_size > int(cfg.trainer.seq_len):  # every warmup length would be min_seq_len
+            raise ConfigError(f"algorithms: seq_length_warmup.step_size={self.step_size} exceeds "
+                              f"trainer.seq_len={cfg.trainer.seq_len}; lower it (e.g. 8)")
 
     def length(self, step: int, seq_len: int) -> int:
         """The sequence length (tokens) of optimizer step ``step`` (1-based)."""

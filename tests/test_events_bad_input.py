@@ -1,0 +1,115 @@
+"""Bad input to the event contract and its algorithms: each is one clear error before anything
+runs (in-process, no trainer; the CLI path is checked once with ``--dry-run``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from algo_harness import batches, make_cfg, make_module
+from conftest import REPO
+from llmforge.algorithms import Algorithm
+from llmforge.algorithms.loading import build_algorithms
+from llmforge.errors import ConfigError
+from llmforge.events import PluginError
+
+DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
+
+
+def shell_command(marker: str) -> int:
+    """A function, not a class: naming it as an algorithm must not call it."""
+    Path(marker).touch()
+    return 0
+
+
+class Typo(Algorithm):
+    name = "typo"
+
+    def after_los(self, state):  # misspelled after_loss: never called
+        raise AssertionError
+
+
+class Helper(Algorithm):
+    name = "helper"
+
+    def compute_scale(self):  # not close to any event: allowed
+        return 1.0
+
+
+class Raises(Algorithm):
+    name = "raises"
+
+    def after_loss(self, state):
+        raise RuntimeError("boom")
+
+
+class NonScalarLoss(Algorithm):
+    name = "non_scalar"
+
+    def after_loss(self, state):
+        state.loss = state.loss * torch.ones(3)
+
+
+class FloatLoss(Algorithm):
+    name = "float_loss"
+
+    def after_loss(self, state):
+        state.loss = state.loss.item()
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"name": "ema", "use_for_eval": "no"}, "ema.use_for_eval='no' must be true or false"),
+    ({"name": "ema", "use_for_export": "false"}, "ema.use_for_export='false' must be true or false"),
+    ({"name": "seq_length_warmup", "min_seq_len": 8, "step_size": 64},
+     "seq_length_warmup.step_size=64 exceeds trainer.seq_len=32"),
+    ({"name": "z_loss", "coef": True}, "z_loss.coef=True"),
+    ({"name": f"{__name__}.Typo"}, "Typo.after_los is not an event .* did you mean after_loss"),
+])
+def test_a_bad_algorithm_entry_is_one_config_error(entry, message):
+    with pytest.raises(ConfigError, match=message):
+        build_algorithms(make_cfg([entry]))
+
+
+def test_an_import_path_that_is_not_a_class_is_refused_before_it_is_called(tmp_path):
+    marker = tmp_path / "ran"
+    cfg = make_cfg([{"name": f"{__name__}.shell_command", "marker": str(marker)}])
+    with pytest.raises(ConfigError, match=r"algorithms\[0\].name: .*is a function, not a class"):
+        build_algorithms(cfg)
+    cfg = make_cfg([{"name": "collections.OrderedDict", "marker": str(marker)}])
+    with pytest.raises(ConfigError, match=r"OrderedDict is not a .*Algorithm"):
+        build_algorithms(cfg)
+    assert not marker.exists()
+    assert [type(a).__name__ for a in build_algorithms(make_cfg([{"name": f"{__name__}.Helper"}]))] == ["Helper"]
+
+
+def test_the_cli_refuses_a_function_as_an_algorithm_in_one_line(tmp_path, tiny_overrides, capsys):
+    from llmforge.cli import main
+
+    marker = tmp_path / "ran"
+    rc = main(["train", DEMO, *tiny_overrides, "--dry-run",
+               f"algorithms=[{{name: os.system, command: 'touch {marker}'}}]"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and not marker.exists()
+    assert err == ["error: algorithms[0].name: 'os.system' is a builtin_function_or_method, not a "
+                   "class; name a class (e.g. 'my_pkg.module.MyClass')"]
+
+
+@pytest.fixture(scope="module")
+def module():
+    return make_module([])
+
+
+@pytest.mark.parametrize("plugin, message", [
+    (Raises(), r"test_events_bad_input.Raises.after_loss \(step 0\) raised RuntimeError: boom"),
+    (NonScalarLoss(), r"state.loss after after_loss is a tensor of shape \[3\], not a scalar "
+                      r"tensor \(set by one of: test_events_bad_input.NonScalarLoss\)"),
+    (FloatLoss(), r"state.loss after after_loss is float, not a scalar tensor"),
+])
+def test_a_plugin_that_breaks_the_contract_is_named(module, plugin, message):
+    module.setup_events([plugin])
+    with pytest.raises(PluginError, match=message) as info:
+        module.forward_backward(batches(1, module.cfg.trainer.seq_len)[0])
+    assert info.value.exit_code == 1
+    module.setup_events([])

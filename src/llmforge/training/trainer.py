@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import lightning as L
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import Logger
 import torch
 from omegaconf import DictConfig
 
@@ -378,7 +380,7 @@ class Trainer:
         :class:`SpeedMonitor`) in ``callbacks:`` replaces the default one instead of adding a
         second."""
         ck = self.cfg.checkpoint
-        extra = build_entries(registry.callbacks, "callbacks", self.cfg.callbacks)
+        extra = build_entries(registry.callbacks, "callbacks", self.cfg.callbacks, base=Callback)
         speed = next((c for c in extra if isinstance(c, SpeedMonitor)), None)
         extra = [c for c in extra if c is not speed]
         cbs: list[Any] = [speed or SpeedMonitor()]
@@ -406,8 +408,8 @@ class Trainer:
         import llmforge.loggers  # noqa: F401  (registers the built-in loggers)
 
         config = redact(config_to_dict(self.cfg))
-        built = build_entries(registry.loggers, "loggers", self.cfg.loggers, run_dir=self.run_dir,
-                              run=self.cfg.run, config=config)
+        built = build_entries(registry.loggers, "loggers", self.cfg.loggers, base=Logger,
+                              run_dir=self.run_dir, run=self.cfg.run, config=config)
         for logger in built:
             logger.log_hyperparams(config)
         return built

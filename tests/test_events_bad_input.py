@@ -113,3 +113,39 @@ def test_a_plugin_that_breaks_the_contract_is_named(module, plugin, message):
         module.forward_backward(batches(1, module.cfg.trainer.seq_len)[0])
     assert info.value.exit_code == 1
     module.setup_events([])
+
+
+@pytest.mark.parametrize("uri, message", [
+    ("http://127.0.0.1:9/", "does not answer"),  # nothing listens on the discard port
+    ("bogus://x", "cannot be used"),
+])
+def test_an_unusable_mlflow_tracking_uri_is_one_config_error_not_minutes_of_retries(tmp_path, uri, message):
+    pytest.importorskip("mlflow")
+    from llmforge.loggers.mlflow import MLflowLogger
+
+    logger = MLflowLogger(run_dir=tmp_path, tracking_uri=uri)
+    with pytest.raises(ConfigError, match=rf"mlflow.tracking_uri='{uri}' {message}"):
+        logger.log_metrics({"train/loss": 1.0}, step=1)
+
+
+class KwargsLogger:
+    """Not a Lightning Logger: it would fail later with an AttributeError mid-run."""
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+
+def test_loggers_and_callbacks_by_import_path_must_be_lightning_classes(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger, Logger
+
+    from llmforge import registry
+    from llmforge.training.trainer import build_entries
+
+    with pytest.raises(ConfigError, match=r"loggers\[0\] \(.*KwargsLogger\): KwargsLogger is not a "
+                                          r"lightning.pytorch.loggers.logger.Logger"):
+        build_entries(registry.loggers, "loggers", [{"name": f"{__name__}.KwargsLogger"}], base=Logger,
+                      run_dir=tmp_path)
+    built = build_entries(registry.loggers, "loggers", [{"name": "lightning.pytorch.loggers.CSVLogger",
+                                                         "save_dir": str(tmp_path)}], base=Logger,
+                          run_dir=tmp_path, run=None)  # only the keywords CSVLogger declares
+    assert isinstance(built[0], CSVLogger) and built[0].save_dir == str(tmp_path)

@@ -149,3 +149,19 @@ def test_loggers_and_callbacks_by_import_path_must_be_lightning_classes(tmp_path
                                                          "save_dir": str(tmp_path)}], base=Logger,
                           run_dir=tmp_path, run=None)  # only the keywords CSVLogger declares
     assert isinstance(built[0], CSVLogger) and built[0].save_dir == str(tmp_path)
+
+
+def test_a_resume_names_the_saved_plugin_states_it_drops(tmp_path):
+    """A checkpoint of an ema + loss_spike_guard run resumed with neither: both are named."""
+    import torch.distributed.checkpoint as dcp
+    from types import SimpleNamespace
+
+    from llmforge.checkpoint.plugins import dropped_states
+
+    dcp.save({"model": {"w": torch.ones(2)}, "plugins": {"EMA": {"layers.0.w": torch.ones(2)}}},
+             checkpoint_id=str(tmp_path))
+    plain = {"LossSpikeGuard": {"loss": [1.0]}, "SpeedMonitor": {}}
+    now = [SimpleNamespace(state_key="SpeedMonitor")]
+    assert dropped_states(tmp_path, now, plain) == ["EMA", "LossSpikeGuard"]
+    now += [SimpleNamespace(state_key="EMA"), SimpleNamespace(state_key="LossSpikeGuard")]
+    assert dropped_states(tmp_path, now, plain) == []

@@ -72,6 +72,13 @@ def test_a_bad_algorithm_entry_is_one_config_error(entry, message):
         build_algorithms(make_cfg([entry]))
 
 
+def test_seq_length_warmup_is_refused_for_sft_rows():
+    cfg = make_cfg([{"name": "seq_length_warmup", "min_seq_len": 8}])
+    cfg.data.task = "sft"
+    with pytest.raises(ConfigError, match="cuts the responses .* of data.task=sft rows"):
+        build_algorithms(cfg)
+
+
 def test_an_import_path_that_is_not_a_class_is_refused_before_it_is_called(tmp_path):
     marker = tmp_path / "ran"
     cfg = make_cfg([{"name": f"{__name__}.shell_command", "marker": str(marker)}])

@@ -172,3 +172,21 @@ def test_a_resume_names_the_saved_plugin_states_it_drops(tmp_path):
     assert dropped_states(tmp_path, now, plain) == ["EMA", "LossSpikeGuard"]
     now += [SimpleNamespace(state_key="EMA"), SimpleNamespace(state_key="LossSpikeGuard")]
     assert dropped_states(tmp_path, now, plain) == []
+
+
+def test_dry_run_lines_of_ema_and_chunked_cross_entropy_check_the_head():
+    from llmforge.algorithms import EMA, ChunkedCrossEntropy
+    from llmforge.algorithms.base import meta_model
+    from llmforge.config.validate import plan_batch
+
+    cfg = make_cfg([])
+    plan = plan_batch(cfg, 1)
+    n = sum(p.numel() for p in meta_model(cfg).parameters())
+    assert EMA().dry_run_lines(cfg, plan, None) == [
+        f"ema             + {n * 4 / 2**30:.2f} GiB per device (fp32 average of {n:,} weights, "
+        "sharded 1x; not in memory/device)"]
+    assert ChunkedCrossEntropy(chunk_size=16).dry_run_lines(cfg, plan, None) == [
+        "chunked CE      fp32 logits 0.00 GiB per chunk of 16 tokens instead of 0.00 GiB per "
+        "micro-batch (head output, vocab 256)"]
+    with pytest.raises(ConfigError, match="chunked_cross_entropy.head='nope' must name"):
+        ChunkedCrossEntropy(head="nope").dry_run_lines(cfg, plan, None)

@@ -141,6 +141,16 @@ class EMA(Algorithm):
         if self.use_for_eval:
             self._swap_out()
 
+    def dry_run_lines(self, cfg: Any, plan: Any, device_memory_gib: Optional[float]) -> list[str]:
+        """The average's memory per device: 4 bytes per trainable weight, sharded like it."""
+        from llmforge.algorithms.base import meta_model
+        from llmforge.training.dry_run import estimate_memory
+
+        n = sum(p.numel() for p in meta_model(cfg).parameters() if p.requires_grad)
+        mem = estimate_memory(n, "fp32", cfg.strategy, plan.world_size)
+        return [f"ema             + {mem.params_bytes / 2**30:.2f} GiB per device (fp32 average of "
+                f"{n:,} weights, sharded {mem.shards}x; not in memory/device)"]
+
     # ----------------------------------------------------------------- export
     @torch.no_grad()
     def export_model(self, model: nn.Module, checkpoint: Path) -> nn.Module:

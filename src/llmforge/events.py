@@ -43,6 +43,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from llmforge.errors import LLMForgeError
+
 
 class Event(str, Enum):
     """The points of a run at which plugins act; the value is the handler method's name."""
@@ -149,11 +151,28 @@ def plugin_order(plugin: Any) -> tuple[int, str, str]:
             f"{cls.__module__}.{cls.__qualname__}")
 
 
+class PluginError(LLMForgeError):
+    """A plugin's event handler raised, or left ``state.loss`` not a scalar tensor. Exit code 1;
+    the message names the plugin, the event and the step (``--debug`` shows the traceback)."""
+
+
+def plugin_label(handler: Any) -> str:
+    """``module.Class`` of a bound handler's plugin (its ``name`` for the built-ins)."""
+    plugin = getattr(handler, "__self__", handler)
+    cls = type(plugin)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 class Dispatcher:
     """Calls the handlers of each event in the documented order.
 
     Args:
         plugins: algorithms and callbacks (objects without any handler are ignored).
+
+    Raises:
+        PluginError: from :meth:`__call__`, wrapping what a handler raised (an
+            :class:`~llmforge.errors.LLMForgeError` passes unchanged: its message is already
+            for the user).
     """
 
     def __init__(self, plugins: Iterable[Any] = ()) -> None:
@@ -164,7 +183,29 @@ class Dispatcher:
 
     def __call__(self, event: Event, state: State) -> None:
         for handler in self.handlers[event]:
-            handler(state)
+            try:  # free unless it raises (Python 3.11 zero-cost exceptions)
+                handler(state)
+            except LLMForgeError:
+                raise
+            except Exception as exc:
+                raise PluginError(f"{plugin_label(handler)}.{event.value} (step {state.step}) "
+                                  f"raised {type(exc).__name__}: {exc}") from exc
+
+    def check_loss(self, state: State, *events: Event) -> None:
+        """Refuse a ``state.loss`` that is not a scalar tensor after ``events``.
+
+        Raises:
+            PluginError: naming the handlers of ``events`` (one of them set it).
+        """
+        loss = state.loss
+        if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+            return
+        what = (f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor)
+                else type(loss).__name__)
+        who = ", ".join(dict.fromkeys(plugin_label(h) for e in events for h in self.handlers[e]))
+        raise PluginError(f"state.loss after {events[-1].value} is {what}, not a scalar tensor "
+                          f"(set by one of: {who or 'no plugin'}); keep it a 0-dim tensor, e.g. "
+                          "state.loss = state.loss + term.sum()")
 
     def has(self, event: Event) -> bool:
         return bool(self.handlers[event])

@@ -74,6 +74,17 @@ def run_pipeline(model: nn.Module, transforms: Sequence[Transform], ctx: ModelCo
     return model
 
 
+def meta_model(cfg: Any) -> nn.Module:
+    """The run's model built on the meta device (no memory; for checks and dry-run lines)."""
+    import torch
+
+    from llmforge import registry
+
+    factory = registry.models.get(cfg.model.name, key="model.name")
+    with torch.device("meta"):
+        return factory(cfg.model)
+
+
 ADAPTER_CHILDREN = "adapter_children"
 """Attribute of an ``nn.Module``: names of its child modules whose parameters a plugin added
 (adapters, e.g. ``("lora_A", "lora_B")``). Base-model weights (a plain build, a Hugging Face

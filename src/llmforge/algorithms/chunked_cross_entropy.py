@@ -159,7 +159,12 @@ class ChunkedCrossEntropy(Algorithm):
                 raise ConfigError(f"algorithms: chunked_cross_entropy computes {self.head_name} "
                                   f"itself; drop '{self.head_name}' from {a.name}.targets")
 
-    def apply(self, model: nn.Module, ctx: ModelContext) -> nn.Module:
+    def find_head(self, model: nn.Module) -> nn.Linear:
+        """The output projection named by ``head``.
+
+        Raises:
+            ConfigError: it is missing or not a plain ``nn.Linear``.
+        """
         try:
             head = model.get_submodule(self.head_name)
         except AttributeError:
@@ -168,6 +173,22 @@ class ChunkedCrossEntropy(Algorithm):
             kind = "missing" if head is None else type(head).__name__
             raise ConfigError(f"algorithms: chunked_cross_entropy.head={self.head_name!r} must name "
                               f"the model's output nn.Linear (found: {kind})")
+        return head
+
+    def dry_run_lines(self, cfg: Any, plan: Any, device_memory_gib: Optional[float]) -> list[str]:
+        """The fp32 logits of one chunk against those of a whole micro-batch (and the ``head``
+        checked on the meta model, so a typo fails here, not at the first step)."""
+        from llmforge.algorithms.base import meta_model
+
+        vocab = self.find_head(meta_model(cfg)).out_features
+        chunk = min(self.chunk_size, plan.micro_batch_size * int(cfg.trainer.seq_len))
+        full = plan.micro_batch_size * int(cfg.trainer.seq_len) * vocab * 4
+        return [f"chunked CE      fp32 logits {chunk * vocab * 4 / 2**30:.2f} GiB per chunk of {chunk} "
+                f"tokens instead of {full / 2**30:.2f} GiB per micro-batch (head {self.head_name}, "
+                f"vocab {vocab:,})"]
+
+    def apply(self, model: nn.Module, ctx: ModelContext) -> nn.Module:
+        head = self.find_head(model)
         head.__class__ = ChunkedLossHead
         head.chunk_size = self.chunk_size
         return model

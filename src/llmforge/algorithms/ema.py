@@ -53,7 +53,7 @@ class EMA(Algorithm):
         use_for_export: ``convert to-hf`` writes the averaged weights.
 
     Raises:
-        ConfigError: ``decay`` outside ``[0, 1)``.
+        ConfigError: ``decay`` outside ``[0, 1)``, or a ``use_for_*`` that is not a bool.
     """
 
     name = "ema"
@@ -63,8 +63,11 @@ class EMA(Algorithm):
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not (
                 math.isfinite(decay) and 0.0 <= decay < 1.0):
             raise ConfigError(f"algorithms: ema.decay={decay!r} must be in [0, 1) (e.g. 0.999)")
+        for key, value in (("use_for_eval", use_for_eval), ("use_for_export", use_for_export)):
+            if not isinstance(value, bool):  # bool("false") is True
+                raise ConfigError(f"algorithms: ema.{key}={value!r} must be true or false")
         self.decay = float(decay)
-        self.use_for_eval, self.use_for_export = bool(use_for_eval), bool(use_for_export)
+        self.use_for_eval, self.use_for_export = use_for_eval, use_for_export
         self.model: Optional[nn.Module] = None
         self.params: dict[str, nn.Parameter] = {}
         self.shadow: dict[str, torch.Tensor] = {}
@@ -137,6 +140,16 @@ class EMA(Algorithm):
     def after_evaluation(self, state: Any) -> None:
         if self.use_for_eval:
             self._swap_out()
+
+    def dry_run_lines(self, cfg: Any, plan: Any, device_memory_gib: Optional[float]) -> list[str]:
+        """The average's memory per device: 4 bytes per trainable weight, sharded like it."""
+        from llmforge.algorithms.base import meta_model
+        from llmforge.training.dry_run import estimate_memory
+
+        n = sum(p.numel() for p in meta_model(cfg).parameters() if p.requires_grad)
+        mem = estimate_memory(n, "fp32", cfg.strategy, plan.world_size)
+        return [f"ema             + {mem.params_bytes / 2**30:.2f} GiB per device (fp32 average of "
+                f"{n:,} weights, sharded {mem.shards}x; not in memory/device)"]
 
     # ----------------------------------------------------------------- export
     @torch.no_grad()

@@ -9,6 +9,7 @@ arguments.
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Sequence
 
 from llmforge import registry
@@ -29,7 +30,7 @@ def build_algorithms(cfg: Any) -> list[Algorithm]:
     import llmforge.algorithms  # noqa: F401  (registers the built-ins)
     from llmforge.training.trainer import build_entries
 
-    algos = build_entries(registry.algorithms, "algorithms", cfg.algorithms)
+    algos = build_entries(registry.algorithms, "algorithms", cfg.algorithms, base=Algorithm)
     check_algorithms(cfg, algos)
     return algos
 
@@ -40,7 +41,8 @@ def entry_label(cfg: Any, index: int) -> str:
 
 def check_algorithms(cfg: Any, algos: Sequence[Any]) -> None:
     """Every entry is an :class:`Algorithm`, none is listed twice (unless its class sets
-    ``allow_multiple = True``), then each algorithm's own :meth:`Algorithm.check`.
+    ``allow_multiple = True``) nor has a misspelled event method (:func:`misspelled_events`),
+    then each algorithm's own :meth:`Algorithm.check`.
 
     Raises:
         ConfigError: naming the entries (``algorithms[i] (name)``) or keys involved.
@@ -56,8 +58,29 @@ def check_algorithms(cfg: Any, algos: Sequence[Any]) -> None:
             raise ConfigError(f"{entry_label(cfg, seen[cls])} and {entry_label(cfg, i)} are the "
                               f"same algorithm; list it once with all its keys")
         seen[cls] = i
+        misspelled_events(cfg, i, cls)
     for algo in algos:
         algo.check(cfg, algos)
+
+
+def misspelled_events(cfg: Any, index: int, cls: type) -> None:
+    """Refuse a method whose name is close to an event's but is none (``after_los``): it would
+    never be called, silently.
+
+    Raises:
+        ConfigError: naming the entry, the method and the event it resembles.
+    """
+    from llmforge.events import Event
+
+    events = [e.value for e in Event]
+    known = set(events) | set(dir(Algorithm))
+    own = {n for klass in cls.__mro__ if klass not in Algorithm.__mro__ for n in vars(klass)}
+    for name in sorted(own - known):
+        close = difflib.get_close_matches(name, events, n=1, cutoff=0.85)
+        if close and not name.startswith("_") and callable(getattr(cls, name, None)):
+            raise ConfigError(f"{entry_label(cfg, index)}: method {cls.__name__}.{name} is not an "
+                              f"event and would never be called; did you mean {close[0]}? (events: "
+                              "llmforge.events.Event)")
 
 
 def pipeline_order(cfg: Any, algos: Sequence[Algorithm], strategy: Sequence[Any]) -> list[str]:

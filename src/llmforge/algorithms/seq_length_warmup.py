@@ -48,7 +48,8 @@ class SeqLengthWarmup(Algorithm):
         step_size: lengths are multiples of it (>= 1).
 
     Raises:
-        ConfigError: a bad value, or ``min_seq_len`` above ``trainer.seq_len``.
+        ConfigError: a bad value, ``min_seq_len`` or ``step_size`` above ``trainer.seq_len``, or
+            ``data.task=sft`` (truncation would cut the responses, the only targets).
     """
 
     name = "seq_length_warmup"
@@ -64,6 +65,14 @@ class SeqLengthWarmup(Algorithm):
         if self.min_seq_len > int(cfg.trainer.seq_len):
             raise ConfigError(f"algorithms: seq_length_warmup.min_seq_len={self.min_seq_len} exceeds "
                               f"trainer.seq_len={cfg.trainer.seq_len}; lower it")
+        if getattr(getattr(cfg, "data", None), "task", None) == "sft":
+            # an SFT row is prompt then response: truncating keeps the prompt (no targets) and
+            # cuts the response, so early steps would train on few or no tokens
+            raise ConfigError("algorithms: seq_length_warmup truncates each row, which cuts the "
+                              "responses (the only targets) of data.task=sft rows; drop it for SFT")
+        if self.step_size > int(cfg.trainer.seq_len):  # every warmup length would be min_seq_len
+            raise ConfigError(f"algorithms: seq_length_warmup.step_size={self.step_size} exceeds "
+                              f"trainer.seq_len={cfg.trainer.seq_len}; lower it (e.g. 8)")
 
     def length(self, step: int, seq_len: int) -> int:
         """The sequence length (tokens) of optimizer step ``step`` (1-based)."""

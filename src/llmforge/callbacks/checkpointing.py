@@ -27,8 +27,8 @@ from lightning.pytorch.callbacks import Callback
 from llmforge import signals
 from llmforge.callbacks._util import say
 from llmforge.checkpoint.dcp import PendingSave, load_training_state, prune_checkpoints, save_checkpoint
-from llmforge.checkpoint.plugins import (check_resume, checkpoint_meta, plain_states, restore_plain_states,
-                                         restore_sharded_states, sharded_states)
+from llmforge.checkpoint.plugins import (check_resume, checkpoint_meta, dropped_states, plain_states,
+                                         restore_plain_states, restore_sharded_states, sharded_states)
 from llmforge.checkpoint.rng import capture_rng, restore_rng
 from llmforge.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, StopRequested  # noqa: F401 (re-exported)
 
@@ -151,6 +151,9 @@ class Checkpointer(Callback):
             sched.load_state_dict(state["scheduler"])
         pl_module.tokens_seen = int(state["tokens_seen"])
         restore_plain_states(trainer.callbacks, state.get("callbacks") or {})
+        for key in dropped_states(self.resume_from, trainer.callbacks, state.get("callbacks") or {}):
+            say(trainer, f"checkpoint.resume: {self.resume_from} holds state of {key}, which this run "
+                         "does not have: it is dropped (list the algorithm again to keep it)")
         for key in restore_sharded_states(trainer.callbacks, templates, state.get("plugins_loaded") or []):
             say(trainer, f"checkpoint.resume: {self.resume_from} has no state of {key}; it starts fresh")
         set_global_step(trainer, int(state["step"]))

@@ -10,7 +10,8 @@
   plugin declares ``adapters_only``: ``adapters_only: true``, ``adapters_by`` (its names) and
   ``base`` (:func:`base_pointer`: what rebuilds the frozen base);
 * resume: :func:`check_resume` refuses a checkpoint the run cannot continue (adapters vs full,
-  another base) and asks each plugin's ``check_resume``.
+  another base) and asks each plugin's ``check_resume``; :func:`dropped_states` names the
+  saved states of plugins the run no longer has (the checkpointer says so).
 """
 
 from __future__ import annotations
@@ -103,6 +104,23 @@ def restore_sharded_states(callbacks: Iterable[Any], loaded: dict[str, dict[str,
         else:
             missing.append(cb.state_key)
     return missing
+
+
+def dropped_states(checkpoint: Path, callbacks: Iterable[Any], plain: dict[str, Any]) -> list[str]:
+    """State keys a checkpoint holds that no plugin of this run takes (an algorithm removed
+    since the save, e.g. ``ema``: its average would be dropped silently). ``plain`` is the
+    checkpoint's ``callbacks`` entry of ``trainer_state.json``; sharded states are read from
+    the DCP metadata (``plugins.<state_key>.*``)."""
+    from llmforge.checkpoint.safe_load import load_metadata
+
+    keys = {cb.state_key for cb in callbacks}
+    dropped = {k for k in plain if k not in keys}
+    md = Path(checkpoint) / ".metadata"
+    if md.exists():
+        for k in load_metadata(md).state_dict_metadata:
+            if k.startswith("plugins.") and not any(k.startswith(f"plugins.{s}.") for s in keys):
+                dropped.add(k[len("plugins."):].split(".")[0])
+    return sorted(dropped)
 
 
 def base_pointer(cfg: Any) -> dict[str, Any]:

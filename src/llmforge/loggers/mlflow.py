@@ -28,10 +28,12 @@ import os
 import time
 from pathlib import Path
 from typing import Any, Optional
+from urllib.parse import urlparse
 
 from lightning.pytorch.loggers.logger import Logger, rank_zero_experiment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from llmforge.errors import ConfigError
 from llmforge.loggers._common import import_sdk, numeric_metrics, run_identity
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit for a parameter value (mlflow.utils.validation)
@@ -50,6 +52,26 @@ def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
+def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
+    """Fail fast on an ``http(s)`` tracking server that does not answer: MLflow's client would
+    retry each request with backoff for minutes before failing mid-run. Any HTTP answer (even
+    404 from a proxy without ``/health``) counts as reachable.
+
+    Raises:
+        ConfigError: no connection within ``timeout_s`` seconds.
+    """
+    if urlparse(uri).scheme not in ("http", "https"):
+        return
+    import requests  # an MLflow dependency
+
+    try:
+        requests.get(uri.rstrip("/") + "/health", timeout=timeout_s)
+    except requests.RequestException as exc:
+        raise ConfigError(f"loggers: mlflow.tracking_uri={uri!r} does not answer "
+                          f"({type(exc).__name__}); start the server, fix the URI, or drop "
+                          "tracking_uri for a local store in the run directory") from exc
+
+
 class MLflowLogger(Logger):
     """Logs metrics and the config to an MLflow run.
 
@@ -63,7 +85,8 @@ class MLflowLogger(Logger):
         run_name: MLflow run name (default ``run.name``).
 
     Raises:
-        ConfigError: ``mlflow`` is not installed.
+        ConfigError: ``mlflow`` is not installed; on first use, a ``tracking_uri`` MLflow cannot
+            use or an ``http(s)`` server that does not answer (:func:`check_reachable`).
     """
 
     def __init__(self, run_dir: str | Path, run: Any = None, config: Optional[dict] = None,
@@ -100,8 +123,14 @@ class MLflowLogger(Logger):
             from mlflow.tracking import MlflowClient
 
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            client = MlflowClient(tracking_uri=self.tracking_uri)
-            found = client.get_experiment_by_name(self.experiment_name)
+            check_reachable(self.tracking_uri)
+            try:
+                client = MlflowClient(tracking_uri=self.tracking_uri)
+                found = client.get_experiment_by_name(self.experiment_name)
+            except Exception as exc:  # MlflowException: unknown scheme, unreadable store, ...
+                raise ConfigError(f"loggers: mlflow.tracking_uri={self.tracking_uri!r} cannot be "
+                                  f"used ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+                                  "fix it, or drop it for a local store in the run directory") from exc
             exp_id = found.experiment_id if found is not None else client.create_experiment(
                 self.experiment_name, artifact_location=str((self.run_dir / "mlartifacts").resolve()))
             id_file = self.run_dir / "mlflow_run_id"

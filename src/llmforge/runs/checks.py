@@ -103,10 +103,11 @@ def build_loggers(cfg: Any, spec: dict[str, Any], *, strict: bool) -> None:
     from llmforge import registry
     from llmforge.config import config_to_dict, redact
     from llmforge.training.trainer import build_entries
+    from lightning.pytorch.loggers import Logger
 
     try:
-        build_entries(registry.loggers, "loggers", cfg.loggers, run_dir=Path(spec["run_dir"]), run=cfg.run,
-                      config=redact(config_to_dict(cfg)))
+        build_entries(registry.loggers, "loggers", cfg.loggers, base=Logger, run_dir=Path(spec["run_dir"]),
+                      run=cfg.run, config=redact(config_to_dict(cfg)))
     except ConfigError as exc:
         if strict or not isinstance(exc.__cause__, ImportError):
             raise

@@ -223,6 +223,7 @@ class LLMModule(L.LightningModule):
         if st.loss is None:  # no plugin computed it (e.g. chunked cross-entropy)
             st.loss, _ = self.compute_loss(st.outputs, st.labels)
         self.event(Event.AFTER_LOSS)
+        self.dispatch.check_loss(st, Event.BEFORE_LOSS, Event.AFTER_LOSS)
         return st.loss
 
     def forward_backward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import lightning as L
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import Logger
 import torch
 from omegaconf import DictConfig
 
@@ -74,13 +76,18 @@ def accepted(factory: Any, inject: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in inject.items() if k in params}
 
 
-def build_entries(reg: registry.Registry, section: str, entries: Any, **inject: Any) -> list[Any]:
+def build_entries(reg: registry.Registry, section: str, entries: Any, *, base: Any = None,
+                  **inject: Any) -> list[Any]:
     """Instantiate ``[{name: ..., **kwargs}]`` entries from a registry; ``inject`` (e.g. the run
     directory) goes to the factories whose signature accepts it (:func:`accepted`), and the
     entry's own keys win over it.
 
+    An import path must name a class (a subclass of ``base`` when given), checked before it is
+    called: ``{name: os.system, command: ...}`` must not run anything.
+
     Raises:
-        ConfigError: unknown name, or keyword arguments the class does not accept.
+        ConfigError: unknown name, an import path that is not such a class, or keyword
+            arguments the class does not accept.
     """
     out = []
     for i, entry in enumerate(entries):
@@ -88,6 +95,13 @@ def build_entries(reg: registry.Registry, section: str, entries: Any, **inject: 
         name = kwargs.pop("name")
         key = f"{section}[{i}]"
         factory = reg.get(name, key=f"{key}.name")
+        registered = name in reg.names()
+        if not registered and not isinstance(factory, type):
+            raise ConfigError(f"{key}.name: '{name}' is a {type(factory).__name__}, not a class; "
+                              f"name a class (e.g. 'my_pkg.module.MyClass')")
+        if base is not None and isinstance(factory, type) and not issubclass(factory, base):
+            raise ConfigError(f"{key} ({name}): {factory.__name__} is not a {base.__module__}."
+                              f"{base.__name__} (subclass it)")
         try:
             out.append(factory(**{**accepted(factory, inject), **kwargs}))
         except TypeError as exc:
@@ -412,7 +426,7 @@ class Trainer:
         :class:`SpeedMonitor`) in ``callbacks:`` replaces the default one instead of adding a
         second."""
         ck = self.cfg.checkpoint
-        extra = build_entries(registry.callbacks, "callbacks", self.cfg.callbacks)
+        extra = build_entries(registry.callbacks, "callbacks", self.cfg.callbacks, base=Callback)
         speed = next((c for c in extra if isinstance(c, SpeedMonitor)), None)
         extra = [c for c in extra if c is not speed]
         cbs: list[Any] = [speed or SpeedMonitor()]
@@ -440,8 +454,8 @@ class Trainer:
         import llmforge.loggers  # noqa: F401  (registers the built-in loggers)
 
         config = redact(config_to_dict(self.cfg))
-        built = build_entries(registry.loggers, "loggers", self.cfg.loggers, run_dir=self.run_dir,
-                              run=self.cfg.run, config=config)
+        built = build_entries(registry.loggers, "loggers", self.cfg.loggers, base=Logger,
+                              run_dir=self.run_dir, run=self.cfg.run, config=config)
         for logger in built:
             logger.log_hyperparams(config)
         return built

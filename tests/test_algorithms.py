@@ -6,15 +6,13 @@ import torch
 from torch import nn
 
 from algo_harness import activation_bytes, fingerprint, make_cfg
-from conftest import REPO, run_cli
+from conftest import DEMO, REPO, run_cli
 from llmforge import registry
 from llmforge.algorithms import ActivationCheckpointing, Algorithm, Compile, Float8, Stage
 from llmforge.algorithms.base import ModelContext, run_pipeline
 from llmforge.algorithms.loading import available, build_algorithms
 from llmforge.errors import ConfigError
 from llmforge.models.llama import Llama, LlamaArgs
-
-DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
 
 
 def meta_model(**kw) -> nn.Module:
@@ -68,6 +66,10 @@ def test_import_path_and_bad_keys():
      ["precompute_float8_dynamic_scale_for_fsdp", "enable_fsdp_float8_all_gather"]),
     ([{"name": "float8", "modules": ["attention"]}], {"model.dim": 48},
      ["float8.modules", "layers.0.attention.wk", "48 -> 24", "16"]),
+    ([{"name": "float8", "filter_fqns": ["output", "lm_head"]}], {},
+     ["float8.filter_fqns entry 'lm_head' matches no module", "closest module names: output, w1"]),
+    ([{"name": "float8", "modules": ["feed_forwrd"]}], {},
+     ["float8.modules entry 'feed_forwrd'", "closest module names: feed_forward"]),
     ([{"name": "compile", "per_block": False}], {"strategy.name": "fsdp2", "trainer.devices": 2},
      ["compile.per_block=false", "compile.fullgraph=true", "strategy.name=fsdp2"]),
     ([{"name": "activation_checkpointing", "mode": "some"}], {}, ["activation_checkpointing.mode"]),

@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from algo_harness import train_losses
-from conftest import REPO, TINY_OVERRIDES, run_cli
+from conftest import DEMO, TINY_OVERRIDES, run_cli
 
-DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
 AC_MODES = {
     "full": {"name": "activation_checkpointing"},
     "layer": {"name": "activation_checkpointing", "mode": "selective", "selective": "layer", "every": 2},

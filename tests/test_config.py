@@ -74,9 +74,31 @@ def test_load_typed_and_resolved(tmp_path):
     assert cfg.trainer.seq_len == 64 and config_to_dict(cfg)["model"]["max_seq_len"] == 64
 
 
-def test_empty_file_and_empty_section(tmp_path):
-    assert load_config(write(tmp_path, "e.yaml", "")).trainer.max_steps == 100
+def test_empty_file_is_an_error_an_empty_section_is_not(tmp_path):
+    for text in ("", "# only a comment\n"):
+        msg = error_of(load_config, write(tmp_path, "e.yaml", text))
+        assert "config file" in msg and "e.yaml is empty" in msg and "base:" in msg
+    child = write(tmp_path, "child.yaml", "base: e.yaml\n")
+    assert "e.yaml (the base of" in error_of(load_config, child)
     assert load_config(write(tmp_path, "s.yaml", "trainer:\n")).trainer.max_steps == 100
+
+
+def test_yaml_merge_keys_merge(tmp_path):
+    path = write(tmp_path, "m.yaml", """
+        variables:
+          shared: &shared {lr: 2e-3, weight_decay: 0.05}
+        optimizer:
+          <<: *shared
+          lr: 1e-3
+        scheduler: {<<: [*shared], weight_decay: 0.0}
+        """)
+    with pytest.raises(ConfigError, match="unknown key 'scheduler.lr'"):
+        load_config(path)
+    path.write_text(path.read_text().replace("scheduler: {<<: [*shared], weight_decay: 0.0}\n", ""))
+    cfg = load_config(path)
+    assert cfg.optimizer.lr == 1e-3 and cfg.optimizer.weight_decay == 0.05
+    dup = write(tmp_path, "d.yaml", "variables: {a: &a {x: 1}}\nrun:\n  <<: *a\n  name: n\n  name: m\n")
+    assert "duplicate key 'name'" in error_of(load_config, dup)
 
 
 def test_base_chain_merges_dicts_and_replaces_lists(tmp_path):
@@ -146,7 +168,7 @@ def test_unknown_keys(tmp_path):
     assert "'trainr'" in msg and "top.yaml" in msg and "'trainer'" in msg
     msg = error_of(load_config, write(tmp_path, "nested.yaml", "strategy:\n  mixed_precision:\n    param_dtyp: x\n"))
     assert "'strategy.mixed_precision.param_dtyp'" in msg and "'strategy.mixed_precision.param_dtype'" in msg
-    msg = error_of(load_config, write(tmp_path, "ok.yaml", ""), ["trainer.lr=1e-3"])
+    msg = error_of(load_config, write(tmp_path, "ok.yaml", "run: {}\n"), ["trainer.lr=1e-3"])
     assert "'trainer.lr'" in msg and "override" in msg and "'optimizer.lr'" in msg
 
 
@@ -163,7 +185,7 @@ def test_wrong_types(tmp_path):
     assert "trainer.max_steps: expected an integer, got None" in msg
     msg = error_of(load_config, write(tmp_path, "t6.yaml", "trainer:\n  progress_bar: maybe\n"))
     assert "trainer.progress_bar: expected a boolean" in msg
-    msg = error_of(load_config, write(tmp_path, "ok.yaml", ""), ["trainer.max_steps=ten"])
+    msg = error_of(load_config, write(tmp_path, "ok.yaml", "run: {}\n"), ["trainer.max_steps=ten"])
     assert "trainer.max_steps: expected an integer, got 'ten' (str)" in msg and "override" in msg
 
 
@@ -215,7 +237,7 @@ def test_interpolation_errors(tmp_path):
     path = write(tmp_path, "i.yaml", "optimizer:\n  lr: ${variables.lr}\n")
     msg = error_of(load_config, path)
     assert "optimizer.lr" in msg and "'${variables.lr}'" in msg and "missing key 'variables.lr'" in msg
-    msg = error_of(load_config, write(tmp_path, "ok.yaml", ""), ["run.name=${nope.x}"])
+    msg = error_of(load_config, write(tmp_path, "ok.yaml", "run: {}\n"), ["run.name=${nope.x}"])
     assert "'${nope.x}'" in msg and "'nope.x'" in msg
     msg = error_of(load_config, write(tmp_path, "w.yaml", "variables: {n: ten}\ntrainer: {max_steps: '${variables.n}'}\n"))
     assert "trainer.max_steps: expected an integer, got 'ten' (str)" in msg and "${variables.n}" in msg
@@ -251,9 +273,25 @@ def test_redact_and_save(tmp_path):
     assert config_to_dict(again) == redact(config_to_dict(cfg))
 
 
+def test_number_like_strings_round_trip_through_config_yaml(tmp_path):
+    path = write(tmp_path, "n.yaml", """
+        run: {name: '1e3', group: '2e5', tags: ['1.5', '007', 'true', '2024-01-01']}
+        callbacks: [{name: generate_samples, prompts: ['3e4', '.5']}]
+        """)
+    cfg = load_config(path, ["variables.label=1e3"])
+    assert cfg.run.name == "1e3" and cfg.run.group == "2e5"
+    again = load_config(save_config(cfg, tmp_path / "run" / "config.yaml"))
+    assert config_to_dict(again) == config_to_dict(cfg)
+    assert list(again.run.tags) == ["1.5", "007", "true", "2024-01-01"]
+    assert list(again.callbacks[0]["prompts"]) == ["3e4", ".5"]
+    # an override of a text field keeps its text; of a free-form key, YAML's type
+    cfg = load_config(path, ["run.name=1e3", "run.group=007", "variables.n=1e3"])
+    assert cfg.run.name == "1e3" and cfg.run.group == "007" and cfg.variables.n == 1000.0
+
+
 # --------------------------------------------------------------------------- batch arithmetic
 def cfg_with(*overrides, tmp_path):
-    return load_config(write(tmp_path, "b.yaml", ""), list(overrides))
+    return load_config(write(tmp_path, "b.yaml", "run: {}\n"), list(overrides))
 
 
 def test_plan_batch(tmp_path):

@@ -13,11 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO, TINY_OVERRIDES, run_cli
+from conftest import DEMO, TINY_OVERRIDES, run_cli
 
 pytest.importorskip("lm_eval")
 
-DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
 
 TASK = """\
 task: tiny_mc

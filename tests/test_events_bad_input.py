@@ -9,13 +9,11 @@ import pytest
 import torch
 
 from algo_harness import batches, make_cfg, make_module
-from conftest import REPO
+from conftest import DEMO
 from llmforge.algorithms import Algorithm
 from llmforge.algorithms.loading import build_algorithms
 from llmforge.errors import ConfigError
 from llmforge.events import PluginError
-
-DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
 
 
 def shell_command(marker: str) -> int:

@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, TINY_OVERRIDES, run_cli
+from conftest import DEMO, REPO, TINY_OVERRIDES, run_cli
 
-DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
 BASE = [*TINY_OVERRIDES, "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
         "trainer.max_steps=8", "trainer.log_every=1", "trainer.eval_every=4", "trainer.eval_batches=1",
         "scheduler.warmup_steps=2", "optimizer.lr=3e-3"]

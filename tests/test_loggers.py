@@ -35,26 +35,43 @@ def isolate_trackers(mp: pytest.MonkeyPatch, home: Path) -> None:
     mp.setenv("WANDB_SILENT", "true")
 
 
-@pytest.fixture(scope="module")
-def tracker_run(tmp_path_factory):
-    """A 4-step run (global batch 16 = 2 micro-batches of 8) with every logger, offline."""
+TRACKED = [*TINY_OVERRIDES, "run.name=trackers", f"trainer.max_steps={STEPS}", "trainer.log_every=1",
+           "trainer.eval_every=2", "trainer.eval_batches=2", "checkpoint.save_every=2",
+           "loggers=[{name: jsonl}, {name: wandb, mode: offline, project: llmforge-test, "
+           "tags: [t1]}, {name: comet, mode: offline}, {name: tensorboard}, {name: console}]",
+           "callbacks=[{name: generate_samples, prompts: [ROMEO.], every: 2, max_new_tokens: 6}]"]
+
+
+def tracked_fit(home: Path, out: Path, *extra: str) -> tuple[Path, list[dict]]:
     from llmforge import Trainer
 
-    tmp = tmp_path_factory.mktemp("trackers")
-    loggers = ("loggers=[{name: jsonl}, {name: wandb, mode: offline, project: llmforge-test, "
-               "tags: [t1]}, {name: comet, mode: offline}, {name: tensorboard}, {name: console}]")
-    callbacks = ("callbacks=[{name: generate_samples, prompts: [ROMEO.], every: 2, "
-                 "max_new_tokens: 6}]")
     with pytest.MonkeyPatch.context() as mp:
-        isolate_trackers(mp, tmp)
-        trainer = Trainer.from_yaml(REPO / "yamls" / "demo_cpu.yaml", [
-            *TINY_OVERRIDES, f"run.output_dir={tmp / 'runs'}", "run.name=trackers",
-            f"trainer.max_steps={STEPS}", "trainer.log_every=1", "trainer.eval_every=2",
-            "trainer.eval_batches=2", "checkpoint.save_final=false", loggers, callbacks])
+        isolate_trackers(mp, home)
+        trainer = Trainer.from_yaml(REPO / "yamls" / "demo_cpu.yaml",
+                                    [*TRACKED, f"run.output_dir={out}", *extra])
         summary = trainer.fit()
     run_dir = Path(summary["run_dir"])
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return run_dir, records
+    return run_dir, [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tracker_run(tmp_path_factory):
+    """A 4-step run (global batch 16 = 2 micro-batches of 8) with every logger, offline;
+    checkpoints at steps 2 and 4."""
+    tmp = tmp_path_factory.mktemp("trackers")
+    return tracked_fit(tmp, tmp / "runs")
+
+
+@pytest.fixture(scope="module")
+def resumed_run(tracker_run, tmp_path_factory):
+    """A copy of ``tracker_run`` resumed from its step-2 checkpoint: steps 3 and 4 (and the
+    step-4 samples) are logged a second time, to the same tracker runs."""
+    import shutil
+
+    tmp = tmp_path_factory.mktemp("resumed")
+    shutil.copytree(tracker_run[0], tmp / "runs" / "trackers")
+    ckpt = tmp / "runs" / "trackers" / "checkpoints" / "step_00000002"
+    return tracked_fit(tmp, tmp / "runs", f"checkpoint.resume={ckpt}")
 
 
 def by_step(records: list[dict]) -> dict[int, dict]:
@@ -75,9 +92,14 @@ def assert_same(expected: dict[int, dict], got: dict[int, dict], rel: float) -> 
 def read_wandb_history(run_dir: Path) -> dict[int, dict]:
     """History rows of the offline W&B run: the ``.wandb`` file is a LevelDB-style log of
     protobuf records (7-byte header ``:W&B`` + magic, 32 KiB blocks, 7-byte chunk headers)."""
+    [path] = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    return read_wandb_file(path)
+
+
+def read_wandb_file(path: Path, steps: list | None = None) -> dict[int, dict]:
+    """History rows of one ``.wandb`` file; ``steps`` collects the step of every history record."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    [path] = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
     data, block, pos, buf, rows = path.read_bytes(), 32768, 7, b"", {}
     assert data[:4] == b":W&B"
     chunks = []
@@ -105,12 +127,15 @@ def read_wandb_history(run_dir: Path) -> dict[int, dict]:
         if rec.WhichOneof("record_type") == "history":
             row = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
             rows.setdefault(int(row["_step"]), {}).update(row)
+            if steps is not None:
+                steps.append(int(row["_step"]))
     return rows
 
 
-def read_comet_archive(run_dir: Path) -> tuple[dict[int, dict], list[dict]]:
+def read_comet_archive(run_dir: Path, path: Path | None = None) -> tuple[dict[int, dict], list[dict]]:
     """Metrics per step and all messages of the offline Comet experiment's zip archive."""
-    [path] = (run_dir / "comet").glob("*.zip")
+    if path is None:
+        [path] = (run_dir / "comet").glob("*.zip")
     with zipfile.ZipFile(path) as z:
         messages = [json.loads(x) for x in z.read("messages.json").decode().splitlines() if x.strip()]
     rows: dict[int, dict] = {}
@@ -175,9 +200,64 @@ def test_comet_offline_matches_jsonl(tracker_run):
     assert_same(expected, rows, rel=1e-12)
     texts = [m for m in messages if m["type"] == "file_upload" and m["payload"]["upload_type"] == "text-sample"]
     assert len(texts) == 2 and texts[0]["payload"]["metadata"]["prompt"] == "ROMEO."
-    params = {(m["payload"].get("param") or m["payload"]["params"])["paramName"]
-              for m in messages if m["type"] == "parameter_msg"}
-    assert "optimizer|lr" in params  # the resolved config, as Comet's nested parameters
+    from comet_ml.schemas import get_parameter_msg_validator
+
+    validator = get_parameter_msg_validator()
+    params = {}
+    for m in messages:
+        if m["type"] == "parameter_msg":
+            validator.validate(m["payload"])  # what an upload checks: scalar values only
+            p = m["payload"]["param"]
+            params[p["paramName"]] = p["paramValue"]
+    assert isinstance(params["optimizer|lr"], float)
+    assert params["loggers|0|name"] == "jsonl" and params["loggers|1|tags"] == '["t1"]'
+    assert params["callbacks|0|prompts"] == '["ROMEO."]' and params["run|tags"] == "[]"
+    assert json.loads(params["optimizer|betas"]) == [0.9, 0.95]
+
+
+def test_resumed_run_shows_each_step_once_in_every_tracker(tracker_run, resumed_run):
+    """TensorBoard through its purge marker, W&B through its run id with resume="allow", Comet
+    through ExistingOfflineExperiment: after re-logging steps 3-4, every tracker holds steps 0-4
+    once. TensorBoard shows the resumed attempt's values; W&B and Comet keep the first ones
+    (W&B drops a step lower than its last), which the bit-exact resume makes equal but for
+    timings."""
+    run_dir, records = resumed_run
+    first = by_step(tracker_run[1])
+    assert [first[s]["train/loss"] for s in (3, 4)] == [by_step(records)[s]["train/loss"] for s in (3, 4)]
+    assert [r["step"] for r in records] == list(range(STEPS + 1))
+    expected = by_step(records)
+    rows, ea = read_tensorboard(run_dir)
+    assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    assert_same(expected, rows, rel=1e-6)
+    assert [e.step for e in ea.Scalars("train/loss")] == [1, 2, 3, 4]
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+
+    tensors = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
+    tensors.Reload()  # the reader TensorBoard serves from (it purges text, the legacy one not)
+    assert [e.step for e in tensors.Tensors("samples/text_summary")] == [2, 4]
+
+    files = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 2 and len({f.name for f in files}) == 1  # one W&B run id, two attempts
+    steps, history = [], {}
+    for f in files:
+        for step, row in read_wandb_file(f, steps).items():
+            history.setdefault(step, {}).update(row)
+    assert sorted(steps) == list(range(STEPS + 1))  # no step sent twice
+    assert_same(first, {s: {k: v for k, v in r.items() if not k.startswith(("_", "samples/"))}
+                        for s, r in history.items()}, rel=1e-12)
+
+    zips = sorted((run_dir / "comet").glob("*.zip"))
+    assert len(zips) == 2
+    keys, strategies, metric_steps = set(), set(), []
+    for z in zips:
+        _, messages = read_comet_archive(run_dir, z)
+        with zipfile.ZipFile(z) as archive:
+            meta = json.loads(archive.read("experiment.json"))
+        keys.add(meta["offline_id"])
+        strategies.add(meta["resume_strategy"])  # "create", then "get": the same experiment
+        metric_steps += sorted({m["payload"]["metric"]["step"] for m in messages
+                                if m["type"] == "metric_msg" and m["payload"]["metric"]["metricName"] == "train/loss"})
+    assert len(keys) == 1 and strategies == {"create", "get"} and sorted(metric_steps) == [1, 2, 3, 4]
 
 
 def test_no_api_key_in_any_written_file(tracker_run):

@@ -11,14 +11,13 @@ import pytest
 import torch
 
 from algo_harness import batches, make_cfg, make_module
-from conftest import REPO, TINY_OVERRIDES, run_cli
+from conftest import DEMO, REPO, TINY_OVERRIDES, run_cli
 
 from llmforge.algorithms.lora import LoRA, init_adapters, is_adapter_key, merge_lora
 from llmforge.errors import ConfigError
 
 transformers = pytest.importorskip("transformers")
 
-DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
 ALL = ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
 LORA = {"name": "lora", "rank": 4, "alpha": 12, "targets": ALL, "base_dtype": "float32"}
 COMMON = [*TINY_OVERRIDES, "trainer.global_batch_size=8", "trainer.micro_batch_size=2",

@@ -7,11 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, TINY_OVERRIDES
+from conftest import DEMO, TINY_OVERRIDES
 from llmforge.cli import main
 from llmforge.data.mixture import MixtureSampler
-
-DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
 
 
 def take(sampler: MixtureSampler, steps: int) -> list:

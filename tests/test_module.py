@@ -63,3 +63,28 @@ def test_meta_build_is_deterministic_under_seed():
     for (n, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters()):
         assert torch.equal(pa, pb), n
     assert not any(p.is_meta for p in a.model.parameters())
+
+
+def test_evaluate_gives_every_submodule_its_own_mode_back():
+    """A submodule held in eval mode (frozen, dropout fixed) stays so; the rest trains again."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    module = make_module(2, 2)
+    batches = [torch.randint(0, 50, (2, 9))]
+    loader = SimpleNamespace(eval_dataloader=lambda: batches)
+    module._trainer = SimpleNamespace(datamodule=loader, strategy=None,
+                                      precision_plugin=SimpleNamespace(forward_context=nullcontext))
+    module.model.train()
+    held = module.model.layers[0].attention
+    held.eval()
+    seen = []
+    hook = module.model.register_forward_pre_hook(lambda m, a: seen.append(
+        [x.training for x in m.modules()]))
+    out = module.evaluate()
+    hook.remove()
+    assert out is not None and out["eval/loss"] > 0
+    assert seen and not any(seen[0])  # everything in eval mode during the evaluation
+    assert not held.training and not any(m.training for m in held.modules())
+    others = [m for m in module.model.modules() if not any(m is h for h in held.modules())]
+    assert others and all(m.training for m in others)

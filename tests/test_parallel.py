@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, TINY_OVERRIDES, run_cli
+from conftest import DEMO, REPO, TINY_OVERRIDES, run_cli
 
-DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
 COMMON = [*TINY_OVERRIDES, "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
           "trainer.max_steps=5", "trainer.log_every=1", "trainer.eval_every=0",
           "trainer.eval_batches=2", "scheduler.warmup_steps=2",

@@ -8,10 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, TINY_OVERRIDES
+from conftest import DEMO, TINY_OVERRIDES
 from llmforge.cli import main
 
-DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
 TOK = ["tokenizer.vocab_size=1024", "tokenizer.train_max_bytes=2000000"]
 
 

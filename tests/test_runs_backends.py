@@ -15,11 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import DEMO, REPO
 from llmforge.cli import main
 from llmforge.runs.registry import SCHEMA_VERSION, RegistryError, RunRegistry
-
-DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
 
 
 @pytest.fixture

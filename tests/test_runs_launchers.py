@@ -10,9 +10,8 @@ import sys
 import pytest
 import yaml
 
-from conftest import REPO
+from conftest import DEMO, REPO
 
-DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
 SECRETS = {"WANDB_API_KEY": "wandb-FAKE-secret-0001", "HF_TOKEN": "hf_FAKE_secret_0002",
            "AWS_SECRET_ACCESS_KEY": "aws-FAKE-secret-0003"}
 BATCH = ["trainer.global_batch_size=256", "trainer.micro_batch_size=2"]

@@ -13,11 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import REPO, TINY_OVERRIDES, run_cli
+from conftest import DEMO, REPO, TINY_OVERRIDES, run_cli
 from llmforge.runs import local
 from llmforge.runs.registry import RunRegistry
 
-DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
 BASE = [*TINY_OVERRIDES, "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_batches=1",
         "data.max_documents=6"]
 SECRETS = {"WANDB_API_KEY": "wandb-FAKE-secret-1111", "HF_TOKEN": "hf_FAKE_secret_2222"}

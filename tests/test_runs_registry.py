@@ -7,12 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import REPO
+from conftest import DEMO, REPO
 from llmforge.cli import main
 from llmforge.errors import ConfigError
 from llmforge.runs.registry import RunNotFound, RunRegistry
-
-DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
 
 
 def _writer(db: str, name: str, n: int) -> None:

@@ -11,11 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY_OVERRIDES, run_cli
+from conftest import DEMO, REPO, TINY_OVERRIDES, run_cli
 from llmforge.runs.launch import refresh
 from llmforge.runs.registry import RunRegistry
-
-DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
 
 
 HOW = "a one-node cluster from Debian's slurm-wlm (slurmctld + slurmd + munge) runs this test"

@@ -15,12 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, TINY_OVERRIDES
+from conftest import DEMO, TINY_OVERRIDES
 from llmforge.checkpoint import load_model_weights, save_checkpoint
 from llmforge.checkpoint.dcp import load_training_state
 from llmforge.checkpoint.safe_load import SAFE_GLOBALS, CheckpointReadError, UnsafeCheckpointError, load_metadata
-
-DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
 
 
 class Evil:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, TINY_OVERRIDES, run_cli
+from conftest import DEMO, REPO, TINY_OVERRIDES, run_cli
 
 
 class ByteTokenizer:
@@ -113,7 +113,6 @@ def test_changed_world_size_restarts_the_stream_and_says_so(tmp_path, capsys):
 
 
 # ------------------------------------------------------------ end to end, after SIGKILL
-DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
 BASE = [*TINY_OVERRIDES, "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
         "trainer.max_steps=6", "trainer.log_every=1", "trainer.eval_every=0",
         "trainer.eval_batches=1", "data.source=files", "data.streaming=true",

@@ -200,6 +200,9 @@ def _static_checks(cfg: Any, world_size: int, dry_run: bool = False) -> tuple[An
     if cfg.strategy.name == "auto" and world_size > 1:
         cfg.strategy.name = "fsdp2"
     check_strategy(cfg, ParallelDims.from_config(cfg, world_size))
+    from llmforge.training.trainer import module_class
+
+    module_class(cfg)
     return plan, _check_algorithms(cfg)  # instantiated and checked as a run would
 
 
@@ -394,6 +397,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except Exception as exc:  # a bug or an input we did not foresee: one line, no traceback
         if args.debug:
             raise
+        if isinstance(exc, OSError) and exc.filename is not None:  # a read/write error: exit 2
+            from llmforge.paths import os_error_message
+
+            print(f"error: {_scrub(os_error_message(exc))}", file=sys.stderr)
+            return 2
         print(f"error: {type(exc).__name__}: {_scrub(str(exc))} (run again with --debug for the "
               "traceback)", file=sys.stderr)
         return 1

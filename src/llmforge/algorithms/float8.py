@@ -108,6 +108,28 @@ def plain_weight_hook(module: nn.Module, state_dict: dict, prefix: str, local_me
                                                  run_check=False, shape=t.shape, stride=t.stride())
 
 
+def check_entries(key: str, entries: Sequence[str], model: nn.Module) -> None:
+    """Every entry of ``float8.<key>`` must be a substring of some module's FQN.
+
+    Raises:
+        ConfigError: an entry matches no module; names the entry and the closest module names
+            (difflib over the FQNs and their last parts, else the Linear layers' names).
+    """
+    import difflib
+
+    fqns = [name for name, _ in model.named_modules() if name]
+    for entry in entries:
+        if any(entry in fqn for fqn in fqns):
+            continue
+        leaves = sorted({f.rsplit(".", 1)[-1] for f in fqns})
+        names = list(dict.fromkeys(leaves + fqns))
+        close = difflib.get_close_matches(entry, names, n=3, cutoff=0.5) or sorted(
+            {f.rsplit(".", 1)[-1] for f, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ConfigError(f"algorithms: float8.{key} entry '{entry}' matches no module of the "
+                          f"model; closest module names: {', '.join(close)}. Entries are "
+                          "substrings of module names such as 'output' or 'layers.0.attention'")
+
+
 class Float8(Algorithm):
     """Convert ``nn.Linear`` layers to torchao ``Float8Linear`` for FP8 training.
 
@@ -120,13 +142,16 @@ class Float8(Algorithm):
         precompute_float8_dynamic_scale_for_fsdp: one all-reduce for all weight scales after
             each optimizer step; ``None`` follows ``enable_fsdp_float8_all_gather``.
         emulate: emulate FP8 matmuls in high precision (hardware without FP8 units; testing).
-        filter_fqns: FQN substrings of Linear layers kept in high precision.
+        filter_fqns: FQN substrings of Linear layers kept in high precision (default
+            ``["output"]``). Each given entry must match some module's FQN (``check``): a
+            misspelt one would silently convert the layer it meant to keep.
         modules: if given, only Linear layers whose FQN contains one of these are converted,
             and each must have in/out features divisible by 16.
 
     Raises:
         ConfigError: unknown ``recipe``; FP8 all-gather with a rowwise recipe; precompute
-            without FP8 all-gather.
+            without FP8 all-gather; (``check``) a ``filter_fqns`` or ``modules`` entry that
+            matches no module, naming the closest module names.
     """
 
     name = "float8"
@@ -135,7 +160,7 @@ class Float8(Algorithm):
 
     def __init__(self, recipe: str = "tensorwise", enable_fsdp_float8_all_gather: bool = False,
                  precompute_float8_dynamic_scale_for_fsdp: Optional[bool] = None,
-                 emulate: bool = False, filter_fqns: Sequence[str] = ("output",),
+                 emulate: bool = False, filter_fqns: Optional[Sequence[str]] = None,
                  modules: Optional[Sequence[str]] = None,
                  fsdp_float8_all_gather: Optional[bool] = None) -> None:
         if recipe not in RECIPES:
@@ -146,7 +171,8 @@ class Float8(Algorithm):
         self.precompute = (self.all_gather if precompute_float8_dynamic_scale_for_fsdp is None
                            else bool(precompute_float8_dynamic_scale_for_fsdp))
         self.emulate = bool(emulate)
-        self.filter_fqns = [str(f) for f in (filter_fqns or [])]
+        self.explicit_filter = filter_fqns is not None  # the default is not checked (other families)
+        self.filter_fqns = ["output"] if filter_fqns is None else [str(f) for f in filter_fqns]
         self.modules = None if modules is None else [str(m) for m in modules]
         if self.all_gather and recipe != "tensorwise":
             raise ConfigError(
@@ -223,8 +249,14 @@ class Float8(Algorithm):
                     f"{s.name} on {int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)} "
                     f"process(es) shards over {max(shard, 1)}; set "
                     "float8.enable_fsdp_float8_all_gather=false or train with FSDP2 on several devices")
+        if self.explicit_filter or self.modules is not None:
+            model = build_model_on_meta(cfg)
+            if self.explicit_filter:
+                check_entries("filter_fqns", self.filter_fqns, model)
+            if self.modules is not None:
+                check_entries("modules", self.modules, model)
         if self.modules is not None:
-            conv, _ = self.plan(build_model_on_meta(cfg))
+            conv, _ = self.plan(model)
             if not conv:
                 raise ConfigError(f"algorithms: float8.modules {self.modules} matches no Linear layer")
 

@@ -43,12 +43,65 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from llmforge.checkpoint.safe_load import safe_load
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_model_state_dict)
 
+from llmforge.checkpoint.safe_load import CheckpointReadError, safe_load
+from llmforge.errors import LLMForgeError
+
 COMPLETE = "COMPLETE"
 PREFIX = "step_"
+
+
+class CheckpointWriteError(LLMForgeError):
+    """A checkpoint could not be written (full disk, read-only or vanished folder). Its
+    unfinished ``.tmp-*`` folder is removed; the earlier checkpoints are untouched. Exit code 2."""
+
+    exit_code = 2
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc``, the per-rank exceptions a DCP ``CheckpointException`` carries, and their causes."""
+    out, todo = [], [exc]
+    while todo:
+        e = todo.pop(0)
+        if e is None or any(e is o for o in out):
+            continue
+        out.append(e)
+        todo += [pair[0] for pair in (getattr(e, "failures", None) or {}).values()]
+        todo += [e.__cause__, e.__context__]
+    return out
+
+
+def _write_failed(exc: BaseException, tmp: Path, root: Path) -> Optional[CheckpointWriteError]:
+    """Remove the unfinished ``tmp`` folder and say why the save failed and what is intact;
+    ``None`` when no file-system error is behind ``exc`` (a bug: the caller re-raises it).
+
+    torch's zip writer reports a full disk as ``unexpected pos`` without the errno: the free
+    space (measured before the cleanup frees it) tells that case apart."""
+    import errno as errnos
+
+    try:
+        free: Optional[int] = shutil.disk_usage(root).free
+    except OSError:
+        free = None
+    if _is_rank0():
+        shutil.rmtree(tmp, ignore_errors=True)
+    oserr = next((c for c in _causes(exc) if isinstance(c, OSError) and c.errno), None)
+    if oserr is not None and oserr.errno in (errnos.ENOSPC, errnos.EDQUOT) or (
+            oserr is None and free is not None and free < 64 * 2**20):
+        reason = f"no space left on the device ({free or 0:,} bytes free)"
+    elif oserr is not None:
+        reason = f"{os.strerror(oserr.errno)} ({oserr.filename or tmp})"
+    else:
+        return None
+    previous = latest_checkpoint(root)
+    kept = (f"the previous checkpoint {previous} is intact" if previous is not None
+            else "no earlier checkpoint exists")
+    return CheckpointWriteError(f"cannot write checkpoint {tmp}: {reason}; {kept}. Free space "
+                                f"or point checkpoint.dir at another disk, then continue with "
+                                "checkpoint.resume=auto")
 
 
 def step_name(step: int) -> str:
@@ -77,17 +130,24 @@ class PendingSave:
         """Wait for the files, then every rank meets and rank 0 marks and renames the folder."""
         if self.done:
             return self.final
-        if self.future is not None:
-            self.future.result()
-        _barrier()
-        if _is_rank0():
-            (self.tmp / "trainer_state.json").write_text(json.dumps(self.trainer_state, indent=1))
-            (self.tmp / "meta.json").write_text(json.dumps(self.meta, indent=1))
-            _crash_point("before_complete")
-            (self.tmp / COMPLETE).write_text("ok\n")
-            if self.final.exists():  # a stale checkpoint of the same step: replace it
-                shutil.rmtree(self.final)
-            os.replace(self.tmp, self.final)
+        try:
+            if self.future is not None:
+                self.future.result()
+            _barrier()
+            if _is_rank0():
+                (self.tmp / "trainer_state.json").write_text(json.dumps(self.trainer_state, indent=1))
+                (self.tmp / "meta.json").write_text(json.dumps(self.meta, indent=1))
+                _crash_point("before_complete")
+                (self.tmp / COMPLETE).write_text("ok\n")
+                if self.final.exists():  # a stale checkpoint of the same step: replace it
+                    shutil.rmtree(self.final)
+                os.replace(self.tmp, self.final)
+        except (OSError, RuntimeError, CheckpointException) as exc:
+            self.done = True
+            error = _write_failed(exc, self.tmp, self.final.parent)
+            if error is None:
+                raise
+            raise error from None
         _barrier()
         self.done = True
         _crash_point("after_complete")
@@ -144,9 +204,28 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module,
             ``plugins`` (sharded like the weights).
         rank_state: ``{name: dict}`` of this rank's JSON state (e.g. ``data``: the data
             module's position), written as ``<name>/rank<R>.json``; empty dicts are skipped.
+
+    Raises:
+        CheckpointWriteError: a file could not be written (e.g. the disk is full); the
+            unfinished ``.tmp-*`` folder is removed and earlier checkpoints stay as they were.
     """
     root = Path(root)
     final, tmp = root / step_name(step), root / f".tmp-{step_name(step)}"
+    try:
+        return _save(root, tmp, final, step, model, optimizer, trainer_state, meta, rng, async_save,
+                     adapters_only, plugin_state, rank_state)
+    except (OSError, RuntimeError, CheckpointException) as exc:  # DCP wraps each rank's error
+        error = _write_failed(exc, tmp, root)
+        if error is None:
+            raise
+        raise error from None
+
+
+def _save(root: Path, tmp: Path, final: Path, step: int, model: nn.Module,
+          optimizer: Optional[torch.optim.Optimizer], trainer_state: dict[str, Any],
+          meta: dict[str, Any], rng: Optional[dict[str, Any]], async_save: bool,
+          adapters_only: Optional[bool], plugin_state: Optional[dict[str, Any]],
+          rank_state: Optional[dict[str, dict]]) -> PendingSave:
     if _is_rank0():
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
@@ -219,16 +298,15 @@ def load_training_state(path: str | Path, model: nn.Module,
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     rng_file = path / "rng" / f"rank{rank}.json"
     if rng_file.exists():
-        out["rng"] = json.loads(rng_file.read_text())
+        out["rng"] = read_json(rng_file.parent, rng_file.name)
     return out
 
 
 def _saved_adapters_only(path: Path) -> Optional[bool]:
     """``meta.json``'s ``adapters_only`` (``None`` without a meta.json: decide by the model)."""
-    meta = path / "meta.json"
-    if not meta.exists():
+    if not (path / "meta.json").exists():
         return None
-    return bool(json.loads(meta.read_text()).get("adapters_only"))
+    return bool(read_json(path, "meta.json").get("adapters_only"))
 
 
 def _saved_plugin_keys(path: Path, templates: dict[str, Any]) -> list[str]:
@@ -240,6 +318,24 @@ def _saved_plugin_keys(path: Path, templates: dict[str, Any]) -> list[str]:
 
     names = load_metadata(path / ".metadata").state_dict_metadata.keys()
     return [k for k in templates if any(n.startswith(f"plugins.{k}.") for n in names)]
+
+
+def check_checkpoint(path: str | Path) -> None:
+    """Read what a resume reads before any tensor: ``trainer_state.json``, ``meta.json`` (if
+    present) and the DCP metadata, whose shards must all be there and long enough. Cheap (no
+    tensor is read), so a damaged checkpoint fails before data and model are built.
+
+    Raises:
+        CheckpointReadError: a file is missing, truncated or corrupt (named in the message).
+        UnsafeCheckpointError: the metadata refers to code outside the allow-list.
+    """
+    from llmforge.checkpoint.safe_load import SafeReader
+
+    path = Path(path)
+    read_json(path, "trainer_state.json")
+    if (path / "meta.json").exists():
+        read_json(path, "meta.json")
+    SafeReader(str(path)).read_metadata()
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:
@@ -289,14 +385,13 @@ def load_model_weights(path: str | Path, model: nn.Module, adapters_only: Option
     if adapters_only:
         sd = {k: v for k, v in sd.items() if is_adapter(k)}
     else:
-        meta = path / "meta.json"
-        if meta.exists() and json.loads(meta.read_text()).get("adapters_only"):
+        meta = read_json(path, "meta.json") if (path / "meta.json").exists() else {}
+        if meta.get("adapters_only"):
             from llmforge.errors import ConfigError
 
-            saved = json.loads(meta.read_text())
             raise ConfigError(f"{path} holds only the adapters of "
-                              f"{', '.join(saved.get('adapters_by') or ['a plugin'])} (its base is "
-                              f"{saved.get('base', {}).get('description', '?')}); "
+                              f"{', '.join(meta.get('adapters_by') or ['a plugin'])} (its base is "
+                              f"{meta.get('base', {}).get('description', '?')}); "
                               "load the run with `llmforge generate`/`convert to-hf` (merged), "
                               "or export merged weights with `llmforge convert to-hf` and use "
                               "model.init_from=hf:OUT")
@@ -308,5 +403,23 @@ def load_model_weights(path: str | Path, model: nn.Module, adapters_only: Option
 
 
 def read_json(path: str | Path, name: str) -> dict[str, Any]:
-    """Read ``trainer_state.json`` or ``meta.json`` of a checkpoint."""
-    return json.loads((Path(path) / name).read_text())
+    """Read ``trainer_state.json``, ``meta.json`` (or another JSON file) of a checkpoint.
+
+    Raises:
+        CheckpointReadError: the file is missing, unreadable, not UTF-8 JSON or not an object;
+            the message names the file (exit code 2).
+    """
+    file = Path(path) / name
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointReadError(f"{file} is missing; the checkpoint is incomplete or damaged: "
+                                  "use an older one (checkpoint.resume=PATH)") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointReadError(f"{file} cannot be read ({type(exc).__name__}: {exc}); the "
+                                  "checkpoint is damaged: use an older one "
+                                  "(checkpoint.resume=PATH)") from None
+    if not isinstance(data, dict):
+        raise CheckpointReadError(f"{file} holds {type(data).__name__}, not a JSON object; the "
+                                  "checkpoint is damaged")
+    return data

@@ -161,8 +161,9 @@ def checkpoint_meta(callbacks: Iterable[Any], cfg: Any, model: Any) -> dict[str,
 
 def read_meta(checkpoint: Path) -> Optional[dict[str, Any]]:
     """A checkpoint's ``meta.json``, or ``None`` if it has none."""
-    path = Path(checkpoint) / "meta.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    from llmforge.checkpoint.dcp import read_json  # names a corrupt file (exit 2)
+
+    return read_json(checkpoint, "meta.json") if (Path(checkpoint) / "meta.json").exists() else None
 
 
 def check_resume(checkpoint: Path, callbacks: Iterable[Any], cfg: Any, model: Any) -> None:

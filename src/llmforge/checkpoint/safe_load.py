@@ -107,12 +107,35 @@ def load_metadata(path: str | os.PathLike, fs: Any = None) -> Any:
     return metadata
 
 
+def check_shards(folder: str | os.PathLike, metadata: Any) -> None:
+    """Every data file the metadata points into exists and is long enough (a truncated shard,
+    e.g. a copy cut short, fails here with its name instead of deep inside ``torch.load``).
+
+    Raises:
+        CheckpointReadError: a shard is missing or shorter than its entries' ``offset + length``.
+    """
+    need: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if isinstance(rel, str):
+            need[rel] = max(need.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, size in sorted(need.items()):
+        file = os.path.join(folder, rel)
+        have = os.path.getsize(file) if os.path.isfile(file) else None
+        if have is None or have < size:
+            what = "is missing" if have is None else f"is truncated ({have:,} of {size:,} bytes)"
+            raise CheckpointReadError(f"{file} {what}; the checkpoint is damaged: use an older "
+                                      "one (checkpoint.resume=PATH) or copy it again")
+
+
 class SafeReader(FileSystemReader):
-    """``FileSystemReader`` whose metadata is unpickled with an allow-list."""
+    """``FileSystemReader`` whose metadata is unpickled with an allow-list and whose shards are
+    checked against it (:func:`check_shards`)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         path = self.fs.concat_path(self.path, ".metadata")
         metadata = load_metadata(path, self.fs)
+        check_shards(str(self.path), metadata)
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -130,6 +153,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
+            if "global" not in str(exc).lower():  # damaged bytes ("Unsupported operand"), no class
+                raise CheckpointReadError(f"entry {read_item.dest_index.fqn!r} is corrupt "
+                                          f"({exc}); use an older checkpoint") from exc
             raise UnsafeCheckpointError(
                 f"entry {read_item.dest_index.fqn!r} is not plain data; refused to load it "
                 "(unpickling it could run code)") from exc
@@ -154,12 +180,24 @@ def safe_load(state: dict, path: str) -> None:
     reader.read_metadata()  # fail here, with our own error, before DCP wraps it
     try:
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
-    except UnsafeCheckpointError as exc:
-        raise UnsafeCheckpointError(f"{path}: {exc}") from exc
+    except (UnsafeCheckpointError, CheckpointReadError) as exc:
+        raise type(exc)(f"{path}: {exc}") from exc
     except CheckpointException as exc:
         text = str(exc)
+        if "is corrupt (" in text:
+            raise CheckpointReadError(f"{path}: a non-tensor entry of the checkpoint is corrupt; "
+                                      "use an older checkpoint or copy it again") from exc
         if "refused to load" in text or "Weights only load failed" in text or "Unsupported global" in text:
             raise UnsafeCheckpointError(
                 f"{path}: a non-tensor entry of the checkpoint is not plain data; refused to "
                 "load it (unpickling it could run code)") from exc
+        if any(w in text for w in _CORRUPT):  # bytes changed in place: sizes fit, content not
+            raise CheckpointReadError(f"{path}: a data file of the checkpoint is corrupt "
+                                      f"({text.strip().splitlines()[-1][:200]}); use an older "
+                                      "checkpoint or copy it again") from exc
         raise
+
+
+# what torch.load / zipfile / pickle say about damaged bytes (shape errors say none of these)
+_CORRUPT = ("PytorchStreamReader failed", "corrupted", "invalid load key", "unexpected EOF",
+            "Ran out of input", "CRC", "truncated")

@@ -8,13 +8,12 @@ prefix, full unsharded shapes).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from llmforge.checkpoint.dcp import COMPLETE, latest_checkpoint
+from llmforge.checkpoint.dcp import COMPLETE, latest_checkpoint, read_json
 from llmforge.checkpoint.safe_load import SafeReader, safe_load
 from llmforge.errors import LLMForgeError
 
@@ -52,7 +51,7 @@ def _nbytes(md: Any) -> int:
 def inspect_checkpoint(path: str | Path) -> str:
     """A human-readable summary of a checkpoint."""
     ckpt = resolve(path)
-    meta = json.loads((ckpt / "meta.json").read_text())
+    meta = read_json(ckpt, "meta.json")
     entries = tensor_entries(ckpt)
     lines = [f"checkpoint   {ckpt}",
              f"step         {meta.get('step')}",
@@ -84,7 +83,7 @@ def consolidate(path: str | Path, out: str | Path) -> Path:
     if out.suffix != ".safetensors":
         out = out / "model.safetensors"
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = json.loads((ckpt / "meta.json").read_text())
+    meta = read_json(ckpt, "meta.json")
     save_file({k[6:]: v.contiguous() for k, v in state.items()}, str(out),
               metadata={"step": str(meta.get("step")), "source": str(ckpt)})
     return out

@@ -34,13 +34,15 @@ __all__ = ["load_config", "save_config", "redact", "config_to_dict"]
 # ---------------------------------------------------------------------------------------- YAML
 class _Loader(yaml.SafeLoader):
     """SafeLoader whose floats include ``1e-4`` / ``1E5`` (YAML 1.2 style), with dates left as
-    strings and duplicate keys rejected."""
+    strings, duplicate keys rejected and merge keys (``<<: *anchor``) merged."""
 
     def construct_mapping(self, node, deep=False):  # noqa: D102
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == _MERGE_TAG:  # SafeLoader.flatten_mapping merges it below
+                continue
             key = self.construct_object(key_node, deep=True)
-            if isinstance(key, typing.Hashable) and key in seen and key != "<<":
+            if isinstance(key, typing.Hashable) and key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key '{key}'", key_node.start_mark
                 )
@@ -49,23 +51,29 @@ class _Loader(yaml.SafeLoader):
 
 
 _FLOAT_TAG = "tag:yaml.org,2002:float"
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 _Loader.yaml_implicit_resolvers = {
     first: [(tag, rx) for tag, rx in resolvers if tag not in (_FLOAT_TAG, "tag:yaml.org,2002:timestamp")]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
-_Loader.add_implicit_resolver(
-    _FLOAT_TAG,
-    re.compile(
-        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-        |[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
-        |[-+]?\.(?:inf|Inf|INF)
-        |\.(?:nan|NaN|NAN))$""",
-        re.X,
-    ),
-    list("-+0123456789."),
+_FLOAT_RE = re.compile(
+    r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+    |[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""",
+    re.X,
 )
+_Loader.add_implicit_resolver(_FLOAT_TAG, _FLOAT_RE, list("-+0123456789."))
+
+
+class _Dumper(yaml.SafeDumper):
+    """SafeDumper that quotes every string :class:`_Loader` (or a YAML 1.1 reader) would read
+    as another type: ``'1e3'`` stays a string when ``config.yaml`` is loaded back."""
+
+
+_Dumper.add_implicit_resolver(_FLOAT_TAG, _FLOAT_RE, list("-+0123456789."))
 
 
 def _yaml_error(exc: yaml.YAMLError, where: str) -> ConfigError:
@@ -88,8 +96,10 @@ def _read_yaml(path: Path, shown: str, referrer: str | None) -> dict:
         raise _yaml_error(exc, shown) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read config file {shown}: {exc}") from None
-    if data is None:
-        return {}
+    if data is None:  # an empty file would silently train the defaults
+        by = f" (the base of {referrer})" if referrer else ""
+        raise ConfigError(f"config file {shown}{by} is empty; write at least one section (e.g. "
+                          "'base: yamls/demo_cpu.yaml' or 'trainer:') or pass the file you meant")
     if not isinstance(data, dict):
         raise ConfigError(
             f"the top of {shown} must be a mapping of sections (e.g. 'trainer:'), "
@@ -300,6 +310,8 @@ def _apply_override(cfg: DictConfig, item: str) -> None:
         exists = isinstance(node, ListConfig) or k in node
         try:
             if i == len(parts) - 1:
+                if _unwrap(_schema_type(parts))[0] is str and isinstance(value, (bool, int, float)):
+                    value = item.split("=", 1)[1].strip()  # run.name=1e3 is the text '1e3'
                 value = _check(value, _schema_type(parts), key, source)
                 current = node._get_node(k) if exists else None
                 if isinstance(value, dict) and isinstance(current, DictConfig) and not current._is_none():
@@ -489,6 +501,6 @@ def save_config(cfg: Any, path: str | Path) -> Path:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = yaml.safe_dump(redact(config_to_dict(cfg)), sort_keys=False, allow_unicode=True)
+    text = yaml.dump(redact(config_to_dict(cfg)), Dumper=_Dumper, sort_keys=False, allow_unicode=True)
     path.write_text(text, encoding="utf-8")
     return path

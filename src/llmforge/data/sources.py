@@ -63,6 +63,9 @@ def _resolve_files(cfg: Any) -> list[str]:
             files.append(pattern)  # datasets/fsspec expands remote globs
             continue
         expanded = os.path.expanduser(pattern)
+        if os.path.isdir(expanded):
+            raise DataError(f"data.path: '{pattern}' is a directory; name its files with a glob, "
+                            f"e.g. data.path='{os.path.join(pattern, '*.jsonl')}'")
         matches = sorted(glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else (
             [expanded] if os.path.exists(expanded) else [])
         matches = [m for m in matches if os.path.isfile(m)]
@@ -98,7 +101,29 @@ def _load(builder: str, data_files: Any, cfg: Any, split: str, **kwargs: Any) ->
                                      storage_options=dict(cfg.storage_options) or None, **kwargs)
     except (FileNotFoundError, ValueError, OSError, datasets.exceptions.DatasetGenerationError) as exc:
         cause = exc.__cause__ or exc
+        if isinstance(cause, UnicodeDecodeError):
+            raise not_utf8(data_files, cause) from exc
         raise DataError(f"data: cannot read {data_files!r} as {builder}: {cause}") from exc
+
+
+def not_utf8(files: Any, exc: UnicodeDecodeError) -> DataError:
+    """A :class:`DataError` naming the first file and line of ``files`` that is not UTF-8.
+
+    ``datasets`` reports only the byte; the files are scanned again (on this error path only)
+    to name the line. Compressed or remote files are named as a group."""
+    local = [f for f in (files if isinstance(files, (list, tuple)) else [files])
+             if isinstance(f, str) and os.path.isfile(f) and not f.endswith((".gz", ".zst"))]
+    for name in local:
+        with open(name, "rb") as fh:
+            for number, line in enumerate(fh, 1):
+                try:
+                    line.decode("utf-8")
+                except UnicodeDecodeError as bad:
+                    return DataError(
+                        f"data: {name} line {number} is not valid UTF-8 (byte "
+                        f"0x{line[bad.start]:02x} at column {bad.start + 1}); re-encode the file "
+                        "as UTF-8 (e.g. iconv -f latin1 -t utf-8)")
+    return DataError(f"data: {files!r} is not valid UTF-8 ({exc}); re-encode it as UTF-8")
 
 
 def _normalize(ds: AnyDataset, text_field: str, max_documents: Optional[int]) -> AnyDataset:
@@ -168,10 +193,16 @@ def load_documents(cfg: Any, seed: int) -> DocumentSplits:
         except Exception as exc:  # hub errors come in many types
             raise DataError(f"data.path: cannot load hub dataset '{builder}' split '{split}': {exc}") from exc
 
-    train = _normalize(load(cfg.split), text_field, cfg.max_documents)
+    def documents(split: str) -> AnyDataset:
+        try:
+            return _normalize(load(split), text_field, cfg.max_documents)
+        except UnicodeDecodeError as exc:  # json: arrow keeps the bytes, Python's str() fails
+            raise not_utf8(data_files, exc) from exc
+
+    train = documents(cfg.split)
     val: Optional[AnyDataset] = None
     if cfg.val_split:
-        val = _normalize(load(cfg.val_split), text_field, cfg.max_documents)
+        val = documents(cfg.val_split)
     elif cfg.val_fraction > 0:
         train, val = _hold_out(train, cfg.val_fraction, seed)
     return DocumentSplits(train=train, val=val, fingerprint=hash_str(f"{fingerprint}-{cfg.split}"))

@@ -11,6 +11,14 @@ Offline experiments are written by comet_ml's own ``OfflineExperiment`` (Lightni
 ``CometLogger(online=False)`` writes nothing, a known Lightning bug) as a zip archive in
 ``<run_dir>/comet/`` when the run ends; upload it with ``comet upload <zip>``.
 
+A resumed run continues the same experiment (``ExistingExperiment`` online,
+``ExistingOfflineExperiment`` offline; its key is kept in ``<run_dir>/comet/llmforge-resume.json``)
+and skips the steps already sent, so each step shows once (:mod:`llmforge.loggers._resume`).
+
+Parameters are sent flat, as Comet's schema wants them (a number, string, boolean or null per
+name): nested sections become ``trainer|max_steps``, a list of sections ``loggers|0|name``, and
+a list of plain values one JSON string (``optimizer|betas`` = ``"[0.9, 0.95]"``).
+
 Online, the adapter first asks the server for its version with a ``connect_timeout`` (comet_ml
 itself retries for 20-30 s when the server is unreachable and then logs nothing); when the
 server does not answer, or the experiment does not come alive, the run continues offline with
@@ -28,6 +36,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from llmforge.loggers._common import (check_mode, import_sdk, numeric_metrics, require_api_key,
                                       run_identity, say, unreachable, warn_offline)
+from llmforge.loggers._resume import TrackerState
 
 # comet_ml must not capture stdout, hook into torch or upload code, git state or the environment.
 _QUIET = dict(log_code=False, log_graph=False, auto_param_logging=False, auto_metric_logging=False,
@@ -35,6 +44,17 @@ _QUIET = dict(log_code=False, log_graph=False, auto_param_logging=False, auto_me
               log_git_patch=False, log_env_gpu=False, log_env_host=False, log_env_cpu=False,
               log_env_network=False, log_env_disk=False, parse_args=False, auto_log_co2=False,
               display_summary_level=0)
+
+
+def _accepted(cls: Any) -> dict[str, Any]:
+    """The :data:`_QUIET` settings ``cls`` takes (``ExistingOfflineExperiment`` has no
+    ``**kwargs`` and lacks a few of them)."""
+    import inspect
+
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(_QUIET)
+    return {k: v for k, v in _QUIET.items() if k in params}
 
 
 def server_url() -> str:
@@ -45,6 +65,28 @@ def server_url() -> str:
         return get_backend_address().rstrip("/") + "/isAlive/ver"
     except Exception:  # an SDK whose config API moved
         return "https://www.comet.com/clientlib/isAlive/ver"
+
+
+def comet_parameters(params: Any, prefix: str = "") -> dict[str, Any]:
+    """``params`` flattened to ``{name: number | string | bool | None}`` (Comet's parameter
+    schema): mappings and lists of mappings by ``|``-joined keys, other lists as JSON text."""
+    import json
+
+    out: dict[str, Any] = {}
+    items = params.items() if isinstance(params, dict) else enumerate(params)
+    for key, value in items:
+        name = f"{prefix}|{key}" if prefix else str(key)
+        if isinstance(value, dict) and value:
+            out.update(comet_parameters(value, name))
+        elif isinstance(value, (list, tuple)) and any(isinstance(v, dict) for v in value):
+            out.update(comet_parameters(list(value), name))
+        elif isinstance(value, (dict, list, tuple)):
+            out[name] = json.dumps(value, default=str)
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            out[name] = value
+        else:
+            out[name] = str(value)
+    return out
 
 
 class CometLogger(Logger):
@@ -87,6 +129,7 @@ class CometLogger(Logger):
         self.connect_timeout = float(connect_timeout)
         self._config: dict = dict(config or {})
         self._exp: Any = None
+        self._state = TrackerState(self.dir)
         self.fell_back = False
 
     @property
@@ -103,6 +146,10 @@ class CometLogger(Logger):
 
     def _offline(self) -> Any:
         self.dir.mkdir(parents=True, exist_ok=True)
+        if self._state.id:  # a resumed run: the same experiment, continued
+            cls = self._comet.ExistingOfflineExperiment
+            return cls(experiment_key=self._state.id, project_name=self.project,
+                       workspace=self.workspace, offline_directory=str(self.dir), **_accepted(cls))
         return self._comet.OfflineExperiment(project_name=self.project, workspace=self.workspace,
                                              offline_directory=str(self.dir), **_QUIET)
 
@@ -110,8 +157,12 @@ class CometLogger(Logger):
         key = os.environ["COMET_API_KEY"]
         reason = unreachable(server_url(), self.connect_timeout)
         if reason is None:
-            exp = self._comet.Experiment(api_key=key, project_name=self.project,
-                                         workspace=self.workspace, **_QUIET)
+            if self._state.id:
+                exp = self._comet.ExistingExperiment(api_key=key, experiment_key=self._state.id,
+                                                     **_QUIET)
+            else:
+                exp = self._comet.Experiment(api_key=key, project_name=self.project,
+                                             workspace=self.workspace, **_QUIET)
             if exp.alive:
                 return exp
             exp.end()
@@ -126,6 +177,7 @@ class CometLogger(Logger):
     def experiment(self) -> Any:
         """The comet_ml experiment, started on first use (rank zero only)."""
         if self._exp is None:
+            self._state.load()
             self._exp = self._online() if self.mode == "online" else self._offline()
             if self.mode == "offline":
                 say(f"comet: offline experiment; archive in {self.dir} when the run ends")
@@ -136,7 +188,7 @@ class CometLogger(Logger):
             if self.group:
                 self._exp.log_other("group", self.group)
             if self._config:
-                self._exp.log_parameters(self._config)
+                self._exp.log_parameters(comet_parameters(self._config))
         return self._exp
 
     @rank_zero_only
@@ -145,19 +197,27 @@ class CometLogger(Logger):
         params = dict(params)
         self._config.update(params)
         if self._exp is not None:
-            self._exp.log_parameters(params)
+            self._exp.log_parameters(comet_parameters(params))
 
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
-        self.experiment.log_metrics(numeric_metrics(metrics), step=step)
+        """Send one record, unless Comet has this step already (a resumed run logs again)."""
+        exp = self.experiment
+        if not self._state.is_new(step):
+            return
+        exp.log_metrics(numeric_metrics(metrics), step=step)
+        self._state.save(exp.get_key(), step)
 
     @rank_zero_only
     def log_text(self, key: str, columns: list[str], data: list[list[Any]],
                  step: Optional[int] = None) -> None:
         """One Comet text sample per row: the last column is the text, the others metadata."""
+        exp = self.experiment
+        if not self._state.is_new(step):
+            return
         for row in data:
             meta = {"key": key, **{c: v for c, v in zip(columns[:-1], row[:-1])}}
-            self.experiment.log_text(str(row[-1]), step=step, metadata=meta)
+            exp.log_text(str(row[-1]), step=step, metadata=meta)
 
     @rank_zero_only
     def finalize(self, status: str) -> None:

@@ -8,6 +8,9 @@ YAML::
         mode: offline              # online (needs WANDB_API_KEY in the environment) or offline
 
 Files go to ``<run_dir>/wandb/`` (offline runs: ``wandb sync <run_dir>/wandb/offline-run-*``).
+A resumed run continues the same W&B run (its id is kept in ``<run_dir>/wandb/llmforge-resume.json``,
+started again with ``resume="allow"``) and skips the steps W&B already has, so each step shows
+once (:mod:`llmforge.loggers._resume`).
 Online, the adapter first checks that the server answers at all (``connect_timeout``), then
 starts the run (``init_timeout``); when either fails (unreachable, timed out, key refused) the
 run continues offline with one :class:`~llmforge.loggers._common.TrackerOfflineWarning`.
@@ -23,6 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from llmforge.loggers._common import (check_mode, import_sdk, numeric_metrics, require_api_key,
                                       run_identity, say, unreachable, warn_offline)
+from llmforge.loggers._resume import TrackerState
 
 
 class WandbLogger(Logger):
@@ -63,6 +67,7 @@ class WandbLogger(Logger):
         self.init_timeout, self.connect_timeout = float(init_timeout), float(connect_timeout)
         self._config: dict = dict(config or {})
         self._run: Any = None
+        self._state = TrackerState(self.dir / "wandb")
         self.fell_back = False
 
     # ----------------------------------------------------------------- identity
@@ -83,9 +88,11 @@ class WandbLogger(Logger):
         wandb = self._wandb
         settings = wandb.Settings(init_timeout=self.init_timeout, console="off", quiet=True,
                                   silent=True, x_disable_stats=True)
+        resume = dict(id=self._state.id, resume="allow") if self._state.id else {}
         return wandb.init(project=self.project, entity=self.entity, name=self.run_name,
                           group=self.group, tags=self.tags or None, notes=self.notes,
-                          config=self._config, dir=str(self.dir), mode=mode, settings=settings)
+                          config=self._config, dir=str(self.dir), mode=mode, settings=settings,
+                          **resume)
 
     @staticmethod
     def _no_analytics() -> None:
@@ -106,6 +113,7 @@ class WandbLogger(Logger):
         """The ``wandb.Run``, started on first use (rank zero only)."""
         if self._run is None:
             self.dir.mkdir(parents=True, exist_ok=True)
+            self._state.load()  # a resumed run: the same W&B run, continued
             reason = None
             if self.mode == "online":
                 base_url = self._wandb.setup().settings.base_url  # env and settings files applied
@@ -140,14 +148,22 @@ class WandbLogger(Logger):
 
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
-        self.experiment.log(numeric_metrics(metrics), step=step)
+        """Send one record, unless W&B has this step already (a resumed run logs again)."""
+        run = self.experiment
+        if not self._state.is_new(step):
+            return
+        run.log(numeric_metrics(metrics), step=step)
+        self._state.save(run.id, step)
 
     @rank_zero_only
     def log_text(self, key: str, columns: list[str], data: list[list[Any]],
                  step: Optional[int] = None) -> None:
         """Log rows of text as a W&B table (same signature as Lightning's ``WandbLogger``)."""
+        run = self.experiment
+        if not self._state.is_new(step):
+            return
         table = self._wandb.Table(columns=list(columns), data=[list(r) for r in data])
-        self.experiment.log({key: table}, step=step)
+        run.log({key: table}, step=step)
 
     @rank_zero_only
     def finalize(self, status: str) -> None:

@@ -28,6 +28,7 @@ from llmforge import registry
 from llmforge.algorithms.base import ModelContext, run_pipeline
 from llmforge.events import Dispatcher, Event, State
 from llmforge.parallel.init import init_parallel_model, seeded_init
+from llmforge.training.modes import eval_mode, restore_modes
 from llmforge.training.optim import build_optimizer
 from llmforge.training.schedule import build_scheduler
 
@@ -340,8 +341,7 @@ class LLMModule(L.LightningModule):
         st = self.state
         st.training = False
         self.event(Event.BEFORE_EVALUATION)
-        was_training = self.model.training
-        self.model.eval()
+        modes = eval_mode(self.model)  # restore_modes gives each submodule its own mode back
         loss_sum = torch.zeros((), device=self.device)
         count = torch.zeros((), device=self.device)
         for i, batch in enumerate(loader):
@@ -355,7 +355,7 @@ class LLMModule(L.LightningModule):
             st.outputs = None
             loss_sum += s.float()
             count += st.n_targets
-        self.model.train(was_training)
+        restore_modes(modes)
         st.training = True
         loss = (self.dp_all_reduce(loss_sum) / self.dp_all_reduce(count.float()).clamp(min=1)).item()
         self.last_eval = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 80.0))}

@@ -26,8 +26,11 @@ from omegaconf import DictConfig
 from llmforge import registry
 from llmforge.callbacks import Checkpointer, GarbageCollection, RichProgress, SpeedMonitor
 from llmforge.checkpoint import COMPLETE, latest_checkpoint, list_checkpoints, read_json
+from llmforge.checkpoint.dcp import check_checkpoint
 from llmforge.checkpoint.init_from import apply_hf_shape
+from llmforge.checkpoint.safe_load import CheckpointReadError
 from llmforge.config import config_to_dict, load_config, redact, save_config, validate
+from llmforge.paths import check_writable_dir
 from llmforge.data.datamodule import LLMDataModule
 from llmforge.data.mixture import MixtureTokens, PreparedMixture
 from llmforge.data.prepared import PreparedSplits, check_tokenizer
@@ -199,6 +202,39 @@ def check_init_from_tokenizer(tok: Tokenizer, init_from: Optional[str]) -> None:
             f"its embeddings would be read with the wrong rows; use {hint}")
 
 
+def check_resumable(path: Path, complete: list[Path]) -> None:
+    """A damaged resume checkpoint fails before data and model are built, naming the file and
+    the newest older complete checkpoint (from ``complete``) to resume from instead.
+
+    Raises:
+        CheckpointReadError: see :func:`llmforge.checkpoint.dcp.check_checkpoint`.
+    """
+    try:
+        check_checkpoint(path)
+    except CheckpointReadError as exc:
+        older = [p for p in complete if p.name < path.name]
+        if not older:
+            raise
+        raise CheckpointReadError(f"{exc}; the previous checkpoint is "
+                                  f"checkpoint.resume={older[-1]}") from None
+
+
+def module_class(cfg: DictConfig) -> type:
+    """The class named by ``trainer.module``, imported (research code may be in ``imports:``).
+
+    Raises:
+        ConfigError: the path does not import, or names something that is not a
+            ``lightning.LightningModule`` subclass (e.g. a function or a module).
+    """
+    path = cfg.trainer.module
+    obj = registry.import_object(path, key="trainer.module")
+    if not (isinstance(obj, type) and issubclass(obj, L.LightningModule)):
+        what = f"a {type(obj).__name__}" if not isinstance(obj, type) else "a class that is not a LightningModule"
+        raise ConfigError(f"trainer.module: '{path}' is {what}; name an LLMModule subclass, e.g. "
+                          "trainer.module=llmforge.training.module.LLMModule")
+    return obj
+
+
 class Trainer:
     """Builds every piece of a run from a resolved config and runs ``lightning.Trainer.fit``.
 
@@ -222,12 +258,15 @@ class Trainer:
         self.dims = ParallelDims.from_config(cfg, self.world_size)
         check_strategy(cfg, self.dims)  # reject impossible strategy settings up front
         self.algorithms = self.build_algorithms()  # instantiated and checked before any allocation
+        module_class(cfg)
         check_run_name(cfg.run.name)
         if cfg.trainer.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
             raise ConfigError(f"trainer.accelerator={cfg.trainer.accelerator}, but torch finds no "
                               "CUDA device here; use trainer.accelerator=auto or cpu")
         self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
         self.checkpoint_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
+        check_writable_dir(self.run_dir, "run.output_dir")  # before data and tokenizer, not after
+        check_writable_dir(self.checkpoint_dir, "checkpoint.dir" if cfg.checkpoint.dir else "run.output_dir")
         self.overwrite = overwrite
         self.tokenizer: Optional[Tokenizer] = None
         self.module: Any = None
@@ -254,11 +293,15 @@ class Trainer:
         if not resume or self.overwrite:
             return None
         if resume == "auto":
-            return latest_checkpoint(self.checkpoint_dir)
+            path = latest_checkpoint(self.checkpoint_dir)
+            if path is not None:
+                check_resumable(path, list_checkpoints(self.checkpoint_dir))
+            return path
         path = Path(resume)
         if not (path / COMPLETE).exists():
             raise ConfigError(f"checkpoint.resume: {path} is not a complete checkpoint (no {COMPLETE} "
                               "marker); use checkpoint.resume=auto for the newest complete one")
+        check_resumable(path, [])
         return path
 
     def check_run_dir(self) -> bool:
@@ -412,7 +455,7 @@ class Trainer:
 
     def build_module(self) -> Any:
         """Instantiate ``trainer.module`` (an :class:`LLMModule` or a subclass)."""
-        cls = registry.import_object(self.cfg.trainer.module, key="trainer.module")
+        cls = module_class(self.cfg)
         try:
             return cls(self.cfg, self.plan, pipeline=self.build_pipeline(),
                        **dict(self.cfg.trainer.module_kwargs))

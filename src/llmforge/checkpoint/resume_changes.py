@@ -33,6 +33,8 @@ MAY_CHANGE = (
 ``trainer.max_steps`` may change too when ``scheduler.name=constant`` (no schedule depends on
 it); with the other schedules the learning rate of every later step moves."""
 
+_NOT_COMPARED = ("checkpoint.resume", "checkpoint.allow_config_changes")  # how to resume, not what
+
 _WHY = {"trainer.max_steps": "the learning-rate schedule's length",
         "trainer.global_batch_size": "the samples per step and the data position",
         "trainer.seq_len": "the data windows", "run.seed": "the data order"}
@@ -86,9 +88,9 @@ def _saved_config(ckpt: Path) -> tuple[Optional[dict], str]:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"checkpoint.resume: {meta_file} cannot be read ({exc}); resume from "
                           "another checkpoint (checkpoint.resume=PATH)") from None
+    world = {"_world_size": meta["world_size"]} if meta.get("world_size") else {}
     if isinstance(meta.get("config"), dict):
-        world = meta.get("world_size")
-        return {**meta["config"], **({"_world_size": world} if world else {})}, "meta.json"
+        return {**meta["config"], **world}, "meta.json"
     run_config = ckpt.parent.parent / "config.yaml"  # <run_dir>/checkpoints/step_N
     if run_config.exists():
         import yaml
@@ -96,15 +98,15 @@ def _saved_config(ckpt: Path) -> tuple[Optional[dict], str]:
         try:
             data = yaml.safe_load(run_config.read_text(encoding="utf-8"))
         except (OSError, yaml.YAMLError):
-            return None, "no readable config"
+            data = None
         if isinstance(data, dict):
-            return data, str(run_config)
-    return None, "no saved config"
+            return {**data, **world}, str(run_config)
+    return (world or None), "no saved config"
 
 
 def resume_changes(ckpt: str | Path, config: dict[str, Any], world_size: int) -> ResumeChanges:
     """Compare this run's resolved ``config`` (a plain, redacted dict) and ``world_size`` with
-    the checkpoint's. A checkpoint without a saved config compares nothing.
+    the checkpoint's. A checkpoint without a saved config compares the world size only.
 
     Raises:
         ConfigError: the checkpoint's ``meta.json`` exists but cannot be read.
@@ -114,13 +116,13 @@ def resume_changes(ckpt: str | Path, config: dict[str, Any], world_size: int) ->
     if saved is None:
         return ResumeChanges(ckpt, (), (), where)
     old_world = saved.pop("_world_size", None)
-    old = _flatten(json.loads(json.dumps(saved, default=str)))
+    old = _flatten(json.loads(json.dumps(saved, default=str))) if saved else {}
     now = _flatten(json.loads(json.dumps(config, default=str)))
     safe, breaking = [], []
     if old_world is not None and int(old_world) != world_size:
         safe.append(("world size", int(old_world), world_size))
-    for key in sorted(set(old) | set(now)):
-        if key.startswith("variables.") or old.get(key) == now.get(key):
+    for key in sorted(set(old) | set(now)) if old else ():
+        if key.startswith("variables.") or key in _NOT_COMPARED or old.get(key) == now.get(key):
             continue  # variables reach the run only through the keys they fill in
         (safe if _may_change(key, now) else breaking).append((key, old.get(key), now.get(key)))
     return ResumeChanges(ckpt, tuple(safe), tuple(breaking), where)

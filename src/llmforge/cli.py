@@ -135,6 +135,10 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*isinstance.treespec, LeafSpec.*")
     warnings.filterwarnings("ignore", module="torch.distributed.device_mesh")
     warnings.filterwarnings("ignore", module="torch.distributed.tensor._random")
+    # not actionable on every run: DTensor's RNG is CUDA-only (warned from its caller's module,
+    # so matched by text), and Lightning's hint that srun exists on this machine
+    warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+    warnings.filterwarnings("ignore", message="The `srun` command is available on your system")
     warnings.filterwarnings("ignore", message=".*_get_slice_mesh_layout.*|.*_rng_tracker.*")
     warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
     warnings.filterwarnings("ignore", message=".*Found a non-scalar tensor with numel=1 and ndim!=0.*")
@@ -233,7 +237,7 @@ def _print_summary(s: dict[str, Any]) -> None:
         parts.append(f"train/loss {s['final_train_loss']:.4f}")
     if s["final_eval_loss"] is not None:
         first = s["initial_eval_loss"]
-        start = f" (step 0: {first:.4f})" if first is not None else ""
+        start = f" (step {s.get('initial_eval_step', 0)}: {first:.4f})" if first is not None else ""
         parts.append(f"eval/loss {s['final_eval_loss']:.4f}{start}")
     print(" | ".join(parts))
     print(f"run directory: {s['run_dir']}")
@@ -361,7 +365,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except LLMForgeError as exc:
         if args.debug:
             raise
-        print(f"error: {_scrub(str(exc))}", file=sys.stderr)
+        # 75/130: stopped on a signal after saving (checkpointing.Preempted), not an input error
+        word = "stopped" if exc.exit_code in (75, 130) else "error"
+        print(f"{word}: {_scrub(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -545,13 +545,14 @@ class Trainer:
         train = [r for r in history if "train/loss" in r]
         ckpt = next((c.last_path for c in self.lightning.callbacks if isinstance(c, Checkpointer)), None)
         last_eval = self.module.last_eval or {}
-        first_eval = next((r["eval/loss"] for r in history if "eval/loss" in r), None)
+        first_eval = next((r for r in history if "eval/loss" in r), {})  # after a resume: not step 0
         return {
             "steps": self.lightning.global_step,
             "tokens": self.module.tokens_seen,
             "seconds": seconds,
             "final_train_loss": train[-1]["train/loss"] if train else None,
-            "initial_eval_loss": first_eval,
+            "initial_eval_loss": first_eval.get("eval/loss"),
+            "initial_eval_step": first_eval.get("step"),
             "final_eval_loss": last_eval.get("eval/loss"),
             "run_dir": str(self.run_dir),
             "checkpoint": str(ckpt) if ckpt else None,

@@ -91,9 +91,12 @@ def test_config_errors_come_before_the_heavy_imports(tmp_path):
     (3, 1, 1, 2, 3),      # trainer.num_threads wins
 ])
 def test_threads_per_process(override, procs, workers, cores, want):
-    n, why = choose_num_threads(override, procs, workers, cores=cores)
+    n, why = choose_num_threads(override, procs, workers, cores=cores, environ={})
     assert n == want
     assert f"{cores} cores" in why
+    # an explicit OMP_NUM_THREADS is a choice too; trainer.num_threads still wins over it
+    omp = {"OMP_NUM_THREADS": "5"}
+    assert choose_num_threads(override, procs, workers, cores=cores, environ=omp)[0] == (override or 5)
 
 
 def test_trainer_applies_and_logs_threads(tmp_path, capsys):

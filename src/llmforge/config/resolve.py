@@ -178,7 +178,7 @@ def resolve_run(cfg: DictConfig, *, overwrite: bool = False, check_dir: bool = T
     run_dir = Path(out.run.output_dir) / out.run.name
     ckpt_dir = Path(out.checkpoint.dir) if out.checkpoint.dir else run_dir / "checkpoints"
     local = int(env.get("LOCAL_WORLD_SIZE") or t.devices)
-    threads, why = choose_num_threads(t.num_threads, local, int(out.data.num_workers))
+    threads, why = choose_num_threads(t.num_threads, local, int(out.data.num_workers), environ=env)
     resume, used, line = (_run_dir_state(out, run_dir, ckpt_dir, overwrite, world) if check_dir
                           else (None, False, None))
     OmegaConf.set_readonly(out, True)

@@ -8,14 +8,15 @@ CPU performance guide gives the same rule: one compute thread per core a process
 
 :func:`choose_num_threads` takes the cores of ``os.sched_getaffinity`` (what the scheduler,
 taskset or SLURM's cgroup allow), divides them among the ranks of this node and subtracts each
-rank's data workers; ``trainer.num_threads`` overrides it. No torch import here: the choice is
-part of the resolved run (:mod:`llmforge.config.resolve`) and applied by the Trainer.
+rank's data workers; ``trainer.num_threads`` overrides it, and so does ``OMP_NUM_THREADS`` when
+it is set (a user's or a launcher's explicit choice). No torch import here: the choice is part
+of the resolved run (:mod:`llmforge.config.resolve`) and applied by the Trainer.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Mapping, Optional
 
 __all__ = ["available_cores", "choose_num_threads"]
 
@@ -30,7 +31,8 @@ def available_cores() -> int:
 
 
 def choose_num_threads(override: Optional[int], local_world_size: int, num_workers: int,
-                       cores: Optional[int] = None) -> tuple[int, str]:
+                       cores: Optional[int] = None,
+                       environ: Optional[Mapping[str, str]] = None) -> tuple[int, str]:
     """Intra-op threads for one training process, and a line that says why.
 
     ``cores // local_world_size - num_workers``, at least 1: each rank gets its share of the
@@ -41,10 +43,16 @@ def choose_num_threads(override: Optional[int], local_world_size: int, num_worke
         local_world_size: training processes on this node (``--nproc``, ``LOCAL_WORLD_SIZE``).
         num_workers: ``data.num_workers`` of each process.
         cores: cores available (default :func:`available_cores`).
+        environ: the environment (default ``os.environ``); a positive ``OMP_NUM_THREADS`` wins
+            over the choice above (not over ``override``).
     """
     cores = available_cores() if cores is None else cores
+    env = os.environ if environ is None else environ
     if override is not None:
         return int(override), f"trainer.num_threads={override} ({cores} cores available)"
+    omp = env.get("OMP_NUM_THREADS", "")
+    if omp.isdigit() and int(omp) >= 1:
+        return int(omp), f"OMP_NUM_THREADS={omp} ({cores} cores available)"
     share = cores // max(1, local_world_size)
     n = max(1, share - num_workers)
     per = f" / {local_world_size} processes" if local_world_size > 1 else ""

@@ -189,6 +189,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _static_checks(cfg: Any, world_size: int, dry_run: bool = False) -> tuple[Any, str]:
+    """The checks ``llmforge train`` runs before training, for a job of ``world_size``
+    processes (``trainer.devices`` per node) that runs elsewhere (``llmforge launch``): the same
+    resolution and Trainer start-up, without looking at the run directory. ``dry_run``: files
+    the config names (an HF folder, a tokenizer) may be missing here. Returns (plan, pipeline
+    line).
+
+    Raises:
+        ConfigError: what the job would exit 2 with.
+    """
+    from llmforge.config.resolve import resolve_run
+    from llmforge.training.trainer import Trainer
+
+    env = {"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(cfg.trainer.devices)}
+    run = resolve_run(cfg, check_dir=False, dry_run=dry_run, environ=env)
+    return run.plan, _pipeline_line(Trainer(cfg, run=run))
+
+
 def _pipeline_line(trainer: Any) -> str:
     """The model-transform order a run would apply (algorithms and the strategy's stages)."""
     from llmforge.algorithms.loading import pipeline_order

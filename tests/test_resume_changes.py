@@ -65,6 +65,20 @@ def test_changes_that_keep_exactness_are_reported_not_refused(saved_run):
         assert part in line, line
 
 
+def test_a_streaming_run_keeps_its_world_size_and_workers(tmp_path):
+    overrides = [*TINY_OVERRIDES, f"run.output_dir={tmp_path}", "run.name=s", "data.streaming=true"]
+    first = resolve_run(load_config(DEMO, overrides))
+    ckpt = first.checkpoint_dir / "step_00000005"
+    ckpt.mkdir(parents=True)
+    (ckpt / "meta.json").write_text(json.dumps({"world_size": 1, "config": redact(config_to_dict(first.cfg))}))
+    (ckpt / "COMPLETE").write_text("")
+    with pytest.raises(ConfigError, match=r"data.num_workers 0 -> 1"):
+        resume(overrides, "data.num_workers=1")
+    with pytest.raises(ConfigError, match=r"world size 1 -> 2"):
+        resume(overrides, environ={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
+    assert "trainer.log_every 10 -> 5" in resume(overrides, "trainer.log_every=5").resume_line
+
+
 def test_constant_schedule_may_change_its_length(tmp_path):
     overrides = [*TINY_OVERRIDES, f"run.output_dir={tmp_path}", "run.name=c", "scheduler.name=constant"]
     first = resolve_run(load_config(DEMO, overrides))

@@ -49,10 +49,21 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: tree}
 
 
+_STREAM_POSITION = ("world size", "data.num_workers", "trainer.devices", "trainer.num_nodes", "strategy.")
+"""A streaming source's saved position is per rank and loader worker: exact only when these
+stay (docs/data.md)."""
+
+
+def _matches(key: str, names: tuple[str, ...]) -> bool:
+    return any(key == m or (m.endswith(".") and key.startswith(m)) for m in names)
+
+
 def _may_change(key: str, now: dict[str, Any]) -> bool:
     if key == "trainer.max_steps":
         return now.get("scheduler.name") == "constant"
-    return any(key == m or (m.endswith(".") and key.startswith(m)) for m in MAY_CHANGE)
+    if now.get("data.streaming") and _matches(key, _STREAM_POSITION):
+        return False
+    return key == "world size" or _matches(key, MAY_CHANGE)
 
 
 def _short(value: Any) -> str:
@@ -120,7 +131,8 @@ def resume_changes(ckpt: str | Path, config: dict[str, Any], world_size: int) ->
     now = _flatten(json.loads(json.dumps(config, default=str)))
     safe, breaking = [], []
     if old_world is not None and int(old_world) != world_size:
-        safe.append(("world size", int(old_world), world_size))
+        (safe if _may_change("world size", now) else breaking).append(
+            ("world size", int(old_world), world_size))
     for key in sorted(set(old) | set(now)) if old else ():
         if key.startswith("variables.") or key in _NOT_COMPARED or old.get(key) == now.get(key):
             continue  # variables reach the run only through the keys they fill in

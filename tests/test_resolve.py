@@ -108,6 +108,7 @@ def test_trainer_applies_and_logs_threads(tmp_path, capsys):
     cfg = load_config(DEMO, [*TINY_OVERRIDES, f"run.output_dir={tmp_path}", "trainer.num_threads=1"])
     trainer = Trainer(cfg)
     try:
+        trainer.apply_threads()
         trainer.announce()
         assert torch.get_num_threads() == 1 == trainer.run.num_threads
     finally:

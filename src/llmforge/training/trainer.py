@@ -268,8 +268,8 @@ class Trainer:
         without ``checkpoint.resume`` or ``overwrite`` was refused when the run was resolved)."""
         return self.run.run_dir_used
 
-    def announce(self) -> None:
-        """Apply and print (rank 0, stderr) the compute threads and what a resume changes.
+    def apply_threads(self) -> None:
+        """Set torch's compute threads (:attr:`ResolvedRun.num_threads`), first thing in setup.
 
         Raises:
             ConfigError: ``trainer.accelerator`` asks for CUDA and torch finds none (checked
@@ -279,6 +279,10 @@ class Trainer:
             raise ConfigError(f"trainer.accelerator={t.accelerator}, but torch finds no "
                               "CUDA device here; use trainer.accelerator=auto or cpu")
         torch.set_num_threads(self.run.num_threads)
+
+    def announce(self) -> None:
+        """Print (rank 0, stderr) the compute threads and what a resume changes: at the end of
+        setup, after every check of the input, so an error is the first line a user sees."""
         if self.is_rank_zero():
             print(f"threads: {self.run.num_threads} compute threads per process "
                   f"({self.run.threads_reason})", file=sys.stderr, flush=True)
@@ -511,7 +515,7 @@ class Trainer:
     def setup(self) -> None:
         """Build everything that ``fit`` needs (tokenizer, data, module, Lightning trainer)."""
         L.seed_everything(self.cfg.run.seed, workers=True, verbose=False)
-        self.announce()
+        self.apply_threads()
         if self.cfg.trainer.malloc_tuning:
             tune_host_malloc()
         self.resume_path = self.resolve_resume()
@@ -530,6 +534,7 @@ class Trainer:
                                            self.cfg.run.seed, self.plan.global_batch_size, self.cfg.trainer.seq_len))
         self.module = self.build_module()
         self.lightning = self.build_lightning_trainer(callbacks, loggers)
+        self.announce()
 
     def fit(self) -> dict[str, Any]:
         """Train; returns the closing summary (steps, tokens, seconds, final losses, paths)."""

@@ -65,13 +65,19 @@ def test_changes_that_keep_exactness_are_reported_not_refused(saved_run):
         assert part in line, line
 
 
-def test_a_streaming_run_keeps_its_world_size_and_workers(tmp_path):
-    overrides = [*TINY_OVERRIDES, f"run.output_dir={tmp_path}", "run.name=s", "data.streaming=true"]
+def checkpointed(tmp_path, *extra):
+    """Overrides of a run with one complete step-5 checkpoint whose meta.json holds its config."""
+    overrides = [*TINY_OVERRIDES, f"run.output_dir={tmp_path}", "run.name=s", *extra]
     first = resolve_run(load_config(DEMO, overrides))
     ckpt = first.checkpoint_dir / "step_00000005"
     ckpt.mkdir(parents=True)
     (ckpt / "meta.json").write_text(json.dumps({"world_size": 1, "config": redact(config_to_dict(first.cfg))}))
     (ckpt / "COMPLETE").write_text("")
+    return overrides
+
+
+def test_a_streaming_run_keeps_its_world_size_and_workers(tmp_path):
+    overrides = checkpointed(tmp_path, "data.streaming=true")
     with pytest.raises(ConfigError, match=r"data.num_workers 0 -> 1"):
         resume(overrides, "data.num_workers=1")
     with pytest.raises(ConfigError, match=r"world size 1 -> 2"):
@@ -80,12 +86,7 @@ def test_a_streaming_run_keeps_its_world_size_and_workers(tmp_path):
 
 
 def test_constant_schedule_may_change_its_length(tmp_path):
-    overrides = [*TINY_OVERRIDES, f"run.output_dir={tmp_path}", "run.name=c", "scheduler.name=constant"]
-    first = resolve_run(load_config(DEMO, overrides))
-    ckpt = first.checkpoint_dir / "step_00000005"
-    ckpt.mkdir(parents=True)
-    (ckpt / "meta.json").write_text(json.dumps({"world_size": 1, "config": redact(config_to_dict(first.cfg))}))
-    (ckpt / "COMPLETE").write_text("")
+    overrides = checkpointed(tmp_path, "scheduler.name=constant")
     assert "trainer.max_steps 300 -> 600" in resume(overrides, "trainer.max_steps=600").resume_line
 
 

@@ -440,8 +440,10 @@ def main() -> int:
         ref = {o["round"]: o["tokens_per_second"] for o in results[("llmforge", v[1])]}
         ratios = [ref[o["round"]] / o["tokens_per_second"] for o in rs if o["round"] in ref]
         if ratios:
+            rss = (max(o["peak_rss_mib"] for o in results[("llmforge", v[1])])
+                   / max(o["peak_rss_mib"] for o in rs))
             print(f"ratio llmforge/{v[0]} ({v[1]}): median {statistics.median(ratios):.3f} "
-                  f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
+                  f"(min {min(ratios):.3f}, max {max(ratios):.3f}); peak RSS ratio {rss:.3f}")
     for v, err in errors.items():
         print(f"{v[0]} ({v[1]}): cannot run: {err.splitlines()[0] if err else err}")
     return 0

@@ -1,11 +1,14 @@
-"""Start-up costs: ``llmforge --help`` and time to the first finished optimizer step.
+"""Start-up costs: ``llmforge --help``, a config error, ``--dry-run`` and the first step.
 
-    python benchmarks/startup.py            # 5 runs of --help, 2 runs of the demo's first step
+    python benchmarks/startup.py            # 5 runs of --help / a config error, 2 dry runs,
+                                            # 2 runs of the demo's first step
     python benchmarks/startup.py --smoke
 
-Targets: ``--help`` under 0.5 s (no torch import for help and listing commands); the first
-optimizer step of ``llmforge train yamls/demo_cpu.yaml`` under 10 s, the one-time corpus
-download excluded (a warm-up run fills the cache first).
+Targets: ``--help`` and a config error (a typo'd key) under 0.5 s: the config is loaded and
+checked before torch, Lightning and datasets are imported; ``--dry-run`` output in a few
+seconds (it builds the model on the meta device, so it imports torch); the first optimizer
+step of ``llmforge train yamls/demo_cpu.yaml`` under 10 s, the one-time corpus download
+excluded (a warm-up run fills the cache first).
 """
 
 from __future__ import annotations
@@ -27,6 +30,15 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO / "src")}
 def time_help() -> float:
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "llmforge", "--help"], capture_output=True, env=ENV, check=True)
+    return time.perf_counter() - start
+
+
+def time_command(*args: str, expect: int) -> float:
+    """Seconds until ``llmforge ARGS`` exits (with exit code ``expect``)."""
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "llmforge", *args], capture_output=True, env=ENV, text=True)
+    if proc.returncode != expect:
+        raise RuntimeError(f"llmforge {' '.join(args)} exited {proc.returncode}: {proc.stderr[-2000:]}")
     return time.perf_counter() - start
 
 
@@ -57,10 +69,16 @@ def main() -> int:
     extra = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
              "model.multiple_of=32", "tokenizer.vocab_size=1024", "variables.seq_len=64"] if args.smoke else []
     helps = [time_help() for _ in range(2 if args.smoke else 5)]
+    demo = str(REPO / "yamls" / "demo_cpu.yaml")
+    errors = [time_command("train", demo, "trainer.max_stepz=3", expect=2)
+              for _ in range(2 if args.smoke else 5)]
+    dries = [time_command("train", demo, "--dry-run", expect=0) for _ in range(1 if args.smoke else 2)]
     with tempfile.TemporaryDirectory() as tmp:
         time_first_step(Path(tmp), "warm", extra)  # fills the corpus and tokenizer caches
         firsts = [time_first_step(Path(tmp), f"r{i}", extra) for i in range(1 if args.smoke else 2)]
     print(f"llmforge --help          median {statistics.median(helps):.3f} s   (target < 0.5 s)")
+    print(f"config error (typo)      median {statistics.median(errors):.3f} s   (target < 0.5 s)")
+    print(f"--dry-run output         median {statistics.median(dries):.2f} s")
     print(f"first optimizer step     median {statistics.median(firsts):.2f} s   (target < 10 s, caches warm)")
     return 0
 

@@ -123,8 +123,9 @@ def test_train_on_shakespeare_then_generate(tmp_path, tiny_overrides, capsys):
                  "already holds a run", "--overwrite")
     # resuming with another model shape is refused; the run's config.yaml stays as it was
     before = (run_dir / "config.yaml").read_text()
-    config_error(capsys, ["train", DEMO, *tiny_overrides, "run.name=e2e", "model.dim=128",
-                          "checkpoint.resume=auto", "trainer.max_steps=210"],
+    changed = ["run.name=e2e", "model.dim=128", "checkpoint.resume=auto", "trainer.max_steps=210"]
+    config_error(capsys, ["train", DEMO, *tiny_overrides, *changed], "model.dim 64 -> 128")  # before loading
+    config_error(capsys, ["train", DEMO, *tiny_overrides, *changed, "checkpoint.allow_config_changes=true"],
                  "does not fit this run's model or optimizer")
     assert (run_dir / "config.yaml").read_text() == before
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == len(records)

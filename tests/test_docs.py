@@ -18,3 +18,21 @@ def test_readme_quick_start_commands():
     assert "llmforge train yamls/demo_cpu.yaml" in text
     ci = (REPO / ".ci" / "run").read_text()
     assert "python -m pytest -q" in text and "python -m pytest -q" in ci
+
+
+def test_readme_override_examples_load_on_the_demo():
+    """The Commands section's override examples work on the file they name (issue 18.8)."""
+    import re
+
+    from llmforge.config import load_config
+
+    text = (REPO / "README.md").read_text()
+    bullet = text.split("- **Overrides**", 1)[1].split("\n- **", 1)[0]
+    examples = [e.strip("'") for e in re.findall(r"`([^`]+=[^`]*)`", bullet)]
+    assert "'algorithms=[{name: compile}]'" in bullet and len(examples) >= 6
+    for example in examples:
+        cfg = load_config(REPO / "yamls" / "demo_cpu.yaml", [example.replace("key=", "run.group=")])
+        assert cfg is not None
+    cfg = load_config(REPO / "yamls" / "demo_cpu.yaml",
+                      ["algorithms=[{name: compile}]", "loggers.0.name=tensorboard"])
+    assert (cfg.algorithms[0]["name"], cfg.loggers[0]["name"]) == ("compile", "tensorboard")

@@ -135,6 +135,10 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*isinstance.treespec, LeafSpec.*")
     warnings.filterwarnings("ignore", module="torch.distributed.device_mesh")
     warnings.filterwarnings("ignore", module="torch.distributed.tensor._random")
+    # not actionable on every run: DTensor's RNG is CUDA-only (warned from its caller's module,
+    # so matched by text), and Lightning's hint that srun exists on this machine
+    warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+    warnings.filterwarnings("ignore", message="The `srun` command is available on your system")
     warnings.filterwarnings("ignore", message=".*_get_slice_mesh_layout.*|.*_rng_tracker.*")
     warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
     warnings.filterwarnings("ignore", message=".*Found a non-scalar tensor with numel=1 and ndim!=0.*")
@@ -146,31 +150,39 @@ def _quiet_libraries() -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from llmforge.config import load_config, validate
-    from llmforge.training.trainer import Trainer, detect_world_size
+    """Load and resolve the run before the heavy imports (a typo fails in a fraction of a
+    second), then build the Trainer: its one start-up sequence serves the dry run, the
+    ``--nproc`` launcher's check and training."""
+    from llmforge.config import load_config
+    from llmforge.config.resolve import resolve_run
+    from llmforge.errors import ConfigError
 
     cfg = load_config(args.config, args.overrides)
     if args.nproc is not None:
         if args.nproc < 1:
-            from llmforge.errors import ConfigError
-
             raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
-        cfg.trainer.devices = args.nproc
+        cfg.trainer.devices = args.nproc  # the command line's input, like an override
+    launcher = bool(args.nproc and args.nproc > 1 and not os.environ.get("WORLD_SIZE"))
+    run = resolve_run(cfg, overwrite=args.overwrite, check_dir=not args.dry_run,
+                      dry_run=args.dry_run)
+    _quiet_libraries()
+    from llmforge.training.trainer import Trainer
+
+    trainer = Trainer(cfg, overwrite=args.overwrite, run=run)  # imports, strategy, algorithms
     if args.dry_run:
         from llmforge.training.dry_run import dry_run_report
 
-        plan, pipeline = _static_checks(cfg, detect_world_size(cfg), dry_run=True)
-        print(dry_run_report(cfg, plan, device_memory_gib=args.device_memory_gib))
-        print(pipeline)
+        for note in run.notes:
+            print(f"note            {note}")
+        print(dry_run_report(trainer.cfg, run.plan, device_memory_gib=args.device_memory_gib))
+        print(_pipeline_line(trainer))
         return 0
-    if args.nproc and args.nproc > 1 and not os.environ.get("WORLD_SIZE"):
+    if launcher:
         from llmforge.parallel.launch import launch_local
 
-        _static_checks(cfg, detect_world_size(cfg))  # fail fast, before any process starts
         argv = ["train", args.config, *args.overrides, f"trainer.devices={args.nproc}"]
         argv += ["--overwrite"] * args.overwrite + ["--debug"] * args.debug
         return launch_local(args.nproc, argv)
-    trainer = Trainer(cfg, overwrite=args.overwrite)
     summary = trainer.fit()
     if trainer.is_rank_zero():
         _print_summary(summary)
@@ -178,45 +190,29 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _static_checks(cfg: Any, world_size: int, dry_run: bool = False) -> tuple[Any, str]:
-    """Everything that can be checked without data or processes: research imports, the HF
-    shape, batch arithmetic, the strategy and the algorithms. Returns (plan, pipeline line).
+    """The checks ``llmforge train`` runs before training, for a job of ``world_size``
+    processes (``trainer.devices`` per node) that runs elsewhere (``llmforge launch``): the same
+    resolution and Trainer start-up, without looking at the run directory. ``dry_run``: files
+    the config names (an HF folder, a tokenizer) may be missing here. Returns (plan, pipeline
+    line).
 
-    ``dry_run``: a ``model.init_from: hf:PATH`` folder that is not on this machine is noted and
-    the YAML's model fields (e.g. its preset) are used, so big configs are sized anywhere."""
-    from llmforge import registry
-    from llmforge.checkpoint.init_from import apply_hf_shape
-    from llmforge.config import validate
-    from llmforge.parallel.mesh import ParallelDims
-    from llmforge.parallel.transforms import check_strategy
+    Raises:
+        ConfigError: what the job would exit 2 with.
+    """
+    from llmforge.config.resolve import resolve_run
+    from llmforge.training.trainer import Trainer
 
-    registry.import_modules(cfg.imports)
-    spec = cfg.model.get("init_from") or ""
-    if dry_run and spec.startswith("hf:") and not os.path.exists(os.path.join(spec[3:], "config.json")):
-        print(f"note            model.init_from {spec}: no config.json on this machine; the YAML's "
-              "model fields are used for the sizes")
-    else:
-        apply_hf_shape(cfg)
-    plan = validate(cfg, world_size)
-    if cfg.strategy.name == "auto" and world_size > 1:
-        cfg.strategy.name = "fsdp2"
-    check_strategy(cfg, ParallelDims.from_config(cfg, world_size))
-    from llmforge.training.trainer import module_class
-
-    module_class(cfg)
-    return plan, _check_algorithms(cfg)  # instantiated and checked as a run would
+    env = {"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(cfg.trainer.devices)}
+    run = resolve_run(cfg, check_dir=False, dry_run=dry_run, environ=env)
+    return run.plan, _pipeline_line(Trainer(cfg, run=run))
 
 
-def _check_algorithms(cfg: Any) -> str:
-    """Instantiate and check ``algorithms:`` as a run would; returns the pipeline-order line."""
-    from llmforge import registry
-    from llmforge.algorithms.loading import build_algorithms, pipeline_order
-    from llmforge.parallel.mesh import ParallelDims
+def _pipeline_line(trainer: Any) -> str:
+    """The model-transform order a run would apply (algorithms and the strategy's stages)."""
+    from llmforge.algorithms.loading import pipeline_order
     from llmforge.parallel.transforms import strategy_transforms
 
-    registry.import_modules(cfg.imports)
-    algos = build_algorithms(cfg)
-    dims = ParallelDims.from_config(cfg, cfg.trainer.devices * cfg.trainer.num_nodes)
-    order = pipeline_order(cfg, algos, strategy_transforms(cfg, dims))
+    order = pipeline_order(trainer.cfg, trainer.algorithms, strategy_transforms(trainer.cfg, trainer.dims))
     return f"pipeline        build (meta) -> {' -> '.join(order + ['materialize'])}"
 
 
@@ -259,7 +255,7 @@ def _print_summary(s: dict[str, Any]) -> None:
         parts.append(f"train/loss {s['final_train_loss']:.4f}")
     if s["final_eval_loss"] is not None:
         first = s["initial_eval_loss"]
-        start = f" (step 0: {first:.4f})" if first is not None else ""
+        start = f" (step {s.get('initial_eval_step', 0)}: {first:.4f})" if first is not None else ""
         parts.append(f"eval/loss {s['final_eval_loss']:.4f}{start}")
     print(" | ".join(parts))
     print(f"run directory: {s['run_dir']}")
@@ -380,13 +376,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     handlers["data"] = cmd_data
     try:
-        if args.command not in TOP_COMMANDS and getattr(args, "runs_command", None) not in RUN_COMMANDS:
+        light = args.command in TOP_COMMANDS or getattr(args, "runs_command", None) in RUN_COMMANDS
+        if not light and args.command != "train":  # train quiets them after its config checks
             _quiet_libraries()  # run management imports neither datasets nor (mostly) torch
         return handlers[args.command](args)
     except LLMForgeError as exc:
         if args.debug:
             raise
-        print(f"error: {_scrub(str(exc))}", file=sys.stderr)
+        # 75/130: stopped on a signal after saving (checkpointing.Preempted), not an input error
+        word = "stopped" if exc.exit_code in (75, 130) else "error"
+        print(f"{word}: {_scrub(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -55,7 +55,8 @@ class Checkpointer(Callback):
         keep_last_n: delete older checkpoints once a new one is complete.
         async_save: write through DCP's async save; training continues while files are written.
         resume_from: a complete checkpoint to load at the start of training.
-        config: the resolved config (its hash goes into ``meta.json``).
+        config: the resolved config, secrets redacted (into ``meta.json`` with its hash; a
+            resume compares it, see :mod:`llmforge.checkpoint.resume_changes`).
     """
 
     def __init__(self, dir: str | Path, save_every: Optional[int] = None,
@@ -68,7 +69,8 @@ class Checkpointer(Callback):
         self.save_every, self.save_every_minutes = save_every, save_every_minutes
         self.save_final, self.keep_last_n, self.async_save = save_final, keep_last_n, async_save
         self.resume_from = Path(resume_from) if resume_from else None
-        blob = json.dumps(config or {}, sort_keys=True, default=str).encode()
+        self.config = config or {}
+        blob = json.dumps(self.config, sort_keys=True, default=str).encode()
         self.config_hash = hashlib.sha256(blob).hexdigest()[:16]
         self.last_saved_step: Optional[int] = None
         self.last_path: Optional[Path] = None
@@ -102,7 +104,8 @@ class Checkpointer(Callback):
                  "callbacks": plain_states(trainer.callbacks, self)}
         meta = {"tokens_seen": pl_module.tokens_seen, "world_size": trainer.world_size,
                 "mesh": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp},
-                "config_hash": self.config_hash, "llmforge_version": __version__}
+                "config_hash": self.config_hash, "llmforge_version": __version__,
+                "config": self.config}
         cfg = getattr(pl_module, "cfg", None)
         meta.update(checkpoint_meta(trainer.callbacks, cfg, pl_module.model) if cfg is not None else {})
         # data position (issue 16): each rank's datamodule.state_dict(), as data/rank<R>.json

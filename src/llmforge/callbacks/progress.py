@@ -93,6 +93,11 @@ class RichProgress(ProgressBar):
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self._progress is not None:
             self._print_new(pl_module)
+            # the last frame: the last step's record came after its on_train_batch_end
+            last = next((r for r in reversed(pl_module.history) if "train/loss" in r), {})
+            summary = format_record({k: v for k, v in last.items() if not k.startswith("eval/")})
+            self._progress.update(self._task, completed=trainer.global_step,
+                                  metrics=summary.split(" | ", 1)[-1] if "|" in summary else "")
         self._stop()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:

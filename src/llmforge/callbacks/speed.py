@@ -84,7 +84,8 @@ class SpeedMonitor(Callback):
 
     # ------------------------------------------------------------------ setup
     def resolve_peak(self, pl_module: Any) -> str:
-        """Set :attr:`peak` for the module's device and return the line that says which."""
+        """Set :attr:`peak` for the module's device and return the line that says which
+        (empty on a CPU without ``peak_tflops``: MFU is not logged and there is nothing to do)."""
         precision = self.precision_for_mfu
         if precision == "auto":
             precision = "fp8" if uses_float8(getattr(pl_module, "model", None)) else "bf16"
@@ -96,6 +97,8 @@ class SpeedMonitor(Callback):
             found = peak_tflops(name, precision) if device.type == "cuda" else None
             if found is None:
                 self.peak = None
+                if device.type == "cpu":
+                    return ""  # CPUs have no peak table: nothing to act on, nothing said
                 return (f"speed_monitor: no peak TFLOPs known for {name}; throughput/mfu is not "
                         "logged (set peak_tflops in a speed_monitor entry under callbacks:)")
             self.peak, used = found
@@ -107,7 +110,7 @@ class SpeedMonitor(Callback):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         line = self.resolve_peak(pl_module)
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and line:
             import sys
 
             print(line, file=sys.stderr, flush=True)

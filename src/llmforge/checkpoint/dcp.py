@@ -7,7 +7,8 @@ Layout of a checkpoint root (``<run_dir>/checkpoints``)::
         trainer_state.json   step, tokens seen, scheduler state, data position
         rng/rank<R>.json     RNG states of every rank (Python, NumPy, torch CPU/CUDA)
         data/rank<R>.json    each rank's streaming data position (loader workers' states)
-        meta.json            step, tokens, world size and mesh, llmforge version, config hash,
+        meta.json            step, tokens, world size and mesh, llmforge version, the config
+                             (secrets redacted) and its hash,
                              ``plugins`` (each plugin's checkpoint_meta); adapter runs:
                              ``adapters_only: true``, ``adapters_by`` and ``base`` (its pointer)
         COMPLETE             written last; a folder without it is never loaded
@@ -50,8 +51,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from llmforge.checkpoint.safe_load import CheckpointReadError, safe_load
 from llmforge.errors import LLMForgeError
 
-COMPLETE = "COMPLETE"
-PREFIX = "step_"
+from llmforge.checkpoint.layout import COMPLETE, PREFIX, latest_checkpoint, list_checkpoints, step_name
 
 
 class CheckpointWriteError(LLMForgeError):
@@ -102,11 +102,6 @@ def _write_failed(exc: BaseException, tmp: Path, root: Path) -> Optional[Checkpo
     return CheckpointWriteError(f"cannot write checkpoint {tmp}: {reason}; {kept}. Free space "
                                 f"or point checkpoint.dir at another disk, then continue with "
                                 "checkpoint.resume=auto")
-
-
-def step_name(step: int) -> str:
-    """``step_00000100`` for step 100 (sorts by name)."""
-    return f"{PREFIX}{step:08d}"
 
 
 def _barrier() -> None:
@@ -336,21 +331,6 @@ def check_checkpoint(path: str | Path) -> None:
     if (path / "meta.json").exists():
         read_json(path, "meta.json")
     SafeReader(str(path)).read_metadata()
-
-
-def list_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir()
-                  if p.is_dir() and p.name.startswith(PREFIX) and (p / COMPLETE).exists())
-
-
-def latest_checkpoint(root: str | Path) -> Optional[Path]:
-    """The newest complete checkpoint under ``root``, or ``None``."""
-    found = list_checkpoints(root)
-    return found[-1] if found else None
 
 
 def prune_checkpoints(root: str | Path, keep_last_n: Optional[int]) -> list[Path]:

@@ -13,6 +13,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+# Allowed values, each listed once next to its key; validate.py, the schedule, the tokenizer and
+# SFT loaders and the Trainer import them from here.
+TOKENIZER_TYPES = ("huggingface", "tiktoken", "train_bpe")
+"""``tokenizer.type`` values."""
+DATA_SOURCES = ("shakespeare", "files", "hub", "prepared")
+"""``data.source`` values."""
+DATA_TASKS = ("pretrain", "sft")
+"""``data.task`` values."""
+OVERLONG = ("drop", "truncate", "error")
+"""``data.overlong`` values."""
+PRECISIONS = {"fp32": "32-true", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true"}
+"""``trainer.precision`` values and the Lightning precision each one means."""
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
+"""``trainer.accelerator`` values."""
+SCHEDULES = ("cosine", "linear", "wsd", "constant")
+"""``scheduler.name`` values (formulas in llmforge.training.schedule)."""
+STRATEGIES = ("auto", "single", "ddp", "fsdp2")
+"""``strategy.name`` values."""
+
 
 @dataclass
 class RunConfig:
@@ -191,6 +210,9 @@ class TrainerSettings:
     """Extra keyword arguments for that class."""
     progress_bar: bool = True
     """Show the rich progress bar."""
+    num_threads: Optional[int] = None
+    """Compute (intra-op) threads per process; null = the cores this process may use
+    (``os.sched_getaffinity``) divided among the node's processes, less ``data.num_workers``."""
 
 
 @dataclass
@@ -272,6 +294,9 @@ class CheckpointConfig:
     resume: Optional[str] = None
     """``auto`` (the newest complete checkpoint of this run, or a fresh start if none), a
     checkpoint folder, or null (fresh start; an existing run directory is an error)."""
+    allow_config_changes: bool = False
+    """Resume although settings that change the result differ from the checkpoint's config
+    (schedule length, batch size, optimizer, data, model; see docs/resume.md); false = refuse."""
 
 
 @dataclass

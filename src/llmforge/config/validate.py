@@ -11,17 +11,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from llmforge.config.schema import (ACCELERATORS, DATA_SOURCES, DATA_TASKS, OVERLONG, PRECISIONS,
+                                    SCHEDULES, STRATEGIES, TOKENIZER_TYPES)
 from llmforge.errors import ConfigError
 
 __all__ = ["BatchPlan", "data_parallel_size", "plan_batch", "validate"]
-
-PRECISIONS = ("fp32", "bf16-mixed", "bf16-true")
-SCHEDULERS = ("cosine", "linear", "wsd", "constant")
-STRATEGIES = ("auto", "single", "ddp", "fsdp2")
-DATA_SOURCES = ("shakespeare", "files", "hub", "prepared")
-TOKENIZERS = ("huggingface", "tiktoken", "train_bpe")
-DATA_TASKS = ("pretrain", "sft")
-OVERLONG = ("drop", "truncate", "error")
 
 
 @dataclass
@@ -193,7 +187,7 @@ def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
     _require(t.seq_len > 0, "trainer.seq_len", "> 0", t.seq_len)
     _require(t.micro_batch_size > 0, "trainer.micro_batch_size", "> 0", t.micro_batch_size)
     _require(t.global_batch_size > 0, "trainer.global_batch_size", "> 0", t.global_batch_size)
-    _one_of("trainer.precision", t.precision, PRECISIONS)
+    _one_of("trainer.precision", t.precision, tuple(PRECISIONS))
     _require(t.log_every > 0, "trainer.log_every", "> 0", t.log_every)
     _require(t.eval_every >= 0, "trainer.eval_every", ">= 0 (0 = only at the end)", t.eval_every)
     _require(t.eval_batches > 0, "trainer.eval_batches", "> 0", t.eval_batches)
@@ -211,8 +205,8 @@ def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
     _require(cfg.data.num_workers >= 0, "data.num_workers", ">= 0", cfg.data.num_workers)
     _require(cfg.data.max_documents is None or cfg.data.max_documents > 0, "data.max_documents",
              "> 0 or null", cfg.data.max_documents)
-    _one_of("trainer.accelerator", t.accelerator, ("auto", "cpu", "gpu", "cuda", "mps"))
-    _one_of("scheduler.name", sch.name, SCHEDULERS)
+    _one_of("trainer.accelerator", t.accelerator, ACCELERATORS)
+    _one_of("scheduler.name", sch.name, SCHEDULES)
     _require(t.gc_every >= 0, "trainer.gc_every", ">= 0 (0 = Python's own collector)", t.gc_every)
     _require(sch.warmup_steps >= 0, "scheduler.warmup_steps", ">= 0", sch.warmup_steps)
     if sch.warmup_steps > t.max_steps:
@@ -227,7 +221,7 @@ def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
     _one_of("data.source", cfg.data.source, DATA_SOURCES)
     vf = cfg.data.val_fraction
     _require(0 <= vf < 1, "data.val_fraction", "in [0, 1)", vf)
-    _one_of("tokenizer.type", cfg.tokenizer.type, TOKENIZERS)
+    _one_of("tokenizer.type", cfg.tokenizer.type, TOKENIZER_TYPES)
     _one_of("data.task", cfg.data.task, DATA_TASKS)
     if cfg.data.mixture:
         from llmforge.data.mixture import mixture_entries
@@ -254,6 +248,11 @@ def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
         _require(ck.save_every > 0, "checkpoint.save_every", "> 0 or null", ck.save_every)
     if ck.keep_last_n is not None:
         _require(ck.keep_last_n > 0, "checkpoint.keep_last_n", "> 0 or null", ck.keep_last_n)
+    if ck.save_every_minutes is not None:
+        _require(0 < ck.save_every_minutes < float("inf"), "checkpoint.save_every_minutes",
+                 "> 0 and finite, or null (off)", ck.save_every_minutes)
+    if t.num_threads is not None:
+        _require(t.num_threads >= 1, "trainer.num_threads", ">= 1 or null (auto)", t.num_threads)
 
     for section in ("algorithms", "callbacks", "loggers"):
         _check_entries(section, getattr(cfg, section))

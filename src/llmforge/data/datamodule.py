@@ -53,13 +53,34 @@ def ignore_stop_signals(worker_id: int) -> None:
         pl_worker_init_function(worker_id)
 
 
-def tokenize_documents(ds: Any, tokenizer: Any, batch_size: int = 512) -> np.ndarray:
-    """Tokenize every document of a map-style dataset and pack it (see :func:`pack_documents`)."""
+def _by_size(texts: list[str], max_chars: int) -> Any:
+    """Consecutive runs of ``texts`` of at most ``max_chars`` characters (one longer text alone)."""
+    run: list[str] = []
+    size = 0
+    for text in texts:
+        if run and size + len(text) > max_chars:
+            yield run
+            run, size = [], 0
+        run.append(text)
+        size += len(text)
+    if run:
+        yield run
+
+
+def tokenize_documents(ds: Any, tokenizer: Any, batch_size: int = 512,
+                       max_chars: int = 1 << 20) -> np.ndarray:
+    """Tokenize every document of a map-style dataset and pack it (see :func:`pack_documents`).
+
+    Each call of the batch encoder gets at most ``max_chars`` characters (documents stay whole,
+    so the ids are the same): its per-token objects (``tokenizers`` Encodings, Python int
+    lists) are ~150 bytes a token, so encoding the 39 plays of the demo in one call held
+    ~330 MiB at once, the peak of the whole run (issue 18.9); 1 MiB of text holds ~60 MiB."""
     dtype = token_dtype(tokenizer.vocab_size)
     parts = []
     for batch in ds.iter(batch_size=batch_size):
-        parts.append(pack_documents(tokenizer.encode_batch(batch["text"]), tokenizer.bos_id,
-                                    tokenizer.eos_id, dtype))
+        for texts in _by_size(batch["text"], max_chars):
+            parts.append(pack_documents(tokenizer.encode_batch(texts), tokenizer.bos_id,
+                                        tokenizer.eos_id, dtype))
     return np.concatenate(parts) if parts else np.empty(0, dtype=dtype)
 
 

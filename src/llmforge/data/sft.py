@@ -51,8 +51,7 @@ __all__ = ["Conversation", "ConversationSplits", "SFTStats", "parse_example", "r
            "resolve_pad_id", "OVERLONG", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
-#: ``data.overlong`` values.
-OVERLONG = ("drop", "truncate", "error")
+from llmforge.config.schema import OVERLONG  # noqa: E402  (listed once, with its key)
 
 
 @dataclass

@@ -49,8 +49,7 @@ LLAMA3_SPECIAL_TOKENS: list[str] = _LLAMA3_BASIC_SPECIALS + [
 #: tokens (header start/end, end of turn), each a single id so SFT data can use the template.
 BPE_SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>",
                       "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-#: Valid values of ``tokenizer.type``.
-TOKENIZER_TYPES = ("huggingface", "tiktoken", "train_bpe")
+from llmforge.config.schema import TOKENIZER_TYPES  # noqa: E402  (listed once, with its key)
 #: File written by :meth:`Tokenizer.save` that says how to load the directory.
 META_FILE = "llmforge_tokenizer.json"
 

@@ -3,8 +3,9 @@
 The parent is torch's elastic agent (``torch.distributed.launcher.elastic_launch``, what
 ``torchrun --standalone --nproc-per-node N`` runs); every worker runs
 ``python -m llmforge train CONFIG ...`` with the torchelastic environment (RANK, WORLD_SIZE,
-MASTER_ADDR, ...), which Lightning detects. On the CPU each worker gets
-``OMP_NUM_THREADS = max(1, cores // N)`` unless the variable is set.
+MASTER_ADDR, ...), which Lightning detects. Each worker chooses its compute threads from the
+cores it may use, its share of them and its data workers
+(:func:`llmforge.parallel.threads.choose_num_threads`; ``OMP_NUM_THREADS`` if set).
 """
 
 from __future__ import annotations
@@ -15,11 +16,6 @@ import uuid
 from typing import Sequence
 
 from llmforge.errors import LLMForgeError
-
-
-def threads_per_process(nproc: int) -> int:
-    """``max(1, os.cpu_count() // nproc)``."""
-    return max(1, (os.cpu_count() or 1) // nproc)
 
 
 def launch_local(nproc: int, argv: Sequence[str]) -> int:
@@ -43,7 +39,6 @@ def launch_local(nproc: int, argv: Sequence[str]) -> int:
     # and SIGUSR1 (SLURM's warning) is forwarded as llmforge.runs.torchrun does
     signals.uninstall()
     signal.signal(signal.SIGUSR1, _forward_usr1)
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(nproc)))
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
                           monitor_interval=0.1)

@@ -18,7 +18,7 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-SCHEDULES = ("cosine", "linear", "wsd", "constant")
+from llmforge.config.schema import SCHEDULES
 
 
 def lr_multiplier(step: int, *, name: str, max_steps: int, warmup_steps: int,

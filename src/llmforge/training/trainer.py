@@ -25,11 +25,12 @@ from omegaconf import DictConfig
 
 from llmforge import registry
 from llmforge.callbacks import Checkpointer, GarbageCollection, RichProgress, SpeedMonitor
-from llmforge.checkpoint import COMPLETE, latest_checkpoint, list_checkpoints, read_json
+from llmforge.checkpoint import list_checkpoints, read_json
 from llmforge.checkpoint.dcp import check_checkpoint
-from llmforge.checkpoint.init_from import apply_hf_shape
 from llmforge.checkpoint.safe_load import CheckpointReadError
-from llmforge.config import config_to_dict, load_config, redact, save_config, validate
+from llmforge.config import config_to_dict, load_config, redact, save_config
+from llmforge.config.resolve import ResolvedRun, check_run_name, resolve_run
+from llmforge.config.schema import PRECISIONS
 from llmforge.paths import check_writable_dir
 from llmforge.data.datamodule import LLMDataModule
 from llmforge.data.mixture import MixtureTokens, PreparedMixture
@@ -38,30 +39,11 @@ from llmforge.data.shakespeare import cache_root
 from llmforge.data.sources import DocumentSplits, hash_str, iter_texts, load_documents
 from llmforge.data.tokenizers import Tokenizer, build_tokenizer, check_vocab
 from llmforge.errors import ConfigError, LLMForgeError
-from llmforge.parallel.mesh import ParallelDims
 from llmforge.parallel.strategy import LLMParallelStrategy
 from llmforge.parallel.transforms import check_strategy, strategy_transforms
 from llmforge.training.host_malloc import tune_host_malloc
 
-PRECISION = {"fp32": "32-true", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true"}
-
-
-def detect_world_size(cfg: Any) -> int:
-    """``WORLD_SIZE`` from a launcher (torchrun; SLURM's ``SLURM_NTASKS``), else devices x nodes.
-
-    Under a launcher, ``trainer.devices`` and ``trainer.num_nodes`` are set from it
-    (``LOCAL_WORLD_SIZE`` / ``SLURM_NTASKS_PER_NODE``), so the YAML need not repeat them.
-    """
-    env = os.environ
-    if env.get("WORLD_SIZE") and env.get("LOCAL_WORLD_SIZE"):
-        world, local = int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"])
-    elif env.get("SLURM_NTASKS") and env.get("SLURM_NTASKS_PER_NODE") and not env.get("WORLD_SIZE"):
-        world = int(env["SLURM_NTASKS"])
-        local = int(env["SLURM_NTASKS_PER_NODE"].split("(")[0])
-    else:
-        return cfg.trainer.devices * cfg.trainer.num_nodes
-    cfg.trainer.devices, cfg.trainer.num_nodes = local, max(1, world // local)
-    return world
+__all__ = ["Trainer", "build_entries", "check_run_name", "truncate_metrics"]
 
 
 def accepted(factory: Any, inject: dict[str, Any]) -> dict[str, Any]:
@@ -118,17 +100,6 @@ def _inside(path: Path, parent: Path) -> bool:
         return True
     except ValueError:
         return False
-
-
-def check_run_name(name: str) -> None:
-    """A run name is one folder name: not empty, not ``.``/``..``, no path separator.
-
-    Raises:
-        ConfigError: otherwise (``--overwrite`` deletes the run folder, so it must be one).
-    """
-    if not name or name in (".", "..") or "/" in name or "\\" in name or name != name.strip():
-        raise ConfigError(f"run.name={name!r} must be a plain folder name (no '/', not empty, "
-                          "not '.' or '..'); use run.output_dir for the parent folder")
 
 
 def truncate_metrics(path: Path, step: int) -> int:
@@ -239,32 +210,27 @@ class Trainer:
     """Builds every piece of a run from a resolved config and runs ``lightning.Trainer.fit``.
 
     Args:
-        cfg: a config from :func:`llmforge.config.load_config`.
+        cfg: a config from :func:`llmforge.config.load_config` (not changed; ``self.cfg`` is
+            the read-only resolved copy, :attr:`ResolvedRun.cfg`).
         overwrite: delete an existing run directory of the same name first.
+        run: the run already resolved from ``cfg`` (:func:`llmforge.config.resolve.resolve_run`;
+            the CLI resolves it before the heavy imports); default: resolved here.
 
     Raises:
         ConfigError: invalid settings (see :func:`llmforge.config.validate`), or a run directory
             that already holds a run (use ``checkpoint.resume``, another ``run.name`` or ``overwrite``).
     """
 
-    def __init__(self, cfg: DictConfig, *, overwrite: bool = False) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: DictConfig, *, overwrite: bool = False,
+                 run: Optional[ResolvedRun] = None) -> None:
+        self.run = run if run is not None else resolve_run(cfg, overwrite=overwrite)
+        self.cfg = cfg = self.run.cfg
+        self.world_size, self.plan, self.dims = self.run.world_size, self.run.plan, self.run.dims
         registry.import_modules(cfg.imports)
-        self.world_size = detect_world_size(cfg)
-        apply_hf_shape(cfg)  # model.init_from: hf:PATH fixes the model's shape
-        self.plan = validate(cfg, self.world_size)
-        if cfg.strategy.name == "auto" and self.world_size > 1:
-            cfg.strategy.name = "fsdp2"
-        self.dims = ParallelDims.from_config(cfg, self.world_size)
         check_strategy(cfg, self.dims)  # reject impossible strategy settings up front
         self.algorithms = self.build_algorithms()  # instantiated and checked before any allocation
         module_class(cfg)
-        check_run_name(cfg.run.name)
-        if cfg.trainer.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
-            raise ConfigError(f"trainer.accelerator={cfg.trainer.accelerator}, but torch finds no "
-                              "CUDA device here; use trainer.accelerator=auto or cpu")
-        self.run_dir = Path(cfg.run.output_dir) / cfg.run.name
-        self.checkpoint_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
+        self.run_dir, self.checkpoint_dir = self.run.run_dir, self.run.checkpoint_dir
         check_writable_dir(self.run_dir, "run.output_dir")  # before data and tokenizer, not after
         check_writable_dir(self.checkpoint_dir, "checkpoint.dir" if cfg.checkpoint.dir else "run.output_dir")
         self.overwrite = overwrite
@@ -284,42 +250,44 @@ class Trainer:
         return int(os.environ.get("RANK", "0")) == 0
 
     def resolve_resume(self) -> Optional[Path]:
-        """The checkpoint to resume from (``checkpoint.resume``), or ``None``.
+        """The checkpoint to resume from (``checkpoint.resume``), or ``None``: resolved with the
+        run (:attr:`ResolvedRun.resume_from`, where an incomplete path and a resume that changes
+        exactness-relevant settings were refused), then its files checked.
 
         Raises:
-            ConfigError: a given path is not a complete checkpoint.
+            CheckpointReadError: a damaged checkpoint (see :func:`check_resumable`).
         """
-        resume = self.cfg.checkpoint.resume
-        if not resume or self.overwrite:
-            return None
-        if resume == "auto":
-            path = latest_checkpoint(self.checkpoint_dir)
-            if path is not None:
-                check_resumable(path, list_checkpoints(self.checkpoint_dir))
-            return path
-        path = Path(resume)
-        if not (path / COMPLETE).exists():
-            raise ConfigError(f"checkpoint.resume: {path} is not a complete checkpoint (no {COMPLETE} "
-                              "marker); use checkpoint.resume=auto for the newest complete one")
-        check_resumable(path, [])
+        path = self.run.resume_from
+        if path is not None:
+            auto = self.cfg.checkpoint.resume == "auto"
+            check_resumable(path, list_checkpoints(self.checkpoint_dir) if auto else [])
         return path
 
     def check_run_dir(self) -> bool:
-        """Whether the run directory (or the checkpoint folder) already holds a run.
+        """Whether the run directory (or the checkpoint folder) already holds a run (a used one
+        without ``checkpoint.resume`` or ``overwrite`` was refused when the run was resolved)."""
+        return self.run.run_dir_used
+
+    def apply_threads(self) -> None:
+        """Set torch's compute threads (:attr:`ResolvedRun.num_threads`), first thing in setup.
 
         Raises:
-            ConfigError: it does, and neither ``checkpoint.resume`` nor ``overwrite`` is set.
-        """
-        metrics = (self.run_dir / "metrics.jsonl").exists()
-        ckpts = bool(list_checkpoints(self.checkpoint_dir))
-        used = metrics or ckpts
-        if used and not self.overwrite and not self.cfg.checkpoint.resume:
-            where = self.run_dir if metrics else self.checkpoint_dir
-            raise ConfigError(
-                f"{where} already holds a run; continue it with checkpoint.resume=auto, choose "
-                "another run.name (e.g. run.name=my-run-2) or pass --overwrite to delete it"
-            )
-        return used
+            ConfigError: ``trainer.accelerator`` asks for CUDA and torch finds none (checked
+                here, not at construction, so a GPU config's dry run works on a laptop)."""
+        t = self.cfg.trainer
+        if t.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"trainer.accelerator={t.accelerator}, but torch finds no "
+                              "CUDA device here; use trainer.accelerator=auto or cpu")
+        torch.set_num_threads(self.run.num_threads)
+
+    def announce(self) -> None:
+        """Print (rank 0, stderr) the compute threads and what a resume changes: at the end of
+        setup, after every check of the input, so an error is the first line a user sees."""
+        if self.is_rank_zero():
+            print(f"threads: {self.run.num_threads} compute threads per process "
+                  f"({self.run.threads_reason})", file=sys.stderr, flush=True)
+            if self.run.resume_line:
+                print(self.run.resume_line, file=sys.stderr, flush=True)
 
     def prepare_run_dir(self, used: bool) -> None:
         """Create the run directory and write the resolved config (secrets redacted).
@@ -480,7 +448,7 @@ class Trainer:
         cbs.append(Checkpointer(self.checkpoint_dir, save_every=ck.save_every,
                                 save_every_minutes=ck.save_every_minutes, save_final=ck.save_final,
                                 keep_last_n=ck.keep_last_n, async_save=ck.async_save,
-                                resume_from=self.resume_path, config=config_to_dict(self.cfg),
+                                resume_from=self.resume_path, config=redact(config_to_dict(self.cfg)),
                                 on_resumed=self.finish_resume))
         if os.environ.get("LLMFORGE_RUN_ID") and self.is_rank_zero():  # started by `llmforge launch`
             from llmforge.runs.tracker import RunTracker
@@ -532,7 +500,7 @@ class Trainer:
         t = self.cfg.trainer
         return L.Trainer(
             accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes,
-            strategy=self.build_strategy(), precision=PRECISION[t.precision],
+            strategy=self.build_strategy(), precision=PRECISIONS[t.precision],
             max_steps=t.max_steps, max_epochs=-1, callbacks=callbacks, logger=loggers or False,
             log_every_n_steps=max(1, t.log_every),  # Lightning's own callbacks log at this cadence
             enable_checkpointing=False, enable_progress_bar=t.progress_bar,
@@ -547,6 +515,7 @@ class Trainer:
     def setup(self) -> None:
         """Build everything that ``fit`` needs (tokenizer, data, module, Lightning trainer)."""
         L.seed_everything(self.cfg.run.seed, workers=True, verbose=False)
+        self.apply_threads()
         if self.cfg.trainer.malloc_tuning:
             tune_host_malloc()
         self.resume_path = self.resolve_resume()
@@ -565,6 +534,7 @@ class Trainer:
                                            self.cfg.run.seed, self.plan.global_batch_size, self.cfg.trainer.seq_len))
         self.module = self.build_module()
         self.lightning = self.build_lightning_trainer(callbacks, loggers)
+        self.announce()
 
     def fit(self) -> dict[str, Any]:
         """Train; returns the closing summary (steps, tokens, seconds, final losses, paths)."""
@@ -580,13 +550,14 @@ class Trainer:
         train = [r for r in history if "train/loss" in r]
         ckpt = next((c.last_path for c in self.lightning.callbacks if isinstance(c, Checkpointer)), None)
         last_eval = self.module.last_eval or {}
-        first_eval = next((r["eval/loss"] for r in history if "eval/loss" in r), None)
+        first_eval = next((r for r in history if "eval/loss" in r), {})  # after a resume: not step 0
         return {
             "steps": self.lightning.global_step,
             "tokens": self.module.tokens_seen,
             "seconds": seconds,
             "final_train_loss": train[-1]["train/loss"] if train else None,
-            "initial_eval_loss": first_eval,
+            "initial_eval_loss": first_eval.get("eval/loss"),
+            "initial_eval_step": first_eval.get("step"),
             "final_eval_loss": last_eval.get("eval/loss"),
             "run_dir": str(self.run_dir),
             "checkpoint": str(ckpt) if ckpt else None,

@@ -1,0 +1,30 @@
+"""Names of a checkpoint root's folders, read without torch (see :mod:`llmforge.checkpoint.dcp`
+for what is inside them): the CLI checks a run directory before the heavy imports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+COMPLETE = "COMPLETE"
+PREFIX = "step_"
+
+
+def step_name(step: int) -> str:
+    """``step_00000100`` for step 100 (sorts by name)."""
+    return f"{PREFIX}{step:08d}"
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir()
+                  if p.is_dir() and p.name.startswith(PREFIX) and (p / COMPLETE).exists())
+
+
+def latest_checkpoint(root: str | Path) -> Optional[Path]:
+    """The newest complete checkpoint under ``root``, or ``None``."""
+    found = list_checkpoints(root)
+    return found[-1] if found else None

@@ -1,0 +1,188 @@
+"""The run resolved once: world size, strategy, batch plan, parallel degrees, paths, threads,
+run-directory state. The CLI's checks, the dry run and the :class:`~llmforge.Trainer` share the
+one :class:`ResolvedRun` that :func:`resolve_run` returns.
+
+Nothing here imports torch, Lightning or datasets (``model.init_from: hf:PATH`` aside, whose
+config.json reader lives with the HF adapter), so ``llmforge train`` reports a bad config, a
+missing file or a used run directory in a fraction of a second.
+
+The user's config is never changed: the resolved values (``trainer.devices``/``num_nodes``
+from a launcher, ``strategy.name: auto`` with several processes = ``fsdp2``, the model shape of
+an HF folder) go into a read-only copy, :attr:`ResolvedRun.cfg`.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from llmforge.config.validate import BatchPlan, validate
+from llmforge.errors import ConfigError
+from llmforge.parallel.mesh import ParallelDims
+from llmforge.parallel.threads import choose_num_threads
+
+__all__ = ["ResolvedRun", "detect_world_size", "resolve_run", "check_run_name"]
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """Everything about a run that follows from its config and the environment."""
+
+    cfg: DictConfig
+    """Read-only resolved copy of the config (what the Trainer, plugins and config.yaml see)."""
+    world_size: int
+    """Processes in the job."""
+    local_world_size: int
+    """Processes on this node."""
+    plan: BatchPlan
+    """Batch arithmetic (:func:`llmforge.config.validate.plan_batch`)."""
+    dims: ParallelDims
+    """dp_replicate x dp_shard x tp degrees."""
+    run_dir: Path
+    checkpoint_dir: Path
+    num_threads: int
+    """Compute threads per process (:func:`llmforge.parallel.threads.choose_num_threads`)."""
+    threads_reason: str
+    """Why that many, for the start-up line."""
+    resume_from: Optional[Path] = None
+    """The complete checkpoint this run continues from (``checkpoint.resume``), or None."""
+    run_dir_used: bool = False
+    """The run directory (or checkpoint folder) already holds a run."""
+    resume_line: Optional[str] = None
+    """One line naming what changed since the checkpoint (None: nothing, or no resume)."""
+    notes: tuple[str, ...] = ()
+    """Dry-run notes (an HF folder that is not on this machine)."""
+
+    @property
+    def strategy(self) -> str:
+        """The strategy name after resolution (``auto`` only for one process)."""
+        return str(self.cfg.strategy.name)
+
+
+def detect_world_size(environ: Mapping[str, str], devices: int, num_nodes: int) -> tuple[int, int, int]:
+    """``(world_size, devices per node, nodes)`` from a launcher's environment (torchrun's
+    ``WORLD_SIZE``/``LOCAL_WORLD_SIZE``; SLURM's ``SLURM_NTASKS``/``SLURM_NTASKS_PER_NODE``),
+    else the config's ``devices x num_nodes``: under a launcher the YAML need not repeat them."""
+    if environ.get("WORLD_SIZE") and environ.get("LOCAL_WORLD_SIZE"):
+        world, local = int(environ["WORLD_SIZE"]), int(environ["LOCAL_WORLD_SIZE"])
+    elif (environ.get("SLURM_NTASKS") and environ.get("SLURM_NTASKS_PER_NODE")
+          and not environ.get("WORLD_SIZE")):
+        world = int(environ["SLURM_NTASKS"])
+        local = int(environ["SLURM_NTASKS_PER_NODE"].split("(")[0])
+    else:
+        return devices * num_nodes, devices, num_nodes
+    return world, local, max(1, world // local)
+
+
+def check_run_name(name: str) -> None:
+    """A run name is one folder name: not empty, not ``.``/``..``, no path separator.
+
+    Raises:
+        ConfigError: otherwise (``--overwrite`` deletes the run folder, so it must be one).
+    """
+    if not name or name in (".", "..") or "/" in name or "\\" in name or name != name.strip():
+        raise ConfigError(f"run.name={name!r} must be a plain folder name (no '/', not empty, "
+                          "not '.' or '..'); use run.output_dir for the parent folder")
+
+
+def _hf_shape(cfg: DictConfig, dry_run: bool) -> tuple[str, ...]:
+    """``model.init_from: hf:PATH`` fixes the model's shape (its config.json wins)."""
+    spec = cfg.model.get("init_from") or ""
+    if not spec.startswith("hf:"):
+        return ()
+    if dry_run and not os.path.exists(os.path.join(spec[3:], "config.json")):
+        return (f"model.init_from {spec}: no config.json on this machine; the YAML's model "
+                "fields are used for the sizes",)
+    from llmforge.checkpoint.init_from import apply_hf_shape
+
+    apply_hf_shape(cfg)
+    return ()
+
+
+def _check_files(cfg: DictConfig) -> None:
+    """Local files the config names exist (before anything heavy is imported)."""
+    tok = cfg.tokenizer
+    if tok.type in ("huggingface", "tiktoken") and tok.path and "://" not in tok.path \
+            and not os.path.exists(tok.path):
+        raise ConfigError(f"tokenizer.path: {tok.path} does not exist; give the {tok.type} "
+                          "tokenizer file (or tokenizer.type=train_bpe)")
+
+
+def _run_dir_state(cfg: DictConfig, run_dir: Path, ckpt_dir: Path, overwrite: bool,
+                   world_size: int) -> tuple[Optional[Path], bool, Optional[str]]:
+    """``(resume_from, used, resume line)``; refuses a used directory without resume or
+    overwrite, an incomplete resume path, and a resume whose changes break exactness."""
+    from llmforge.checkpoint.layout import COMPLETE, latest_checkpoint, list_checkpoints
+    from llmforge.checkpoint.resume_changes import check_resume_changes, resume_changes
+    from llmforge.config.loader import config_to_dict, redact
+
+    ck = cfg.checkpoint
+    metrics = (run_dir / "metrics.jsonl").exists()
+    used = metrics or bool(list_checkpoints(ckpt_dir))
+    if used and not overwrite and not ck.resume:
+        where = run_dir if metrics else ckpt_dir
+        raise ConfigError(f"{where} already holds a run; continue it with checkpoint.resume=auto, "
+                          "choose another run.name (e.g. run.name=my-run-2) or pass --overwrite "
+                          "to delete it")
+    resume: Optional[Path] = None
+    if ck.resume and not overwrite:
+        if ck.resume == "auto":
+            resume = latest_checkpoint(ckpt_dir)
+        else:
+            resume = Path(ck.resume)
+            if not (resume / COMPLETE).exists():
+                raise ConfigError(f"checkpoint.resume: {resume} is not a complete checkpoint (no "
+                                  f"{COMPLETE} marker); use checkpoint.resume=auto for the newest "
+                                  "complete one")
+    line = None
+    if resume is not None:
+        changes = resume_changes(resume, redact(config_to_dict(cfg)), world_size)
+        check_resume_changes(changes, bool(ck.allow_config_changes))
+        line = changes.line()
+    return resume, used, line
+
+
+def resolve_run(cfg: DictConfig, *, overwrite: bool = False, check_dir: bool = True,
+                dry_run: bool = False, environ: Optional[Mapping[str, str]] = None) -> ResolvedRun:
+    """Resolve ``cfg`` (from :func:`llmforge.config.load_config`) for this process.
+
+    Args:
+        overwrite: ``--overwrite``: a used run directory will be replaced (no resume).
+        check_dir: look at the run directory (used, resume checkpoint, changes since it); the
+            dry run does not.
+        dry_run: an HF ``model.init_from`` folder missing here is a note, not an error.
+        environ: the environment (default ``os.environ``) for a launcher's world size.
+
+    Raises:
+        ConfigError: the first invalid setting (see :func:`llmforge.config.validate`), a run
+            name that is not one folder, a missing tokenizer file, a used run directory, or a
+            resume that changes settings exactness depends on.
+    """
+    env = os.environ if environ is None else environ
+    out = copy.deepcopy(cfg)  # typed like cfg (a structured TrainConfig)
+    t = out.trainer
+    world, t.devices, t.num_nodes = detect_world_size(env, int(t.devices), int(t.num_nodes))
+    plan = validate(out, world)
+    if out.strategy.name == "auto" and world > 1:
+        out.strategy.name = "fsdp2"
+    dims = ParallelDims.from_config(out, world)
+    check_run_name(out.run.name)
+    if not dry_run:  # a dry run sizes a cluster's config anywhere
+        _check_files(out)
+    notes = _hf_shape(out, dry_run)
+    run_dir = Path(out.run.output_dir) / out.run.name
+    ckpt_dir = Path(out.checkpoint.dir) if out.checkpoint.dir else run_dir / "checkpoints"
+    local = int(env.get("LOCAL_WORLD_SIZE") or t.devices)
+    threads, why = choose_num_threads(t.num_threads, local, int(out.data.num_workers), environ=env)
+    resume, used, line = (_run_dir_state(out, run_dir, ckpt_dir, overwrite, world) if check_dir
+                          else (None, False, None))
+    OmegaConf.set_readonly(out, True)
+    return ResolvedRun(cfg=out, world_size=world, local_world_size=local, plan=plan, dims=dims,
+                       run_dir=run_dir, checkpoint_dir=ckpt_dir, num_threads=threads,
+                       threads_reason=why, resume_from=resume, run_dir_used=used,
+                       resume_line=line, notes=notes)

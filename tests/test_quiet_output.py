@@ -1,0 +1,68 @@
+"""Quiet and true output (issue 18.7): no noise that is not actionable, a clean stop is not an
+error, the progress bar and the summary tell the same last loss and the real first eval step."""
+
+import warnings
+from types import SimpleNamespace
+
+from llmforge.cli import _print_summary, _quiet_libraries, main
+
+
+def test_srun_hint_and_dtensor_cpu_rng_warning_are_silenced(tmp_path, monkeypatch):
+    from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
+    from torch.distributed.tensor._random import is_rng_supported_mesh
+
+    srun = tmp_path / "srun"
+    srun.write_text("#!/bin/sh\nexit 0\n")
+    srun.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.delenv("SLURM_NTASKS", raising=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        SLURMEnvironment._validate_srun_used()
+        is_rng_supported_mesh(SimpleNamespace(device_type="cpu"))
+        assert {"srun", "DTensor random"} == {w for w in ("srun", "DTensor random")
+                                              if any(w in str(x.message) for x in seen)}  # real texts
+        seen.clear()
+        _quiet_libraries()
+        SLURMEnvironment._validate_srun_used()
+        is_rng_supported_mesh(SimpleNamespace(device_type="cpu"))
+    assert [str(w.message) for w in seen] == []
+
+
+def test_sigterm_stop_is_not_printed_as_an_error(monkeypatch, capsys):
+    from llmforge.callbacks.checkpointing import Preempted
+    import llmforge.cli as cli
+
+    def stopped(args):
+        raise Preempted("received SIGTERM: saved the checkpoint of step 7 in runs/x/checkpoints; "
+                        "exit code 75 (continue with checkpoint.resume=auto)")
+
+    monkeypatch.setattr(cli, "cmd_train", stopped)
+    assert main(["train", "any.yaml"]) == 75
+    err = capsys.readouterr().err
+    assert err.startswith("stopped: received SIGTERM") and "error" not in err
+
+
+def test_summary_labels_the_first_eval_with_its_step(capsys):
+    _print_summary({"steps": 200, "tokens": 1000, "seconds": 61, "final_train_loss": 2.5,
+                    "initial_eval_loss": 3.25, "initial_eval_step": 100, "final_eval_loss": 2.75,
+                    "run_dir": "runs/x", "checkpoint": None})
+    assert "eval/loss 2.7500 (step 100: 3.2500)" in capsys.readouterr().out
+
+
+def test_progress_bar_last_frame_shows_the_last_steps_loss():
+    from rich.console import Console
+
+    from llmforge.callbacks.progress import RichProgress
+
+    console = Console(record=True, force_terminal=True, width=160)
+    bar = RichProgress(console=console)
+    trainer = SimpleNamespace(is_global_zero=True, max_steps=20, global_step=10)
+    module = SimpleNamespace(history=[{"step": 10, "train/loss": 4.0}])
+    bar.on_train_start(trainer, module)
+    bar.on_train_batch_end(trainer, module, None, None, 0)
+    trainer.global_step = 20  # the last step's record arrives after its on_train_batch_end
+    module.history.append({"step": 20, "train/loss": 1.2345})
+    bar.on_train_end(trainer, module)
+    frames = console.export_text()
+    assert "20/20" in frames and "loss 1.2345" in frames.split("20/20")[-1]

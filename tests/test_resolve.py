@@ -1,0 +1,116 @@
+"""The run resolved once (issue 13.15), before the heavy imports (18.2), with its threads (18.1)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from omegaconf.errors import ReadonlyConfigError
+
+from conftest import REPO, TINY_OVERRIDES
+from llmforge.cli import main
+from llmforge.config import load_config
+from llmforge.config.resolve import resolve_run
+from llmforge.errors import ConfigError
+from llmforge.parallel.threads import choose_num_threads
+
+DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
+
+
+def test_resolved_once_into_a_frozen_copy(tmp_path):
+    cfg = load_config(DEMO, [*TINY_OVERRIDES, f"run.output_dir={tmp_path}", "trainer.global_batch_size=64"])
+    run = resolve_run(cfg, environ={"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"})
+    assert (run.world_size, run.local_world_size, run.strategy) == (4, 2, "fsdp2")
+    assert (run.cfg.trainer.devices, run.cfg.trainer.num_nodes) == (2, 2)
+    assert (run.plan.dp_size, run.plan.gradient_accumulation_steps) == (4, 2)  # 64 = 8 x 4 x 2
+    assert (run.dims.dp_shard, run.dims.tp) == (4, 1)
+    # the user's config is not touched; the resolved one cannot be changed
+    assert (cfg.strategy.name, cfg.trainer.devices, cfg.trainer.num_nodes) == ("auto", 1, 1)
+    with pytest.raises(ReadonlyConfigError):
+        run.cfg.strategy.name = "ddp"
+    one = resolve_run(cfg, environ={})
+    assert (one.world_size, one.strategy, one.run_dir) == (1, "auto", tmp_path / cfg.run.name)
+
+
+def test_allowed_values_are_listed_once():
+    from importlib import import_module
+
+    schema, validate, sft, tokenizers, schedule, trainer = (import_module(f"llmforge.{m}") for m in (
+        "config.schema", "config.validate", "data.sft", "data.tokenizers", "training.schedule",
+        "training.trainer"))
+
+    assert schedule.SCHEDULES is schema.SCHEDULES and validate.SCHEDULES is schema.SCHEDULES
+    assert tokenizers.TOKENIZER_TYPES is schema.TOKENIZER_TYPES
+    assert sft.OVERLONG is schema.OVERLONG
+    assert trainer.PRECISIONS is schema.PRECISIONS and validate.PRECISIONS is schema.PRECISIONS
+    assert not hasattr(validate, "SCHEDULERS") and not hasattr(trainer, "PRECISION")
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("checkpoint.save_every_minutes=-1", "checkpoint.save_every_minutes must be > 0"),
+    ("checkpoint.save_every_minutes=0", "checkpoint.save_every_minutes must be > 0"),
+    ("trainer.num_threads=0", "trainer.num_threads must be >= 1"),
+])
+def test_bad_values_exit_2(override, needle, capsys, tmp_path):
+    assert main(["train", DEMO, override, f"run.output_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and needle in err and "Traceback" not in err
+    assert not (tmp_path / "demo_cpu").exists()  # nothing written
+
+
+def test_config_errors_come_before_the_heavy_imports(tmp_path):
+    """One fresh interpreter (no torch yet): each bad input exits 2 and torch, Lightning and
+    datasets were never imported."""
+    used = tmp_path / "runs" / "demo_cpu"
+    used.mkdir(parents=True)
+    (used / "metrics.jsonl").write_text('{"step": 1}\n')
+    cases = [[DEMO, "trainer.max_stepz=3"],
+             [DEMO, f"run.output_dir={tmp_path / 'runs'}"],
+             [DEMO, "tokenizer.type=huggingface", f"tokenizer.path={tmp_path / 'nope.json'}"],
+             [DEMO, "trainer.global_batch_size=10"]]
+    code = ("import json, sys; from llmforge.cli import main\n"
+            f"codes = [main(['train', *c]) for c in {cases!r}]\n"
+            "print(json.dumps([codes, [m for m in ('torch', 'lightning', 'datasets') if m in sys.modules]]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=tmp_path, env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"})
+    codes, heavy = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert codes == [2, 2, 2, 2] and heavy == [], proc.stderr
+    errors = proc.stderr.strip().splitlines()
+    assert "trainer.max_steps" in errors[0]
+    assert "already holds a run" in errors[1] and str(used) in errors[1]
+    assert "tokenizer.path" in errors[2] and "nope.json" in errors[2]
+    assert "global_batch_size=10" in errors[3]
+    assert (used / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+@pytest.mark.parametrize("override, procs, workers, cores, want", [
+    (None, 1, 1, 2, 1),   # the demo on 2 cores: one for the data worker
+    (None, 1, 0, 2, 2),
+    (None, 2, 1, 8, 3),   # --nproc 2 on 8 cores: 4 each, less the worker
+    (None, 4, 1, 2, 1),   # never 0
+    (3, 1, 1, 2, 3),      # trainer.num_threads wins
+])
+def test_threads_per_process(override, procs, workers, cores, want):
+    n, why = choose_num_threads(override, procs, workers, cores=cores, environ={})
+    assert n == want
+    assert f"{cores} cores" in why
+    # an explicit OMP_NUM_THREADS is a choice too; trainer.num_threads still wins over it
+    omp = {"OMP_NUM_THREADS": "5"}
+    assert choose_num_threads(override, procs, workers, cores=cores, environ=omp)[0] == (override or 5)
+
+
+def test_trainer_applies_and_logs_threads(tmp_path, capsys):
+    import torch
+
+    from llmforge import Trainer
+
+    before = torch.get_num_threads()
+    cfg = load_config(DEMO, [*TINY_OVERRIDES, f"run.output_dir={tmp_path}", "trainer.num_threads=1"])
+    trainer = Trainer(cfg)
+    try:
+        trainer.apply_threads()
+        trainer.announce()
+        assert torch.get_num_threads() == 1 == trainer.run.num_threads
+    finally:
+        torch.set_num_threads(before)
+    assert "threads: 1 compute threads per process (trainer.num_threads=1" in capsys.readouterr().err

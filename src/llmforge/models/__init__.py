@@ -35,13 +35,15 @@ from __future__ import annotations
 from typing import Any
 
 from llmforge.models.llama3 import LLAMA3
+from llmforge.models.qwen3 import QWEN3
 from llmforge.models.spec import MemoryShape, ModelSpec, get_spec
 from llmforge.registry import models
 
-__all__ = ["LLAMA3", "ModelSpec", "MemoryShape", "get_spec", "Llama", "LlamaArgs",
+__all__ = ["LLAMA3", "QWEN3", "ModelSpec", "MemoryShape", "get_spec", "Llama", "LlamaArgs",
            "PRESETS", "build_llama", "llama_args_from_config"]
 
 models.register("llama3", LLAMA3)
+models.register("qwen3", QWEN3)
 
 _LAZY = {"Llama": "llmforge.models.llama3.model", "build_llama": "llmforge.models.llama3.model",
          "LlamaArgs": "llmforge.models.llama3.config", "PRESETS": "llmforge.models.llama3.config",

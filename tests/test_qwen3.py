@@ -140,3 +140,31 @@ def test_init_from_hf_fine_tunes_and_exports_token_ids(tmp_path):
     gen = transformers.GenerationConfig.from_pretrained(tmp_path / "back")
     assert (gen.bos_token_id, gen.eos_token_id) == (tok.bos_id, tok.eos_id)
 
+
+def test_chatml_template_renders_qwen_turns(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from llmforge.data.chat import build_chat_template
+    from llmforge.data.tokenizers import HFTokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["user assistant system what is two plus two four\n"] * 20,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=[
+                                "<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = HFTokenizer(tmp_path / "tokenizer.json")
+    template = build_chat_template("chatml", hf)
+    chat = [{"role": "user", "content": "what is two plus two"}, {"role": "assistant", "content": "four"}]
+    ids, targets = template.tokenize(chat)
+    text = "".join(tok.decode([i], skip_special_tokens=False) for i in ids)
+    assert text == ("<|im_start|>user\nwhat is two plus two<|im_end|>\n"
+                    "<|im_start|>assistant\nfour<|im_end|>\n")
+    assert "".join(tok.decode([i], skip_special_tokens=False) for i, t in zip(ids, targets) if t) \
+        == "four<|im_end|>"
+    assert template.stop_id == tok.token_to_id("<|im_end|>")
+    prompt = template.prompt_ids(chat[:1])
+    assert "".join(tok.decode([i], skip_special_tokens=False) for i in prompt).endswith(
+        "<|im_end|>\n<|im_start|>assistant\n")

@@ -134,7 +134,7 @@ class DataConfig:
     ``chat_template``, loss on response tokens only; see docs/sft.md)."""
     chat_template: str = "llama3"
     """``sft``: template that renders conversations (``llama3``: Llama 3 Instruct headers and
-    ``<|eot_id|>``)."""
+    ``<|eot_id|>``; ``chatml``: Qwen's ``<|im_start|>role`` ... ``<|im_end|>``)."""
     prompt_field: str = "prompt"
     """``sft``: jsonl field of the prompt (a user turn)."""
     response_field: str = "response"

@@ -136,12 +136,14 @@ class Attention(nn.Module):
         nn.init.normal_(self.wo.weight, mean=0.0, std=out_std)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
-                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                mask: Optional[torch.Tensor] = None, cache: Any = None) -> torch.Tensor:
         """``x [B, T, D]``, ``rope [T, hd/2, 2]`` or ``[B, T, hd/2, 2]`` -> ``[B, T, D]``.
 
         ``mask``: None = plain causal attention (SDPA ``is_causal``); else a boolean
         ``[B, 1, T, T]`` mask (True = may attend, e.g. :func:`document_causal_mask`) passed to
-        SDPA as ``attn_mask`` (every query must see at least one key)."""
+        SDPA as ``attn_mask`` (every query must see at least one key). ``cache``: one layer of
+        a generation KV cache (``update(k, v) -> (k, v)`` with the past keys/values prepended,
+        :class:`llmforge.models.sampling.KVCache`); several new tokens only on an empty cache."""
         bsz, seqlen, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds n_heads/tp and n_kv_heads/tp heads
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
@@ -149,11 +151,17 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rotary_emb(q, rope), apply_rotary_emb(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, nh, T, hd]
+        causal = True
+        if cache is not None:
+            k, v = cache.update(k, v)
+            causal = k.shape[2] == seqlen  # a prefill is causal; one new token sees every key
+            if seqlen > 1 and not causal:
+                raise ValueError("a KV cache takes several new tokens only when it is empty")
         if self.n_rep > 1:
             k = k.repeat_interleave(self.n_rep, dim=1)
             v = v.repeat_interleave(self.n_rep, dim=1)
         if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # scale 1/sqrt(hd)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # scale 1/sqrt(hd)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
@@ -198,13 +206,14 @@ class TransformerBlock(nn.Module):
         self.feed_forward.init_weights(std, out_std)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
-                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                mask: Optional[torch.Tensor] = None, cache: Any = None) -> torch.Tensor:
         """``x [B, T, D]``, ``rope [T, hd/2, 2]`` (or ``[B, T, hd/2, 2]``), optional attention
-        ``mask [B, 1, T, T]`` (see :meth:`Attention.forward`) -> ``[B, T, D]``."""
-        if mask is None:
+        ``mask [B, 1, T, T]`` and KV ``cache`` layer (see :meth:`Attention.forward`) ->
+        ``[B, T, D]``."""
+        if mask is None and cache is None:
             h = x + self.attention(self.attention_norm(x), rope)
         else:
-            h = x + self.attention(self.attention_norm(x), rope, mask=mask)
+            h = x + self.attention(self.attention_norm(x), rope, mask=mask, cache=cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -331,7 +340,8 @@ class Llama(nn.Module):
         return float(6 * n + 12 * a.n_layers * a.n_heads * a.head_dim * int(seq_len))
 
     # -- forward ---------------------------------------------------------------------------
-    def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
+                cache: Any = None) -> torch.Tensor:
         """``tokens [B, T]`` (int64 ids < V, ``T <= max_seq_len``) -> logits ``[B, T, V]``.
 
         ``doc_ids [B, T]`` (optional, any integer dtype): the document each token belongs to in
@@ -340,8 +350,13 @@ class Llama(nn.Module):
         document as if it were alone) and attention is block-diagonal causal
         (:func:`document_causal_mask`): no token attends across a document boundary. Without
         it (pretraining), every block runs ``layer(h, rope)`` with causal SDPA, unchanged.
+
+        ``cache``: a :class:`llmforge.models.sampling.KVCache` (generation): positions continue
+        after the cached ones and every layer attends to its cached keys/values too.
         """
         seqlen = tokens.shape[1]
+        if cache is not None:
+            return self._forward_cached(tokens, cache)
         if seqlen > self.max_seq_len:
             raise ValueError(f"sequence length {seqlen} exceeds max_seq_len={self.max_seq_len}")
         h = self.tok_embeddings(tokens)
@@ -357,6 +372,17 @@ class Llama(nn.Module):
         mask = document_causal_mask(doc_ids)
         for layer in self.layers:
             h = layer(h, rope, mask=mask)
+        return self.output(self.norm(h))
+
+    def _forward_cached(self, tokens: torch.Tensor, cache: Any) -> torch.Tensor:
+        start, seqlen = cache.length, tokens.shape[1]
+        if start + seqlen > self.max_seq_len:
+            raise ValueError(f"sequence length {start + seqlen} exceeds max_seq_len={self.max_seq_len}")
+        h = self.tok_embeddings(tokens)
+        rope = self.rope_cache[start:start + seqlen]
+        for i, layer in enumerate(self.layers):
+            h = layer(h, rope, cache=cache.layer(i))
+        cache.advance(seqlen)
         return self.output(self.norm(h))
 
 

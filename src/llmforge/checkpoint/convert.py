@@ -25,16 +25,20 @@ def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
         LLMForgeError: the model's family has no HF adapter, the path has no checkpoint, or
             ``adapters_only`` for a run without adapters.
     """
-    from llmforge.checkpoint.hf import adapter_for_model, save_hf
+    from llmforge.checkpoint.hf import save_hf
     from llmforge.generate import load_model
+    from llmforge.models.spec import get_spec
 
     model, cfg, run_dir, plugins, ckpt, meta = load_model(path, with_plugins=True)
-    try:
-        adapter_for_model(model)
-    except LLMForgeError as exc:
-        raise LLMForgeError(f"{path}: {exc}") from None
+    adapter = get_spec(cfg.model.name).adapter()  # by name: a derived research spec may have none
+    if adapter is None:
+        raise LLMForgeError(f"{path}: model '{cfg.model.name}' has no Hugging Face adapter "
+                            "(ModelSpec.hf_adapter, docs/models.md), so it cannot be exported")
     cast = getattr(torch, dtype) if dtype else None
     if adapters_only:
+        if adapter.model_type != "llama":  # the PEFT export maps Llama's names and rotary layout
+            raise LLMForgeError(f"{path}: --adapters-only (PEFT) export supports llama3 models only; "
+                                "export the merged weights instead (without --adapters-only)")
         for plugin in plugins:
             written = plugin.export_adapters(model, Path(out), cfg, meta, dtype=cast)
             if written is not None:
@@ -44,7 +48,8 @@ def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
     for plugin in plugins:
         model = plugin.export_model(model, ckpt)
     tok_dir = run_dir / "tokenizer"
-    return save_hf(model, out, tokenizer_dir=tok_dir if tok_dir.is_dir() else None, dtype=cast)
+    return save_hf(model, out, tokenizer_dir=tok_dir if tok_dir.is_dir() else None, dtype=cast,
+                   adapter=adapter)
 
 
 def from_hf(path: str | Path, out: str | Path) -> Path:

@@ -118,10 +118,11 @@ def dtype_key() -> str:
 
 
 def hf_config_from_model(model: nn.Module, dtype: str = "float32",
-                         token_ids: Optional[dict[str, Optional[int]]] = None) -> dict[str, Any]:
+                         token_ids: Optional[dict[str, Optional[int]]] = None,
+                         adapter: Any = None) -> dict[str, Any]:
     """The ``config.json`` of a built model (its family's fields, the dtype under
     :func:`dtype_key`, and ``bos_token_id``/``eos_token_id``/``pad_token_id`` when known)."""
-    cfg = adapter_for_model(model).config_to_hf(model)
+    cfg = (adapter or adapter_for_model(model)).config_to_hf(model)
     cfg[dtype_key()] = dtype
     for name, value in (token_ids or {}).items():
         if value is not None:
@@ -222,9 +223,10 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> int:
 
 
 # ---------------------------------------------------------------------------- writing
-def hf_state_dict(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_key, tensor)`` for every weight of a plain (unsharded) llmforge model."""
-    adapter = adapter_for_model(model)
+def hf_state_dict(model: nn.Module, adapter: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_key, tensor)`` for every weight of a plain (unsharded) llmforge model (``adapter``:
+    its family's; default: found from the model's class)."""
+    adapter = adapter or adapter_for_model(model)
     tied = adapter.tied(model)
     for name, tensor in model.state_dict().items():
         if name == "output.weight" and tied:
@@ -240,7 +242,8 @@ def hf_state_dict(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def save_hf(model: nn.Module, out: str | Path, tokenizer_dir: Optional[Path] = None,
-            max_shard_bytes: int = 5 * 1024**3, dtype: Optional[torch.dtype] = None) -> Path:
+            max_shard_bytes: int = 5 * 1024**3, dtype: Optional[torch.dtype] = None,
+            adapter: Any = None) -> Path:
     """Write ``config.json``, ``generation_config.json``, safetensors shards (+ index when more
     than one) and tokenizer files that ``AutoModelForCausalLM.from_pretrained`` (the family's
     ``*ForCausalLM``) and ``AutoTokenizer`` load; ``generate`` then stops at the tokenizer's EOS.
@@ -249,12 +252,12 @@ def save_hf(model: nn.Module, out: str | Path, tokenizer_dir: Optional[Path] = N
         LLMForgeError: the model's family has no Hugging Face adapter."""
     from safetensors.torch import save_file
 
-    adapter_for_model(model)  # refuse before anything is written
+    adapter = adapter or adapter_for_model(model)  # refuse before anything is written
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for key, t in hf_state_dict(model):
+    for key, t in hf_state_dict(model, adapter):
         t = t.to(dtype) if dtype is not None else t
         nbytes = t.numel() * t.element_size()
         if size + nbytes > max_shard_bytes and shards[-1]:
@@ -273,7 +276,7 @@ def save_hf(model: nn.Module, out: str | Path, tokenizer_dir: Optional[Path] = N
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     dt = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
     ids = _token_ids(tokenizer_dir)
-    (out / "config.json").write_text(json.dumps(hf_config_from_model(model, dt, ids), indent=1))
+    (out / "config.json").write_text(json.dumps(hf_config_from_model(model, dt, ids, adapter), indent=1))
     gen = {"_from_model_config": True, **{f"{k}_token_id": v for k, v in ids.items() if v is not None}}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=1))
     if tokenizer_dir is not None:

@@ -1,6 +1,7 @@
 """``model.init_from``: start training from existing weights.
 
-``hf:PATH`` is a Hugging Face folder of a family with an HF adapter (Llama, Qwen3) (its ``config.json`` fixes the model's shape, see
+``hf:PATH`` is a Hugging Face folder of a family with an HF adapter (Llama, Qwen3): its
+``config.json`` fixes the model's shape (see
 :func:`apply_hf_shape`; weights are read rank-locally by :func:`llmforge.checkpoint.hf.load_hf_weights`);
 anything else is an llmforge checkpoint folder or run directory whose model weights are loaded
 through DCP (resharded to the current layout). Optimizer, schedule and data start fresh.

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmforge.models.decoder import DecoderLM
 from llmforge.models.llama3.config import ROPE_SCALING_KEYS, LlamaArgs, ffn_hidden_dim
 from llmforge.models.masks import document_causal_mask, document_positions, document_runs
 
@@ -217,7 +218,7 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Llama(nn.Module):
+class Llama(DecoderLM, nn.Module):
     """Llama 3 decoder-only language model.
 
     ``forward(tokens [B, T] int64, doc_ids [B, T] | None) -> logits [B, T, V]`` (in the
@@ -260,16 +261,6 @@ class Llama(nn.Module):
             self.to_empty(device=target)
         self.init_weights()
 
-    # -- weights ---------------------------------------------------------------------------
-    def _tie(self) -> None:
-        if self.args.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
-            self.output.weight = self.tok_embeddings.weight
-
-    def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
-        out = super()._apply(fn, recurse)
-        self._tie()
-        return out
-
     @torch.no_grad()
     def init_weights(self, std: Optional[float] = None) -> None:
         """(Re)initialize every parameter and recompute the RoPE buffer, in place.
@@ -303,41 +294,6 @@ class Llama(nn.Module):
         table = precompute_rope(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta,
                                 self.args.rope_scaling, device=dev)
         self.register_buffer("rope_cache", table.to(buf.device), persistent=False)
-
-    # -- structure -------------------------------------------------------------------------
-    def blocks(self) -> list[nn.Module]:
-        """The repeated transformer blocks (units for FSDP2, activation checkpointing, compile)."""
-        return list(self.layers)
-
-    def num_params(self, exclude_embeddings: bool = False) -> int:
-        """Number of parameters, each shared Parameter counted once (tied weights once).
-
-        ``exclude_embeddings``: leave out ``tok_embeddings.weight`` (a lookup table, not a
-        matmul). For a tied model this also removes the output projection, as it is the same
-        tensor. Global counts for DTensor (sharded) parameters.
-        """
-        n = sum(p.numel() for p in self.parameters())
-        if exclude_embeddings:
-            n -= self.tok_embeddings.weight.numel()
-        return n
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward), for MFU.
-
-        ``6 * N + 12 * L * H * hd * seq_len`` — PaLM (Chowdhery et al. 2022), appendix B, as
-        in torchtitan's ``get_num_flop_per_token``/``get_nparams_and_flops``: ``6N`` counts the
-        matmuls over the ``N`` parameters (2 FLOPs per multiply-add, x3 for forward + backward);
-        the second term counts the attention score/value matmuls over a ``seq_len`` context
-        (2 matmuls forward + 4 backward, 2 FLOPs each; no discount for the causal mask and no
-        recompute). ``N`` = all parameters except the input embedding table (torchtitan's
-        choice). Unlike torchtitan, a *tied* output projection is counted in ``N`` (it is
-        still a matmul); for untied models the result equals torchtitan's.
-        """
-        n = self.num_params(exclude_embeddings=True)
-        if self.args.tie_embeddings:
-            n += self.output.weight.numel()
-        a = self.args
-        return float(6 * n + 12 * a.n_layers * a.n_heads * a.head_dim * int(seq_len))
 
     # -- forward ---------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmforge.models.decoder import DecoderLM
 from llmforge.models.masks import document_causal_mask, document_positions
 from llmforge.models.qwen3.config import Qwen3Args
 
@@ -144,13 +145,13 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Qwen3(nn.Module):
+class Qwen3(DecoderLM, nn.Module):
     """Qwen3 decoder: ``forward(tokens [B, T], doc_ids [B, T] | None) -> logits [B, T, V]``.
 
     Built on the meta device and materialized once, as :class:`llmforge.models.llama3.model.Llama`
     (same init scheme: normal(0, init_std), residual projections scaled by 1/sqrt(2L), norms
-    ones; tied output re-tied after every module conversion). The RoPE table is the
-    non-persistent buffer ``rope_cache [max_seq_len, hd/2, 2]``.
+    ones; tying, blocks, parameter and FLOP counts from :class:`~llmforge.models.decoder.DecoderLM`).
+    The RoPE table is the non-persistent buffer ``rope_cache [max_seq_len, hd/2, 2]``.
     """
 
     def __init__(self, args: Qwen3Args) -> None:
@@ -169,15 +170,6 @@ class Qwen3(nn.Module):
             self.to_empty(device=target)
         self.init_weights()
 
-    def _tie(self) -> None:
-        if self.args.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
-            self.output.weight = self.tok_embeddings.weight
-
-    def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
-        out = super()._apply(fn, recurse)
-        self._tie()
-        return out
-
     @torch.no_grad()
     def init_weights(self, std: Optional[float] = None) -> None:
         """(Re)initialize every parameter and the RoPE buffer in place (deterministic given
@@ -195,25 +187,6 @@ class Qwen3(nn.Module):
         self.norm.reset_parameters()
         if not self.args.tie_embeddings:
             nn.init.normal_(self.output.weight, mean=0.0, std=std)
-
-    def blocks(self) -> list[nn.Module]:
-        """The repeated transformer blocks (units for FSDP2, activation checkpointing, compile)."""
-        return list(self.layers)
-
-    def num_params(self, exclude_embeddings: bool = False) -> int:
-        """Parameters, shared ones once; ``exclude_embeddings`` drops the embedding table."""
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.tok_embeddings.weight.numel() if exclude_embeddings else n
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: ``6 N + 12 L H hd seq_len`` (PaLM, Chowdhery et al. 2022,
-        appendix B; torchtitan's ``get_nparams_and_flops``), ``N`` without the embedding table
-        (a tied output projection counted, as for Llama)."""
-        n = self.num_params(exclude_embeddings=True)
-        if self.args.tie_embeddings:
-            n += self.output.weight.numel()
-        a = self.args
-        return float(6 * n + 12 * a.n_layers * a.n_heads * a.head_dim * int(seq_len))
 
     def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
                 cache: Any = None) -> torch.Tensor:

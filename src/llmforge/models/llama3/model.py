@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmforge.models.decoder import DecoderLM
+from llmforge.models.decoder import DecoderLM, PreNormBlock, SwiGLU
 from llmforge.models.llama3.config import ROPE_SCALING_KEYS, LlamaArgs, ffn_hidden_dim
 from llmforge.models.masks import document_causal_mask, document_positions, document_runs
 
@@ -168,54 +168,19 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
-class FeedForward(nn.Module):
+class FeedForward(SwiGLU):
     """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)`` with hidden size :func:`ffn_hidden_dim`."""
 
     def __init__(self, args: LlamaArgs) -> None:
-        super().__init__()
-        hidden = ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier)
-        self.hidden_dim = hidden
-        self.w1 = nn.Linear(args.dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, args.dim, bias=False)
-        self.w3 = nn.Linear(args.dim, hidden, bias=False)
-
-    def init_weights(self, std: float, out_std: float) -> None:
-        nn.init.normal_(self.w1.weight, mean=0.0, std=std)
-        nn.init.normal_(self.w3.weight, mean=0.0, std=std)
-        nn.init.normal_(self.w2.weight, mean=0.0, std=out_std)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [B, T, D]`` -> ``[B, T, D]``."""
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        super().__init__(args.dim, ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier))
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(PreNormBlock):
     """Pre-norm block: ``h = x + attn(norm(x))``; ``out = h + ffn(norm(h))``."""
 
     def __init__(self, layer_id: int, args: LlamaArgs) -> None:
-        super().__init__()
+        super().__init__(Attention(args), FeedForward(args), args.dim, args.norm_eps)
         self.layer_id = layer_id
-        self.attention = Attention(args)
-        self.feed_forward = FeedForward(args)
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-
-    def init_weights(self, std: float, out_std: float) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(std, out_std)
-        self.feed_forward.init_weights(std, out_std)
-
-    def forward(self, x: torch.Tensor, rope: torch.Tensor,
-                mask: Optional[torch.Tensor] = None, cache: Any = None) -> torch.Tensor:
-        """``x [B, T, D]``, ``rope [T, hd/2, 2]`` (or ``[B, T, hd/2, 2]``), optional attention
-        ``mask [B, 1, T, T]`` and KV ``cache`` layer (see :meth:`Attention.forward`) ->
-        ``[B, T, D]``."""
-        if mask is None and cache is None:
-            h = x + self.attention(self.attention_norm(x), rope)
-        else:
-            h = x + self.attention(self.attention_norm(x), rope, mask=mask, cache=cache)
-        return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Llama(DecoderLM, nn.Module):

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmforge.models.decoder import DecoderLM
+from llmforge.models.decoder import DecoderLM, PreNormBlock, SwiGLU
 from llmforge.models.masks import document_causal_mask, document_positions
 from llmforge.models.qwen3.config import Qwen3Args
 
@@ -103,48 +103,6 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU MLP ``w2(silu(w1 x) * w3 x)``, hidden width ``hidden_dim``."""
-
-    def __init__(self, a: Qwen3Args) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(a.dim, a.hidden_dim, bias=False)
-        self.w2 = nn.Linear(a.hidden_dim, a.dim, bias=False)
-        self.w3 = nn.Linear(a.dim, a.hidden_dim, bias=False)
-
-    def init_weights(self, std: float, out_std: float) -> None:
-        nn.init.normal_(self.w1.weight, mean=0.0, std=std)
-        nn.init.normal_(self.w3.weight, mean=0.0, std=std)
-        nn.init.normal_(self.w2.weight, mean=0.0, std=out_std)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class TransformerBlock(nn.Module):
-    """Pre-norm block: ``h = x + attn(norm(x))``; ``out = h + ffn(norm(h))``."""
-
-    def __init__(self, a: Qwen3Args) -> None:
-        super().__init__()
-        self.attention, self.feed_forward = Attention(a), FeedForward(a)
-        self.attention_norm = nn.RMSNorm(a.dim, eps=a.norm_eps)
-        self.ffn_norm = nn.RMSNorm(a.dim, eps=a.norm_eps)
-
-    def init_weights(self, std: float, out_std: float) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(std, out_std)
-        self.feed_forward.init_weights(std, out_std)
-
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Optional[torch.Tensor] = None,
-                cache: Any = None) -> torch.Tensor:
-        if mask is None and cache is None:
-            h = x + self.attention(self.attention_norm(x), rope)
-        else:
-            h = x + self.attention(self.attention_norm(x), rope, mask=mask, cache=cache)
-        return h + self.feed_forward(self.ffn_norm(h))
-
-
 class Qwen3(DecoderLM, nn.Module):
     """Qwen3 decoder: ``forward(tokens [B, T], doc_ids [B, T] | None) -> logits [B, T, V]``.
 
@@ -160,7 +118,9 @@ class Qwen3(DecoderLM, nn.Module):
         target = torch.empty(0).device
         with torch.device("meta"):
             self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-            self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+            self.layers = nn.ModuleList(
+                PreNormBlock(Attention(args), SwiGLU(args.dim, args.hidden_dim), args.dim, args.norm_eps)
+                for _ in range(args.n_layers))
             self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
             self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
             self.register_buffer("rope_cache", torch.empty(args.max_seq_len, args.head_dim // 2, 2),

@@ -2,10 +2,12 @@
 
     python benchmarks/generate.py                     # Llama 3 debug preset, 200 new tokens
     python benchmarks/generate.py --family qwen3 --new-tokens 200
+    python benchmarks/generate.py --threads 1          # one compute thread (a busy machine)
     python benchmarks/generate.py --smoke
 
 Both paths decode the same greedy tokens (checked here) from a randomly initialized model of the
-preset (weights do not change the cost), one process, torch's default threads. Prints tokens/s
+preset (weights do not change the cost), one process, torch's default threads unless
+``--threads``. Prints tokens/s
 of each and the ratio cached/uncached; the uncached path re-runs the whole context per token, so
 the ratio grows with the number of new tokens.
 """
@@ -26,10 +28,14 @@ def main() -> int:
     p.add_argument("--preset", default="debug")
     p.add_argument("--new-tokens", type=int, default=200)
     p.add_argument("--prompt-tokens", type=int, default=16)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, seconds")
     args = p.parse_args()
 
     import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from omegaconf import OmegaConf
 
     from llmforge.models.sampling import generate
@@ -55,7 +61,8 @@ def main() -> int:
     same = results[True][0] == results[False][0]
     print(f"same greedy tokens: {same}")
     print(f"ratio cached/uncached: {results[True][1] / results[False][1]:.2f}x "
-          f"({args.family} {args.preset}, {args.new_tokens} new tokens after {args.prompt_tokens})")
+          f"({args.family} {args.preset}, {args.new_tokens} new tokens after {args.prompt_tokens}, "
+          f"{torch.get_num_threads()} threads)")
     return 0 if same else 1
 
 

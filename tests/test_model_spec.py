@@ -40,3 +40,21 @@ def test_unknown_model_name_lists_the_families(tmp_path, capsys):
     code = main(["train", str(REPO / "yamls" / "demo_cpu.yaml"), "model.name=qwen", "--dry-run"])
     err = capsys.readouterr().err
     assert code == 2 and "unknown model 'qwen'" in err and "qwen3" in err and "llama3" in err, err
+
+
+def test_a_spec_flops_formula_reaches_the_dry_run_and_mfu(capsys):
+    from types import SimpleNamespace
+
+    from llmforge.callbacks.speed import _flops_fn
+    from llmforge.models import LLAMA3
+    from llmforge.registry import models
+
+    models.register("llama3_flops", LLAMA3.derive(name="llama3_flops", flops_per_token=lambda m, s: 1e6 * s))
+    try:
+        assert main(["train", str(REPO / "yamls" / "demo_cpu.yaml"), "model.name=llama3_flops",
+                     "--dry-run"]) == 0
+        assert "flops/token     2.56e+08 (training, at seq_len 256)" in capsys.readouterr().out
+        module = SimpleNamespace(model=object(), cfg=SimpleNamespace(model=SimpleNamespace(name="llama3_flops")))
+        assert _flops_fn(module)(10) == 1e7
+    finally:
+        models._items.pop("llama3_flops")

@@ -36,9 +36,6 @@ def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
                             "(ModelSpec.hf_adapter, docs/models.md), so it cannot be exported")
     cast = getattr(torch, dtype) if dtype else None
     if adapters_only:
-        if adapter.model_type != "llama":  # the PEFT export maps Llama's names and rotary layout
-            raise LLMForgeError(f"{path}: --adapters-only (PEFT) export supports llama3 models only; "
-                                "export the merged weights instead (without --adapters-only)")
         for plugin in plugins:
             written = plugin.export_adapters(model, Path(out), cfg, meta, dtype=cast)
             if written is not None:

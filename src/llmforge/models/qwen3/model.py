@@ -1,7 +1,7 @@
 """Qwen3 dense decoder in plain PyTorch (no ranks, no trainer), numerically the same as
 transformers' ``Qwen3ForCausalLM`` (``transformers/models/qwen3/modeling_qwen3.py``).
 
-Module names follow llmforge's Llama (and torchtitan's qwen3), so LoRA targets, float8 filters
+Module names follow llmforge's Llama (and torchtitan's qwen3), so adapter targets, float8 filters
 and the tensor-parallel plan carry over::
 
     tok_embeddings                          nn.Embedding(V, D)

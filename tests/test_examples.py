@@ -56,7 +56,7 @@ def test_parallel_block_model_is_registered_and_differs():
 
     import examples.parallel_block_model  # noqa: F401
     from llmforge import registry
-    from llmforge.config.schema import ModelConfig
+    from llmforge.models.llama3.config import Llama3Config as ModelConfig
 
     cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), {"dim": 32, "n_layers": 2, "n_heads": 4,
                           "n_kv_heads": 2, "vocab_size": 40, "multiple_of": 16, "max_seq_len": 8})

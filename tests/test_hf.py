@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 transformers = pytest.importorskip("transformers")
 
 from llmforge.checkpoint.hf import load_hf_weights, model_overrides_from_hf, read_hf_config, save_hf  # noqa: E402
-from llmforge.config.schema import ModelConfig  # noqa: E402
+from llmforge.models.llama3.config import Llama3Config as ModelConfig  # noqa: E402
 from llmforge.models import build_llama  # noqa: E402
 
 

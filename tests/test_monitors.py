@@ -72,7 +72,7 @@ def test_tokens_per_second_counts_targets_not_padding(monkeypatch):
 def test_mfu_and_tflops_against_a_hand_computation(monkeypatch):
     from omegaconf import OmegaConf
 
-    from llmforge.config.schema import ModelConfig
+    from llmforge.models.llama3.config import Llama3Config as ModelConfig
     from llmforge.registry import models
 
     cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), {

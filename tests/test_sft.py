@@ -80,7 +80,9 @@ def test_template_needs_chat_tokens():
 
     with pytest.raises(ConfigError, match=r"lacks \['<\|start_header_id\|>'"):
         Llama3ChatTemplate(NoChat())
-    with pytest.raises(ConfigError, match="data.chat_template: unknown template 'chatml'"):
+    with pytest.raises(ConfigError, match="data.chat_template: unknown template 'vicuna'"):
+        build_chat_template("vicuna", NoChat())
+    with pytest.raises(ConfigError, match=r"chatml needs the single tokens <\|im_start\|>"):
         build_chat_template("chatml", NoChat())
 
 

@@ -54,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the prompt is a user turn: render it with the run's chat template "
                         "(data.chat_template, Llama 3 by default), print only the answer, stop "
                         "at the end of the assistant turn (SFT runs)")
+    g.add_argument("--no-cache", action="store_true",
+                   help="recompute the whole context for every token instead of using a KV cache")
     g.add_argument("--debug", action="store_true", help="show tracebacks")
 
     e = sub.add_parser("eval", help="run lm-evaluation-harness tasks on a run or checkpoint")
@@ -278,13 +280,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    stats: dict = {}
+
+    def show(piece: str) -> None:  # tokens are printed as they come
+        if not stats.get("started"):
+            stats["started"] = True
+            if not args.chat:
+                sys.stdout.write(args.prompt)
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
     try:
-        text = sample_text(args.path, args.prompt, max_new_tokens=args.max_new_tokens,
-                           temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                           chat=args.chat)
+        sample_text(args.path, args.prompt, max_new_tokens=args.max_new_tokens,
+                    temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                    chat=args.chat, use_cache=not args.no_cache, on_text=show, stats=stats)
     except ValueError as exc:
         raise LLMForgeError(str(exc)) from exc
-    print(text if args.chat else args.prompt + text)
+    if not stats.get("started") and not args.chat:
+        sys.stdout.write(args.prompt)
+    print(flush=True)
+    print(f"{stats['tokens']} tokens in {stats['seconds']:.2f} s ({stats['tokens_per_second']:.1f} "
+          f"tokens/s, KV cache {'on' if stats['kv_cache'] else 'off'})", file=sys.stderr)
     return 0
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -101,16 +101,28 @@ def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Any, Toke
 
 def sample_text(path: str | Path, prompt: str, *, max_new_tokens: int = 200,
                 temperature: float = 0.8, top_k: Optional[int] = 50, seed: int = 0,
-                chat: bool = False) -> str:
+                chat: bool = False, use_cache: bool = True,
+                on_text: Optional[Callable[[str], None]] = None,
+                stats: Optional[dict] = None) -> str:
     """Sample a continuation of ``prompt`` (the returned text excludes the prompt).
 
     ``chat``: ``prompt`` is one user turn, rendered with the run's ``data.chat_template``
     (Llama 3 by default) and followed by the assistant header; sampling stops at the template's
     end-of-turn token (``<|eot_id|>``), which is left out of the returned answer.
+    ``use_cache``: decode with a KV cache (:class:`llmforge.models.sampling.KVCache`) when the
+    model supports one; same tokens, one position of compute per new token.
+    ``on_text``: called with each new piece of text as soon as it decodes (streaming; a piece
+    that ends inside a multi-byte character waits for the next token).
+    ``stats``: filled with ``tokens`` (generated), ``seconds`` (wall time of generation, model
+    load excluded), ``tokens_per_second`` and ``kv_cache`` (whether the cache was used).
 
     Raises:
         ConfigError: ``chat`` and the run's tokenizer lacks the template's special tokens.
     """
+    import time
+
+    from llmforge.models.sampling import supports_kv_cache
+
     model, tok, cfg = load_for_inference(path)
     gen = torch.Generator().manual_seed(seed)
     stop = tok.eos_id
@@ -121,6 +133,27 @@ def sample_text(path: str | Path, prompt: str, *, max_new_tokens: int = 200,
         ids, stop = template.prompt_ids([{"role": "user", "content": prompt}]), template.stop_id
     else:
         ids = tok.encode(prompt, bos=True)
+    hidden = (tok.eos_id, stop)
+    kept: list[int] = []
+    shown = [""]
+
+    def emit(token: int) -> None:
+        if token in hidden:
+            return
+        kept.append(token)
+        text = tok.decode(kept)
+        if on_text is not None and not text.endswith("\ufffd") and len(text) > len(shown[0]):
+            on_text(text[len(shown[0]):])
+            shown[0] = text
+
+    start = time.perf_counter()
     new = generate(model, ids, max_new_tokens, temperature=temperature, top_k=top_k,
-                   eos_id=stop, generator=gen)
-    return tok.decode([i for i in new if i not in (tok.eos_id, stop)])
+                   eos_id=stop, generator=gen, use_cache=use_cache, on_token=emit)
+    seconds = time.perf_counter() - start
+    text = tok.decode([i for i in new if i not in hidden])
+    if on_text is not None and len(text) > len(shown[0]):
+        on_text(text[len(shown[0]):])
+    if stats is not None:
+        stats.update(tokens=len(new), seconds=seconds, tokens_per_second=len(new) / max(seconds, 1e-9),
+                     kv_cache=use_cache and supports_kv_cache(model))
+    return text

@@ -139,7 +139,7 @@ class SpeedMonitor(Callback):
             tokens = float(pl_module.dp_all_reduce(tokens.float()).item())
         pl_module.step_metrics.update(self.window_metrics(
             float(tokens), elapsed, self._window_steps, self._window_data, max(1, trainer.world_size),
-            getattr(pl_module.model, "flops_per_token", None), pl_module.plan.seq_len))
+            _flops_fn(pl_module), pl_module.plan.seq_len))
         self._window_start = self._last_end = time.perf_counter()
         self._window_steps, self._window_data, self._window_tokens = 0, 0.0, 0
 
@@ -177,3 +177,17 @@ class SpeedMonitor(Callback):
             if self.peak:
                 metrics["throughput/mfu"] = tflops / self.peak
         return metrics
+
+
+def _flops_fn(pl_module: Any) -> Any:
+    """``seq_len -> FLOPs per token``: the family spec's ``flops_per_token`` when it has one
+    (docs/models.md), else the model's own method (or ``None``)."""
+    model = pl_module.model
+    name = getattr(getattr(getattr(pl_module, "cfg", None), "model", None), "name", None)
+    if name:
+        from llmforge.models.spec import get_spec
+
+        spec = get_spec(name)
+        if spec.flops_per_token is not None:
+            return lambda seq_len: spec.flops(model, seq_len)
+    return getattr(model, "flops_per_token", None)

@@ -12,8 +12,8 @@ from llmforge.errors import LLMForgeError
 
 def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
           adapters_only: bool = False) -> Path:
-    """A run directory or checkpoint -> a Hugging Face Llama folder (config, safetensors,
-    tokenizer) that ``LlamaForCausalLM.from_pretrained`` loads.
+    """A run directory or checkpoint -> a Hugging Face folder (config, generation config,
+    safetensors, tokenizer) that the family's ``*ForCausalLM.from_pretrained`` loads.
 
     Each of the run's algorithms shapes the export (``Algorithm.export_model``): an adapter run
     is written merged (computed in float32; written in float32 unless ``dtype`` is given, since
@@ -22,15 +22,18 @@ def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
     them instead.
 
     Raises:
-        LLMForgeError: the model is not an llmforge Llama, the path has no checkpoint, or
+        LLMForgeError: the model's family has no HF adapter, the path has no checkpoint, or
             ``adapters_only`` for a run without adapters.
     """
     from llmforge.checkpoint.hf import save_hf
     from llmforge.generate import load_model
+    from llmforge.models.spec import get_spec
 
     model, cfg, run_dir, plugins, ckpt, meta = load_model(path, with_plugins=True)
-    if not hasattr(model, "args"):
-        raise LLMForgeError(f"{path}: only the built-in llama3 model can be exported to Hugging Face format")
+    adapter = get_spec(cfg.model.name).adapter()  # by name: a derived research spec may have none
+    if adapter is None:
+        raise LLMForgeError(f"{path}: model '{cfg.model.name}' has no Hugging Face adapter "
+                            "(ModelSpec.hf_adapter, docs/models.md), so it cannot be exported")
     cast = getattr(torch, dtype) if dtype else None
     if adapters_only:
         for plugin in plugins:
@@ -42,27 +45,27 @@ def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
     for plugin in plugins:
         model = plugin.export_model(model, ckpt)
     tok_dir = run_dir / "tokenizer"
-    return save_hf(model, out, tokenizer_dir=tok_dir if tok_dir.is_dir() else None, dtype=cast)
+    return save_hf(model, out, tokenizer_dir=tok_dir if tok_dir.is_dir() else None, dtype=cast,
+                   adapter=adapter)
 
 
 def from_hf(path: str | Path, out: str | Path) -> Path:
-    """A Hugging Face Llama folder -> an llmforge run directory (``config.yaml``, ``tokenizer/``,
-    ``checkpoints/step_00000000``) usable by ``llmforge generate`` and ``model.init_from``."""
-    from omegaconf import OmegaConf
-
+    """A Hugging Face folder (any family with an HF adapter: Llama, Qwen3) -> an llmforge run
+    directory (``config.yaml``, ``tokenizer/``, ``checkpoints/step_00000000``) usable by
+    ``llmforge generate`` and ``model.init_from``."""
     from llmforge.checkpoint.dcp import save_checkpoint
     from llmforge.checkpoint.hf import load_hf_weights, model_overrides_from_hf, read_hf_config
-    from llmforge.config import save_config
-    from llmforge.config.schema import TrainConfig
+    from llmforge.config import save_config, structured_config
     from llmforge.data.tokenizers import HFTokenizer
-    from llmforge.models import build_llama
+    from llmforge.models.spec import get_spec
 
     src, out = Path(path), Path(out)
-    cfg = OmegaConf.structured(TrainConfig)
-    for key, value in model_overrides_from_hf(read_hf_config(src)).items():
+    fields = model_overrides_from_hf(read_hf_config(src))
+    cfg = structured_config(fields["name"])
+    for key, value in fields.items():
         cfg.model[key] = value
     cfg.run.name, cfg.run.output_dir = out.name, str(out.parent)
-    model = build_llama(cfg.model)
+    model = get_spec(cfg.model.name)(cfg.model)
     model.init_weights()
     load_hf_weights(model, src)
     out.mkdir(parents=True, exist_ok=True)

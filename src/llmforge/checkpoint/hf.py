@@ -1,20 +1,19 @@
-"""Hugging Face Llama checkpoints <-> llmforge's Llama: config, key names, rotary layout.
+"""Hugging Face checkpoints <-> llmforge models, for every family with an HF adapter.
 
-HF's ``LlamaForCausalLM`` stores each query/key projection with the rotary pairs split in
-halves (``[x_0..x_{d/2-1}, x_{d/2}..x_{d-1}]`` per head), llmforge (like Meta's reference code)
-interleaves them (``[x_0, x_{d/2}, x_1, ...]``); HF's ``convert_llama_weights_to_hf.py``
-applies :func:`permute_to_hf` when converting and :func:`permute_from_hf` undoes it.
-
-Import reads ``config.json`` and safetensors shards (``model.safetensors`` or
+The family-specific half (key names, layouts, ``config.json`` fields) is the family's
+:class:`~llmforge.models.hf_adapter.HFAdapter` (``models/<family>/hf.py``), found from the
+``config.json``'s ``model_type`` on import and from the model's class on export. This module is
+the generic half: import reads safetensors shards (``model.safetensors`` or
 ``model.safetensors.index.json`` + shards) with ``safe_open``; for sharded (DTensor) parameters
-each rank reads only the rows and columns of its own shard (whole heads for q/k), so a model
-larger than one process's memory loads shard by shard.
+each rank reads only the rows and columns of its own shard (whole heads where the adapter
+permutes rows), so a model larger than one process's memory loads shard by shard. Export writes
+shards, ``config.json`` (with the tokenizer's ``bos_token_id``/``eos_token_id`` and the dtype
+under the key the installed transformers reads), ``generation_config.json`` and the tokenizer.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -22,61 +21,64 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from llmforge.errors import ConfigError
+from llmforge.errors import ConfigError, LLMForgeError
 
-HF_TO_OURS = [
-    (r"^model\.embed_tokens\.weight$", "tok_embeddings.weight"),
-    (r"^model\.norm\.weight$", "norm.weight"),
-    (r"^lm_head\.weight$", "output.weight"),
-    (r"^model\.layers\.(\d+)\.self_attn\.q_proj\.weight$", r"layers.\1.attention.wq.weight"),
-    (r"^model\.layers\.(\d+)\.self_attn\.k_proj\.weight$", r"layers.\1.attention.wk.weight"),
-    (r"^model\.layers\.(\d+)\.self_attn\.v_proj\.weight$", r"layers.\1.attention.wv.weight"),
-    (r"^model\.layers\.(\d+)\.self_attn\.o_proj\.weight$", r"layers.\1.attention.wo.weight"),
-    (r"^model\.layers\.(\d+)\.mlp\.gate_proj\.weight$", r"layers.\1.feed_forward.w1.weight"),
-    (r"^model\.layers\.(\d+)\.mlp\.up_proj\.weight$", r"layers.\1.feed_forward.w3.weight"),
-    (r"^model\.layers\.(\d+)\.mlp\.down_proj\.weight$", r"layers.\1.feed_forward.w2.weight"),
-    (r"^model\.layers\.(\d+)\.input_layernorm\.weight$", r"layers.\1.attention_norm.weight"),
-    (r"^model\.layers\.(\d+)\.post_attention_layernorm\.weight$", r"layers.\1.ffn_norm.weight"),
-]
+_LEGACY = ("HF_TO_OURS", "permute_to_hf", "permute_from_hf")
 
 
-def _map(key: str, table: list[tuple[str, str]]) -> Optional[str]:
-    for pattern, repl in table:
-        if re.match(pattern, key):
-            return re.sub(pattern, repl, key)
-    return None
+def __getattr__(name: str) -> Any:  # PEP 562: Llama's names at their old home (checkpoint/peft.py)
+    if name in _LEGACY:
+        from llmforge.models.llama3 import hf as llama_hf
+
+        return getattr(llama_hf, name)
+    raise AttributeError(f"module 'llmforge.checkpoint.hf' has no attribute {name!r}")
+
+
+def _llama() -> Any:
+    from llmforge.models.llama3.hf import LlamaHFAdapter
+
+    return LlamaHFAdapter()
 
 
 def hf_key_to_ours(key: str) -> Optional[str]:
-    """``model.layers.0.self_attn.q_proj.weight`` -> ``layers.0.attention.wq.weight``."""
-    return _map(key, HF_TO_OURS)
-
-
-def _inverse(pattern: str, repl: str) -> tuple[str, str]:
-    """Swap one row of :data:`HF_TO_OURS` (layer index as the only group)."""
-    hf = pattern.strip("^$").replace(r"(\d+)", r"\1").replace(r"\.", ".")
-    ours = "^" + re.escape(repl).replace(re.escape(r"\1"), r"(\d+)") + "$"
-    return ours, hf
-
-
-OURS_TO_HF = [_inverse(p, r) for p, r in HF_TO_OURS]
+    """Llama's ``model.layers.0.self_attn.q_proj.weight`` -> ``layers.0.attention.wq.weight``
+    (old API; families map keys with their adapter)."""
+    return _llama().key_from_hf(key)
 
 
 def our_key_to_hf(key: str) -> Optional[str]:
-    """The inverse of :func:`hf_key_to_ours`."""
-    return _map(key, OURS_TO_HF)
+    """The inverse of :func:`hf_key_to_ours` (old API, used by the PEFT export)."""
+    return _llama().key_to_hf(key)
 
 
-def permute_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Interleaved rotary pairs (ours, Meta) -> HF halves, per head. ``w: [n_heads*hd, D]``."""
-    rows, cols = w.shape
-    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+def adapter_for_model(model: nn.Module) -> Any:
+    """The HF adapter of a built model's family.
+
+    Raises:
+        LLMForgeError: the model's family has no Hugging Face adapter."""
+    from llmforge.models.spec import spec_for_model
+
+    spec = spec_for_model(model)
+    adapter = spec.adapter() if spec is not None else None
+    if adapter is None:
+        raise LLMForgeError(f"{type(model).__name__}: its model family has no Hugging Face adapter "
+                            "(ModelSpec.hf_adapter, docs/models.md); only such models convert")
+    return adapter
 
 
-def permute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """HF halves -> interleaved rotary pairs; inverse of :func:`permute_to_hf`."""
-    rows, cols = w.shape
-    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+def adapter_for_hf(hf: dict[str, Any], where: Any = "config.json") -> Any:
+    """The HF adapter for a ``config.json``'s ``model_type``.
+
+    Raises:
+        ConfigError: no registered family reads that model type."""
+    from llmforge.models.spec import _registered_specs, spec_for_hf_type
+
+    spec = spec_for_hf_type(str(hf.get("model_type")))
+    if spec is None:
+        known = sorted(s.adapter().model_type for s in _registered_specs() if s.hf_adapter)
+        raise ConfigError(f"model.init_from: {where} has model_type={hf.get('model_type')!r}; "
+                          f"llmforge reads {', '.join(map(repr, known))}")
+    return spec.adapter()
 
 
 # ----------------------------------------------------------------------------- config
@@ -84,60 +86,47 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     """``config.json`` of an HF checkpoint folder.
 
     Raises:
-        ConfigError: missing file, or not a Llama config.
+        ConfigError: missing or unreadable file, or a model type no family reads.
     """
     file = Path(path) / "config.json"
     if not file.exists():
-        raise ConfigError(f"model.init_from: {file} not found (expected a Hugging Face Llama folder)")
-    cfg = json.loads(file.read_text())
-    if cfg.get("model_type") != "llama":
-        raise ConfigError(f"model.init_from: {file} has model_type={cfg.get('model_type')!r}, not 'llama'")
+        raise ConfigError(f"model.init_from: {file} not found (expected a Hugging Face model folder)")
+    try:
+        cfg = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"model.init_from: cannot read {file}: {exc}") from None
+    adapter_for_hf(cfg, file)
     return cfg
 
 
 def model_overrides_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """``model:`` fields that reproduce an HF Llama config.
-
-    The SwiGLU width is matched exactly: ``multiple_of = intermediate_size`` and a multiplier
-    that keeps the unrounded width in ``(0, intermediate_size]``.
-    """
-    dim, inter = int(hf["hidden_size"]), int(hf["intermediate_size"])
-    base = int(2 * (4 * dim) / 3)
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
-    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
-    if rope_type not in ("llama3", "default"):
-        raise ConfigError(f"model.init_from: rope type {rope_type!r} is not supported (llama3 or default)")
-    scaling = {k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
-                                    "original_max_position_embeddings")} if rope_type == "llama3" else {}
-    return {
-        "preset": None, "dim": dim, "n_layers": int(hf["num_hidden_layers"]),
-        "n_heads": int(hf["num_attention_heads"]),
-        "n_kv_heads": int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
-        "vocab_size": int(hf["vocab_size"]), "multiple_of": inter,
-        "ffn_dim_multiplier": None if base <= inter else inter / base,
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-5)), "rope_theta": theta,
-        "rope_scaling": scaling, "max_seq_len": int(hf.get("max_position_embeddings", 2048)),
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-    }
+    """``model:`` keys (``name`` included) that reproduce an HF ``config.json``, by its family's
+    adapter (see e.g. :meth:`llmforge.models.llama3.hf.LlamaHFAdapter.config_from_hf`)."""
+    return adapter_for_hf(hf).config_from_hf(hf)
 
 
-def hf_config_from_model(model: nn.Module, dtype: str = "float32") -> dict[str, Any]:
-    """A ``LlamaForCausalLM`` config.json for an llmforge Llama."""
-    from llmforge.models.llama import ffn_hidden_dim
+def dtype_key() -> str:
+    """The ``config.json`` key of the weights' dtype that the installed transformers reads:
+    ``dtype`` (transformers >= 4.56, and when it is not installed), else ``torch_dtype``."""
+    try:
+        from importlib.metadata import version
 
-    a = model.args
-    cfg: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "hidden_size": a.dim, "intermediate_size": ffn_hidden_dim(a.dim, a.multiple_of, a.ffn_dim_multiplier),
-        "num_hidden_layers": a.n_layers, "num_attention_heads": a.n_heads,
-        "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim, "vocab_size": a.vocab_size,
-        "max_position_embeddings": a.max_seq_len, "rms_norm_eps": a.norm_eps,
-        "rope_theta": a.rope_theta, "tie_word_embeddings": a.tie_embeddings,
-        "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype,
-    }
-    if a.rope_scaling:
-        cfg["rope_scaling"] = {"rope_type": "llama3", **a.rope_scaling}
+        major, minor = (int(x) for x in version("transformers").split(".")[:2])
+    except Exception:  # noqa: BLE001 - not installed or an odd version string
+        return "dtype"
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
+def hf_config_from_model(model: nn.Module, dtype: str = "float32",
+                         token_ids: Optional[dict[str, Optional[int]]] = None,
+                         adapter: Any = None) -> dict[str, Any]:
+    """The ``config.json`` of a built model (its family's fields, the dtype under
+    :func:`dtype_key`, and ``bos_token_id``/``eos_token_id``/``pad_token_id`` when known)."""
+    cfg = (adapter or adapter_for_model(model)).config_to_hf(model)
+    cfg[dtype_key()] = dtype
+    for name, value in (token_ids or {}).items():
+        if value is not None:
+            cfg[f"{name}_token_id"] = int(value)
     return cfg
 
 
@@ -168,8 +157,10 @@ def _local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (0,) * param.ndim, tuple(param.shape)
 
 
-def _read_box(f: Any, key: str, offset: tuple, shape: tuple, heads: Optional[int], full_rows: int) -> torch.Tensor:
-    """Read rows/cols of ``key``; q/k rows are permuted within heads, so whole heads are read."""
+def _read_box(f: Any, key: str, offset: tuple, shape: tuple, heads: Optional[int], full_rows: int,
+              adapter: Any) -> torch.Tensor:
+    """Read rows/cols of ``key``; rows the adapter permutes within heads (Llama's q/k) are read
+    as whole heads."""
     sl = f.get_slice(key)
     if len(shape) == 1:
         return sl[offset[0]:offset[0] + shape[0]]
@@ -180,13 +171,13 @@ def _read_box(f: Any, key: str, offset: tuple, shape: tuple, heads: Optional[int
     hd = full_rows // heads
     h0, h1 = r0 // hd, -(-r1 // hd)
     block = sl[h0 * hd:h1 * hd, c0:c1]
-    block = permute_from_hf(block, h1 - h0)
+    block = adapter.from_hf_rows(block, h1 - h0)
     return block[r0 - h0 * hd:r1 - h0 * hd]
 
 
 def load_hf_weights(model: nn.Module, path: str | Path) -> int:
-    """Copy an HF Llama checkpoint into a materialized llmforge Llama (plain or sharded);
-    returns the number of tensors loaded.
+    """Copy an HF checkpoint into a materialized llmforge model of the same family (plain or
+    sharded); returns the number of tensors loaded.
 
     Raises:
         ConfigError: a parameter of the model has no tensor in the checkpoint, or shapes differ.
@@ -195,8 +186,9 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> int:
 
     path = Path(path)
     files = _shard_files(path)
-    ours = {hf_key_to_ours(k): k for k in files if hf_key_to_ours(k)}
-    a = model.args
+    adapter = adapter_for_model(model)
+    ours = {adapter.key_from_hf(k): k for k in files if adapter.key_from_hf(k)}
+    tied = adapter.tied(model)
     loaded = 0
     handles: dict[Path, Any] = {}
     from llmforge.algorithms.base import adapter_key_filter
@@ -208,20 +200,19 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> int:
                 continue  # a plugin's adapters are initialized by the plugin, not loaded
             hf_key = ours.get(name)
             if hf_key is None:
-                if name == "output.weight" and a.tie_embeddings:
+                if name == "output.weight" and tied:
                     continue
                 raise ConfigError(f"model.init_from: {path} has no tensor for {name} "
-                                  f"(expected {our_key_to_hf(name)})")
+                                  f"(expected {adapter.key_to_hf(name)})")
             file = files[hf_key]
             f = handles.get(file) or handles.setdefault(file, safe_open(str(file), framework="pt"))
             full_shape = tuple(f.get_slice(hf_key).get_shape())
             if full_shape != tuple(param.shape):
                 raise ConfigError(f"model.init_from: {hf_key} has shape {full_shape}, the model "
                                   f"expects {tuple(param.shape)} for {name}")
-            heads = a.n_heads if name.endswith("attention.wq.weight") else (
-                a.n_kv_heads if name.endswith("attention.wk.weight") else None)
+            heads = adapter.permuted_heads(model, name)
             offset, shape = _local_box(param)
-            block = _read_box(f, hf_key, offset, shape, heads, full_shape[0])
+            block = _read_box(f, hf_key, offset, shape, heads, full_shape[0], adapter)
             local = param.to_local() if hasattr(param, "to_local") else param
             with torch.no_grad():
                 local.copy_(block.to(local.dtype))
@@ -232,34 +223,41 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> int:
 
 
 # ---------------------------------------------------------------------------- writing
-def hf_state_dict(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_key, tensor)`` for every weight of a plain (unsharded) llmforge Llama."""
-    a = model.args
+def hf_state_dict(model: nn.Module, adapter: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_key, tensor)`` for every weight of a plain (unsharded) llmforge model (``adapter``:
+    its family's; default: found from the model's class)."""
+    adapter = adapter or adapter_for_model(model)
+    tied = adapter.tied(model)
     for name, tensor in model.state_dict().items():
-        if name == "output.weight" and a.tie_embeddings:
+        if name == "output.weight" and tied:
             continue
-        key = our_key_to_hf(name)
+        key = adapter.key_to_hf(name)
         if key is None:
             continue
         t = tensor.detach()
-        if name.endswith("attention.wq.weight"):
-            t = permute_to_hf(t, a.n_heads)
-        elif name.endswith("attention.wk.weight"):
-            t = permute_to_hf(t, a.n_kv_heads)
+        heads = adapter.permuted_heads(model, name)
+        if heads is not None:
+            t = adapter.to_hf_rows(t, heads)
         yield key, t.contiguous()
 
 
 def save_hf(model: nn.Module, out: str | Path, tokenizer_dir: Optional[Path] = None,
-            max_shard_bytes: int = 5 * 1024**3, dtype: Optional[torch.dtype] = None) -> Path:
-    """Write ``config.json``, safetensors shards (+ index when more than one) and tokenizer
-    files that ``LlamaForCausalLM.from_pretrained`` / ``AutoTokenizer`` load."""
+            max_shard_bytes: int = 5 * 1024**3, dtype: Optional[torch.dtype] = None,
+            adapter: Any = None) -> Path:
+    """Write ``config.json``, ``generation_config.json``, safetensors shards (+ index when more
+    than one) and tokenizer files that ``AutoModelForCausalLM.from_pretrained`` (the family's
+    ``*ForCausalLM``) and ``AutoTokenizer`` load; ``generate`` then stops at the tokenizer's EOS.
+
+    Raises:
+        LLMForgeError: the model's family has no Hugging Face adapter."""
     from safetensors.torch import save_file
 
+    adapter = adapter or adapter_for_model(model)  # refuse before anything is written
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for key, t in hf_state_dict(model):
+    for key, t in hf_state_dict(model, adapter):
         t = t.to(dtype) if dtype is not None else t
         nbytes = t.numel() * t.element_size()
         if size + nbytes > max_shard_bytes and shards[-1]:
@@ -277,11 +275,24 @@ def save_hf(model: nn.Module, out: str | Path, tokenizer_dir: Optional[Path] = N
         (out / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     dt = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
-    (out / "config.json").write_text(json.dumps(hf_config_from_model(model, dt), indent=1))
+    ids = _token_ids(tokenizer_dir)
+    (out / "config.json").write_text(json.dumps(hf_config_from_model(model, dt, ids, adapter), indent=1))
+    gen = {"_from_model_config": True, **{f"{k}_token_id": v for k, v in ids.items() if v is not None}}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=1))
     if tokenizer_dir is not None:
         _export_tokenizer(tokenizer_dir, out)
     _readable(out)
     return out
+
+
+def _token_ids(tokenizer_dir: Optional[Path]) -> dict[str, Optional[int]]:
+    """``bos``/``eos``/``pad`` ids of a saved llmforge tokenizer ({} without one)."""
+    if tokenizer_dir is None:
+        return {}
+    from llmforge.data.tokenizers import load_saved
+
+    tok = load_saved(tokenizer_dir)
+    return {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id}
 
 
 def _readable(folder: Path) -> None:

@@ -1,6 +1,7 @@
 """``model.init_from``: start training from existing weights.
 
-``hf:PATH`` is a Hugging Face Llama folder (its ``config.json`` fixes the model's shape, see
+``hf:PATH`` is a Hugging Face folder of a family with an HF adapter (Llama, Qwen3): its
+``config.json`` fixes the model's shape (see
 :func:`apply_hf_shape`; weights are read rank-locally by :func:`llmforge.checkpoint.hf.load_hf_weights`);
 anything else is an llmforge checkpoint folder or run directory whose model weights are loaded
 through DCP (resharded to the current layout). Optimizer, schedule and data start fresh.
@@ -20,12 +21,22 @@ HF_PREFIX = "hf:"
 
 def apply_hf_shape(cfg: Any) -> None:
     """For ``model.init_from: hf:PATH``, set the ``model:`` shape fields from its config.json
-    (they must match the weights, so they win over the YAML's)."""
+    (they must match the weights, so they win over the YAML's).
+
+    Raises:
+        ConfigError: the folder's family is not ``model.name``'s (names the one to set)."""
     spec = cfg.model.init_from
     if spec and spec.startswith(HF_PREFIX):
         from llmforge.checkpoint.hf import model_overrides_from_hf, read_hf_config
 
-        for key, value in model_overrides_from_hf(read_hf_config(spec[len(HF_PREFIX):])).items():
+        hf = read_hf_config(spec[len(HF_PREFIX):])
+        fields = model_overrides_from_hf(hf)
+        family = fields.pop("name")
+        if cfg.model.name != family:
+            raise ConfigError(f"model.init_from: {spec[len(HF_PREFIX):]} holds a Hugging Face "
+                              f"'{hf.get('model_type')}' model, but model.name is "
+                              f"'{cfg.model.name}'; set model.name: {family}")
+        for key, value in fields.items():
             cfg.model[key] = value
 
 

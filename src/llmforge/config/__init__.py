@@ -4,7 +4,7 @@
 ``validate(cfg, world_size)`` checks it and returns the :class:`BatchPlan`.
 """
 
-from llmforge.config.loader import config_to_dict, load_config, redact, save_config
+from llmforge.config.loader import config_to_dict, load_config, redact, save_config, structured_config
 from llmforge.config.schema import TrainConfig
 from llmforge.config.validate import BatchPlan, data_parallel_size, plan_batch, validate
 
@@ -12,6 +12,7 @@ __all__ = [
     "TrainConfig",
     "load_config",
     "save_config",
+    "structured_config",
     "redact",
     "config_to_dict",
     "validate",

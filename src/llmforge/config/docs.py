@@ -53,16 +53,40 @@ def _fmt(v: Any) -> str:
     return str(v).replace("'", "")
 
 
+def _family_rows() -> list[str]:
+    """Rows of each built-in family's own ``model.*`` keys (its config dataclass minus the
+    generic :class:`~llmforge.config.schema.ModelConfig` keys), labelled with the family."""
+    from llmforge.models.spec import _registered_specs
+
+    base = {f.name for f in dataclasses.fields(schema.ModelConfig)} - {"preset"}
+    rows = []
+    for spec in _registered_specs():
+        cls, family, build = spec.config_cls, spec.name, spec.build
+        where = build if isinstance(build, str) else getattr(build, "__module__", "")
+        if cls is None or not where.startswith("llmforge.models."):
+            continue  # research and third-party families document their own keys
+        docs = {**field_docs(schema.ModelConfig), **field_docs(cls)}
+        for f in dataclasses.fields(cls):
+            if f.name in base:
+                continue
+            doc = docs.get(f.name, "").replace("|", "\\|")
+            rows.append(f"| `model.{f.name}` ({family}) | `{_fmt(_default(f))}` | {doc} |")
+    return rows
+
+
 def key_table() -> str:
-    """A markdown table: key, default, meaning — one row per leaf key of every section."""
+    """A markdown table: key, default, meaning — one row per leaf key of every section (the
+    ``model:`` keys of each built-in family after the generic ones)."""
     rows = ["| key | default | meaning |", "| --- | --- | --- |"]
     for section, cls in SECTIONS.items():
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
-            if f.name == "mixed_precision":
+            if f.name == "mixed_precision" or (section == "model" and f.name == "preset"):
                 continue
             doc = docs.get(f.name, "").replace("|", "\\|")
             rows.append(f"| `{section}.{f.name}` | `{_fmt(_default(f))}` | {doc} |")
+        if section == "model":
+            rows += _family_rows()
     top = field_docs(schema.TrainConfig)
     for name in ("algorithms", "callbacks", "loggers", "variables", "imports"):
         f = next(x for x in dataclasses.fields(schema.TrainConfig) if x.name == name)

@@ -12,6 +12,7 @@ path, the file (or override) and a fix.
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import dataclasses
 import difflib
@@ -28,7 +29,7 @@ from omegaconf.errors import InterpolationKeyError, InterpolationValidationError
 from llmforge.config.schema import TrainConfig
 from llmforge.errors import ConfigError
 
-__all__ = ["load_config", "save_config", "redact", "config_to_dict"]
+__all__ = ["load_config", "save_config", "redact", "config_to_dict", "structured_config"]
 
 
 # ---------------------------------------------------------------------------------------- YAML
@@ -172,7 +173,7 @@ def _join(path: str, key: Any) -> str:
 
 def _suggest(full: str, dc: Any, parent: str) -> str:
     siblings = [_join(parent, k) for k in _fields(dc)]
-    every = _all_paths(TrainConfig)
+    every = _all_paths(_ROOT.get())
     leaf = full.rsplit(".", 1)[-1]
     hits = (
         [p for p in every if p.rsplit(".", 1)[-1] == leaf]
@@ -246,7 +247,7 @@ def _check(value: Any, tp: Any, path: str, source: str) -> Any:
 
 def _schema_type(parts: list) -> Any:
     """Schema type at a key path, Any where the schema is free-form."""
-    tp: Any = TrainConfig
+    tp: Any = _ROOT.get()
     for part in parts:
         inner, _ = _unwrap(tp)
         origin = typing.get_origin(inner)
@@ -263,6 +264,63 @@ def _schema_type(parts: list) -> Any:
 def _omega_message(exc: OmegaConfBaseException) -> str:
     msg = getattr(exc, "msg", None) or str(exc)
     return msg.split("\n")[0]
+
+
+# ------------------------------------------------------------------------------- model family
+_ROOT: contextvars.ContextVar = contextvars.ContextVar("llmforge_config_root", default=TrainConfig)
+"""The schema being loaded: :class:`TrainConfig` with ``model`` typed as the family's config."""
+
+
+@functools.lru_cache(maxsize=None)
+def _root_for(model_cls: type) -> type:
+    """``TrainConfig`` whose ``model`` field has the family's dataclass (for the key checks)."""
+    if model_cls is _fields(TrainConfig)["model"]:
+        return TrainConfig
+    return dataclasses.make_dataclass(
+        f"TrainConfig_{model_cls.__name__}",
+        [("model", model_cls, dataclasses.field(default_factory=model_cls))], bases=(TrainConfig,))
+
+
+def _last_set(chain: list, overrides: Sequence[str], key: str, section: str = "") -> Any:
+    """The value of ``section.key`` (or top-level ``key``) that wins: overrides, then the last file."""
+    full = f"{section}.{key}" if section else key
+    for item in reversed(list(overrides)):
+        if isinstance(item, str) and item.split("=", 1)[0].strip() == full:
+            return _parse_override(item)[1]
+    for _, data in reversed(chain):
+        node = data.get(section) if section else data
+        if isinstance(node, dict) and key in node:
+            return node[key]
+    return None
+
+
+def _model_class(chain: list, overrides: Sequence[str]) -> type:
+    """The ``model:`` dataclass of the family that ``model.name`` names (research modules of
+    ``imports:`` are imported first, so names they register are found).
+
+    Raises:
+        ConfigError: ``model.name`` names no registered model and no importable factory.
+    """
+    from llmforge.models.spec import model_config_class
+
+    name = _last_set(chain, overrides, "name", "model")
+    if _is_interp(name):
+        try:  # e.g. name: ${variables.model}
+            plain = OmegaConf.merge(*[OmegaConf.create(d) for _, d in chain])
+            for item in overrides:
+                k, v = _parse_override(item)
+                OmegaConf.update(plain, k, v, force_add=True)
+            name = OmegaConf.select(plain, "model.name")
+        except OmegaConfBaseException:
+            name = None
+    if not isinstance(name, str) or not name:
+        name = "llama3"
+    imports = _last_set(chain, overrides, "imports")
+    if name != "llama3" and isinstance(imports, list):
+        from llmforge.registry import import_modules
+
+        import_modules([str(m) for m in imports])
+    return model_config_class(name)
 
 
 # ------------------------------------------------------------------------------------ overrides
@@ -360,6 +418,31 @@ def _check_interpolations(node: Any, root: Any, path: str = "") -> None:
 
 
 # ------------------------------------------------------------------------------------ public
+def structured_config(model: Union[str, type, None] = None) -> DictConfig:
+    """The defaults as a structured :class:`TrainConfig` ``DictConfig`` whose ``model:`` section
+    is the family's dataclass (``model``: a registered name such as ``qwen3``, the dataclass
+    itself, or ``None`` for the default ``llama3``).
+
+    Raises:
+        ConfigError: unknown model name.
+    """
+    cfg = OmegaConf.structured(TrainConfig)
+    if model is None:
+        return cfg
+    if isinstance(model, str):
+        from llmforge.models.spec import model_config_class
+
+        model_cls = model_config_class(model)
+        name = model
+    else:
+        model_cls, name = model, None
+    if OmegaConf.get_type(cfg.model) is not model_cls:
+        cfg.model = OmegaConf.structured(model_cls)
+    if name is not None:
+        cfg.model.name = name
+    return cfg
+
+
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
     """Load ``path`` (following ``base:`` chains), apply ``key=value`` overrides, and return a
     resolved structured :class:`TrainConfig` ``DictConfig``.
@@ -373,16 +456,22 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
     """
     if isinstance(overrides, str):
         overrides = [overrides]
-    cfg = OmegaConf.structured(TrainConfig)
-    for shown, data in _read_chain(Path(path), str(path), None, []):
-        data = _check(data, TrainConfig, "", shown)
-        try:
-            cfg.merge_with(data)
-        except OmegaConfBaseException as exc:
-            raise ConfigError(f"{shown}: {_omega_message(exc)}") from None
-    for item in overrides:
-        _apply_override(cfg, item)
-    _check_interpolations(cfg, cfg)
+    chain = _read_chain(Path(path), str(path), None, [])
+    model_cls = _model_class(chain, overrides)
+    token = _ROOT.set(_root_for(model_cls))
+    try:
+        cfg = structured_config(model_cls)
+        for shown, data in chain:
+            data = _check(data, _ROOT.get(), "", shown)
+            try:
+                cfg.merge_with(data)
+            except OmegaConfBaseException as exc:
+                raise ConfigError(f"{shown}: {_omega_message(exc)}") from None
+        for item in overrides:
+            _apply_override(cfg, item)
+        _check_interpolations(cfg, cfg)
+    finally:
+        _ROOT.reset(token)
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as exc:

@@ -51,44 +51,29 @@ class RunConfig:
 
 @dataclass
 class ModelConfig:
-    """``model:`` — which model to build. Preset fields can be overridden one by one."""
+    """``model:`` — which model to build. The keys below are every family's; a family adds its
+    own shape keys (its config dataclass subclasses this one, see docs/models.md), chosen by
+    ``model.name``."""
 
     name: str = "llama3"
-    """Registered model factory name or import path (``my_lab.models.build``)."""
-    preset: Optional[str] = "debug"
-    """Llama-3 shape preset: debug, llama3_1b, llama3_3b, llama3_8b, llama3_70b, llama3_405b."""
-    dim: Optional[int] = None
-    """Hidden size (overrides the preset)."""
-    n_layers: Optional[int] = None
-    """Number of transformer blocks."""
-    n_heads: Optional[int] = None
-    """Number of query heads."""
-    n_kv_heads: Optional[int] = None
-    """Number of key/value heads (grouped-query attention); must divide n_heads."""
-    vocab_size: Optional[int] = None
-    """Embedding rows; must be >= the tokenizer's vocabulary."""
-    ffn_dim_multiplier: Optional[float] = None
-    """Multiplier of the SwiGLU hidden size (Llama 3: 1.3 for 8B/70B, 1.2 for 405B)."""
-    multiple_of: Optional[int] = None
-    """SwiGLU hidden size is rounded up to a multiple of this."""
-    norm_eps: Optional[float] = None
-    """RMSNorm epsilon."""
-    rope_theta: Optional[float] = None
-    """RoPE base frequency (Llama 3: 500000)."""
-    rope_scaling: Optional[Dict[str, Any]] = None
-    """Llama 3.1 RoPE scaling: {factor, low_freq_factor, high_freq_factor,
-    original_max_position_embeddings}; null keeps the preset's, ``{}`` disables scaling."""
-    max_seq_len: Optional[int] = None
-    """Longest sequence the RoPE table covers (tokens)."""
-    tie_embeddings: Optional[bool] = None
-    """Share the input embedding and output projection (Llama 3.2 1B/3B)."""
-    init_std: float = 0.02
-    """Standard deviation of the normal init of linear and embedding weights."""
+    """Registered model name (``llama3``, ``qwen3``, ...) or a factory's import path
+    (``my_lab.models.build``); the other ``model.*`` keys are those of that family."""
+    preset: Optional[str] = None
+    """Shape preset of the family (llama3: debug, llama3_1b, llama3_3b, llama3_8b, llama3_70b,
+    llama3_405b; qwen3: see docs/models.md)."""
     kwargs: Dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments handed to a custom model factory."""
     init_from: Optional[str] = None
-    """Start from these weights: ``hf:PATH`` (a Hugging Face Llama folder; its config.json sets
-    the model's shape) or an llmforge checkpoint / run directory (weights only)."""
+    """Start from these weights: ``hf:PATH`` (a Hugging Face folder of a family with an HF
+    adapter; its config.json sets the model's shape) or an llmforge checkpoint / run directory
+    (weights only)."""
+
+
+def default_model_config() -> Any:
+    """The default ``model:`` section: the ``llama3`` family's config (looked up by name)."""
+    from llmforge.models.spec import model_config_class
+
+    return model_config_class("llama3")()
 
 
 @dataclass
@@ -149,7 +134,7 @@ class DataConfig:
     ``chat_template``, loss on response tokens only; see docs/sft.md)."""
     chat_template: str = "llama3"
     """``sft``: template that renders conversations (``llama3``: Llama 3 Instruct headers and
-    ``<|eot_id|>``)."""
+    ``<|eot_id|>``; ``chatml``: Qwen's ``<|im_start|>role`` ... ``<|im_end|>``)."""
     prompt_field: str = "prompt"
     """``sft``: jsonl field of the prompt (a user turn)."""
     response_field: str = "response"
@@ -332,7 +317,7 @@ class TrainConfig:
     ``base`` (handled by the loader)."""
 
     run: RunConfig = field(default_factory=RunConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = field(default_factory=default_model_config)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerSettings = field(default_factory=TrainerSettings)

@@ -29,7 +29,7 @@ from typing import Any
 
 from llmforge.errors import ConfigError
 
-__all__ = ["ChatTemplate", "Llama3ChatTemplate", "CHAT_TEMPLATES", "ROLES", "render_llama3",
+__all__ = ["ChatTemplate", "Llama3ChatTemplate", "ChatMLTemplate", "CHAT_TEMPLATES", "ROLES", "render_llama3",
            "build_chat_template"]
 
 #: Roles a message may have.
@@ -129,8 +129,53 @@ class Llama3ChatTemplate(ChatTemplate):
         return ids, targets
 
 
+class ChatMLTemplate(ChatTemplate):
+    """ChatML, the template of Qwen (Qwen2.5, Qwen3 ``tokenizer_config.json``): each message is
+    ``<|im_start|>{role}\n{content}<|im_end|>\n``; a generation prompt adds
+    ``<|im_start|>assistant\n``. Targets: assistant content and its ``<|im_end|>`` (with
+    ``train_on_input`` system/user content too); no begin-of-text token.
+
+    Raises:
+        ConfigError: the tokenizer lacks ``<|im_start|>`` or ``<|im_end|>`` as a single token.
+    """
+
+    name = "chatml"
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+        ids = {t: tokenizer.token_id(t) for t in ("<|im_start|>", "<|im_end|>")}
+        missing = [t for t, i in ids.items() if i is None]
+        if missing:
+            raise ConfigError(f"data.chat_template=chatml needs the single tokens <|im_start|> and "
+                              f"<|im_end|>, but the tokenizer ({tokenizer!r}) lacks {missing}; use "
+                              "a Qwen tokenizer.json (tokenizer.type: huggingface)")
+        self.start, self.end = ids["<|im_start|>"], ids["<|im_end|>"]
+        self._nl = tokenizer.encode("\n")
+        self._roles = {r: tokenizer.encode(r) for r in ROLES}
+
+    @property
+    def stop_id(self) -> int:
+        return self.end
+
+    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        ids, _ = self.tokenize(messages)
+        return ids + [self.start, *self._roles["assistant"], *self._nl]
+
+    def tokenize(self, messages: list[dict[str, str]],
+                 train_on_input: bool = False) -> tuple[list[int], list[bool]]:
+        ids: list[int] = []
+        targets: list[bool] = []
+        contents = self.tok.encode_batch([m["content"].strip() for m in messages])
+        for m, body in zip(messages, contents):
+            header = [self.start, *self._roles[m["role"]], *self._nl]
+            target = m["role"] == "assistant" or train_on_input
+            ids += header + body + [self.end] + self._nl
+            targets += [False] * len(header) + [target] * (len(body) + 1) + [False] * len(self._nl)
+        return ids, targets
+
+
 #: ``data.chat_template`` values.
-CHAT_TEMPLATES = {"llama3": Llama3ChatTemplate}
+CHAT_TEMPLATES = {"llama3": Llama3ChatTemplate, "chatml": ChatMLTemplate}
 
 
 def build_chat_template(name: str, tokenizer: Any) -> ChatTemplate:

@@ -1,15 +1,23 @@
-"""Model factories and the built-in Llama 3 model.
+"""Model families and the model factory contract.
+
+Model families
+--------------
+One folder per family (``llama3/``, ``qwen3/``): its ``model:`` YAML keys and presets, the
+model, its tensor-parallel plan and its Hugging Face adapter, bundled by a
+:class:`~llmforge.models.spec.ModelSpec` and registered below by name — adding a family is one
+folder plus one line here (docs/models.md). Third-party packages register specs (or bare
+factories) through the ``llmforge.models`` entry-point group; research code with
+``registry.models.register``.
 
 Model factory contract
 ----------------------
-A model factory is a callable registered in :data:`llmforge.registry.models` (or named by
-import path in ``model.name``). It is called as ``factory(cfg)`` with the ``model:`` config
-section (a :class:`llmforge.config.schema.ModelConfig`, usually as an OmegaConf ``DictConfig``)
-and returns an ``nn.Module`` with:
+A spec's ``build`` (or a bare factory registered in :data:`llmforge.registry.models`, or named
+by import path in ``model.name``) is called as ``factory(cfg)`` with the ``model:`` config
+section and returns an ``nn.Module`` with:
 
 * ``forward(tokens: LongTensor[B, T]) -> logits: Tensor[B, T, V]`` (next-token logits);
 * ``blocks() -> list[nn.Module]``: the repeated blocks that FSDP2, activation checkpointing
-  and ``torch.compile`` wrap one by one;
+  and ``torch.compile`` wrap one by one (or the spec's ``blocks``);
 * ``init_weights()``: (re)initializes every parameter and buffer in place, so that a model
   built under ``with torch.device("meta"):`` then ``to_empty(device=...)`` is fully valid
   after it (deterministic given torch's seed);
@@ -18,41 +26,33 @@ and returns an ``nn.Module`` with:
 * attribute ``vocab_size`` (embedding rows; must cover the tokenizer).
 
 The factory must work when called under ``with torch.device("meta"):`` (no data-dependent
-work, no host copies of parameters).
-
-Built in: ``llama3`` -> :func:`build_llama`.
+work, no host copies of parameters). This package imports no torch until a model is built;
+the old names (``Llama``, ``build_llama``, ``PRESETS``, ...) are re-exported lazily.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from llmforge.errors import ConfigError
-from llmforge.models.llama import Llama, LlamaArgs
-from llmforge.models.presets import PRESETS, llama_args_from_config
+from llmforge.models.llama3 import LLAMA3
+from llmforge.models.qwen3 import QWEN3
+from llmforge.models.spec import MemoryShape, ModelSpec, get_spec
 from llmforge.registry import models
 
-__all__ = ["Llama", "LlamaArgs", "PRESETS", "build_llama", "llama_args_from_config"]
+__all__ = ["LLAMA3", "QWEN3", "ModelSpec", "MemoryShape", "get_spec", "Llama", "LlamaArgs",
+           "PRESETS", "build_llama", "llama_args_from_config"]
+
+models.register("llama3", LLAMA3)
+models.register("qwen3", QWEN3)
+
+_LAZY = {"Llama": "llmforge.models.llama3.model", "build_llama": "llmforge.models.llama3.model",
+         "LlamaArgs": "llmforge.models.llama3.config", "PRESETS": "llmforge.models.llama3.config",
+         "llama_args_from_config": "llmforge.models.llama3.config"}
 
 
-def build_llama(cfg: Any, **kwargs: Any) -> Llama:
-    """Build a :class:`Llama` from the ``model:`` section (preset plus per-field overrides,
-    see :func:`llama_args_from_config`). Parameters are created on the current default device
-    (``meta`` inside ``with torch.device("meta"):``) and initialized by ``init_weights``.
+def __getattr__(name: str) -> Any:  # PEP 562: the Llama names of before, imported on use
+    if name in _LAZY:
+        import importlib
 
-    Raises:
-        ConfigError: invalid shape, or extra keyword arguments (``model.kwargs``), which the
-            built-in factory does not take.
-    """
-    extra = dict(kwargs)
-    cfg_kwargs = cfg.get("kwargs") if hasattr(cfg, "get") else getattr(cfg, "kwargs", None)
-    if cfg_kwargs:
-        extra.update(dict(cfg_kwargs))
-    if extra:
-        raise ConfigError(
-            f"model.kwargs: the built-in 'llama3' factory takes no extra arguments (got "
-            f"{', '.join(sorted(extra))}); set the model: shape fields instead.")
-    return Llama(llama_args_from_config(cfg))
-
-
-models.register("llama3", build_llama)
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'llmforge.models' has no attribute {name!r}")

@@ -2,9 +2,8 @@
 
 Each function is a pipeline transform ``fn(model, ctx) -> model`` (see
 :mod:`llmforge.algorithms.base`) applied to the model on the meta device, before it is
-materialized. They rely on the model factory contract: ``model.blocks()`` returns the repeated
-transformer blocks. The tensor-parallel plan is Llama's (module names of
-:class:`llmforge.models.llama.Llama`).
+materialized. The repeated blocks and the tensor-parallel plan come from the family's
+:class:`~llmforge.models.spec.ModelSpec` (``model.name``); this module knows no family.
 """
 
 from __future__ import annotations
@@ -52,7 +51,7 @@ def apply_fsdp(model: nn.Module, ctx: ModelContext) -> nn.Module:
     mesh = ctx.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else ctx.mesh["dp_shard"]
     kwargs = dict(mesh=mesh, mp_policy=mixed_precision_policy(ctx.cfg),
                   offload_policy=CPUOffloadPolicy() if s.cpu_offload else OffloadPolicy())
-    for block in model.blocks():
+    for block in _spec(ctx.cfg).model_blocks(model):
         fully_shard(block, reshard_after_forward=s.reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
@@ -67,47 +66,22 @@ def apply_ddp(model: nn.Module, ctx: ModelContext) -> nn.Module:
     return model
 
 
-def apply_tp(model: nn.Module, ctx: ModelContext) -> nn.Module:
-    """Megatron-style tensor parallelism for Llama with sequence parallelism.
+def _spec(cfg: Any) -> Any:
+    from llmforge.models.spec import get_spec
 
-    Column-wise: wq, wk, wv, w1, w3 (output features sharded); row-wise: wo, w2 (input features
-    sharded, output sequence-sharded); RMSNorms run sequence-parallel; the embedding is sharded
-    by vocabulary rows and the output projection column-wise, its logits gathered
-    (``Replicate``) so the loss is computed as in one process.
+    return get_spec(cfg.model.name)
+
+
+def apply_tp(model: nn.Module, ctx: ModelContext) -> nn.Module:
+    """Tensor parallelism on the ``tp`` mesh with the family's plan (``ModelSpec.tp_plan``;
+    Llama 3's and Qwen3's are Megatron-style with sequence parallelism, logits replicated).
 
     Raises:
-        ConfigError: tied embeddings, or head counts not divisible by ``tp``.
+        ConfigError: the family has no TP plan, or its check refuses the degree (e.g. head
+            counts not divisible by ``tp``).
     """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                                   RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
-
     _check_tp(model, ctx)
-    mesh = ctx.mesh["tp"]
-    parallelize_module(model, mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(),
-                                  use_local_output=True),
-    })
-    for block in model.blocks():
-        parallelize_module(block, mesh, {
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                            desired_input_layouts=(Replicate(), None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                               desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
-        })
-    return model
+    return _spec(ctx.cfg).get("tp_plan")(model, ctx.mesh["tp"])
 
 
 def check_strategy(cfg: Any, dims: Any) -> None:
@@ -122,24 +96,21 @@ def check_strategy(cfg: Any, dims: Any) -> None:
                           f"{dims.world_size}; use strategy.name=ddp or fsdp2")
     strategy_transforms(cfg, dims)
     if dims.tp > 1:
-        from llmforge import registry
-
         with torch.device("meta"):
-            model = registry.models.get(cfg.model.name, key="model.name")(cfg.model)
+            model = _spec(cfg)(cfg.model)
         ctx = ModelContext(cfg=cfg, mesh=None, dims=dims, device=torch.device("meta"))
         _check_tp(model, ctx)
 
 
 def _check_tp(model: nn.Module, ctx: ModelContext) -> None:
-    tp = ctx.dims.tp
-    args = getattr(model, "args", None)
-    if args is None:
-        raise ConfigError("strategy.tp > 1 needs a Llama-shaped model (the built-in 'llama3' factory)")
-    if args.tie_embeddings:
-        raise ConfigError("strategy.tp > 1 does not support tied embeddings (model.tie_embeddings=false)")
-    if args.n_heads % tp or args.n_kv_heads % tp:
-        raise ConfigError(f"strategy.tp={tp} must divide model.n_heads ({args.n_heads}) and "
-                          f"model.n_kv_heads ({args.n_kv_heads})")
+    spec = _spec(ctx.cfg)
+    if spec.tp_plan is None:
+        raise ConfigError(
+            f"strategy.tp > 1: model '{ctx.cfg.model.name}' has no tensor-parallel plan; register "
+            "it with a ModelSpec that has tp_plan (docs/models.md), or set strategy.tp=1")
+    check = spec.get("check_tp")
+    if check is not None:
+        check(model, ctx.dims.tp)
 
 
 def strategy_transforms(cfg: Any, dims: Any) -> list[Transform]:

@@ -17,8 +17,8 @@ from typing import Any, Optional
 
 import torch
 
-from llmforge import registry
 from llmforge.config.validate import BatchPlan
+from llmforge.models.spec import get_spec
 
 GIB = 1024**3
 
@@ -58,32 +58,35 @@ def estimate_memory(n_params: int, precision: str, strategy: Any, world_size: in
 
 
 def estimate_activations(model: Any, micro_batch_size: int, seq_len: int, precision: str,
-                         tp: int = 1) -> Optional[tuple[float, float]]:
+                         tp: int = 1, spec: Any = None) -> Optional[tuple[float, float]]:
     """Activation bytes per device for one micro-batch: ``(no checkpointing, full checkpointing)``.
 
-    Counts the tensors a Llama block saves for backward, per token (method of Korthikanti et
+    Counts the tensors a decoder block saves for backward, per token (method of Korthikanti et
     al. 2022, "Reducing Activation Recomputation in Large Transformer Models", sec. 4, adapted
     to RMSNorm, GQA, SwiGLU and fused SDPA attention, which saves no T x T scores):
-    ``8 D + 3 kv_dim + 4 F`` elements (two norms' inputs and outputs, q/k/v and their rotated
-    copies, attention output, the SwiGLU's four F-wide tensors), in the activation dtype (2 bytes
-    for bf16 precisions, 4 for fp32), divided by ``tp`` (sequence parallel). Full activation
-    checkpointing keeps only each block's input (``D`` per token per layer) plus one block
-    recomputed at a time. The fp32 logits and their gradient (``2 x 4 V`` bytes per token) come
-    on top in both cases. ``None`` for models without Llama ``args``.
+    ``5 D + 3 q + 3 kv + 4 F + extra`` elements (two norms' inputs and outputs, q/k/v and their
+    rotated copies, the attention output, the SwiGLU's four F-wide tensors; ``extra`` from the
+    family, e.g. QK-norm outputs; for Llama ``q = D`` and this is ``8 D + 3 kv + 4 F``), in the
+    activation dtype (2 bytes for bf16 precisions, 4 for fp32), divided by ``tp`` (sequence
+    parallel). Full activation checkpointing keeps only each block's input (``D`` per token per
+    layer) plus one block recomputed at a time. The fp32 logits and their gradient (``2 x 4 V``
+    bytes per token) come on top in both cases. The widths come from the family's
+    ``ModelSpec.memory_shape`` (``spec``, or the registered spec of the model's class);
+    ``None`` for models without one.
     """
-    args = getattr(model, "args", None)
-    if args is None:
-        return None
-    from llmforge.models.llama import ffn_hidden_dim
+    from llmforge.models.spec import spec_for_model
 
+    spec = spec if spec is not None else spec_for_model(model)
+    fn = spec.get("memory_shape") if spec is not None else None
+    if fn is None:
+        return None
+    m = fn(model)
     width = 4 if precision == "fp32" else 2
     tokens = micro_batch_size * seq_len
-    d, kv = args.dim, args.n_kv_heads * args.head_dim
-    f = ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier)
-    per_layer = tokens * (8 * d + 3 * kv + 4 * f) * width / tp
-    logits = tokens * args.vocab_size * 4 * 2 / tp
-    no_ac = args.n_layers * per_layer + logits
-    full_ac = args.n_layers * tokens * d * width / tp + per_layer + logits
+    per_layer = tokens * (5 * m.dim + 3 * m.q_dim + 3 * m.kv_dim + 4 * m.ffn_dim + m.extra) * width / tp
+    logits = tokens * m.vocab_size * 4 * 2 / tp
+    no_ac = m.n_layers * per_layer + logits
+    full_ac = m.n_layers * tokens * m.dim * width / tp + per_layer + logits
     return no_ac, full_ac
 
 
@@ -109,13 +112,13 @@ def dry_run_report(cfg: Any, plan: BatchPlan, device_memory_gib: Optional[float]
             80 and 192).
         algorithms: the run's algorithm instances (default: built from ``cfg.algorithms``).
     """
-    factory = registry.models.get(cfg.model.name, key="model.name")
+    spec = get_spec(cfg.model.name)
     with torch.device("meta"):
-        model = factory(cfg.model)
+        model = spec(cfg.model)
     n_params = int(model.num_params()) if hasattr(model, "num_params") else sum(
         p.numel() for p in model.parameters())
     seq = cfg.trainer.seq_len
-    flops = float(model.flops_per_token(seq)) if hasattr(model, "flops_per_token") else float("nan")
+    flops = spec.flops(model, seq)
     mem = estimate_memory(n_params, cfg.trainer.precision, cfg.strategy, plan.world_size)
     lines = [
         f"model           {cfg.model.name} (preset {cfg.model.preset})",
@@ -145,7 +148,7 @@ def dry_run_report(cfg: Any, plan: BatchPlan, device_memory_gib: Optional[float]
         return "\n".join(lines + [x for _, lines_ in extra for x in lines_])
     lines += [x for _, lines_ in extra for x in lines_]
     act = estimate_activations(model, plan.micro_batch_size, seq, cfg.trainer.precision,
-                               max(1, cfg.strategy.tp))
+                               max(1, cfg.strategy.tp), spec=spec)
     if act is not None:
         lines.append(f"activations     {act[0] / GIB:.2f} GiB per micro-batch without activation "
                      f"checkpointing, {act[1] / GIB:.2f} GiB with full checkpointing (estimate)")

@@ -1,0 +1,89 @@
+"""Hugging Face state-dict adapter: the family-specific half of HF import and export.
+
+A family's adapter (``models/<family>/hf.py``) says how its parameter names map to HF's (a
+regex table, the layer index as the only group), which weights HF stores in another layout
+(Llama's rotary pairs in halves per head), and how ``config.json`` maps to the family's
+``model:`` keys both ways. The generic half — reading safetensors shard by shard, writing
+shards, tokenizer files, ``generation_config.json`` — is :mod:`llmforge.checkpoint.hf`.
+Anchor: torchtitan's ``StateDictAdapter`` (``torchtitan/protocols/state_dict_adapter.py``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["HFAdapter", "invert_table", "map_key"]
+
+
+def map_key(key: str, table: list[tuple[str, str]]) -> Optional[str]:
+    """The first row of ``table`` (``(regex, replacement)``) that matches ``key``, applied."""
+    for pattern, repl in table:
+        if re.match(pattern, key):
+            return re.sub(pattern, repl, key)
+    return None
+
+
+def invert_table(table: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Swap the rows of an HF -> ours table (the layer index ``(\\d+)`` as the only group)."""
+    out = []
+    for pattern, repl in table:
+        hf = pattern.strip("^$").replace(r"(\d+)", r"\1").replace(r"\.", ".")
+        ours = "^" + re.escape(repl).replace(re.escape(r"\1"), r"(\d+)") + "$"
+        out.append((ours, hf))
+    return out
+
+
+class HFAdapter:
+    """Base adapter. Subclasses set ``family`` (llmforge spec name), ``model_type`` and
+    ``architecture`` (HF's), ``key_table`` (HF regex -> our name) and implement
+    :meth:`config_from_hf` / :meth:`config_to_hf`."""
+
+    family = ""
+    model_type = ""
+    architecture = ""
+    key_table: list[tuple[str, str]] = []
+
+    def __init__(self) -> None:
+        self.inverse_table = invert_table(self.key_table)
+
+    # -- names ----------------------------------------------------------------------------
+    def key_from_hf(self, key: str) -> Optional[str]:
+        """``model.layers.0.self_attn.q_proj.weight`` -> ``layers.0.attention.wq.weight``."""
+        return map_key(key, self.key_table)
+
+    def key_to_hf(self, key: str) -> Optional[str]:
+        """Inverse of :meth:`key_from_hf` (``None`` for names HF does not have)."""
+        return map_key(key, self.inverse_table)
+
+    # -- tensors --------------------------------------------------------------------------
+    def tied(self, model: Any) -> bool:
+        """Whether ``output.weight`` is the embedding (HF then stores it once)."""
+        return bool(getattr(model.args, "tie_embeddings", False))
+
+    def permuted_heads(self, model: Any, name: str) -> Optional[int]:
+        """Number of heads whose rows HF stores permuted for parameter ``name`` (``None``: the
+        same layout). The reader then reads whole heads and applies :meth:`from_hf_rows`."""
+        return None
+
+    def to_hf_rows(self, t: torch.Tensor, heads: int) -> torch.Tensor:
+        """Our row layout -> HF's for a tensor of :meth:`permuted_heads` heads."""
+        return t
+
+    def from_hf_rows(self, t: torch.Tensor, heads: int) -> torch.Tensor:
+        """HF's row layout -> ours; the inverse of :meth:`to_hf_rows`."""
+        return t
+
+    # -- config.json ----------------------------------------------------------------------
+    def config_from_hf(self, hf: dict[str, Any]) -> dict[str, Any]:
+        """``model:`` keys (``name`` included) that reproduce an HF ``config.json``.
+
+        Raises:
+            ConfigError: a setting the family cannot represent."""
+        raise NotImplementedError
+
+    def config_to_hf(self, model: Any) -> dict[str, Any]:
+        """The HF ``config.json`` fields of a built model (without dtype and token ids)."""
+        raise NotImplementedError

@@ -1,0 +1,71 @@
+"""Llama 3's tensor-parallel plan (Megatron-style, with sequence parallelism), as torchtitan's
+``torchtitan/models/llama3/infra/parallelize.py`` applies it.
+
+Column-wise: wq, wk, wv, w1, w3 (output features sharded); row-wise: wo, w2 (input features
+sharded, output sequence-sharded); RMSNorms run sequence-parallel; the embedding is sharded by
+vocabulary rows and the output projection column-wise, its logits gathered (``Replicate``) so the
+loss is computed as in one process. Attention runs on the local heads (``view(..., -1, hd)``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import nn
+
+from llmforge.errors import ConfigError
+
+__all__ = ["apply_decoder_tp", "apply_tp", "check_tp"]
+
+
+def apply_decoder_tp(model: nn.Module, mesh: Any, extra_block_plan: Optional[dict] = None) -> nn.Module:
+    """The plan above on ``mesh`` (1-D tp mesh); ``extra_block_plan`` adds module styles per
+    block (e.g. Qwen3's per-head QK-norms). A tied output projection is re-tied afterwards: the
+    embedding (row-wise) and the output (column-wise) both shard the ``[V, D]`` weight on dim 0,
+    so one DTensor serves both."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    parallelize_module(model, mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(),
+                                  use_local_output=True),
+    })
+    if getattr(getattr(model, "args", None), "tie_embeddings", False):
+        model.output.weight = model.tok_embeddings.weight
+    for block in model.blocks():
+        parallelize_module(block, mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                            desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                               desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+            **(extra_block_plan or {}),
+        })
+    return model
+
+
+def apply_tp(model: nn.Module, mesh: Any) -> nn.Module:
+    """Llama 3's plan on the tp mesh (see the module docstring)."""
+    return apply_decoder_tp(model, mesh)
+
+
+def check_tp(model: nn.Module, tp: int) -> None:
+    """Raises ConfigError: tied embeddings, or head counts not divisible by ``tp``."""
+    args = model.args
+    if args.tie_embeddings:
+        raise ConfigError("strategy.tp > 1 does not support tied embeddings (model.tie_embeddings=false)")
+    if args.n_heads % tp or args.n_kv_heads % tp:
+        raise ConfigError(f"strategy.tp={tp} must divide model.n_heads ({args.n_heads}) and "
+                          f"model.n_kv_heads ({args.n_kv_heads})")

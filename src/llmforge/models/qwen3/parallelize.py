@@ -1,0 +1,38 @@
+"""Qwen3's tensor-parallel plan: Llama 3's (:mod:`llmforge.models.llama3.parallelize`) plus the
+per-head QK-norms.
+
+Under TP each rank holds ``H/tp`` query and ``K/tp`` key heads, so ``q_norm``/``k_norm`` see the
+local heads ``[B, T, H/tp, hd]``; their ``[hd]`` weights stay whole and replicated, and their
+gradients, computed from different heads on each rank, must be summed — HF's
+``replicated_with_grad_allreduce``. ``SequenceParallel(sequence_dim=2)`` does exactly that: the
+input becomes a DTensor sharded on the head dim, the weight a replicated DTensor whose gradient
+is reduced over the tp mesh (torchtitan's qwen3 plan uses the same style).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from llmforge.errors import ConfigError
+from llmforge.models.llama3.parallelize import apply_decoder_tp
+
+__all__ = ["apply_tp", "check_tp"]
+
+
+def apply_tp(model: nn.Module, mesh: Any) -> nn.Module:
+    """Apply the plan on the tp mesh; a tied output stays tied (see ``apply_decoder_tp``)."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    qk = {"attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+          "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
+    return apply_decoder_tp(model, mesh, extra_block_plan=qk)
+
+
+def check_tp(model: nn.Module, tp: int) -> None:
+    """Raises ConfigError: ``tp`` does not divide the query and key/value head counts."""
+    a = model.args
+    if a.n_heads % tp or a.n_kv_heads % tp:
+        raise ConfigError(f"strategy.tp={tp} must divide model.n_heads ({a.n_heads}) and "
+                          f"model.n_kv_heads ({a.n_kv_heads})")

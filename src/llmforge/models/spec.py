@@ -1,0 +1,207 @@
+"""``ModelSpec``: everything llmforge needs to know about one model family, in one object.
+
+The anchor is torchtitan's ``ModelSpec`` (``torchtitan/protocols/model_spec.py``): a family is a
+folder (``models/llama3/``, ``models/qwen3/``) whose spec bundles
+
+* ``config_cls``: the family's ``model:`` YAML keys, a dataclass subclassing
+  :class:`llmforge.config.schema.ModelConfig` (the loader validates them like every other key:
+  unknown key with the closest one, wrong type);
+* ``build``: ``build(model_cfg) -> nn.Module`` (the factory contract of :mod:`llmforge.models`);
+* ``presets``: preset name -> shape (documentation and ``--dry-run``);
+* ``blocks``: the repeated blocks FSDP2, activation checkpointing and compile wrap (default:
+  ``model.blocks()``);
+* ``tp_plan``: optional ``tp_plan(model, tp_mesh) -> model`` applying tensor parallelism, and
+  ``check_tp(model, tp)`` raising :class:`~llmforge.errors.ConfigError` for degrees it cannot do;
+* ``hf_adapter``: optional Hugging Face state-dict adapter
+  (:class:`llmforge.models.hf_adapter.HFAdapter`: weights and ``config.json`` both ways);
+* ``flops_per_token``: ``flops_per_token(model, seq_len)`` (default: the model's method);
+* ``memory_shape``: optional ``memory_shape(model) -> MemoryShape``, the widths the dry run's
+  activation estimate needs.
+
+Heavy members may be given as import paths (``"llmforge.models.qwen3.model:build_qwen3"``) and
+are imported on first use, so loading and checking a config imports no torch. This module
+imports nothing heavy either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Union
+
+__all__ = ["ModelSpec", "MemoryShape", "get_spec", "spec_for_model", "model_config_class",
+           "spec_for_hf_type", "cfg_get"]
+
+Ref = Union[str, Callable[..., Any], None]
+
+
+def _resolve(ref: Any) -> Any:
+    """An import path ``pkg.mod:attr`` -> the object; anything else unchanged."""
+    if isinstance(ref, str):
+        module, _, attr = ref.partition(":")
+        return getattr(importlib.import_module(module), attr)
+    return ref
+
+
+def cfg_get(cfg: Any, key: str) -> Any:
+    """``cfg[key]`` of a ``model:`` section (dataclass, OmegaConf ``DictConfig`` or mapping) as
+    plain Python (OmegaConf containers -> dict/list); ``None`` when absent."""
+    value = cfg.get(key) if isinstance(cfg, Mapping) or hasattr(cfg, "_get_node") else getattr(cfg, key, None)
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        return value
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+@dataclass(frozen=True)
+class MemoryShape:
+    """Widths of one repeated block, for the dry run's activation estimate (elements per token).
+
+    ``dim`` residual width D; ``q_dim`` query width (H x head_dim); ``kv_dim`` key/value width
+    (K x head_dim); ``ffn_dim`` SwiGLU hidden width F; ``extra`` further elements a block saves
+    per token (e.g. QK-norm outputs: q_dim + kv_dim)."""
+
+    dim: int
+    n_layers: int
+    q_dim: int
+    kv_dim: int
+    ffn_dim: int
+    vocab_size: int
+    extra: int = 0
+
+
+@dataclass
+class ModelSpec:
+    """One model family (see the module docstring). ``spec(cfg)`` builds the model, so a spec
+    registered in :data:`llmforge.registry.models` works wherever a bare factory did.
+
+    Example (research code)::
+
+        from llmforge.models import LLAMA3
+        from llmforge.registry import models
+
+        models.register("my_llama", LLAMA3.derive(name="my_llama", build=build_my_llama))
+    """
+
+    name: str
+    build: Ref
+    config_cls: Optional[type] = None
+    presets: Mapping[str, Any] = field(default_factory=dict)
+    model_cls: Ref = None
+    blocks: Ref = None
+    tp_plan: Ref = None
+    check_tp: Ref = None
+    hf_adapter: Ref = None
+    flops_per_token: Ref = None
+    memory_shape: Ref = None
+    description: str = ""
+
+    def __call__(self, cfg: Any, **kwargs: Any) -> Any:
+        """Build the model from the ``model:`` section; a spec's ``blocks`` becomes the model's
+        ``blocks()`` when it has none, so FSDP2, activation checkpointing and compile (which
+        call ``model.blocks()``) all wrap the same modules."""
+        model = _resolve(self.build)(cfg, **kwargs)
+        fn = self.get("blocks")
+        if fn is not None and not callable(getattr(model, "blocks", None)):
+            object.__setattr__(model, "blocks", lambda: list(fn(model)))
+        return model
+
+    def get(self, member: str) -> Any:
+        """A member with import paths resolved (``None`` when the family has none)."""
+        return _resolve(getattr(self, member))
+
+    def derive(self, **changes: Any) -> "ModelSpec":
+        """A copy with some members replaced (a research variant of a built-in family)."""
+        return dataclasses.replace(self, **changes)
+
+    # -- what the core packages call ------------------------------------------------------
+    def model_blocks(self, model: Any) -> list:
+        """The repeated blocks of a built model (units of FSDP2, AC and compile)."""
+        if callable(getattr(model, "blocks", None)):
+            return list(model.blocks())
+        fn = self.get("blocks")
+        if fn is None:
+            from llmforge.errors import ConfigError
+
+            raise ConfigError(f"model '{self.name}' has no blocks() and its spec no blocks: FSDP2, "
+                              "activation checkpointing and compile need the repeated blocks")
+        return list(fn(model))
+
+    def flops(self, model: Any, seq_len: int) -> float:
+        """Training FLOPs per token at ``seq_len`` (forward + backward); nan if unknown."""
+        fn = self.get("flops_per_token")
+        if fn is not None:
+            return float(fn(model, seq_len))
+        method = getattr(model, "flops_per_token", None)
+        return float(method(seq_len)) if method is not None else float("nan")
+
+    def adapter(self) -> Any:
+        """The Hugging Face state-dict adapter (an instance), or ``None``."""
+        obj = self.get("hf_adapter")
+        return obj() if isinstance(obj, type) else obj
+
+
+def _as_spec(name: str, obj: Any) -> ModelSpec:
+    if isinstance(obj, ModelSpec):
+        return obj
+    # a bare factory (research code): its blocks come from model.blocks(), no TP plan, no HF
+    return ModelSpec(name=name, build=obj, config_cls=getattr(obj, "config_cls", None))
+
+
+def get_spec(name: str, *, key: str = "model.name") -> ModelSpec:
+    """The spec registered as ``name`` (or imported from an import path); a bare factory is
+    wrapped in a spec with defaults.
+
+    Raises:
+        ConfigError: unknown name or import path (the message lists the registered names).
+    """
+    from llmforge.registry import models
+
+    return _as_spec(name, models.get(name, key=key))
+
+
+def model_config_class(name: str) -> type:
+    """The ``model:`` dataclass of the family ``name`` (the generic
+    :class:`~llmforge.config.schema.ModelConfig` for bare factories)."""
+    from llmforge.config.schema import ModelConfig
+
+    return get_spec(name).config_cls or ModelConfig
+
+
+def _registered_specs() -> list[ModelSpec]:
+    from llmforge.registry import models
+
+    out = []
+    for n in models.names():
+        try:
+            obj = models.get(n)
+        except Exception:  # noqa: BLE001 - a broken third-party entry point is not ours to raise
+            continue
+        if isinstance(obj, ModelSpec):
+            out.append(obj)
+    return out
+
+
+def spec_for_model(model: Any) -> Optional[ModelSpec]:
+    """The registered spec whose ``model_cls`` the built ``model`` is an instance of (the most
+    derived match first), or ``None``."""
+    hits = []
+    for spec in _registered_specs():
+        cls = spec.get("model_cls")
+        if cls is not None and isinstance(model, cls):
+            hits.append((len(cls.__mro__), spec))
+    return max(hits, key=lambda h: h[0])[1] if hits else None
+
+
+def spec_for_hf_type(model_type: str) -> Optional[ModelSpec]:
+    """The built-in spec whose HF adapter reads ``config.json`` ``model_type`` (``llama``,
+    ``qwen3``), or ``None``."""
+    for spec in _registered_specs():
+        if spec.hf_adapter is not None and spec.adapter().model_type == model_type:
+            if spec.name == spec.adapter().family:
+                return spec
+    return None

@@ -168,3 +168,31 @@ def test_chatml_template_renders_qwen_turns(tmp_path):
     prompt = template.prompt_ids(chat[:1])
     assert "".join(tok.decode([i], skip_special_tokens=False) for i in prompt).endswith(
         "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_lora_adapters_on_qwen3_export_to_peft_and_load_with_peft(tmp_path):
+    peft = pytest.importorskip("peft")
+    from llmforge.algorithms.lora import LoRA, init_adapters, lora_modules
+    from llmforge.algorithms.lora.peft import save_peft
+    from llmforge.generate import load_model
+    from llmforge.models.spec import get_spec
+
+    hf = tiny_hf(tmp_path / "hf", tie=False, n_kv=2)
+    assert main(["convert", "from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
+    ours, _, _ = load_model(tmp_path / "run")
+    entry = {"rank": 4, "alpha": 8, "targets": ["wq", "wk", "wv", "wo", "w1", "w2", "w3", "output"],
+             "base_dtype": "float32"}
+    ours = LoRA(**entry).convert(ours.float(), 0)
+    init_adapters(ours, 0)
+    with torch.no_grad():  # B = 0 would hide a wrong layout: random B on every adapter
+        for _, m in lora_modules(ours):
+            m.lora_B.weight.normal_(0, 0.05, generator=torch.Generator().manual_seed(3))
+    out = save_peft(ours.eval(), tmp_path / "adapters", LoRA(**entry).options(),
+                    base=str(tmp_path / "hf"), adapter=get_spec("qwen3").adapter())
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        base = hf(tokens).logits
+        want = ours(tokens)
+        got = peft.PeftModel.from_pretrained(hf, str(out)).eval()(tokens).logits
+    assert (want - base).abs().max() > 1e-3
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

@@ -236,10 +236,16 @@ class LoRA(Algorithm):
 
         if not any(True for _ in lora_modules(model)):
             return None
+        from llmforge.models.spec import get_spec
+
+        adapter = get_spec(cfg.model.name).adapter()
+        if adapter is None:
+            raise ConfigError(f"model '{cfg.model.name}' has no Hugging Face adapter "
+                              "(ModelSpec.hf_adapter), so its LoRA adapters have no PEFT names")
         init_from = cfg.model.get("init_from") or ""
         base = init_from[3:] if init_from.startswith("hf:") else None
         return save_peft(model, out, {**self.options(), **(self.saved_options(meta) or {})},
-                         base=base, dtype=dtype)
+                         base=base, dtype=dtype, adapter=adapter)
 
     def dry_run_lines(self, cfg: Any, plan: Any, device_memory_gib: Optional[float]) -> list[str]:
         """Rank, trainable/frozen counts and the per-device memory of a LoRA run

@@ -48,7 +48,7 @@ def test_import_path_and_bad_keys():
     assert isinstance(algo, Compile) and not algo.per_block
     with pytest.raises(ConfigError, match=r"algorithms\[0\] \(compile\).*per_blok"):
         build_algorithms(make_cfg([{"name": "compile", "per_blok": False}]))
-    with pytest.raises(ConfigError, match="not an llmforge.algorithms.Algorithm"):
+    with pytest.raises(ConfigError, match="not a subclass of llmforge.algorithms.base.Algorithm"):
         build_algorithms(make_cfg([{"name": "llmforge.callbacks.SpeedMonitor"}]))
 
 

@@ -146,7 +146,7 @@ def test_loggers_and_callbacks_by_import_path_must_be_lightning_classes(tmp_path
     from llmforge import registry
     from llmforge.training.trainer import build_entries
 
-    with pytest.raises(ConfigError, match=r"loggers\[0\] \(.*KwargsLogger\): KwargsLogger is not a "
+    with pytest.raises(ConfigError, match=r"loggers\[0\] \(.*KwargsLogger\): KwargsLogger is not a subclass of "
                                           r"lightning.pytorch.loggers.logger.Logger"):
         build_entries(registry.loggers, "loggers", [{"name": f"{__name__}.KwargsLogger"}], base=Logger,
                       run_dir=tmp_path)

@@ -85,8 +85,8 @@ def build_entries(reg: registry.Registry, section: str, entries: Any, *, base: A
             raise ConfigError(f"{key}.name: '{name}' is a {type(factory).__name__}, not a class; "
                               f"name a class (e.g. 'my_pkg.module.MyClass')")
         if base is not None and isinstance(factory, type) and not issubclass(factory, base):
-            raise ConfigError(f"{key} ({name}): {factory.__name__} is not a {base.__module__}."
-                              f"{base.__name__} (subclass it)")
+            raise ConfigError(f"{key} ({name}): {factory.__name__} is not a subclass of "
+                              f"{base.__module__}.{base.__name__}; subclass it")
         try:
             out.append(factory(**{**accepted(factory, inject), **kwargs}))
         except TypeError as exc:

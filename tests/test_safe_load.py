@@ -137,7 +137,8 @@ def test_every_load_path_refuses_the_crafted_checkpoint(crafted_run, path, tmp_p
     if path == "resume":
         copy = tmp_path / "evil"
         shutil.copytree(run, copy)
-        argv = ["train", *common, f"run.output_dir={tmp_path}", "run.name=evil", "checkpoint.resume=auto"]
+        argv = ["train", *common, f"run.output_dir={tmp_path}", "run.name=evil", "checkpoint.resume=auto",
+                "checkpoint.allow_config_changes=true"]  # max_steps 2 -> 3: the load must be reached
     else:
         argv = {"generate": ["generate", str(run), "--prompt", "x", "--max-new-tokens", "2"],
                 "inspect": ["checkpoint", "inspect", str(ckpt)],

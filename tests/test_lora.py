@@ -256,7 +256,9 @@ def test_cli_checkpoint_holds_adapters_and_the_base_pointer(hf_runs):
     assert proc.returncode == 2 and "holds only the adapters of lora" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     # resuming needs the same base (here: a random init instead of the HF weights)
-    other = run_cli("train", DEMO, *COMMON, LORA_CLI, "trainer.max_steps=6",
+    # (allow_config_changes: the generic resume check would refuse first; the plugin's checks
+    # refuse even when the user allows changed settings)
+    other = run_cli("train", DEMO, *COMMON, LORA_CLI, "trainer.max_steps=6", "checkpoint.allow_config_changes=true",
                     f"checkpoint.resume={ckpt}", f"run.output_dir={out}", "run.name=other_base")
     assert other.returncode == 2 and "trained on the base 'weights of hf:" in other.stderr, other.stderr[-2000:]
     assert "Traceback" not in other.stderr
@@ -266,7 +268,7 @@ def test_cli_checkpoint_holds_adapters_and_the_base_pointer(hf_runs):
     shutil.copytree(out / "straight", out / "changed")
     before = (out / "changed" / "config.yaml").read_text()
     base = [f"model.init_from=hf:{out / 'hf'}", "trainer.max_steps=6", "checkpoint.resume=auto",
-            f"run.output_dir={out}", "run.name=changed"]
+            "checkpoint.allow_config_changes=true", f"run.output_dir={out}", "run.name=changed"]
     for lora, words in [(LORA_CLI.replace("alpha: 12", "alpha: 99"), "saved with alpha=12.0; this run has alpha=99.0"),
                         (LORA_CLI.replace("rank: 4", "rank: 8"), "saved with rank=4; this run has rank=8"),
                         ("algorithms=[]", "holds only the adapters of lora")]:

@@ -84,7 +84,8 @@ def test_damaged_checkpoint_is_exit_2_naming_the_file(trained, tmp_path, capsys,
     argv = {"generate": ["generate", str(run), "--prompt", "x", "--max-new-tokens", "1"],
             "inspect": ["checkpoint", "inspect", str(ckpt)],
             "resume": ["train", *SHORT, f"run.output_dir={tmp_path}", "run.name=base",
-                       "trainer.max_steps=3", "checkpoint.resume=auto"]}[command]
+                       "trainer.max_steps=3", "checkpoint.resume=auto",
+                       "checkpoint.allow_config_changes=true"]}[command]
     code, line = run_main(argv, capsys)
     assert code == 2 and f"{ckpt}/{named}" in line, line
     assert "does not fit" not in line  # a damaged file is not a model mismatch
@@ -127,7 +128,7 @@ def test_full_disk_during_training_exits_2_and_keeps_the_run(trained, tmp_path, 
     monkeypatch.setattr(ckpt_mod.dcp, "save", full)
     code, line = run_main(["train", *SHORT, f"run.output_dir={tmp_path}", "run.name=base",
                            "checkpoint.save_every=1", "trainer.max_steps=4",
-                           "checkpoint.resume=auto"], capsys)
+                           "checkpoint.resume=auto", "checkpoint.allow_config_changes=true"], capsys)
     ckpts = run / "checkpoints"
     assert code == 2 and "cannot write checkpoint" in line and "no space left on the device" in line
     assert f"the previous checkpoint {ckpts}/step_00000002 is intact" in line

@@ -19,6 +19,9 @@ if "LLMFORGE_CACHE" not in os.environ:
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# two pytest-xdist workers share the machine's cores: one compute thread per process, or the
+# workers' thread pools oversubscribe the cores (a 15 s run took 400 s beside another worker)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 

@@ -399,9 +399,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except LLMForgeError as exc:
         if args.debug:
             raise
-        # 75/130: stopped on a signal after saving (checkpointing.Preempted), not an input error
-        word = "stopped" if exc.exit_code in (75, 130) else "error"
-        print(f"{word}: {_scrub(str(exc))}", file=sys.stderr)
+        if isinstance(exc, signals.StopRequested):
+            # our own message, no secrets; and no import here: the signal may have interrupted
+            # one, leaving that module half-initialized (yaml, in CI)
+            print(f"stopped: {exc}", file=sys.stderr)
+            return exc.exit_code
+        print(f"error: {_scrub(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -71,7 +71,8 @@ def _handler(signum: int, frame: Any) -> None:
     if phase == "finished":
         return
     _state.received = first if first is not None else signum
-    if phase == "startup":
+    # startup: stop once; a repeat signal must not raise again inside the error report
+    if phase == "startup" and first is None:
         name = signal.Signals(signum).name
         raise StoppedBeforeTraining(f"received {name} before training started: nothing to save "
                                     f"(exit code {exit_code_for(signum)})", exit_code_for(signum))

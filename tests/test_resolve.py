@@ -12,7 +12,7 @@ from llmforge.cli import main
 from llmforge.config import load_config
 from llmforge.config.resolve import resolve_run
 from llmforge.errors import ConfigError
-from llmforge.parallel.threads import choose_num_threads
+from llmforge.parallel.threads import TORCHRUN_SET_OMP, choose_num_threads
 
 DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
 
@@ -97,6 +97,29 @@ def test_threads_per_process(override, procs, workers, cores, want):
     # an explicit OMP_NUM_THREADS is a choice too; trainer.num_threads still wins over it
     omp = {"OMP_NUM_THREADS": "5"}
     assert choose_num_threads(override, procs, workers, cores=cores, environ=omp)[0] == (override or 5)
+    # torchrun's own default (1, noted by llmforge's launcher) is not a choice: the cores decide
+    torchrun = {"OMP_NUM_THREADS": "1", TORCHRUN_SET_OMP: "1"}
+    assert choose_num_threads(override, procs, workers, cores=cores, environ=torchrun)[0] == want
+
+
+def test_launched_workers_choose_their_threads(tmp_path):
+    """Real torchrun workers under llmforge's torchrun: torchrun's OMP_NUM_THREADS=1 is noted,
+    so each worker chooses from its cores; a user's own OMP_NUM_THREADS still wins."""
+    import os
+
+    script = tmp_path / "worker.py"
+    script.write_text("import os\nfrom llmforge.parallel.threads import choose_num_threads\n"
+                      "n, _ = choose_num_threads(None, 2, 0, cores=8)\n"
+                      "open(os.path.join(os.environ['OUT'], os.environ['RANK']), 'w').write(str(n))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", TORCHRUN_SET_OMP)}
+    for extra, want in (({}, "4"), ({"OMP_NUM_THREADS": "3"}, "3")):
+        out = tmp_path / f"out{len(extra)}"
+        out.mkdir()
+        subprocess.run([sys.executable, "-m", "llmforge.runs.torchrun", "--standalone",
+                        "--nproc-per-node", "2", str(script)], check=True, timeout=120,
+                       env={**env, **extra, "OUT": str(out), "PYTHONPATH": str(REPO / "src")},
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        assert sorted(p.read_text() for p in out.iterdir()) == [want, want]
 
 
 def test_trainer_applies_and_logs_threads(tmp_path, capsys):

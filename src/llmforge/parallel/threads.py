@@ -18,7 +18,11 @@ from __future__ import annotations
 import os
 from typing import Mapping, Optional
 
-__all__ = ["available_cores", "choose_num_threads"]
+__all__ = ["TORCHRUN_SET_OMP", "available_cores", "choose_num_threads"]
+
+# torchrun sets OMP_NUM_THREADS=1 for its workers when it is unset; llmforge's launcher notes
+# that value here, so the workers still choose from their cores (a user's own value wins)
+TORCHRUN_SET_OMP = "LLMFORGE_TORCHRUN_SET_OMP"
 
 
 def available_cores() -> int:
@@ -44,14 +48,15 @@ def choose_num_threads(override: Optional[int], local_world_size: int, num_worke
         num_workers: ``data.num_workers`` of each process.
         cores: cores available (default :func:`available_cores`).
         environ: the environment (default ``os.environ``); a positive ``OMP_NUM_THREADS`` wins
-            over the choice above (not over ``override``).
+            over the choice above (not over ``override``), unless torchrun set it (the value
+            is then also in ``LLMFORGE_TORCHRUN_SET_OMP``, see :mod:`llmforge.runs.torchrun`).
     """
     cores = available_cores() if cores is None else cores
     env = os.environ if environ is None else environ
     if override is not None:
         return int(override), f"trainer.num_threads={override} ({cores} cores available)"
     omp = env.get("OMP_NUM_THREADS", "")
-    if omp.isdigit() and int(omp) >= 1:
+    if omp.isdigit() and int(omp) >= 1 and env.get(TORCHRUN_SET_OMP) != omp:
         return int(omp), f"OMP_NUM_THREADS={omp} ({cores} cores available)"
     share = cores // max(1, local_world_size)
     n = max(1, share - num_workers)

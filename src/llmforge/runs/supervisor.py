@@ -79,7 +79,7 @@ class Supervisor:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = torchrun_command(spec, resume=k > 0 or bool(spec.get("resume")))
         env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(spec["procs_per_node"]))))
+        # no OMP_NUM_THREADS here: each worker chooses from its cores, share and data workers
         fields: dict[str, Any] = {"pgid": os.getpgid(0), "exit_code": None}
         if run.started_at is None:
             fields["started_at"] = time.time()

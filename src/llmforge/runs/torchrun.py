@@ -99,6 +99,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     signal.signal(signal.SIGUSR1, _forward_usr1)
     args = torchrun.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if "OMP_NUM_THREADS" not in os.environ:  # torchrun will set 1: let the workers choose
+        from llmforge.parallel.threads import TORCHRUN_SET_OMP
+
+        os.environ[TORCHRUN_SET_OMP] = "1"
     try:
         torchrun.run(args)
     except ChildFailedError as exc:

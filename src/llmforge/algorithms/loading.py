@@ -28,7 +28,7 @@ def build_algorithms(cfg: Any) -> list[Algorithm]:
             impossible combination (see :func:`check_algorithms`).
     """
     import llmforge.algorithms  # noqa: F401  (registers the built-ins)
-    from llmforge.training.trainer import build_entries
+    from llmforge.training.entries import build_entries
 
     algos = build_entries(registry.algorithms, "algorithms", cfg.algorithms, base=Algorithm)
     check_algorithms(cfg, algos)

@@ -102,7 +102,7 @@ def build_loggers(cfg: Any, spec: dict[str, Any], *, strict: bool) -> None:
     import llmforge.loggers  # noqa: F401  (registers the built-in loggers)
     from llmforge import registry
     from llmforge.config import config_to_dict, redact
-    from llmforge.training.trainer import build_entries
+    from llmforge.training.entries import build_entries
     from lightning.pytorch.loggers import Logger
 
     try:

@@ -26,8 +26,6 @@ from omegaconf import DictConfig
 from llmforge import registry
 from llmforge.callbacks import Checkpointer, GarbageCollection, RichProgress, SpeedMonitor
 from llmforge.checkpoint import list_checkpoints, read_json
-from llmforge.checkpoint.dcp import check_checkpoint
-from llmforge.checkpoint.safe_load import CheckpointReadError
 from llmforge.config import config_to_dict, load_config, redact, save_config
 from llmforge.config.resolve import ResolvedRun, check_run_name, resolve_run
 from llmforge.config.schema import PRECISIONS
@@ -36,174 +34,18 @@ from llmforge.data.datamodule import LLMDataModule
 from llmforge.data.mixture import MixtureTokens, PreparedMixture
 from llmforge.data.prepared import PreparedSplits, check_tokenizer
 from llmforge.data.shakespeare import cache_root
-from llmforge.data.sources import DocumentSplits, hash_str, iter_texts, load_documents
+from llmforge.data.sources import DocumentSplits, iter_texts, load_documents
 from llmforge.data.tokenizers import Tokenizer, build_tokenizer, check_vocab
-from llmforge.errors import ConfigError, LLMForgeError
+from llmforge.errors import ConfigError
 from llmforge.parallel.strategy import LLMParallelStrategy
 from llmforge.parallel.transforms import check_strategy, strategy_transforms
 from llmforge.training.host_malloc import tune_host_malloc
 
+from llmforge.training.entries import accepted, build_entries, module_class  # noqa: F401 (re-exported)
+from llmforge.training.run_files import (_inside, check_init_from_tokenizer, check_resumable,  # noqa: F401
+                                         tokenizer_cache_key, truncate_metrics)
+
 __all__ = ["Trainer", "build_entries", "check_run_name", "truncate_metrics"]
-
-
-def accepted(factory: Any, inject: dict[str, Any]) -> dict[str, Any]:
-    """The entries of ``inject`` that ``factory``'s signature accepts (all of them when it takes
-    ``**kwargs``): llmforge's loggers get ``run_dir``/``run``/``config``, Lightning's own (e.g.
-    ``lightning.pytorch.loggers.MLFlowLogger``) only what they declare."""
-    import inspect
-
-    try:
-        params = inspect.signature(factory).parameters
-    except (TypeError, ValueError):  # a builtin without a signature: inject nothing
-        return {}
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return dict(inject)
-    return {k: v for k, v in inject.items() if k in params}
-
-
-def build_entries(reg: registry.Registry, section: str, entries: Any, *, base: Any = None,
-                  **inject: Any) -> list[Any]:
-    """Instantiate ``[{name: ..., **kwargs}]`` entries from a registry; ``inject`` (e.g. the run
-    directory) goes to the factories whose signature accepts it (:func:`accepted`), and the
-    entry's own keys win over it.
-
-    An import path must name a class (a subclass of ``base`` when given), checked before it is
-    called: ``{name: os.system, command: ...}`` must not run anything.
-
-    Raises:
-        ConfigError: unknown name, an import path that is not such a class, or keyword
-            arguments the class does not accept.
-    """
-    out = []
-    for i, entry in enumerate(entries):
-        kwargs = dict(entry)
-        name = kwargs.pop("name")
-        key = f"{section}[{i}]"
-        factory = reg.get(name, key=f"{key}.name")
-        registered = name in reg.names()
-        if not registered and not isinstance(factory, type):
-            raise ConfigError(f"{key}.name: '{name}' is a {type(factory).__name__}, not a class; "
-                              f"name a class (e.g. 'my_pkg.module.MyClass')")
-        if base is not None and isinstance(factory, type) and not issubclass(factory, base):
-            raise ConfigError(f"{key} ({name}): {factory.__name__} is not a subclass of "
-                              f"{base.__module__}.{base.__name__}; subclass it")
-        try:
-            out.append(factory(**{**accepted(factory, inject), **kwargs}))
-        except TypeError as exc:
-            raise ConfigError(f"{key} ({name}): {exc}; check the keys of this entry") from exc
-    return out
-
-
-def _inside(path: Path, parent: Path) -> bool:
-    try:
-        path.resolve().relative_to(parent.resolve())
-        return True
-    except ValueError:
-        return False
-
-
-def truncate_metrics(path: Path, step: int) -> int:
-    """Drop records after ``step`` from a metrics file (they are redone after a resume), and
-    lines that are not JSON records (torn by a killed process); ``step=-1`` drops every record.
-    Returns how many lines were dropped. The file is replaced atomically."""
-    if not path.exists():
-        return 0
-    import json
-
-    def kept(line: str) -> bool:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            return False  # a line torn by a killed process: its step is redone anyway
-        return isinstance(record, dict) and record.get("step", 0) <= step
-
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    keep = [x for x in lines if x.strip() and kept(x)]
-    if len(keep) != len(lines):
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(x + "\n" for x in keep), encoding="utf-8")
-        os.replace(tmp, path)
-    return len(lines) - len(keep)
-
-
-def tokenizer_cache_key(cfg: Any, docs: Any) -> str:
-    """What determines a trained BPE (the cache key of ``tokenizer.type: train_bpe``): the
-    source, the held-out documents (seed, val_fraction, val_split) and the training-byte budget
-    (the vocabulary size is in the file name)."""
-    d = cfg.data
-    return hash_str(f"{docs.fingerprint}-{cfg.run.seed}-{d.val_fraction}-{d.val_split}-"
-                    f"{d.max_documents}-{cfg.tokenizer.train_max_bytes}")
-
-
-TOKENIZER_PROBE = "ROMEO. But, soft! what light through yonder window breaks? 0123456789 \u00e9\n"
-
-
-def check_init_from_tokenizer(tok: Tokenizer, init_from: Optional[str]) -> None:
-    """Refuse to start from an llmforge run's weights with a tokenizer that maps text to other
-    ids than the one that run trained with (its embeddings would be read with the wrong rows).
-
-    Compares the vocabulary size, the special ids and the encoding of a probe text with the
-    tokenizer saved in that run (``<run>/tokenizer``); ``hf:`` sources and runs without a
-    saved tokenizer are not checked.
-
-    Raises:
-        ConfigError: they differ; the message names the tokenizer to use.
-    """
-    if not init_from or init_from.startswith("hf:"):
-        return
-    from llmforge.data.tokenizers import load_saved
-    from llmforge.generate import resolve_checkpoint
-
-    try:
-        run_dir, _ = resolve_checkpoint(init_from)
-    except LLMForgeError:
-        return  # reported when the weights are loaded
-    if not (run_dir / "tokenizer").is_dir():
-        return
-    saved = load_saved(run_dir / "tokenizer")
-    same = (saved.vocab_size == tok.vocab_size and saved.bos_id == tok.bos_id
-            and saved.eos_id == tok.eos_id and saved.encode(TOKENIZER_PROBE) == tok.encode(TOKENIZER_PROBE))
-    if not same:
-        path = run_dir / "tokenizer" / "tokenizer.json"
-        hint = (f"tokenizer.type=huggingface tokenizer.path={path}" if path.exists()
-                else f"the tokenizer saved in {run_dir / 'tokenizer'}")
-        raise ConfigError(
-            f"model.init_from: {run_dir} was trained with another tokenizer than this run's "
-            f"(vocabulary {saved.vocab_size} vs {tok.vocab_size}, or other ids for the same text); "
-            f"its embeddings would be read with the wrong rows; use {hint}")
-
-
-def check_resumable(path: Path, complete: list[Path]) -> None:
-    """A damaged resume checkpoint fails before data and model are built, naming the file and
-    the newest older complete checkpoint (from ``complete``) to resume from instead.
-
-    Raises:
-        CheckpointReadError: see :func:`llmforge.checkpoint.dcp.check_checkpoint`.
-    """
-    try:
-        check_checkpoint(path)
-    except CheckpointReadError as exc:
-        older = [p for p in complete if p.name < path.name]
-        if not older:
-            raise
-        raise CheckpointReadError(f"{exc}; the previous checkpoint is "
-                                  f"checkpoint.resume={older[-1]}") from None
-
-
-def module_class(cfg: DictConfig) -> type:
-    """The class named by ``trainer.module``, imported (research code may be in ``imports:``).
-
-    Raises:
-        ConfigError: the path does not import, or names something that is not a
-            ``lightning.LightningModule`` subclass (e.g. a function or a module).
-    """
-    path = cfg.trainer.module
-    obj = registry.import_object(path, key="trainer.module")
-    if not (isinstance(obj, type) and issubclass(obj, L.LightningModule)):
-        what = f"a {type(obj).__name__}" if not isinstance(obj, type) else "a class that is not a LightningModule"
-        raise ConfigError(f"trainer.module: '{path}' is {what}; name an LLMModule subclass, e.g. "
-                          "trainer.module=llmforge.training.module.LLMModule")
-    return obj
 
 
 class Trainer:

@@ -1,0 +1,113 @@
+"""Checks and repairs of a run's files at start: the metrics file cut back to a resume's step,
+a damaged resume checkpoint named before anything is built, the tokenizer cache key and the
+tokenizer check of ``model.init_from``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from llmforge.checkpoint.dcp import check_checkpoint
+from llmforge.checkpoint.safe_load import CheckpointReadError
+from llmforge.data.sources import hash_str
+from llmforge.data.tokenizers import Tokenizer
+from llmforge.errors import ConfigError, LLMForgeError
+
+__all__ = ["check_init_from_tokenizer", "check_resumable", "tokenizer_cache_key", "truncate_metrics"]
+
+
+def _inside(path: Path, parent: Path) -> bool:
+    try:
+        path.resolve().relative_to(parent.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def truncate_metrics(path: Path, step: int) -> int:
+    """Drop records after ``step`` from a metrics file (they are redone after a resume), and
+    lines that are not JSON records (torn by a killed process); ``step=-1`` drops every record.
+    Returns how many lines were dropped. The file is replaced atomically."""
+    if not path.exists():
+        return 0
+    import json
+
+    def kept(line: str) -> bool:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return False  # a line torn by a killed process: its step is redone anyway
+        return isinstance(record, dict) and record.get("step", 0) <= step
+
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    keep = [x for x in lines if x.strip() and kept(x)]
+    if len(keep) != len(lines):
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(x + "\n" for x in keep), encoding="utf-8")
+        os.replace(tmp, path)
+    return len(lines) - len(keep)
+
+
+def tokenizer_cache_key(cfg: Any, docs: Any) -> str:
+    """What determines a trained BPE (the cache key of ``tokenizer.type: train_bpe``): the
+    source, the held-out documents (seed, val_fraction, val_split) and the training-byte budget
+    (the vocabulary size is in the file name)."""
+    d = cfg.data
+    return hash_str(f"{docs.fingerprint}-{cfg.run.seed}-{d.val_fraction}-{d.val_split}-"
+                    f"{d.max_documents}-{cfg.tokenizer.train_max_bytes}")
+
+
+TOKENIZER_PROBE = "ROMEO. But, soft! what light through yonder window breaks? 0123456789 \u00e9\n"
+
+
+def check_init_from_tokenizer(tok: Tokenizer, init_from: Optional[str]) -> None:
+    """Refuse to start from an llmforge run's weights with a tokenizer that maps text to other
+    ids than the one that run trained with (its embeddings would be read with the wrong rows).
+
+    Compares the vocabulary size, the special ids and the encoding of a probe text with the
+    tokenizer saved in that run (``<run>/tokenizer``); ``hf:`` sources and runs without a
+    saved tokenizer are not checked.
+
+    Raises:
+        ConfigError: they differ; the message names the tokenizer to use.
+    """
+    if not init_from or init_from.startswith("hf:"):
+        return
+    from llmforge.data.tokenizers import load_saved
+    from llmforge.generate import resolve_checkpoint
+
+    try:
+        run_dir, _ = resolve_checkpoint(init_from)
+    except LLMForgeError:
+        return  # reported when the weights are loaded
+    if not (run_dir / "tokenizer").is_dir():
+        return
+    saved = load_saved(run_dir / "tokenizer")
+    same = (saved.vocab_size == tok.vocab_size and saved.bos_id == tok.bos_id
+            and saved.eos_id == tok.eos_id and saved.encode(TOKENIZER_PROBE) == tok.encode(TOKENIZER_PROBE))
+    if not same:
+        path = run_dir / "tokenizer" / "tokenizer.json"
+        hint = (f"tokenizer.type=huggingface tokenizer.path={path}" if path.exists()
+                else f"the tokenizer saved in {run_dir / 'tokenizer'}")
+        raise ConfigError(
+            f"model.init_from: {run_dir} was trained with another tokenizer than this run's "
+            f"(vocabulary {saved.vocab_size} vs {tok.vocab_size}, or other ids for the same text); "
+            f"its embeddings would be read with the wrong rows; use {hint}")
+
+
+def check_resumable(path: Path, complete: list[Path]) -> None:
+    """A damaged resume checkpoint fails before data and model are built, naming the file and
+    the newest older complete checkpoint (from ``complete``) to resume from instead.
+
+    Raises:
+        CheckpointReadError: see :func:`llmforge.checkpoint.dcp.check_checkpoint`.
+    """
+    try:
+        check_checkpoint(path)
+    except CheckpointReadError as exc:
+        older = [p for p in complete if p.name < path.name]
+        if not older:
+            raise
+        raise CheckpointReadError(f"{exc}; the previous checkpoint is "
+                                  f"checkpoint.resume={older[-1]}") from None

@@ -226,10 +226,10 @@ def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
     if cfg.data.mixture:
         from llmforge.data.mixture import mixture_entries
 
-        mixture_entries(cfg)  # each entry's source, path, weight and name
-        if cfg.data.source != "prepared":
-            raise ConfigError(f"data.mixture mixes prepared token shards: set data.source=prepared "
-                              f"(got data.source={cfg.data.source})")
+        if cfg.data.task != "pretrain":
+            raise ConfigError(f"data.mixture mixes pretraining sources: data.task={cfg.data.task} "
+                              "reads one source; drop data.mixture or set data.task=pretrain")
+        mixture_entries(cfg)  # each entry's keys, source, path, weight and name
     if cfg.data.task == "sft":
         _one_of("data.overlong", cfg.data.overlong, OVERLONG)
         if cfg.data.source not in ("files", "hub"):

@@ -28,7 +28,7 @@ import numpy as np
 from torch.utils.data import ConcatDataset, DataLoader
 
 from llmforge.data.loader import PositionedLoader
-from llmforge.data.mixture import MixtureSampler, MixtureWindows, PreparedMixture
+from llmforge.data.mixture import MixtureSampler, MixtureStream, MixtureWindows, PreparedMixture, mixture_windows
 from llmforge.data.packing import PackedWindows, ShardedSampler, pack_documents, token_dtype
 from llmforge.data.prepared import PreparedSplits, PreparedWindows
 from llmforge.data.sources import DocumentSplits
@@ -147,13 +147,11 @@ class LLMDataModule(L.LightningDataModule):
                                                     repeat=False)
             return
         if isinstance(self.docs, PreparedMixture):
-            parts = [PreparedWindows(p, "train", self.seq_len) for p in self.docs.parts]
-            for i, part in enumerate(parts):
-                if not len(part):
-                    raise DataError(f"data.mixture[{i}].path: {self.docs.parts[i].root} holds fewer "
-                                    f"tokens than one window of seq_len+1={self.seq_len + 1} per shard")
-            self.train_windows = MixtureWindows(parts)
-            n_tokens = self.train_tokens = sum(p.tokens for p in parts)
+            self.train_windows, n_tokens = mixture_windows(
+                self.docs, self.tokenizer, seq_len=self.seq_len, rank=rank, world=world,
+                seed=self.seed, start_step=self.start_step, local_batch=self.local_batch_size,
+                num_workers=self.num_workers)
+            self.train_tokens = n_tokens
         elif isinstance(self.docs, PreparedSplits):  # memory-mapped token shards, no tokenizing
             self.train_windows = PreparedWindows(self.docs, "train", self.seq_len)
             n_tokens = self.train_tokens = self.train_windows.tokens
@@ -161,8 +159,8 @@ class LLMDataModule(L.LightningDataModule):
             tokens = tokenize_documents(self.docs.train, self.tokenizer)
             n_tokens = self.train_tokens = len(tokens)
             self.train_windows = PackedWindows(tokens, self.seq_len)
-        per_rank = len(self.train_windows) // world
-        if per_rank < self.local_batch_size:
+        per_rank = len(self.train_windows) // world if hasattr(self.train_windows, "__len__") else None
+        if per_rank is not None and per_rank < self.local_batch_size:
             raise DataError(
                 f"data: the training split has {n_tokens:,} tokens = {len(self.train_windows)} "
                 f"windows of seq_len+1={self.seq_len + 1} tokens, {per_rank} per data-parallel "
@@ -170,8 +168,9 @@ class LLMDataModule(L.LightningDataModule):
                 "rank; use more text, a smaller trainer.seq_len or trainer.global_batch_size"
             )
         if isinstance(self.docs, (PreparedSplits, PreparedMixture)):
-            parts = self.docs.parts if isinstance(self.docs, PreparedMixture) else [self.docs]
-            val = ConcatDataset([PreparedWindows(p, "val", self.seq_len) for p in parts])
+            # a mixture evaluates on its prepared entries' val windows only (docs/data.md)
+            parts = self.docs.prepared if isinstance(self.docs, PreparedMixture) else [self.docs]
+            val = ConcatDataset([PreparedWindows(p, "val", self.seq_len) for p in parts]) if parts else []
             self.val_windows = val if len(val) >= world else None  # too few: no evaluation
         elif self.docs.val is not None:
             val_tokens = tokenize_documents(self.docs.val, self.tokenizer)
@@ -188,7 +187,7 @@ class LLMDataModule(L.LightningDataModule):
         common = dict(num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
                       prefetch_factor=4 if self.num_workers > 0 else None,
                       worker_init_fn=ignore_stop_signals if self.num_workers > 0 else None)
-        if isinstance(self.train_windows, StreamingWindows):
+        if isinstance(self.train_windows, (StreamingWindows, MixtureStream)):
             return self._streaming_loader(common)
         if isinstance(self.train_windows, MixtureWindows):
             entries = self.docs.entries
@@ -247,9 +246,14 @@ class LLMDataModule(L.LightningDataModule):
             why = (f"it was saved with data-parallel size {then['dp_size']} and data.num_workers="
                    f"{then['num_workers']}, this run has {now['dp_size']} and {now['num_workers']}"
                    if saved else "it holds no streaming position (saved by an older llmforge)")
-            print(f"data: {self.resume_dir} cannot restore the streaming position ({why}); every "
-                  "rank restarts the stream from its beginning, so documents already trained on "
-                  "are seen again (disjoint between ranks)", file=sys.stderr, flush=True)
+            what = ("every rank restarts the mixture's streaming entries from their beginning "
+                    "(disjoint between ranks), so their documents already trained on are seen "
+                    f"again; its prepared entries continue exactly at step {self.start_step}"
+                    if isinstance(self.train_windows, MixtureStream) else
+                    "every rank restarts the stream from its beginning, so documents already "
+                    "trained on are seen again (disjoint between ranks)")
+            print(f"data: {self.resume_dir} cannot restore the streaming position ({why}); {what}",
+                  file=sys.stderr, flush=True)
         return None
 
     def teardown(self, stage: Optional[str] = None) -> None:

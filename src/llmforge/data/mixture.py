@@ -1,5 +1,5 @@
-"""Weighted mixtures of prepared sources (``data.mixture``): which source each training window
-comes from, deterministic for a seed, exact on resume and on any data-parallel size.
+"""Weighted mixtures (``data.mixture``) of prepared and streaming sources: which source each
+training window comes from, deterministic for a seed, exact on resume.
 
 Global sample ``j`` (step ``t`` holds samples ``[t*G, (t+1)*G)``, ``G = global_batch_size``;
 rank ``r`` takes its ``r``-th contiguous slice) is assigned to a source by a Weyl sequence
@@ -11,13 +11,16 @@ drawn from source ``s`` is window ``perm[c mod N_s]`` of its epoch ``c // N_s``,
 seeded by ``(seed, s, epoch)``: each source is read without repeats within its own epoch.
 
 Resuming at step ``t`` counts each source's samples before ``t * G`` (vectorized, about 10 ns
-per sample already trained on); nothing is read or tokenized again.
+per sample already trained on); nothing is read or tokenized again. A prepared source's
+windows depend on the step only, so they are exact on any data-parallel size. A streaming
+source's window is the next one of its :class:`llmforge.data.streaming.StreamingWindows` in
+the loader worker that produces the step (:class:`MixtureStream`), whose position the
+checkpoint saves: exact on the same data-parallel size and ``data.num_workers``.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+import copy
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -25,61 +28,15 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import Dataset, Sampler
 
-from llmforge.errors import ConfigError
+from llmforge.data.mixture_sources import PreparedMixture, mixture_entries, mixture_report
+from llmforge.data.streaming import StreamingWindows
+from llmforge.errors import DataError
+
+__all__ = ["MixtureSampler", "MixtureStream", "MixtureTokens", "MixtureWindows", "PreparedMixture",
+           "mixture_entries", "mixture_report", "mixture_windows"]
 
 _PHI = np.uint64(0x9E3779B97F4A7C15)  # frac((sqrt(5) - 1) / 2) * 2**64, odd
 _CHUNK = 1 << 20
-
-
-def mixture_entries(cfg: Any) -> list[dict[str, Any]]:
-    """``data.mixture`` checked: ``[{name, path, weight (normalized)}]``; ``[]`` without one.
-
-    Raises:
-        ConfigError: an entry that is not prepared, has no path, a weight that is not a
-            finite number > 0, or a repeated name (the message names the key).
-    """
-    raw = list(cfg.data.get("mixture") or [])
-    out, names = [], set()
-    for i, entry in enumerate(raw):
-        key = f"data.mixture[{i}]"
-        entry = dict(entry)
-        unknown = set(entry) - {"source", "path", "weight", "name"}
-        if unknown:
-            raise ConfigError(f"{key}: unknown key(s) {sorted(unknown)}; an entry has source, path, "
-                              "weight and name")
-        if entry.get("source", "prepared") != "prepared":
-            raise ConfigError(f"{key}.source={entry['source']!r}: mixtures read prepared token shards "
-                              "only; prepare it with `llmforge data prepare` and use source: prepared")
-        if not entry.get("path"):
-            raise ConfigError(f"{key}.path: required (a folder written by `llmforge data prepare`)")
-        w = entry.get("weight")
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
-            raise ConfigError(f"{key}.weight={w!r}: must be a finite number > 0 (weights are "
-                              "normalized to shares; drop an entry to leave it out)")
-        name = str(entry.get("name") or str(entry["path"]).rstrip("/").rsplit("/", 1)[-1])
-        if name in names:
-            raise ConfigError(f"{key}.name={name!r}: another entry has this name; names must differ")
-        names.add(name)
-        out.append({"name": name, "path": str(entry["path"]), "weight": float(w)})
-    total = sum(e["weight"] for e in out)
-    for e in out:
-        e["share"] = e["weight"] / total
-    return out
-
-
-@dataclass
-class PreparedMixture:
-    """The data module's input for ``data.mixture``: the checked entries and their opened
-    prepared folders (:func:`llmforge.data.prepared.open_prepared`), in order."""
-
-    entries: list[dict[str, Any]]
-    parts: list[Any]
-
-
-def mixture_report(cfg: Any, tokens_per_step: int) -> list[str]:
-    """``--dry-run`` lines: each source's share and tokens per optimizer step."""
-    return [f"mixture         {e['name']}: {e['share']:.1%} share, ~{e['share'] * tokens_per_step:,.0f} "
-            f"tokens per step ({e['path']})" for e in mixture_entries(cfg)]
 
 
 class MixtureSampler(Sampler):
@@ -126,19 +83,26 @@ class MixtureSampler(Sampler):
                 [self.seed, s, epoch]).permutation(self.sizes[s])
         return int(perm[pos])
 
+    def rank_samples(self, step: int, base: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """This rank's samples of global batch ``step``: ``(source[local], c[local], counts)``,
+        ``c`` the source's running count of each sample given ``base`` (each source's samples
+        before the step) and ``counts`` the step's samples of each source (all ranks)."""
+        lo = step * self.global_batch
+        src = self.sources(lo, lo + self.global_batch)
+        nth = np.empty(len(src), dtype=np.int64)
+        for s in range(len(self.sizes)):
+            mask = src == s
+            nth[mask] = base[s] + np.arange(int(mask.sum()))
+        mine = slice(self.rank * self.local, (self.rank + 1) * self.local)
+        return src[mine], nth[mine], np.bincount(src, minlength=len(self.sizes))
+
     def __iter__(self) -> Iterator[tuple[int, int]]:
         step = self.start_step
         base = self.counts_before(step * self.global_batch)
         while True:
-            lo = step * self.global_batch
-            src = self.sources(lo, lo + self.global_batch)
-            nth = np.empty(len(src), dtype=np.int64)  # c: the source's running count
-            for s in range(len(self.sizes)):
-                mask = src == s
-                nth[mask] = base[s] + np.arange(int(mask.sum()))
-            base += np.bincount(src, minlength=len(self.sizes))
-            mine = slice(self.rank * self.local, (self.rank + 1) * self.local)
-            for s, c in zip(src[mine], nth[mine]):
+            src, nth, counts = self.rank_samples(step, base)
+            base += counts
+            for s, c in zip(src, nth):
                 yield int(s), self.window(int(s), int(c))
             step += 1
 
@@ -155,6 +119,148 @@ class MixtureWindows(Dataset):
     def __getitem__(self, key: tuple[int, int]) -> torch.Tensor:
         s, w = key
         return self.parts[s][w]
+
+
+class MixtureStream(torch.utils.data.IterableDataset):
+    """Training windows ``LongTensor[seq_len + 1]`` of a mixture with streaming entries, one
+    optimizer step's local batch after another, resumable exactly.
+
+    Loader worker ``w`` of ``k`` (``StatefulDataLoader`` hands out its batches ``w, w+k, ...``)
+    produces the steps ``start_step + w, start_step + w + k, ...``: for each it asks the sampler
+    which source each of this rank's samples comes from; a prepared sample is window
+    ``window(s, c)`` of that folder (as :class:`MixtureSampler`), a streaming one the next
+    window of that source's :class:`StreamingWindows` in this worker (its own shards).
+
+    Args:
+        sampler: the mixture's :class:`MixtureSampler` (this rank, ``start_step``).
+        prepared: source index -> :class:`llmforge.data.prepared.PreparedWindows`.
+        streams: source index -> :class:`StreamingWindows` (split by data-parallel rank).
+        names: every entry's name (the keys of the saved stream positions).
+        num_workers: ``data.num_workers`` (0 = one worker, the training process).
+
+    Raises:
+        DataError (while iterating): a worker with no shard of a streaming source.
+    """
+
+    def __init__(self, sampler: MixtureSampler, prepared: dict[int, Any],
+                 streams: dict[int, StreamingWindows], names: list[str], num_workers: int) -> None:
+        self.sampler, self.prepared, self.streams, self.names = sampler, prepared, streams, names
+        self.every = max(1, num_workers)
+        self._pos: Optional[tuple[int, int]] = None  # (step, windows of it yielded)
+        self._starts: dict[int, Any] = {}  # each stream's position at this iteration's start
+        self._drawn: set[int] = set()
+        self._resume: Optional[dict[str, Any]] = None
+
+    # torchdata's Stateful protocol: StatefulDataLoader calls these in each worker
+    def state_dict(self) -> dict[str, Any]:
+        """``{"step", "yielded", "streams": {name: StreamingWindows state}}`` after the last
+        window this worker yielded (JSON-serializable); ``step`` None = not started."""
+        if self._pos is None:
+            return copy.deepcopy(self._resume) if self._resume else {"step": None}
+        # a stream not drawn from since the start is still where it started (its generator
+        # has not run, so its own state_dict would say "fresh")
+        streams = {self.names[s]: w.state_dict() if s in self._drawn else copy.deepcopy(self._starts[s])
+                   for s, w in self.streams.items()}
+        return {"step": self._pos[0], "yielded": self._pos[1], "streams": streams}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue after the position :meth:`state_dict` returned (at the next ``iter``)."""
+        self._resume = copy.deepcopy(state)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        smp, k = self.sampler, self.every
+        saved, self._resume = self._resume or {}, None
+        step, done = saved.get("step"), int(saved.get("yielded") or 0)
+        if step is None:
+            step, done = smp.start_step + worker, 0
+        if done >= smp.local:
+            step, done = step + k, 0
+        starts = saved.get("streams") or {}
+        for s, w in self.streams.items():
+            if starts.get(self.names[s]) is not None:
+                w.load_state_dict(starts[self.names[s]])
+            self._starts[s] = starts.get(self.names[s]) or w.state_dict()
+        self._drawn.clear()
+        its = {s: iter(w) for s, w in self.streams.items()}
+        base = smp.counts_before(step * smp.global_batch)
+        while True:
+            src, nth, _ = smp.rank_samples(step, base)
+            for i in range(done, smp.local):
+                s = int(src[i])
+                if s in its:
+                    x = next(its[s], None)
+                    if x is None:
+                        raise DataError(f"data.mixture: {self.names[s]!r} gives loader worker {worker} "
+                                        "no shard; lower data.num_workers or split it into more files")
+                    self._drawn.add(s)
+                else:
+                    x = self.prepared[s][smp.window(s, int(nth[i]))]
+                self._pos = (step, i + 1)
+                yield x
+            done = 0
+            lo = step * smp.global_batch  # skip the steps the other workers produce
+            base += np.bincount(smp.sources(lo, lo + k * smp.global_batch), minlength=len(smp.sizes))
+            step += k
+
+
+def mixture_windows(docs: PreparedMixture, tokenizer: Any, *, seq_len: int, rank: int, world: int,
+                    seed: int, start_step: int, local_batch: int, num_workers: int) -> tuple[Any, int]:
+    """The training windows of a mixture and its prepared training tokens: a map-style
+    :class:`MixtureWindows` (indexed by :class:`MixtureSampler`) when every entry is prepared,
+    else a :class:`MixtureStream`.
+
+    Raises:
+        DataError: a prepared entry with no window, a streaming entry with fewer shards on this
+            rank than ``num_workers`` or one whose whole pass gives no window (names the entry).
+    """
+    from llmforge.data.prepared import PreparedWindows
+
+    prepared, streams = {}, {}
+    for i, (e, part) in enumerate(zip(docs.entries, docs.parts)):
+        key = f"data.mixture[{i}]"
+        if e["source"] == "prepared":
+            prepared[i] = PreparedWindows(part, "train", seq_len)
+            if not len(prepared[i]):
+                raise DataError(f"{key}.path: {part.root} holds fewer tokens than one window of "
+                                f"seq_len+1={seq_len + 1} per shard")
+            continue
+        streams[i] = _checked_stream(key, e, part.train, tokenizer, seq_len, rank, world, seed + i,
+                                     num_workers)
+    n_tokens = sum(p.tokens for p in prepared.values())
+    sizes = [len(prepared[i]) if i in prepared else 1 for i in range(len(docs.entries))]
+    sampler = MixtureSampler([e["share"] for e in docs.entries], sizes, rank, world, seed,
+                             start_step, local_batch)
+    if not streams:
+        return MixtureWindows([prepared[i] for i in range(len(sizes))]), n_tokens
+    return MixtureStream(sampler, prepared, streams, [e["name"] for e in docs.entries],
+                         num_workers), n_tokens
+
+
+def _checked_stream(key: str, entry: dict[str, Any], docs: Any, tokenizer: Any, seq_len: int,
+                    rank: int, world: int, seed: int, num_workers: int) -> StreamingWindows:
+    """A streaming entry's windows on this rank, checked before training (a worker's error
+    would reach the user wrapped in a traceback): enough shards for every loader worker, and
+    a first window (reads and tokenizes one block)."""
+    probe = StreamingWindows(docs, tokenizer, seq_len, rank, world, seed)
+    shards = probe.docs.num_shards
+    if num_workers > shards:
+        raise DataError(f"{key} ({entry['name']}): {entry['path']} has {shards} shard(s) on this "
+                        f"rank, fewer than data.num_workers={num_workers}: a worker without a shard "
+                        "cannot give this source its windows; lower data.num_workers or split the "
+                        "source into more files")
+    first = iter(probe)
+    try:
+        next(first)
+    except DataError as exc:
+        raise DataError(f"{key} ({entry['name']}): {entry['path']}: "
+                        f"{str(exc).removeprefix('data: ')}") from exc
+    finally:
+        first.close()
+    return StreamingWindows(docs, tokenizer, seq_len, rank, world, seed)  # at its start
 
 
 class MixtureTokens(Callback):

@@ -188,14 +188,13 @@ class Trainer:
             from llmforge.data.sft import load_conversations
 
             return load_conversations(self.cfg.data, self.cfg.run.seed)
+        if self.cfg.data.mixture:  # prepared and streaming entries
+            from llmforge.data.mixture_sources import open_mixture
+
+            return open_mixture(self.cfg)
         if self.cfg.data.source == "prepared":
-            from llmforge.data.mixture import mixture_entries
             from llmforge.data.prepared import open_prepared
 
-            entries = mixture_entries(self.cfg)
-            if entries:
-                parts = [open_prepared(e["path"]) for e in entries]
-                return PreparedMixture(entries, parts)
             if not self.cfg.data.path:
                 raise ConfigError("data.source=prepared needs data.path, the folder written by "
                                   "`llmforge data prepare`")
@@ -207,16 +206,19 @@ class Trainer:
 
         A trained BPE is cached by :func:`tokenizer_cache_key`; a prepared source reads the
         tokenizer saved with its shards (see :meth:`_prepared_tokenizer`)."""
-        if isinstance(docs, PreparedMixture):
-            tok = self._prepared_tokenizer(docs.parts[0])
-            for entry, part in zip(docs.entries[1:], docs.parts[1:]):
-                check_tokenizer(part, tok, f"the tokenizer of data.mixture[0] ({docs.parts[0].root})")
+        if isinstance(docs, PreparedMixture) and docs.prepared:  # the first prepared entry's
+            first, *rest = docs.prepared
+            tok = self._prepared_tokenizer(first)
+            for part in rest:
+                check_tokenizer(part, tok, f"the tokenizer of {first.root}")
             return tok
         if isinstance(docs, PreparedSplits):
             return self._prepared_tokenizer(docs)
         max_bytes = self.cfg.tokenizer.train_max_bytes
         key = tokenizer_cache_key(self.cfg, docs)
-        if self.cfg.data.task == "sft":
+        if isinstance(docs, PreparedMixture):  # streaming entries only: each by its share
+            texts = lambda: docs.texts(max_bytes)  # noqa: E731
+        elif self.cfg.data.task == "sft":
             texts = lambda: (c.text for c in docs.train)  # noqa: E731 (sft: conversations)
         else:
             texts = lambda: iter_texts(docs.train, max_bytes)  # noqa: E731

@@ -1,0 +1,184 @@
+"""The entries of ``data.mixture``: checked, opened (prepared folders and streaming document
+sources), and reported by ``--dry-run``.
+
+An entry is a prepared folder (``{source: prepared, path, weight, name}``) or a streaming
+document source whose keys are those of ``data:`` (``source: files|hub|shakespeare``, ``path``,
+``paths``, ``format``, ``text_field``, ``split``, ``storage_options``, ``max_documents``;
+``hub_name`` is ``data.name``, the Hub configuration, since ``name`` names the entry), merged
+over the run's ``data:`` section. An entry without ``source`` takes ``data.source``.
+"""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+from llmforge.errors import ConfigError, DataError
+
+_COMMON = {"source", "name", "weight"}
+_PREPARED_KEYS = _COMMON | {"path"}
+_STREAM_KEYS = _COMMON | {"path", "paths", "format", "text_field", "hub_name", "split",
+                          "storage_options", "streaming", "max_documents"}
+_STREAM_SOURCES = ("files", "hub", "shakespeare")
+
+
+def _default_name(entry: dict[str, Any], i: int) -> str:
+    """The last path component without glob characters: ``corpus/*.jsonl`` -> ``corpus``."""
+    path = str(entry.get("path") or (list(entry.get("paths") or []) or [""])[0] or entry.get("source"))
+    parts = [p for p in path.rstrip("/").split("/") if p and not glob.has_magic(p)]
+    return parts[-1] if parts else f"source{i}"
+
+
+def _check_keys(key: str, entry: dict[str, Any], source: str) -> None:
+    allowed = _PREPARED_KEYS if source == "prepared" else _STREAM_KEYS
+    unknown = set(entry) - allowed
+    if not unknown:
+        return
+    if unknown & {"val_split", "val_fraction"}:
+        raise ConfigError(f"{key}: {sorted(unknown & {'val_split', 'val_fraction'})} cannot be set "
+                          "per entry: evaluation reads the validation windows of the prepared "
+                          "entries only, a streaming entry trains on all its documents (docs/data.md)")
+    what = "a prepared entry" if source == "prepared" else f"a {source} (streaming) entry"
+    raise ConfigError(f"{key}: unknown key(s) {sorted(unknown)}; {what} has "
+                      f"{', '.join(sorted(allowed))}")
+
+
+def _check_weight(key: str, w: Any) -> float:
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
+        raise ConfigError(f"{key}.weight={w!r}: must be a finite number > 0 (weights are "
+                          "normalized to shares; drop an entry to leave it out)")
+    return float(w)
+
+
+def _stream_config(cfg: Any, key: str, entry: dict[str, Any], source: str) -> Any:
+    """The entry's keys merged over ``data:``: what :func:`load_documents` reads."""
+    from omegaconf import OmegaConf
+
+    if entry.get("streaming", True) is not True:
+        raise ConfigError(f"{key}.streaming={entry['streaming']!r}: a {source} entry of a mixture is "
+                          "read streaming (in-memory sources are not mixed); drop the key, or "
+                          "`llmforge data prepare` it and use source: prepared")
+    has_path = bool(entry.get("path") or entry.get("paths"))
+    if source == "shakespeare" and has_path:
+        raise ConfigError(f"{key}.path: source shakespeare (data.source) takes no path; set "
+                          f"{key}.source to prepared or files")
+    if source != "shakespeare" and not has_path:
+        what = "the dataset name (e.g. allenai/c4)" if source == "hub" else "a file, glob or URL"
+        raise ConfigError(f"{key}.path: required for a {source} entry ({what})")
+    over = {k: v for k, v in entry.items() if k in _STREAM_KEYS - _COMMON - {"hub_name"}}
+    paths = entry.get("paths") or []
+    over.update(source=source, streaming=True, path=entry.get("path"),
+                paths=[paths] if isinstance(paths, str) else list(paths),
+                val_split=None, val_fraction=0.0, mixture=[])
+    if "hub_name" in entry:
+        over["name"] = entry["hub_name"]
+    try:
+        return OmegaConf.merge(cfg.data, over)
+    except Exception as exc:  # a value of the wrong type for its data: key
+        raise ConfigError(f"{key}: {exc}".splitlines()[0]) from exc
+
+
+def mixture_entries(cfg: Any) -> list[dict[str, Any]]:
+    """``data.mixture`` checked: ``[{name, source, path, weight, share, data}]`` (``data``: the
+    merged ``data:`` config of a streaming entry, ``None`` for a prepared one); ``[]`` without one.
+
+    Raises:
+        ConfigError: an unknown key, a missing path, a weight that is not a finite number > 0,
+            an unknown source or a repeated name (the message names the key).
+    """
+    raw = list(cfg.data.get("mixture") or [])
+    out, names = [], set()
+    for i, entry in enumerate(raw):
+        key = f"data.mixture[{i}]"
+        entry = dict(entry)
+        source = str(entry.get("source") or cfg.data.source)
+        if source != "prepared" and source not in _STREAM_SOURCES:
+            raise ConfigError(f"{key}.source={source!r}: one of prepared, {', '.join(_STREAM_SOURCES)}")
+        _check_keys(key, entry, source)
+        w = _check_weight(key, entry.get("weight"))
+        if source == "prepared" and not entry.get("path"):
+            raise ConfigError(f"{key}.path: required (a folder written by `llmforge data prepare`)")
+        data = None if source == "prepared" else _stream_config(cfg, key, entry, source)
+        name = str(entry.get("name") or _default_name(entry, i))
+        if name in names:
+            raise ConfigError(f"{key}.name={name!r}: another entry has this name; names must differ")
+        names.add(name)
+        path = entry.get("path") or ", ".join(map(str, entry.get("paths") or [])) or source
+        out.append({"name": name, "source": source, "path": str(path), "weight": w, "data": data})
+    total = sum(e["weight"] for e in out)
+    for e in out:
+        e["share"] = e["weight"] / total
+    return out
+
+
+@dataclass
+class PreparedMixture:
+    """The data module's input for ``data.mixture``: the checked entries and, in order, each
+    one's opened source: a prepared folder (:class:`llmforge.data.prepared.PreparedSplits`) or
+    streaming documents (:class:`llmforge.data.sources.DocumentSplits`, ``val`` None)."""
+
+    entries: list[dict[str, Any]]
+    parts: list[Any]
+
+    @property
+    def prepared(self) -> list[Any]:
+        """The prepared folders, in entry order."""
+        return [p for e, p in zip(self.entries, self.parts) if e["source"] == "prepared"]
+
+    @property
+    def fingerprint(self) -> str:
+        """Where the documents come from (the cache key of a tokenizer trained on them)."""
+        from llmforge.data.sources import hash_str
+
+        return hash_str(repr([(e["name"], e["share"], getattr(p, "fingerprint", None))
+                              for e, p in zip(self.entries, self.parts)]))
+
+    def texts(self, max_bytes: Optional[int]) -> Iterator[str]:
+        """Texts of the streaming entries, each up to its share of ``max_bytes`` (what
+        ``tokenizer.type: train_bpe`` trains on when no entry is prepared)."""
+        from llmforge.data.sources import iter_texts
+
+        return itertools.chain.from_iterable(
+            iter_texts(p.train, None if max_bytes is None else max(1, int(max_bytes * e["share"])))
+            for e, p in zip(self.entries, self.parts) if e["source"] != "prepared")
+
+
+def _entry_error(i: int, exc: DataError) -> DataError:
+    """``exc`` (about ``data.KEY``) renamed to the entry's key ``data.mixture[i].KEY``."""
+    msg = str(exc)
+    for prefix in ("data.", "data: "):
+        if msg.startswith(prefix):
+            return DataError(f"data.mixture[{i}]{'.' if prefix == 'data.' else ': '}{msg[len(prefix):]}")
+    return DataError(f"data.mixture[{i}]: {msg}")
+
+
+def open_mixture(cfg: Any) -> PreparedMixture:
+    """Open every entry of ``data.mixture``: prepared folders checked against their manifests,
+    streaming sources loaded lazily (:func:`llmforge.data.sources.load_documents`).
+
+    Raises:
+        ConfigError: a bad entry (:func:`mixture_entries`).
+        DataError: a folder or source that cannot be read (the message names the entry).
+    """
+    from llmforge.data.prepared import open_prepared
+    from llmforge.data.sources import load_documents
+
+    entries = mixture_entries(cfg)
+    parts = []
+    for i, e in enumerate(entries):
+        try:
+            parts.append(open_prepared(e["path"]) if e["data"] is None
+                         else load_documents(e["data"], cfg.run.seed))
+        except DataError as exc:
+            raise _entry_error(i, exc) from exc
+    return PreparedMixture(entries, parts)
+
+
+def mixture_report(cfg: Any, tokens_per_step: int) -> list[str]:
+    """``--dry-run`` lines: each source's share and tokens per optimizer step."""
+    return [f"mixture         {e['name']}: {e['share']:.1%} share, ~{e['share'] * tokens_per_step:,.0f} "
+            f"tokens per step ({e['path']}{'' if e['data'] is None else ', ' + e['source'] + ' streaming'})"
+            for e in mixture_entries(cfg)]

@@ -1,0 +1,177 @@
+"""Mixtures with streaming entries: prepared and streaming windows in the sampler's proportions,
+exact resume of the whole mixture through StatefulDataLoader with 0 and 2 workers, a changed
+worker count said plainly, and bad entries exit 2 naming the key."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import DEMO
+from llmforge.cli import main
+from test_streaming import ByteTokenizer, write_corpus
+
+PREPARED_ID = 300  # prepared windows hold ids >= 300; ByteTokenizer's are < 258
+
+
+def write_prepared(root: Path, windows: int, seq_len: int) -> str:
+    """A prepared folder by hand: one shard of ``windows`` windows, window ``i`` all ``300 + i``."""
+    (root / "train").mkdir(parents=True)
+    ids = np.repeat(np.arange(PREPARED_ID, PREPARED_ID + windows, dtype=np.uint16), seq_len + 1)
+    (root / "train" / "shard_00000.bin").write_bytes(ids.tobytes())
+    shard = {"file": "train/shard_00000.bin", "tokens": int(ids.size),
+             "sha256": hashlib.sha256(ids.tobytes()).hexdigest()}
+    (root / "manifest.json").write_text(json.dumps({
+        "format": "llmforge-tokens/1", "complete": True, "dtype": "uint16",
+        "tokenizer": {"fingerprint": "x", "vocab_size": 1024, "bos_id": 0, "eos_id": 1, "type": "t"},
+        "splits": {"train": {"documents": windows, "tokens": int(ids.size), "shards": [shard]}}}))
+    return str(root)
+
+
+def mixture_cfg(entries: list, **data):
+    from omegaconf import OmegaConf
+
+    from llmforge.config.schema import DataConfig
+
+    return OmegaConf.create({"data": OmegaConf.structured(DataConfig(mixture=entries, **data)),
+                             "run": {"seed": 0}})
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mixstream")
+    return {"prepared": write_prepared(root / "p", 40, 15),
+            "web": write_corpus(root / "web", 4, 30)}
+
+
+def module(sources, *, num_workers: int, batch: int = 4, start_step: int = 0, resume_dir=None,
+           shares=(3, 1)):
+    from llmforge.data.datamodule import LLMDataModule
+    from llmforge.data.mixture_sources import open_mixture
+
+    cfg = mixture_cfg([{"source": "prepared", "path": sources["prepared"], "weight": shares[0], "name": "books"},
+                       {"source": "files", "path": sources["web"], "weight": shares[1], "name": "web"}])
+    dm = LLMDataModule(open_mixture(cfg), ByteTokenizer(), seq_len=15, local_batch_size=batch,
+                       micro_batch_size=batch, eval_batches=1, seed=3, num_workers=num_workers,
+                       dp_rank=0, dp_size=1, start_step=start_step, resume_dir=resume_dir)
+    dm.setup()
+    for w in dm.train_windows.streams.values():
+        w.block_docs = 8  # several blocks and passes within the test
+    return dm
+
+
+def is_prepared(batch: torch.Tensor) -> list[bool]:
+    return [bool(row.min() >= PREPARED_ID) for row in batch]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_mixture_with_a_stream_resumes_exactly(sources, tmp_path, num_workers):
+    from llmforge.data.mixture import MixtureSampler
+
+    dm = module(sources, num_workers=num_workers)
+    loader = dm.train_dataloader()
+    it = iter(loader)
+    straight = [next(it) for _ in range(13)]
+    saved = loader.position(7)  # the loader has fetched more: the position is 7's
+    straight += [next(it) for _ in range(7)]
+    loader.close()
+    # the sampler decides which source each window comes from; prepared windows are its picks
+    smp = MixtureSampler([0.75, 0.25], [40, 1], seed=3, local_batch=4)
+    picks = [p for _, p in zip(range(80), smp)]
+    got = [x for b in straight for x in b]
+    assert [s == 0 for s, _ in picks] == [bool(x.min() >= PREPARED_ID) for x in got]
+    assert [int(x[0]) - PREPARED_ID for x, (s, _) in zip(got, picks) if s == 0] == \
+        [w for s, w in picks if s == 0]
+    stream = [x for x in got if x.max() < PREPARED_ID]
+    assert len(stream) == sum(s == 1 for s, _ in picks)
+
+    resume = tmp_path / "ckpt"
+    (resume / "data").mkdir(parents=True)
+    (resume / "data" / "rank0.json").write_text(json.dumps(  # through JSON, as a checkpoint
+        {"dp_rank": 0, "dp_size": 1, "num_workers": num_workers, "step": 7, "loader": saved}))
+    again = module(sources, num_workers=num_workers, start_step=7, resume_dir=resume)
+    loader = again.train_dataloader()
+    rest = [b for _, b in zip(range(13), loader)]
+    loader.close()
+    for i, b in enumerate(rest):
+        assert torch.equal(b, straight[7 + i]), i
+    # the same seed gives the same windows
+    fresh = module(sources, num_workers=num_workers)
+    loader = fresh.train_dataloader()
+    first = [b for _, b in zip(range(3), loader)]
+    loader.close()
+    assert all(torch.equal(a, b) for a, b in zip(first, straight))
+
+
+def test_changed_worker_count_continues_disjoint_and_says_so(sources, tmp_path, capsys):
+    resume = tmp_path / "ckpt"
+    (resume / "data").mkdir(parents=True)
+    (resume / "data" / "rank0.json").write_text(json.dumps(
+        {"dp_rank": 0, "dp_size": 1, "num_workers": 2, "step": 5, "loader": {"x": 1}}))
+    dm = module(sources, num_workers=0, start_step=5, resume_dir=resume)
+    loader = dm.train_dataloader()
+    batch = next(iter(loader))
+    loader.close()
+    err = capsys.readouterr().err
+    assert "data.num_workers=2, this run has 1 and 0" in err
+    assert "restarts the mixture's streaming entries" in err and "continue exactly at step 5" in err
+    # prepared samples are those of step 5 (the sampler by step), the streaming ones start again
+    from llmforge.data.mixture import MixtureSampler
+
+    want = [p for _, p in zip(range(4), MixtureSampler([0.75, 0.25], [40, 1], seed=3, start_step=5,
+                                                        local_batch=4))]
+    assert [int(x[0]) - PREPARED_ID for x, (s, _) in zip(batch, want) if s == 0] == \
+        [w for s, w in want if s == 0]
+
+
+def test_shares_hold_within_one_percent_over_10000_windows(sources):
+    dm = module(sources, num_workers=0, batch=100, shares=(0.7, 0.3))
+    it = iter(dm.train_windows)
+    flags = [bool(next(it).min() >= PREPARED_ID) for _ in range(10_000)]
+    assert abs(sum(flags) / 10_000 - 0.7) < 0.01
+
+
+def test_too_many_workers_for_the_shards_exits_early_naming_the_entry(sources):
+    from llmforge.errors import DataError
+
+    with pytest.raises(DataError, match=r"data.mixture\[1\] \(web\).*4 shard\(s\).*data.num_workers=5"):
+        module(sources, num_workers=5)
+
+
+@pytest.mark.parametrize("entry,want", [
+    ("{source: files, path: x.jsonl, weight: 1, colour: red}", "data.mixture[1]: unknown key(s) ['colour']"),
+    ("{source: files, weight: 1}", "data.mixture[1].path: required for a files entry"),
+    ("{source: hub, weight: 1}", "data.mixture[1].path: required for a hub entry"),
+    ("{source: files, path: x.jsonl, weight: 1, streaming: false}", "data.mixture[1].streaming=False"),
+    ("{source: files, path: x.jsonl, weight: 1, val_fraction: 0.1}", "evaluation reads the validation"),
+    ("{source: prepared, path: p, weight: 1, text_field: t}", "data.mixture[1]: unknown key(s) ['text_field']"),
+    ("{source: ftp, path: p, weight: 1}", "data.mixture[1].source='ftp'"),
+    ("{source: files, path: x.jsonl, weight: .nan}", "data.mixture[1].weight=nan"),
+])
+def test_bad_entry_exits_2_naming_the_key(capsys, entry, want):
+    code = main(["train", DEMO, "data.source=prepared",
+                 f"data.mixture=[{{path: a, weight: 1}}, {entry}]", "--dry-run"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and want in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_empty_streaming_source_exits_2_naming_the_entry(sources, tmp_path):
+    from llmforge.errors import DataError
+
+    (tmp_path / "empty.jsonl").write_text(json.dumps({"text": "tiny"}) + "\n")
+    with pytest.raises(DataError, match=r"data.mixture\[1\] \(web\).*no complete window"):
+        module({**sources, "web": str(tmp_path / "empty.jsonl")}, num_workers=0)
+
+
+def test_missing_streaming_files_name_the_entry(sources, tmp_path):
+    from llmforge.data.mixture_sources import open_mixture
+    from llmforge.errors import DataError
+
+    cfg = mixture_cfg([{"source": "prepared", "path": sources["prepared"], "weight": 1},
+                       {"source": "files", "path": str(tmp_path / "none*.jsonl"), "weight": 1}])
+    with pytest.raises(DataError, match=r"^data.mixture\[1\].path: no file matches"):
+        open_mixture(cfg)

@@ -175,3 +175,81 @@ def test_missing_streaming_files_name_the_entry(sources, tmp_path):
                        {"source": "files", "path": str(tmp_path / "none*.jsonl"), "weight": 1}])
     with pytest.raises(DataError, match=r"^data.mixture\[1\].path: no file matches"):
         open_mixture(cfg)
+
+
+# ------------------------------------------------------------ end to end, through the CLI
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory):
+    """A prepared corpus (its own trained BPE) and a streaming jsonl corpus in 4 files."""
+    root = tmp_path_factory.mktemp("mixcli")
+    rows = [{"text": f"book {d}: " + " ".join(f"page{(d + i) % 50}" for i in range(30))} for d in range(80)]
+    (root / "books.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["data", "prepare", str(root / "books.jsonl"), str(root / "p-books"),
+                 "tokenizer.vocab_size=1024", "--workers", "1"]) == 0
+    (root / "web").mkdir()
+    for f in range(4):
+        (root / "web" / f"part{f}.jsonl").write_text("".join(
+            json.dumps({"text": f"web {f} {d}: " + " ".join(f"def{(f + d + i) % 40}" for i in range(25))}) + "\n"
+            for d in range(40)))
+    return root
+
+
+def series(run: Path, key: str) -> dict:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r[key] for r in rows if key in r}
+
+
+def test_cli_mixture_with_a_stream_resumes_bit_exact(corpora, tiny_overrides, tmp_path, capsys):
+    mix = (f"data.mixture=[{{path: {corpora / 'p-books'}, weight: 3, name: books}}, "
+           f"{{source: files, path: '{corpora / 'web'}/*.jsonl', weight: 1, name: web}}]")
+    common = [DEMO, *tiny_overrides, "data.source=prepared", mix, "data.num_workers=2",
+              "trainer.max_steps=6", "trainer.log_every=1", "trainer.eval_every=0",
+              "trainer.eval_batches=1", "trainer.global_batch_size=8", "trainer.micro_batch_size=4",
+              "checkpoint.save_every=3"]
+    capsys.readouterr()
+    assert main(["train", *common, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "mixture         books: 75.0% share, ~384 tokens per step" in out
+    assert f"mixture         web: 25.0% share, ~128 tokens per step ({corpora / 'web'}/*.jsonl, files streaming)" in out
+    assert main(["train", *common, "run.name=ref"]) == 0, capsys.readouterr().err
+    runs = tmp_path / "runs"
+    saved = runs / "ref" / "checkpoints" / "step_00000003"
+    state = json.loads((saved / "data" / "rank0.json").read_text())
+    assert state["num_workers"] == 2 and state["step"] == 3
+    # resume from step 3 in another run: steps 4-6 train on the same windows
+    assert main(["train", *common, "run.name=resumed", f"checkpoint.resume={saved}"]) == 0, \
+        capsys.readouterr().err
+    a, b = series(runs / "ref", "train/loss"), series(runs / "resumed", "train/loss")
+    assert sorted(b) == [4, 5, 6] and [a[s] for s in b] == [b[s] for s in b]
+    books, web = series(runs / "ref", "data/books/tokens_seen"), series(runs / "ref", "data/web/tokens_seen")
+    seen = series(runs / "ref", "train/tokens_seen")
+    assert all(books[s] + web[s] == seen[s] for s in seen) and web[6] > 0 and books[6] > web[6]
+    assert series(runs / "resumed", "data/web/tokens_seen")[6] == web[6]
+
+
+def test_cli_mixture_of_streams_only_trains_its_own_bpe(corpora, tiny_overrides, tmp_path, capsys):
+    mix = (f"data.mixture=[{{path: '{corpora / 'web'}/part[01].jsonl', weight: 1}}, "
+           f"{{path: '{corpora / 'web'}/part[23].jsonl', weight: 1, name: more}}]")
+    assert main(["train", DEMO, *tiny_overrides, "data.source=files", mix, "trainer.max_steps=2",
+                 "trainer.log_every=1", "trainer.eval_every=1", "tokenizer.vocab_size=300",
+                 "trainer.global_batch_size=4", "trainer.micro_batch_size=4", "run.name=s"]) == 0
+    err = capsys.readouterr().err
+    assert "evaluation reads the prepared entries' validation windows only" in err
+    run = tmp_path / "runs" / "s"
+    part, more = series(run, "data/part/tokens_seen"), series(run, "data/more/tokens_seen")
+    assert part[2] + more[2] == series(run, "train/tokens_seen")[2] == 2 * 4 * 64
+    assert not series(run, "eval/loss")
+
+
+def test_the_documented_streaming_mixture_dry_runs(capsys):
+    import yaml
+
+    from conftest import REPO
+
+    text = (REPO / "docs" / "data.md").read_text().split("### Streaming entries", 1)[1]
+    data = yaml.safe_load(text.split("```yaml\n", 1)[1].split("```", 1)[0])["data"]
+    assert main(["train", DEMO, f"data.source={data['source']}",
+                 f"data.mixture={json.dumps(data['mixture'])}", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "mixture         c4: 20.0% share" in out and "(allenai/c4, hub streaming)" in out
+    assert "mixture         web: 20.0% share" in out and "(corpus/*.jsonl, files streaming)" in out

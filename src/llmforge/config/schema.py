@@ -121,9 +121,13 @@ class DataConfig:
     storage_options: Dict[str, Any] = field(default_factory=dict)
     """fsspec options for object stores (s3://, gs://); credentials come from the environment."""
     mixture: List[Dict[str, Any]] = field(default_factory=list)
-    """Weighted mixture of prepared sources (with ``source: prepared``): ``[{path, weight,
-    name}, ...]``; weights are finite numbers > 0, normalized to shares; ``data.path`` is then
-    unused. Deterministic for ``run.seed``, exact on resume; see docs/data.md."""
+    """Weighted mixture of sources: ``[{path, weight, name, source}, ...]``; weights are finite
+    numbers > 0, normalized to shares; an entry without ``source`` takes ``data.source``. A
+    ``prepared`` entry is a ``data prepare`` folder; a ``files``/``hub`` entry streams, with the
+    keys of ``data:`` (``paths``, ``format``, ``text_field``, ``split``, ``storage_options``,
+    ``max_documents``; ``hub_name`` = ``data.name``) merged over this section. ``data.path`` is
+    then unused; evaluation reads the prepared entries' val splits only. Deterministic for
+    ``run.seed``, exact on resume; see docs/data.md."""
     num_workers: int = 1
     """Background DataLoader workers (0 = load on the training thread)."""
     max_documents: Optional[int] = None

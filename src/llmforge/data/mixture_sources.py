@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import itertools
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -26,10 +27,15 @@ _STREAM_SOURCES = ("files", "hub", "shakespeare")
 
 
 def _default_name(entry: dict[str, Any], i: int) -> str:
-    """The last path component without glob characters: ``corpus/*.jsonl`` -> ``corpus``."""
+    """From the path: ``allenai/c4`` -> ``c4``, ``web/part*.jsonl`` -> ``part``, ``corpus/*.jsonl``
+    -> ``corpus`` (the last component, a glob's without its wildcards and extension)."""
     path = str(entry.get("path") or (list(entry.get("paths") or []) or [""])[0] or entry.get("source"))
-    parts = [p for p in path.rstrip("/").split("/") if p and not glob.has_magic(p)]
-    return parts[-1] if parts else f"source{i}"
+    for part in reversed([p for p in path.rstrip("/").split("/") if p]):
+        if glob.has_magic(part):
+            part = re.sub(r"\[.*?\]|[*?]", "", part).split(".")[0]
+        if part:
+            return part
+    return f"source{i}"
 
 
 def _check_keys(key: str, entry: dict[str, Any], source: str) -> None:

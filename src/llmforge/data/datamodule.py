@@ -28,7 +28,8 @@ import numpy as np
 from torch.utils.data import ConcatDataset, DataLoader
 
 from llmforge.data.loader import PositionedLoader
-from llmforge.data.mixture import MixtureSampler, MixtureStream, MixtureWindows, PreparedMixture, mixture_windows
+from llmforge.data.mixture import (MixtureSampler, MixtureStream, MixtureWindows, PreparedMixture,
+                                   mixture_windows)
 from llmforge.data.packing import PackedWindows, ShardedSampler, pack_documents, token_dtype
 from llmforge.data.prepared import PreparedSplits, PreparedWindows
 from llmforge.data.sources import DocumentSplits

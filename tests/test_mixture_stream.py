@@ -159,14 +159,6 @@ def test_bad_entry_exits_2_naming_the_key(capsys, entry, want):
     assert len(err.strip().splitlines()) == 1
 
 
-def test_empty_streaming_source_exits_2_naming_the_entry(sources, tmp_path):
-    from llmforge.errors import DataError
-
-    (tmp_path / "empty.jsonl").write_text(json.dumps({"text": "tiny"}) + "\n")
-    with pytest.raises(DataError, match=r"data.mixture\[1\] \(web\).*no complete window"):
-        module({**sources, "web": str(tmp_path / "empty.jsonl")}, num_workers=0)
-
-
 def test_missing_streaming_files_name_the_entry(sources, tmp_path):
     from llmforge.data.mixture_sources import open_mixture
     from llmforge.errors import DataError
@@ -253,3 +245,27 @@ def test_the_documented_streaming_mixture_dry_runs(capsys):
     out = capsys.readouterr().out
     assert "mixture         c4: 20.0% share" in out and "(allenai/c4, hub streaming)" in out
     assert "mixture         web: 20.0% share" in out and "(corpus/*.jsonl, files streaming)" in out
+
+
+def test_streaming_entry_without_a_window_exits_2_before_training(corpora, tiny_overrides, tmp_path, capsys):
+    (tmp_path / "tiny.jsonl").write_text(json.dumps({"text": "tiny"}) + "\n")
+    mix = (f"data.mixture=[{{path: {corpora / 'p-books'}, weight: 1}}, "
+           f"{{source: files, path: {tmp_path / 'tiny.jsonl'}, weight: 1, name: web}}]")
+    code = main(["train", DEMO, *tiny_overrides, "data.source=prepared", mix, "run.name=e"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("error: data.mixture[1] (web): "), err
+    assert "no complete window of seq_len+1=65 tokens" in err[-1]
+    assert not list((tmp_path / "runs" / "e").glob("checkpoints/*"))
+
+
+@pytest.mark.parametrize("second,breaks", [({"source": "files", "path": "x"}, True), ({"path": "q"}, False)])
+def test_changed_workers_or_world_size_of_a_mixture_with_a_stream_need_allowing(tmp_path, second, breaks):
+    from llmforge.checkpoint.resume_changes import resume_changes
+
+    def config(workers):
+        return {"data": {"source": "prepared", "num_workers": workers, "streaming": False,
+                         "mixture": [{"path": "p", "weight": 1}, {**second, "weight": 1}]}}
+
+    (tmp_path / "meta.json").write_text(json.dumps({"world_size": 1, "config": config(0)}))
+    changes = resume_changes(tmp_path, config(2), world_size=2)
+    assert {k for k, _, _ in (changes.breaking if breaks else changes.safe)} == {"world size", "data.num_workers"}

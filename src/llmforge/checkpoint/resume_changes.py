@@ -58,10 +58,18 @@ def _matches(key: str, names: tuple[str, ...]) -> bool:
     return any(key == m or (m.endswith(".") and key.startswith(m)) for m in names)
 
 
+def _streams(now: dict[str, Any]) -> bool:
+    """Whether the run reads a streaming source: ``data.streaming``, or a ``data.mixture`` entry
+    that is not prepared (an entry without ``source`` takes ``data.source``)."""
+    entries = now.get("data.mixture") or []
+    return bool(now.get("data.streaming")) or any(
+        isinstance(e, dict) and (e.get("source") or now.get("data.source")) != "prepared" for e in entries)
+
+
 def _may_change(key: str, now: dict[str, Any]) -> bool:
     if key == "trainer.max_steps":
         return now.get("scheduler.name") == "constant"
-    if now.get("data.streaming") and _matches(key, _STREAM_POSITION):
+    if _streams(now) and _matches(key, _STREAM_POSITION):
         return False
     return key == "world size" or _matches(key, MAY_CHANGE)
 

@@ -67,16 +67,16 @@ def is_prepared(batch: torch.Tensor) -> list[bool]:
     return [bool(row.min() >= PREPARED_ID) for row in batch]
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_mixture_with_a_stream_resumes_exactly(sources, tmp_path, num_workers):
+@pytest.mark.parametrize("num_workers,at", [(0, 7), (2, 7), (3, 1)])
+def test_mixture_with_a_stream_resumes_exactly(sources, tmp_path, num_workers, at):
     from llmforge.data.mixture import MixtureSampler
 
     dm = module(sources, num_workers=num_workers)
     loader = dm.train_dataloader()
     it = iter(loader)
-    straight = [next(it) for _ in range(13)]
-    saved = loader.position(7)  # the loader has fetched more: the position is 7's
-    straight += [next(it) for _ in range(7)]
+    straight = [next(it) for _ in range(at + 6)]
+    saved = loader.position(at)  # the loader has fetched more (at 1: workers 1, 2 none taken)
+    straight += [next(it) for _ in range(14 - at)]
     loader.close()
     # the sampler decides which source each window comes from; prepared windows are its picks
     smp = MixtureSampler([0.75, 0.25], [40, 1], seed=3, local_batch=4)
@@ -91,13 +91,13 @@ def test_mixture_with_a_stream_resumes_exactly(sources, tmp_path, num_workers):
     resume = tmp_path / "ckpt"
     (resume / "data").mkdir(parents=True)
     (resume / "data" / "rank0.json").write_text(json.dumps(  # through JSON, as a checkpoint
-        {"dp_rank": 0, "dp_size": 1, "num_workers": num_workers, "step": 7, "loader": saved}))
-    again = module(sources, num_workers=num_workers, start_step=7, resume_dir=resume)
+        {"dp_rank": 0, "dp_size": 1, "num_workers": num_workers, "step": at, "loader": saved}))
+    again = module(sources, num_workers=num_workers, start_step=at, resume_dir=resume)
     loader = again.train_dataloader()
-    rest = [b for _, b in zip(range(13), loader)]
+    rest = [b for _, b in zip(range(20 - at), loader)]
     loader.close()
     for i, b in enumerate(rest):
-        assert torch.equal(b, straight[7 + i]), i
+        assert torch.equal(b, straight[at + i]), i
     # the same seed gives the same windows
     fresh = module(sources, num_workers=num_workers)
     loader = fresh.train_dataloader()

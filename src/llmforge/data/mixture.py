@@ -154,9 +154,17 @@ class MixtureStream(torch.utils.data.IterableDataset):
     # torchdata's Stateful protocol: StatefulDataLoader calls these in each worker
     def state_dict(self) -> dict[str, Any]:
         """``{"step", "yielded", "streams": {name: StreamingWindows state}}`` after the last
-        window this worker yielded (JSON-serializable); ``step`` None = not started."""
-        if self._pos is None:
-            return copy.deepcopy(self._resume) if self._resume else {"step": None}
+        window this worker yielded (JSON-serializable)."""
+        if self._pos is None:  # nothing yielded yet (torchdata asks at worker start)
+            if self._resume:
+                return copy.deepcopy(self._resume)
+            # a worker whose first batch is not consumed before a checkpoint resumes from this:
+            # its first step, which a resumed loader's start_step + worker would miss
+            from torch.utils.data import get_worker_info
+
+            info = get_worker_info()
+            return {"step": self.sampler.start_step + (info.id if info is not None else 0),
+                    "yielded": 0, "streams": {self.names[s]: w.state_dict() for s, w in self.streams.items()}}
         # a stream not drawn from since the start is still where it started (its generator
         # has not run, so its own state_dict would say "fresh")
         streams = {self.names[s]: w.state_dict() if s in self._drawn else copy.deepcopy(self._starts[s])

@@ -43,12 +43,15 @@ def mixture_cfg(entries: list, **data):
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     root = tmp_path_factory.mktemp("mixstream")
+    (root / "marked").mkdir()
+    for f in range(4):  # every window of file f holds only the digit f (and BOS/EOS)
+        (root / "marked" / f"m{f}.jsonl").write_text(f'{{"text": "{str(f) * 40}"}}\n' * 20)
     return {"prepared": write_prepared(root / "p", 40, 15),
-            "web": write_corpus(root / "web", 4, 30)}
+            "web": write_corpus(root / "web", 4, 30), "marked": str(root / "marked" / "*.jsonl")}
 
 
 def module(sources, *, num_workers: int, batch: int = 4, start_step: int = 0, resume_dir=None,
-           shares=(3, 1)):
+           shares=(3, 1), rank: int = 0, world: int = 1):
     from llmforge.data.datamodule import LLMDataModule
     from llmforge.data.mixture_sources import open_mixture
 
@@ -56,7 +59,7 @@ def module(sources, *, num_workers: int, batch: int = 4, start_step: int = 0, re
                        {"source": "files", "path": sources["web"], "weight": shares[1], "name": "web"}])
     dm = LLMDataModule(open_mixture(cfg), ByteTokenizer(), seq_len=15, local_batch_size=batch,
                        micro_batch_size=batch, eval_batches=1, seed=3, num_workers=num_workers,
-                       dp_rank=0, dp_size=1, start_step=start_step, resume_dir=resume_dir)
+                       dp_rank=rank, dp_size=world, start_step=start_step, resume_dir=resume_dir)
     dm.setup()
     for w in dm.train_windows.streams.values():
         w.block_docs = 8  # several blocks and passes within the test
@@ -104,6 +107,25 @@ def test_mixture_with_a_stream_resumes_exactly(sources, tmp_path, num_workers, a
     first = [b for _, b in zip(range(3), loader)]
     loader.close()
     assert all(torch.equal(a, b) for a, b in zip(first, straight))
+
+
+def test_two_ranks_take_their_slice_of_each_step_and_disjoint_streams(sources):
+    from llmforge.data.mixture import MixtureSampler
+
+    got = {}
+    for rank in (0, 1):
+        loader = module({**sources, "web": sources["marked"]}, num_workers=2, batch=2, rank=rank,
+                        world=2).train_dataloader()
+        got[rank] = [x for _, b in zip(range(10), loader) for x in b]
+        loader.close()
+        picks = [p for _, p in zip(range(20), MixtureSampler([0.75, 0.25], [40, 1], rank, 2, seed=3,
+                                                              local_batch=2))]
+        assert [int(x[0]) - PREPARED_ID if s == 0 else -1 for x, (s, _) in zip(got[rank], picks)] == \
+            [w if s == 0 else -1 for s, w in picks]
+    # datasets gives each rank 2 of the 4 files, each of its 2 workers one
+    files = [{chr(i - 2) for x in got[r] if x.max() < PREPARED_ID for i in x.tolist() if i > 1}
+             for r in (0, 1)]
+    assert files[0] and files[1] and files[0] <= {"0", "2"} and files[1] <= {"1", "3"}, files
 
 
 def test_changed_worker_count_continues_disjoint_and_says_so(sources, tmp_path, capsys):

@@ -160,7 +160,8 @@ class LLMDataModule(L.LightningDataModule):
             tokens = tokenize_documents(self.docs.train, self.tokenizer)
             n_tokens = self.train_tokens = len(tokens)
             self.train_windows = PackedWindows(tokens, self.seq_len)
-        per_rank = len(self.train_windows) // world if hasattr(self.train_windows, "__len__") else None
+        # a stream has no length (each prepared entry was checked to hold a window)
+        per_rank = None if isinstance(self.train_windows, MixtureStream) else len(self.train_windows) // world
         if per_rank is not None and per_rank < self.local_batch_size:
             raise DataError(
                 f"data: the training split has {n_tokens:,} tokens = {len(self.train_windows)} "

@@ -172,6 +172,8 @@ def test_too_many_workers_for_the_shards_exits_early_naming_the_entry(sources):
     ("{source: prepared, path: p, weight: 1, text_field: t}", "data.mixture[1]: unknown key(s) ['text_field']"),
     ("{source: ftp, path: p, weight: 1}", "data.mixture[1].source='ftp'"),
     ("{source: files, path: x.jsonl, weight: .nan}", "data.mixture[1].weight=nan"),
+    ("{source: files, path: x.jsonl, weight: 1, max_documents: abc}", "data.mixture[1].max_documents: Value 'abc'"),
+    ("{source: shakespeare, path: x.jsonl, weight: 1}", "data.mixture[1].path: a shakespeare entry"),
 ])
 def test_bad_entry_exits_2_naming_the_key(capsys, entry, want):
     code = main(["train", DEMO, "data.source=prepared",

@@ -69,8 +69,9 @@ def _stream_config(cfg: Any, key: str, entry: dict[str, Any], source: str) -> An
                           "`llmforge data prepare` it and use source: prepared")
     has_path = bool(entry.get("path") or entry.get("paths"))
     if source == "shakespeare" and has_path:
-        raise ConfigError(f"{key}.path: source shakespeare (data.source) takes no path; set "
-                          f"{key}.source to prepared or files")
+        raise ConfigError(f"{key}.path: a shakespeare entry (the embedded corpus; an entry "
+                          f"without source takes data.source) takes no path; set {key}.source "
+                          "to prepared or files")
     if source != "shakespeare" and not has_path:
         what = "the dataset name (e.g. allenai/c4)" if source == "hub" else "a file, glob or URL"
         raise ConfigError(f"{key}.path: required for a {source} entry ({what})")
@@ -84,7 +85,8 @@ def _stream_config(cfg: Any, key: str, entry: dict[str, Any], source: str) -> An
     try:
         return OmegaConf.merge(cfg.data, over)
     except Exception as exc:  # a value of the wrong type for its data: key
-        raise ConfigError(f"{key}: {exc}".splitlines()[0]) from exc
+        where = f".{exc.key}" if getattr(exc, "key", None) else ""
+        raise ConfigError(f"{key}{where}: {str(exc).splitlines()[0]}") from exc
 
 
 def mixture_entries(cfg: Any) -> list[dict[str, Any]]:

@@ -4,13 +4,14 @@ worker count said plainly, and bad entries exit 2 naming the key."""
 
 import hashlib
 import json
+import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import DEMO
+from conftest import DEMO, REPO, run_cli
 from llmforge.cli import main
 from test_streaming import ByteTokenizer, write_corpus
 
@@ -215,7 +216,8 @@ def series(run: Path, key: str) -> dict:
     return {r["step"]: r[key] for r in rows if key in r}
 
 
-def test_cli_mixture_with_a_stream_resumes_bit_exact(corpora, tiny_overrides, tmp_path, capsys):
+@pytest.mark.slow
+def test_cli_mixture_with_a_stream_sigkill_then_resume_is_bit_exact(corpora, tiny_overrides, tmp_path, capsys):
     mix = (f"data.mixture=[{{path: {corpora / 'p-books'}, weight: 3, name: books}}, "
            f"{{source: files, path: '{corpora / 'web'}/*.jsonl', weight: 1, name: web}}]")
     common = [DEMO, *tiny_overrides, "data.source=prepared", mix, "data.num_workers=2",
@@ -232,15 +234,17 @@ def test_cli_mixture_with_a_stream_resumes_bit_exact(corpora, tiny_overrides, tm
     saved = runs / "ref" / "checkpoints" / "step_00000003"
     state = json.loads((saved / "data" / "rank0.json").read_text())
     assert state["num_workers"] == 2 and state["step"] == 3
-    # resume from step 3 in another run: steps 4-6 train on the same windows
-    assert main(["train", *common, "run.name=resumed", f"checkpoint.resume={saved}"]) == 0, \
-        capsys.readouterr().err
-    a, b = series(runs / "ref", "train/loss"), series(runs / "resumed", "train/loss")
-    assert sorted(b) == [4, 5, 6] and [a[s] for s in b] == [b[s] for s in b]
+    # SIGKILLed at step 5 with its 2 loader workers running, resumed from its step-3 checkpoint
+    kill = "callbacks=[{name: tests.helpers.killers.KillAt, step: 5, sig: SIGKILL}]"
+    killed = run_cli("train", *common, "run.name=k", kill, cwd=REPO)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert main(["train", *common, "run.name=k", "checkpoint.resume=auto"]) == 0, capsys.readouterr().err
+    a, b = series(runs / "ref", "train/loss"), series(runs / "k", "train/loss")
+    assert sorted(b) == list(range(1, 7)) and [a[s] for s in b] == [b[s] for s in b]
     books, web = series(runs / "ref", "data/books/tokens_seen"), series(runs / "ref", "data/web/tokens_seen")
     seen = series(runs / "ref", "train/tokens_seen")
     assert all(books[s] + web[s] == seen[s] for s in seen) and web[6] > 0 and books[6] > web[6]
-    assert series(runs / "resumed", "data/web/tokens_seen")[6] == web[6]
+    assert series(runs / "k", "data/web/tokens_seen")[6] == web[6]
 
 
 def test_cli_mixture_of_streams_only_trains_its_own_bpe(corpora, tiny_overrides, tmp_path, capsys):

@@ -184,6 +184,20 @@ def test_bad_entry_exits_2_naming_the_key(capsys, entry, want):
     assert len(err.strip().splitlines()) == 1
 
 
+def test_a_worker_whose_shards_give_no_window_fails_in_one_line(sources, tmp_path):
+    from llmforge.errors import DataError
+
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "a.jsonl").write_text(Path(sources["web"].replace("*", "part0")).read_text())
+    (tmp_path / "s" / "b.jsonl").write_text(json.dumps({"text": "tiny"}) + "\n")
+    loader = module({**sources, "web": str(tmp_path / "s" / "*.jsonl")}, num_workers=2).train_dataloader()
+    with pytest.raises(DataError) as err:
+        [b for _, b in zip(range(20), loader)]
+    loader.close()
+    assert str(err.value) == ("data.mixture (web): the shards loader worker 1 reads give no complete "
+                              "window of seq_len+1=16 tokens; lower data.num_workers or drop the small files")
+
+
 def test_missing_streaming_files_name_the_entry(sources, tmp_path):
     from llmforge.data.mixture_sources import open_mixture
     from llmforge.errors import DataError

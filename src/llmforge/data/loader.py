@@ -16,6 +16,8 @@ import copy
 import weakref
 from typing import Any, Iterator, Optional
 
+from llmforge.errors import LLMForgeError
+
 
 class PositionedLoader:
     """Iterate a ``StatefulDataLoader`` and remember its state after each batch.
@@ -36,9 +38,12 @@ class PositionedLoader:
 
     def __iter__(self) -> Iterator[Any]:
         self.positions.clear()
-        for count, batch in enumerate(self.loader, start=1):
-            self.positions.append((count, self.loader.state_dict()))
-            yield batch
+        try:
+            for count, batch in enumerate(self.loader, start=1):
+                self.positions.append((count, self.loader.state_dict()))
+                yield batch
+        except LLMForgeError as exc:
+            raise unwrap_worker_error(exc) from None
 
     def close(self) -> None:
         """Stop the loader's workers (Lightning shuts down only torch's own DataLoader
@@ -62,3 +67,15 @@ class PositionedLoader:
                 return state
         raise KeyError(f"no loader position after {consumed} batches (kept: "
                        f"{[c for c, _ in self.positions]})")
+
+
+def unwrap_worker_error(exc: LLMForgeError) -> LLMForgeError:
+    """The error a loader worker raised, without the traceback torch's ``ExceptionWrapper``
+    puts into the message (``Caught DataError in DataLoader worker process 1. Original
+    Traceback ...``): the CLI prints one line."""
+    text = str(exc)
+    if "Original Traceback" not in text:
+        return exc
+    last = text.rstrip().splitlines()[-1]
+    prefix = f"{type(exc).__module__}.{type(exc).__name__}: "
+    return type(exc)(last.removeprefix(prefix))

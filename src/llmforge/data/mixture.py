@@ -200,9 +200,15 @@ class MixtureStream(torch.utils.data.IterableDataset):
             for i in range(done, smp.local):
                 s = int(src[i])
                 if s in its:
-                    x = next(its[s], None)
+                    try:
+                        x = next(its[s], None)
+                    except DataError as exc:  # this worker's shards hold no window
+                        raise DataError(f"data.mixture ({self.names[s]}): the shards loader worker "
+                                        f"{worker} reads give no complete window of seq_len+1="
+                                        f"{self.streams[s].seq_len + 1} tokens; lower "
+                                        "data.num_workers or drop the small files") from exc
                     if x is None:
-                        raise DataError(f"data.mixture: {self.names[s]!r} gives loader worker {worker} "
+                        raise DataError(f"data.mixture ({self.names[s]}): loader worker {worker} has "
                                         "no shard; lower data.num_workers or split it into more files")
                     self._drawn.add(s)
                 else:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Union
 
 __all__ = ["ModelSpec", "MemoryShape", "family_spec", "get_spec", "spec_for_model",
-           "model_config_class", "spec_for_hf_type", "cfg_get"]
+           "model_config_class", "spec_for_hf_type", "cfg_get", "reject_factory_kwargs"]
 
 Ref = Union[str, Callable[..., Any], None]
 
@@ -55,6 +55,20 @@ def cfg_get(cfg: Any, key: str) -> Any:
     if isinstance(value, (DictConfig, ListConfig)):
         return OmegaConf.to_container(value, resolve=True)
     return value
+
+
+def reject_factory_kwargs(family: str, cfg: Any, kwargs: Mapping[str, Any]) -> None:
+    """A built-in family's factory takes its shape from the ``model:`` fields only.
+
+    Raises:
+        ConfigError: ``model.kwargs`` or keyword arguments were given (names them).
+    """
+    extra = {**dict(cfg_get(cfg, "kwargs") or {}), **kwargs}
+    if extra:
+        from llmforge.errors import ConfigError
+
+        raise ConfigError(f"model.kwargs: the built-in '{family}' factory takes no extra arguments "
+                          f"(got {', '.join(sorted(extra))}); set the model: shape fields instead.")
 
 
 @dataclass(frozen=True)

@@ -184,15 +184,8 @@ def build_llama(cfg: Any, **kwargs: Any) -> Llama:
         ConfigError: invalid shape, or extra keyword arguments (``model.kwargs``), which the
             built-in factory does not take.
     """
-    from llmforge.errors import ConfigError
     from llmforge.models.llama3.config import llama_args_from_config
+    from llmforge.models.spec import reject_factory_kwargs
 
-    extra = dict(kwargs)
-    cfg_kwargs = cfg.get("kwargs") if hasattr(cfg, "get") else getattr(cfg, "kwargs", None)
-    if cfg_kwargs:
-        extra.update(dict(cfg_kwargs))
-    if extra:
-        raise ConfigError(
-            f"model.kwargs: the built-in 'llama3' factory takes no extra arguments (got "
-            f"{', '.join(sorted(extra))}); set the model: shape fields instead.")
+    reject_factory_kwargs("llama3", cfg, kwargs)
     return Llama(llama_args_from_config(cfg))

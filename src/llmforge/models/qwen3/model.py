@@ -101,12 +101,8 @@ def build_qwen3(cfg: Any, **kwargs: Any) -> Qwen3:
     Raises:
         ConfigError: invalid shape, or ``model.kwargs`` (the built-in factory takes none).
     """
-    from llmforge.errors import ConfigError
     from llmforge.models.qwen3.config import qwen3_args_from_config
-    from llmforge.models.spec import cfg_get
+    from llmforge.models.spec import reject_factory_kwargs
 
-    extra = {**dict(cfg_get(cfg, "kwargs") or {}), **kwargs}
-    if extra:
-        raise ConfigError(f"model.kwargs: the built-in 'qwen3' factory takes no extra arguments "
-                          f"(got {', '.join(sorted(extra))}); set the model: shape fields instead.")
+    reject_factory_kwargs("qwen3", cfg, kwargs)
     return Qwen3(qwen3_args_from_config(cfg))

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["_parser"]
+__all__ = ["_parser", "add_debug"]
+
+
+def add_debug(p: argparse.ArgumentParser) -> None:
+    """``--debug``: show tracebacks instead of one ``error:`` line (every command has it)."""
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="run N local processes (torchrun's launcher; gloo on CPU, NCCL on GPUs)")
     t.add_argument("--overwrite", action="store_true",
                    help="delete an existing run directory of the same run.name first")
-    t.add_argument("--debug", action="store_true", help="show tracebacks")
+    add_debug(t)
 
     g = sub.add_parser("generate", help="sample text from a trained run or checkpoint")
     g.add_argument("path", help="run directory (runs/NAME) or a checkpoint folder")
@@ -41,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
                         "at the end of the assistant turn (SFT runs)")
     g.add_argument("--no-cache", action="store_true",
                    help="recompute the whole context for every token instead of using a KV cache")
-    g.add_argument("--debug", action="store_true", help="show tracebacks")
+    add_debug(g)
 
     e = sub.add_parser("eval", help="run lm-evaluation-harness tasks on a run or checkpoint")
     e.add_argument("path", help="run directory (runs/NAME) or a checkpoint folder")
@@ -56,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--max-gen-toks", type=int, default=256, help="cap on generated tokens")
     e.add_argument("--seed", type=int, default=0, help="lm-eval's seeds")
     e.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    e.add_argument("--debug", action="store_true", help="show tracebacks")
+    add_debug(e)
 
     v = sub.add_parser("convert", help="Hugging Face <-> llmforge weights")
     cv_sub = v.add_subparsers(dest="convert_command", required=True)
@@ -69,25 +74,25 @@ def _parser() -> argparse.ArgumentParser:
                     help="LoRA runs: write only the adapters in PEFT's format (adapter_config.json + "
                          "adapter_model.safetensors) instead of merged weights")
     th.add_argument("--overwrite", action="store_true", help="replace files in a non-empty OUT")
-    th.add_argument("--debug", action="store_true", help="show tracebacks")
+    add_debug(th)
     fh = cv_sub.add_parser("from-hf", help="turn a Hugging Face Llama folder into an llmforge run directory")
     fh.add_argument("path", help="Hugging Face folder (config.json, *.safetensors, tokenizer.json)")
     fh.add_argument("out", help="output run directory (usable by generate and model.init_from)")
     fh.add_argument("--overwrite", action="store_true", help="replace files in a non-empty OUT")
-    fh.add_argument("--debug", action="store_true", help="show tracebacks")
+    add_debug(fh)
 
     c = sub.add_parser("checkpoint", help="inspect or consolidate a checkpoint")
     ck_sub = c.add_subparsers(dest="checkpoint_command", required=True)
     ci = ck_sub.add_parser("inspect", help="step, tokens, world size, tensors and sizes")
     ci.add_argument("path", help="a checkpoint folder or a run directory (its newest checkpoint)")
-    ci.add_argument("--debug", action="store_true", help="show tracebacks")
+    add_debug(ci)
     cc = ck_sub.add_parser("consolidate", help="write the model as one safetensors file")
     cc.add_argument("path", help="a checkpoint folder or a run directory (its newest checkpoint)")
     cc.add_argument("out", help="output .safetensors file, or a folder (model.safetensors in it)")
-    cc.add_argument("--debug", action="store_true", help="show tracebacks")
+    add_debug(cc)
 
     a = sub.add_parser("algorithms", help="list the algorithm plugins (name, stage, summary)")
-    a.add_argument("--debug", action="store_true", help="show tracebacks")
+    add_debug(a)
 
     r = sub.add_parser("runs", help="look at runs (plot, ...)")
     runs_sub = r.add_subparsers(dest="runs_command", required=True)
@@ -100,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("--width", type=int, default=1000, help="image width in pixels")
     rp.add_argument("--height", type=int, default=600, help="image height in pixels")
     rp.add_argument("--log-y", action="store_true", help="logarithmic y axis")
-    rp.add_argument("--debug", action="store_true", help="show tracebacks")
+    add_debug(rp)
     from llmforge.data.commands import add_parser as add_data_parser  # data prepare
 
     add_data_parser(sub)

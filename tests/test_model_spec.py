@@ -58,3 +58,19 @@ def test_a_spec_flops_formula_reaches_the_dry_run_and_mfu(capsys):
         assert _flops_fn(module)(10) == 1e7
     finally:
         models._items.pop("llama3_flops")
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_builtin_families_refuse_model_kwargs_and_name_their_plan(family):
+    from llmforge.config import structured_config
+    from llmforge.errors import ConfigError
+    from llmforge.models.spec import get_spec
+
+    spec = get_spec(family)
+    assert spec.tp_plan == f"llmforge.models.{family}.parallelize:apply_tp"  # family_spec's layout
+    assert callable(spec.get("check_tp")) and spec.adapter().family == family
+    cfg = structured_config(family).model
+    cfg.kwargs = {"share_norm": True}
+    with pytest.raises(ConfigError, match=rf"model.kwargs: the built-in '{family}' factory takes no "
+                                          r"extra arguments \(got share_norm\)"):
+        spec(cfg)

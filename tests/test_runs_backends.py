@@ -231,3 +231,25 @@ def test_the_backend_example_in_docs_runs(home, monkeypatch, capsys):
     assert out[1].startswith("lab-submit --queue fast --name demo_cpu-") and out[1].endswith(
         f"-- python -m llmforge.runs.torchrun --nproc-per-node=1 -m llmforge train {DEMO} "
         "checkpoint.resume=auto")
+
+
+def test_default_cancel_calls_stop_job_and_scheduler_variables_join_the_environment():
+    from llmforge.runs.backend import Backend
+    from llmforge.runs.registry import RunRecord
+
+    stopped = []
+
+    class Queue(Backend):
+        def stop_job(self, job_id):
+            stopped.append(job_id)
+
+        def scheduler_variables(self):
+            return {"QUEUE_RANK": "<set by the queue>"}
+
+    record = RunRecord(id="r1", name="r", cluster="q", kind="train", status="running",
+                       created_at=0.0, job_id="q-7")
+    assert Queue().cancel(record) is True and stopped == ["q-7"]
+    env = Queue().job_environment({"secrets": ["HF_TOKEN"]}, {"HF_TOKEN": "x"})
+    assert env == {"HF_TOKEN": "x", "LLMFORGE_RUN_ID": "<set by the job>",
+                   "LLMFORGE_HOME": "<set by the job>", "PYTHONUNBUFFERED": "<set by the job>",
+                   "QUEUE_RANK": "<set by the queue>"}

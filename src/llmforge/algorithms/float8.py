@@ -37,7 +37,7 @@ from typing import Any, Optional, Sequence
 
 from torch import nn
 
-from llmforge.algorithms.base import Algorithm, ModelContext, Stage
+from llmforge.algorithms.base import Algorithm, ModelContext, Stage, meta_model
 from llmforge.errors import ConfigError
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -75,15 +75,7 @@ def import_float8() -> Any:
     return f8
 
 
-def build_model_on_meta(cfg: Any) -> nn.Module:
-    """The configured model on the meta device (nothing allocated)."""
-    import torch
-
-    from llmforge import registry
-
-    factory = registry.models.get(cfg.model.name, key="model.name")
-    with torch.device("meta"):
-        return factory(cfg.model)
+build_model_on_meta = meta_model  # the old name of base.meta_model (tests, research code)
 
 
 def plain_weight_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
@@ -250,7 +242,7 @@ class Float8(Algorithm):
                     f"process(es) shards over {max(shard, 1)}; set "
                     "float8.enable_fsdp_float8_all_gather=false or train with FSDP2 on several devices")
         if self.explicit_filter or self.modules is not None:
-            model = build_model_on_meta(cfg)
+            model = meta_model(cfg)
             if self.explicit_filter:
                 check_entries("filter_fqns", self.filter_fqns, model)
             if self.modules is not None:

@@ -1,18 +1,89 @@
-"""What every built-in decoder family shares (Llama 3, Qwen3): the SwiGLU MLP, the pre-norm
-block around a family's attention, and :class:`DecoderLM` (tied output projection, repeated
-blocks, parameter and FLOP counts) for models with ``args`` (``tie_embeddings``, ``n_layers``,
-``n_heads``, ``head_dim``), ``tok_embeddings``, ``layers`` and ``output``. No ranks, no trainer.
-Shapes: ``B`` batch, ``T`` tokens, ``D`` width."""
+"""What every built-in decoder family shares (Llama 3, Qwen3): grouped-query attention's
+projections and its SDPA core (:class:`GQAttention`; each family's forward adds its own RoPE
+layout, and Qwen3 its QK-norm), the SwiGLU MLP, the pre-norm block around a family's
+attention, and :class:`DecoderLM` (meta-device build, init, forward over packed documents and a
+KV cache, tied output projection, repeated blocks, parameter and FLOP counts) for models with
+``args`` (``dim``, ``n_layers``, ``n_heads``, ``head_dim``, ``vocab_size``, ``max_seq_len``,
+``norm_eps``, ``init_std``, ``tie_embeddings``). No ranks, no trainer.
+Shapes: ``B`` batch, ``T`` tokens, ``D`` width, ``H``/``K`` query/kv heads, ``hd`` head dim."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import math
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["DecoderLM", "SwiGLU", "PreNormBlock"]
+from llmforge.models.masks import document_causal_mask, document_positions
+
+__all__ = ["DecoderLM", "GQAttention", "SwiGLU", "PreNormBlock", "attend"]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_rep: int,
+           mask: Optional[torch.Tensor] = None, cache: Any = None) -> torch.Tensor:
+    """Causal scaled dot-product attention of rotated ``q [B, T, H, hd]`` over ``k, v [B, T, K,
+    hd]`` -> ``[B, T, H * hd]``; scale ``1/sqrt(hd)`` (SDPA's default).
+
+    Each of the K key/value heads serves ``n_rep = H // K`` consecutive query heads (query head
+    ``h`` uses kv head ``h // n_rep``): K/V are expanded with ``repeat_interleave``, as Meta's
+    ``repeat_kv`` and HF's ``repeat_kv`` do. ``mask``: None = causal (SDPA ``is_causal``); else a
+    boolean ``[B, 1, T, T]`` mask (True = may attend; every query must see a key). ``cache``: one
+    layer of a generation KV cache (``update(k, v) -> (k, v)`` with the past prepended,
+    :class:`llmforge.models.sampling.KVCache`).
+
+    Raises:
+        ValueError: several new tokens on a cache that already holds some.
+    """
+    bsz, seqlen = q.shape[0], q.shape[1]
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, hd]
+    causal = True
+    if cache is not None:
+        k, v = cache.update(k, v)
+        causal = k.shape[2] == seqlen  # a prefill is causal; one new token sees every key
+        if seqlen > 1 and not causal:
+            raise ValueError("a KV cache takes several new tokens only when it is empty")
+    if n_rep > 1:
+        k = k.repeat_interleave(n_rep, dim=1)
+        v = v.repeat_interleave(n_rep, dim=1)
+    if mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.transpose(1, 2).reshape(bsz, seqlen, -1)
+
+
+class GQAttention(nn.Module):
+    """Grouped-query self-attention's parameters: ``wq: D -> H*hd``, ``wk, wv: D -> K*hd``,
+    ``wo: H*hd -> D`` (no biases). A family's ``forward(x [B, T, D], rope, mask=None,
+    cache=None) -> [B, T, D]`` is ``q, k, v = self.project(x)``, its own RoPE (and norms), then
+    ``self.attend(q, k, v, mask, cache)``."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.n_rep = n_heads // n_kv_heads
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for lin in (self.wq, self.wk, self.wv):
+            nn.init.normal_(lin.weight, mean=0.0, std=std)
+        nn.init.normal_(self.wo.weight, mean=0.0, std=out_std)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [B, T, D]`` -> ``q [B, T, H, hd]``, ``k, v [B, T, K, hd]``."""
+        bsz, seqlen, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds H/tp and K/tp heads
+        return tuple(w(x).view(bsz, seqlen, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: Optional[torch.Tensor], cache: Any) -> torch.Tensor:
+        """Rotated ``q, k, v`` -> ``wo(attend(...))`` ``[B, T, D]`` (see :func:`attend`)."""
+        return self.wo(attend(q, k, v, self.n_rep, mask=mask, cache=cache))
 
 
 class SwiGLU(nn.Module):
@@ -68,13 +139,114 @@ class PreNormBlock(nn.Module):
 
 
 class DecoderLM:
-    """Mixin: ``class MyModel(DecoderLM, nn.Module)``.
+    """Mixin: ``class MyModel(DecoderLM, nn.Module)``; the family's ``__init__`` calls
+    :meth:`_build` with its block and defines :meth:`rope_table`.
+
+    ``forward(tokens [B, T] int64, doc_ids [B, T] | None, cache) -> logits [B, T, V]`` (in the
+    parameters' compute dtype). Attributes ``args``, ``vocab_size``, ``max_seq_len``; the RoPE
+    table is the non-persistent buffer ``rope_cache [max_seq_len, hd/2, 2]`` (not in the state
+    dict), recomputed by :meth:`init_weights`.
 
     Tied embeddings: ``output.weight`` *is* ``tok_embeddings.weight`` (one Parameter). Module
     conversions such as ``to_empty`` from the meta device create new Parameter objects per module
-    and would break the tie, so :meth:`_apply` (behind ``to``/``to_empty``/``cuda``) re-ties; the
-    model's ``init_weights`` calls :meth:`_tie` too. The state dict holds both keys (one tensor).
+    and would break the tie, so :meth:`_apply` (behind ``to``/``to_empty``/``cuda``) re-ties;
+    :meth:`init_weights` calls :meth:`_tie` too. The state dict holds both keys (one tensor).
     """
+
+    def _build(self, args: Any, block: Callable[[int], nn.Module]) -> None:
+        """Create ``tok_embeddings``, ``layers`` (``block(i)`` for each of ``n_layers``),
+        ``norm``, ``output`` and ``rope_cache``, then materialize and initialize them once.
+
+        Allocated on meta, then materialized on the requested device (default device or an
+        enclosing ``with torch.device(...)``), so nothing is initialized twice and
+        ``torch.manual_seed(s); Model(args)`` equals the meta -> ``to_empty`` ->
+        ``init_weights`` path bit for bit."""
+        self.args, self.vocab_size, self.max_seq_len = args, args.vocab_size, args.max_seq_len
+        target = torch.empty(0).device
+        with torch.device("meta"):
+            self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+            self.layers = nn.ModuleList(block(i) for i in range(args.n_layers))
+            self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+            self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+            self.register_buffer("rope_cache", torch.empty(args.max_seq_len, args.head_dim // 2, 2,
+                                                           dtype=torch.float32), persistent=False)
+        self._tie()
+        if target.type != "meta":
+            self.to_empty(device=target)
+        self.init_weights()
+
+    def rope_table(self, device: torch.device) -> torch.Tensor:
+        """The family's RoPE table, float32 ``[max_seq_len, hd/2, 2]`` (cos, sin) on ``device``."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def init_weights(self, std: Optional[float] = None) -> None:
+        """(Re)initialize every parameter and recompute the RoPE buffer, in place.
+
+        * ``tok_embeddings``, ``output`` and ``wq, wk, wv, w1, w3``: normal(0, ``std``)
+          (``std`` defaults to ``args.init_std``; a tied output is initialized once, as the
+          embedding).
+        * ``wo`` and ``w2`` (the projections that write into the residual stream):
+          normal(0, ``std / sqrt(2 * n_layers)``), the GPT-2 / Megatron-style scaling so the
+          residual stream's variance does not grow with depth (2 residual adds per block).
+        * RMSNorm weights (block norms, QK-norms): ones.
+
+        Order is fixed, so the result is deterministic given torch's seed. Works on meta
+        (no-op) and on DTensor (FSDP2-sharded) parameters.
+        """
+        std = self.args.init_std if std is None else float(std)
+        out_std = std / math.sqrt(2 * self.args.n_layers)
+        self._tie()
+        buf = self.rope_cache
+        # computed on CPU (or meta) so the table is identical whatever the device
+        dev = buf.device if buf.device.type == "meta" else torch.device("cpu")
+        self.register_buffer("rope_cache", self.rope_table(dev).to(buf.device), persistent=False)
+        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
+        for layer in self.layers:
+            layer.init_weights(std, out_std)
+        self.norm.reset_parameters()
+        if not self.args.tie_embeddings:
+            nn.init.normal_(self.output.weight, mean=0.0, std=std)
+
+    def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
+                cache: Any = None) -> torch.Tensor:
+        """``tokens [B, T]`` (int64 ids < V) -> logits ``[B, T, V]``.
+
+        ``doc_ids [B, T]`` (optional, any integer dtype): the document each token belongs to in
+        a packed row (a new document starts wherever the id changes). With it, positions
+        restart at 0 for every document (:func:`~llmforge.models.masks.document_positions`, so
+        RoPE sees each document as if it were alone) and attention is block-diagonal causal
+        (:func:`~llmforge.models.masks.document_causal_mask`): no token attends across a
+        document boundary. Without it (pretraining), every block runs ``layer(h, rope)`` with
+        causal SDPA.
+
+        ``cache``: a :class:`llmforge.models.sampling.KVCache` (generation): positions continue
+        after the cached ones and every layer attends to its cached keys/values too.
+
+        Raises:
+            ValueError: more than ``max_seq_len`` positions, or ``doc_ids`` of another shape.
+        """
+        seqlen = tokens.shape[1]
+        start = cache.length if cache is not None else 0
+        if start + seqlen > self.max_seq_len:
+            raise ValueError(f"sequence length {start + seqlen} exceeds max_seq_len={self.max_seq_len}")
+        h = self.tok_embeddings(tokens)
+        mask = None
+        if doc_ids is None:
+            rope = self.rope_cache[start:start + seqlen]
+        else:
+            if doc_ids.shape != tokens.shape:
+                raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} differs from tokens shape "
+                                 f"{tuple(tokens.shape)}")
+            rope, mask = self.rope_cache[document_positions(doc_ids)], document_causal_mask(doc_ids)
+        for i, layer in enumerate(self.layers):
+            if cache is not None:
+                h = layer(h, rope, mask=mask, cache=cache.layer(i))
+            else:  # the plain call when nothing else is passed (what compile and AC wrap)
+                h = layer(h, rope) if mask is None else layer(h, rope, mask=mask)
+        if cache is not None:
+            cache.advance(seqlen)
+        return self.output(self.norm(h))
 
     def _tie(self) -> None:
         if self.args.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:

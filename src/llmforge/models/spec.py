@@ -30,8 +30,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Union
 
-__all__ = ["ModelSpec", "MemoryShape", "get_spec", "spec_for_model", "model_config_class",
-           "spec_for_hf_type", "cfg_get"]
+__all__ = ["ModelSpec", "MemoryShape", "family_spec", "get_spec", "spec_for_model",
+           "model_config_class", "spec_for_hf_type", "cfg_get", "reject_factory_kwargs"]
 
 Ref = Union[str, Callable[..., Any], None]
 
@@ -55,6 +55,20 @@ def cfg_get(cfg: Any, key: str) -> Any:
     if isinstance(value, (DictConfig, ListConfig)):
         return OmegaConf.to_container(value, resolve=True)
     return value
+
+
+def reject_factory_kwargs(family: str, cfg: Any, kwargs: Mapping[str, Any]) -> None:
+    """A built-in family's factory takes its shape from the ``model:`` fields only.
+
+    Raises:
+        ConfigError: ``model.kwargs`` or keyword arguments were given (names them).
+    """
+    extra = {**dict(cfg_get(cfg, "kwargs") or {}), **kwargs}
+    if extra:
+        from llmforge.errors import ConfigError
+
+        raise ConfigError(f"model.kwargs: the built-in '{family}' factory takes no extra arguments "
+                          f"(got {', '.join(sorted(extra))}); set the model: shape fields instead.")
 
 
 @dataclass(frozen=True)
@@ -143,6 +157,19 @@ class ModelSpec:
         """The Hugging Face state-dict adapter (an instance), or ``None``."""
         obj = self.get("hf_adapter")
         return obj() if isinstance(obj, type) else obj
+
+
+def family_spec(name: str, package: str, *, model: str, build: str, hf_adapter: str,
+                **members: Any) -> ModelSpec:
+    """The spec of a built-in family laid out as one folder ``package`` (``models/llama3/``):
+    ``model``, ``build`` are names in ``<package>.model``, ``hf_adapter`` in ``<package>.hf``,
+    the TP plan is ``<package>.parallelize:apply_tp``/``check_tp``; ``members`` are the other
+    :class:`ModelSpec` fields (``config_cls``, ``presets``, ``memory_shape``, ...). Members are
+    import paths, so nothing heavy is imported here."""
+    return ModelSpec(name=name, build=f"{package}.model:{build}", model_cls=f"{package}.model:{model}",
+                     tp_plan=f"{package}.parallelize:apply_tp",
+                     check_tp=f"{package}.parallelize:check_tp",
+                     hf_adapter=f"{package}.hf:{hf_adapter}", **members)
 
 
 def _as_spec(name: str, obj: Any) -> ModelSpec:

@@ -101,10 +101,21 @@ class Backend:
         return None, ""
 
     def cancel(self, run: RunRecord, *, wait: bool = True, timeout: float = 180.0) -> bool:
-        """Stop the job; returns whether it has ended (False: signalled, not waited for).
+        """Stop the job; returns whether it has ended (False: signalled, not waited for). By
+        default: :meth:`stop_job` on the recorded job id, and True (the scheduler stops the
+        processes; the training saves and exits 75 on its signal).
 
         Raises:
             LLMForgeError: the scheduler refused, or processes outlived ``timeout`` seconds.
+        """
+        self.stop_job(run.job_id or "")
+        return True
+
+    def stop_job(self, job_id: str) -> None:
+        """Ask the scheduler to stop the job ``job_id`` (what :meth:`cancel` calls).
+
+        Raises:
+            LLMForgeError: the scheduler's client is missing or refuses.
         """
         raise NotImplementedError
 
@@ -122,7 +133,14 @@ class Backend:
         forwarded secrets and the backend's own variables (values from ``env``)."""
         env = os.environ if env is None else env
         names = [*spec.get("secrets", []), *JOB_VARIABLES]
-        return {n: env.get(n, "<set by the job>") for n in names}
+        out = {n: env.get(n, "<set by the job>") for n in names}
+        out.update(self.scheduler_variables())
+        return out
+
+    def scheduler_variables(self) -> dict[str, str]:
+        """Variables the scheduler itself sets in the job (name -> value or a placeholder),
+        added to :meth:`job_environment`'s; none by default."""
+        return {}
 
     def where(self) -> str:
         """The ``where`` column of ``llmforge clusters``."""

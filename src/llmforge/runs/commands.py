@@ -26,11 +26,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from llmforge.cli_parser import add_debug as _debug
 from llmforge.errors import ConfigError, LLMForgeError
-
-
-def _debug(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
 def add_parsers(sub: Any, runs_sub: Any) -> None:

@@ -23,21 +23,7 @@ from llmforge.runs.backend import Backend
 from llmforge.runs.clusters import LocalCluster
 from llmforge.runs.registry import RunRecord
 from llmforge.runs.torchrun import catches  # noqa: F401  (re-exported: tests, callers)
-
-
-def _proc_table() -> Optional[dict[int, tuple[int, int, str]]]:
-    """``{pid: (ppid, pgid, state)}`` from /proc, or None where /proc is missing."""
-    root = Path("/proc")
-    if not (root / "self" / "stat").exists():
-        return None
-    table = {}
-    for stat in root.glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        table[int(stat.parent.name)] = (int(fields[1]), int(fields[2]), fields[0])
-    return table
+from llmforge.runs.torchrun import proc_table as _proc_table
 
 
 def run_pids(pgid: int) -> list[int]:
@@ -65,13 +51,7 @@ def group_alive(pgid: Optional[int]) -> bool:
         return False
     table = _proc_table()
     if table is None:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return _reachable(os.killpg, pgid)
     return any(g == pgid and state not in ("Z", "X") for _, g, state in table.values())
 
 
@@ -128,8 +108,14 @@ def wait_gone(pids: list[int], timeout: float) -> bool:
 
 
 def _exists(pid: int) -> bool:
+    return _reachable(os.kill, pid)
+
+
+def _reachable(send: Any, target: int) -> bool:
+    """Whether signal 0 finds ``target`` (``send``: ``os.kill`` for a pid, ``os.killpg`` for a
+    group); one that is not ours to signal still exists."""
     try:
-        os.kill(pid, 0)
+        send(target, 0)
     except ProcessLookupError:
         return False
     except PermissionError:

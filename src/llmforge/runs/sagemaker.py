@@ -190,18 +190,15 @@ class SageMakerBackend(Backend):
         definition = estimator_definition(run_id, name, spec, self.cluster)  # type: ignore[arg-type]
         return json.dumps(definition, indent=2) + "\n"
 
-    def job_environment(self, spec: dict[str, Any], env: Any = None) -> dict[str, str]:
-        out = super().job_environment(spec, env)
-        out.update({f"SM_CHANNEL_{n.upper()}": f"/opt/ml/input/data/{n}"
-                    for n in getattr(self.cluster, "channels", {})})
-        return out
+    def scheduler_variables(self) -> dict[str, str]:
+        return {f"SM_CHANNEL_{n.upper()}": f"/opt/ml/input/data/{n}"
+                for n in getattr(self.cluster, "channels", {})}
 
     def start(self, path: Any, run: RunRecord) -> str:
         return submit(json.loads(Path(path).read_text(encoding="utf-8")), self.cluster)  # type: ignore[arg-type]
 
-    def cancel(self, run: RunRecord, *, wait: bool = True, timeout: float = 180.0) -> bool:
-        stop(run.job_id or "")
-        return True
+    def stop_job(self, job_id: str) -> None:
+        stop(job_id)
 
     def logs_hint(self, run: RunRecord) -> str:
         return "; see the job's CloudWatch logs"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import shlex
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 from llmforge.errors import LLMForgeError
 from llmforge.runs.backend import Backend, train_args
@@ -157,18 +157,15 @@ class SkyPilotBackend(Backend):
     def render(self, run_id: str, name: str, spec: dict[str, Any], resumption: int = 0) -> str:
         return task_yaml(run_id, spec, self.cluster)  # type: ignore[arg-type]
 
-    def job_environment(self, spec: dict[str, Any], env: Optional[Mapping[str, str]] = None) -> dict[str, str]:
-        out = super().job_environment(spec, env)
-        out.update({n: "<set by SkyPilot>" for n in ("SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS",
-                                                     "SKYPILOT_NUM_NODES", "SKYPILOT_NUM_GPUS_PER_NODE")})
-        return out
+    def scheduler_variables(self) -> dict[str, str]:
+        return dict.fromkeys(("SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS", "SKYPILOT_NUM_NODES",
+                              "SKYPILOT_NUM_GPUS_PER_NODE"), "<set by SkyPilot>")
 
     def start(self, path: Any, run: RunRecord) -> str:
         return submit(str(path), run.id, run.spec, self.cluster)  # type: ignore[arg-type]
 
-    def cancel(self, run: RunRecord, *, wait: bool = True, timeout: float = 180.0) -> bool:
-        cancel(run.job_id or "")
-        return True
+    def stop_job(self, job_id: str) -> None:
+        cancel(job_id)
 
     def logs_hint(self, run: RunRecord) -> str:
         return f"; SkyPilot keeps its own: sky logs {str(run.job_id).split('/')[0]}"

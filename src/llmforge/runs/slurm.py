@@ -209,9 +209,8 @@ class SlurmBackend(Backend):
             return "running", f"SLURM job {run.job_id} is {state}"
         return None, ""
 
-    def cancel(self, run: RunRecord, *, wait: bool = True, timeout: float = 180.0) -> bool:
-        cancel(run.job_id or "")
-        return True
+    def stop_job(self, job_id: str) -> None:
+        cancel(job_id)
 
     def logs_hint(self, run: RunRecord) -> str:
         return f"; SLURM's own output: {run.run_dir}/logs/slurm-{run.job_id}.log" if run.job_id else ""

@@ -30,17 +30,24 @@ from typing import Optional, Sequence
 FORWARD_WAIT_S = 60.0
 
 
-def child_pids(pid: int) -> list[int]:
-    """Direct children of ``pid`` (from /proc; empty where /proc is missing)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+def proc_table() -> Optional[dict[int, tuple[int, int, str]]]:
+    """``{pid: (ppid, pgid, state)}`` from /proc, or None where /proc is missing."""
+    root = Path("/proc")
+    if not (root / "self" / "stat").exists():
+        return None
+    table = {}
+    for stat in root.glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
+        table[int(stat.parent.name)] = (int(fields[1]), int(fields[2]), fields[0])
+    return table
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc; empty where /proc is missing)."""
+    return [p for p, (ppid, _, _) in (proc_table() or {}).items() if ppid == pid]
 
 
 def catches(pid: int, sig: int) -> Optional[bool]:

@@ -132,13 +132,13 @@ class LoRA(Algorithm):
         Raises:
             ConfigError: see the class docstring.
         """
-        from llmforge.algorithms.float8 import build_model_on_meta
+        from llmforge.algorithms.base import meta_model
 
         if int(cfg.strategy.tp) > 1:
             raise ConfigError(f"algorithms: lora does not support strategy.tp={cfg.strategy.tp} "
                               "(tensor parallelism would shard the adapters' rank dimension); "
                               "use strategy.tp=1 with FSDP2 (strategy.name=fsdp2)")
-        model = build_model_on_meta(cfg)
+        model = meta_model(cfg)
         for t, fqns in match_targets(model, self.targets).items():
             if not fqns:
                 names = sorted({f.rsplit(".", 1)[-1] for f, m in model.named_modules()

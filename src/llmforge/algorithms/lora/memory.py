@@ -75,10 +75,10 @@ def lora_lines(lora: Any, cfg: Any, plan: Any, device_memory_gib: Optional[float
     Args:
         device_memory_gib: memory of one device, GiB, for the fit verdict (``None``: 80 and 192).
     """
-    from llmforge.algorithms.float8 import build_model_on_meta
+    from llmforge.algorithms.base import meta_model
     from llmforge.algorithms.lora.algorithm import parameter_counts
 
-    model = lora.convert(build_model_on_meta(cfg), cfg.run.seed)
+    model = lora.convert(meta_model(cfg), cfg.run.seed)
     trainable, frozen = parameter_counts(model)
     m = lora_memory(cfg, plan, model, trainable, frozen, lora.base_dtype)
     where = "on the CPU (strategy.cpu_offload)" if m.offload else f"sharded {m.shards}x"

@@ -3,19 +3,10 @@
 adapter), bundled by :data:`LLAMA3`. Importing this package imports no torch."""
 
 from llmforge.models.llama3.config import PRESETS, Llama3Config, memory_shape
-from llmforge.models.spec import ModelSpec
+from llmforge.models.spec import family_spec
 
 __all__ = ["LLAMA3"]
 
-LLAMA3 = ModelSpec(
-    name="llama3",
-    build="llmforge.models.llama3.model:build_llama",
-    config_cls=Llama3Config,
-    presets=PRESETS,
-    model_cls="llmforge.models.llama3.model:Llama",
-    tp_plan="llmforge.models.llama3.parallelize:apply_tp",
-    check_tp="llmforge.models.llama3.parallelize:check_tp",
-    hf_adapter="llmforge.models.llama3.hf:LlamaHFAdapter",
-    memory_shape=memory_shape,
-    description="Llama 3 / 3.1 / 3.2 decoder (Meta's layout and names)",
-)
+LLAMA3 = family_spec("llama3", __name__, model="Llama", build="build_llama", hf_adapter="LlamaHFAdapter",
+                     config_cls=Llama3Config, presets=PRESETS, memory_shape=memory_shape,
+                     description="Llama 3 / 3.1 / 3.2 decoder (Meta's layout and names)")

@@ -30,10 +30,9 @@ import math
 from typing import Any, Dict, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from llmforge.models.decoder import DecoderLM, PreNormBlock, SwiGLU
+from llmforge.models.decoder import DecoderLM, GQAttention, PreNormBlock, SwiGLU
 from llmforge.models.llama3.config import ROPE_SCALING_KEYS, LlamaArgs, ffn_hidden_dim
 from llmforge.models.masks import document_causal_mask, document_positions, document_runs
 
@@ -112,60 +111,25 @@ def apply_rotary_emb(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(xc * freqs).flatten(-2).type_as(x)
 
 
-class Attention(nn.Module):
-    """Causal grouped-query self-attention with RoPE.
-
-    Each of the K key/value heads serves ``H // K`` consecutive query heads (query head ``h``
-    uses kv head ``h // (H // K)``): K/V are expanded with ``repeat_interleave`` on the head dim,
-    the same as Meta's ``repeat_kv``.
-    """
+class Attention(GQAttention):
+    """Causal grouped-query self-attention with Meta's interleaved RoPE (see
+    :class:`~llmforge.models.decoder.GQAttention` and :func:`~llmforge.models.decoder.attend`:
+    query head ``h`` uses kv head ``h // (H // K)``, as Meta's ``repeat_kv``)."""
 
     def __init__(self, args: LlamaArgs) -> None:
-        super().__init__()
-        self.n_heads = args.n_heads
-        self.n_kv_heads = args.n_kv_heads
-        self.n_rep = args.n_heads // args.n_kv_heads
-        self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-
-    def init_weights(self, std: float, out_std: float) -> None:
-        for lin in (self.wq, self.wk, self.wv):
-            nn.init.normal_(lin.weight, mean=0.0, std=std)
-        nn.init.normal_(self.wo.weight, mean=0.0, std=out_std)
+        super().__init__(args.dim, args.n_heads, args.n_kv_heads, args.head_dim)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
                 mask: Optional[torch.Tensor] = None, cache: Any = None) -> torch.Tensor:
         """``x [B, T, D]``, ``rope [T, hd/2, 2]`` or ``[B, T, hd/2, 2]`` -> ``[B, T, D]``.
 
-        ``mask``: None = plain causal attention (SDPA ``is_causal``); else a boolean
-        ``[B, 1, T, T]`` mask (True = may attend, e.g. :func:`document_causal_mask`) passed to
-        SDPA as ``attn_mask`` (every query must see at least one key). ``cache``: one layer of
-        a generation KV cache (``update(k, v) -> (k, v)`` with the past keys/values prepended,
-        :class:`llmforge.models.sampling.KVCache`); several new tokens only on an empty cache."""
-        bsz, seqlen, _ = x.shape
-        # -1 heads: under tensor parallelism each rank holds n_heads/tp and n_kv_heads/tp heads
-        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
-        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
-        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        ``mask``: None = plain causal attention; else a boolean ``[B, 1, T, T]`` mask (True =
+        may attend, e.g. :func:`document_causal_mask`). ``cache``: one layer of a generation KV
+        cache (:class:`llmforge.models.sampling.KVCache`); several new tokens only on an empty
+        cache."""
+        q, k, v = self.project(x)
         q, k = apply_rotary_emb(q, rope), apply_rotary_emb(k, rope)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, nh, T, hd]
-        causal = True
-        if cache is not None:
-            k, v = cache.update(k, v)
-            causal = k.shape[2] == seqlen  # a prefill is causal; one new token sees every key
-            if seqlen > 1 and not causal:
-                raise ValueError("a KV cache takes several new tokens only when it is empty")
-        if self.n_rep > 1:
-            k = k.repeat_interleave(self.n_rep, dim=1)
-            v = v.repeat_interleave(self.n_rep, dim=1)
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # scale 1/sqrt(hd)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+        return self.attend(q, k, v, mask, cache)
 
 
 class FeedForward(SwiGLU):
@@ -186,18 +150,16 @@ class TransformerBlock(PreNormBlock):
 class Llama(DecoderLM, nn.Module):
     """Llama 3 decoder-only language model.
 
-    ``forward(tokens [B, T] int64, doc_ids [B, T] | None) -> logits [B, T, V]`` (in the
-    parameters' compute dtype; upcast for the loss if needed); ``doc_ids`` marks the documents
-    of packed rows (per-document positions, block-diagonal causal attention). Attributes
-    ``args``, ``vocab_size``, ``max_seq_len``.
+    ``forward(tokens [B, T] int64, doc_ids [B, T] | None, cache=None) -> logits [B, T, V]``
+    (packed documents and the KV cache as in :meth:`DecoderLM.forward`); meta-device build,
+    :meth:`~DecoderLM.init_weights` and embedding tying from
+    :class:`~llmforge.models.decoder.DecoderLM`. Attributes ``args``, ``vocab_size``,
+    ``max_seq_len``; the RoPE table (:func:`precompute_rope`, Llama 3.1 scaling included) is
+    the non-persistent buffer ``rope_cache [max_seq_len, hd/2, 2]``.
 
-    The RoPE table is the non-persistent buffer ``rope_cache [max_seq_len, hd/2, 2]`` (not in the
-    state dict); :meth:`init_weights` recomputes it.
-
-    Tied embeddings: ``output.weight`` *is* ``tok_embeddings.weight`` (one Parameter). Module
-    conversions such as ``to_empty`` from the meta device create new Parameter objects per
-    module and would break the tie, so :meth:`_apply` (behind ``to``/``to_empty``/``cuda``) and
-    :meth:`init_weights` re-tie. The state dict still holds both keys (same tensor).
+    Raises:
+        ValueError: ``dim`` not divisible by ``n_heads``, ``n_heads`` by ``n_kv_heads``, or an
+            odd head dim.
     """
 
     def __init__(self, args: LlamaArgs) -> None:
@@ -206,105 +168,11 @@ class Llama(DecoderLM, nn.Module):
             raise ValueError(
                 f"need dim % n_heads == 0, n_heads % n_kv_heads == 0 and an even head dim; got "
                 f"dim={args.dim}, n_heads={args.n_heads}, n_kv_heads={args.n_kv_heads}")
-        self.args = args
-        self.vocab_size = args.vocab_size
-        self.max_seq_len = args.max_seq_len
-        # Allocate on meta, then materialize on the requested device (default device or an
-        # enclosing ``with torch.device(...)``) so nothing is initialized twice and the RNG
-        # stream equals the meta -> to_empty -> init_weights path.
-        target = torch.empty(0).device
-        with torch.device("meta"):
-            self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-            self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
-            self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-            self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-            self.register_buffer(
-                "rope_cache", torch.empty(args.max_seq_len, args.head_dim // 2, 2,
-                                          dtype=torch.float32), persistent=False)
-        self._tie()
-        if target.type != "meta":
-            self.to_empty(device=target)
-        self.init_weights()
+        self._build(args, lambda i: TransformerBlock(i, args))
 
-    @torch.no_grad()
-    def init_weights(self, std: Optional[float] = None) -> None:
-        """(Re)initialize every parameter and recompute the RoPE buffer, in place.
-
-        * ``tok_embeddings``, ``output`` and ``wq, wk, wv, w1, w3``: normal(0, ``std``)
-          (``std`` defaults to ``args.init_std``; a tied output is initialized once, as the
-          embedding).
-        * ``wo`` and ``w2`` (the projections that write into the residual stream):
-          normal(0, ``std / sqrt(2 * n_layers)``), the GPT-2 / Megatron-style scaling so the
-          residual stream's variance does not grow with depth (2 residual adds per block).
-        * RMSNorm weights: ones.
-
-        Order is fixed, so the result is deterministic given torch's seed. Works on meta
-        (no-op) and on DTensor (FSDP2-sharded) parameters.
-        """
-        std = self.args.init_std if std is None else float(std)
-        out_std = std / math.sqrt(2 * self.args.n_layers)
-        self._tie()
-        self._init_rope()
-        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
-        for layer in self.layers:
-            layer.init_weights(std, out_std)
-        self.norm.reset_parameters()
-        if not self.args.tie_embeddings:
-            nn.init.normal_(self.output.weight, mean=0.0, std=std)
-
-    def _init_rope(self) -> None:
-        buf = self.rope_cache
-        # Computed on CPU (or meta) so the table is identical whatever the device.
-        dev = buf.device if buf.device.type == "meta" else torch.device("cpu")
-        table = precompute_rope(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta,
-                                self.args.rope_scaling, device=dev)
-        self.register_buffer("rope_cache", table.to(buf.device), persistent=False)
-
-    # -- forward ---------------------------------------------------------------------------
-    def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
-                cache: Any = None) -> torch.Tensor:
-        """``tokens [B, T]`` (int64 ids < V, ``T <= max_seq_len``) -> logits ``[B, T, V]``.
-
-        ``doc_ids [B, T]`` (optional, any integer dtype): the document each token belongs to in
-        a packed row (a new document starts wherever the id changes). With it, positions
-        restart at 0 for every document (:func:`document_positions`, so RoPE sees each
-        document as if it were alone) and attention is block-diagonal causal
-        (:func:`document_causal_mask`): no token attends across a document boundary. Without
-        it (pretraining), every block runs ``layer(h, rope)`` with causal SDPA, unchanged.
-
-        ``cache``: a :class:`llmforge.models.sampling.KVCache` (generation): positions continue
-        after the cached ones and every layer attends to its cached keys/values too.
-        """
-        seqlen = tokens.shape[1]
-        if cache is not None:
-            return self._forward_cached(tokens, cache)
-        if seqlen > self.max_seq_len:
-            raise ValueError(f"sequence length {seqlen} exceeds max_seq_len={self.max_seq_len}")
-        h = self.tok_embeddings(tokens)
-        if doc_ids is None:
-            rope = self.rope_cache[:seqlen]
-            for layer in self.layers:
-                h = layer(h, rope)
-            return self.output(self.norm(h))
-        if doc_ids.shape != tokens.shape:
-            raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} differs from tokens shape "
-                             f"{tuple(tokens.shape)}")
-        rope = self.rope_cache[document_positions(doc_ids)]  # [B, T, hd/2, 2]
-        mask = document_causal_mask(doc_ids)
-        for layer in self.layers:
-            h = layer(h, rope, mask=mask)
-        return self.output(self.norm(h))
-
-    def _forward_cached(self, tokens: torch.Tensor, cache: Any) -> torch.Tensor:
-        start, seqlen = cache.length, tokens.shape[1]
-        if start + seqlen > self.max_seq_len:
-            raise ValueError(f"sequence length {start + seqlen} exceeds max_seq_len={self.max_seq_len}")
-        h = self.tok_embeddings(tokens)
-        rope = self.rope_cache[start:start + seqlen]
-        for i, layer in enumerate(self.layers):
-            h = layer(h, rope, cache=cache.layer(i))
-        cache.advance(seqlen)
-        return self.output(self.norm(h))
+    def rope_table(self, device: torch.device) -> torch.Tensor:
+        a = self.args
+        return precompute_rope(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device=device)
 
 
 def build_llama(cfg: Any, **kwargs: Any) -> Llama:
@@ -316,15 +184,8 @@ def build_llama(cfg: Any, **kwargs: Any) -> Llama:
         ConfigError: invalid shape, or extra keyword arguments (``model.kwargs``), which the
             built-in factory does not take.
     """
-    from llmforge.errors import ConfigError
     from llmforge.models.llama3.config import llama_args_from_config
+    from llmforge.models.spec import reject_factory_kwargs
 
-    extra = dict(kwargs)
-    cfg_kwargs = cfg.get("kwargs") if hasattr(cfg, "get") else getattr(cfg, "kwargs", None)
-    if cfg_kwargs:
-        extra.update(dict(cfg_kwargs))
-    if extra:
-        raise ConfigError(
-            f"model.kwargs: the built-in 'llama3' factory takes no extra arguments (got "
-            f"{', '.join(sorted(extra))}); set the model: shape fields instead.")
+    reject_factory_kwargs("llama3", cfg, kwargs)
     return Llama(llama_args_from_config(cfg))

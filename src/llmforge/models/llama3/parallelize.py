@@ -15,7 +15,7 @@ from torch import nn
 
 from llmforge.errors import ConfigError
 
-__all__ = ["apply_decoder_tp", "apply_tp", "check_tp"]
+__all__ = ["apply_decoder_tp", "apply_tp", "check_decoder_tp", "check_tp"]
 
 
 def apply_decoder_tp(model: nn.Module, mesh: Any, extra_block_plan: Optional[dict] = None) -> nn.Module:
@@ -61,11 +61,17 @@ def apply_tp(model: nn.Module, mesh: Any) -> nn.Module:
     return apply_decoder_tp(model, mesh)
 
 
-def check_tp(model: nn.Module, tp: int) -> None:
-    """Raises ConfigError: tied embeddings, or head counts not divisible by ``tp``."""
+def check_decoder_tp(model: nn.Module, tp: int) -> None:
+    """Raises ConfigError: ``tp`` does not divide the query and key/value head counts (each
+    rank holds whole heads)."""
     args = model.args
-    if args.tie_embeddings:
-        raise ConfigError("strategy.tp > 1 does not support tied embeddings (model.tie_embeddings=false)")
     if args.n_heads % tp or args.n_kv_heads % tp:
         raise ConfigError(f"strategy.tp={tp} must divide model.n_heads ({args.n_heads}) and "
                           f"model.n_kv_heads ({args.n_kv_heads})")
+
+
+def check_tp(model: nn.Module, tp: int) -> None:
+    """Raises ConfigError: tied embeddings, or head counts not divisible by ``tp``."""
+    if model.args.tie_embeddings:
+        raise ConfigError("strategy.tp > 1 does not support tied embeddings (model.tie_embeddings=false)")
+    check_decoder_tp(model, tp)

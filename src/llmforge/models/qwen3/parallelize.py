@@ -15,8 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from llmforge.errors import ConfigError
-from llmforge.models.llama3.parallelize import apply_decoder_tp
+from llmforge.models.llama3.parallelize import apply_decoder_tp, check_decoder_tp
 
 __all__ = ["apply_tp", "check_tp"]
 
@@ -30,9 +29,4 @@ def apply_tp(model: nn.Module, mesh: Any) -> nn.Module:
     return apply_decoder_tp(model, mesh, extra_block_plan=qk)
 
 
-def check_tp(model: nn.Module, tp: int) -> None:
-    """Raises ConfigError: ``tp`` does not divide the query and key/value head counts."""
-    a = model.args
-    if a.n_heads % tp or a.n_kv_heads % tp:
-        raise ConfigError(f"strategy.tp={tp} must divide model.n_heads ({a.n_heads}) and "
-                          f"model.n_kv_heads ({a.n_kv_heads})")
+check_tp = check_decoder_tp  # Qwen3 keeps tied embeddings tied under TP: only the head counts

@@ -1,0 +1,252 @@
+"""Handlers of the ``llmforge`` commands ``train``, ``generate``, ``eval``, ``convert``,
+``checkpoint``, ``algorithms`` and ``runs plot`` (``args -> exit code``); each imports what it
+needs when called, so a typo in a config fails before torch is imported. Bad input raises
+:class:`~llmforge.errors.ConfigError` (exit 2); :func:`llmforge.cli.main` prints it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from llmforge.errors import LLMForgeError
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    import logging
+    import warnings
+
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*isinstance.treespec, LeafSpec.*")
+    warnings.filterwarnings("ignore", module="torch.distributed.device_mesh")
+    warnings.filterwarnings("ignore", module="torch.distributed.tensor._random")
+    # not actionable on every run: DTensor's RNG is CUDA-only (warned from its caller's module,
+    # so matched by text), and Lightning's hint that srun exists on this machine
+    warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+    warnings.filterwarnings("ignore", message="The `srun` command is available on your system")
+    warnings.filterwarnings("ignore", message=".*_get_slice_mesh_layout.*|.*_rng_tracker.*")
+    warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
+    warnings.filterwarnings("ignore", message=".*Found a non-scalar tensor with numel=1 and ndim!=0.*")
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Load and resolve the run before the heavy imports (a typo fails in a fraction of a
+    second), then build the Trainer: its one start-up sequence serves the dry run, the
+    ``--nproc`` launcher's check and training."""
+    from llmforge.config import load_config
+    from llmforge.config.resolve import resolve_run
+    from llmforge.errors import ConfigError
+
+    cfg = load_config(args.config, args.overrides)
+    if args.nproc is not None:
+        if args.nproc < 1:
+            raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+        cfg.trainer.devices = args.nproc  # the command line's input, like an override
+    launcher = bool(args.nproc and args.nproc > 1 and not os.environ.get("WORLD_SIZE"))
+    run = resolve_run(cfg, overwrite=args.overwrite, check_dir=not args.dry_run,
+                      dry_run=args.dry_run)
+    _quiet_libraries()
+    from llmforge.training.trainer import Trainer
+
+    trainer = Trainer(cfg, overwrite=args.overwrite, run=run)  # imports, strategy, algorithms
+    if args.dry_run:
+        from llmforge.training.dry_run import dry_run_report
+
+        for note in run.notes:
+            print(f"note            {note}")
+        print(dry_run_report(trainer.cfg, run.plan, device_memory_gib=args.device_memory_gib))
+        print(_pipeline_line(trainer))
+        return 0
+    if launcher:
+        from llmforge.parallel.launch import launch_local
+
+        argv = ["train", args.config, *args.overrides, f"trainer.devices={args.nproc}"]
+        argv += ["--overwrite"] * args.overwrite + ["--debug"] * args.debug
+        return launch_local(args.nproc, argv)
+    summary = trainer.fit()
+    if trainer.is_rank_zero():
+        _print_summary(summary)
+    return 0
+
+
+def _static_checks(cfg: Any, world_size: int, dry_run: bool = False) -> tuple[Any, str]:
+    """The checks ``llmforge train`` runs before training, for a job of ``world_size``
+    processes (``trainer.devices`` per node) that runs elsewhere (``llmforge launch``): the same
+    resolution and Trainer start-up, without looking at the run directory. ``dry_run``: files
+    the config names (an HF folder, a tokenizer) may be missing here. Returns (plan, pipeline
+    line).
+
+    Raises:
+        ConfigError: what the job would exit 2 with.
+    """
+    from llmforge.config.resolve import resolve_run
+    from llmforge.training.trainer import Trainer
+
+    env = {"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(cfg.trainer.devices)}
+    run = resolve_run(cfg, check_dir=False, dry_run=dry_run, environ=env)
+    return run.plan, _pipeline_line(Trainer(cfg, run=run))
+
+
+def _pipeline_line(trainer: Any) -> str:
+    """The model-transform order a run would apply (algorithms and the strategy's stages)."""
+    from llmforge.algorithms.loading import pipeline_order
+    from llmforge.parallel.transforms import strategy_transforms
+
+    order = pipeline_order(trainer.cfg, trainer.algorithms, strategy_transforms(trainer.cfg, trainer.dims))
+    return f"pipeline        build (meta) -> {' -> '.join(order + ['materialize'])}"
+
+
+def cmd_algorithms(args: argparse.Namespace) -> int:
+    from llmforge.algorithms.loading import available
+
+    rows = available()
+    width = max(len(r[0]) for r in rows)
+    swidth = max(len(r[1]) for r in rows)
+    for name, stage, summary in rows:
+        print(f"{name:<{width}}  {stage:<{swidth}}  {summary}")
+    return 0
+
+
+def cmd_runs_plot(args: argparse.Namespace) -> int:
+    from llmforge.runs.plot import plot_runs
+
+    metrics = args.metric or ["train/loss"]
+    out = args.out or metrics[0].replace("/", "_") + ".png"
+    path = plot_runs(args.run_dirs, metrics, out, x=args.x, width=args.width, height=args.height,
+                     log_y=args.log_y)
+    print(f"wrote {path}")
+    return 0
+
+
+RUNS_COMMANDS = {"plot": cmd_runs_plot}
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    """``llmforge runs SUBCOMMAND``: dispatch on :data:`RUNS_COMMANDS` (and run management's)."""
+    from llmforge.runs.commands import RUN_COMMANDS
+
+    return {**RUN_COMMANDS, **RUNS_COMMANDS}[args.runs_command](args)
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    minutes, seconds = divmod(int(s["seconds"]), 60)
+    parts = [f"done: {s['steps']} steps, {s['tokens']:,} tokens in {minutes}m{seconds:02d}s"]
+    if s["final_train_loss"] is not None:
+        parts.append(f"train/loss {s['final_train_loss']:.4f}")
+    if s["final_eval_loss"] is not None:
+        first = s["initial_eval_loss"]
+        start = f" (step {s.get('initial_eval_step', 0)}: {first:.4f})" if first is not None else ""
+        parts.append(f"eval/loss {s['final_eval_loss']:.4f}{start}")
+    print(" | ".join(parts))
+    print(f"run directory: {s['run_dir']}")
+    if s["checkpoint"]:
+        print(f"checkpoint: {s['checkpoint']}")
+        hint = ('--chat --prompt "What is 3 plus 4?"' if s.get("data_task") == "sft"
+                else '--prompt "ROMEO."')
+        print(f"try: llmforge generate {s['run_dir']} {hint}")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from llmforge.errors import ConfigError
+    from llmforge.generate import sample_text
+
+    checks = [(args.max_new_tokens >= 0, "--max-new-tokens must be >= 0"),
+              (args.temperature >= 0 and args.temperature != float("inf"),
+               "--temperature must be a finite number >= 0 (0 = greedy)"),
+              (args.top_k is None or args.top_k >= 1, "--top-k must be >= 1"),
+              (0 <= args.seed < 2**63, "--seed must be in [0, 2**63)")]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    stats: dict = {}
+
+    def show(piece: str) -> None:  # tokens are printed as they come
+        if not stats.get("started"):
+            stats["started"] = True
+            if not args.chat:
+                sys.stdout.write(args.prompt)
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    try:
+        sample_text(args.path, args.prompt, max_new_tokens=args.max_new_tokens,
+                    temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                    chat=args.chat, use_cache=not args.no_cache, on_text=show, stats=stats)
+    except ValueError as exc:
+        raise LLMForgeError(str(exc)) from exc
+    if not stats.get("started") and not args.chat:
+        sys.stdout.write(args.prompt)
+    print(flush=True)
+    print(f"{stats['tokens']} tokens in {stats['seconds']:.2f} s ({stats['tokens_per_second']:.1f} "
+          f"tokens/s, KV cache {'on' if stats['kv_cache'] else 'off'})", file=sys.stderr)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from torch import device as torch_device
+    from torch.cuda import is_available as cuda_available
+
+    from llmforge.errors import ConfigError
+    from llmforge.evaluation.harness import parse_limit
+    from llmforge.evaluation.run import evaluate_run
+
+    try:
+        limit = parse_limit(args.limit)
+    except ValueError as exc:
+        raise ConfigError(f"--{exc}") from None
+    try:
+        device = torch_device(args.device)
+    except (RuntimeError, ValueError) as exc:
+        raise ConfigError(f"--device {args.device!r}: {exc}; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not cuda_available():
+        raise ConfigError(f"--device {args.device}: no CUDA device here (this torch build or machine "
+                          "has none); use --device cpu")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise ConfigError(f"--num-fewshot must be >= 0; got {args.num_fewshot}")
+    if args.batch_size < 1 or args.max_gen_toks < 1:
+        raise ConfigError("--batch-size and --max-gen-toks must be >= 1")
+    out = evaluate_run(args.path, args.tasks.split(","), include_path=args.include_path,
+                       limit=limit, num_fewshot=args.num_fewshot, batch_size=args.batch_size,
+                       max_gen_toks=args.max_gen_toks, seed=args.seed, device=args.device)
+    for key, value in sorted(out["scores"].items()):
+        print(f"{key:40s} {value:.4f}")
+    print(f"wrote {out['path']}")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from llmforge.checkpoint.convert import from_hf, to_hf
+    from llmforge.errors import ConfigError
+
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
+        raise ConfigError(f"{out} already exists and is not empty; choose another output folder or "
+                          "pass --overwrite to write into it")
+
+    if args.convert_command == "to-hf":
+        print(f"wrote {to_hf(args.path, args.out, args.dtype, adapters_only=args.adapters_only)}")
+    else:
+        print(f"wrote {from_hf(args.path, args.out)}")
+    return 0
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from llmforge.checkpoint.tools import consolidate, inspect_checkpoint
+
+    if args.checkpoint_command == "inspect":
+        print(inspect_checkpoint(args.path))
+    else:
+        print(f"wrote {consolidate(args.path, args.out)}")
+    return 0

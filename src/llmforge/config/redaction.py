@@ -1,0 +1,103 @@
+"""Keeping secrets out of what llmforge writes: secret-looking keys (``api_key``, ``*_token``,
+``password``, ...; not ``max_tokens`` or ``eos_token``), their values wherever else they appear,
+the environment's credential values, and ``user:password@`` in URLs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig
+
+__all__ = ["redact", "scrub_url_credentials"]
+
+
+_SECRET = re.compile(r"(?i)(api_?key|secret|passw(or)?d|passwd|access_key|private_key|credential|"
+                     r"auth|bearer|_pat$|^pat$|^key$|_key$|^token$|_token$)")
+_NOT_SECRET = re.compile(r"(?i)(_tokens$|^(bos|eos|pad|unk|sep|cls|mask|start|end)_token$)")
+
+
+def _is_secret(key: Any) -> bool:
+    return isinstance(key, str) and bool(_SECRET.search(key)) and not _NOT_SECRET.search(key)
+
+
+_ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
+
+
+def _env_names(key: Any, value: Any) -> bool:
+    """``secrets: [WANDB_API_KEY, ...]`` lists environment variable NAMES, not values."""
+    return key == "secrets" and isinstance(value, (list, tuple, ListConfig)) and all(
+        isinstance(x, str) and _ENV_NAME.match(x) for x in value)
+
+
+def _secret_values(container: Any, out: set) -> set:
+    """Every non-trivial string held under a secret-looking key, at any depth."""
+    if isinstance(container, dict):
+        for k, v in container.items():
+            if _is_secret(k) and not _env_names(k, v):
+                for item in (v if isinstance(v, (list, tuple)) else [v]):
+                    if isinstance(item, (str, int)) and len(str(item)) >= 6:
+                        out.add(str(item))
+            _secret_values(v, out)
+    elif isinstance(container, (list, tuple)):
+        for v in container:
+            _secret_values(v, out)
+    return out
+
+
+def _env_secret_values() -> set:
+    """Values of the environment's credential variables (``*_API_KEY``, ``*_TOKEN``, ...)."""
+    import os
+
+    return {v for k, v in os.environ.items() if _is_secret(k.lower()) and v and len(v) >= 6}
+
+
+_URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@:]+:[^/\s@]+@")
+
+
+def scrub_url_credentials(text: str) -> str:
+    """``scheme://user:password@host/...`` -> ``scheme://***@host/...`` anywhere in ``text``."""
+    return _URL_USERINFO.sub(r"\1***@", text)
+
+
+def _scrub(container: Any, values: set) -> Any:
+    if isinstance(container, dict):
+        return {k: _scrub(v, values) for k, v in container.items()}
+    if isinstance(container, list):
+        return [_scrub(v, values) for v in container]
+    if isinstance(container, str):
+        for secret in values:
+            if secret in container:
+                container = container.replace(secret, "***")
+        container = scrub_url_credentials(container)
+    return container
+
+
+def redact(container: Any) -> Any:
+    """Return a copy of a (nested) dict/list, or a config, with secret-looking keys' values
+    (``api_key``, ``wandb_api_key``, ``secret``, ``password``, ``passwd``, ``access_key``,
+    ``private_key``, ``credentials``, ``key``, ``*_key``, ``*_pat``, ``token``, ``hf_token``; not
+    ``max_tokens`` or ``eos_token``) replaced by ``"***"``. None stays None. Those values, and
+    the values of the environment's credential variables (``WANDB_API_KEY``, ``HF_TOKEN``, ...),
+    are also replaced wherever else they appear (e.g. interpolated into ``run.tags``), and so is
+    the ``user:password@`` part of URLs (``https://user:pw@host/x`` -> ``https://***@host/x``)."""
+    if isinstance(container, (DictConfig, ListConfig)) or dataclasses.is_dataclass(container):
+        from llmforge.config.loader import config_to_dict
+
+        container = config_to_dict(container)
+    values = _secret_values(container, set()) | _env_secret_values()
+    return _scrub(_redact_keys(container), values)
+
+
+def _redact_keys(container: Any) -> Any:
+    if isinstance(container, dict):
+        return {
+            k: ("***" if _is_secret(k) and v is not None and not _env_names(k, v) else _redact_keys(v))
+            for k, v in container.items()
+        }
+    if isinstance(container, (list, tuple)):
+        return [_redact_keys(v) for v in container]
+    return container
+

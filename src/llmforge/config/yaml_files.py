@@ -1,0 +1,113 @@
+"""Reading config YAML safely: the loader (YAML 1.2 floats such as ``1e-4``, dates kept as
+strings, duplicate keys refused, merge keys ``<<: *anchor`` merged), the matching dumper, and
+``base:`` chains (a file extends another, relative to itself; cycles refused).
+
+Raises :class:`~llmforge.errors.ConfigError` naming the file (and line, column) and a fix.
+"""
+
+from __future__ import annotations
+
+import re
+import typing
+from pathlib import Path
+
+import yaml
+
+from llmforge.config.keycheck import _kind
+from llmforge.errors import ConfigError
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader whose floats include ``1e-4`` / ``1E5`` (YAML 1.2 style), with dates left as
+    strings, duplicate keys rejected and merge keys (``<<: *anchor``) merged."""
+
+    def construct_mapping(self, node, deep=False):  # noqa: D102
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == _MERGE_TAG:  # SafeLoader.flatten_mapping merges it below
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key '{key}'", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+_FLOAT_TAG = "tag:yaml.org,2002:float"
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (_FLOAT_TAG, "tag:yaml.org,2002:timestamp")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_FLOAT_RE = re.compile(
+    r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+    |[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""",
+    re.X,
+)
+_Loader.add_implicit_resolver(_FLOAT_TAG, _FLOAT_RE, list("-+0123456789."))
+
+
+class _Dumper(yaml.SafeDumper):
+    """SafeDumper that quotes every string :class:`_Loader` (or a YAML 1.1 reader) would read
+    as another type: ``'1e3'`` stays a string when ``config.yaml`` is loaded back."""
+
+
+_Dumper.add_implicit_resolver(_FLOAT_TAG, _FLOAT_RE, list("-+0123456789."))
+
+
+def _yaml_error(exc: yaml.YAMLError, where: str) -> ConfigError:
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    ctx = getattr(exc, "context", None)
+    text = f"{ctx}: {problem}" if ctx and problem and ctx not in problem else problem
+    pos = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return ConfigError(f"malformed YAML in {where}{pos}: {text}")
+
+
+def _read_yaml(path: Path, shown: str, referrer: str | None) -> dict:
+    if not path.is_file():
+        by = f" (the base of {referrer})" if referrer else ""
+        what = "is a directory, not a file" if path.is_dir() else "not found"
+        raise ConfigError(f"config file {shown}{by} {what}")
+    try:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
+    except yaml.YAMLError as exc:
+        raise _yaml_error(exc, shown) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {shown}: {exc}") from None
+    if data is None:  # an empty file would silently train the defaults
+        by = f" (the base of {referrer})" if referrer else ""
+        raise ConfigError(f"config file {shown}{by} is empty; write at least one section (e.g. "
+                          "'base: yamls/demo_cpu.yaml' or 'trainer:') or pass the file you meant")
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"the top of {shown} must be a mapping of sections (e.g. 'trainer:'), "
+            f"got {_kind(data)}"
+        )
+    return data
+
+
+def _read_chain(path: Path, shown: str, referrer: str | None, stack: list) -> list:
+    """Return ``[(shown_name, data), ...]`` with the deepest base first."""
+    real = path.expanduser().resolve()
+    names = [n for _, n in stack]
+    if real in [p for p, _ in stack]:
+        start = [p for p, _ in stack].index(real)
+        raise ConfigError("base cycle: " + " -> ".join(names[start:] + [shown]))
+    data = _read_yaml(path.expanduser(), shown, referrer)
+    base = data.pop("base", None)
+    chain = []
+    if base is not None:
+        if not isinstance(base, str) or not base.strip():
+            raise ConfigError(f"base in {shown} must be a file path, got {base!r}")
+        base_path = Path(base).expanduser()
+        if not base_path.is_absolute():
+            base_path = path.expanduser().parent / base_path
+        chain = _read_chain(base_path, str(base_path), shown, stack + [(real, shown)])
+    return chain + [(shown, data)]
+

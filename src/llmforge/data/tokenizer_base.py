@@ -1,0 +1,113 @@
+"""The :class:`Tokenizer` interface every tokenizer kind implements (ids, encode/decode, save),
+and the atomic file write their ``save`` and caches use."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, ClassVar
+
+__all__ = ["Tokenizer", "META_FILE"]
+
+#: File written by :meth:`Tokenizer.save` that says how to load the directory.
+META_FILE = "llmforge_tokenizer.json"
+
+
+class Tokenizer(ABC):
+    """Text <-> token ids. Subclasses set ``type`` (the ``tokenizer.type`` they come from)."""
+
+    type: ClassVar[str] = ""
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Number of ids, special tokens included (max id + 1)."""
+
+    @property
+    @abstractmethod
+    def bos_id(self) -> int:
+        """Id of the beginning-of-text token."""
+
+    @property
+    @abstractmethod
+    def eos_id(self) -> int:
+        """Id of the end-of-text token."""
+
+    @property
+    @abstractmethod
+    def pad_id(self) -> int | None:
+        """Id of a padding token distinct from ``eos_id``, or None when there is none."""
+
+    @abstractmethod
+    def _encode(self, text: str) -> list[int]:
+        """Ids of ``text`` with no special tokens added or parsed."""
+
+    @abstractmethod
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Ids of each text (no bos/eos), using the library's fast batch encoder."""
+
+    @abstractmethod
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids``; special ids appear as their token text."""
+
+    @abstractmethod
+    def _save_files(self, directory: Path) -> dict[str, Any]:
+        """Write the tokenizer's files into ``directory``; return the metadata to store."""
+
+    def token_id(self, token: str) -> int | None:
+        """Id of the single special (or added) token ``token`` (e.g. ``"<|eot_id|>"``), or None
+        when the vocabulary has no such single token."""
+        return None
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        """Ids of ``text``, optionally framed by ``bos_id``/``eos_id``.
+
+        Special-token text inside ``text`` (e.g. ``"<|end_of_text|>"``) is encoded as ordinary
+        text.
+        """
+        ids = self._encode(text)
+        if bos:
+            ids.insert(0, self.bos_id)
+        if eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Write the tokenizer files and ``llmforge_tokenizer.json`` into ``directory``
+        (created if missing); :func:`load_saved` rebuilds an identical tokenizer from it."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        meta = {"type": self.type, **self._save_files(d)}
+        _atomic_write(d / META_FILE, json.dumps(meta, indent=2).encode())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size}, bos={self.bos_id}, " \
+               f"eos={self.eos_id}, pad={self.pad_id})"
+
+
+class _StoredIds(Tokenizer):
+    """Implements the id properties from ``_vocab_size``, ``_bos``, ``_eos``, ``_pad``."""
+
+    _vocab_size: int
+    _bos: int
+    _eos: int
+    _pad: int | None
+    vocab_size = property(lambda self: self._vocab_size, doc=Tokenizer.vocab_size.__doc__)
+    bos_id = property(lambda self: self._bos, doc=Tokenizer.bos_id.__doc__)
+    eos_id = property(lambda self: self._eos, doc=Tokenizer.eos_id.__doc__)
+    pad_id = property(lambda self: self._pad, doc=Tokenizer.pad_id.__doc__)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -271,6 +271,12 @@ def test_redact_and_save(tmp_path):
     assert saved["optimizer"]["lr"] == 1e-4
     again = load_config(out)  # the saved file loads back to the same config
     assert config_to_dict(again) == redact(config_to_dict(cfg))
+    # written through a temp file and a rename: a write that fails leaves the old file whole
+    before = out.read_text()
+    (out.parent / ".config.yaml.tmp").mkdir()  # the temp name cannot be written
+    with pytest.raises(OSError):
+        save_config(load_config(path, ["optimizer.lr=0.5"]), out)
+    assert out.read_text() == before
 
 
 def test_number_like_strings_round_trip_through_config_yaml(tmp_path):

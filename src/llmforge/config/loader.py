@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import re
 from pathlib import Path
 from typing import Any, Sequence, Union
@@ -156,5 +157,9 @@ def save_config(cfg: Any, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = yaml.dump(redact(config_to_dict(cfg)), Dumper=_Dumper, sort_keys=False, allow_unicode=True)
-    path.write_text(text, encoding="utf-8")
+    # temp file + rename: a stop signal during the write (startup raises at once) or a full disk
+    # never leaves a torn config.yaml that a later resume or restart would read
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
     return path

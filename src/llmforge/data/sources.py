@@ -135,8 +135,6 @@ def _normalize(ds: AnyDataset, text_field: str, max_documents: Optional[int]) ->
     if max_documents:
         ds = ds.take(max_documents) if isinstance(ds, datasets.IterableDataset) else ds.select(
             range(min(max_documents, len(ds))))
-    remove = [c for c in (columns or []) if c != text_field] or None
-
     def fix(batch: dict) -> dict:
         return {"text": [clean_text(t) for t in batch[text_field]]}
 

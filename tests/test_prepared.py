@@ -9,23 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import DEMO, TINY_OVERRIDES
+from helpers.prepared import prepare, write_corpus
 from llmforge.cli import main
-
-TOK = ["tokenizer.vocab_size=1024", "tokenizer.train_max_bytes=2000000"]
-
-
-def write_corpus(folder: Path, files: int = 3, docs: int = 60) -> str:
-    folder.mkdir(parents=True, exist_ok=True)
-    for f in range(files):
-        rows = [{"text": f"file {f} document {d}: " + " ".join(f"w{(d * 7 + i) % 97}" for i in range(40))}
-                for d in range(docs)]
-        (folder / f"part{f}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(folder / "*.jsonl")
-
-
-def prepare(source: str, out: Path, *extra: str) -> int:
-    return main(["data", "prepare", source, str(out), *TOK, "--workers", "1", "--docs-per-shard", "25",
-                 *extra])
 
 
 @pytest.fixture(scope="module")
@@ -141,9 +126,14 @@ def test_damaged_prepared_folder_exits_2_naming_the_file(prepared, tmp_path, cap
     assert not (tmp_path / "runs" / "p").exists()  # nothing written
 
 
-def test_object_store_path_exits_2_with_the_reason(tmp_path, capsys):
+def test_object_store_without_its_driver_exits_2_naming_the_package(tmp_path, capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("s3fs") is not None:
+        pytest.skip("s3fs is installed: the URL would be looked up on S3")
     code, err = train(tmp_path, capsys, "data.path=s3://bucket/tokens")
-    assert code == 2 and "copy it to local disk first" in err, err
+    assert code == 2 and "error: data.path: s3://bucket/tokens needs the fsspec driver" in err, err
+    assert "pip install s3fs" in err and "Traceback" not in err
 
 
 def test_another_tokenizer_exits_2_before_training(prepared, tmp_path, capsys):

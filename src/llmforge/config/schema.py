@@ -101,7 +101,8 @@ class DataConfig:
     (token shards written by ``llmforge data prepare``; see docs/data.md)."""
     path: Optional[str] = None
     """``files``: a path, glob or URL (or a list of them); ``hub``: the dataset name;
-    ``prepared``: the folder ``llmforge data prepare`` wrote."""
+    ``prepared``: the folder or fsspec URL (s3://, gs://, az://, file://) ``llmforge data
+    prepare`` wrote (a URL is copied once per node to ``data.cache_dir``)."""
     paths: List[str] = field(default_factory=list)
     """``files``: several paths or globs."""
     format: Optional[str] = None
@@ -120,6 +121,10 @@ class DataConfig:
     """Read the source lazily (hub datasets, large files) instead of tokenizing it up front."""
     storage_options: Dict[str, Any] = field(default_factory=dict)
     """fsspec options for object stores (s3://, gs://); credentials come from the environment."""
+    cache_dir: Optional[str] = None
+    """``prepared`` from a URL: the node-local folder the shards are copied to, once per node
+    (in ``<cache_dir>/<hash of URL and manifest>``); null = ``$LLMFORGE_CACHE/prepared``
+    (``~/.cache/llmforge/prepared``). See docs/data.md."""
     mixture: List[Dict[str, Any]] = field(default_factory=list)
     """Weighted mixture of sources: ``[{path, weight, name, source}, ...]``; weights are finite
     numbers > 0, normalized to shares; an entry without ``source`` takes ``data.source``. A

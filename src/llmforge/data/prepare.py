@@ -16,7 +16,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -115,15 +115,20 @@ def _progress_bar(total_bytes: Optional[int]) -> Any:
 
 
 def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
-            docs_per_shard: int = 10_000, show_progress: bool = True) -> dict[str, Any]:
+            docs_per_shard: int = 10_000, show_progress: bool = True,
+            on_shard: Optional[Callable[[Path, dict[str, Any]], None]] = None) -> dict[str, Any]:
     """Tokenize ``cfg.data`` with the run's tokenizer (``cfg.tokenizer``) into ``out``.
 
     Args:
         cfg: a resolved run config (:func:`llmforge.config.load_config`).
-        out: output folder (new, empty, or an interrupted prepare of the same inputs).
+        out: output folder (new, empty, or an interrupted prepare of the same inputs), or an
+            fsspec URL (``s3://bucket/out``: prepared in a local staging folder and uploaded, see
+            :func:`llmforge.data.remote.prepare_to_store`).
         workers: tokenizing processes; ``None`` = every core; 1 = in this process.
         docs_per_shard: documents per shard file.
         show_progress: draw a rich progress bar (documents, tokens, MB/s, ETA) on stderr.
+        on_shard: called with ``(out, entry)`` for each shard once it is written and listed in
+            ``progress.json`` (``entry``: as :func:`write_shard` returns).
 
     Returns:
         The manifest (also written as ``out/manifest.json``).
@@ -137,6 +142,11 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
 
     if docs_per_shard < 1:
         raise DataError(f"--docs-per-shard must be >= 1, got {docs_per_shard}")
+    if "://" in str(out):
+        from llmforge.data.remote import prepare_to_store
+
+        return prepare_to_store(cfg, str(out), workers=workers, docs_per_shard=docs_per_shard,
+                                show_progress=show_progress)
     out = Path(out)
     cfg.data.streaming = True  # read lazily: a corpus never sits in memory
     docs = load_documents(cfg.data, cfg.run.seed)
@@ -176,6 +186,8 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
         def record(entry: dict[str, Any], split: str) -> None:
             splits[split].append(entry)
             _atomic_json(out / PROGRESS, {"key": key, "splits": splits})
+            if on_shard is not None:
+                on_shard(out, entry)
             for k, v in (("docs", entry["documents"]), ("tokens", entry["tokens"]), ("bytes", entry["bytes"])):
                 seen[k] += v
             if bar is not None:

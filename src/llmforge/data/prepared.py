@@ -23,7 +23,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -65,13 +65,23 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
     if not path.exists():
         raise DataError(f"data.path: {root} has no {MANIFEST}, so it is not a prepared corpus; "
                         f"create it with `llmforge data prepare CONFIG_OR_SOURCE {root}`")
+    return parse_manifest(path.read_bytes(), root)
+
+
+def parse_manifest(data: bytes, root: str | Path) -> dict[str, Any]:
+    """Parse and check the bytes of ``root``'s manifest (a folder or a URL).
+
+    Raises:
+        DataError: not JSON, another format, or an interrupted prepare (``complete`` unset).
+    """
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise DataError(f"data.path: {path} is not valid JSON ({exc}); run `llmforge data "
-                        "prepare` again into an empty folder") from exc
-    if manifest.get("format") != FORMAT:
-        raise DataError(f"data.path: {path} has format {manifest.get('format')!r}, expected "
+        manifest = json.loads(data)
+    except ValueError as exc:
+        raise DataError(f"data.path: {root}/{MANIFEST} is not valid JSON ({exc}); run `llmforge "
+                        "data prepare` again into an empty folder") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise DataError(f"data.path: {root}/{MANIFEST} has format {got!r}, expected "
                         f"{FORMAT!r}; prepare the corpus again with this llmforge")
     if not manifest.get("complete"):
         raise DataError(f"data.path: {root} is an interrupted `llmforge data prepare`; run the "
@@ -107,19 +117,33 @@ def check_tokenizer(prepared: PreparedSplits, tok: Any, what: str) -> None:
             "to read the one saved with the shards, or prepare the corpus again with this one")
 
 
-def open_prepared(root: str | Path, verify: bool = True) -> PreparedSplits:
+def open_prepared(root: str | Path, verify: bool = True, *, storage_options: Optional[dict] = None,
+                  cache_dir: Optional[str | Path] = None) -> PreparedSplits:
     """Read and check a prepared folder: every shard exists with the manifest's size and, with
     ``verify``, its sha256 (one sequential read per shard, at about disk speed).
 
+    ``root`` may be an fsspec URL (``s3://``, ``gs://``, ``az://``, ``file://``, ...): the
+    corpus is then copied once to a node-local cache (:func:`llmforge.data.remote.fetch_prepared`,
+    with ``storage_options`` and ``cache_dir``) and that copy is opened.
+
     Raises:
         DataError: missing or incomplete manifest, a missing, truncated or corrupt shard (the
-            message names the file), or no training tokens.
+            message names the file or URL), no training tokens, or (a URL) a missing fsspec
+            driver or an unreadable store.
     """
     if "://" in str(root):
-        raise DataError(f"data.path: {root}: prepared corpora are read from a local or mounted "
-                        "folder (memory-mapped); copy it to local disk first (object stores are "
-                        "not supported yet)")
-    root = Path(root)
+        from llmforge.data.remote import fetch_prepared
+
+        local, copied = fetch_prepared(str(root), storage_options=storage_options, cache_dir=cache_dir)
+        try:  # a fresh copy was hashed on the way in
+            return _open_local(local, verify and not copied)
+        except DataError as exc:
+            raise DataError(f"{exc} (this is the node-local copy of {root}: delete {local} to copy "
+                            "it again)") from exc
+    return _open_local(Path(root), verify)
+
+
+def _open_local(root: Path, verify: bool) -> PreparedSplits:
     manifest = read_manifest(root)
     itemsize = np.dtype(manifest["dtype"]).itemsize
     for split, info in manifest["splits"].items():

@@ -198,7 +198,8 @@ class Trainer:
             if not self.cfg.data.path:
                 raise ConfigError("data.source=prepared needs data.path, the folder written by "
                                   "`llmforge data prepare`")
-            return open_prepared(self.cfg.data.path)
+            return open_prepared(self.cfg.data.path, storage_options=dict(self.cfg.data.storage_options),
+                                 cache_dir=self.cfg.data.cache_dir)
         return load_documents(self.cfg.data, self.cfg.run.seed)
 
     def build_tokenizer(self, docs: DocumentSplits) -> Tokenizer:

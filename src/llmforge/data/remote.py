@@ -1,0 +1,324 @@
+"""Prepared corpora on an object store: ``data.path`` (or the OUT of ``llmforge data prepare``)
+an fsspec URL: ``s3://`` (s3fs), ``gs://`` (gcsfs), ``az://`` (adlfs), ``file://``,
+``memory://``, ...
+
+Reading (:func:`fetch_prepared`): shards are memory-mapped, so a run reads a node-local copy.
+The first process of a node to take the file lock ``<cache>/<key>.lock`` copies the corpus into
+``<cache>/<key>`` (``<cache>``: ``data.cache_dir``, else ``$LLMFORGE_CACHE/prepared``; ``<key>``:
+a hash of the URL and the manifest's bytes, so a re-prepared corpus gets a new copy); the other
+ranks of the node wait on the lock and then find the copy. Each shard is streamed through
+sha256 into ``NAME.tmp`` and renamed only when its size and hash match the manifest, and the
+manifest is written last: a killed copy never leaves a shard or a folder that looks whole, and
+the next start copies only the shards still missing. A later start finds the manifest and
+copies nothing.
+
+Writing (:func:`prepare_to_store`): the corpus is prepared into a local staging folder and each
+shard is uploaded as soon as it is written (then deleted locally); the tokenizer and the
+manifest follow, the manifest last. A resumed prepare skips the shards already uploaded whole.
+
+Credentials come from the environment (the drivers' own variables, e.g. ``AWS_PROFILE``,
+``GOOGLE_APPLICATION_CREDENTIALS``) or ``data.storage_options``; neither is written to the
+cache, the staging folder or a message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from llmforge.data.prepared import MANIFEST, parse_manifest
+from llmforge.errors import DataError
+
+CHUNK = 1 << 22  # 4 MiB reads: large enough for object-store throughput, small in memory
+COPY_THREADS = 8  # parallel shard downloads (object stores serve one stream at ~100 MB/s)
+
+
+def is_url(path: Any) -> bool:
+    """Whether ``path`` is a URL (``scheme://...``) rather than a local or mounted folder."""
+    return "://" in str(path)
+
+
+def open_store(url: str, storage_options: Optional[dict], what: str) -> tuple[Any, str]:
+    """The fsspec filesystem and the path inside it of ``url``.
+
+    Args:
+        what: the key or argument that holds the URL, for messages (``data.path``, ``OUT``).
+
+    Raises:
+        DataError: the protocol's driver is not installed (naming the package to install), the
+            protocol is unknown, or the driver refuses ``data.storage_options``.
+    """
+    import fsspec
+    from fsspec.registry import known_implementations
+
+    proto = url.split("://", 1)[0]
+    try:
+        fs, path = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+    except ImportError as exc:
+        package = known_implementations.get(proto, {}).get("class", "").split(".")[0]
+        raise DataError(f"{what}: {url} needs the fsspec driver of {proto}://, which is not "
+                        f"installed; install it with `pip install {package or proto + 'fs'}`") from exc
+    except ValueError as exc:
+        raise DataError(f"{what}: {url}: {exc}; use a protocol fsspec knows (s3, gs, az, file, "
+                        "memory, ...) or a local folder") from exc
+    except TypeError as exc:  # an option the driver does not take (keys only: values may be secrets)
+        raise DataError(f"data.storage_options: the {proto}:// driver refused them ({exc}); see "
+                        "its documentation for the options it takes") from exc
+    return fs, path.rstrip("/")
+
+
+def cache_folder(cache_dir: Optional[str | os.PathLike]) -> Path:
+    """Where node-local copies go: ``data.cache_dir``, else ``$LLMFORGE_CACHE/prepared``
+    (``~/.cache/llmforge/prepared``)."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    from llmforge.data.shakespeare import cache_root
+
+    return cache_root() / "prepared"
+
+
+def _store_error(exc: OSError, where: str) -> DataError:
+    return DataError(f"data.path: cannot read {where} ({type(exc).__name__}: {exc}); check the "
+                     "URL and the credentials in the environment or data.storage_options")
+
+
+def fetch_prepared(url: str, *, storage_options: Optional[dict] = None,
+                   cache_dir: Optional[str | os.PathLike] = None) -> tuple[Path, bool]:
+    """Copy the prepared corpus at ``url`` to this node's cache once, verified.
+
+    Returns:
+        ``(folder, copied)``: the local copy, and whether this call copied shards (and so
+        already checked every shard's sha256).
+
+    Raises:
+        DataError: no or an incomplete manifest at ``url``, a missing, truncated or corrupt
+            shard (the message names its URL), a cache folder that cannot be created or lacks
+            the room, a missing driver or an unreadable store.
+    """
+    fs, root = open_store(url, storage_options, "data.path")
+    url = url.rstrip("/")
+    try:
+        data = fs.cat_file(f"{root}/{MANIFEST}")
+    except FileNotFoundError:
+        raise DataError(f"data.path: {url} has no {MANIFEST}, so it is not a prepared corpus; "
+                        f"create it with `llmforge data prepare CONFIG_OR_SOURCE {url}`") from None
+    except OSError as exc:
+        raise _store_error(exc, f"{url}/{MANIFEST}") from exc
+    manifest = parse_manifest(data, url)
+    dest = cache_folder(cache_dir) / hashlib.sha256(url.encode() + b"\n" + data).hexdigest()[:16]
+    if (dest / MANIFEST).exists():
+        return dest, False
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"data.cache_dir: cannot create {dest} ({exc}); set data.cache_dir to a "
+                        "writable node-local folder") from exc
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(f"{dest}.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"data.path: waiting for another process copying {url} to {dest}",
+              file=sys.stderr, flush=True)
+        lock.acquire()
+    try:
+        if (dest / MANIFEST).exists():  # the process that held the lock copied it
+            return dest, False
+        _copy(fs, root, url, manifest, dest)
+        tmp = dest / f"{MANIFEST}.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, dest / MANIFEST)  # last: marks the copy whole
+    finally:
+        lock.release()
+    return dest, True
+
+
+def _copy(fs: Any, root: str, url: str, manifest: dict, dest: Path) -> None:
+    """Copy the tokenizer and every shard not yet whole in ``dest`` (under the lock)."""
+    import time
+
+    for stale in dest.rglob("*.tmp"):  # left by a killed copy
+        stale.unlink()
+    itemsize = np.dtype(manifest["dtype"]).itemsize
+    shards = [s for info in manifest["splits"].values() for s in info["shards"]]
+    todo = [s for s in shards if not _whole(dest / s["file"], s["tokens"] * itemsize)]
+    need = sum(s["tokens"] * itemsize for s in todo)
+    free = shutil.disk_usage(dest).free
+    if need > free:
+        raise DataError(f"data.cache_dir: {dest.parent} has {free / 1e9:,.1f} GB free, the copy "
+                        f"of {url} needs {need / 1e9:,.1f} GB; set data.cache_dir to a node-local "
+                        "folder with room")
+    start = time.perf_counter()
+    try:
+        files = fs.find(f"{root}/tokenizer")
+    except OSError as exc:
+        raise _store_error(exc, f"{url}/tokenizer") from exc
+    if not files:
+        raise DataError(f"data.path: {url}/tokenizer is missing (the tokenizer that wrote the "
+                        f"shards); run `llmforge data prepare` again into {url}")
+    for path in files:
+        rel = path[len(root):].lstrip("/")
+        _download(fs, path, dest / rel, f"{url}/{rel}")
+    if todo:
+        print(f"data.path: copying {len(todo)} shard(s) ({need / 1e6:,.1f} MB) of {url} to {dest}",
+              file=sys.stderr, flush=True)
+    with ThreadPoolExecutor(max(1, min(COPY_THREADS, len(todo)))) as pool:
+        futures = [pool.submit(_download, fs, f"{root}/{s['file']}", dest / s["file"],
+                               f"{url}/{s['file']}", s["tokens"] * itemsize, s["sha256"]) for s in todo]
+        try:
+            for future in as_completed(futures):
+                future.result()
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)  # stop quickly, then report the first
+            raise
+    if todo:
+        print(f"data.path: copied {need / 1e6:,.1f} MB in {time.perf_counter() - start:.1f} s",
+              file=sys.stderr, flush=True)
+
+
+def _whole(path: Path, size: int) -> bool:
+    # a shard gets its final name only after its hash matched: the size guards against damage since
+    return path.exists() and path.stat().st_size == size
+
+
+def _download(fs: Any, src: str, target: Path, where: str, size: Optional[int] = None,
+              sha256: Optional[str] = None) -> None:
+    """Stream ``src`` into ``target`` through sha256 and rename it when it matches ``size`` and
+    ``sha256`` (when given).
+
+    Raises:
+        DataError: the file is missing, has another size or hash (naming ``where``, its URL),
+            or the store cannot be read.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    h, n = hashlib.sha256(), 0
+    try:
+        with fs.open(src, "rb", block_size=CHUNK) as f, open(tmp, "wb") as out:
+            while block := f.read(CHUNK):
+                h.update(block)
+                out.write(block)
+                n += len(block)
+    except FileNotFoundError:
+        tmp.unlink(missing_ok=True)
+        raise DataError(f"data.path: {where} is missing; run `llmforge data prepare` again into "
+                        f"{where.rsplit('/', 2)[0]} to rewrite it") from None
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise _store_error(exc, where) from exc
+    fix = f"run `llmforge data prepare` again into {where.rsplit('/', 2)[0]} to rewrite it"
+    if size is not None and n != size:
+        tmp.unlink()
+        raise DataError(f"data.path: shard {where} is truncated or damaged: {n:,} bytes, the "
+                        f"manifest says {size:,}; {fix}")
+    if sha256 is not None and h.hexdigest() != sha256:
+        tmp.unlink()
+        raise DataError(f"data.path: shard {where} is corrupt (its sha256 differs from the "
+                        f"manifest's); {fix}")
+    os.replace(tmp, target)
+
+
+LAYOUT = (MANIFEST, "tokenizer/", "train/", "val/")
+
+
+def prepare_to_store(cfg: Any, url: str, **kwargs: Any) -> dict[str, Any]:
+    """``llmforge data prepare SOURCE URL``: prepare into a local staging folder
+    (``$LLMFORGE_CACHE/staging/<hash of URL>``) and upload to ``url`` with fsspec (credentials:
+    ``data.storage_options`` or the environment): each shard when written (then deleted
+    locally), the tokenizer, and the manifest last. Started again after an interruption, the
+    staging folder's ``progress.json`` keeps the finished shards and those already uploaded
+    whole (same size) are not sent again.
+
+    Args:
+        kwargs: as :func:`llmforge.data.prepare.prepare` (``workers``, ``docs_per_shard``,
+            ``show_progress``).
+
+    Returns:
+        The manifest (also at ``url/manifest.json``).
+
+    Raises:
+        DataError: ``url`` already holds a prepared corpus or other files, the driver is
+            missing, the store cannot be written, or as :func:`llmforge.data.prepare.prepare`.
+    """
+    from llmforge.data.prepare import prepare
+    from llmforge.data.shakespeare import cache_root
+
+    fs, root = open_store(url, cfg.data.storage_options, "OUT")
+    url = url.rstrip("/")
+    _check_store_out(fs, root, url)
+    staging = cache_root() / "staging" / hashlib.sha256(url.encode()).hexdigest()[:16]
+    uploaded: set[str] = set()
+
+    def upload(out: Path, entry: dict[str, Any]) -> None:
+        _upload(fs, out / entry["file"], f"{root}/{entry['file']}", url)
+        uploaded.add(entry["file"])
+        (out / entry["file"]).unlink()  # the staging folder holds only shards in flight
+
+    if (staging / MANIFEST).exists():  # prepared and partly uploaded before an interruption
+        manifest = parse_manifest((staging / MANIFEST).read_bytes(), staging)
+    else:
+        manifest = prepare(cfg, staging, on_shard=upload, **kwargs)
+    itemsize = np.dtype(manifest["dtype"]).itemsize
+    for info in manifest["splits"].values():  # shards finished before an interruption
+        for s in info["shards"]:
+            if s["file"] in uploaded or _remote_size(fs, f"{root}/{s['file']}") == s["tokens"] * itemsize:
+                continue
+            local = staging / s["file"]
+            if not local.exists():
+                raise DataError(f"OUT: {url}/{s['file']} is missing or partial and its local copy is "
+                                f"gone; delete {staging} and run the prepare again")
+            _upload(fs, local, f"{root}/{s['file']}", url)
+    for path in sorted((staging / "tokenizer").rglob("*")):
+        if path.is_file():
+            _upload(fs, path, f"{root}/{path.relative_to(staging).as_posix()}", url)
+    try:
+        fs.pipe_file(f"{root}/{MANIFEST}", (staging / MANIFEST).read_bytes())  # last: marks it whole
+    except OSError as exc:
+        raise DataError(f"OUT: cannot write {url}/{MANIFEST} ({exc}); run the prepare again "
+                        "(the uploaded shards are kept)") from exc
+    shutil.rmtree(staging, ignore_errors=True)
+    return manifest
+
+
+def _check_store_out(fs: Any, root: str, url: str) -> None:
+    """Refuse an OUT URL that holds a finished corpus or files not of a prepare's layout (those
+    of an interrupted upload are overwritten or kept)."""
+    try:
+        if fs.exists(f"{root}/{MANIFEST}"):
+            raise DataError(f"OUT: {url} already holds a prepared corpus ({url}/{MANIFEST}); "
+                            "choose another URL or delete it")
+        files = [p[len(root):].lstrip("/") for p in fs.find(root)] if fs.exists(root) else []
+    except OSError as exc:
+        raise DataError(f"OUT: cannot list {url} ({exc}); check the URL and the credentials in "
+                        "the environment or data.storage_options") from exc
+    other = [f for f in files if not f.startswith(LAYOUT)]
+    if other:
+        raise DataError(f"OUT: {url} holds other files ({other[0]}, ...); choose an empty or new URL")
+
+
+def _remote_size(fs: Any, path: str) -> Optional[int]:
+    try:
+        return int(fs.info(path)["size"])
+    except (FileNotFoundError, KeyError):
+        return None
+
+
+def _upload(fs: Any, local: Path, path: str, url: str) -> None:
+    from fsspec.implementations.local import LocalFileSystem
+
+    try:
+        if isinstance(fs, LocalFileSystem):  # object stores have no folders to create
+            fs.makedirs(fs._parent(path), exist_ok=True)
+        fs.put_file(str(local), path)
+    except OSError as exc:
+        raise DataError(f"OUT: cannot write {url} ({type(exc).__name__}: {exc}); check the "
+                        "credentials in the environment or data.storage_options, then run the "
+                        "prepare again (finished shards are kept)") from exc

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import posixpath
 import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -316,7 +317,7 @@ def _upload(fs: Any, local: Path, path: str, url: str) -> None:
 
     try:
         if isinstance(fs, LocalFileSystem):  # object stores have no folders to create
-            fs.makedirs(fs._parent(path), exist_ok=True)
+            fs.makedirs(posixpath.dirname(path), exist_ok=True)
         fs.put_file(str(local), path)
     except OSError as exc:
         raise DataError(f"OUT: cannot write {url} ({type(exc).__name__}: {exc}); check the "

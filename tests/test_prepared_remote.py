@@ -134,6 +134,22 @@ def test_a_corrupt_remote_shard_exits_2_naming_its_url_and_caches_nothing(corpus
     assert code == 2 and "has no manifest.json, so it is not a prepared corpus" in err, err
 
 
+def test_a_manifest_naming_files_outside_the_corpus_is_refused(corpus, tmp_path):
+    import shutil
+
+    from llmforge.data.prepared import open_prepared
+    from llmforge.errors import DataError
+
+    bad = tmp_path / "bad"
+    shutil.copytree(corpus[1], bad)
+    m = json.loads((bad / "manifest.json").read_text())
+    m["splits"]["train"]["shards"][0]["file"] = "../../evil.bin"
+    (bad / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(DataError, match="names the shard '../../evil.bin' outside the corpus folder"):
+        open_prepared(bad.as_uri(), cache_dir=tmp_path / "cache")
+    assert not list(tmp_path.rglob("evil.bin*"))
+
+
 def test_prepare_to_a_url_uploads_and_a_run_reads_it(corpus, tmp_path, capsys):
     from llmforge.data.prepared import open_prepared
 
@@ -186,7 +202,8 @@ def test_an_interrupted_upload_resumes_without_resending_whole_shards(corpus, tm
     assert len(shards) == shard_count(local) - 1
     remote_m = json.loads(fs.cat_file(f"/{tmp_path.name}/tokens/manifest.json"))
     assert remote_m["splits"] == json.loads((local / "manifest.json").read_text())["splits"]
-    assert fs.cat_file(f"/{tmp_path.name}/tokens/train/shard_00001.bin") == (local / "train" / "shard_00001.bin").read_bytes()
+    whole = (local / "train" / "shard_00001.bin").read_bytes()
+    assert fs.cat_file(f"/{tmp_path.name}/tokens/train/shard_00001.bin") == whole
     capsys.readouterr()
 
 

@@ -7,10 +7,10 @@ The first process of a node to take the file lock ``<cache>/<key>.lock`` copies 
 ``<cache>/<key>`` (``<cache>``: ``data.cache_dir``, else ``$LLMFORGE_CACHE/prepared``; ``<key>``:
 a hash of the URL and the manifest's bytes, so a re-prepared corpus gets a new copy); the other
 ranks of the node wait on the lock and then find the copy. Each shard is streamed through
-sha256 into ``NAME.tmp`` and renamed only when its size and hash match the manifest, and the
-manifest is written last: a killed copy never leaves a shard or a folder that looks whole, and
-the next start copies only the shards still missing. A later start finds the manifest and
-copies nothing.
+sha256 into ``NAME.<host>-<pid>.tmp`` and renamed only when its size and hash match the
+manifest, and the manifest is written last: a killed copy never leaves a shard or a folder
+that looks whole, and the next start copies only the shards still missing. A later start finds
+the manifest and copies nothing.
 
 Writing (:func:`prepare_to_store`): the corpus is prepared into a local staging folder and each
 shard is uploaded as soon as it is written (then deleted locally); the tokenizer and the
@@ -27,6 +27,7 @@ import hashlib
 import os
 import posixpath
 import shutil
+import socket
 import sys
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -134,7 +135,7 @@ def fetch_prepared(url: str, *, storage_options: Optional[dict] = None,
         if (dest / MANIFEST).exists():  # the process that held the lock copied it
             return dest, False
         _copy(fs, root, url, manifest, dest)
-        tmp = dest / f"{MANIFEST}.tmp"
+        tmp = _tmp(dest / MANIFEST)
         tmp.write_bytes(data)
         os.replace(tmp, dest / MANIFEST)  # last: marks the copy whole
     finally:
@@ -150,6 +151,10 @@ def _copy(fs: Any, root: str, url: str, manifest: dict, dest: Path) -> None:
         stale.unlink()
     itemsize = np.dtype(manifest["dtype"]).itemsize
     shards = [s for info in manifest["splits"].values() for s in info["shards"]]
+    for s in shards:  # the manifest comes from the store: it must not name files outside the copy
+        if not _inside(s["file"]):
+            raise DataError(f"data.path: {url}/{MANIFEST} names the shard {s['file']!r} outside the "
+                            "corpus folder; prepare the corpus again with `llmforge data prepare`")
     todo = [s for s in shards if not _whole(dest / s["file"], s["tokens"] * itemsize)]
     need = sum(s["tokens"] * itemsize for s in todo)
     free = shutil.disk_usage(dest).free
@@ -185,6 +190,17 @@ def _copy(fs: Any, root: str, url: str, manifest: dict, dest: Path) -> None:
               file=sys.stderr, flush=True)
 
 
+def _inside(rel: str) -> bool:
+    parts = Path(rel).parts
+    return bool(parts) and not Path(rel).is_absolute() and ".." not in parts
+
+
+def _tmp(target: Path) -> Path:
+    # one name per writer: should the lock not hold (a cache on a shared filesystem without
+    # locks), two copies never write into one file
+    return target.with_name(f"{target.name}.{socket.gethostname()}-{os.getpid()}.tmp")
+
+
 def _whole(path: Path, size: int) -> bool:
     # a shard gets its final name only after its hash matched: the size guards against damage since
     return path.exists() and path.stat().st_size == size
@@ -200,7 +216,7 @@ def _download(fs: Any, src: str, target: Path, where: str, size: Optional[int] =
             or the store cannot be read.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
+    tmp = _tmp(target)
     h, n = hashlib.sha256(), 0
     try:
         with fs.open(src, "rb", block_size=CHUNK) as f, open(tmp, "wb") as out:

@@ -150,6 +150,14 @@ def test_a_manifest_naming_files_outside_the_corpus_is_refused(corpus, tmp_path)
     assert not list(tmp_path.rglob("evil.bin*"))
 
 
+def test_a_mixture_entry_at_a_url_is_read_through_the_cache(corpus, tmp_path, capsys):
+    _, out, _ = corpus
+    code, err = train(tmp_path, capsys, f"data.mixture=[{{path: '{out.as_uri()}', weight: 1, name: remote}}, "
+                                        f"{{path: '{out}', weight: 1, name: local}}]")
+    assert code == 0, err
+    assert f"copying {shard_count(out)} shard(s)" in err and list((tmp_path / "cache").glob("*/manifest.json"))
+
+
 def test_prepare_to_a_url_uploads_and_a_run_reads_it(corpus, tmp_path, capsys):
     from llmforge.data.prepared import open_prepared
 

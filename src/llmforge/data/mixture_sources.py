@@ -178,7 +178,8 @@ def open_mixture(cfg: Any) -> PreparedMixture:
     parts = []
     for i, e in enumerate(entries):
         try:
-            parts.append(open_prepared(e["path"]) if e["data"] is None
+            parts.append(open_prepared(e["path"], storage_options=dict(cfg.data.storage_options),
+                                       cache_dir=cfg.data.cache_dir) if e["data"] is None
                          else load_documents(e["data"], cfg.run.seed))
         except DataError as exc:
             raise _entry_error(i, exc) from exc

@@ -239,3 +239,13 @@ def test_a_missing_driver_or_unknown_protocol_is_a_data_error_naming_the_fix(url
     with pytest.raises(DataError, match="^data.path: ") as info:
         open_store(url, {}, "data.path")
     assert words in str(info.value) and info.value.exit_code == 2
+
+
+def test_the_drivers_credential_options_are_redacted_in_what_a_run_writes():
+    from llmforge.config.loader import redact
+
+    options = {"key": "AKIAEXAMPLE1", "secret": "s3cr3t-value", "token": "session-tok",  # s3fs
+               "account_key": "azure-key-1", "sas_token": "sv=2024&sig=x",  # adlfs
+               "connection_string": "AccountName=a;AccountKey=azure-key-2", "anon": False}
+    out = redact({"data": {"storage_options": options}})["data"]["storage_options"]
+    assert out == {**{k: "***" for k in options if k != "anon"}, "anon": False}

@@ -15,7 +15,7 @@ __all__ = ["redact", "scrub_url_credentials"]
 
 
 _SECRET = re.compile(r"(?i)(api_?key|secret|passw(or)?d|passwd|access_key|private_key|credential|"
-                     r"auth|bearer|_pat$|^pat$|^key$|_key$|^token$|_token$)")
+                     r"auth|bearer|_pat$|^pat$|^key$|_key$|^token$|_token$|connection_string)")
 _NOT_SECRET = re.compile(r"(?i)(_tokens$|^(bos|eos|pad|unk|sep|cls|mask|start|end)_token$)")
 
 

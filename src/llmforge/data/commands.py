@@ -20,7 +20,8 @@ def add_parser(sub: Any) -> None:
     p = d_sub.add_parser("prepare", help="tokenize a corpus once into token shards (data.source: prepared)")
     p.add_argument("source", metavar="CONFIG_OR_SOURCE",
                    help="a run's YAML, or documents: a file, glob or URL (txt, jsonl, parquet, csv)")
-    p.add_argument("out", metavar="OUT", help="output folder (new, empty, or an interrupted prepare)")
+    p.add_argument("out", metavar="OUT", help="output folder (new, empty, or an interrupted prepare), "
+                   "or an fsspec URL (s3://bucket/out, gs://...: prepared locally, then uploaded)")
     p.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. tokenizer.vocab_size=32000")
     p.add_argument("--workers", type=int, default=None,
                    help="tokenizing processes (default: every core; 1 = in this process)")

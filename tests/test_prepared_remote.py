@@ -2,6 +2,7 @@
 racing for it), a second start copies nothing, a killed copy leaves nothing that looks whole;
 `llmforge data prepare SOURCE URL` uploads, resumes without re-uploading; bad input exits 2."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -215,6 +216,15 @@ def test_an_interrupted_upload_resumes_without_resending_whole_shards(corpus, tm
     capsys.readouterr()
 
 
+def test_a_cache_without_room_exits_2_before_copying(corpus, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    code, err = train(tmp_path, capsys, f"data.path={corpus[1].as_uri()}")
+    assert code == 2 and f"error: data.cache_dir: {tmp_path / 'cache'} has 0.0 GB free" in err, err
+    assert not list((tmp_path / "cache").rglob("*.bin*"))
+
+
 def test_prepare_refuses_a_url_holding_other_files_and_keeps_them(corpus, tmp_path, capsys):
     fs = fsspec.filesystem("memory")
     fs.pipe_file(f"/{tmp_path.name}/busy/notes.txt", b"mine")
@@ -222,6 +232,10 @@ def test_prepare_refuses_a_url_holding_other_files_and_keeps_them(corpus, tmp_pa
     err = capsys.readouterr().err
     assert f"error: OUT: memory://{tmp_path.name}/busy holds other files (notes.txt" in err, err
     assert fs.cat_file(f"/{tmp_path.name}/busy/notes.txt") == b"mine"
+    if importlib.util.find_spec("s3fs") is None:
+        assert prepare(corpus[0], "s3://bucket/tokens") == 2
+        err = capsys.readouterr().err
+        assert "error: OUT: s3://bucket/tokens needs the fsspec driver" in err and "pip install s3fs" in err
 
 
 @pytest.mark.parametrize("url,words", [("gs://bucket/tokens", "pip install gcsfs"),

@@ -65,7 +65,11 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
     if not path.exists():
         raise DataError(f"data.path: {root} has no {MANIFEST}, so it is not a prepared corpus; "
                         f"create it with `llmforge data prepare CONFIG_OR_SOURCE {root}`")
-    return parse_manifest(path.read_bytes(), root)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"data.path: cannot read {path} ({exc}); check its permissions") from exc
+    return parse_manifest(data, root)
 
 
 def parse_manifest(data: bytes, root: str | Path) -> dict[str, Any]:

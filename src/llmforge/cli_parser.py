@@ -75,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
                          "adapter_model.safetensors) instead of merged weights")
     th.add_argument("--overwrite", action="store_true", help="replace files in a non-empty OUT")
     add_debug(th)
-    fh = cv_sub.add_parser("from-hf", help="turn a Hugging Face Llama folder into an llmforge run directory")
+    fh = cv_sub.add_parser("from-hf", help="turn a Hugging Face folder (Llama, Qwen3) into an "
+                           "llmforge run directory")
     fh.add_argument("path", help="Hugging Face folder (config.json, *.safetensors, tokenizer.json)")
     fh.add_argument("out", help="output run directory (usable by generate and model.init_from)")
     fh.add_argument("--overwrite", action="store_true", help="replace files in a non-empty OUT")

@@ -136,4 +136,4 @@ def test_trainer_applies_and_logs_threads(tmp_path, capsys):
         assert torch.get_num_threads() == 1 == trainer.run.num_threads
     finally:
         torch.set_num_threads(before)
-    assert "threads: 1 compute threads per process (trainer.num_threads=1" in capsys.readouterr().err
+    assert "threads: 1 compute thread per process (trainer.num_threads=1" in capsys.readouterr().err

@@ -62,4 +62,5 @@ def choose_num_threads(override: Optional[int], local_world_size: int, num_worke
     n = max(1, share - num_workers)
     per = f" / {local_world_size} processes" if local_world_size > 1 else ""
     workers = f" - {num_workers} data worker{'s' * (num_workers != 1)}" if num_workers else ""
-    return n, f"{cores} cores available{per}{workers}; set trainer.num_threads to change"
+    floor = ", at least 1" if share - num_workers < 1 else ""
+    return n, f"{cores} cores available{per}{workers}{floor}; set trainer.num_threads to change"

@@ -126,7 +126,8 @@ class Trainer:
         """Print (rank 0, stderr) the compute threads and what a resume changes: at the end of
         setup, after every check of the input, so an error is the first line a user sees."""
         if self.is_rank_zero():
-            print(f"threads: {self.run.num_threads} compute threads per process "
+            n = self.run.num_threads
+            print(f"threads: {n} compute thread{'s' * (n != 1)} per process "
                   f"({self.run.threads_reason})", file=sys.stderr, flush=True)
             if self.run.resume_line:
                 print(self.run.resume_line, file=sys.stderr, flush=True)

@@ -36,7 +36,8 @@ def test_checkpoint_save_smoke():
     assert "async" in proc.stdout and "ratio async/sync" in proc.stdout
 
 
-@pytest.mark.parametrize("script", ["overhead.py", "data.py", "startup.py", "threads.py", "generate.py"])
+@pytest.mark.parametrize("script", ["overhead.py", "data.py", "startup.py", "threads.py", "generate.py",
+                                    "model_speed.py"])
 def test_cpu_benchmark_smoke(script):
     proc = run_script(f"benchmarks/{script}", "--smoke")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -64,7 +64,7 @@ def cmd_data(args: argparse.Namespace) -> int:
     train = manifest["splits"]["train"]
     val = manifest["splits"].get("val", {"tokens": 0, "documents": 0})
     print(f"wrote {args.out}: {train['tokens']:,} training tokens ({train['documents']:,} documents, "
-          f"{len(train['shards'])} shards), {val['tokens']:,} validation tokens in "
-          f"{manifest['seconds']:.1f}s; tokenizer fingerprint {manifest['tokenizer']['fingerprint']}")
+          f"{len(train['shards'])} shard{'s' * (len(train['shards']) != 1)}), {val['tokens']:,} "
+          f"validation tokens; tokenized in {manifest['seconds']:.1f}s; tokenizer fingerprint {manifest['tokenizer']['fingerprint']}")
     print(f"train on it: llmforge train CONFIG data.source=prepared data.path={args.out}")
     return 0

@@ -135,15 +135,19 @@ def _normalize(ds: AnyDataset, text_field: str, max_documents: Optional[int]) ->
     if max_documents:
         ds = ds.take(max_documents) if isinstance(ds, datasets.IterableDataset) else ds.select(
             range(min(max_documents, len(ds))))
-    def fix(batch: dict) -> dict:
-        return {"text": [clean_text(t) for t in batch[text_field]]}
 
+    def fix(batch: dict) -> dict:  # cleaned, empty documents dropped: one batched pass
+        texts = (clean_text(t) for t in batch[text_field])
+        return {"text": [t for t in texts if t.strip()]}
+
+    # only the text column goes on (a batched map that drops rows must drop the other columns);
+    # one map, not map + filter: datasets' streaming batches join their row keys at each
+    # batched stage, which made a chained map + filter read ~20x slower (18 vs 360 MB/s)
+    ds = ds.select_columns([text_field])
     if isinstance(ds, datasets.IterableDataset):
-        ds = ds.map(fix, batched=True, remove_columns=list(columns) if columns else None)
-    else:
-        ds = ds.map(fix, batched=True, remove_columns=list(columns), load_from_cache_file=False,
-                    desc=None)
-    return ds.filter(lambda b: [bool(t.strip()) for t in b["text"]], batched=True)
+        return ds.map(fix, batched=True, remove_columns=[text_field])
+    return ds.map(fix, batched=True, remove_columns=[text_field], load_from_cache_file=False,
+                  desc=None)
 
 
 def load_documents(cfg: Any, seed: int) -> DocumentSplits:

@@ -175,6 +175,11 @@ def test_too_many_workers_for_the_shards_exits_early_naming_the_entry(sources):
     ("{source: files, path: x.jsonl, weight: .nan}", "data.mixture[1].weight=nan"),
     ("{source: files, path: x.jsonl, weight: 1, max_documents: abc}", "data.mixture[1].max_documents: Value 'abc'"),
     ("{source: shakespeare, path: x.jsonl, weight: 1}", "data.mixture[1].path: a shakespeare entry"),
+    ("{path: [p], weight: 1}", "data.mixture[1].path=['p']: must be a string"),
+    ("{path: p, weight: 1, name: {a: 1}}", "data.mixture[1].name={'a': 1}: must be a string"),
+    ("{path: p, weight: 1, name: a/b}", "data.mixture[1].name='a/b': must be a non-empty name without '/'"),
+    ("{source: files, paths: {a: 1}, weight: 1}", "data.mixture[1].paths={'a': 1}: must be a string or a list"),
+    ("{path:p,weight:1}", "write a space after each colon"),
 ])
 def test_bad_entry_exits_2_naming_the_key(capsys, entry, want):
     code = main(["train", DEMO, "data.source=prepared",

@@ -32,6 +32,7 @@ from llmforge.config.schema import PRECISIONS
 from llmforge.paths import check_writable_dir
 from llmforge.data.datamodule import LLMDataModule
 from llmforge.data.mixture import MixtureTokens, PreparedMixture
+from llmforge.data.mixture_sources import check_one_tokenizer
 from llmforge.data.prepared import PreparedSplits, check_tokenizer
 from llmforge.data.shakespeare import cache_root
 from llmforge.data.sources import DocumentSplits, iter_texts, load_documents
@@ -209,10 +210,8 @@ class Trainer:
         A trained BPE is cached by :func:`tokenizer_cache_key`; a prepared source reads the
         tokenizer saved with its shards (see :meth:`_prepared_tokenizer`)."""
         if isinstance(docs, PreparedMixture) and docs.prepared:  # the first prepared entry's
-            first, *rest = docs.prepared
-            tok = self._prepared_tokenizer(first)
-            for part in rest:
-                check_tokenizer(part, tok, f"the tokenizer of {first.root}")
+            tok = self._prepared_tokenizer(docs.prepared[0])
+            check_one_tokenizer(docs, tok)
             return tok
         if isinstance(docs, PreparedSplits):
             return self._prepared_tokenizer(docs)

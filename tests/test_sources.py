@@ -79,6 +79,28 @@ def test_invalid_utf8_names_file_and_line(tmp_path, fmt):
         load_documents(data_cfg(source="files", path=str(path), val_fraction=0), 0)
 
 
+@pytest.mark.parametrize("bad,want", [
+    (b'{"text": "caf\xe9 au lait"}', r"b.jsonl line 2 is not valid UTF-8 \(byte 0xe9 at column 14\)"),
+    (b'{"text": "unclosed"', r"cannot read .*a.jsonl, .*b.jsonl: JSON parse error"),
+])
+def test_a_streaming_source_names_the_file_it_cannot_read(tmp_path, capsys, bad, want):
+    """Streaming reads the files only while iterating: the error must still name the file
+    (and line), for training, tokenizer training and `data prepare`, not exit 1."""
+    from llmforge.cli import main
+    from llmforge.data.sources import iter_texts
+
+    (tmp_path / "a.jsonl").write_text('{"text": "fine"}\n')
+    (tmp_path / "b.jsonl").write_bytes(b'{"text": "fine"}\n' + bad + b"\n")
+    docs = load_documents(data_cfg(source="files", path=str(tmp_path / "*.jsonl"), streaming=True,
+                                   val_fraction=0), 0)
+    assert docs.files == (str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"))
+    with pytest.raises(DataError, match=want):
+        list(iter_texts(docs.train, None, docs.files))
+    assert main(["data", "prepare", str(tmp_path / "*.jsonl"), str(tmp_path / "out"), "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: data: ") and "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
 def test_corpus_too_small_names_sizes(tmp_path):
     (tmp_path / "a.txt").write_text("just a few words of text\n")
     (tmp_path / "b.txt").write_text("and a few more words\n")

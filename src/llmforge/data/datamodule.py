@@ -140,12 +140,13 @@ class LLMDataModule(L.LightningDataModule):
         rank, world = self._coords()
         self.dp_rank, self.dp_size = rank, world
         if isinstance(getattr(self.docs, "train", None), datasets.IterableDataset):
+            files = getattr(self.docs, "files", ())
             self.train_windows = StreamingWindows(self.docs.train, self.tokenizer, self.seq_len,
-                                                  rank, world, self.seed)
+                                                  rank, world, self.seed, files=files)
             if self.docs.val is not None:
                 self.val_windows = StreamingWindows(self.docs.val, self.tokenizer, self.seq_len,
                                                     rank, world, self.seed, shuffle=False,
-                                                    repeat=False)
+                                                    repeat=False, files=files)
             return
         if isinstance(self.docs, PreparedMixture):
             self.train_windows, n_tokens = mixture_windows(

@@ -174,7 +174,7 @@ class PreparedMixture:
         from llmforge.data.sources import iter_texts
 
         return itertools.chain.from_iterable(
-            iter_texts(p.train, None if max_bytes is None else max(1, int(max_bytes * e["share"])))
+            iter_texts(p.train, None if max_bytes is None else max(1, int(max_bytes * e["share"])), p.files)
             for e, p in zip(self.entries, self.parts) if e["source"] != "prepared")
 
 

@@ -55,9 +55,11 @@ def _pool_shard(args: tuple[list[str], str]) -> dict[str, Any]:
     return write_shard(_WORKER_TOK, args[0], Path(args[1]))
 
 
-def _blocks(ds: Any, size: int) -> Iterator[list[str]]:
+def _blocks(ds: Any, size: int, files: Any = ()) -> Iterator[list[str]]:
+    from llmforge.data.sources import read_rows
+
     block: list[str] = []
-    for row in ds:
+    for row in read_rows(ds, files):  # an unreadable file: DataError naming it
         block.append(row["text"])
         if len(block) == size:
             yield block
@@ -137,7 +139,7 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
         DataError: the source is empty or unreadable, ``out`` holds something else, or
             ``docs_per_shard < 1``.
     """
-    from llmforge.data.sources import iter_texts, load_documents
+    from llmforge.data.sources import iter_texts, load_documents, read_rows
     from llmforge.training.trainer import tokenizer_cache_key
 
     if docs_per_shard < 1:
@@ -150,13 +152,13 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
     out = Path(out)
     cfg.data.streaming = True  # read lazily: a corpus never sits in memory
     docs = load_documents(cfg.data, cfg.run.seed)
-    if next(iter(docs.train), None) is None:
+    if next(read_rows(docs.train, docs.files), None) is None:
         raise DataError(f"data: the source ({cfg.data.source} {cfg.data.path or ''}) holds no "
                         f"non-empty document; nothing was written to {out}")
     from llmforge.data.shakespeare import cache_root
     from llmforge.data.tokenizers import build_tokenizer
 
-    tok = build_tokenizer(cfg.tokenizer, lambda: iter_texts(docs.train, cfg.tokenizer.train_max_bytes),
+    tok = build_tokenizer(cfg.tokenizer, lambda: iter_texts(docs.train, cfg.tokenizer.train_max_bytes, docs.files),
                           cache_dir=cache_root() / "tokenizers", fingerprint=tokenizer_cache_key(cfg, docs))
     sources = source_files(cfg)
     fp = tokenizer_fingerprint(tok)
@@ -200,7 +202,7 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
             (out / split).mkdir(exist_ok=True)
             finished = len(splits[split])
             pending: list = []
-            for k, texts in enumerate(_blocks(ds, docs_per_shard)):
+            for k, texts in enumerate(_blocks(ds, docs_per_shard, docs.files)):
                 if k < finished:
                     continue  # written by the interrupted run: its documents are only re-read
                 path = out / split / f"shard_{k:05d}.bin"

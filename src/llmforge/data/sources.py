@@ -50,6 +50,7 @@ class DocumentSplits:
     train: AnyDataset
     val: Optional[AnyDataset]
     fingerprint: str
+    files: tuple[str, ...] = ()  # the local or remote files read (named by a read error)
 
 
 def _resolve_files(cfg: Any) -> list[str]:
@@ -123,7 +124,7 @@ def not_utf8(files: Any, exc: UnicodeDecodeError) -> DataError:
                         f"data: {name} line {number} is not valid UTF-8 (byte "
                         f"0x{line[bad.start]:02x} at column {bad.start + 1}); re-encode the file "
                         "as UTF-8 (e.g. iconv -f latin1 -t utf-8)")
-    return DataError(f"data: {files!r} is not valid UTF-8 ({exc}); re-encode it as UTF-8")
+    return DataError(f"data: {files or 'the source'!r} is not valid UTF-8 ({exc}); re-encode it as UTF-8")
 
 
 def _normalize(ds: AnyDataset, text_field: str, max_documents: Optional[int]) -> AnyDataset:
@@ -203,7 +204,8 @@ def load_documents(cfg: Any, seed: int) -> DocumentSplits:
         val = documents(cfg.val_split)
     elif cfg.val_fraction > 0:
         train, val = _hold_out(train, cfg.val_fraction, seed)
-    return DocumentSplits(train=train, val=val, fingerprint=hash_str(f"{fingerprint}-{cfg.split}"))
+    return DocumentSplits(train=train, val=val, fingerprint=hash_str(f"{fingerprint}-{cfg.split}"),
+                          files=tuple(data_files or ()))
 
 
 def _hold_out(ds: AnyDataset, fraction: float, seed: int) -> tuple[AnyDataset, AnyDataset]:
@@ -222,10 +224,38 @@ def _hold_out(ds: AnyDataset, fraction: float, seed: int) -> tuple[AnyDataset, A
     return parts["train"], parts["test"]
 
 
-def iter_texts(ds: AnyDataset, max_bytes: Optional[int] = None) -> Iterator[str]:
-    """Yield document texts, stopping after ``max_bytes`` bytes of UTF-8 (tokenizer training)."""
+def read_rows(ds: AnyDataset, files: Any = ()) -> Iterator[dict]:
+    """The rows of ``ds``; a streaming source reads its files only here, so a file that is not
+    UTF-8 or not valid JSON surfaces here, as a :class:`DataError` naming the file (and line).
+
+    Raises:
+        DataError: names the file and line that is not UTF-8, or the files that do not parse.
+    """
+    import pyarrow
+
+    it = iter(ds)
+    while True:
+        try:
+            row = next(it)
+        except StopIteration:
+            return
+        except UnicodeDecodeError as exc:
+            raise not_utf8(list(files), exc) from exc
+        except (pyarrow.ArrowInvalid, datasets.exceptions.DatasetGenerationError) as exc:
+            names = ", ".join(map(str, list(files)[:3])) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+            raise DataError(f"data: cannot read {names or 'the source'}: "
+                            f"{str(exc.__cause__ or exc).splitlines()[0]}; fix or drop the file") from exc
+        yield row
+
+
+def iter_texts(ds: AnyDataset, max_bytes: Optional[int] = None, files: Any = ()) -> Iterator[str]:
+    """Yield document texts, stopping after ``max_bytes`` bytes of UTF-8 (tokenizer training).
+
+    Raises:
+        DataError: as :func:`read_rows` (``files``: the source's files, named in the message).
+    """
     seen = 0
-    for row in ds:
+    for row in read_rows(ds, files):
         text = row["text"]
         yield text
         seen += len(text.encode("utf-8", errors="replace"))

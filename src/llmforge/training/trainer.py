@@ -222,7 +222,7 @@ class Trainer:
         elif self.cfg.data.task == "sft":
             texts = lambda: (c.text for c in docs.train)  # noqa: E731 (sft: conversations)
         else:
-            texts = lambda: iter_texts(docs.train, max_bytes)  # noqa: E731
+            texts = lambda: iter_texts(docs.train, max_bytes, docs.files)  # noqa: E731
         tok = build_tokenizer(self.cfg.tokenizer, texts,
                               cache_dir=cache_root() / "tokenizers", fingerprint=key)
         check_vocab(tok, self.model_vocab_size())

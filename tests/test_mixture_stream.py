@@ -189,6 +189,13 @@ def test_bad_entry_exits_2_naming_the_key(capsys, entry, want):
     assert len(err.strip().splitlines()) == 1
 
 
+def test_dry_run_hides_url_credentials_of_an_entry(capsys):
+    assert main(["train", DEMO, "data.source=prepared", "--dry-run", "data.mixture=[{path: a, weight: 1}, "
+                 "{source: files, path: 's3://AKIA:SECRET@bucket/*.jsonl', weight: 1, name: web}]"]) == 0
+    out = capsys.readouterr().out
+    assert "(s3://***@bucket/*.jsonl, files streaming)" in out and "SECRET" not in out
+
+
 def test_a_worker_whose_shards_give_no_window_fails_in_one_line(sources, tmp_path):
     from llmforge.errors import DataError
 

@@ -173,6 +173,18 @@ def test_a_shard_path_outside_the_folder_exits_2_before_training(prepared, tmp_p
     assert not (tmp_path / "runs" / "p").exists()
 
 
+def test_prepare_refuses_a_damaged_progress_file(tmp_path, capsys):
+    (tmp_path / "doc.jsonl").write_text('{"text": "a b c"}\n{"text": "d e f"}\n')
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "progress.json").write_text('{"key": [1, ')  # torn
+    assert prepare(str(tmp_path / "doc.jsonl"), tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'out' / 'progress.json'} is damaged") and "Traceback" not in err
+    (tmp_path / "out" / "progress.json").write_text('[1, 2]')  # JSON, not a progress file
+    assert prepare(str(tmp_path / "doc.jsonl"), tmp_path / "out") == 2
+    assert "is not a progress file of `llmforge data prepare`" in capsys.readouterr().err
+
+
 def test_object_store_without_its_driver_exits_2_naming_the_package(tmp_path, capsys):
     import importlib.util
 

@@ -101,6 +101,31 @@ def test_a_streaming_source_names_the_file_it_cannot_read(tmp_path, capsys, bad,
     assert err.startswith("error: data: ") and "Traceback" not in err and len(err.splitlines()) == 1, err
 
 
+def test_urls_unknown_scheme_missing_driver_file_and_memory(tmp_path, capsys, monkeypatch):
+    import fsspec
+    from fsspec.registry import known_implementations
+
+    from llmforge.cli import main
+
+    with pytest.raises(DataError, match=r"'s4://x/a.jsonl' has an unknown URL scheme 's4://'"):
+        load_documents(data_cfg(source="files", path="s4://x/a.jsonl"), 0)
+    # a driver that is not installed (s3fs's message), with the URL's credentials hidden
+    monkeypatch.setitem(known_implementations, "nofs", {"class": "nofs_pkg.NoFS", "err": "Install nofs_pkg"})
+    with pytest.raises(DataError) as exc:
+        load_documents(data_cfg(source="files", path="nofs://KEY:SECRET@bucket/a.jsonl"), 0)
+    assert "needs a package that is not installed: Install nofs_pkg" in str(exc.value)
+    assert "SECRET" not in str(exc.value) and "nofs://***@bucket" in str(exc.value)
+    rows = "".join(json.dumps({"text": f"document {i} " + "word " * 30}) + "\n" for i in range(40))
+    (tmp_path / "a.jsonl").write_text(rows)
+    with fsspec.open("memory://corpus/a.jsonl", "w") as f:
+        f.write(rows)
+    for url in (f"file://{tmp_path / 'a.jsonl'}", "memory://corpus/a.jsonl"):
+        out = tmp_path / url.split(":")[0]
+        assert main(["data", "prepare", url, str(out), "tokenizer.vocab_size=300", "--workers", "1"]) == 0
+        sources = json.loads((out / "manifest.json").read_text())["sources"]
+        assert [s["bytes"] for s in sources] == [len(rows)] and sources[0]["path"].endswith("a.jsonl")
+
+
 def test_corpus_too_small_names_sizes(tmp_path):
     (tmp_path / "a.txt").write_text("just a few words of text\n")
     (tmp_path / "b.txt").write_text("and a few more words\n")

@@ -54,7 +54,8 @@ def _env_secret_values() -> set:
     return {v for k, v in os.environ.items() if _is_secret(k.lower()) and v and len(v) >= 6}
 
 
-_URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@:]+:[^/\s@]+@")
+# user:password@ or a bare token@ (https://ghp_xxx@github.com, s3://KEY@bucket)
+_URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@]+@")
 
 
 def scrub_url_credentials(text: str) -> str:

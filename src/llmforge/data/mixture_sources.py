@@ -245,7 +245,10 @@ def open_mixture(cfg: Any) -> PreparedMixture:
 
 
 def mixture_report(cfg: Any, tokens_per_step: int) -> list[str]:
-    """``--dry-run`` lines: each source's share and tokens per optimizer step."""
-    return [f"mixture         {e['name']}: {e['share']:.1%} share, ~{e['share'] * tokens_per_step:,.0f} "
-            f"tokens per step ({e['path']}{'' if e['data'] is None else ', ' + e['source'] + ' streaming'})"
+    """``--dry-run`` lines: each source's share and tokens per optimizer step (URL credentials
+    shown as ``***``)."""
+    from llmforge.config.redaction import scrub_url_credentials
+
+    return [scrub_url_credentials(f"mixture         {e['name']}: {e['share']:.1%} share, ~{e['share'] * tokens_per_step:,.0f} "
+            f"tokens per step ({e['path']}{'' if e['data'] is None else ', ' + e['source'] + ' streaming'})")
             for e in mixture_entries(cfg)]

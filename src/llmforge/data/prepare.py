@@ -72,10 +72,9 @@ def source_files(cfg: Any) -> list[dict[str, Any]]:
     """``[{path, bytes, sha256}]`` of a ``files`` source (a hub dataset: its name)."""
     if cfg.data.source != "files":
         return [{"path": f"{cfg.data.source}:{cfg.data.path or ''}:{cfg.data.name or ''}"}]
-    from llmforge.data.sources import _resolve_files
+    from llmforge.data.sources import _resolve_files, describe_files
 
-    return [{"path": f, "bytes": os.path.getsize(f), "sha256": file_sha256(Path(f))}
-            for f in _resolve_files(cfg.data)]
+    return describe_files(_resolve_files(cfg.data))
 
 
 def _atomic_json(path: Path, value: Any) -> None:
@@ -94,7 +93,13 @@ def _check_out(out: Path, key: dict[str, Any]) -> dict[str, list]:
         return {}
     progress = out / PROGRESS
     if progress.exists():
-        saved = json.loads(progress.read_text())
+        try:
+            saved = json.loads(progress.read_text())
+        except (OSError, ValueError) as exc:
+            raise DataError(f"{progress} is damaged ({exc}); delete {out} and prepare again") from exc
+        if not isinstance(saved, dict) or not isinstance(saved.get("splits"), dict):
+            raise DataError(f"{progress} is not a progress file of `llmforge data prepare`; delete "
+                            f"{out} and prepare again")
         if saved.get("key") == key:
             return saved["splits"]
         raise DataError(f"{out} holds an interrupted prepare of another source, tokenizer or "

@@ -12,7 +12,9 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
 import datasets
@@ -24,7 +26,7 @@ AnyDataset = Union[datasets.Dataset, datasets.IterableDataset]
 
 _FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
             ".parquet": "parquet", ".csv": "csv"}
-_REMOTE = ("s3://", "gs://", "gcs://", "http://", "https://", "hf://", "az://", "abfs://")
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 def clean_text(text: Optional[str]) -> str:
@@ -60,7 +62,8 @@ def _resolve_files(cfg: Any) -> list[str]:
     files: list[str] = []
     for pattern in patterns:
         pattern = str(pattern)
-        if pattern.startswith(_REMOTE):
+        if _URL.match(pattern):
+            _check_url(pattern)
             files.append(pattern)  # datasets/fsspec expands remote globs
             continue
         expanded = os.path.expanduser(pattern)
@@ -74,6 +77,50 @@ def _resolve_files(cfg: Any) -> list[str]:
             raise DataError(f"data.path: no file matches '{pattern}' (working directory {os.getcwd()})")
         files.extend(matches)
     return files
+
+
+def _check_url(url: str) -> None:
+    """A URL fsspec can open: a known scheme whose driver is installed (``s3fs`` for s3://,
+    ``gcsfs`` for gs://, ...); checked before ``datasets`` would fail with a raw ImportError.
+
+    Raises:
+        DataError: an unknown scheme (``s4://``) or a driver that is not installed.
+    """
+    import fsspec
+    from fsspec.registry import known_implementations, registry
+
+    from llmforge.config.redaction import scrub_url_credentials
+
+    scheme = _URL.match(url).group(1).lower()  # type: ignore[union-attr]
+    shown = scrub_url_credentials(url)
+    if scheme not in known_implementations and scheme not in registry:
+        raise DataError(f"data.path: {shown!r} has an unknown URL scheme '{scheme}://'; use a local "
+                        "path or a scheme fsspec knows (s3://, gs://, az://, hf://, https://, file://)")
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except ImportError as exc:
+        raise DataError(f"data.path: reading {shown!r} needs a package that is not installed: "
+                        f"{exc}") from exc
+
+
+def describe_files(files: list[str]) -> list[dict[str, Any]]:
+    """``[{path, bytes, sha256}]`` of local files; a URL's files (its glob expanded by fsspec)
+    get ``{path, bytes}`` only (hashing would read an object store twice) and their credentials
+    (``user:password@``) are never recorded."""
+    from llmforge.config.redaction import scrub_url_credentials
+    from llmforge.data.prepared import file_sha256
+
+    out: list[dict[str, Any]] = []
+    for f in files:
+        if not _URL.match(f):
+            out.append({"path": f, "bytes": os.path.getsize(f), "sha256": file_sha256(Path(f))})
+            continue
+        import fsspec
+
+        fs, _, paths = fsspec.get_fs_token_paths(f)
+        for p in paths:
+            out.append({"path": scrub_url_credentials(fs.unstrip_protocol(p)), "bytes": fs.size(p)})
+    return out
 
 
 def _file_format(cfg: Any, files: list[str]) -> str:

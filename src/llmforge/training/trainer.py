@@ -264,7 +264,8 @@ class Trainer:
             return SFTDataModule(docs, tokenizer, template=build_chat_template(d.chat_template, tokenizer),
                                  packed=d.packed, overlong=d.overlong,
                                  train_on_input=d.train_on_input, pad_id=d.pad_id, **common)
-        return LLMDataModule(docs, tokenizer, resume_dir=self.resume_path, **common)
+        return LLMDataModule(docs, tokenizer, resume_dir=self.resume_path,
+                             allow_source_changes=self.cfg.checkpoint.allow_config_changes, **common)
 
     def build_module(self) -> Any:
         """Instantiate ``trainer.module`` (an :class:`LLMModule` or a subclass)."""

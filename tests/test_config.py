@@ -385,8 +385,8 @@ def test_url_credentials_are_redacted_in_configs_and_errors(tmp_path, capsys):
 
     assert redact({"data": {"path": "https://alice:pw12345@host/x.jsonl"}}) == {
         "data": {"path": "https://***@host/x.jsonl"}}
-    assert redact({"p": "s3://AKIATOKEN@bucket/x", "q": "hf://datasets/org/x@main"}) == {
-        "p": "s3://***@bucket/x", "q": "hf://datasets/org/x@main"}  # a bare token@ is a secret too
+    assert redact({"p": "s3://AKIATOKEN@bucket/x", "q": "hf://datasets/org/x@main", "m": "memory:///K:S@b/x"}) == {
+        "p": "s3://***@bucket/x", "q": "hf://datasets/org/x@main", "m": "memory:///***@b/x"}  # token@ too
     code = main(["train", str(Path(__file__).parents[1] / "yamls" / "demo_cpu.yaml"),
                  "data.source=files", "data.path=https://alice:hunter2SECRET@127.0.0.1:9/x.jsonl",
                  f"run.output_dir={tmp_path}"])  # a closed local port: fails at once

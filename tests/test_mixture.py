@@ -103,8 +103,11 @@ def test_entries_prepared_with_two_tokenizers_exit_2_naming_the_entry(two_source
     assert not (tmp_path / "runs").exists()
 
 
-def test_weights_near_the_float_maximum_keep_their_shares(capsys):
+def test_weights_near_the_float_limits_keep_their_shares_or_exit_2(capsys):
     assert main(["train", DEMO, "data.source=prepared", "--dry-run",
                  "data.mixture=[{path: a, weight: 1e308, name: a}, {path: b, weight: 3e307, name: b}]"]) == 0
     out = capsys.readouterr().out
     assert "a: 76.9% share" in out and "b: 23.1% share" in out
+    code = main(["train", DEMO, "data.source=prepared", "--dry-run",
+                 "data.mixture=[{path: a, weight: 1e308, name: a}, {path: b, weight: 1e-308, name: b}]"])
+    assert code == 2 and "data.mixture[1].weight=1e-308: its share 0 is too small" in capsys.readouterr().err

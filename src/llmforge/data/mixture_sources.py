@@ -141,8 +141,12 @@ def mixture_entries(cfg: Any) -> list[dict[str, Any]]:
     # divided by the largest first: weights near the float maximum (1e308) must not sum to inf
     top = max((e["weight"] for e in out), default=1.0)
     total = sum(e["weight"] / top for e in out)
-    for e in out:
+    for i, e in enumerate(out):
         e["share"] = e["weight"] / top / total
+        if e["share"] < 2.0**-53:  # below float resolution next to 1: the sampler never draws it
+            raise ConfigError(f"data.mixture[{i}].weight={e['weight']!r}: its share "
+                              f"{e['share']:.3g} is too small next to the largest weight ({top!r}) "
+                              "for this source ever to be drawn; raise it or drop the entry")
     return out
 
 

@@ -89,7 +89,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "traceback)", file=sys.stderr)
         return 1
     finally:
-        if owns_signals:  # an in-process caller (tests) gets its handlers back
+        if owns_signals and argv is None:  # this process's own command line: it exits next
+            signals.exiting()
+        elif owns_signals:  # an in-process caller (tests) gets its handlers back
             signals.uninstall()
 
 

@@ -203,6 +203,7 @@ def test_too_many_workers_for_the_shards_exits_early_naming_the_entry(sources):
     ("{path: p, weight: 1, name: a/b}", "data.mixture[1].name='a/b': must be a non-empty name without '/'"),
     ("{source: files, paths: {a: 1}, weight: 1}", "data.mixture[1].paths={'a': 1}: must be a string or a list"),
     ("{path:p,weight:1}", "write a space after each colon"),
+    ("{source: files, path: x.jsonl, weight: 1, max_documents: -1}", "data.mixture[1].max_documents must be > 0"),
 ])
 def test_bad_entry_exits_2_naming_the_key(capsys, entry, want):
     code = main(["train", DEMO, "data.source=prepared",

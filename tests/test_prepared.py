@@ -185,6 +185,16 @@ def test_prepare_refuses_a_damaged_progress_file(tmp_path, capsys):
     assert "is not a progress file of `llmforge data prepare`" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("over,want", [
+    (["data.source=prepared", "data.mixture=[{path: p, weight: 1}]"], "error: data.mixture: `data prepare` prepares one source"),
+    (["data.source=prepared", "data.path=p"], "error: data.source=prepared: p is prepared already"),
+    (["data.task=sft", "data.source=files", "data.path=x.jsonl"], "error: data.task=sft: `data prepare` writes pretraining"),
+])
+def test_prepare_of_a_config_it_cannot_prepare_exits_2(tmp_path, capsys, over, want):
+    assert main(["data", "prepare", DEMO, str(tmp_path / "out"), *over]) == 2
+    assert capsys.readouterr().err.startswith(want) and not (tmp_path / "out").exists()
+
+
 def test_object_store_without_its_driver_exits_2_naming_the_package(tmp_path, capsys):
     import importlib.util
 

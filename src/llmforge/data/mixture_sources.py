@@ -104,10 +104,13 @@ def _stream_config(cfg: Any, key: str, entry: dict[str, Any], source: str) -> An
     if "hub_name" in entry:
         over["name"] = entry["hub_name"]
     try:
-        return OmegaConf.merge(cfg.data, over)
+        merged = OmegaConf.merge(cfg.data, over)
     except Exception as exc:  # a value of the wrong type for its data: key
         where = f".{exc.key}" if getattr(exc, "key", None) else ""
         raise ConfigError(f"{key}{where}: {str(exc).splitlines()[0]}") from exc
+    if merged.max_documents is not None and merged.max_documents <= 0:  # as data.max_documents
+        raise ConfigError(f"{key}.max_documents must be > 0 or null, got {merged.max_documents}")
+    return merged
 
 
 def mixture_entries(cfg: Any) -> list[dict[str, Any]]:

@@ -151,3 +151,12 @@ def test_after_the_command_returned_a_signal_is_ignored_and_a_second_exits_at_on
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(REPO / "src")})
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_launcher_stopped_by_a_signal_exits_with_the_workers_code():
+    """torch's agent passes SIGTERM/SIGINT to llmforge's workers, which save and exit 75/130:
+    the launcher (`--nproc`, `llmforge.runs.torchrun`) says so too, not 143 (a crash: `failed`)."""
+    from llmforge.runs.torchrun import signal_exit_code
+
+    assert [signal_exit_code(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)] == \
+        [75, 130, 75, 128 + signal.SIGHUP]

@@ -195,6 +195,13 @@ def test_prepare_of_a_config_it_cannot_prepare_exits_2(tmp_path, capsys, over, w
     assert capsys.readouterr().err.startswith(want) and not (tmp_path / "out").exists()
 
 
+def test_prepare_to_a_url_never_prints_its_credentials(tmp_path, capsys):
+    (tmp_path / "doc.jsonl").write_text('{"text": "a b c"}\n{"text": "d e f"}\n')
+    assert prepare(str(tmp_path / "doc.jsonl"), f"memory://KEY:SECRET@bucket/{tmp_path.name}") == 0
+    out, err = capsys.readouterr()  # the memory store is process-wide: a folder of its own
+    assert f"wrote memory://***@bucket/{tmp_path.name}:" in out and "SECRET" not in out + err
+
+
 def test_object_store_without_its_driver_exits_2_naming_the_package(tmp_path, capsys):
     import importlib.util
 

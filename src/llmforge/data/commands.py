@@ -82,10 +82,13 @@ def cmd_data(args: argparse.Namespace) -> int:
     _check_preparable(cfg)
     manifest = prepare(cfg, args.out, workers=args.workers, docs_per_shard=args.docs_per_shard,
                        show_progress=not args.no_progress and sys.stderr.isatty())
+    from llmforge.config.redaction import scrub_url_credentials
+
+    out = scrub_url_credentials(str(args.out))  # s3://KEY:SECRET@bucket/x: never printed
     train = manifest["splits"]["train"]
     val = manifest["splits"].get("val", {"tokens": 0, "documents": 0})
-    print(f"wrote {args.out}: {train['tokens']:,} training tokens ({train['documents']:,} documents, "
+    print(f"wrote {out}: {train['tokens']:,} training tokens ({train['documents']:,} documents, "
           f"{len(train['shards'])} shards), {val['tokens']:,} validation tokens in "
           f"{manifest['seconds']:.1f}s; tokenizer fingerprint {manifest['tokenizer']['fingerprint']}")
-    print(f"train on it: llmforge train CONFIG data.source=prepared data.path={args.out}")
+    print(f"train on it: llmforge train CONFIG data.source=prepared data.path={out}")
     return 0

@@ -113,7 +113,8 @@ def test_urls_unknown_scheme_missing_driver_file_and_memory(tmp_path, capsys, mo
     monkeypatch.setitem(known_implementations, "nofs", {"class": "nofs_pkg.NoFS", "err": "Install nofs_pkg"})
     with pytest.raises(DataError) as exc:
         load_documents(data_cfg(source="files", path="nofs://KEY:SECRET@bucket/a.jsonl"), 0)
-    assert "needs a package that is not installed: Install nofs_pkg" in str(exc.value)
+    assert "needs the fsspec driver of nofs://, which is not installed; install it with `pip install nofs_pkg`" \
+        in str(exc.value)
     assert "SECRET" not in str(exc.value) and "nofs://***@bucket" in str(exc.value)
     rows = "".join(json.dumps({"text": f"document {i} " + "word " * 30}) + "\n" for i in range(40))
     (tmp_path / "a.jsonl").write_text(rows)

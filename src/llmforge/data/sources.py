@@ -98,9 +98,14 @@ def _check_url(url: str) -> None:
                         "path or a scheme fsspec knows (s3://, gs://, az://, hf://, https://, file://)")
     try:
         fsspec.get_filesystem_class(scheme)
-    except ImportError as exc:
-        raise DataError(f"data.path: reading {shown!r} needs a package that is not installed: "
-                        f"{exc}") from exc
+    except ImportError as exc:  # the message prepared corpora give (remote.open_store), scrubbed
+        from llmforge.data.remote import open_store
+
+        try:
+            open_store(url, None, "data.path")
+        except DataError as named:
+            raise DataError(scrub_url_credentials(str(named))) from exc
+        raise DataError(f"data.path: {shown} needs a package that is not installed: {exc}") from exc
 
 
 def describe_files(files: list[str]) -> list[dict[str, Any]]:

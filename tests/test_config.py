@@ -380,13 +380,16 @@ def test_error_for_a_secret_looking_override_does_not_echo_its_value():
         assert "SEKRET123" not in str(info.value) and "=***'" in str(info.value), str(info.value)
 
 
-def test_url_credentials_are_redacted_in_configs_and_errors(tmp_path):
-    from conftest import run_cli
+def test_url_credentials_are_redacted_in_configs_and_errors(tmp_path, capsys):
+    from llmforge.cli import main
 
     assert redact({"data": {"path": "https://alice:pw12345@host/x.jsonl"}}) == {
         "data": {"path": "https://***@host/x.jsonl"}}
-    proc = run_cli("train", str(Path(__file__).parents[1] / "yamls" / "demo_cpu.yaml"),
-                   "data.source=files", "data.path=https://alice:hunter2SECRET@127.0.0.1:9/x.jsonl",
-                   f"run.output_dir={tmp_path}")  # a closed local port: fails at once
-    assert proc.returncode == 2 and "https://***@127.0.0.1:9/x.jsonl" in proc.stderr, proc.stderr[-2000:]
-    assert "hunter2SECRET" not in proc.stdout + proc.stderr
+    assert redact({"p": "s3://AKIATOKEN@bucket/x", "q": "hf://datasets/org/x@main", "m": "memory:///K:S@b/x"}) == {
+        "p": "s3://***@bucket/x", "q": "hf://datasets/org/x@main", "m": "memory:///***@b/x"}  # token@ too
+    code = main(["train", str(Path(__file__).parents[1] / "yamls" / "demo_cpu.yaml"),
+                 "data.source=files", "data.path=https://alice:hunter2SECRET@127.0.0.1:9/x.jsonl",
+                 f"run.output_dir={tmp_path}"])  # a closed local port: fails at once
+    out, err = capsys.readouterr()
+    assert code == 2 and "https://***@127.0.0.1:9/x.jsonl" in err, err[-2000:]
+    assert "hunter2SECRET" not in out + err

@@ -88,3 +88,26 @@ def test_mixture_trains_logs_tokens_per_source_and_dry_run_shows_shares(two_sour
     last = [r for r in rows if "train/loss" in r][-1]
     assert last["data/books/tokens_seen"] + last["data/code/tokens_seen"] == last["train/tokens_seen"]
     assert last["data/books/tokens_seen"] >= last["data/code/tokens_seen"]
+
+
+def test_entries_prepared_with_two_tokenizers_exit_2_naming_the_entry(two_sources, tmp_path, capsys):
+    other = tmp_path / "p-other"  # the code corpus with its own BPE, not the books' one
+    assert main(["data", "prepare", str(two_sources / "code" / "a.jsonl"), str(other),
+                 "tokenizer.vocab_size=1024", "--workers", "1", "--no-progress"]) == 0
+    capsys.readouterr()
+    code = main(["train", DEMO, *TINY_OVERRIDES, "data.source=prepared", f"run.output_dir={tmp_path / 'runs'}",
+                 f"data.mixture=[{{path: {two_sources / 'p-books'}, weight: 1}}, {{path: {other}, weight: 1}}]"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: data.mixture[1].path: {other} was prepared with another "), err
+    assert f"tokenizer.path={two_sources / 'p-books' / 'tokenizer' / 'tokenizer.json'}" in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_weights_near_the_float_limits_keep_their_shares_or_exit_2(capsys):
+    assert main(["train", DEMO, "data.source=prepared", "--dry-run",
+                 "data.mixture=[{path: a, weight: 1e308, name: a}, {path: b, weight: 3e307, name: b}]"]) == 0
+    out = capsys.readouterr().out
+    assert "a: 76.9% share" in out and "b: 23.1% share" in out
+    code = main(["train", DEMO, "data.source=prepared", "--dry-run",
+                 "data.mixture=[{path: a, weight: 1e308, name: a}, {path: b, weight: 1e-308, name: b}]"])
+    assert code == 2 and "data.mixture[1].weight=1e-308: its share 0 is too small" in capsys.readouterr().err

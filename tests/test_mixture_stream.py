@@ -52,7 +52,7 @@ def sources(tmp_path_factory):
 
 
 def module(sources, *, num_workers: int, batch: int = 4, start_step: int = 0, resume_dir=None,
-           shares=(3, 1), rank: int = 0, world: int = 1):
+           shares=(3, 1), rank: int = 0, world: int = 1, allow_source_changes: bool = False):
     from llmforge.data.datamodule import LLMDataModule
     from llmforge.data.mixture_sources import open_mixture
 
@@ -60,7 +60,8 @@ def module(sources, *, num_workers: int, batch: int = 4, start_step: int = 0, re
                        {"source": "files", "path": sources["web"], "weight": shares[1], "name": "web"}])
     dm = LLMDataModule(open_mixture(cfg), ByteTokenizer(), seq_len=15, local_batch_size=batch,
                        micro_batch_size=batch, eval_batches=1, seed=3, num_workers=num_workers,
-                       dp_rank=rank, dp_size=world, start_step=start_step, resume_dir=resume_dir)
+                       dp_rank=rank, dp_size=world, start_step=start_step, resume_dir=resume_dir,
+                       allow_source_changes=allow_source_changes)
     dm.setup()
     for w in dm.train_windows.streams.values():
         w.block_docs = 8  # several blocks and passes within the test
@@ -150,6 +151,28 @@ def test_changed_worker_count_continues_disjoint_and_says_so(sources, tmp_path, 
         [w for s, w in want if s == 0]
 
 
+@pytest.mark.parametrize("allow", [False, True])
+def test_streaming_files_that_changed_since_the_checkpoint_are_refused_or_restart(sources, tmp_path, capsys, allow):
+    from llmforge.errors import DataError
+
+    resume = tmp_path / "ckpt"
+    (resume / "data").mkdir(parents=True)
+    (resume / "data" / "rank0.json").write_text(json.dumps(  # saved when web/ held 5 files
+        {"dp_rank": 0, "dp_size": 1, "num_workers": 0, "step": 5, "loader": {"x": 1},
+         "files": {"web": [f"part{f}.jsonl" for f in range(5)]}}))
+    dm = module(sources, num_workers=0, start_step=5, resume_dir=resume, allow_source_changes=allow)
+    assert dm.state_dict() == {} and dm._stream_files() == {"web": [f"part{f}.jsonl" for f in range(4)]}
+    if not allow:
+        with pytest.raises(DataError, match=r"streaming files differ .*rank0.json was saved with \(web: 5 -> 4 "
+                                             r"files\).*restore the files, or pass checkpoint.allow_config_changes"):
+            dm.train_dataloader()
+        return
+    loader = dm.train_dataloader()
+    next(iter(loader))
+    loader.close()
+    assert "the stream restarts from its beginning (the prepared entries continue exactly)" in capsys.readouterr().err
+
+
 def test_shares_hold_within_one_percent_over_10000_windows(sources):
     dm = module(sources, num_workers=0, batch=100, shares=(0.7, 0.3))
     it = iter(dm.train_windows)
@@ -175,6 +198,12 @@ def test_too_many_workers_for_the_shards_exits_early_naming_the_entry(sources):
     ("{source: files, path: x.jsonl, weight: .nan}", "data.mixture[1].weight=nan"),
     ("{source: files, path: x.jsonl, weight: 1, max_documents: abc}", "data.mixture[1].max_documents: Value 'abc'"),
     ("{source: shakespeare, path: x.jsonl, weight: 1}", "data.mixture[1].path: a shakespeare entry"),
+    ("{path: [p], weight: 1}", "data.mixture[1].path=['p']: must be a string"),
+    ("{path: p, weight: 1, name: {a: 1}}", "data.mixture[1].name={'a': 1}: must be a string"),
+    ("{path: p, weight: 1, name: a/b}", "data.mixture[1].name='a/b': must be a non-empty name without '/'"),
+    ("{source: files, paths: {a: 1}, weight: 1}", "data.mixture[1].paths={'a': 1}: must be a string or a list"),
+    ("{path:p,weight:1}", "write a space after each colon"),
+    ("{source: files, path: x.jsonl, weight: 1, max_documents: -1}", "data.mixture[1].max_documents must be > 0"),
 ])
 def test_bad_entry_exits_2_naming_the_key(capsys, entry, want):
     code = main(["train", DEMO, "data.source=prepared",
@@ -182,6 +211,13 @@ def test_bad_entry_exits_2_naming_the_key(capsys, entry, want):
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and want in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_dry_run_hides_url_credentials_of_an_entry(capsys):
+    assert main(["train", DEMO, "data.source=prepared", "--dry-run", "data.mixture=[{path: a, weight: 1}, "
+                 "{source: files, path: 's3://AKIA:SECRET@bucket/*.jsonl', weight: 1, name: web}]"]) == 0
+    out = capsys.readouterr().out
+    assert "(s3://***@bucket/*.jsonl, files streaming)" in out and "SECRET" not in out
 
 
 def test_a_worker_whose_shards_give_no_window_fails_in_one_line(sources, tmp_path):

@@ -126,6 +126,82 @@ def test_damaged_prepared_folder_exits_2_naming_the_file(prepared, tmp_path, cap
     assert not (tmp_path / "runs" / "p").exists()  # nothing written
 
 
+def _outside(out: Path) -> Path:
+    """A file outside the folder whose size and sha256 a crafted manifest claims for a shard."""
+    secret = out.parent / "secret.bin"
+    secret.write_bytes((out / "train" / "shard_00000.bin").read_bytes())
+    return secret
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda m, out: m["splits"]["train"]["shards"][0].update(file="../secret.bin"), ["'../secret.bin'", "refused"]),
+    (lambda m, out: m["splits"]["train"]["shards"][0].update(file=str(out.parent / "secret.bin")),
+     ["secret.bin'", "not a path inside", "refused"]),
+    (lambda m, out: (out / "train" / "shard_00000.bin").unlink()
+     or (out / "train" / "shard_00000.bin").symlink_to(out.parent / "secret.bin"), ["is a link to", "refused"]),
+    (lambda m, out: m.update(dtype="object"), ["dtype must be uint16 or uint32", "'object'"]),
+    (lambda m, out: m["splits"]["train"]["shards"][0].update(tokens="4100"), ["splits.train.shards[0].tokens"]),
+    (lambda m, out: m.update(splits=[]), ["splits must be an object"]),
+    (lambda m, out: m.pop("tokenizer") and None, ["tokenizer must be an object"]),
+    (lambda m, out: [m], ["has format 'list'"]),
+], ids=["dotdot", "absolute", "symlink-out", "dtype-object", "tokens-str", "splits-list", "no-tokenizer", "list"])
+def test_a_crafted_manifest_is_refused_and_reads_nothing_outside(prepared, tmp_path, monkeypatch, edit, words):
+    from llmforge.data import prepared as mod
+    from llmforge.errors import DataError
+
+    out = _copy(prepared, tmp_path)
+    secret = _outside(out)
+    m = manifest(out)
+    m = edit(m, out) or m  # an edit returns a new manifest or None (edited in place)
+    (out / "manifest.json").write_text(json.dumps(m))
+    hashed = []
+    monkeypatch.setattr(mod, "file_sha256", lambda p, *a: hashed.append(Path(p)) or "x")
+    with pytest.raises(DataError) as exc:
+        mod.open_prepared(out)
+    assert str(exc.value).startswith("data.path: ") and all(w in str(exc.value) for w in words), exc.value
+    assert secret not in hashed
+
+
+def test_a_shard_path_outside_the_folder_exits_2_before_training(prepared, tmp_path, capsys):
+    out = _copy(prepared, tmp_path)
+    _outside(out)
+    m = manifest(out)
+    m["splits"]["train"]["shards"][0]["file"] = "train/../../secret.bin"
+    (out / "manifest.json").write_text(json.dumps(m))
+    code, err = train(tmp_path, capsys, f"data.path={out}")
+    assert code == 2 and err.startswith("error: data.path: ") and "refused" in err, err
+    assert not (tmp_path / "runs" / "p").exists()
+
+
+def test_prepare_refuses_a_damaged_progress_file(tmp_path, capsys):
+    (tmp_path / "doc.jsonl").write_text('{"text": "a b c"}\n{"text": "d e f"}\n')
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "progress.json").write_text('{"key": [1, ')  # torn
+    assert prepare(str(tmp_path / "doc.jsonl"), tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'out' / 'progress.json'} is damaged") and "Traceback" not in err
+    (tmp_path / "out" / "progress.json").write_text('[1, 2]')  # JSON, not a progress file
+    assert prepare(str(tmp_path / "doc.jsonl"), tmp_path / "out") == 2
+    assert "is not a progress file of `llmforge data prepare`" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("over,want", [
+    (["data.source=prepared", "data.mixture=[{path: p, weight: 1}]"], "error: data.mixture: `data prepare` prepares one source"),
+    (["data.source=prepared", "data.path=p"], "error: data.source=prepared: p is prepared already"),
+    (["data.task=sft", "data.source=files", "data.path=x.jsonl"], "error: data.task=sft: `data prepare` writes pretraining"),
+])
+def test_prepare_of_a_config_it_cannot_prepare_exits_2(tmp_path, capsys, over, want):
+    assert main(["data", "prepare", DEMO, str(tmp_path / "out"), *over]) == 2
+    assert capsys.readouterr().err.startswith(want) and not (tmp_path / "out").exists()
+
+
+def test_prepare_to_a_url_never_prints_its_credentials(tmp_path, capsys):
+    (tmp_path / "doc.jsonl").write_text('{"text": "a b c"}\n{"text": "d e f"}\n')
+    assert prepare(str(tmp_path / "doc.jsonl"), f"memory://KEY:SECRET@bucket/{tmp_path.name}") == 0
+    out, err = capsys.readouterr()  # the memory store is process-wide: a folder of its own
+    assert f"wrote memory://***@bucket/{tmp_path.name}:" in out and "SECRET" not in out + err
+
+
 def test_object_store_without_its_driver_exits_2_naming_the_package(tmp_path, capsys):
     import importlib.util
 

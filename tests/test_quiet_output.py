@@ -41,6 +41,8 @@ def test_sigterm_stop_is_not_printed_as_an_error(monkeypatch, capsys):
     assert main(["train", "any.yaml"]) == 75
     err = capsys.readouterr().err
     assert err.startswith("stopped: received SIGTERM") and "error" not in err
+    monkeypatch.setenv("RANK", "1")  # another rank of the same run: rank 0 says it once
+    assert main(["train", "any.yaml"]) == 75 and capsys.readouterr().err == ""
 
 
 def test_summary_labels_the_first_eval_with_its_step(capsys):

@@ -133,3 +133,30 @@ def test_torchrun_forwarding_waits_for_a_worker_to_install_its_handler():
     finally:
         if child.poll() is None:
             child.kill()
+
+
+def test_after_the_command_returned_a_signal_is_ignored_and_a_second_exits_at_once():
+    """`python -m llmforge` keeps the handlers to the end (signals.exiting): a signal while the
+    interpreter shuts down used to kill a completed run (-15) or raise KeyboardInterrupt (-2)."""
+    code = ("import os, signal, time\nfrom llmforge import signals\nsignals.exiting()\n"
+            "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.1); print('alive', signals.phase(), flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGINT); time.sleep(30)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    assert proc.stdout == "alive exiting\n" and proc.returncode == 130, (proc.stdout, proc.stderr)
+    # in the interpreter's last stage, after Python reset its handlers (a builtins object's __del__)
+    code = ("import builtins, os, signal, time\nclass D:\n    def __del__(self):\n"
+            "        os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.1)\n"
+            "builtins._probe = D()\nfrom llmforge import signals\nsignals.exiting()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_launcher_stopped_by_a_signal_exits_with_the_workers_code():
+    """torch's agent passes SIGTERM/SIGINT to llmforge's workers, which save and exit 75/130:
+    the launcher (`--nproc`, `llmforge.runs.torchrun`) says so too, not 143 (a crash: `failed`)."""
+    from llmforge.runs.torchrun import signal_exit_code
+
+    assert [signal_exit_code(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)] == \
+        [75, 130, 75, 128 + signal.SIGHUP]

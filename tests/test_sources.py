@@ -79,6 +79,54 @@ def test_invalid_utf8_names_file_and_line(tmp_path, fmt):
         load_documents(data_cfg(source="files", path=str(path), val_fraction=0), 0)
 
 
+@pytest.mark.parametrize("bad,want", [
+    (b'{"text": "caf\xe9 au lait"}', r"b.jsonl line 2 is not valid UTF-8 \(byte 0xe9 at column 14\)"),
+    (b'{"text": "unclosed"', r"cannot read .*a.jsonl, .*b.jsonl: JSON parse error"),
+])
+def test_a_streaming_source_names_the_file_it_cannot_read(tmp_path, capsys, bad, want):
+    """Streaming reads the files only while iterating: the error must still name the file
+    (and line), for training, tokenizer training and `data prepare`, not exit 1."""
+    from llmforge.cli import main
+    from llmforge.data.sources import iter_texts
+
+    (tmp_path / "a.jsonl").write_text('{"text": "fine"}\n')
+    (tmp_path / "b.jsonl").write_bytes(b'{"text": "fine"}\n' + bad + b"\n")
+    docs = load_documents(data_cfg(source="files", path=str(tmp_path / "*.jsonl"), streaming=True,
+                                   val_fraction=0), 0)
+    assert docs.files == (str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"))
+    with pytest.raises(DataError, match=want):
+        list(iter_texts(docs.train, None, docs.files))
+    assert main(["data", "prepare", str(tmp_path / "*.jsonl"), str(tmp_path / "out"), "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: data: ") and "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
+def test_urls_unknown_scheme_missing_driver_file_and_memory(tmp_path, capsys, monkeypatch):
+    import fsspec
+    from fsspec.registry import known_implementations
+
+    from llmforge.cli import main
+
+    with pytest.raises(DataError, match=r"'s4://x/a.jsonl' has an unknown URL scheme 's4://'"):
+        load_documents(data_cfg(source="files", path="s4://x/a.jsonl"), 0)
+    # a driver that is not installed (s3fs's message), with the URL's credentials hidden
+    monkeypatch.setitem(known_implementations, "nofs", {"class": "nofs_pkg.NoFS", "err": "Install nofs_pkg"})
+    with pytest.raises(DataError) as exc:
+        load_documents(data_cfg(source="files", path="nofs://KEY:SECRET@bucket/a.jsonl"), 0)
+    assert "needs the fsspec driver of nofs://, which is not installed; install it with `pip install nofs_pkg`" \
+        in str(exc.value)
+    assert "SECRET" not in str(exc.value) and "nofs://***@bucket" in str(exc.value)
+    rows = "".join(json.dumps({"text": f"document {i} " + "word " * 30}) + "\n" for i in range(40))
+    (tmp_path / "a.jsonl").write_text(rows)
+    with fsspec.open("memory://corpus/a.jsonl", "w") as f:
+        f.write(rows)
+    for url in (f"file://{tmp_path / 'a.jsonl'}", "memory://corpus/a.jsonl"):
+        out = tmp_path / url.split(":")[0]
+        assert main(["data", "prepare", url, str(out), "tokenizer.vocab_size=300", "--workers", "1"]) == 0
+        sources = json.loads((out / "manifest.json").read_text())["sources"]
+        assert [s["bytes"] for s in sources] == [len(rows)] and sources[0]["path"].endswith("a.jsonl")
+
+
 def test_corpus_too_small_names_sizes(tmp_path):
     (tmp_path / "a.txt").write_text("just a few words of text\n")
     (tmp_path / "b.txt").write_text("and a few more words\n")

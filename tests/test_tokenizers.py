@@ -222,6 +222,16 @@ def test_save_load_saved(which, assets, hf, tk, tmp_path):
             assets["tk_path"].read_bytes()
 
 
+@pytest.mark.parametrize("file", ["../elsewhere.json", "/etc/passwd", "sub/tokenizer.json"])
+def test_load_saved_refuses_a_file_outside_its_folder(hf, tmp_path, file):
+    hf.save(tmp_path / "saved")
+    meta = json.loads((tmp_path / "saved" / META_FILE).read_text())
+    (tmp_path / "elsewhere.json").write_text((tmp_path / "saved" / meta["file"]).read_text())
+    (tmp_path / "saved" / META_FILE).write_text(json.dumps({**meta, "file": file}))
+    with pytest.raises(ConfigError, match="is not a file of .*refused"):
+        load_saved(tmp_path / "saved")
+
+
 def test_build_tokenizer_dispatch(assets):
     hf = build_tokenizer(TokenizerConfig(type="huggingface", path=str(assets["hf_path"])), None,
                          assets["root"])

@@ -17,6 +17,7 @@ data errors) without a traceback; ``--debug`` shows the traceback.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -66,8 +67,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise
         if isinstance(exc, signals.StopRequested):
             # our own message, no secrets; and no import here: the signal may have interrupted
-            # one, leaving that module half-initialized (yaml, in CI)
-            print(f"stopped: {exc}", file=sys.stderr)
+            # one, leaving that module half-initialized (yaml, in CI). Every rank of a
+            # multi-process run stops alike (the agent forwards the signal): rank 0 says so.
+            if os.environ.get("RANK", "0") == "0":
+                print(f"stopped: {exc}", file=sys.stderr)
             return exc.exit_code
         print(f"error: {_scrub(str(exc))}", file=sys.stderr)
         return exc.exit_code
@@ -89,7 +92,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "traceback)", file=sys.stderr)
         return 1
     finally:
-        if owns_signals:  # an in-process caller (tests) gets its handlers back
+        if owns_signals and argv is None:  # this process's own command line: it exits next
+            signals.exiting()
+        elif owns_signals:  # an in-process caller (tests) gets its handlers back
             signals.uninstall()
 
 

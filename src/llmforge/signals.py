@@ -16,6 +16,8 @@ training (from               only recorded: the Checkpointer finishes the optimi
                              75, or 130 for SIGINT); a second SIGINT stops at once, unsaved
 after training               ignored (the final checkpoint is written; the run completes), a
 (:func:`training_ended`)     SIGINT raises ``KeyboardInterrupt``
+exiting (:func:`exiting`,    ignored: the exit code already says what happened; a second signal
+the command returned)        ends the process at once with 75 or 130
 ===========================  =====================================================================
 
 Lightning installs its own SIGTERM handler at the start of every ``fit`` (it exits 0 without a
@@ -25,6 +27,7 @@ one that runs throughout. This module imports only the standard library.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from typing import Any, Optional
@@ -119,13 +122,36 @@ def training_ended() -> None:
         _state.phase = "finished"
 
 
+def _late(signum: int, frame: Any) -> None:
+    if _state.received is not None:  # a second one: the exit hangs; end it now
+        os._exit(exit_code_for(signum))
+    _state.received = signum
+
+
+def exiting() -> None:
+    """The command is done (trained and saved, failed or stopped) and the process exits next
+    with the code it returned: a stop signal from now on is ignored, a second one ends the
+    process at once (``os._exit``, 75 or 130); once the interpreter shuts down (``atexit``) they
+    are ignored. Default handlers instead let a signal in the last second (loader workers
+    joined, modules torn down) kill a completed run (exit -15, -10 for SIGUSR1, -2 for SIGINT).
+    Python resets its own handlers to the default when it finalizes, but not ``SIG_IGN``."""
+    import atexit
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    _state.phase, _state.received, _state.previous = "exiting", None, {}
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _late)
+    atexit.register(lambda: [signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS])
+
+
 def received() -> Optional[int]:
     """The first stop signal of the training phase, or None."""
     return _state.received if _state.phase == "training" else None
 
 
 def phase() -> str:
-    """``off``, ``startup``, ``training`` or ``finished``."""
+    """``off``, ``startup``, ``training``, ``finished`` or ``exiting``."""
     return _state.phase
 
 
@@ -140,5 +166,5 @@ def own(trainer: Any) -> None:
 
 
 __all__ = ["EXIT_INTERRUPTED", "EXIT_PREEMPTED", "STOP_SIGNALS", "StopRequested", "StoppedBeforeTraining",
-           "exit_code_for", "install", "own", "phase", "received", "training_ended", "training_started",
+           "exit_code_for", "exiting", "install", "own", "phase", "received", "training_ended", "training_started",
            "uninstall"]

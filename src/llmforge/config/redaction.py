@@ -54,12 +54,14 @@ def _env_secret_values() -> set:
     return {v for k, v in os.environ.items() if _is_secret(k.lower()) and v and len(v) >= 6}
 
 
-_URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@:]+:[^/\s@]+@")
+# user:password@ or a bare token@ (https://ghp_xxx@github.com, s3://KEY@bucket), also after the
+# extra slash fsspec puts in front of a path (memory:///KEY:SECRET@bucket in datasets' errors)
+_URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)(/?)[^/\s@]+@")
 
 
 def scrub_url_credentials(text: str) -> str:
     """``scheme://user:password@host/...`` -> ``scheme://***@host/...`` anywhere in ``text``."""
-    return _URL_USERINFO.sub(r"\1***@", text)
+    return _URL_USERINFO.sub(r"\1\2***@", text)
 
 
 def _scrub(container: Any, values: set) -> Any:

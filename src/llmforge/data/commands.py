@@ -52,6 +52,26 @@ def load_prepare_config(source: str, overrides: list[str]) -> Any:
     return cfg
 
 
+def _check_preparable(cfg: Any) -> None:
+    """``data prepare`` tokenizes one pretraining document source.
+
+    Raises:
+        ConfigError: a mixture, an already prepared source or an SFT config (names the key).
+    """
+    from llmforge.errors import ConfigError
+
+    if cfg.data.get("mixture"):
+        raise ConfigError("data.mixture: `data prepare` prepares one source; prepare each entry into "
+                          "its own folder (llmforge data prepare ENTRY_PATH OUT) and list the folders "
+                          "as prepared entries (docs/data.md)")
+    if cfg.data.source == "prepared":
+        raise ConfigError(f"data.source=prepared: {cfg.data.path} is prepared already; `data prepare` "
+                          "reads documents (data.source files, hub or shakespeare)")
+    if cfg.data.task != "pretrain":
+        raise ConfigError(f"data.task={cfg.data.task}: `data prepare` writes pretraining token shards; "
+                          "an SFT run tokenizes its examples itself (train on the jsonl directly)")
+
+
 def cmd_data(args: argparse.Namespace) -> int:
     from llmforge.data.prepare import prepare
     from llmforge.errors import ConfigError
@@ -59,12 +79,17 @@ def cmd_data(args: argparse.Namespace) -> int:
     if args.workers is not None and args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
     cfg = load_prepare_config(args.source, list(args.overrides))
+    _check_preparable(cfg)
     manifest = prepare(cfg, args.out, workers=args.workers, docs_per_shard=args.docs_per_shard,
                        show_progress=not args.no_progress and sys.stderr.isatty())
+    from llmforge.config.redaction import scrub_url_credentials
+
+    out = scrub_url_credentials(str(args.out))  # s3://KEY:SECRET@bucket/x: never printed
     train = manifest["splits"]["train"]
     val = manifest["splits"].get("val", {"tokens": 0, "documents": 0})
-    print(f"wrote {args.out}: {train['tokens']:,} training tokens ({train['documents']:,} documents, "
+    print(f"wrote {out}: {train['tokens']:,} training tokens ({train['documents']:,} documents, "
           f"{len(train['shards'])} shard{'s' * (len(train['shards']) != 1)}), {val['tokens']:,} "
-          f"validation tokens; tokenized in {manifest['seconds']:.1f}s; tokenizer fingerprint {manifest['tokenizer']['fingerprint']}")
-    print(f"train on it: llmforge train CONFIG data.source=prepared data.path={args.out}")
+          f"validation tokens; tokenized in {manifest['seconds']:.1f}s; tokenizer fingerprint "
+          f"{manifest['tokenizer']['fingerprint']}")
+    print(f"train on it: llmforge train CONFIG data.source=prepared data.path={out}")
     return 0

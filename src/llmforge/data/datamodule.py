@@ -19,6 +19,8 @@ resume without replaying the stream.
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -104,16 +106,21 @@ class LLMDataModule(L.LightningDataModule):
             global batch, whatever the data-parallel size was before.
         resume_dir: the checkpoint resumed from; a streaming source continues at the loader
             position saved there (``data/rank<R>.json``).
+        allow_source_changes: when a streaming source's files differ from those the position
+            was saved with, restart that stream (``checkpoint.allow_config_changes``) instead
+            of raising.
 
     Raises:
         DataError (at ``setup``): the training split holds fewer windows per rank than one
-        optimizer step needs; the message gives the token and window counts.
+        optimizer step needs; the message gives the token and window counts. (At the first
+        batch of a resume:) a streaming source's files changed since the checkpoint.
     """
 
     def __init__(self, docs: DocumentSplits, tokenizer: Any, *, seq_len: int, local_batch_size: int,
                  micro_batch_size: int, eval_batches: int, seed: int, num_workers: int = 1,
                  dp_rank: Optional[int] = None, dp_size: Optional[int] = None,
-                 start_step: int = 0, resume_dir: Optional[str | Path] = None) -> None:
+                 start_step: int = 0, resume_dir: Optional[str | Path] = None,
+                 allow_source_changes: bool = False) -> None:
         super().__init__()
         self.docs, self.tokenizer = docs, tokenizer
         self.seq_len, self.local_batch_size = seq_len, local_batch_size
@@ -121,6 +128,7 @@ class LLMDataModule(L.LightningDataModule):
         self.seed, self.num_workers = seed, num_workers
         self.dp_rank, self.dp_size, self.start_step = dp_rank, dp_size, start_step
         self.resume_dir = Path(resume_dir) if resume_dir else None
+        self.allow_source_changes = allow_source_changes
         self.positioned: Optional[PositionedLoader] = None
         self.train_windows: Any = None
         self.val_windows: Any = None
@@ -140,12 +148,13 @@ class LLMDataModule(L.LightningDataModule):
         rank, world = self._coords()
         self.dp_rank, self.dp_size = rank, world
         if isinstance(getattr(self.docs, "train", None), datasets.IterableDataset):
+            files = getattr(self.docs, "files", ())
             self.train_windows = StreamingWindows(self.docs.train, self.tokenizer, self.seq_len,
-                                                  rank, world, self.seed)
+                                                  rank, world, self.seed, files=files)
             if self.docs.val is not None:
                 self.val_windows = StreamingWindows(self.docs.val, self.tokenizer, self.seq_len,
                                                     rank, world, self.seed, shuffle=False,
-                                                    repeat=False)
+                                                    repeat=False, files=files)
             return
         if isinstance(self.docs, PreparedMixture):
             self.train_windows, n_tokens = mixture_windows(
@@ -244,6 +253,8 @@ class LLMDataModule(L.LightningDataModule):
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         path = self.resume_dir / "data" / f"rank{rank}.json"
         saved = json.loads(path.read_text()) if path.exists() else {}
+        if saved.get("loader") is not None and not self._same_files(saved, path, rank):
+            return None
         now = {"dp_size": self.dp_size, "num_workers": self.num_workers}
         then = {k: saved.get(k) for k in now}
         if saved.get("loader") is not None and then == now:
@@ -264,6 +275,39 @@ class LLMDataModule(L.LightningDataModule):
                   file=sys.stderr, flush=True)
         return None
 
+    def _stream_files(self) -> dict[str, list[str]]:
+        """The file names of each streaming source (``data``, or a mixture entry's name): a
+        saved position is a shard index and an offset in these (``datasets``' state)."""
+        names = lambda files: [os.path.basename(str(f)) for f in files]  # noqa: E731 (no URL credentials)
+        if isinstance(self.docs, PreparedMixture):
+            return {e["name"]: names(p.files) for e, p in zip(self.docs.entries, self.docs.parts)
+                    if e["source"] != "prepared"}
+        return {"data": names(getattr(self.docs, "files", ()))}
+
+    def _same_files(self, saved: dict, path: Path, rank: int) -> bool:
+        """Whether the streaming sources read the files ``saved`` was written with (a position
+        in other files would silently skip or repeat documents).
+
+        Raises:
+            DataError: they differ and ``allow_source_changes`` is off.
+        """
+        then, now = saved.get("files"), self._stream_files()
+        if then is None or then == now:  # None: saved by an older llmforge
+            return True
+        changed = ", ".join(f"{k}: {len(then.get(k) or [])} -> {len(v)} files"
+                            + (" (other names)" if len(then.get(k) or []) == len(v) else "")
+                            for k, v in now.items() if then.get(k) != v)
+        msg = f"data: the streaming files differ from those {path} was saved with ({changed})"
+        if not self.allow_source_changes:
+            raise DataError(f"{msg}; the saved position does not fit them: restore the files, or "
+                            "pass checkpoint.allow_config_changes=true to restart the stream from its "
+                            "beginning")
+        if rank == 0:
+            rest = (" (the prepared entries continue exactly)" if isinstance(self.docs, PreparedMixture) else "")
+            print(f"{msg}; checkpoint.allow_config_changes=true: the stream restarts from its "
+                  f"beginning{rest}", file=sys.stderr, flush=True)
+        return False
+
     def teardown(self, stage: Optional[str] = None) -> None:
         if self.positioned is not None:
             self.positioned.close()
@@ -278,4 +322,5 @@ class LLMDataModule(L.LightningDataModule):
         trainer = getattr(self, "trainer", None)
         step = trainer.global_step if trainer is not None else self.start_step
         return {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "num_workers": self.num_workers,
-                "step": step, "loader": self.positioned.position(step - self.start_step)}
+                "step": step, "files": self._stream_files(),
+                "loader": self.positioned.position(step - self.start_step)}

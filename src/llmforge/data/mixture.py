@@ -242,7 +242,7 @@ def mixture_windows(docs: PreparedMixture, tokenizer: Any, *, seq_len: int, rank
                 raise DataError(f"{key}.path: {part.root} holds fewer tokens than one window of "
                                 f"seq_len+1={seq_len + 1} per shard")
             continue
-        streams[i] = _checked_stream(key, e, part.train, tokenizer, seq_len, rank, world, seed + i,
+        streams[i] = _checked_stream(key, e, part, tokenizer, seq_len, rank, world, seed + i,
                                      num_workers)
     n_tokens = sum(p.tokens for p in prepared.values())
     sizes = [len(prepared[i]) if i in prepared else 1 for i in range(len(docs.entries))]
@@ -259,7 +259,7 @@ def _checked_stream(key: str, entry: dict[str, Any], docs: Any, tokenizer: Any, 
     """A streaming entry's windows on this rank, checked before training (a worker's error
     would reach the user wrapped in a traceback): enough shards for every loader worker, and
     a first window (reads and tokenizes one block)."""
-    probe = StreamingWindows(docs, tokenizer, seq_len, rank, world, seed)
+    probe = StreamingWindows(docs.train, tokenizer, seq_len, rank, world, seed, files=docs.files)
     shards = probe.docs.num_shards
     if num_workers > shards:
         raise DataError(f"{key} ({entry['name']}): {entry['path']} has {shards} shard(s) on this "
@@ -274,7 +274,7 @@ def _checked_stream(key: str, entry: dict[str, Any], docs: Any, tokenizer: Any, 
                         f"{str(exc).removeprefix('data: ')}") from exc
     finally:
         first.close()
-    return StreamingWindows(docs, tokenizer, seq_len, rank, world, seed)  # at its start
+    return StreamingWindows(docs.train, tokenizer, seq_len, rank, world, seed, files=docs.files)  # at its start
 
 
 class MixtureTokens(Callback):

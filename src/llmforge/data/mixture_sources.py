@@ -14,6 +14,7 @@ import glob
 import itertools
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -48,8 +49,28 @@ def _check_keys(key: str, entry: dict[str, Any], source: str) -> None:
                           "per entry: evaluation reads the validation windows of the prepared "
                           "entries only, a streaming entry trains on all its documents (docs/data.md)")
     what = "a prepared entry" if source == "prepared" else f"a {source} (streaming) entry"
-    raise ConfigError(f"{key}: unknown key(s) {sorted(unknown)}; {what} has "
-                      f"{', '.join(sorted(allowed))}")
+    # `{path:/x,weight:1}` in an override is YAML for the keys 'path:/x' and 'weight:1'
+    glued = [k for k in unknown if ":" in str(k) and entry[k] is None]
+    hint = (f" ({glued[0]!r} reads as one key: write a space after each colon, as in "
+            "{path: DIR, weight: 1})") if glued else ""
+    raise ConfigError(f"{key}: unknown key(s) {sorted(map(str, unknown))}; {what} has "
+                      f"{', '.join(sorted(allowed))}{hint}")
+
+
+def _check_types(key: str, entry: dict[str, Any]) -> None:
+    """``path`` and ``name`` are strings and ``paths`` a string or a list of strings: a list
+    or a mapping there would otherwise be turned into its ``repr`` and read as a folder name."""
+    for k, want in (("path", "a string (a folder, file, glob or URL; several files go in paths)"),
+                    ("name", "a string (it names the metric data/<name>/tokens_seen)")):
+        if entry.get(k) is not None and not isinstance(entry[k], str):
+            raise ConfigError(f"{key}.{k}={entry[k]!r}: must be {want}")
+    if entry.get("name") is not None and (not entry["name"].strip() or "/" in entry["name"]):
+        raise ConfigError(f"{key}.name={entry['name']!r}: must be a non-empty name without '/' (it "
+                          "names the metric data/<name>/tokens_seen)")
+    paths = entry.get("paths")
+    if paths is not None and not isinstance(paths, str) and (
+            not isinstance(paths, Sequence) or not all(isinstance(p, str) for p in paths)):  # ListConfig too
+        raise ConfigError(f"{key}.paths={paths!r}: must be a string or a list of strings")
 
 
 def _check_weight(key: str, w: Any) -> float:
@@ -83,10 +104,13 @@ def _stream_config(cfg: Any, key: str, entry: dict[str, Any], source: str) -> An
     if "hub_name" in entry:
         over["name"] = entry["hub_name"]
     try:
-        return OmegaConf.merge(cfg.data, over)
+        merged = OmegaConf.merge(cfg.data, over)
     except Exception as exc:  # a value of the wrong type for its data: key
         where = f".{exc.key}" if getattr(exc, "key", None) else ""
         raise ConfigError(f"{key}{where}: {str(exc).splitlines()[0]}") from exc
+    if merged.max_documents is not None and merged.max_documents <= 0:  # as data.max_documents
+        raise ConfigError(f"{key}.max_documents must be > 0 or null, got {merged.max_documents}")
+    return merged
 
 
 def mixture_entries(cfg: Any) -> list[dict[str, Any]]:
@@ -106,6 +130,7 @@ def mixture_entries(cfg: Any) -> list[dict[str, Any]]:
         if source != "prepared" and source not in _STREAM_SOURCES:
             raise ConfigError(f"{key}.source={source!r}: one of prepared, {', '.join(_STREAM_SOURCES)}")
         _check_keys(key, entry, source)
+        _check_types(key, entry)
         w = _check_weight(key, entry.get("weight"))
         if source == "prepared" and not entry.get("path"):
             raise ConfigError(f"{key}.path: required (a folder written by `llmforge data prepare`)")
@@ -116,9 +141,15 @@ def mixture_entries(cfg: Any) -> list[dict[str, Any]]:
         names.add(name)
         path = entry.get("path") or ", ".join(map(str, entry.get("paths") or [])) or source
         out.append({"name": name, "source": source, "path": str(path), "weight": w, "data": data})
-    total = sum(e["weight"] for e in out)
-    for e in out:
-        e["share"] = e["weight"] / total
+    # divided by the largest first: weights near the float maximum (1e308) must not sum to inf
+    top = max((e["weight"] for e in out), default=1.0)
+    total = sum(e["weight"] / top for e in out)
+    for i, e in enumerate(out):
+        e["share"] = e["weight"] / top / total
+        if e["share"] < 2.0**-53:  # below float resolution next to 1: the sampler never draws it
+            raise ConfigError(f"data.mixture[{i}].weight={e['weight']!r}: its share "
+                              f"{e['share']:.3g} is too small next to the largest weight ({top!r}) "
+                              "for this source ever to be drawn; raise it or drop the entry")
     return out
 
 
@@ -150,8 +181,42 @@ class PreparedMixture:
         from llmforge.data.sources import iter_texts
 
         return itertools.chain.from_iterable(
-            iter_texts(p.train, None if max_bytes is None else max(1, int(max_bytes * e["share"])))
+            iter_texts(p.train, None if max_bytes is None else max(1, int(max_bytes * e["share"])), p.files)
             for e, p in zip(self.entries, self.parts) if e["source"] != "prepared")
+
+
+def check_one_tokenizer(docs: PreparedMixture, tok: Any) -> None:
+    """Every prepared entry was written by ``tok`` (the first prepared entry's tokenizer).
+
+    Raises:
+        DataError: names the entry whose fingerprint differs and how to prepare it again.
+    """
+    from llmforge.data.prepared import tokenizer_fingerprint
+
+    have = tokenizer_fingerprint(tok)
+    prepared = [(i, p) for i, (e, p) in enumerate(zip(docs.entries, docs.parts)) if e["source"] == "prepared"]
+    (first, root), rest = (prepared[0][0], prepared[0][1].root), prepared[1:]
+    for i, part in rest:
+        if part.fingerprint != have:
+            raise DataError(
+                f"data.mixture[{i}].path: {part.root} was prepared with another tokenizer (fingerprint "
+                f"{part.fingerprint}) than data.mixture[{first}] ({root}, fingerprint {have}); the "
+                "prepared entries of a mixture share one tokenizer: prepare it again with the "
+                f"one saved in {root / 'tokenizer'} ({_saved_tokenizer_overrides(root)}; docs/data.md)")
+
+
+def _saved_tokenizer_overrides(root: Any) -> str:
+    """The ``tokenizer.type=... tokenizer.path=...`` overrides that load ``root/tokenizer``."""
+    import json
+
+    from llmforge.data.tokenizer_base import META_FILE
+
+    try:
+        meta = json.loads((root / "tokenizer" / META_FILE).read_text())
+        return f"tokenizer.type={meta['type']} tokenizer.path={root / 'tokenizer' / meta['file']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "tokenizer.type and tokenizer.path of its files"
+
 
 
 def _entry_error(i: int, exc: DataError) -> DataError:
@@ -187,7 +252,10 @@ def open_mixture(cfg: Any) -> PreparedMixture:
 
 
 def mixture_report(cfg: Any, tokens_per_step: int) -> list[str]:
-    """``--dry-run`` lines: each source's share and tokens per optimizer step."""
-    return [f"mixture         {e['name']}: {e['share']:.1%} share, ~{e['share'] * tokens_per_step:,.0f} "
-            f"tokens per step ({e['path']}{'' if e['data'] is None else ', ' + e['source'] + ' streaming'})"
+    """``--dry-run`` lines: each source's share and tokens per optimizer step (URL credentials
+    shown as ``***``)."""
+    from llmforge.config.redaction import scrub_url_credentials
+
+    return [scrub_url_credentials(f"mixture         {e['name']}: {e['share']:.1%} share, ~{e['share'] * tokens_per_step:,.0f} "
+            f"tokens per step ({e['path']}{'' if e['data'] is None else ', ' + e['source'] + ' streaming'})")
             for e in mixture_entries(cfg)]

@@ -55,9 +55,11 @@ def _pool_shard(args: tuple[list[str], str]) -> dict[str, Any]:
     return write_shard(_WORKER_TOK, args[0], Path(args[1]))
 
 
-def _blocks(ds: Any, size: int) -> Iterator[list[str]]:
+def _blocks(ds: Any, size: int, files: Any = ()) -> Iterator[list[str]]:
+    from llmforge.data.sources import read_rows
+
     block: list[str] = []
-    for row in ds:
+    for row in read_rows(ds, files):  # an unreadable file: DataError naming it
         block.append(row["text"])
         if len(block) == size:
             yield block
@@ -70,10 +72,9 @@ def source_files(cfg: Any) -> list[dict[str, Any]]:
     """``[{path, bytes, sha256}]`` of a ``files`` source (a hub dataset: its name)."""
     if cfg.data.source != "files":
         return [{"path": f"{cfg.data.source}:{cfg.data.path or ''}:{cfg.data.name or ''}"}]
-    from llmforge.data.sources import _resolve_files
+    from llmforge.data.sources import _resolve_files, describe_files
 
-    return [{"path": f, "bytes": os.path.getsize(f), "sha256": file_sha256(Path(f))}
-            for f in _resolve_files(cfg.data)]
+    return describe_files(_resolve_files(cfg.data))
 
 
 def _atomic_json(path: Path, value: Any) -> None:
@@ -92,7 +93,13 @@ def _check_out(out: Path, key: dict[str, Any]) -> dict[str, list]:
         return {}
     progress = out / PROGRESS
     if progress.exists():
-        saved = json.loads(progress.read_text())
+        try:
+            saved = json.loads(progress.read_text())
+        except (OSError, ValueError) as exc:
+            raise DataError(f"{progress} is damaged ({exc}); delete {out} and prepare again") from exc
+        if not isinstance(saved, dict) or not isinstance(saved.get("splits"), dict):
+            raise DataError(f"{progress} is not a progress file of `llmforge data prepare`; delete "
+                            f"{out} and prepare again")
         if saved.get("key") == key:
             return saved["splits"]
         raise DataError(f"{out} holds an interrupted prepare of another source, tokenizer or "
@@ -137,7 +144,7 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
         DataError: the source is empty or unreadable, ``out`` holds something else, or
             ``docs_per_shard < 1``.
     """
-    from llmforge.data.sources import iter_texts, load_documents
+    from llmforge.data.sources import iter_texts, load_documents, read_rows
     from llmforge.training.trainer import tokenizer_cache_key
 
     if docs_per_shard < 1:
@@ -150,13 +157,13 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
     out = Path(out)
     cfg.data.streaming = True  # read lazily: a corpus never sits in memory
     docs = load_documents(cfg.data, cfg.run.seed)
-    if next(iter(docs.train), None) is None:
+    if next(read_rows(docs.train, docs.files), None) is None:
         raise DataError(f"data: the source ({cfg.data.source} {cfg.data.path or ''}) holds no "
                         f"non-empty document; nothing was written to {out}")
     from llmforge.data.shakespeare import cache_root
     from llmforge.data.tokenizers import build_tokenizer
 
-    tok = build_tokenizer(cfg.tokenizer, lambda: iter_texts(docs.train, cfg.tokenizer.train_max_bytes),
+    tok = build_tokenizer(cfg.tokenizer, lambda: iter_texts(docs.train, cfg.tokenizer.train_max_bytes, docs.files),
                           cache_dir=cache_root() / "tokenizers", fingerprint=tokenizer_cache_key(cfg, docs))
     sources = source_files(cfg)
     fp = tokenizer_fingerprint(tok)
@@ -200,7 +207,7 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
             (out / split).mkdir(exist_ok=True)
             finished = len(splits[split])
             pending: list = []
-            for k, texts in enumerate(_blocks(ds, docs_per_shard)):
+            for k, texts in enumerate(_blocks(ds, docs_per_shard, docs.files)):
                 if k < finished:
                     continue  # written by the interrupted run: its documents are only re-read
                 path = out / split / f"shard_{k:05d}.bin"

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from llmforge.data.prepared_checks import check_manifest, shard_path
 from llmforge.errors import DataError
 
 MANIFEST = "manifest.json"
@@ -90,6 +91,7 @@ def parse_manifest(data: bytes, root: str | Path) -> dict[str, Any]:
     if not manifest.get("complete"):
         raise DataError(f"data.path: {root} is an interrupted `llmforge data prepare`; run the "
                         "same command again to finish it (finished shards are kept)")
+    check_manifest(f"{root}/{MANIFEST}", manifest)
     return manifest
 
 
@@ -152,7 +154,7 @@ def _open_local(root: Path, verify: bool) -> PreparedSplits:
     itemsize = np.dtype(manifest["dtype"]).itemsize
     for split, info in manifest["splits"].items():
         for shard in info["shards"]:
-            path = root / shard["file"]
+            path = shard_path(root, shard["file"])
             want = shard["tokens"] * itemsize
             if not path.exists():
                 raise DataError(f"data.path: shard {path} is missing; run `llmforge data prepare` "
@@ -182,7 +184,7 @@ class PreparedWindows(Dataset):
     def __init__(self, prepared: PreparedSplits, split: str, seq_len: int) -> None:
         info = prepared.manifest["splits"].get(split) or {"shards": []}
         self.dtype = np.dtype(prepared.manifest["dtype"])
-        self.paths = [prepared.root / s["file"] for s in info["shards"]]
+        self.paths = [shard_path(prepared.root, s["file"]) for s in info["shards"]]
         self.window = seq_len + 1
         counts = np.array([s["tokens"] // self.window for s in info["shards"]], dtype=np.int64)
         self.first = np.concatenate([[0], np.cumsum(counts)])  # first window of each shard

@@ -12,7 +12,9 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
 import datasets
@@ -24,7 +26,7 @@ AnyDataset = Union[datasets.Dataset, datasets.IterableDataset]
 
 _FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
             ".parquet": "parquet", ".csv": "csv"}
-_REMOTE = ("s3://", "gs://", "gcs://", "http://", "https://", "hf://", "az://", "abfs://")
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 def clean_text(text: Optional[str]) -> str:
@@ -50,6 +52,7 @@ class DocumentSplits:
     train: AnyDataset
     val: Optional[AnyDataset]
     fingerprint: str
+    files: tuple[str, ...] = ()  # the local or remote files read (named by a read error)
 
 
 def _resolve_files(cfg: Any) -> list[str]:
@@ -59,7 +62,8 @@ def _resolve_files(cfg: Any) -> list[str]:
     files: list[str] = []
     for pattern in patterns:
         pattern = str(pattern)
-        if pattern.startswith(_REMOTE):
+        if _URL.match(pattern):
+            _check_url(pattern)
             files.append(pattern)  # datasets/fsspec expands remote globs
             continue
         expanded = os.path.expanduser(pattern)
@@ -73,6 +77,55 @@ def _resolve_files(cfg: Any) -> list[str]:
             raise DataError(f"data.path: no file matches '{pattern}' (working directory {os.getcwd()})")
         files.extend(matches)
     return files
+
+
+def _check_url(url: str) -> None:
+    """A URL fsspec can open: a known scheme whose driver is installed (``s3fs`` for s3://,
+    ``gcsfs`` for gs://, ...); checked before ``datasets`` would fail with a raw ImportError.
+
+    Raises:
+        DataError: an unknown scheme (``s4://``) or a driver that is not installed.
+    """
+    import fsspec
+    from fsspec.registry import known_implementations, registry
+
+    from llmforge.config.redaction import scrub_url_credentials
+
+    scheme = _URL.match(url).group(1).lower()  # type: ignore[union-attr]
+    shown = scrub_url_credentials(url)
+    if scheme not in known_implementations and scheme not in registry:
+        raise DataError(f"data.path: {shown!r} has an unknown URL scheme '{scheme}://'; use a local "
+                        "path or a scheme fsspec knows (s3://, gs://, az://, hf://, https://, file://)")
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except ImportError as exc:  # the message prepared corpora give (remote.open_store), scrubbed
+        from llmforge.data.remote import open_store
+
+        try:
+            open_store(url, None, "data.path")
+        except DataError as named:
+            raise DataError(scrub_url_credentials(str(named))) from exc
+        raise DataError(f"data.path: {shown} needs a package that is not installed: {exc}") from exc
+
+
+def describe_files(files: list[str]) -> list[dict[str, Any]]:
+    """``[{path, bytes, sha256}]`` of local files; a URL's files (its glob expanded by fsspec)
+    get ``{path, bytes}`` only (hashing would read an object store twice) and their credentials
+    (``user:password@``) are never recorded."""
+    from llmforge.config.redaction import scrub_url_credentials
+    from llmforge.data.prepared import file_sha256
+
+    out: list[dict[str, Any]] = []
+    for f in files:
+        if not _URL.match(f):
+            out.append({"path": f, "bytes": os.path.getsize(f), "sha256": file_sha256(Path(f))})
+            continue
+        import fsspec
+
+        fs, _, paths = fsspec.get_fs_token_paths(f)
+        for p in paths:
+            out.append({"path": scrub_url_credentials(fs.unstrip_protocol(p)), "bytes": fs.size(p)})
+    return out
 
 
 def _file_format(cfg: Any, files: list[str]) -> str:
@@ -123,7 +176,7 @@ def not_utf8(files: Any, exc: UnicodeDecodeError) -> DataError:
                         f"data: {name} line {number} is not valid UTF-8 (byte "
                         f"0x{line[bad.start]:02x} at column {bad.start + 1}); re-encode the file "
                         "as UTF-8 (e.g. iconv -f latin1 -t utf-8)")
-    return DataError(f"data: {files!r} is not valid UTF-8 ({exc}); re-encode it as UTF-8")
+    return DataError(f"data: {files or 'the source'!r} is not valid UTF-8 ({exc}); re-encode it as UTF-8")
 
 
 def _normalize(ds: AnyDataset, text_field: str, max_documents: Optional[int]) -> AnyDataset:
@@ -207,7 +260,8 @@ def load_documents(cfg: Any, seed: int) -> DocumentSplits:
         val = documents(cfg.val_split)
     elif cfg.val_fraction > 0:
         train, val = _hold_out(train, cfg.val_fraction, seed)
-    return DocumentSplits(train=train, val=val, fingerprint=hash_str(f"{fingerprint}-{cfg.split}"))
+    return DocumentSplits(train=train, val=val, fingerprint=hash_str(f"{fingerprint}-{cfg.split}"),
+                          files=tuple(data_files or ()))
 
 
 def _hold_out(ds: AnyDataset, fraction: float, seed: int) -> tuple[AnyDataset, AnyDataset]:
@@ -226,10 +280,38 @@ def _hold_out(ds: AnyDataset, fraction: float, seed: int) -> tuple[AnyDataset, A
     return parts["train"], parts["test"]
 
 
-def iter_texts(ds: AnyDataset, max_bytes: Optional[int] = None) -> Iterator[str]:
-    """Yield document texts, stopping after ``max_bytes`` bytes of UTF-8 (tokenizer training)."""
+def read_rows(ds: AnyDataset, files: Any = ()) -> Iterator[dict]:
+    """The rows of ``ds``; a streaming source reads its files only here, so a file that is not
+    UTF-8 or not valid JSON surfaces here, as a :class:`DataError` naming the file (and line).
+
+    Raises:
+        DataError: names the file and line that is not UTF-8, or the files that do not parse.
+    """
+    import pyarrow
+
+    it = iter(ds)
+    while True:
+        try:
+            row = next(it)
+        except StopIteration:
+            return
+        except UnicodeDecodeError as exc:
+            raise not_utf8(list(files), exc) from exc
+        except (pyarrow.ArrowInvalid, datasets.exceptions.DatasetGenerationError) as exc:
+            names = ", ".join(map(str, list(files)[:3])) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+            raise DataError(f"data: cannot read {names or 'the source'}: "
+                            f"{str(exc.__cause__ or exc).splitlines()[0]}; fix or drop the file") from exc
+        yield row
+
+
+def iter_texts(ds: AnyDataset, max_bytes: Optional[int] = None, files: Any = ()) -> Iterator[str]:
+    """Yield document texts, stopping after ``max_bytes`` bytes of UTF-8 (tokenizer training).
+
+    Raises:
+        DataError: as :func:`read_rows` (``files``: the source's files, named in the message).
+    """
     seen = 0
-    for row in ds:
+    for row in read_rows(ds, files):
         text = row["text"]
         yield text
         seen += len(text.encode("utf-8", errors="replace"))

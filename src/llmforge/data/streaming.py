@@ -44,19 +44,22 @@ class StreamingWindows(IterableDataset):
         shuffle: permute the windows of each block (validation keeps the order).
         repeat: start a new pass (epoch) when the source ends; else stop.
         block_docs: documents per block (the most a resume re-tokenizes).
+        files: the source's files, named when one cannot be read.
 
     Raises:
-        DataError (while iterating): a whole pass over this worker's shards gave no window.
+        DataError (while iterating): a whole pass over this worker's shards gave no window, or
+            a file is not UTF-8 or does not parse (:func:`llmforge.data.sources.read_rows`).
     """
 
     def __init__(self, docs: Any, tokenizer: Any, seq_len: int, rank: int = 0,
                  world_size: int = 1, seed: int = 0, shuffle: bool = True, repeat: bool = True,
-                 block_docs: int = 256) -> None:
+                 block_docs: int = 256, files: Any = ()) -> None:
         from datasets.distributed import split_dataset_by_node
 
         self.docs = split_dataset_by_node(docs, rank=rank, world_size=world_size)
         self.tokenizer, self.seq_len, self.repeat = tokenizer, seq_len, repeat
         self.rank, self.seed, self.shuffle, self.block_docs = rank, seed, shuffle, block_docs
+        self.files = tuple(files)
         self._state = _fresh_state()
         self._resume: Optional[dict[str, Any]] = None
 
@@ -88,6 +91,8 @@ class StreamingWindows(IterableDataset):
         return np.random.default_rng([self.seed, self.rank, worker, epoch, block]).permutation(n)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
+        from llmforge.data.sources import read_rows
+
         info = get_worker_info()
         worker = info.id if info is not None else 0
         if info is not None and worker >= self.docs.num_shards:
@@ -101,7 +106,7 @@ class StreamingWindows(IterableDataset):
             self.docs.load_state_dict(state["docs"] if state["docs"] is not None else None)
             whole_pass = state["docs"] is None and state["block"] == 0 and state["yielded"] == 0
             produced = 0
-            rows = iter(self.docs)
+            rows = read_rows(self.docs, self.files)
             while True:
                 texts = [row["text"] for _, row in zip(range(self.block_docs), rows)]
                 if not texts:

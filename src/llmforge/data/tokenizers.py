@@ -49,6 +49,11 @@ def load_saved(directory: str | os.PathLike) -> Tokenizer:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{d} does not hold a saved llmforge tokenizer ({meta_path} is missing "
                           f"or invalid: {e}); save one with Tokenizer.save") from e
+    # a crafted meta file must not make llmforge read a file outside the tokenizer's folder
+    if (not isinstance(meta["file"], str) or Path(meta["file"]).name != meta["file"]
+            or meta["file"] in ("", ".", "..") or not file.resolve().is_relative_to(d.resolve())):
+        raise ConfigError(f"{meta_path}: file={meta['file']!r} is not a file of {d}; refused (a saved "
+                          "tokenizer only reads its own folder): save the tokenizer again")
     if kind == "huggingface":
         return HFTokenizer(file, bos_token=meta.get("bos_token"),
                            eos_token=meta.get("eos_token"), pad_token=meta.get("pad_token"))

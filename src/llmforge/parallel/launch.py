@@ -23,8 +23,9 @@ def launch_local(nproc: int, argv: Sequence[str]) -> int:
 
     A failed worker's own message has already been printed by the worker; the exit code is
     :func:`llmforge.runs.torchrun.exit_code`'s (75 when a worker saved on a stop signal, 2 for
-    configuration errors, else the first failed rank's), or 128 + N when this process got signal
-    N (torch's agent has passed SIGTERM/SIGINT on to the workers; SIGUSR1 is forwarded).
+    configuration errors, else the first failed rank's); when this process got SIGTERM/SIGINT
+    (torch's agent has passed it on to the workers; SIGUSR1 is forwarded), the workers' code:
+    :func:`llmforge.runs.torchrun.signal_exit_code`.
     """
     import signal
 
@@ -49,7 +50,9 @@ def launch_local(nproc: int, argv: Sequence[str]) -> int:
 
         return exit_code(exc.failures)  # 75 when a worker saved on a stop signal, else 2, else the first
     except SignalException as exc:  # the agent got SIGTERM/SIGINT and stopped the workers
-        return 128 + int(exc.sigval)
+        from llmforge.runs.torchrun import signal_exit_code
+
+        return signal_exit_code(int(exc.sigval))
     except Exception as exc:  # rendezvous or agent failure
         raise LLMForgeError(f"--nproc {nproc}: the local launcher failed: {exc}") from exc
     return 0

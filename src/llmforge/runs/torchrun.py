@@ -8,8 +8,9 @@ preemption (llmforge exits 75 after saving) from a crash. This runs torch's own 
 - 75 when a worker exited 75 (saved on SIGTERM/SIGUSR1), else 2 when one exited 2 (a
   configuration error), else the first failed rank's code (128 + N for a worker killed by
   signal N);
-- 128 + N when the launcher itself got signal N (it has already forwarded it to the workers and
-  waited ``--shutdown-timeout`` seconds for them).
+- when the launcher itself got SIGTERM or SIGINT (it has forwarded it to the workers and waited
+  ``--shutdown-timeout`` seconds for them): 75 or 130, what llmforge's workers exit with on it
+  (they save first when training); 128 + N for another signal N.
 
 SIGUSR1 — what SLURM sends before a time limit — is forwarded to every worker's process group
 (workers are session leaders) instead of killing the launcher. A worker that has not installed
@@ -98,6 +99,15 @@ def exit_code(failures: dict) -> int:
     return 128 - code if code < 0 else (code or 1)
 
 
+def signal_exit_code(sigval: int) -> int:
+    """The exit code of a launcher stopped by signal ``sigval`` after torch's agent passed it on:
+    the workers' own (75 for SIGTERM/SIGUSR1, 130 for SIGINT; :mod:`llmforge.signals`), not
+    128 + N, which reads as a crash (status ``failed``, automatic retries) although they saved."""
+    from llmforge.signals import STOP_SIGNALS, exit_code_for
+
+    return exit_code_for(sigval) if sigval in STOP_SIGNALS else 128 + int(sigval)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse torchrun arguments, run the workers, return the exit code (see module doc)."""
     from torch.distributed import run as torchrun
@@ -115,7 +125,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ChildFailedError as exc:
         return exit_code(exc.failures)
     except SignalException as exc:
-        return 128 + int(exc.sigval)
+        return signal_exit_code(int(exc.sigval))
     return 0
 
 

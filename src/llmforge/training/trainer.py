@@ -32,6 +32,7 @@ from llmforge.config.schema import PRECISIONS
 from llmforge.paths import check_writable_dir
 from llmforge.data.datamodule import LLMDataModule
 from llmforge.data.mixture import MixtureTokens, PreparedMixture
+from llmforge.data.mixture_sources import check_one_tokenizer
 from llmforge.data.prepared import PreparedSplits, check_tokenizer
 from llmforge.data.shakespeare import cache_root
 from llmforge.data.sources import DocumentSplits, iter_texts, load_documents
@@ -209,10 +210,8 @@ class Trainer:
         A trained BPE is cached by :func:`tokenizer_cache_key`; a prepared source reads the
         tokenizer saved with its shards (see :meth:`_prepared_tokenizer`)."""
         if isinstance(docs, PreparedMixture) and docs.prepared:  # the first prepared entry's
-            first, *rest = docs.prepared
-            tok = self._prepared_tokenizer(first)
-            for part in rest:
-                check_tokenizer(part, tok, f"the tokenizer of {first.root}")
+            tok = self._prepared_tokenizer(docs.prepared[0])
+            check_one_tokenizer(docs, tok)
             return tok
         if isinstance(docs, PreparedSplits):
             return self._prepared_tokenizer(docs)
@@ -223,7 +222,7 @@ class Trainer:
         elif self.cfg.data.task == "sft":
             texts = lambda: (c.text for c in docs.train)  # noqa: E731 (sft: conversations)
         else:
-            texts = lambda: iter_texts(docs.train, max_bytes)  # noqa: E731
+            texts = lambda: iter_texts(docs.train, max_bytes, docs.files)  # noqa: E731
         tok = build_tokenizer(self.cfg.tokenizer, texts,
                               cache_dir=cache_root() / "tokenizers", fingerprint=key)
         check_vocab(tok, self.model_vocab_size())
@@ -265,7 +264,8 @@ class Trainer:
             return SFTDataModule(docs, tokenizer, template=build_chat_template(d.chat_template, tokenizer),
                                  packed=d.packed, overlong=d.overlong,
                                  train_on_input=d.train_on_input, pad_id=d.pad_id, **common)
-        return LLMDataModule(docs, tokenizer, resume_dir=self.resume_path, **common)
+        return LLMDataModule(docs, tokenizer, resume_dir=self.resume_path,
+                             allow_source_changes=self.cfg.checkpoint.allow_config_changes, **common)
 
     def build_module(self) -> Any:
         """Instantiate ``trainer.module`` (an :class:`LLMModule` or a subclass)."""

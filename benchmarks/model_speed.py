@@ -117,6 +117,8 @@ def main() -> None:
           f"{ms_new:.1f} ms ({1000 * tokens / ms_new:,.0f} tokens/s)")
     print(f"ratio {base} time / this tree's (this tree's speed relative): median "
           f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})")
+    print("per pair (ms): " + ", ".join(f"{o['ms_per_step']:.1f}/{n['ms_per_step']:.1f}"
+                                         for o, n in zip(old, new)))
     print(f"first-step loss: {base} {old[0]['first_loss']:.6f}, this tree {new[0]['first_loss']:.6f} "
           f"({'equal' if old[0]['first_loss'] == new[0]['first_loss'] else 'DIFFERENT'})")
 

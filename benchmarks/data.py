@@ -63,7 +63,7 @@ def warm_tokenizer(source: str) -> None:
     from llmforge.data.shakespeare import cache_root
     from llmforge.data.sources import iter_texts, load_documents
     from llmforge.data.tokenizers import build_tokenizer
-    from llmforge.training.trainer import tokenizer_cache_key
+    from llmforge.training.run_files import tokenizer_cache_key
 
     cfg = config(source, [])
     cfg.data.streaming = True

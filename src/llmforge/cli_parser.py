@@ -25,7 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--dry-run", action="store_true",
                    help="build the model on the meta device, print sizes and exit")
     t.add_argument("--device-memory-gib", type=float, default=None, metavar="GIB",
-                   help="with --dry-run: memory of one device for the fit verdict of LoRA "
+                   help="with --dry-run: memory of one device for the fit verdict of adapter "
                         "configs (default: 80 and 192)")
     t.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="run N local processes (torchrun's launcher; gloo on CPU, NCCL on GPUs)")
@@ -69,9 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     th.add_argument("path", help="run directory or checkpoint folder")
     th.add_argument("out", help="output folder")
     th.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                    help="cast weights (default: as trained; merged LoRA weights: float32)")
+                    help="cast weights (default: as trained; merged adapter weights: float32)")
     th.add_argument("--adapters-only", action="store_true",
-                    help="LoRA runs: write only the adapters in PEFT's format (adapter_config.json + "
+                    help="adapter runs: write only the adapters in PEFT's format (adapter_config.json + "
                          "adapter_model.safetensors) instead of merged weights")
     th.add_argument("--overwrite", action="store_true", help="replace files in a non-empty OUT")
     add_debug(th)

@@ -145,7 +145,7 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
             ``docs_per_shard < 1``.
     """
     from llmforge.data.sources import iter_texts, load_documents, read_rows
-    from llmforge.training.trainer import tokenizer_cache_key
+    from llmforge.training.run_files import tokenizer_cache_key
 
     if docs_per_shard < 1:
         raise DataError(f"--docs-per-shard must be >= 1, got {docs_per_shard}")

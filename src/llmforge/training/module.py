@@ -13,13 +13,11 @@ Research code subclasses it and overrides :meth:`build_model`, :meth:`compute_lo
 
 from __future__ import annotations
 
-import math
 import time
 from contextlib import nullcontext
 from typing import Any, Optional, Sequence
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,7 +26,7 @@ from llmforge import registry
 from llmforge.algorithms.base import ModelContext, run_pipeline
 from llmforge.events import Dispatcher, Event, State
 from llmforge.parallel.init import init_parallel_model, seeded_init
-from llmforge.training.modes import eval_mode, restore_modes
+from llmforge.training.eval_loop import Evaluation
 from llmforge.training.optim import build_optimizer
 from llmforge.training.schedule import build_scheduler
 
@@ -45,7 +43,7 @@ def count_optimizer_step(trainer: Any) -> None:
     progress.completed += 1
 
 
-class LLMModule(L.LightningModule):
+class LLMModule(Evaluation, L.LightningModule):
     """Causal-LM training on a model built by a registered factory.
 
     Args:
@@ -323,46 +321,6 @@ class LLMModule(L.LightningModule):
         scheduler = build_scheduler(optimizer, self.cfg.scheduler, self.cfg.trainer.max_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    # ------------------------------------------------------------ evaluation
-    @torch.no_grad()
-    def evaluate(self) -> Optional[dict[str, float]]:
-        """Mean loss per target token on the fixed evaluation set (see
-        :meth:`LLMDataModule.eval_dataloader`), reduced over data-parallel ranks; the events
-        ``BEFORE_EVALUATION``, then ``BEFORE_FORWARD`` .. ``AFTER_LOSS`` per batch with
-        ``state.training = False``, then ``AFTER_EVALUATION``.
-
-        Returns ``{"eval/loss": nats per token, "eval/perplexity": exp(loss)}``, or ``None``
-        without a validation split.
-        """
-        dm = self.trainer.datamodule
-        loader = dm.eval_dataloader() if dm is not None else None
-        if loader is None:
-            return None
-        st = self.state
-        st.training = False
-        self.event(Event.BEFORE_EVALUATION)
-        modes = eval_mode(self.model)  # restore_modes gives each submodule its own mode back
-        loss_sum = torch.zeros((), device=self.device)
-        count = torch.zeros((), device=self.device)
-        for i, batch in enumerate(loader):
-            if i >= self.cfg.trainer.eval_batches:  # streaming sources have no end
-                break
-            inputs, labels = self.split_batch(batch)
-            doc_ids = self.doc_ids(batch)
-            with self.trainer.precision_plugin.forward_context():
-                s = self.micro_batch_loss(i, inputs.to(self.device), labels.to(self.device),
-                                          None if doc_ids is None else doc_ids.to(self.device))
-            st.outputs = None
-            loss_sum += s.float()
-            count += st.n_targets
-        restore_modes(modes)
-        st.training = True
-        loss = (self.dp_all_reduce(loss_sum) / self.dp_all_reduce(count.float()).clamp(min=1)).item()
-        self.last_eval = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 80.0))}
-        st.eval_metrics = dict(self.last_eval)
-        self.event(Event.AFTER_EVALUATION)
-        return self.last_eval
-
     # --------------------------------------------------------------- logging
     def log_record(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
         """Turn tensors into floats, write one record to every logger and keep it in history."""
@@ -415,15 +373,3 @@ class LLMModule(L.LightningModule):
             self.log_record(step, self.step_metrics)
         self.state.step = step
         self.event(Event.STEP_RECORDED)
-
-    def publish_evaluation(self, metrics: dict[str, float]) -> None:
-        """Hand an evaluation's metrics to Lightning the Lightning way: ``self.log`` (so
-        ``trainer.callback_metrics`` holds them) and the callbacks' ``on_validation_end``
-        hook, which Lightning's own ``EarlyStopping``/``ModelCheckpoint(monitor=...)`` check.
-        llmforge evaluates outside Lightning's validation loop (a fixed set, every
-        ``trainer.eval_every`` steps), so it calls the hook itself."""
-        for key, value in metrics.items():
-            self.log(key, float(value), on_step=True, on_epoch=False, logger=False, sync_dist=False)
-        for cb in self.trainer.callbacks:
-            if type(cb).on_validation_end is not Callback.on_validation_end:
-                cb.on_validation_end(self.trainer, self)

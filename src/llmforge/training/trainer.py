@@ -32,24 +32,21 @@ from llmforge.config.schema import PRECISIONS
 from llmforge.paths import check_writable_dir
 from llmforge.data.datamodule import LLMDataModule
 from llmforge.data.mixture import MixtureTokens, PreparedMixture
-from llmforge.data.mixture_sources import check_one_tokenizer
-from llmforge.data.prepared import PreparedSplits, check_tokenizer
-from llmforge.data.shakespeare import cache_root
-from llmforge.data.sources import DocumentSplits, iter_texts, load_documents
-from llmforge.data.tokenizers import Tokenizer, build_tokenizer, check_vocab
+from llmforge.data.tokenizers import Tokenizer
 from llmforge.errors import ConfigError
 from llmforge.parallel.strategy import LLMParallelStrategy
 from llmforge.parallel.transforms import check_strategy, strategy_transforms
 from llmforge.training.host_malloc import tune_host_malloc
+from llmforge.training.run_data import DataBuilders
 
 from llmforge.training.entries import accepted, build_entries, module_class  # noqa: F401 (re-exported)
-from llmforge.training.run_files import (_inside, check_init_from_tokenizer, check_resumable,  # noqa: F401
+from llmforge.training.run_files import (_inside, check_resumable,  # noqa: F401 (re-exported)
                                          tokenizer_cache_key, truncate_metrics)
 
 __all__ = ["Trainer", "build_entries", "check_run_name", "truncate_metrics"]
 
 
-class Trainer:
+class Trainer(DataBuilders):
     """Builds every piece of a run from a resolved config and runs ``lightning.Trainer.fit``.
 
     Args:
@@ -167,105 +164,6 @@ class Trainer:
             save_config(self.cfg, self.run_dir / "config.yaml")
             step = int(read_json(self.resume_path, "trainer_state.json")["step"])
             truncate_metrics(self.run_dir / "metrics.jsonl", step)
-
-    def model_vocab_size(self) -> int:
-        """Embedding rows of the configured model, read from a build on the meta device.
-
-        Raises:
-            ConfigError: ``trainer.seq_len`` exceeds the model's ``max_seq_len``.
-        """
-        factory = registry.models.get(self.cfg.model.name, key="model.name")
-        with torch.device("meta"):
-            model = factory(self.cfg.model)
-        limit = getattr(model, "max_seq_len", None)
-        if limit is not None and self.cfg.trainer.seq_len > limit:
-            raise ConfigError(f"trainer.seq_len={self.cfg.trainer.seq_len} exceeds the model's "
-                              f"max_seq_len={limit}; raise model.max_seq_len or lower trainer.seq_len")
-        return int(model.vocab_size)
-
-    def build_documents(self) -> Any:
-        """Documents (:class:`DocumentSplits`), or conversations for ``data.task: sft``
-        (:class:`llmforge.data.sft.ConversationSplits`)."""
-        if self.cfg.data.task == "sft":
-            from llmforge.data.sft import load_conversations
-
-            return load_conversations(self.cfg.data, self.cfg.run.seed)
-        if self.cfg.data.mixture:  # prepared and streaming entries
-            from llmforge.data.mixture_sources import open_mixture
-
-            return open_mixture(self.cfg)
-        if self.cfg.data.source == "prepared":
-            from llmforge.data.prepared import open_prepared
-
-            if not self.cfg.data.path:
-                raise ConfigError("data.source=prepared needs data.path, the folder written by "
-                                  "`llmforge data prepare`")
-            return open_prepared(self.cfg.data.path, storage_options=dict(self.cfg.data.storage_options),
-                                 cache_dir=self.cfg.data.cache_dir)
-        return load_documents(self.cfg.data, self.cfg.run.seed)
-
-    def build_tokenizer(self, docs: DocumentSplits) -> Tokenizer:
-        """Build (or train and cache) the tokenizer and check it fits the model.
-
-        A trained BPE is cached by :func:`tokenizer_cache_key`; a prepared source reads the
-        tokenizer saved with its shards (see :meth:`_prepared_tokenizer`)."""
-        if isinstance(docs, PreparedMixture) and docs.prepared:  # the first prepared entry's
-            tok = self._prepared_tokenizer(docs.prepared[0])
-            check_one_tokenizer(docs, tok)
-            return tok
-        if isinstance(docs, PreparedSplits):
-            return self._prepared_tokenizer(docs)
-        max_bytes = self.cfg.tokenizer.train_max_bytes
-        key = tokenizer_cache_key(self.cfg, docs)
-        if isinstance(docs, PreparedMixture):  # streaming entries only: each by its share
-            texts = lambda: docs.texts(max_bytes)  # noqa: E731
-        elif self.cfg.data.task == "sft":
-            texts = lambda: (c.text for c in docs.train)  # noqa: E731 (sft: conversations)
-        else:
-            texts = lambda: iter_texts(docs.train, max_bytes, docs.files)  # noqa: E731
-        tok = build_tokenizer(self.cfg.tokenizer, texts,
-                              cache_dir=cache_root() / "tokenizers", fingerprint=key)
-        check_vocab(tok, self.model_vocab_size())
-        check_init_from_tokenizer(tok, self.cfg.model.get("init_from"))
-        return tok
-
-    def _prepared_tokenizer(self, docs: PreparedSplits) -> Tokenizer:
-        """``data.source: prepared``: ``train_bpe`` means the tokenizer saved with the shards;
-        any other must write the same ids (fingerprint) as the one that wrote them.
-
-        Raises:
-            DataError: the fingerprints differ (the shards would be read with other ids).
-        """
-        from llmforge.data.tokenizers import load_saved
-
-        if self.cfg.tokenizer.type == "train_bpe":
-            tok = load_saved(docs.root / "tokenizer")
-        else:
-            tok = build_tokenizer(self.cfg.tokenizer, None, cache_dir=cache_root() / "tokenizers")
-        check_tokenizer(docs, tok, f"tokenizer.type={self.cfg.tokenizer.type}")
-        check_vocab(tok, self.model_vocab_size())
-        check_init_from_tokenizer(tok, self.cfg.model.get("init_from"))
-        return tok
-
-    def build_datamodule(self, docs: Any, tokenizer: Tokenizer) -> LLMDataModule:
-        """:class:`LLMDataModule` (pretraining windows) or, for ``data.task: sft``,
-        :class:`llmforge.data.sft.SFTDataModule` (masked, optionally packed rows)."""
-        t = self.cfg.trainer
-        start_step = int(read_json(self.resume_path, "trainer_state.json")["step"]) if self.resume_path else 0
-        common = dict(seq_len=t.seq_len, start_step=start_step,
-                      local_batch_size=self.plan.local_batch_size,
-                      micro_batch_size=t.micro_batch_size, eval_batches=t.eval_batches,
-                      seed=self.cfg.run.seed, num_workers=self.cfg.data.num_workers)
-        d = self.cfg.data
-        if d.task == "sft":
-            from llmforge.data.chat import build_chat_template
-            from llmforge.data.sft import SFTDataModule
-
-            return SFTDataModule(docs, tokenizer, template=build_chat_template(d.chat_template, tokenizer),
-                                 packed=d.packed, overlong=d.overlong,
-                                 train_on_input=d.train_on_input, pad_id=d.pad_id, **common)
-        return LLMDataModule(docs, tokenizer, resume_dir=self.resume_path,
-                             allow_source_changes=self.cfg.checkpoint.allow_config_changes, **common)
 
     def build_module(self) -> Any:
         """Instantiate ``trainer.module`` (an :class:`LLMModule` or a subclass)."""

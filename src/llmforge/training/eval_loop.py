@@ -1,0 +1,75 @@
+"""The evaluation of :class:`llmforge.training.module.LLMModule`: the loss on the fixed
+evaluation set at ``trainer.eval_every`` steps, run through the events, and handed to
+Lightning (``self.log`` and the callbacks' ``on_validation_end``). A mixin of the module, so a
+subclass still overrides :meth:`Evaluation.evaluate` alone."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from llmforge.events import Event
+from llmforge.training.modes import eval_mode, restore_modes
+
+__all__ = ["Evaluation"]
+
+
+class Evaluation:
+    """Needs the module's ``cfg``, ``model``, ``state``, ``event``, ``split_batch``,
+    ``doc_ids``, ``micro_batch_loss`` and ``dp_all_reduce``."""
+
+    last_eval: Optional[dict[str, float]]
+
+    @torch.no_grad()
+    def evaluate(self) -> Optional[dict[str, float]]:
+        """Mean loss per target token on the fixed evaluation set (see
+        :meth:`LLMDataModule.eval_dataloader`), reduced over data-parallel ranks; the events
+        ``BEFORE_EVALUATION``, then ``BEFORE_FORWARD`` .. ``AFTER_LOSS`` per batch with
+        ``state.training = False``, then ``AFTER_EVALUATION``.
+
+        Returns ``{"eval/loss": nats per token, "eval/perplexity": exp(loss)}``, or ``None``
+        without a validation split.
+        """
+        dm = self.trainer.datamodule
+        loader = dm.eval_dataloader() if dm is not None else None
+        if loader is None:
+            return None
+        st = self.state
+        st.training = False
+        self.event(Event.BEFORE_EVALUATION)
+        modes = eval_mode(self.model)  # restore_modes gives each submodule its own mode back
+        loss_sum = torch.zeros((), device=self.device)
+        count = torch.zeros((), device=self.device)
+        for i, batch in enumerate(loader):
+            if i >= self.cfg.trainer.eval_batches:  # streaming sources have no end
+                break
+            inputs, labels = self.split_batch(batch)
+            doc_ids = self.doc_ids(batch)
+            with self.trainer.precision_plugin.forward_context():
+                s = self.micro_batch_loss(i, inputs.to(self.device), labels.to(self.device),
+                                          None if doc_ids is None else doc_ids.to(self.device))
+            st.outputs = None
+            loss_sum += s.float()
+            count += st.n_targets
+        restore_modes(modes)
+        st.training = True
+        loss = (self.dp_all_reduce(loss_sum) / self.dp_all_reduce(count.float()).clamp(min=1)).item()
+        self.last_eval = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 80.0))}
+        st.eval_metrics = dict(self.last_eval)
+        self.event(Event.AFTER_EVALUATION)
+        return self.last_eval
+
+    def publish_evaluation(self, metrics: dict[str, float]) -> None:
+        """Hand an evaluation's metrics to Lightning the Lightning way: ``self.log`` (so
+        ``trainer.callback_metrics`` holds them) and the callbacks' ``on_validation_end``
+        hook, which Lightning's own ``EarlyStopping``/``ModelCheckpoint(monitor=...)`` check.
+        llmforge evaluates outside Lightning's validation loop (a fixed set, every
+        ``trainer.eval_every`` steps), so it calls the hook itself."""
+        for key, value in metrics.items():
+            self.log(key, float(value), on_step=True, on_epoch=False, logger=False, sync_dist=False)
+        for cb in self.trainer.callbacks:
+            if type(cb).on_validation_end is not Callback.on_validation_end:
+                cb.on_validation_end(self.trainer, self)

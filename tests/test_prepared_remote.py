@@ -146,7 +146,8 @@ def test_a_manifest_naming_files_outside_the_corpus_is_refused(corpus, tmp_path)
     m = json.loads((bad / "manifest.json").read_text())
     m["splits"]["train"]["shards"][0]["file"] = "../../evil.bin"
     (bad / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(DataError, match="names the shard '../../evil.bin' outside the corpus folder"):
+    with pytest.raises(DataError, match="manifest.json lists the shard '../../evil.bin', which is not "
+                                        "a path inside its folder"):
         open_prepared(bad.as_uri(), cache_dir=tmp_path / "cache")
     assert not list(tmp_path.rglob("evil.bin*"))
 

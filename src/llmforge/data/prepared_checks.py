@@ -65,8 +65,12 @@ def check_manifest(path: str | Path, manifest: Any) -> None:
                 raise bad(f"{key}.sha256", "a hex string", shard.get("sha256"))
 
 
-def shard_path(root: Path, file: str) -> Path:
+def shard_path(root: Path, file: str, manifest: str | None = None) -> Path:
     """``root / file``, refused unless it stays inside ``root`` (symlinks followed).
+
+    Args:
+        manifest: the manifest named in the message (default ``root/manifest.json``; a URL for
+            a corpus copied from an object store).
 
     Raises:
         DataError: ``file`` is absolute, holds ``..``, or resolves outside ``root``.
@@ -74,8 +78,8 @@ def shard_path(root: Path, file: str) -> Path:
     rel = PurePosixPath(file)
     path = root / file
     if rel.is_absolute() or Path(file).is_absolute() or ".." in rel.parts:
-        raise DataError(f"data.path: {root / 'manifest.json'} lists the shard {file!r}, which is "
-                        f"not a path inside {root}; refused (a manifest only names files of its "
+        raise DataError(f"data.path: {manifest or root / 'manifest.json'} lists the shard {file!r}, "
+                        f"which is not a path inside its folder; refused (a manifest only names files of its "
                         "own folder): run `llmforge data prepare` again into an empty folder")
     if path.exists() and not path.resolve().is_relative_to(root.resolve()):
         raise DataError(f"data.path: shard {path} is a link to {path.resolve()}, outside {root}; "

@@ -36,6 +36,7 @@ from typing import Any, Optional
 import numpy as np
 
 from llmforge.data.prepared import MANIFEST, parse_manifest
+from llmforge.data.prepared_checks import shard_path
 from llmforge.errors import DataError
 
 CHUNK = 1 << 22  # 4 MiB reads: large enough for object-store throughput, small in memory
@@ -152,9 +153,7 @@ def _copy(fs: Any, root: str, url: str, manifest: dict, dest: Path) -> None:
     itemsize = np.dtype(manifest["dtype"]).itemsize
     shards = [s for info in manifest["splits"].values() for s in info["shards"]]
     for s in shards:  # the manifest comes from the store: it must not name files outside the copy
-        if not _inside(s["file"]):
-            raise DataError(f"data.path: {url}/{MANIFEST} names the shard {s['file']!r} outside the "
-                            "corpus folder; prepare the corpus again with `llmforge data prepare`")
+        shard_path(dest, s["file"], f"{url}/{MANIFEST}")
     todo = [s for s in shards if not _whole(dest / s["file"], s["tokens"] * itemsize)]
     need = sum(s["tokens"] * itemsize for s in todo)
     free = shutil.disk_usage(dest).free
@@ -188,11 +187,6 @@ def _copy(fs: Any, root: str, url: str, manifest: dict, dest: Path) -> None:
     if todo:
         print(f"data.path: copied {need / 1e6:,.1f} MB in {time.perf_counter() - start:.1f} s",
               file=sys.stderr, flush=True)
-
-
-def _inside(rel: str) -> bool:
-    parts = Path(rel).parts
-    return bool(parts) and not Path(rel).is_absolute() and ".." not in parts
 
 
 def _tmp(target: Path) -> Path:

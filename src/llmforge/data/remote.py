@@ -59,15 +59,12 @@ def open_store(url: str, storage_options: Optional[dict], what: str) -> tuple[An
             protocol is unknown, or the driver refuses ``data.storage_options``.
     """
     import fsspec
-    from fsspec.registry import known_implementations
 
     proto = url.split("://", 1)[0]
     try:
         fs, path = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
     except ImportError as exc:
-        package = known_implementations.get(proto, {}).get("class", "").split(".")[0]
-        raise DataError(f"{what}: {url} needs the fsspec driver of {proto}://, which is not "
-                        f"installed; install it with `pip install {package or proto + 'fs'}`") from exc
+        raise missing_driver(url, what) from exc
     except ValueError as exc:
         raise DataError(f"{what}: {url}: {exc}; use a protocol fsspec knows (s3, gs, az, file, "
                         "memory, ...) or a local folder") from exc
@@ -75,6 +72,19 @@ def open_store(url: str, storage_options: Optional[dict], what: str) -> tuple[An
         raise DataError(f"data.storage_options: the {proto}:// driver refused them ({exc}); see "
                         "its documentation for the options it takes") from exc
     return fs, path.rstrip("/")
+
+
+def missing_driver(url: str, what: str) -> DataError:
+    """The error for a URL whose fsspec driver is not installed, naming the package
+    (``s3fs`` for ``s3://``, ``gcsfs`` for ``gs://``, ...); credentials in ``url`` are hidden."""
+    from fsspec.registry import known_implementations
+
+    from llmforge.config.redaction import scrub_url_credentials
+
+    proto = url.split("://", 1)[0]
+    package = known_implementations.get(proto, {}).get("class", "").split(".")[0]
+    return DataError(f"{what}: {scrub_url_credentials(url)} needs the fsspec driver of {proto}://, "
+                     f"which is not installed; install it with `pip install {package or proto + 'fs'}`")
 
 
 def cache_folder(cache_dir: Optional[str | os.PathLike]) -> Path:

@@ -98,14 +98,10 @@ def _check_url(url: str) -> None:
                         "path or a scheme fsspec knows (s3://, gs://, az://, hf://, https://, file://)")
     try:
         fsspec.get_filesystem_class(scheme)
-    except ImportError as exc:  # the message prepared corpora give (remote.open_store), scrubbed
-        from llmforge.data.remote import open_store
+    except ImportError as exc:  # the message prepared corpora give (remote.open_store)
+        from llmforge.data.remote import missing_driver
 
-        try:
-            open_store(url, None, "data.path")
-        except DataError as named:
-            raise DataError(scrub_url_credentials(str(named))) from exc
-        raise DataError(f"data.path: {shown} needs a package that is not installed: {exc}") from exc
+        raise missing_driver(url, "data.path") from exc
 
 
 def describe_files(files: list[str]) -> list[dict[str, Any]]:

@@ -109,6 +109,17 @@ def adapter_key_filter(model: nn.Module) -> Callable[[str], bool]:
     return lambda key: bool(names) and any(part in names for part in key.split("."))
 
 
+def algorithm_kind(obj: Any) -> str:
+    """"" when ``obj`` (named by import path under ``algorithms:``) is an :class:`Algorithm`
+    subclass, else what it is (checked before anything calls it)."""
+    if isinstance(obj, type) and issubclass(obj, Algorithm):
+        return ""
+    if isinstance(obj, type):
+        return (f"a class, but {obj.__name__} is not a subclass of llmforge.algorithms.base.Algorithm; "
+                "subclass it (plain callbacks go under callbacks:)")
+    return f"a {type(obj).__name__}, not a class; name an llmforge.algorithms.base.Algorithm subclass"
+
+
 class Algorithm(Callback):
     """A Lightning ``Callback`` that may also transform the model at one pipeline stage and act
     on the events of :mod:`llmforge.events`.

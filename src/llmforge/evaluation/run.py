@@ -22,7 +22,7 @@ PREFIX = "eval/harness/"
 def evaluate_run(path: str | Path, tasks: Sequence[str], *, include_path: Sequence[str] = (),
                  limit: Optional[int | float] = None, num_fewshot: Optional[int] = None,
                  batch_size: int = 8, max_gen_toks: int = 256, seed: int = 0,
-                 device: str = "cpu") -> dict[str, Any]:
+                 device: str = "cpu", trust_code: bool = False) -> dict[str, Any]:
     """Evaluate the newest complete checkpoint of a run directory (or the given checkpoint).
 
     Returns ``{"scores": {"<task>/<metric>": value}, "step", "path"}`` (``path``: the

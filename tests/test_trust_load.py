@@ -250,3 +250,55 @@ def test_export_hooks_follow_the_declared_order_not_the_yaml(tmp_path, capsys):
     base = model.get_submodule("layers.0.attention.wv").weight.detach()
     want = base + 2.0 * build.shadow[prefix + "lora_B.weight"] @ build.shadow[prefix + "lora_A.weight"]
     torch.testing.assert_close(exported["lora_ema"]["model.layers.0.self_attn.v_proj.weight"], want)
+
+
+# ------------------------------------------------------------------ run registry and launch
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    h = tmp_path / "home"
+    h.mkdir()
+    monkeypatch.setenv("LLMFORGE_HOME", str(h))
+    return h
+
+
+def test_a_run_record_never_imports_its_backend(home, tmp_path, monkeypatch, capsys):
+    from llmforge.runs.registry import RunRegistry
+
+    marker = tmp_path / "marker"
+    (tmp_path / "evil_backend_mod.py").write_text(PAYLOAD.format(marker=str(marker)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    registry = RunRegistry()
+    bad = registry.create("x", "lab", "evil_backend_mod.Evil", run_id="x-000001")
+    registry.set_status(bad.id, "running", "started")
+    registry.create("y", "local", "local", run_id="y-000002")
+    rc, out, err = _main(["runs", "list"], capsys)
+    assert rc == 0, err
+    assert "x-000001" in out and "(backend refused)" in out and "backend refused: x-000001 " in out
+    assert out.count("refused") == 2  # the y row has no marker
+    rc, out, err = _main(["runs", "stop", "x-000001"], capsys)
+    assert rc == 2 and err.startswith("error: run x-000001: the run registry names backend "
+                                      "'evil_backend_mod.Evil', which is neither a registered backend")
+    assert not marker.exists() and "evil_backend_mod" not in sys.modules
+    assert registry.get("x-000001").status == "running"  # nothing changed by the refusal
+    # the user's own clusters.yaml naming it as the cluster's type is what trusts an import path
+    (home / "clusters.yaml").write_text("lab:\n  type: evil_backend_mod.Evil\n")
+    from llmforge.runs.backend import record_backend_allowed
+
+    assert record_backend_allowed(registry.get("x-000001")) and not marker.exists()
+
+
+@pytest.mark.parametrize("entry, words", [
+    ("{name: os.system, command: 'touch MARKER'}", "'os.system' is a builtin_function_or_method, not a class"),
+    ("{name: speed_monitor, every_n: 3}", "callbacks[0] (speed_monitor): "),
+])
+def test_launch_checks_callbacks_before_submitting(home, tmp_path, capsys, entry, words):
+    from llmforge.runs.registry import RunRegistry
+
+    marker = tmp_path / "marker"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"base: {DEMO}\ncallbacks: [{entry.replace('MARKER', str(marker))}]\n")
+    for dry in (["--dry-run"], []):
+        rc, _, err = _main(["launch", str(cfg), f"run.output_dir={tmp_path / 'runs'}", *dry], capsys)
+        assert rc == 2 and err.startswith("error: ") and words in err, err
+    assert not marker.exists() and not (tmp_path / "runs").exists() and RunRegistry().list() == []

@@ -192,12 +192,14 @@ class Algorithm(Callback):
     def inference_model(self, model: nn.Module, cfg: Any, meta: dict[str, Any]) -> nn.Module:
         """Prepare a model built on the meta device for loading a checkpoint of this run
         outside training (``generate``, ``eval``, ``convert``): e.g. add adapter layers with the
-        settings in ``meta`` (the checkpoint's ``meta.json``). Default: unchanged."""
+        settings in ``meta`` (the checkpoint's ``meta.json``). Default: unchanged. Several
+        plugins run in pipeline order (:mod:`llmforge.checkpoint.run_dir`)."""
         return model
 
     def export_model(self, model: nn.Module, checkpoint: Path) -> nn.Module:
         """The model to write for ``convert to-hf`` (unsharded, loaded from ``checkpoint``):
-        e.g. adapters merged into the base weights. Default: unchanged."""
+        e.g. adapters merged into the base weights. Default: unchanged. Several plugins run in
+        the reverse of pipeline order (:func:`llmforge.checkpoint.run_dir.export_order`)."""
         return model
 
     def export_adapters(self, model: nn.Module, out: Path, cfg: Any, meta: dict[str, Any],

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Union
 
@@ -178,9 +180,6 @@ def factory_kind(obj: Any) -> str:
     :class:`ModelSpec`, a function defined in Python outside the standard library, or an
     ``nn.Module`` subclass; else what it is, for the error message. Checked before it is called:
     ``model.name: builtins.print`` or ``subprocess.Popen`` must not run with the model section."""
-    import inspect
-    import sys
-
     if isinstance(obj, ModelSpec):
         return ""
     if inspect.isfunction(obj):

@@ -31,9 +31,11 @@ import os
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Optional
 
-from llmforge.errors import LLMForgeError
+import yaml
+
+from llmforge.errors import ConfigError, LLMForgeError
 from llmforge.registry import backends
-from llmforge.runs.clusters import Cluster
+from llmforge.runs.clusters import Cluster, clusters_file
 from llmforge.runs.registry import RunRecord
 
 BUILTIN = {"local": "llmforge.runs.local:LocalBackend", "slurm": "llmforge.runs.slurm:SlurmBackend",
@@ -170,8 +172,6 @@ def backend_class(kind: str, *, key: str = "type") -> type[Backend]:
     """
     cls = backends.get(kind, key=key)
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
-        from llmforge.errors import ConfigError
-
         raise ConfigError(f"{key}: {kind!r} is not a llmforge.runs.backend.Backend subclass")
     return cls
 
@@ -186,10 +186,6 @@ def record_backend_allowed(run: RunRecord) -> bool:
     installed package's ``llmforge.backends`` entry point), or an import path that the user's
     clusters.yaml still gives as the ``type:`` of the run's cluster. ``runs.db`` is data: a row
     alone never makes llmforge import a module (the file is read as YAML; nothing is imported)."""
-    import yaml
-
-    from llmforge.runs.clusters import clusters_file
-
     if run.kind in backends.names():
         return True
     try:
@@ -211,8 +207,6 @@ def backend_of(run: RunRecord) -> Backend:
         LLMForgeError: the run's backend is no longer installed.
     """
     if not record_backend_allowed(run):
-        from llmforge.errors import ConfigError
-
         raise ConfigError(
             f"run {run.id}: the run registry names backend {run.kind!r}, which is neither a registered "
             f"backend ({', '.join(backends.names())}) nor the type: of cluster {run.cluster!r} in "

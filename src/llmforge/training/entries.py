@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig
 
 from llmforge import registry
@@ -70,8 +71,6 @@ def build_callbacks(cfg: DictConfig) -> list[Any]:
     Raises:
         ConfigError: see :func:`build_entries` (not a class, not a Callback, a wrong keyword).
     """
-    from lightning.pytorch.callbacks import Callback
-
     return build_entries(registry.callbacks, "callbacks", cfg.callbacks or [], base=Callback)
 
 

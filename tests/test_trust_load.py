@@ -58,12 +58,10 @@ def _write_run(run: Path, algorithms=(), plugin=None) -> tuple[torch.nn.Module, 
     if plugin is not None:
         model = plugin(model, cfg)
     seeded_init(model, cfg.run.seed)
-    state = {}
-    if plugin is not None:
-        state = plugin.state(model)
+    state = plugin.state(model) if plugin is not None else None
     save_config(cfg, run / "config.yaml")
     save_checkpoint(run / "checkpoints", 1, model, None, {"step": 1, "tokens_seen": 0},
-                    {"world_size": 1}, plugin_state=state or None)
+                    {"world_size": 1}, plugin_state=state)
     return model, cfg
 
 
@@ -127,7 +125,7 @@ def test_a_shared_run_folder_runs_none_of_its_code(template, tmp_path, monkeypat
     assert lines[0].startswith(f"error: {run / 'config.yaml'}: {key} names ")
     assert "--trust-code" in lines[0] and "PYTHONPATH" in lines[0]
     assert not marker.exists() and module not in sys.modules
-    assert "SHAPE" not in out and "{" not in out  # builtins.print was not called with the model section
+    assert out == ""  # builtins.print was not called with the model section
     assert not (tmp_path / "hf").exists() and not (run / "eval_harness.jsonl").exists()
 
 

@@ -15,6 +15,14 @@ def add_debug(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
+def add_trust_code(p: argparse.ArgumentParser) -> None:
+    """``--trust-code``: a command that loads a run directory may import what its config names."""
+    p.add_argument("--trust-code", action="store_true",
+                   help="import the research code the run's config.yaml names (imports:, an import "
+                        "path in model.name or algorithms:) from PYTHONPATH; without it only "
+                        "built-in and registered names load (a run directory is data)")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llmforge", description="Train language models (Llama 3, Qwen3, your own) from one YAML.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -46,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
                         "at the end of the assistant turn (SFT runs)")
     g.add_argument("--no-cache", action="store_true",
                    help="recompute the whole context for every token instead of using a KV cache")
+    add_trust_code(g)
     add_debug(g)
 
     e = sub.add_parser("eval", help="run lm-evaluation-harness tasks on a run or checkpoint")
@@ -61,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--max-gen-toks", type=int, default=256, help="cap on generated tokens")
     e.add_argument("--seed", type=int, default=0, help="lm-eval's seeds")
     e.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    add_trust_code(e)
     add_debug(e)
 
     v = sub.add_parser("convert", help="Hugging Face <-> llmforge weights")
@@ -74,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="adapter runs: write only the adapters in PEFT's format (adapter_config.json + "
                          "adapter_model.safetensors) instead of merged weights")
     th.add_argument("--overwrite", action="store_true", help="replace files in a non-empty OUT")
+    add_trust_code(th)
     add_debug(th)
     fh = cv_sub.add_parser("from-hf", help="turn a Hugging Face folder (Llama, Qwen3) into an "
                            "llmforge run directory")

@@ -8,7 +8,7 @@ Built-ins (registered in :data:`llmforge.registry.algorithms`): ``float8`` (stag
 the events and how to write an algorithm: ``docs/algorithms/README.md``.
 """
 
-from llmforge.algorithms.base import Algorithm, ModelContext, Stage, Transform, run_pipeline
+from llmforge.algorithms.base import Algorithm, ModelContext, Stage, Transform, algorithm_kind, run_pipeline
 from llmforge.algorithms.checkpointing import ActivationCheckpointing
 from llmforge.algorithms.chunked_cross_entropy import ChunkedCrossEntropy
 from llmforge.algorithms.compile import Compile
@@ -26,6 +26,7 @@ BUILTINS = {"compile": Compile, "activation_checkpointing": ActivationCheckpoint
             "loss_spike_guard": LossSpikeGuard, "chunked_cross_entropy": ChunkedCrossEntropy}
 for _name, _cls in BUILTINS.items():
     _registry.register(_name, _cls)
+_registry.expect(algorithm_kind)  # an import path must name an Algorithm subclass
 
 __all__ = ["Algorithm", "ModelContext", "Stage", "Transform", "run_pipeline", "BUILTINS",
            "ActivationCheckpointing", "ChunkedCrossEntropy", "Compile", "EMA", "Float8", "LoRA",

@@ -36,7 +36,7 @@ from typing import Any
 
 from llmforge.models.llama3 import LLAMA3
 from llmforge.models.qwen3 import QWEN3
-from llmforge.models.spec import MemoryShape, ModelSpec, get_spec
+from llmforge.models.spec import MemoryShape, ModelSpec, factory_kind, get_spec
 from llmforge.registry import models
 
 __all__ = ["LLAMA3", "QWEN3", "ModelSpec", "MemoryShape", "get_spec", "Llama", "LlamaArgs",
@@ -44,6 +44,7 @@ __all__ = ["LLAMA3", "QWEN3", "ModelSpec", "MemoryShape", "get_spec", "Llama", "
 
 models.register("llama3", LLAMA3)
 models.register("qwen3", QWEN3)
+models.expect(factory_kind)  # model.name by import path: checked before it is called
 
 _LAZY = {"Llama": "llmforge.models.llama3.model", "build_llama": "llmforge.models.llama3.model",
          "LlamaArgs": "llmforge.models.llama3.config", "PRESETS": "llmforge.models.llama3.config",

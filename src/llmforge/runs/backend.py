@@ -31,9 +31,11 @@ import os
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Optional
 
-from llmforge.errors import LLMForgeError
+import yaml
+
+from llmforge.errors import ConfigError, LLMForgeError
 from llmforge.registry import backends
-from llmforge.runs.clusters import Cluster
+from llmforge.runs.clusters import Cluster, clusters_file
 from llmforge.runs.registry import RunRecord
 
 BUILTIN = {"local": "llmforge.runs.local:LocalBackend", "slurm": "llmforge.runs.slurm:SlurmBackend",
@@ -170,8 +172,6 @@ def backend_class(kind: str, *, key: str = "type") -> type[Backend]:
     """
     cls = backends.get(kind, key=key)
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
-        from llmforge.errors import ConfigError
-
         raise ConfigError(f"{key}: {kind!r} is not a llmforge.runs.backend.Backend subclass")
     return cls
 
@@ -181,12 +181,37 @@ def backend_for(cluster: Cluster) -> Backend:
     return backend_class(cluster.type)(cluster)
 
 
+def record_backend_allowed(run: RunRecord) -> bool:
+    """Whether the backend a run record names may be loaded: a registered name (built-in or an
+    installed package's ``llmforge.backends`` entry point), or an import path that the user's
+    clusters.yaml still gives as the ``type:`` of the run's cluster. ``runs.db`` is data: a row
+    alone never makes llmforge import a module (the file is read as YAML; nothing is imported)."""
+    if run.kind in backends.names():
+        return True
+    try:
+        data = yaml.safe_load(clusters_file().read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError):
+        return False
+    if isinstance(data, dict) and set(data) == {"clusters"}:
+        data = data["clusters"] or {}
+    entry = data.get(run.cluster) if isinstance(data, dict) else None
+    return isinstance(entry, dict) and entry.get("type") == run.kind
+
+
 def backend_of(run: RunRecord) -> Backend:
     """The backend of a recorded run (no cluster: clusters.yaml may have changed since).
 
     Raises:
+        ConfigError: the record names a backend that :func:`record_backend_allowed` refuses
+            (nothing is imported).
         LLMForgeError: the run's backend is no longer installed.
     """
+    if not record_backend_allowed(run):
+        raise ConfigError(
+            f"run {run.id}: the run registry names backend {run.kind!r}, which is neither a registered "
+            f"backend ({', '.join(backends.names())}) nor the type: of cluster {run.cluster!r} in "
+            "clusters.yaml; run records are data and never import code: give that cluster its type in "
+            "clusters.yaml again, or install the package that registers the backend")
     try:
         return backend_class(run.kind)(None)
     except LLMForgeError as exc:

@@ -150,6 +150,7 @@ def cmd_secrets(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     from rich.table import Table
 
+    from llmforge.runs.backend import record_backend_allowed
     from llmforge.runs.launch import refresh
     from llmforge.runs.registry import RunRegistry
 
@@ -160,14 +161,23 @@ def cmd_list(args: argparse.Namespace) -> int:
     for col in ("id", "name", "cluster", "status", "step", "loss", "resumptions", "created", "duration"):
         table.add_column(col, no_wrap=True)
     colors = {"running": "cyan", "completed": "green", "failed": "red", "stopped": "yellow"}
+    refused = []
     for r in runs:
         loss = f"{r.last_loss:.4f}" if r.last_loss is not None else "-"
         status = f"[{colors.get(r.status, 'white')}]{r.status}[/]"
-        table.add_row(r.id, r.name, r.cluster, status, str(r.last_step if r.last_step is not None else "-"),
+        cluster = r.cluster
+        if not record_backend_allowed(r):  # not polled, nothing imported
+            refused.append(r.id)
+            cluster += " [red](backend refused)[/]"
+        table.add_row(r.id, r.name, cluster, status, str(r.last_step if r.last_step is not None else "-"),
                       loss, str(r.resumptions), _time(r.created_at), _duration(r))
     _console().print(table)
     if not runs:
         print(f"no runs in {registry.path}")
+    if refused:
+        print(f"backend refused: {', '.join(refused)} name a backend that is not registered and not "
+              "their cluster's type: in clusters.yaml; run records never import code (statuses as "
+              "last recorded; llmforge runs describe ID)")
     return 0
 
 

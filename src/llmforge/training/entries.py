@@ -6,12 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig
 
 from llmforge import registry
 from llmforge.errors import ConfigError
 
-__all__ = ["accepted", "build_entries", "module_class"]
+__all__ = ["accepted", "build_entries", "build_callbacks", "module_class"]
 
 
 def accepted(factory: Any, inject: dict[str, Any]) -> dict[str, Any]:
@@ -60,6 +61,17 @@ def build_entries(reg: registry.Registry, section: str, entries: Any, *, base: A
         except TypeError as exc:
             raise ConfigError(f"{key} ({name}): {exc}; check the keys of this entry") from exc
     return out
+
+
+def build_callbacks(cfg: DictConfig) -> list[Any]:
+    """``callbacks:`` instantiated (registered names or import paths to Lightning ``Callback``
+    subclasses); what the Trainer adds to its own and what ``llmforge launch`` checks before
+    submitting (:mod:`llmforge.runs.checks`).
+
+    Raises:
+        ConfigError: see :func:`build_entries` (not a class, not a Callback, a wrong keyword).
+    """
+    return build_entries(registry.callbacks, "callbacks", cfg.callbacks or [], base=Callback)
 
 
 def module_class(cfg: DictConfig) -> type:

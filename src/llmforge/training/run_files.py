@@ -75,7 +75,7 @@ def check_init_from_tokenizer(tok: Tokenizer, init_from: Optional[str]) -> None:
     if not init_from or init_from.startswith("hf:"):
         return
     from llmforge.data.tokenizers import load_saved
-    from llmforge.generate import resolve_checkpoint
+    from llmforge.checkpoint.run_dir import resolve_checkpoint
 
     try:
         run_dir, _ = resolve_checkpoint(init_from)

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 import torch
 from omegaconf import DictConfig
@@ -39,7 +38,8 @@ from llmforge.parallel.transforms import check_strategy, strategy_transforms
 from llmforge.training.host_malloc import tune_host_malloc
 from llmforge.training.run_data import DataBuilders
 
-from llmforge.training.entries import accepted, build_entries, module_class  # noqa: F401 (re-exported)
+from llmforge.training.entries import (accepted, build_callbacks, build_entries,  # noqa: F401 (re-exported)
+                                      module_class)
 from llmforge.training.run_files import (_inside, check_resumable,  # noqa: F401 (re-exported)
                                          tokenizer_cache_key, truncate_metrics)
 
@@ -181,7 +181,7 @@ class Trainer(DataBuilders):
         :class:`SpeedMonitor`) in ``callbacks:`` replaces the default one instead of adding a
         second."""
         ck = self.cfg.checkpoint
-        extra = build_entries(registry.callbacks, "callbacks", self.cfg.callbacks, base=Callback)
+        extra = build_callbacks(self.cfg)
         speed = next((c for c in extra if isinstance(c, SpeedMonitor)), None)
         extra = [c for c in extra if c is not speed]
         cbs: list[Any] = [speed or SpeedMonitor()]

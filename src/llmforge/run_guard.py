@@ -4,8 +4,8 @@ that makes one process its writer.
 **The mark.** Every run directory llmforge creates holds :data:`MARK` (``.llmforge-run``, a
 small JSON file). ``llmforge train`` writes into, and ``--overwrite`` deletes, only a folder
 that is empty, missing, or an llmforge run (:func:`is_run_dir`): marked, or made by an llmforge
-version before the mark (``config.yaml`` beside ``metrics.jsonl`` or a complete checkpoint
-``checkpoints/step_*/COMPLETE``; such a folder is marked when a run adopts it). A run directory
+version before the mark (``config.yaml`` beside ``metrics.jsonl``, or a complete checkpoint
+``checkpoints/step_<digits>/COMPLETE``; such a folder is marked when a run adopts it). A run directory
 that is a symbolic link is refused (:func:`check_run_dir`): writing through it would mix the new
 run into the old one's files.
 
@@ -53,14 +53,14 @@ class RunDirBusy(ConfigError):
 
 def is_run_dir(path: Path) -> bool:
     """Whether ``path`` is a folder llmforge made: it holds :data:`MARK`, or it has the layout
-    of a run written before the mark existed (``config.yaml`` and ``metrics.jsonl``, or
-    ``config.yaml`` and a complete checkpoint ``checkpoints/step_*/COMPLETE``; the names of
+    of a run written before the mark existed: ``config.yaml`` beside ``metrics.jsonl``, or a
+    complete checkpoint ``checkpoints/step_<digits>/COMPLETE`` (the names of
     :mod:`llmforge.checkpoint.layout`)."""
     if (path / MARK).is_file():
         return True
-    if not (path / "config.yaml").is_file():
-        return False
-    return (path / "metrics.jsonl").is_file() or any((path / "checkpoints").glob("step_*/COMPLETE"))
+    if (path / "config.yaml").is_file() and (path / "metrics.jsonl").is_file():
+        return True
+    return any((path / "checkpoints").glob("step_[0-9]*/COMPLETE"))
 
 
 def check_run_dir(path: Path, key: str) -> None:

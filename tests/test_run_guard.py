@@ -16,6 +16,9 @@ from llmforge.cli import main
 from llmforge.run_guard import LOCK, MARK, TOKEN_ENV, RunDirBusy, RunLock, peek_holder
 
 
+ONE_STEP = ["trainer.max_steps=1", "scheduler.warmup_steps=0"]
+
+
 def files(path: Path) -> dict:
     """Every file and folder under ``path`` with its bytes (None for a folder)."""
     return {str(p.relative_to(path)): (p.read_bytes() if p.is_file() else None) for p in sorted(path.rglob("*"))}
@@ -32,7 +35,7 @@ def old_run(path: Path, step: int = 1) -> dict:
 
 
 def train(tmp_path: Path, *extra: str) -> int:
-    return main(["train", DEMO, *TINY_OVERRIDES, "trainer.max_steps=1", "scheduler.warmup_steps=0", f"run.output_dir={tmp_path / 'runs'}",
+    return main(["train", DEMO, *TINY_OVERRIDES, *ONE_STEP, f"run.output_dir={tmp_path / 'runs'}",
                  "run.name=r", *extra])
 
 
@@ -82,7 +85,7 @@ def test_a_second_writer_exits_2_naming_the_holder_and_a_killed_holders_lock_is_
     run = tmp_path / "runs" / "r"
     before = old_run(run)
     code = ("import sys, time; from pathlib import Path; from llmforge.run_guard import RunLock\n"
-            "RunLock(Path(sys.argv[1])).acquire(); print('held', flush=True); time.sleep(120)")
+            "lock = RunLock(Path(sys.argv[1])).acquire(); print('held', flush=True); time.sleep(120)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
     env.pop(TOKEN_ENV, None)
     holder = subprocess.Popen([sys.executable, "-c", code, str(run)], stdout=subprocess.PIPE, text=True, env=env)
@@ -146,7 +149,7 @@ def test_overwrite_replaces_an_old_run_keeps_foreign_files_and_expands_home(tmp_
     (ckpts / "notes.txt").write_text("mine")
     (ckpts / "step_by_step").mkdir()
     (ckpts / "step_by_step" / "plan.md").write_text("mine too")
-    assert main(["train", DEMO, *TINY_OVERRIDES, "trainer.max_steps=1", "scheduler.warmup_steps=0", "run.output_dir=~/runs", "run.name=r",
+    assert main(["train", DEMO, *TINY_OVERRIDES, *ONE_STEP, "run.output_dir=~/runs", "run.name=r",
                  "checkpoint.dir=~/ckpts", "--overwrite"]) == 0
     assert f"note: took over the lock of {run} left by pid {gone} on host" in capsys.readouterr().err
     assert sorted(p.name for p in run.iterdir()) == [LOCK, MARK, "config.yaml", "metrics.jsonl", "tokenizer"]

@@ -348,7 +348,8 @@ def test_a_control_character_in_a_name_or_path_exits_2_naming_the_key(home, tmp_
     section, field = key.split(".")
     value = "x\ntouch P\n#"
     cfg = _config(tmp_path, f"{section}: {{{field}: {json.dumps(value)}}}\n")
-    want = f"error: {key}={value!r} holds a control character (newline, tab, ...); use printable characters only in {key}\n"
+    want = (f"error: {key}={value!r} holds a control character (newline, tab, ...); use printable characters "
+            f"only in {key}\n")
     for argv in (["launch", cfg, *BATCH, "--cluster", "big", "--gpus", "16", "--dry-run"], ["train", cfg]):
         assert main(argv) == 2
         assert capsys.readouterr().err == want

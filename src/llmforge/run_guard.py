@@ -155,10 +155,14 @@ def _describe(holder: Optional[dict[str, Any]]) -> str:
     return (f"pid {holder.get('pid')} on host {holder.get('host')} since {holder.get('started')}")
 
 
-def _busy(path: Path, holder: Optional[dict[str, Any]]) -> RunDirBusy:
-    gone = " (that pid has ended, but a process it started still holds the lock: wait for it to " \
-        "exit)" if holder and _alive(holder) is False else ""
-    return RunDirBusy(f"run directory {path} is in use by {_describe(holder)}{gone}; one process "
+def _busy(path: Path, holder: Optional[dict[str, Any]], os_lock: bool = True) -> RunDirBusy:
+    if not os_lock:  # no flock on this file system: the holder's word is all there is
+        why = f" (this file system has no locks: if that run is gone, delete {path / LOCK})"
+    elif holder and _alive(holder) is False:
+        why = " (that pid has ended, but a process it started still holds the lock: wait for it to exit)"
+    else:
+        why = ""
+    return RunDirBusy(f"run directory {path} is in use by {_describe(holder)}{why}; one process "
                       "writes a run at a time: wait for it to finish, stop it, or choose another "
                       "run.name")
 
@@ -205,6 +209,7 @@ class RunLock:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.fd: Optional[int] = None
+        self.token: Optional[str] = None
         self.took_over: Optional[dict[str, Any]] = None
         """The holder info a killed process left behind, when :meth:`acquire` took its lock over."""
 
@@ -233,7 +238,7 @@ class RunLock:
             holder = _read_holder(fd)  # no OS locks here: trust a holder that may be alive
             if holder and not _own(holder) and _alive(holder) is not False:
                 os.close(fd)
-                raise _busy(self.path, holder) from None
+                raise _busy(self.path, holder, os_lock=False) from None
         self.fd = fd
         old = _read_holder(fd)
         if old and not _own(old):
@@ -245,7 +250,7 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info) + "\n").encode("utf-8"), 0)
         os.fsync(fd)
-        os.environ[TOKEN_ENV] = token
+        os.environ[TOKEN_ENV] = self.token = token
         return self
 
     def release(self) -> None:
@@ -260,7 +265,14 @@ class RunLock:
             pass  # the holder info then reads as a killed process's: the next run takes it over
         finally:
             os.close(fd)  # closing the only descriptor drops the flock
-            os.environ.pop(TOKEN_ENV, None)
+            if os.environ.get(TOKEN_ENV) == self.token:
+                del os.environ[TOKEN_ENV]
+
+    def __del__(self) -> None:  # a Trainer set up but never fit, then dropped
+        try:
+            self.release()
+        except Exception:
+            pass
 
     def __enter__(self) -> "RunLock":
         return self.acquire()

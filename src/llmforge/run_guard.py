@@ -5,9 +5,9 @@ that makes one process its writer.
 small JSON file). ``llmforge train`` writes into, and ``--overwrite`` deletes, only a folder
 that is empty, missing, or an llmforge run (:func:`is_run_dir`): marked, or made by an llmforge
 version before the mark (``config.yaml`` beside ``metrics.jsonl``, or a complete checkpoint
-``checkpoints/step_<digits>/COMPLETE``; such a folder is marked when a run adopts it). A run directory
-that is a symbolic link is refused (:func:`check_run_dir`): writing through it would mix the new
-run into the old one's files.
+``checkpoints/step_<digits>/COMPLETE``; such a folder is marked when a run adopts it). A run
+directory that is a symbolic link is refused (:func:`check_run_dir`): writing through it would
+mix the new run into the old one's files.
 
 **The lock.** :class:`RunLock` holds an exclusive ``flock(2)`` on :data:`LOCK`
 (``.llmforge-lock`` inside the run directory) for the whole run; the file holds the holder's
@@ -38,8 +38,8 @@ from typing import Any, Optional
 
 from llmforge.errors import ConfigError
 
-__all__ = ["LOCK", "MARK", "TOKEN_ENV", "RunDirBusy", "RunLock", "check_run_dir", "clear_run_dir", "is_run_dir",
-           "mark_run_dir", "peek_holder", "refuse_link"]
+__all__ = ["LOCK", "MARK", "TOKEN_ENV", "RunDirBusy", "RunLock", "check_run_dir", "clear_run_dir",
+           "is_run_dir", "mark_run_dir", "peek_holder", "refuse_link"]
 
 MARK = ".llmforge-run"
 LOCK = ".llmforge-lock"

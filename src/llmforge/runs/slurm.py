@@ -87,9 +87,11 @@ def sbatch_script(run_id: str, name: str, spec: dict[str, Any], cluster: SlurmCl
                   base_resumption: int = 0) -> str:
     """The sbatch script of a run (names of secrets only, never values).
 
-    Every value is quoted with :func:`shlex.quote`, in the ``#SBATCH`` lines too (sbatch reads
-    their quotes as a shell does); a value with a control character is refused, as a newline
-    would end the ``#SBATCH`` block and start a shell line.
+    Every value is quoted with :func:`shlex.quote`, in the ``#SBATCH`` lines too (sbatch's
+    parser of those lines groups single- or double-quoted text as a shell does); a value with a
+    control character is refused, as a newline would end the ``#SBATCH`` block and start a shell
+    line. The cluster's ``sbatch`` options and ``setup`` lines are written as given: they are the
+    clusters file's own shell.
 
     Raises:
         ConfigError: the run name, run directory, rendered values or cluster fields hold a

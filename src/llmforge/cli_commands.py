@@ -72,7 +72,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         argv = ["train", args.config, *args.overrides, f"trainer.devices={args.nproc}"]
         argv += ["--overwrite"] * args.overwrite + ["--debug"] * args.debug
-        return launch_local(args.nproc, argv)
+        trainer.lock_run_dir()  # held here for the whole run; the workers inherit its token
+        try:
+            return launch_local(args.nproc, argv)
+        finally:
+            trainer.run_lock.release()
     summary = trainer.fit()
     if trainer.is_rank_zero():
         _print_summary(summary)

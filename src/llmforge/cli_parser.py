@@ -38,7 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="run N local processes (torchrun's launcher; gloo on CPU, NCCL on GPUs)")
     t.add_argument("--overwrite", action="store_true",
-                   help="delete an existing run directory of the same run.name first")
+                   help="delete an existing run directory of the same run.name first (only one "
+                        "llmforge made: README, 'What --overwrite deletes')")
     add_debug(t)
 
     g = sub.add_parser("generate", help="sample text from a trained run or checkpoint")

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from llmforge.errors import LLMForgeError
+from llmforge.run_guard import mark_run_dir
 
 
 def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
@@ -72,7 +73,7 @@ def from_hf(path: str | Path, out: str | Path) -> Path:
     model = get_spec(cfg.model.name)(cfg.model)
     model.init_weights()
     load_hf_weights(model, src)
-    out.mkdir(parents=True, exist_ok=True)
+    mark_run_dir(out)  # a run llmforge made: train/--overwrite may use it (llmforge.run_guard)
     if (src / "tokenizer.json").exists():
         cfg.tokenizer.type, cfg.tokenizer.path = "huggingface", str((src / "tokenizer.json").resolve())
         HFTokenizer(src / "tokenizer.json").save(out / "tokenizer")

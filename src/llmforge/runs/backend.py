@@ -35,6 +35,7 @@ import yaml
 
 from llmforge.errors import ConfigError, LLMForgeError
 from llmforge.registry import backends
+from llmforge.run_guard import mark_run_dir
 from llmforge.runs.clusters import Cluster, clusters_file
 from llmforge.runs.registry import RunRecord
 
@@ -157,9 +158,11 @@ def train_args(spec: dict[str, Any]) -> list[str]:
 
 
 def files_dir(spec: dict[str, Any]) -> Path:
-    """``<run_dir>/launch`` for generated files (``logs/`` too: SLURM opens its output file there)."""
+    """``<run_dir>/launch`` for generated files (``logs/`` too: SLURM opens its output file there);
+    the run directory is created marked as llmforge's (:func:`llmforge.run_guard.mark_run_dir`)."""
     out = Path(spec["run_dir"]) / "launch"
-    out.mkdir(parents=True, exist_ok=True)
+    mark_run_dir(out.parent)
+    out.mkdir(exist_ok=True)
     (out.parent / "logs").mkdir(exist_ok=True)
     return out
 

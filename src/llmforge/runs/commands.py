@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 from llmforge.cli_parser import add_debug as _debug
 from llmforge.errors import ConfigError, LLMForgeError
+from llmforge.run_guard import MARK, is_run_dir
 
 
 def add_parsers(sub: Any, runs_sub: Any) -> None:
@@ -284,6 +285,11 @@ def cmd_delete(args: argparse.Namespace) -> int:
     if r.active and not args.force:  # deleting the record would orphan the job
         raise ConfigError(f"run {r.id} is {r.status}: stop it first (llmforge runs stop {r.id}), or "
                           f"pass --force to stop it and then delete it")
+    folder = Path(r.run_dir) if args.purge and r.run_dir else None
+    if folder and (folder.is_symlink() or (folder.is_dir() and not is_run_dir(folder))):
+        # a record is data: --purge deletes only a folder llmforge made (llmforge.run_guard)
+        raise ConfigError(f"--purge: {folder} is a link or not an llmforge run directory (no {MARK} "
+                          "file); nothing deleted: delete the record without --purge")
     if args.purge and r.run_dir and Path(r.run_dir).exists() and not args.yes and not sys.stdin.isatty():
         raise ConfigError(f"--purge deletes {r.run_dir}: confirm with --yes")
     if r.active:

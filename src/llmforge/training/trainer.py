@@ -21,7 +21,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from llmforge import registry
 from llmforge.callbacks import Checkpointer, GarbageCollection, RichProgress, SpeedMonitor
@@ -202,15 +202,17 @@ class Trainer(DataBuilders):
 
     def build_loggers(self) -> list[Any]:
         """Loggers from ``loggers:``; each builder is called as
-        ``builder(run_dir=..., run=cfg.run, config=<resolved config, secrets redacted>, **kwargs)``
+        ``builder(run_dir=..., run=<cfg.run, secrets redacted>, config=<resolved config, secrets
+        redacted>, **kwargs)``
         and the config is logged as the run's hyperparameters. Building checks settings (SDK
         installed, API key in the environment) but writes nothing and contacts no server: the
         built-in loggers start with their first record, after the run directory is prepared."""
         import llmforge.loggers  # noqa: F401  (registers the built-in loggers)
 
         config = redact(config_to_dict(self.cfg))
+        # the run section as redacted: a secret interpolated into run.tags or run.name stays out
         built = build_entries(registry.loggers, "loggers", self.cfg.loggers, base=Logger,
-                              run_dir=self.run_dir, run=self.cfg.run, config=config)
+                              run_dir=self.run_dir, run=OmegaConf.create(config["run"]), config=config)
         for logger in built:
             logger.log_hyperparams(config)
         return built

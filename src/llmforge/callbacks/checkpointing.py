@@ -30,6 +30,8 @@ from llmforge.checkpoint.dcp import PendingSave, load_training_state, prune_chec
 from llmforge.checkpoint.plugins import (check_resume, checkpoint_meta, dropped_states, plain_states,
                                          restore_plain_states, restore_sharded_states, sharded_states)
 from llmforge.checkpoint.rng import capture_rng, restore_rng
+from llmforge.checkpoint.safe_load import CheckpointShapeError
+from llmforge.errors import ConfigError
 from llmforge.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, StopRequested  # noqa: F401 (re-exported)
 
 
@@ -138,8 +140,10 @@ class Checkpointer(Callback):
         templates = sharded_states(trainer.callbacks)
         try:
             state = load_training_state(self.resume_from, pl_module.model, opt, plugin_state=templates)
+        except CheckpointShapeError as exc:
+            raise ConfigError(f"checkpoint.resume: {exc}; resume with the settings it was saved "
+                              "with, or start a new run") from exc
         except (ValueError, RuntimeError, KeyError, CheckpointException) as exc:  # shapes/keys differ
-            from llmforge.errors import ConfigError
 
             lines = [x.strip() for x in str(exc).strip().splitlines() if x.strip()]
             # DCP's CheckpointException carries each rank's traceback; its last line is the cause

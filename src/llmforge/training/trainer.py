@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from llmforge import registry
 from llmforge.callbacks import Checkpointer, GarbageCollection, RichProgress, SpeedMonitor
 from llmforge.checkpoint import list_checkpoints, read_json
+from llmforge.checkpoint.init_from import check_initial_weights
 from llmforge.config import config_to_dict, load_config, redact, save_config
 from llmforge.config.resolve import ResolvedRun, check_run_name, resolve_run
 from llmforge.config.schema import PRECISIONS
@@ -271,6 +272,10 @@ class Trainer(DataBuilders):
         callbacks, loggers = self.build_callbacks(), self.build_loggers()
         docs = self.build_documents()
         self.tokenizer = self.build_tokenizer(docs)
+        self.module = self.build_module()
+        if self.cfg.model.get("init_from"):  # a source of another shape fails before any write
+            with torch.device("meta"):
+                check_initial_weights(self.module.build_model(), self.cfg.model.init_from)
         self.prepare_run_dir(used)
         if self.is_rank_zero():
             self.tokenizer.save(self.run_dir / "tokenizer")
@@ -278,7 +283,6 @@ class Trainer(DataBuilders):
         if isinstance(docs, PreparedMixture):  # data/<name>/tokens_seen in every logger's records
             callbacks.append(MixtureTokens([e["name"] for e in docs.entries], [e["share"] for e in docs.entries],
                                            self.cfg.run.seed, self.plan.global_batch_size, self.cfg.trainer.seq_len))
-        self.module = self.build_module()
         self.lightning = self.build_lightning_trainer(callbacks, loggers)
         self.announce()
 

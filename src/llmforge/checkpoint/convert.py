@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from llmforge.errors import LLMForgeError
+from llmforge.paths import all_or_nothing
 
 
 def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
@@ -24,6 +25,8 @@ def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
     Raises:
         LLMForgeError: the model's family has no HF adapter, the path has no checkpoint, or
             ``adapters_only`` for a run without adapters.
+        WriteError: a file could not be written (e.g. a full disk); nothing of ``out`` that this
+            call created is left.
     """
     from llmforge.checkpoint.hf import save_hf
     from llmforge.generate import load_model
@@ -45,8 +48,9 @@ def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
     for plugin in plugins:
         model = plugin.export_model(model, ckpt)
     tok_dir = run_dir / "tokenizer"
-    return save_hf(model, out, tokenizer_dir=tok_dir if tok_dir.is_dir() else None, dtype=cast,
-                   adapter=adapter)
+    with all_or_nothing(out):
+        return save_hf(model, out, tokenizer_dir=tok_dir if tok_dir.is_dir() else None, dtype=cast,
+                       adapter=adapter)
 
 
 def from_hf(path: str | Path, out: str | Path) -> Path:

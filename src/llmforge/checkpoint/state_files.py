@@ -105,6 +105,6 @@ def check_rng(data: dict, file: Path) -> dict:
                 if not (isinstance(s, list) and s and all(_is_int(b) and 0 <= b < 256 for b in s)):
                     raise ValueError("not a list of bytes")
         torch.Generator().set_state(torch.tensor(data["torch"], dtype=torch.uint8))
-    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+    except (TypeError, ValueError, RuntimeError, OverflowError, IndexError, KeyError) as exc:
         raise _bad(file, f"an RNG state is not valid ({type(exc).__name__}: {str(exc)[:120]})") from None
     return data

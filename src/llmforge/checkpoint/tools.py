@@ -83,11 +83,11 @@ def consolidate(path: str | Path, out: str | Path) -> Path:
     entries = {k: v for k, v in tensor_entries(ckpt).items() if k.startswith("model.")}
     state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in entries.items()}
     safe_load(state, str(ckpt))
-    out = Path(out)
+    out = target = Path(out)
     if out.suffix != ".safetensors":
         out = out / "model.safetensors"
     meta = read_json(ckpt, "meta.json")
-    with all_or_nothing(out.parent), all_or_nothing(out):
+    with all_or_nothing(target):
         out.parent.mkdir(parents=True, exist_ok=True)
         save_file({k[6:]: v.contiguous() for k, v in state.items()}, str(out),
                   metadata={"step": str(meta.get("step")), "source": str(ckpt)})

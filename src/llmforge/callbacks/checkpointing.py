@@ -156,7 +156,7 @@ class Checkpointer(Callback):
         sched = trainer.lr_scheduler_configs[0].scheduler if trainer.lr_scheduler_configs else None
         if sched is not None and state.get("scheduler"):
             sched.load_state_dict(state["scheduler"])
-        pl_module.tokens_seen = int(state["tokens_seen"])
+        pl_module.tokens_seen = int(state.get("tokens_seen", 0))
         restore_plain_states(trainer.callbacks, state.get("callbacks") or {})
         for key in dropped_states(self.resume_from, trainer.callbacks, state.get("callbacks") or {}):
             say(trainer, f"checkpoint.resume: {self.resume_from} holds state of {key}, which this run "
@@ -168,7 +168,7 @@ class Checkpointer(Callback):
             restore_rng(state["rng"])
         self.last_saved_step = int(state["step"])
         say(trainer, f"resumed from {self.resume_from} at step {int(state['step'])} "
-                     f"({int(state['tokens_seen']):,} tokens seen)")
+                     f"({int(state.get("tokens_seen", 0)):,} tokens seen)")
         if self.on_resumed is not None:
             self.on_resumed()
 

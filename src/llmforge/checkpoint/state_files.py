@@ -46,12 +46,12 @@ def _count(data: dict, key: str, file: Path, required: bool, least: int = 0) -> 
 
 
 def check_trainer_state(data: dict, file: Path) -> dict:
-    """``step`` and ``tokens_seen`` (integers >= 0), ``global_batch_size`` (>= 1),
-    ``samples_consumed`` (>= 0), ``scheduler`` (``null`` or an object whose entries are numbers,
+    """``step`` (an integer >= 0, required), ``tokens_seen`` and ``samples_consumed`` (>= 0),
+    ``global_batch_size`` (>= 1), ``scheduler`` (``null`` or an object whose entries are numbers,
     booleans, ``null`` or lists of them: torch's LR scheduler state), ``callbacks`` (an object).
     Returns ``data``."""
     _count(data, "step", file, required=True)
-    _count(data, "tokens_seen", file, required=True)
+    _count(data, "tokens_seen", file, required=False)
     _count(data, "global_batch_size", file, required=False, least=1)
     _count(data, "samples_consumed", file, required=False)
     sched = data.get("scheduler")

@@ -168,7 +168,7 @@ class Checkpointer(Callback):
             restore_rng(state["rng"])
         self.last_saved_step = int(state["step"])
         say(trainer, f"resumed from {self.resume_from} at step {int(state['step'])} "
-                     f"({int(state.get("tokens_seen", 0)):,} tokens seen)")
+                     f"({int(state.get('tokens_seen', 0)):,} tokens seen)")
         if self.on_resumed is not None:
             self.on_resumed()
 

@@ -50,7 +50,7 @@ from llmforge.checkpoint.atomic_save import (CheckpointWriteError, PendingSave, 
                                              _crash_point, _is_rank0, _write_failed)
 # layout names, importable from here as before
 from llmforge.checkpoint.layout import COMPLETE, PREFIX, latest_checkpoint, list_checkpoints, step_name  # noqa: F401
-from llmforge.checkpoint.safe_load import CheckpointReadError, safe_load
+from llmforge.checkpoint.safe_load import CheckpointReadError, load_metadata, safe_load
 from llmforge.checkpoint.state_files import check_meta, check_rng, check_trainer_state
 
 
@@ -279,8 +279,6 @@ def _check_adapters(path: Path, adapters: dict[str, Any]) -> None:
 
     Raises:
         CheckpointReadError: the model has no adapters, or the checkpoint none of them."""
-    from llmforge.checkpoint.safe_load import load_metadata
-
     if not adapters:
         raise CheckpointReadError(
             f"{path / 'meta.json'}: says adapters_only, but this run's algorithms add no adapters "

@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 import torch
 
+from llmforge.errors import ConfigError
+
 __all__ = ["HFAdapter", "invert_table", "map_key"]
 
 
@@ -75,8 +77,6 @@ class HFAdapter:
         try:
             return {**cls(**given).to_dict(), "model_type": self.model_type}
         except Exception as exc:  # transformers' strict dataclass and rope validators
-            from llmforge.errors import ConfigError
-
             cause = exc.__cause__ or exc
             raise ConfigError(f"config.json: transformers' {self.config_class} refuses it "
                               f"({type(cause).__name__}: {str(cause).strip().splitlines()[-1][:200]})") from exc

@@ -17,10 +17,10 @@ recommends for a local store.) Metric names are llmforge's (``train/loss``, ...)
 per optimizer step; the resolved config (secrets redacted) is logged as parameters, nested
 keys joined by dots. A name MLflow refuses (it accepts letters, digits and ``_ - . / space :``;
 e.g. ``data/code+math/tokens_seen`` of a mixture entry named ``code+math``) is logged under
-:func:`mlflow_name`'s spelling, the same for the whole run, with one warning naming it. A resumed run continues the same MLflow run (its id is kept in
-``<run_dir>/mlflow_run_id``), and the steps after the checkpoint are logged again with the
-same step numbers: ``get_metric_history`` then holds both values of such a step, the newest
-last.
+:func:`mlflow_name`'s spelling, the same for the whole run, with one warning naming it. A
+resumed run continues the same MLflow run (its id is kept in ``<run_dir>/mlflow_run_id``), and
+the steps after the checkpoint are logged again with the same step numbers:
+``get_metric_history`` then holds both values of such a step, the newest last.
 """
 
 from __future__ import annotations

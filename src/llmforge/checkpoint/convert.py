@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from llmforge.errors import LLMForgeError
+from llmforge.paths import all_or_nothing
 from llmforge.run_guard import mark_run_dir
 
 
@@ -28,6 +29,8 @@ def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
         LLMForgeError: the model's family has no HF adapter, the path has no checkpoint, or
             ``adapters_only`` for a run without adapters.
         ConfigError: the run's config names code and ``trust_code`` is False.
+        WriteError: a file could not be written (e.g. a full disk); nothing of ``out`` that this
+            call created is left.
     """
     from llmforge.checkpoint.hf import save_hf
     from llmforge.checkpoint.run_dir import export_order, load_model
@@ -50,8 +53,9 @@ def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
     for plugin in plugins:
         model = plugin.export_model(model, ckpt)
     tok_dir = run_dir / "tokenizer"
-    return save_hf(model, out, tokenizer_dir=tok_dir if tok_dir.is_dir() else None, dtype=cast,
-                   adapter=adapter)
+    with all_or_nothing(out):
+        return save_hf(model, out, tokenizer_dir=tok_dir if tok_dir.is_dir() else None, dtype=cast,
+                       adapter=adapter)
 
 
 def from_hf(path: str | Path, out: str | Path) -> Path:

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from llmforge.checkpoint.safe_load import CheckpointShapeError, SafeReader, check_shapes
 from llmforge.errors import ConfigError
 
 HF_PREFIX = "hf:"
@@ -44,7 +45,7 @@ def load_initial_weights(model: nn.Module, spec: str) -> str:
     """Load ``spec`` into a materialized model; returns a short description of what was loaded.
 
     Raises:
-        ConfigError: the path holds no usable weights.
+        ConfigError: the path holds no usable weights, or a tensor of another shape.
     """
     if spec.startswith(HF_PREFIX):
         from llmforge.checkpoint.hf import load_hf_weights
@@ -52,12 +53,39 @@ def load_initial_weights(model: nn.Module, spec: str) -> str:
         n = load_hf_weights(model, spec[len(HF_PREFIX):])
         return f"{n} tensors from Hugging Face folder {spec[len(HF_PREFIX):]}"
     from llmforge.checkpoint.dcp import load_model_weights
+
+    ckpt = _checkpoint(spec)
+    try:
+        load_model_weights(ckpt, model)
+    except CheckpointShapeError as exc:
+        raise ConfigError(f"model.init_from: {exc}") from exc
+    return f"model weights of {ckpt}"
+
+
+def _checkpoint(spec: str) -> Path:
     from llmforge.checkpoint.tools import resolve
     from llmforge.errors import LLMForgeError
 
     try:
-        ckpt = resolve(spec)
+        return Path(resolve(spec))
     except LLMForgeError as exc:
         raise ConfigError(f"model.init_from: {exc}") from exc
-    load_model_weights(Path(ckpt), model)
-    return f"model weights of {ckpt}"
+
+
+def check_initial_weights(model: nn.Module, spec: str) -> None:
+    """Before anything is written: the llmforge checkpoint ``spec`` names is readable and each
+    of its model tensors that ``model`` has (built on the meta device; no weights read) has the
+    same shape. ``hf:`` sources fix the model's shape themselves and are not checked here.
+
+    Raises:
+        ConfigError: no checkpoint there, or a parameter of another shape (named, both shapes).
+        CheckpointReadError: its metadata is missing or damaged (the file named).
+    """
+    if not spec or spec.startswith(HF_PREFIX):
+        return
+    ckpt = _checkpoint(spec)
+    metadata = SafeReader(str(ckpt)).read_metadata()
+    try:
+        check_shapes({"model": model.state_dict()}, metadata, str(ckpt))
+    except CheckpointShapeError as exc:
+        raise ConfigError(f"model.init_from: {exc}") from exc

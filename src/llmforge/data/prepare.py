@@ -23,6 +23,7 @@ import numpy as np
 from llmforge.data.packing import pack_documents, token_dtype
 from llmforge.data.prepared import FORMAT, MANIFEST, file_sha256, tokenizer_fingerprint
 from llmforge.errors import DataError
+from llmforge.paths import write_failed
 
 PROGRESS = "progress.json"
 
@@ -39,13 +40,21 @@ def _init_worker(tokenizer_dir: str) -> None:
 def write_shard(tok: Any, texts: list[str], path: Path) -> dict[str, Any]:
     """Tokenize ``texts`` into ``path`` (``[BOS] doc [EOS]`` each, the smallest dtype), atomically.
 
+    Raises:
+        WriteError: it could not be written (e.g. a full disk); no partial file is left.
+
     Returns:
         ``{"file", "tokens", "sha256", "documents", "bytes"}`` (bytes: UTF-8 text read).
     """
     arr = pack_documents(tok.encode_batch(texts), tok.bos_id, tok.eos_id, token_dtype(tok.vocab_size))
     tmp = path.with_suffix(".tmp")
-    arr.tofile(tmp)
-    os.replace(tmp, path)
+    try:
+        arr.tofile(tmp)
+        os.replace(tmp, path)
+    except OSError as exc:  # a full disk: no partial shard; the finished ones and progress.json stay
+        tmp.unlink(missing_ok=True)
+        raise write_failed(exc, tmp, "the shards written so far are kept: free space and run the "
+                                     "same command again to continue") from None
     return {"file": f"{path.parent.name}/{path.name}", "tokens": int(len(arr)),
             "sha256": file_sha256(path), "documents": len(texts),
             "bytes": sum(len(t.encode("utf-8", "replace")) for t in texts)}
@@ -79,8 +88,13 @@ def source_files(cfg: Any) -> list[dict[str, Any]]:
 
 def _atomic_json(path: Path, value: Any) -> None:
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(value, indent=1))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(value, indent=1))
+        os.replace(tmp, path)
+    except OSError as exc:  # a full disk: the previous version of the file stays
+        tmp.unlink(missing_ok=True)
+        raise write_failed(exc, tmp, f"{path.name} keeps its previous content: free space and run "
+                                     "the same command again to continue") from None
 
 
 def _check_out(out: Path, key: dict[str, Any]) -> dict[str, list]:
@@ -143,6 +157,8 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
     Raises:
         DataError: the source is empty or unreadable, ``out`` holds something else, or
             ``docs_per_shard < 1``.
+        WriteError: a shard could not be written (a full disk): its partial file is removed,
+            the finished shards are kept and the same command continues from them.
     """
     from llmforge.data.sources import iter_texts, load_documents, read_rows
     from llmforge.training.run_files import tokenizer_cache_key

@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 import torch
 
+from llmforge.errors import ConfigError
+
 __all__ = ["HFAdapter", "invert_table", "map_key"]
 
 
@@ -37,17 +39,47 @@ def invert_table(table: list[tuple[str, str]]) -> list[tuple[str, str]]:
 
 
 class HFAdapter:
-    """Base adapter. Subclasses set ``family`` (llmforge spec name), ``model_type`` and
-    ``architecture`` (HF's), ``key_table`` (HF regex -> our name) and implement
-    :meth:`config_from_hf` / :meth:`config_to_hf`."""
+    """Base adapter. Subclasses set ``family`` (llmforge spec name), ``model_type``,
+    ``architecture`` and ``config_class`` (HF's), ``key_table`` (HF regex -> our name) and
+    implement :meth:`config_from_hf` / :meth:`config_to_hf` (reading the config through
+    :meth:`with_defaults`)."""
 
     family = ""
     model_type = ""
     architecture = ""
+    config_class = ""  # transformers' config class (``LlamaConfig``): the defaults of absent keys
     key_table: list[tuple[str, str]] = []
 
     def __init__(self) -> None:
         self.inverse_table = invert_table(self.key_table)
+
+    # -- config.json -----------------------------------------------------------------------
+    def with_defaults(self, hf: dict[str, Any]) -> dict[str, Any]:
+        """``config.json`` as transformers reads it: built into the installed transformers'
+        :attr:`config_class` and returned by its ``to_dict()``, so every absent key has the
+        value transformers uses (Qwen3's ``head_dim`` 128 and ``rope_theta`` 10,000 in
+        transformers 5.x, not a guess), and ``rope_theta``/``rope_scaling`` are folded into
+        ``rope_parameters``. Without transformers, ``hf`` unchanged (the adapter's fallbacks,
+        transformers 5.24's defaults, apply).
+
+        Raises:
+            ConfigError: transformers refuses a value (e.g. ``head_dim: null``).
+        """
+        try:
+            import transformers
+        except ImportError:
+            return hf
+        cls = getattr(transformers, self.config_class, None)
+        if cls is None:
+            return hf
+        given = {k: v for k, v in hf.items()
+                 if k not in ("architectures", "model_type", "transformers_version")}
+        try:
+            return {**cls(**given).to_dict(), "model_type": self.model_type}
+        except Exception as exc:  # transformers' strict dataclass and rope validators
+            cause = exc.__cause__ or exc
+            raise ConfigError(f"config.json: transformers' {self.config_class} refuses it "
+                              f"({type(cause).__name__}: {str(cause).strip().splitlines()[-1][:200]})") from exc
 
     # -- names ----------------------------------------------------------------------------
     def key_from_hf(self, key: str) -> Optional[str]:

@@ -20,11 +20,12 @@ from typing import Any, Optional, Sequence
 import lightning as L
 from lightning.pytorch.loggers import Logger
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from llmforge import registry
 from llmforge.callbacks import Checkpointer, GarbageCollection, RichProgress, SpeedMonitor
 from llmforge.checkpoint import list_checkpoints, read_json
+from llmforge.checkpoint.init_from import check_initial_weights
 from llmforge.checkpoint.layout import is_checkpoint_folder
 from llmforge.config import config_to_dict, load_config, redact, save_config
 from llmforge.config.resolve import ResolvedRun, check_run_name, resolve_run
@@ -221,15 +222,17 @@ class Trainer(DataBuilders):
 
     def build_loggers(self) -> list[Any]:
         """Loggers from ``loggers:``; each builder is called as
-        ``builder(run_dir=..., run=cfg.run, config=<resolved config, secrets redacted>, **kwargs)``
+        ``builder(run_dir=..., run=<cfg.run, secrets redacted>, config=<resolved config, secrets
+        redacted>, **kwargs)``
         and the config is logged as the run's hyperparameters. Building checks settings (SDK
         installed, API key in the environment) but writes nothing and contacts no server: the
         built-in loggers start with their first record, after the run directory is prepared."""
         import llmforge.loggers  # noqa: F401  (registers the built-in loggers)
 
         config = redact(config_to_dict(self.cfg))
+        # the run section as redacted: a secret interpolated into run.tags or run.name stays out
         built = build_entries(registry.loggers, "loggers", self.cfg.loggers, base=Logger,
-                              run_dir=self.run_dir, run=self.cfg.run, config=config)
+                              run_dir=self.run_dir, run=OmegaConf.create(config["run"]), config=config)
         for logger in built:
             logger.log_hyperparams(config)
         return built
@@ -288,6 +291,10 @@ class Trainer(DataBuilders):
         callbacks, loggers = self.build_callbacks(), self.build_loggers()
         docs = self.build_documents()
         self.tokenizer = self.build_tokenizer(docs)
+        self.module = self.build_module()
+        if self.cfg.model.get("init_from"):  # a source of another shape fails before any write
+            with torch.device("meta"):
+                check_initial_weights(self.module.build_model(), self.cfg.model.init_from)
         self.lock_run_dir()
         try:
             self._setup_run(used, docs, callbacks, loggers)
@@ -304,7 +311,6 @@ class Trainer(DataBuilders):
         if isinstance(docs, PreparedMixture):  # data/<name>/tokens_seen in every logger's records
             callbacks.append(MixtureTokens([e["name"] for e in docs.entries], [e["share"] for e in docs.entries],
                                            self.cfg.run.seed, self.plan.global_batch_size, self.cfg.trainer.seq_len))
-        self.module = self.build_module()
         self.lightning = self.build_lightning_trainer(callbacks, loggers)
         self.announce()
 

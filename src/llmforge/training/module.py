@@ -76,6 +76,8 @@ class LLMModule(Evaluation, L.LightningModule):
         self.train_start_time: Optional[float] = None
         self.step_tokens = 0  # tokens (inputs, all ranks) of the last step
         self.state = State(cfg=cfg, module=self)  # what every event handler sees
+        self._aux_sums: dict[str, Any] = {}  # the step's auxiliary loss terms (summed over targets)
+        self._aux_metric_sums: dict[str, Any] = {}  # the model's aux_metrics, summed over micro-batches
         self.dispatch: Optional[Dispatcher] = Dispatcher()  # set up at fit start (setup_events)
 
     # ----------------------------------------------------------------- model
@@ -193,6 +195,53 @@ class LLMModule(Evaluation, L.LightningModule):
         None."""
         return batch.get("doc_ids") if isinstance(batch, dict) else None
 
+    # --------------------------------------------------------- auxiliary losses
+    def model_aux_losses(self) -> dict[str, torch.Tensor]:
+        """The auxiliary losses of the model's last forward (its optional ``aux_losses()``,
+        the model factory contract of :mod:`llmforge.models`; e.g. a router's load-balancing
+        loss): ``name -> scalar tensor``, a mean per token, weight included; ``{}`` for models
+        without."""
+        fn = getattr(self.model, "aux_losses", None)
+        return dict(fn()) if fn is not None else {}
+
+    def aux_loss_sum(self, aux: dict[str, torch.Tensor], n_targets: torch.Tensor) -> torch.Tensor:
+        """What the auxiliary losses add to a micro-batch's summed loss: ``n_targets * sum(aux)``
+        (each is a per-token mean, and the step divides the summed loss by the target count, so
+        with one micro-batch the optimized loss is ``cross-entropy + sum(aux)``, as in
+        transformers' ``loss + router_aux_loss_coef * aux_loss``). Also accumulates the step's
+        ``train/aux_loss`` and ``train/aux/<name>``."""
+        total = torch.zeros((), dtype=torch.float32, device=n_targets.device)
+        for name, value in aux.items():
+            term = value.float() * n_targets
+            total = total + term
+            self._aux_sums[name] = self._aux_sums.get(name, 0.0) + term.detach()
+        return total
+
+    def record_aux_metrics(self) -> None:
+        """Accumulate the model's optional ``aux_metrics()`` (monitoring values of its last
+        forward, e.g. expert load) over the step's micro-batches."""
+        fn = getattr(self.model, "aux_metrics", None)
+        if fn is None:
+            return
+        for name, value in fn().items():
+            self._aux_metric_sums[name] = self._aux_metric_sums.get(name, 0.0) + torch.as_tensor(value).float()
+
+    def aux_step_metrics(self, total_targets: torch.Tensor, n_micro: int) -> dict[str, Any]:
+        """The step's auxiliary records: ``train/aux_loss`` (the sum of the terms, per target
+        token over all data-parallel ranks; ``train/loss - train/aux_loss`` is the
+        cross-entropy), ``train/aux/<name>`` per term, and the model's ``aux_metrics`` as
+        means over micro-batches and data-parallel ranks."""
+        out: dict[str, Any] = {}
+        if self._aux_sums:
+            terms = {k: self.dp_all_reduce(torch.as_tensor(v)) / total_targets
+                     for k, v in self._aux_sums.items()}
+            out["train/aux_loss"] = sum(terms.values())
+            out.update({f"train/aux/{k}": v for k, v in terms.items()})
+        scale = n_micro * self.plan.dp_size
+        out.update({k: self.dp_all_reduce(v) / scale for k, v in self._aux_metric_sums.items()})
+        self._aux_sums, self._aux_metric_sums = {}, {}
+        return out
+
     # ---------------------------------------------------------------- events
     def setup_events(self, plugins: Optional[Sequence[Any]] = None) -> None:
         """Collect the event handlers of ``plugins`` (default: the Lightning trainer's
@@ -216,11 +265,16 @@ class LLMModule(Evaluation, L.LightningModule):
         st.micro_batch, st.inputs, st.labels, st.doc_ids = index, inputs, labels, doc_ids
         self.event(Event.BEFORE_FORWARD)
         st.outputs = self(st.inputs) if st.doc_ids is None else self(st.inputs, st.doc_ids)
+        st.aux_losses = self.model_aux_losses()
+        if st.training:
+            self.record_aux_metrics()
         self.event(Event.AFTER_FORWARD)
         st.loss, st.n_targets = None, (st.labels != IGNORE_INDEX).sum()
         self.event(Event.BEFORE_LOSS)
         if st.loss is None:  # no plugin computed it (e.g. chunked cross-entropy)
             st.loss, _ = self.compute_loss(st.outputs, st.labels)
+        if st.training and st.aux_losses:
+            st.loss = st.loss + self.aux_loss_sum(st.aux_losses, st.n_targets)
         self.event(Event.AFTER_LOSS)
         self.dispatch.check_loss(st, Event.BEFORE_LOSS, Event.AFTER_LOSS)
         return st.loss
@@ -262,7 +316,7 @@ class LLMModule(Evaluation, L.LightningModule):
                 self.event(Event.BEFORE_BACKWARD)
                 self.backward_loss(st.loss * scale)
                 self.event(Event.AFTER_BACKWARD)
-                st.outputs = None  # the logits [b, T, V] must not outlive their micro-batch
+                st.outputs, st.aux_losses = None, {}  # the logits [b, T, V] must not outlive their micro-batch
             loss_total += st.loss.detach()
         self.step_tokens = int(inputs.numel()) * self.plan.dp_size  # real tokens, all ranks
         return loss_total, total_targets
@@ -291,6 +345,7 @@ class LLMModule(Evaluation, L.LightningModule):
             "train/lr": lr,
             "train/grad_norm": grad_norm,
             "train/tokens_seen": self.tokens_seen + self.step_tokens,
+            **self.aux_step_metrics(total_targets, st.n_micro),
         })
         self.event(Event.BEFORE_OPTIMIZER_STEP)
         if st.skip_step:

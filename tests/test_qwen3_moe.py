@@ -159,18 +159,18 @@ def test_dry_run_prints_total_and_active_parameters(capsys):
     ("model.capacity_factor=0", "model.capacity_factor must be a number > 0"),
     ("model.router_aux_loss_coef=-1", "model.router_aux_loss_coef must be a finite number >= 0"),
     ("model.mlp_only_layers=[7]", "model.mlp_only_layers must be a list of layer indices from 0 to 3"),
-    ("strategy.tp=2", "strategy.tp=2: qwen3_moe has no tensor-parallel plan"),
+    ("strategy.tp=2 trainer.devices=2 strategy.name=fsdp2", "strategy.tp=2: qwen3_moe has no tensor-parallel plan"),
 ])
 def test_bad_moe_keys_exit_2_naming_the_key(tmp_path, capsys, override, message):
-    code = main(["train", MOE_DEMO, "--dry-run", override, f"run.output_dir={tmp_path}"])
+    code = main(["train", MOE_DEMO, "--dry-run", *override.split(), f"run.output_dir={tmp_path}"])
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
     assert not any(tmp_path.iterdir())  # nothing written
 
 
 def test_aux_loss_reaches_the_optimized_loss_not_eval_loss(tmp_path):
-    """Trains the tiny MoE in process: train/loss - train/aux_loss is the cross-entropy, the
-    load-balancing term is logged, eval/loss has no auxiliary term, expert load is logged."""
+    """Trains the tiny MoE through the CLI (in process): the auxiliary terms and the expert load
+    reach the metrics file."""
     out = tmp_path / "runs"
     assert main(["train", MOE_DEMO, *MOE_TINY, f"run.output_dir={out}", "model.router_aux_loss_coef=0.5",
                  "model.router_z_loss_coef=0.01", "trainer.log_every=1"]) == 0
@@ -182,4 +182,57 @@ def test_aux_loss_reaches_the_optimized_loss_not_eval_loss(tmp_path):
         assert r["train/aux/load_balancing"] >= 0.5 - 1e-6 and r["train/aux/router_z"] > 0
         assert 1.0 <= r["moe/load_max_mean/layer_0"] <= 4.0 and r["moe/dropped_fraction"] == 0.0
         assert r["train/loss"] - r["train/aux_loss"] < 8.0  # ln(1024) = 6.93 at init, plus noise
-    assert all("train/aux_loss" not in r for r in rows if "eval/loss" in r and "train/loss" not in r)
+
+
+def moe_module(**model):
+    from llmforge.config import structured_config
+    from llmforge.config.validate import plan_batch
+    from llmforge.training.module import LLMModule
+
+    cfg = structured_config("qwen3_moe")
+    cfg.model.merge_with({"preset": None, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+                          "head_dim": 16, "hidden_dim": 64, "vocab_size": 50, "max_seq_len": 16,
+                          "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                          **model})
+    cfg.trainer.merge_with({"micro_batch_size": 2, "global_batch_size": 2, "seq_len": 8})
+    module = LLMModule(cfg, plan_batch(cfg, 1))
+    module.configure_model()
+    return module
+
+
+def test_aux_losses_through_the_events_in_process():
+    """One micro-batch: the optimized loss and its gradients are those of cross-entropy + the
+    model's aux terms (transformers' loss + coef x aux_loss); evaluation's loss is the pure
+    cross-entropy; a BEFORE_LOSS handler sees state.aux_losses."""
+    torch.manual_seed(0)
+    module = moe_module(router_aux_loss_coef=0.3, router_z_loss_coef=0.01)
+    batch = torch.randint(0, 50, (2, 9))
+    seen = {}
+
+    class Peek:
+        name = "peek"
+
+        def before_loss(self, state):
+            seen.update({k: v.item() for k, v in state.aux_losses.items()})
+
+    module.setup_events([Peek()])
+    loss_sum, n = module.forward_backward(batch)
+    got = {k: p.grad.clone() for k, p in module.model.named_parameters()}
+    module.model.zero_grad()
+    logits = module.model(batch[:, :-1])
+    aux = module.model.aux_losses()
+    ce = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    ref = ce + aux["load_balancing"] + aux["router_z"]
+    ref.backward()
+    assert set(seen) == {"load_balancing", "router_z"} and seen["load_balancing"] >= 0.3 - 1e-6
+    assert abs(loss_sum.item() / n.item() - ref.item()) < 1e-6
+    for k, p in module.model.named_parameters():
+        torch.testing.assert_close(got[k], p.grad, atol=1e-6, rtol=1e-5)
+    assert got["layers.0.feed_forward.router.weight"].abs().sum() > 0
+    metrics = module.aux_step_metrics(n.float(), 1)
+    assert metrics["train/aux_loss"].item() == pytest.approx(seen["load_balancing"] + seen["router_z"], abs=1e-6)
+
+    module.state.training = False  # evaluation: no auxiliary term in the loss
+    with torch.no_grad():
+        ev = module.micro_batch_loss(0, batch[:, :-1], batch[:, 1:], None)
+    assert abs(ev.item() / n.item() - ce.item()) < 1e-6

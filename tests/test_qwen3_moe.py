@@ -70,10 +70,10 @@ def test_capacity_factor_drops_the_overflow_and_counts_it():
     assert y[0, 2:].abs().max() == 0  # the rest add nothing
 
 
-def tiny_hf(path, norm_topk: bool, tie: bool = False, seed: int = 0, sparse_step: int = 1):
+def tiny_hf(path, norm_topk: bool, tie: bool = False, seed: int = 0, sparse_step: int = 1, vocab: int = 128):
     cfg = transformers.Qwen3MoeConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=64,
+        num_key_value_heads=2, head_dim=16, vocab_size=vocab, max_position_embeddings=64,
         rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=tie, num_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=norm_topk,
         decoder_sparse_step=sparse_step, router_aux_loss_coef=0.02)
@@ -236,3 +236,30 @@ def test_aux_losses_through_the_events_in_process():
     with torch.no_grad():
         ev = module.micro_batch_loss(0, batch[:, :-1], batch[:, 1:], None)
     assert abs(ev.item() / n.item() - ce.item()) < 1e-6
+
+
+@pytest.mark.slow
+def test_fsdp2_two_processes_from_hf_equal_one_process(tmp_path):
+    """`model.init_from: hf:PATH` into FSDP2-sharded experts (each of 2 gloo processes reads
+    only its 2 of the 4 experts per projection) and 5 steps: the losses (load-balancing term
+    included) and the logged expert load equal one process's within 1e-5."""
+    from conftest import run_cli
+    from test_parallel import COMMON
+
+    tiny_hf(tmp_path / "hf", norm_topk=True, vocab=1024)
+    common = [o for o in COMMON if not o.startswith("model.")] + [
+        f"model.init_from=hf:{tmp_path / 'hf'}", f"run.output_dir={tmp_path}"]
+    assert main(["train", MOE_DEMO, *common, "run.name=one"]) == 0
+    proc = run_cli("train", MOE_DEMO, *common, "run.name=two", "strategy.name=fsdp2", "--nproc", "2",
+                   cwd=REPO, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    one, two = ([json.loads(x) for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()]
+                for n in ("one", "two"))
+    keys = ("train/loss", "train/aux_loss", "train/grad_norm", "moe/load_max_mean/layer_1")
+    one, two = ([[r[k] for k in keys] for r in rows if "train/loss" in r] for rows in (one, two))
+    assert len(one) == 5 and one[0][1] > 0.01 * 0.99  # 0.01 x (E sum f P >= 1)
+    from omegaconf import OmegaConf
+
+    model = OmegaConf.load(tmp_path / "one" / "config.yaml").model
+    assert model.router_aux_loss_coef == 0.01 and model.num_experts == 4  # the YAML's weight, HF's shape
+    assert two == [pytest.approx(r, abs=1e-5) for r in one]

@@ -46,6 +46,9 @@ class HFAdapter:
     model_type = ""
     architecture = ""
     key_table: list[tuple[str, str]] = []
+    training_keys: tuple[str, ...] = ()
+    """Keys of :meth:`config_from_hf` that are training settings, not shapes (e.g. a router's
+    loss weight): with ``model.init_from: hf:PATH`` a value set in the YAML wins over them."""
 
     def __init__(self) -> None:
         self.inverse_table = invert_table(self.key_table)

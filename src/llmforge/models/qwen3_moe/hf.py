@@ -27,6 +27,7 @@ class Qwen3MoeHFAdapter(Qwen3HFAdapter):
     family = "qwen3_moe"
     model_type = "qwen3_moe"
     architecture = "Qwen3MoeForCausalLM"
+    training_keys = ("router_aux_loss_coef",)
     key_table = Qwen3HFAdapter.key_table + [
         (r"^model\.layers\.(\d+)\.mlp\.gate\.weight$", r"layers.\1.feed_forward.router.weight"),
     ]

@@ -29,10 +29,15 @@ __all__ = ["GroupedExperts", "MoE", "RouterStats", "expert_swiglu", "grouped_mm_
 
 
 def grouped_mm_ok(x: torch.Tensor, dims: tuple[int, ...]) -> bool:
-    """Whether ``torch._grouped_mm`` can run here: the installed torch has it (2.8+; CPU forward
-    and backward in 2.13, CUDA on sm90+) and every row stride is a multiple of 16 bytes (its
-    alignment rule: e.g. ``D`` and ``I`` multiples of 4 in float32, 8 in bfloat16)."""
-    return hasattr(torch, "_grouped_mm") and all(d * x.element_size() % 16 == 0 for d in dims)
+    """Whether ``torch._grouped_mm`` can run here: the installed torch has it (2.8+), every row
+    stride is a multiple of 16 bytes (its alignment rule: ``D`` and ``I`` multiples of 8 in
+    bfloat16, 4 in float32), and the dtype is bfloat16, or float32 in eager mode on the CPU
+    (torch 2.13's CPU kernel takes float32, forward and backward, but its meta kernel, which
+    ``torch.compile`` traces, and the CUDA kernel take bfloat16 only)."""
+    if not hasattr(torch, "_grouped_mm") or any(d * x.element_size() % 16 for d in dims):
+        return False
+    return x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and x.device.type == "cpu"
+                                         and not torch.compiler.is_compiling())
 
 
 def expert_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,

@@ -26,6 +26,7 @@ from llmforge import registry
 from llmforge.algorithms.base import ModelContext, run_pipeline
 from llmforge.events import Dispatcher, Event, State
 from llmforge.parallel.init import init_parallel_model, seeded_init
+from llmforge.training.aux_losses import AuxLosses
 from llmforge.training.eval_loop import Evaluation
 from llmforge.training.optim import build_optimizer
 from llmforge.training.schedule import build_scheduler
@@ -43,7 +44,7 @@ def count_optimizer_step(trainer: Any) -> None:
     progress.completed += 1
 
 
-class LLMModule(Evaluation, L.LightningModule):
+class LLMModule(AuxLosses, Evaluation, L.LightningModule):
     """Causal-LM training on a model built by a registered factory.
 
     Args:
@@ -76,8 +77,8 @@ class LLMModule(Evaluation, L.LightningModule):
         self.train_start_time: Optional[float] = None
         self.step_tokens = 0  # tokens (inputs, all ranks) of the last step
         self.state = State(cfg=cfg, module=self)  # what every event handler sees
-        self._aux_sums: dict[str, Any] = {}  # the step's auxiliary loss terms (summed over targets)
-        self._aux_metric_sums: dict[str, Any] = {}  # the model's aux_metrics, summed over micro-batches
+        self._aux_sums: dict[str, Any] = {}  # AuxLosses: the step's auxiliary terms
+        self._aux_metric_sums: dict[str, Any] = {}  # AuxLosses: the model's aux_metrics
         self.dispatch: Optional[Dispatcher] = Dispatcher()  # set up at fit start (setup_events)
 
     # ----------------------------------------------------------------- model
@@ -194,53 +195,6 @@ class LLMModule(Evaluation, L.LightningModule):
         """``LongTensor[B, T]`` document ids of a packed SFT batch (dict key ``doc_ids``), else
         None."""
         return batch.get("doc_ids") if isinstance(batch, dict) else None
-
-    # --------------------------------------------------------- auxiliary losses
-    def model_aux_losses(self) -> dict[str, torch.Tensor]:
-        """The auxiliary losses of the model's last forward (its optional ``aux_losses()``,
-        the model factory contract of :mod:`llmforge.models`; e.g. a router's load-balancing
-        loss): ``name -> scalar tensor``, a mean per token, weight included; ``{}`` for models
-        without."""
-        fn = getattr(self.model, "aux_losses", None)
-        return dict(fn()) if fn is not None else {}
-
-    def aux_loss_sum(self, aux: dict[str, torch.Tensor], n_targets: torch.Tensor) -> torch.Tensor:
-        """What the auxiliary losses add to a micro-batch's summed loss: ``n_targets * sum(aux)``
-        (each is a per-token mean, and the step divides the summed loss by the target count, so
-        with one micro-batch the optimized loss is ``cross-entropy + sum(aux)``, as in
-        transformers' ``loss + router_aux_loss_coef * aux_loss``). Also accumulates the step's
-        ``train/aux_loss`` and ``train/aux/<name>``."""
-        total = torch.zeros((), dtype=torch.float32, device=n_targets.device)
-        for name, value in aux.items():
-            term = value.float() * n_targets
-            total = total + term
-            self._aux_sums[name] = self._aux_sums.get(name, 0.0) + term.detach()
-        return total
-
-    def record_aux_metrics(self) -> None:
-        """Accumulate the model's optional ``aux_metrics()`` (monitoring values of its last
-        forward, e.g. expert load) over the step's micro-batches."""
-        fn = getattr(self.model, "aux_metrics", None)
-        if fn is None:
-            return
-        for name, value in fn().items():
-            self._aux_metric_sums[name] = self._aux_metric_sums.get(name, 0.0) + torch.as_tensor(value).float()
-
-    def aux_step_metrics(self, total_targets: torch.Tensor, n_micro: int) -> dict[str, Any]:
-        """The step's auxiliary records: ``train/aux_loss`` (the sum of the terms, per target
-        token over all data-parallel ranks; ``train/loss - train/aux_loss`` is the
-        cross-entropy), ``train/aux/<name>`` per term, and the model's ``aux_metrics`` as
-        means over micro-batches and data-parallel ranks."""
-        out: dict[str, Any] = {}
-        if self._aux_sums:
-            terms = {k: self.dp_all_reduce(torch.as_tensor(v)) / total_targets
-                     for k, v in self._aux_sums.items()}
-            out["train/aux_loss"] = sum(terms.values())
-            out.update({f"train/aux/{k}": v for k, v in terms.items()})
-        scale = n_micro * self.plan.dp_size
-        out.update({k: self.dp_all_reduce(v) / scale for k, v in self._aux_metric_sums.items()})
-        self._aux_sums, self._aux_metric_sums = {}, {}
-        return out
 
     # ---------------------------------------------------------------- events
     def setup_events(self, plugins: Optional[Sequence[Any]] = None) -> None:

@@ -203,7 +203,8 @@ def test_aux_losses_through_the_events_in_process():
     ce = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
     ref = ce + aux["load_balancing"] + aux["router_z"]
     ref.backward()
-    assert set(seen) == {"load_balancing", "router_z"} and seen["load_balancing"] >= 0.3 - 1e-6
+    # E sum_e f_e P_e is k = 2 for a balanced router and near it for a random one
+    assert set(seen) == {"load_balancing", "router_z"} and 0.3 * 1.5 < seen["load_balancing"] < 0.3 * 4
     assert abs(loss_sum.item() / n.item() - ref.item()) < 1e-6
     for k, p in module.model.named_parameters():
         torch.testing.assert_close(got[k], p.grad, atol=1e-6, rtol=1e-5)
@@ -241,7 +242,7 @@ def test_fsdp2_two_processes_from_hf_equal_one_process(tmp_path):
         assert 1.0 <= r["moe/load_max_mean/layer_0"] <= 4.0
     keys = ("train/loss", "train/aux_loss", "train/grad_norm", "moe/load_max_mean/layer_1")
     one, two = ([[r[k] for k in keys] for r in rows if "train/loss" in r] for rows in (one, two))
-    assert len(one) == 5 and one[0][1] > 0.01 * 0.99  # 0.01 x (E sum f P >= 1)
+    assert len(one) == 5 and 0.01 * 1.5 < one[0][1] < 0.01 * 4  # 0.01 x (E sum f P, k = 2 if balanced)
     from omegaconf import OmegaConf
 
     model = OmegaConf.load(tmp_path / "one" / "config.yaml").model

@@ -22,16 +22,20 @@ HF_PREFIX = "hf:"
 
 def apply_hf_shape(cfg: Any) -> None:
     """For ``model.init_from: hf:PATH``, set the ``model:`` shape fields from its config.json
-    (they must match the weights, so they win over the YAML's).
+    (they must match the weights, so they win over the YAML's); the adapter's
+    ``training_keys`` (e.g. a router loss weight) only where the YAML leaves them null.
 
     Raises:
         ConfigError: the folder's family is not ``model.name``'s (names the one to set)."""
     spec = cfg.model.init_from
     if spec and spec.startswith(HF_PREFIX):
-        from llmforge.checkpoint.hf import model_overrides_from_hf, read_hf_config
+        from llmforge.checkpoint.hf import adapter_for_hf, model_overrides_from_hf, read_hf_config
 
         hf = read_hf_config(spec[len(HF_PREFIX):])
         fields = model_overrides_from_hf(hf)
+        for key in adapter_for_hf(hf).training_keys:  # settings, not shapes: the YAML's win
+            if cfg.model.get(key) is not None:
+                fields.pop(key, None)
         family = fields.pop("name")
         if cfg.model.name != family:
             raise ConfigError(f"model.init_from: {spec[len(HF_PREFIX):]} holds a Hugging Face "

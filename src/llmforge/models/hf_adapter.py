@@ -1,7 +1,8 @@
 """Hugging Face state-dict adapter: the family-specific half of HF import and export.
 
 A family's adapter (``models/<family>/hf.py``) says how its parameter names map to HF's (a
-regex table, the layer index as the only group), which weights HF stores in another layout
+regex table, the layer index as the only group; a parameter HF stores as several keys, one per
+expert, through :meth:`HFAdapter.stacked_keys`), which weights HF stores in another layout
 (Llama's rotary pairs in halves per head), and how ``config.json`` maps to the family's
 ``model:`` keys both ways. The generic half — reading safetensors shard by shard, writing
 shards, tokenizer files, ``generation_config.json`` — is :mod:`llmforge.checkpoint.hf`.
@@ -49,6 +50,9 @@ class HFAdapter:
     architecture = ""
     config_class = ""  # transformers' config class (``LlamaConfig``): the defaults of absent keys
     key_table: list[tuple[str, str]] = []
+    training_keys: tuple[str, ...] = ()
+    """Keys of :meth:`config_from_hf` that are training settings, not shapes (e.g. a router's
+    loss weight): with ``model.init_from: hf:PATH`` a value set in the YAML wins over them."""
 
     def __init__(self) -> None:
         self.inverse_table = invert_table(self.key_table)
@@ -94,6 +98,12 @@ class HFAdapter:
     def tied(self, model: Any) -> bool:
         """Whether ``output.weight`` is the embedding (HF then stores it once)."""
         return bool(getattr(model.args, "tie_embeddings", False))
+
+    def stacked_keys(self, model: Any, name: str) -> Optional[list[str]]:
+        """The HF keys whose tensors, stacked on a new dim 0, make our parameter ``name`` (a
+        mixture of experts' ``[E, ...]`` weights, which HF stores one key per expert); ``None``
+        for a parameter stored under one key (:meth:`key_to_hf`)."""
+        return None
 
     def permuted_heads(self, model: Any, name: str) -> Optional[int]:
         """Number of heads whose rows HF stores permuted for parameter ``name`` (``None``: the

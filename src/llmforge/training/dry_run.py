@@ -115,14 +115,14 @@ def dry_run_report(cfg: Any, plan: BatchPlan, device_memory_gib: Optional[float]
     spec = get_spec(cfg.model.name)
     with torch.device("meta"):
         model = spec(cfg.model)
-    n_params = int(model.num_params()) if hasattr(model, "num_params") else sum(
-        p.numel() for p in model.parameters())
+    n_params, n_active = spec.num_params(model)
     seq = cfg.trainer.seq_len
     flops = spec.flops(model, seq)
     mem = estimate_memory(n_params, cfg.trainer.precision, cfg.strategy, plan.world_size)
     lines = [
         f"model           {cfg.model.name} (preset {cfg.model.preset})",
-        f"parameters      {_fmt_count(n_params)} ({n_params:,})",
+        f"parameters      {_fmt_count(n_params)} ({n_params:,})" + (
+            f", active {_fmt_count(n_active)} ({n_active:,}) per token" if n_active != n_params else ""),
         f"vocab_size      {model.vocab_size:,}",
         f"flops/token     {flops:.4g} (training, at seq_len {seq})",
         f"world size      {plan.world_size} ({cfg.strategy.name}, dp {plan.dp_size}, tp {cfg.strategy.tp})",

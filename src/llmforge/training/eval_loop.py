@@ -51,7 +51,7 @@ class Evaluation:
             with self.trainer.precision_plugin.forward_context():
                 s = self.micro_batch_loss(i, inputs.to(self.device), labels.to(self.device),
                                           None if doc_ids is None else doc_ids.to(self.device))
-            st.outputs = None
+            st.outputs, st.aux_losses = None, {}
             loss_sum += s.float()
             count += st.n_targets
         restore_modes(modes)

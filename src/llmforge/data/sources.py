@@ -261,11 +261,17 @@ def load_documents(cfg: Any, seed: int) -> DocumentSplits:
 
 
 def _hold_out(ds: AnyDataset, fraction: float, seed: int) -> tuple[AnyDataset, AnyDataset]:
-    """Hold out ``fraction`` of the documents (at least one) for validation, fixed by ``seed``."""
+    """Hold out ``fraction`` of the documents for validation, fixed by ``seed``: at least one
+    of an in-memory source; of a streaming source, the documents :func:`held_out` picks."""
     if isinstance(ds, datasets.IterableDataset):
-        every = max(2, round(1 / fraction))
-        val = ds.filter(lambda _, i: i % every == 0, with_indices=True)
-        train = ds.filter(lambda _, i: i % every != 0, with_indices=True)
+        # by the document's own identity (its text), never its position: a position in the
+        # stream changes with the loader-worker split and between passes, which trained on
+        # held-out documents; equal documents land on the same side
+        def held(batch: dict) -> list[bool]:
+            return [held_out(t, fraction, seed) for t in batch["text"]]
+
+        val = ds.filter(held, batched=True)
+        train = ds.filter(lambda batch: [not h for h in held(batch)], batched=True)
         return train, val
     if len(ds) < 2:
         raise DataError(
@@ -274,6 +280,16 @@ def _hold_out(ds: AnyDataset, fraction: float, seed: int) -> tuple[AnyDataset, A
         )
     parts = ds.train_test_split(test_size=fraction, seed=seed, shuffle=True)
     return parts["train"], parts["test"]
+
+
+def held_out(text: str, fraction: float, seed: int) -> bool:
+    """Whether a streaming document is held out for validation: the first 8 bytes of
+    ``blake2b(text, salt=seed)`` read as a fraction of 2**64 fall below ``fraction``, so
+    ``fraction`` of distinct documents on average, the same ones in every pass and worker
+    split."""
+    digest = hashlib.blake2b(text.encode("utf-8", errors="replace"), digest_size=8,
+                             salt=seed.to_bytes(16, "little", signed=True)).digest()
+    return int.from_bytes(digest, "little") < fraction * 2 ** 64
 
 
 def read_rows(ds: AnyDataset, files: Any = ()) -> Iterator[dict]:

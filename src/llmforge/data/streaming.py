@@ -3,10 +3,11 @@ with an exact, O(1) resume position.
 
 Each data-parallel rank reads a disjoint part of the documents
 (``datasets.distributed.split_dataset_by_node``) and each DataLoader worker a disjoint set of
-the source's shards (``datasets`` assigns them; a worker beyond the shard count idles). Within
-a worker, documents are read in blocks of ``block_docs``; a block's tokens (with the tail the
-previous block left) are cut into windows of ``seq_len + 1`` tokens and yielded in an order
-permuted by ``(seed, rank, worker, epoch, block)``.
+the source's shards (``datasets`` assigns them; a worker beyond the shard count idles), the
+same set in every pass. Within a worker, documents are read in blocks of ``block_docs``; a
+block's tokens (with the tail the previous block left) are cut into windows of ``seq_len + 1``
+tokens and yielded in an order permuted by ``(seed, rank, worker, epoch, block)``, ``epoch``
+being this worker's own pass number (workers end their passes at different times).
 
 The position (:meth:`StreamingWindows.state_dict`) is ``datasets``' own
 ``IterableDataset.state_dict()`` at the start of the current block, the tail carried into it
@@ -101,8 +102,11 @@ class StreamingWindows(IterableDataset):
         self._resume = None
         while True:
             epoch = state["epoch"]
-            self.docs.set_epoch(epoch)
-            # datasets applies a loaded position only to the pass of the epoch it was saved in
+            # the pass number lives in this worker's own state only, never in datasets'
+            # set_epoch: datasets keeps its epoch in memory shared by every loader worker, so
+            # workers in different passes would overwrite each other's (a resume then dropped
+            # its saved position, and two workers read the same file for the rest of a pass).
+            # datasets' epoch stays 0: every pass splits the files between workers the same way
             self.docs.load_state_dict(state["docs"] if state["docs"] is not None else None)
             whole_pass = state["docs"] is None and state["block"] == 0 and state["yielded"] == 0
             produced = 0

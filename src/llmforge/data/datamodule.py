@@ -32,7 +32,8 @@ from torch.utils.data import ConcatDataset, DataLoader
 from llmforge.data.loader import PositionedLoader
 from llmforge.data.mixture import (MixtureSampler, MixtureStream, MixtureWindows, PreparedMixture,
                                    mixture_windows)
-from llmforge.data.packing import PackedWindows, ShardedSampler, pack_documents, token_dtype
+from llmforge.data.packing import (PIECE_CHARS, PackedWindows, ShardedSampler, encode_packed,
+                                   token_dtype)
 from llmforge.data.prepared import PreparedSplits, PreparedWindows
 from llmforge.data.sources import DocumentSplits
 from llmforge.data.streaming import StreamingWindows
@@ -56,34 +57,18 @@ def ignore_stop_signals(worker_id: int) -> None:
         pl_worker_init_function(worker_id)
 
 
-def _by_size(texts: list[str], max_chars: int) -> Any:
-    """Consecutive runs of ``texts`` of at most ``max_chars`` characters (one longer text alone)."""
-    run: list[str] = []
-    size = 0
-    for text in texts:
-        if run and size + len(text) > max_chars:
-            yield run
-            run, size = [], 0
-        run.append(text)
-        size += len(text)
-    if run:
-        yield run
-
-
 def tokenize_documents(ds: Any, tokenizer: Any, batch_size: int = 512,
-                       max_chars: int = 1 << 20) -> np.ndarray:
-    """Tokenize every document of a map-style dataset and pack it (see :func:`pack_documents`).
+                       max_chars: int = PIECE_CHARS) -> np.ndarray:
+    """Tokenize every document of a map-style dataset and pack it (``[BOS] doc [EOS]`` each).
 
-    Each call of the batch encoder gets at most ``max_chars`` characters (documents stay whole,
-    so the ids are the same): its per-token objects (``tokenizers`` Encodings, Python int
-    lists) are ~150 bytes a token, so encoding the 39 plays of the demo in one call held
-    ~330 MiB at once, the peak of the whole run (issue 18.9); 1 MiB of text holds ~60 MiB."""
+    Each call of the batch encoder gets at most ``max_chars`` characters
+    (:func:`llmforge.data.packing.encode_packed`): its per-token objects are ~150 bytes a
+    token, so encoding the 39 plays of the demo in one call held ~330 MiB at once, the peak of
+    the whole run (issue 18.9); 1 MiB of text holds ~60 MiB. A longer document is encoded in
+    pieces cut at spaces (issue 26.4)."""
     dtype = token_dtype(tokenizer.vocab_size)
-    parts = []
-    for batch in ds.iter(batch_size=batch_size):
-        for texts in _by_size(batch["text"], max_chars):
-            parts.append(pack_documents(tokenizer.encode_batch(texts), tokenizer.bos_id,
-                                        tokenizer.eos_id, dtype))
+    parts = [encode_packed(tokenizer, batch["text"], dtype, max_chars)
+             for batch in ds.iter(batch_size=batch_size)]
     return np.concatenate(parts) if parts else np.empty(0, dtype=dtype)
 
 

@@ -5,9 +5,9 @@ Documents are read lazily (``datasets`` streaming) in the order a run would read
 validation documents held out as the run's ``data.val_fraction`` / ``data.val_split`` would,
 and cut into shards of ``docs_per_shard`` documents. Shards are tokenized by a pool of
 processes (one per core), each writing its shard to a temporary file that is renamed when
-whole; ``progress.json`` lists the finished shards, so an interrupted prepare started again
-keeps them and re-reads (without tokenizing) only their documents. ``manifest.json`` is
-written last.
+whole; ``progress.json`` is written before anything else and lists the finished shards, so a
+prepare interrupted at any moment (SIGKILL included) and started again keeps them and re-reads
+(without tokenizing) only their documents. ``manifest.json`` is written last.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from llmforge.data.packing import pack_documents, token_dtype
+from llmforge.data.packing import encode_packed, token_dtype
 from llmforge.data.prepared import FORMAT, MANIFEST, file_sha256, tokenizer_fingerprint
 from llmforge.errors import DataError
 
@@ -31,7 +31,15 @@ _WORKER_TOK: Any = None
 
 def _init_worker(tokenizer_dir: str) -> None:
     global _WORKER_TOK
+    import signal
+
     from llmforge.data.tokenizers import load_saved
+
+    # a Ctrl-C or a scheduler's signal reaches the whole process group: the parent stops
+    # (llmforge.signals, exit 75/130) and terminates the pool with SIGTERM, which must kill
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     _WORKER_TOK = load_saved(tokenizer_dir)
 
@@ -42,7 +50,7 @@ def write_shard(tok: Any, texts: list[str], path: Path) -> dict[str, Any]:
     Returns:
         ``{"file", "tokens", "sha256", "documents", "bytes"}`` (bytes: UTF-8 text read).
     """
-    arr = pack_documents(tok.encode_batch(texts), tok.bos_id, tok.eos_id, token_dtype(tok.vocab_size))
+    arr = encode_packed(tok, texts, token_dtype(tok.vocab_size))  # long texts in pieces
     tmp = path.with_suffix(".tmp")
     arr.tofile(tmp)
     os.replace(tmp, path)
@@ -89,7 +97,8 @@ def _check_out(out: Path, key: dict[str, Any]) -> dict[str, list]:
     Raises:
         DataError: OUT holds something else (another corpus, another tokenizer, other files).
     """
-    if not out.exists() or not any(out.iterdir()):
+    # a *.tmp beside: a kill between writing and renaming progress.json (nothing else yet)
+    if not out.exists() or all(p.suffix == ".tmp" for p in out.iterdir()):
         return {}
     progress = out / PROGRESS
     if progress.exists():
@@ -172,6 +181,8 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
            "val_split": cfg.data.val_split, "max_documents": cfg.data.max_documents}
     done = _check_out(out, key)
     out.mkdir(parents=True, exist_ok=True)
+    if not (out / PROGRESS).exists():  # first, so a kill at any later moment can be rerun
+        _atomic_json(out / PROGRESS, {"key": key, "splits": {"train": [], "val": []}})
     tok.save(out / "tokenizer")
     total = sum(s.get("bytes", 0) for s in sources) or None
     workers = workers or os.cpu_count() or 1

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from llmforge.data.packing import encode_packed
 from llmforge.errors import DataError
 
 
@@ -75,16 +76,11 @@ class StreamingWindows(IterableDataset):
 
     def _pack(self, texts: list[str], tail: list[int]) -> tuple[np.ndarray, list[int]]:
         """``(windows[n, seq_len + 1], new tail)`` of ``tail + [BOS] doc [EOS] ...``."""
-        tok, w = self.tokenizer, self.seq_len + 1
-        ids: list[int] = list(tail)
-        for doc in tok.encode_batch(texts):
-            if doc:
-                ids.append(tok.bos_id)
-                ids.extend(doc)
-                ids.append(tok.eos_id)
+        w, int64 = self.seq_len + 1, np.dtype(np.int64)
+        ids = np.concatenate([np.asarray(tail, dtype=int64),
+                              encode_packed(self.tokenizer, texts, int64)])  # long texts in pieces
         n = len(ids) // w
-        arr = np.asarray(ids[:n * w], dtype=np.int64).reshape(n, w)
-        return arr, ids[n * w:]
+        return ids[:n * w].reshape(n, w), ids[n * w:].tolist()
 
     def _order(self, n: int, worker: int, epoch: int, block: int) -> np.ndarray:
         if not self.shuffle:

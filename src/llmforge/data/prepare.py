@@ -56,7 +56,7 @@ def write_shard(tok: Any, texts: list[str], path: Path) -> dict[str, Any]:
     os.replace(tmp, path)
     return {"file": f"{path.parent.name}/{path.name}", "tokens": int(len(arr)),
             "sha256": file_sha256(path), "documents": len(texts),
-            "bytes": sum(len(t.encode("utf-8", "replace")) for t in texts)}
+            "bytes": sum(len(t) if t.isascii() else len(t.encode("utf-8", "replace")) for t in texts)}
 
 
 def _pool_shard(args: tuple[list[str], str]) -> dict[str, Any]:

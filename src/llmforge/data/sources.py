@@ -42,6 +42,8 @@ def clean_text(text: Optional[str]) -> str:
                         "where text was expected; point data.text_field at a string column")
     if text.startswith("\ufeff"):
         text = text[1:]
+    if "\r" not in text:  # no copies of a long document that needs none
+        return text
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
@@ -187,7 +189,7 @@ def _normalize(ds: AnyDataset, text_field: str, max_documents: Optional[int]) ->
 
     def fix(batch: dict) -> dict:  # cleaned, empty documents dropped: one batched pass
         texts = (clean_text(t) for t in batch[text_field])
-        return {"text": [t for t in texts if t.strip()]}
+        return {"text": [t for t in texts if t and not t.isspace()]}
 
     # only the text column goes on (a batched map that drops rows must drop the other columns);
     # one map, not map + filter: datasets' streaming batches join their row keys at each

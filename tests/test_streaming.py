@@ -113,6 +113,35 @@ def test_changed_world_size_restarts_the_stream_and_says_so(tmp_path, capsys):
     assert "data-parallel size 2" in err and "this run has 1" in err and "seen again" in err
 
 
+@pytest.mark.parametrize("rewrite", ["longer", "same size"])
+def test_a_file_rewritten_under_its_name_is_refused_at_resume(tmp_path, capsys, rewrite):
+    from llmforge.errors import DataError
+
+    path = write_corpus(tmp_path / "c", 2, 10)
+    dm = stream(path, num_workers=0)
+    saved = {"dp_rank": 0, "dp_size": 1, "num_workers": 0, "step": 3, "files": dm._stream_files(),
+             "file_stats": dm._stream_stats(), "loader": {"saved": True}}
+    (tmp_path / "ckpt" / "data").mkdir(parents=True)
+    (tmp_path / "ckpt" / "data" / "rank0.json").write_text(json.dumps(saved))
+    part = tmp_path / "c" / "part1.jsonl"
+    old = part.read_text()
+    part.write_text(old + old if rewrite == "longer" else old.replace("file 1", "file 9"))
+    again = stream(path, num_workers=0)
+    again.resume_dir = tmp_path / "ckpt"
+    with pytest.raises(DataError) as err:
+        again._saved_position()
+    size = f"{len(old):,} -> {len(old) * 2:,} bytes)" if rewrite == "longer" else \
+        f"{len(old):,} -> {len(old):,} bytes, other content)"
+    assert str(err.value).startswith(f"data: a streaming file changed since {tmp_path / 'ckpt' / 'data' / 'rank0.json'} "
+                                     f"was saved (data: part1.jsonl ({size}"), str(err.value)
+    assert "checkpoint.allow_config_changes=true" in str(err.value)
+    again.allow_source_changes = True  # the stream restarts, and says so
+    assert again._saved_position() is None
+    assert "part1.jsonl" in capsys.readouterr().err
+    part.write_text(old)  # the file as it was: the position applies again
+    assert stream(path, num_workers=0)._same_files(saved, tmp_path, 0)
+
+
 # ------------------------------------------------- past the first pass (issue 26.1)
 def write_tagged(folder: Path, files: int, docs: int) -> str:
     """Documents ``<f.d>`` repeated: every window names the file and document it came from."""

@@ -115,6 +115,7 @@ class LLMDataModule(L.LightningDataModule):
         self.resume_dir = Path(resume_dir) if resume_dir else None
         self.allow_source_changes = allow_source_changes
         self.positioned: Optional[PositionedLoader] = None
+        self._stats: Optional[dict[str, list[list]]] = None  # see _stream_stats
         self.train_windows: Any = None
         self.val_windows: Any = None
         self.train_tokens = 0
@@ -260,14 +261,28 @@ class LLMDataModule(L.LightningDataModule):
                   file=sys.stderr, flush=True)
         return None
 
-    def _stream_files(self) -> dict[str, list[str]]:
-        """The file names of each streaming source (``data``, or a mixture entry's name): a
-        saved position is a shard index and an offset in these (``datasets``' state)."""
-        names = lambda files: [os.path.basename(str(f)) for f in files]  # noqa: E731 (no URL credentials)
+    def _stream_paths(self) -> dict[str, list[str]]:
+        """The files of each streaming source (``data``, or a mixture entry's name): a saved
+        position is a shard index and an offset in these (``datasets``' state)."""
         if isinstance(self.docs, PreparedMixture):
-            return {e["name"]: names(p.files) for e, p in zip(self.docs.entries, self.docs.parts)
-                    if e["source"] != "prepared"}
-        return {"data": names(getattr(self.docs, "files", ()))}
+            return {e["name"]: [str(f) for f in p.files]
+                    for e, p in zip(self.docs.entries, self.docs.parts) if e["source"] != "prepared"}
+        return {"data": [str(f) for f in getattr(self.docs, "files", ())]}
+
+    def _stream_files(self) -> dict[str, list[str]]:
+        """The file names of each streaming source (no directories, no URL credentials)."""
+        return {k: [os.path.basename(f) for f in v] for k, v in self._stream_paths().items()}
+
+    def _stream_stats(self) -> dict[str, list[list]]:
+        """``[name, bytes, sha256 of the first 64 KiB]`` of each local file of each streaming
+        source, computed once per run (a checkpoint records it; a file rewritten under the same
+        name is then noticed at resume). URLs are not read here (an object store per save)."""
+        if self._stats is None:
+            from llmforge.data.sources import file_identity
+
+            self._stats = {k: [[os.path.basename(f), *file_identity(f)] for f in v if os.path.isfile(f)]
+                           for k, v in self._stream_paths().items()}
+        return self._stats
 
     def _same_files(self, saved: dict, path: Path, rank: int) -> bool:
         """Whether the streaming sources read the files ``saved`` was written with (a position
@@ -277,12 +292,24 @@ class LLMDataModule(L.LightningDataModule):
             DataError: they differ and ``allow_source_changes`` is off.
         """
         then, now = saved.get("files"), self._stream_files()
-        if then is None or then == now:  # None: saved by an older llmforge
+        if then is None:  # saved by an older llmforge
             return True
-        changed = ", ".join(f"{k}: {len(then.get(k) or [])} -> {len(v)} files"
-                            + (" (other names)" if len(then.get(k) or []) == len(v) else "")
-                            for k, v in now.items() if then.get(k) != v)
-        msg = f"data: the streaming files differ from those {path} was saved with ({changed})"
+        if then == now:
+            stats_then, stats_now = saved.get("file_stats") or {}, self._stream_stats()
+            rewritten = [f"{k}: {new[0]} ({old[1]:,} -> {new[1]:,} bytes"
+                         + (", other content)" if old[1] == new[1] else ")")
+                         for k, entries in stats_now.items()
+                         for old, new in zip(stats_then.get(k) or [], entries)
+                         if old[0] == new[0] and old != new]
+            if not rewritten:
+                return True
+            msg = (f"data: a streaming file changed since {path} was saved ({'; '.join(rewritten)}): "
+                   "the saved offsets in it would skip or repeat documents")
+        else:
+            changed = ", ".join(f"{k}: {len(then.get(k) or [])} -> {len(v)} files"
+                                + (" (other names)" if len(then.get(k) or []) == len(v) else "")
+                                for k, v in now.items() if then.get(k) != v)
+            msg = f"data: the streaming files differ from those {path} was saved with ({changed})"
         if not self.allow_source_changes:
             raise DataError(f"{msg}; the saved position does not fit them: restore the files, or "
                             "pass checkpoint.allow_config_changes=true to restart the stream from its "
@@ -307,5 +334,5 @@ class LLMDataModule(L.LightningDataModule):
         trainer = getattr(self, "trainer", None)
         step = trainer.global_step if trainer is not None else self.start_step
         return {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "num_workers": self.num_workers,
-                "step": step, "files": self._stream_files(),
+                "step": step, "files": self._stream_files(), "file_stats": self._stream_stats(),
                 "loader": self.positioned.position(step - self.start_step)}

@@ -126,6 +126,14 @@ def describe_files(files: list[str]) -> list[dict[str, Any]]:
     return out
 
 
+def file_identity(path: str, head: int = 1 << 16) -> tuple[int, str]:
+    """``(bytes, sha256 hex of the first head bytes)`` of a local file: tells a file rewritten
+    under its name (another size or beginning) from the one a streaming position was saved in,
+    reading 64 KiB whatever its size. Unlike the modification time, it survives a copy."""
+    with open(path, "rb") as fh:
+        return os.fstat(fh.fileno()).st_size, hashlib.sha256(fh.read(head)).hexdigest()
+
+
 def _file_format(cfg: Any, files: list[str]) -> str:
     if cfg.format:
         fmt = {"txt": "text", "jsonl": "json"}.get(cfg.format, cfg.format)

@@ -35,7 +35,7 @@ from llmforge.data.mixture import (MixtureSampler, MixtureStream, MixtureWindows
 from llmforge.data.packing import (PIECE_CHARS, PackedWindows, ShardedSampler, encode_packed,
                                    token_dtype)
 from llmforge.data.prepared import PreparedSplits, PreparedWindows
-from llmforge.data.sources import DocumentSplits
+from llmforge.data.sources import DocumentSplits, file_identity
 from llmforge.data.streaming import StreamingWindows
 from llmforge.errors import DataError
 from llmforge.parallel.mesh import dp_coordinates
@@ -278,8 +278,6 @@ class LLMDataModule(L.LightningDataModule):
         source, computed once per run (a checkpoint records it; a file rewritten under the same
         name is then noticed at resume). URLs are not read here (an object store per save)."""
         if self._stats is None:
-            from llmforge.data.sources import file_identity
-
             self._stats = {k: [[os.path.basename(f), *file_identity(f)] for f in v if os.path.isfile(f)]
                            for k, v in self._stream_paths().items()}
         return self._stats

@@ -9,6 +9,7 @@ documents are dropped.
 
 from __future__ import annotations
 
+import copy
 import glob
 import hashlib
 import os
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
 import datasets
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from llmforge.data.shakespeare import shakespeare_files
 from llmforge.errors import DataError
@@ -157,12 +159,22 @@ def _load(builder: str, data_files: Any, cfg: Any, split: str, **kwargs: Any) ->
     try:
         return datasets.load_dataset(builder, data_files=data_files, split=split,
                                      streaming=cfg.streaming,
-                                     storage_options=dict(cfg.storage_options) or None, **kwargs)
+                                     storage_options=plain_options(cfg.storage_options) or None, **kwargs)
     except (FileNotFoundError, ValueError, OSError, datasets.exceptions.DatasetGenerationError) as exc:
         cause = exc.__cause__ or exc
         if isinstance(cause, UnicodeDecodeError):
             raise not_utf8(data_files, cause) from exc
         raise DataError(f"data: cannot read {data_files!r} as {builder}: {cause}") from exc
+
+
+def plain_options(options: Any) -> dict[str, Any]:
+    """``data.storage_options`` as plain, mutable containers, nested ones included
+    (``{headers: {...}}``, s3's ``client_kwargs``): fsspec drivers update them in place, which
+    a read-only OmegaConf node refuses ("Cannot change read-only config container") and a
+    shallow ``dict()`` copy would not reach."""
+    if isinstance(options, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(options, resolve=True) or {}  # type: ignore[return-value]
+    return copy.deepcopy(dict(options or {}))
 
 
 def not_utf8(files: Any, exc: UnicodeDecodeError) -> DataError:
@@ -249,7 +261,7 @@ def load_documents(cfg: Any, seed: int) -> DocumentSplits:
             return _load(builder, data_files, cfg, split, **kwargs)
         try:
             return datasets.load_dataset(builder, split=split, streaming=cfg.streaming,
-                                         storage_options=dict(cfg.storage_options) or None,
+                                         storage_options=plain_options(cfg.storage_options) or None,
                                          **kwargs)
         except Exception as exc:  # hub errors come in many types
             raise DataError(f"data.path: cannot load hub dataset '{builder}' split '{split}': {exc}") from exc

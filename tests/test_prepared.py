@@ -206,6 +206,8 @@ def _copy(prepared, tmp_path) -> Path:
     ("truncate", ["train/shard_00001.bin", "truncated"]),
     ("corrupt", ["train/shard_00001.bin", "corrupt"]),
     ("interrupted", ["interrupted", "run the same command again"]),
+    ("deep", ["manifest.json is not valid JSON (nested too deeply)"]),
+    ("vocab", ["train/shard_00001.bin holds token id 421, outside the tokenizer's vocabulary of 421 ids"]),
 ])
 def test_damaged_prepared_folder_exits_2_naming_the_file(prepared, tmp_path, capsys, damage, words):
     out = _copy(prepared, tmp_path)
@@ -218,6 +220,17 @@ def test_damaged_prepared_folder_exits_2_naming_the_file(prepared, tmp_path, cap
         data = bytearray(shard.read_bytes())
         data[10] ^= 0xFF
         shard.write_bytes(bytes(data))
+    elif damage == "deep":  # parses past Python's recursion limit
+        (out / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    elif damage == "vocab":  # an id past the vocabulary, with the manifest's sha256 to match
+        from llmforge.data.prepared import file_sha256
+
+        m = manifest(out)
+        ids = np.fromfile(shard, dtype=np.uint16)
+        ids[5] = m["tokenizer"]["vocab_size"]  # 421: the corpus is too small for 1024
+        ids.tofile(shard)
+        m["splits"]["train"]["shards"][1]["sha256"] = file_sha256(shard)
+        (out / "manifest.json").write_text(json.dumps(m))
     else:
         m = manifest(out)
         m["complete"] = False

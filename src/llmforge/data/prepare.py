@@ -104,8 +104,9 @@ def _check_out(out: Path, key: dict[str, Any]) -> dict[str, list]:
     if progress.exists():
         try:
             saved = json.loads(progress.read_text())
-        except (OSError, ValueError) as exc:
-            raise DataError(f"{progress} is damaged ({exc}); delete {out} and prepare again") from exc
+        except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
+            raise DataError(f"{progress} is damaged ({exc or 'nested too deeply'}); delete {out} and "
+                            "prepare again") from exc
         if not isinstance(saved, dict) or not isinstance(saved.get("splits"), dict):
             raise DataError(f"{progress} is not a progress file of `llmforge data prepare`; delete "
                             f"{out} and prepare again")

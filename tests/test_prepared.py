@@ -147,6 +147,11 @@ def test_prepare_killed_at_any_moment_reruns_to_identical_shards(prepared, tmp_p
                           "are kept: run the same command again to continue"), err
     monkeypatch.setattr(prep, "write_shard", real)
     assert prepare(source, out) == 0 and shard_digests(out) == want
+    # a signal that came as it finished: the same command again changes nothing and succeeds
+    before = (out / "manifest.json").read_bytes()
+    monkeypatch.setattr(prep, "write_shard", lambda *a: pytest.fail("a finished shard rewritten"))
+    assert prepare(source, out) == 0 and (out / "manifest.json").read_bytes() == before
+    assert shard_digests(out) == want
 
 
 def test_a_long_document_is_encoded_in_bounded_pieces_with_the_same_ids(prepared):

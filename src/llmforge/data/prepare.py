@@ -120,6 +120,19 @@ def _check_out(out: Path, key: dict[str, Any]) -> dict[str, list]:
     raise DataError(f"{out} exists and is not empty; choose an empty or new folder")
 
 
+def _finished(out: Path, key: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The manifest of a prepare of the same inputs that completed in ``out`` (a rerun of the
+    same command, e.g. after a stop signal that came as it finished), or ``None``."""
+    if (out / PROGRESS).exists() or not (out / MANIFEST).exists():
+        return None
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError, RecursionError):
+        return None  # _check_out refuses the folder
+    same = isinstance(manifest, dict) and manifest.get("complete") and manifest.get("key") == key
+    return manifest if same else None
+
+
 def _progress_bar(total_bytes: Optional[int]) -> Any:
     from rich.progress import (BarColumn, Progress, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
@@ -180,6 +193,9 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
     key = {"fingerprint": fp, "sources": sources, "docs_per_shard": docs_per_shard,
            "seed": cfg.run.seed, "val_fraction": cfg.data.val_fraction, "split": cfg.data.split,
            "val_split": cfg.data.val_split, "max_documents": cfg.data.max_documents}
+    finished = _finished(out, key)
+    if finished is not None:  # the same command again after it completed: nothing to do
+        return finished
     done = _check_out(out, key)
     out.mkdir(parents=True, exist_ok=True)
     if not (out / PROGRESS).exists():  # first, so a kill at any later moment can be rerun
@@ -248,6 +264,7 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
                           "shards": [{k: s[k] for k in ("file", "tokens", "sha256")} for s in shards]}
                    for name, shards in splits.items() if shards},
         "seconds": round(time.perf_counter() - start, 3),
+        "key": key,  # what a rerun of the same command compares (_finished)
     }
     _atomic_json(out / MANIFEST, manifest)
     (out / PROGRESS).unlink(missing_ok=True)

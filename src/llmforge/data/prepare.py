@@ -35,8 +35,9 @@ def _init_worker(tokenizer_dir: str) -> None:
 
     from llmforge.data.tokenizers import load_saved
 
-    # a Ctrl-C or a scheduler's signal reaches the whole process group: the parent stops
-    # (llmforge.signals, exit 75/130) and terminates the pool with SIGTERM, which must kill
+    # a Ctrl-C or a scheduler's signal reaches the whole process group: the parent alone
+    # stops (llmforge.signals, exit 75/130) and ends the pool with SIGTERM, whose default
+    # action a worker must keep (the handler inherited at fork would raise in the task)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -50,7 +50,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from llmforge.runs.commands import RUN_COMMANDS, TOP_COMMANDS
 
     # before the heavy imports: a stop during startup loses nothing (see llmforge.signals)
-    owns_signals = args.command == "train" and signals.install()
+    owns_signals = args.command in ("train", "data") and signals.install()
     handlers = {"train": cmd_train, "generate": cmd_generate, "algorithms": cmd_algorithms,
                 "runs": cmd_runs, "checkpoint": cmd_checkpoint, "convert": cmd_convert, "eval": cmd_eval}
     handlers.update(TOP_COMMANDS)  # launch, clusters, secrets

@@ -73,6 +73,25 @@ def _check_preparable(cfg: Any) -> None:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
+    """``data prepare``; a stop signal at any moment (llmforge.signals) says the command stopped
+    and that running it again continues (exit 75 for SIGTERM/SIGUSR1, 130 for SIGINT)."""
+    from llmforge import signals
+    from llmforge.config.redaction import scrub_url_credentials
+
+    try:
+        return _prepare_command(args)
+    except signals.StoppedBeforeTraining as exc:  # the CLI prints "stopped: ..."
+        import signal
+
+        name = signal.Signals(exc.signum).name if exc.signum else "a stop signal"
+        out = scrub_url_credentials(str(args.out))
+        raise signals.StopRequested(f"received {name}: `data prepare` stopped; the shards finished "
+                                    f"in {out} are kept: run the same command again to continue",
+                                    exc.exit_code, exc.signum) from None
+
+
+def _prepare_command(args: argparse.Namespace) -> int:
+    from llmforge.config.redaction import scrub_url_credentials
     from llmforge.data.prepare import prepare
     from llmforge.errors import ConfigError
 
@@ -82,8 +101,6 @@ def cmd_data(args: argparse.Namespace) -> int:
     _check_preparable(cfg)
     manifest = prepare(cfg, args.out, workers=args.workers, docs_per_shard=args.docs_per_shard,
                        show_progress=not args.no_progress and sys.stderr.isatty())
-    from llmforge.config.redaction import scrub_url_credentials
-
     out = scrub_url_credentials(str(args.out))  # s3://KEY:SECRET@bucket/x: never printed
     train = manifest["splits"]["train"]
     val = manifest["splits"].get("val", {"tokens": 0, "documents": 0})

@@ -237,13 +237,13 @@ def open_mixture(cfg: Any) -> PreparedMixture:
         DataError: a folder or source that cannot be read (the message names the entry).
     """
     from llmforge.data.prepared import open_prepared
-    from llmforge.data.sources import load_documents
+    from llmforge.data.sources import load_documents, plain_options
 
     entries = mixture_entries(cfg)
     parts = []
     for i, e in enumerate(entries):
         try:
-            parts.append(open_prepared(e["path"], storage_options=dict(cfg.data.storage_options),
+            parts.append(open_prepared(e["path"], storage_options=plain_options(cfg.data.storage_options),
                                        cache_dir=cfg.data.cache_dir) if e["data"] is None
                          else load_documents(e["data"], cfg.run.seed))
         except DataError as exc:

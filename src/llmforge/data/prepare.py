@@ -5,9 +5,9 @@ Documents are read lazily (``datasets`` streaming) in the order a run would read
 validation documents held out as the run's ``data.val_fraction`` / ``data.val_split`` would,
 and cut into shards of ``docs_per_shard`` documents. Shards are tokenized by a pool of
 processes (one per core), each writing its shard to a temporary file that is renamed when
-whole; ``progress.json`` lists the finished shards, so an interrupted prepare started again
-keeps them and re-reads (without tokenizing) only their documents. ``manifest.json`` is
-written last.
+whole; ``progress.json`` is written before anything else and lists the finished shards, so a
+prepare interrupted at any moment (SIGKILL included) and started again keeps them and re-reads
+(without tokenizing) only their documents. ``manifest.json`` is written last.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from llmforge.data.packing import pack_documents, token_dtype
+from llmforge.data.packing import encode_packed, token_dtype
 from llmforge.data.prepared import FORMAT, MANIFEST, file_sha256, tokenizer_fingerprint
 from llmforge.errors import DataError
 from llmforge.paths import write_failed
@@ -32,7 +32,16 @@ _WORKER_TOK: Any = None
 
 def _init_worker(tokenizer_dir: str) -> None:
     global _WORKER_TOK
+    import signal
+
     from llmforge.data.tokenizers import load_saved
+
+    # a Ctrl-C or a scheduler's signal reaches the whole process group: the parent alone
+    # stops (llmforge.signals, exit 75/130) and ends the pool with SIGTERM, whose default
+    # action a worker must keep (the handler inherited at fork would raise in the task)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     _WORKER_TOK = load_saved(tokenizer_dir)
 
@@ -46,7 +55,7 @@ def write_shard(tok: Any, texts: list[str], path: Path) -> dict[str, Any]:
     Returns:
         ``{"file", "tokens", "sha256", "documents", "bytes"}`` (bytes: UTF-8 text read).
     """
-    arr = pack_documents(tok.encode_batch(texts), tok.bos_id, tok.eos_id, token_dtype(tok.vocab_size))
+    arr = encode_packed(tok, texts, token_dtype(tok.vocab_size))  # long texts in pieces
     tmp = path.with_suffix(".tmp")
     try:
         arr.tofile(tmp)
@@ -57,7 +66,7 @@ def write_shard(tok: Any, texts: list[str], path: Path) -> dict[str, Any]:
                                      "same command again to continue") from None
     return {"file": f"{path.parent.name}/{path.name}", "tokens": int(len(arr)),
             "sha256": file_sha256(path), "documents": len(texts),
-            "bytes": sum(len(t.encode("utf-8", "replace")) for t in texts)}
+            "bytes": sum(len(t) if t.isascii() else len(t.encode("utf-8", "replace")) for t in texts)}
 
 
 def _pool_shard(args: tuple[list[str], str]) -> dict[str, Any]:
@@ -103,14 +112,16 @@ def _check_out(out: Path, key: dict[str, Any]) -> dict[str, list]:
     Raises:
         DataError: OUT holds something else (another corpus, another tokenizer, other files).
     """
-    if not out.exists() or not any(out.iterdir()):
+    # a *.tmp beside: a kill between writing and renaming progress.json (nothing else yet)
+    if not out.exists() or all(p.suffix == ".tmp" for p in out.iterdir()):
         return {}
     progress = out / PROGRESS
     if progress.exists():
         try:
             saved = json.loads(progress.read_text())
-        except (OSError, ValueError) as exc:
-            raise DataError(f"{progress} is damaged ({exc}); delete {out} and prepare again") from exc
+        except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
+            raise DataError(f"{progress} is damaged ({exc or 'nested too deeply'}); delete {out} and "
+                            "prepare again") from exc
         if not isinstance(saved, dict) or not isinstance(saved.get("splits"), dict):
             raise DataError(f"{progress} is not a progress file of `llmforge data prepare`; delete "
                             f"{out} and prepare again")
@@ -122,6 +133,19 @@ def _check_out(out: Path, key: dict[str, Any]) -> dict[str, list]:
         raise DataError(f"{out} already holds a prepared corpus ({out / MANIFEST}); choose "
                         "another folder or delete it")
     raise DataError(f"{out} exists and is not empty; choose an empty or new folder")
+
+
+def _finished(out: Path, key: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The manifest of a prepare of the same inputs that completed in ``out`` (a rerun of the
+    same command, e.g. after a stop signal that came as it finished), or ``None``."""
+    if (out / PROGRESS).exists() or not (out / MANIFEST).exists():
+        return None
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError, RecursionError):
+        return None  # _check_out refuses the folder
+    same = isinstance(manifest, dict) and manifest.get("complete") and manifest.get("key") == key
+    return manifest if same else None
 
 
 def _progress_bar(total_bytes: Optional[int]) -> Any:
@@ -186,8 +210,13 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
     key = {"fingerprint": fp, "sources": sources, "docs_per_shard": docs_per_shard,
            "seed": cfg.run.seed, "val_fraction": cfg.data.val_fraction, "split": cfg.data.split,
            "val_split": cfg.data.val_split, "max_documents": cfg.data.max_documents}
+    finished = _finished(out, key)
+    if finished is not None:  # the same command again after it completed: nothing to do
+        return finished
     done = _check_out(out, key)
     out.mkdir(parents=True, exist_ok=True)
+    if not (out / PROGRESS).exists():  # first, so a kill at any later moment can be rerun
+        _atomic_json(out / PROGRESS, {"key": key, "splits": {"train": [], "val": []}})
     tok.save(out / "tokenizer")
     total = sum(s.get("bytes", 0) for s in sources) or None
     workers = workers or os.cpu_count() or 1
@@ -252,6 +281,7 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
                           "shards": [{k: s[k] for k in ("file", "tokens", "sha256")} for s in shards]}
                    for name, shards in splits.items() if shards},
         "seconds": round(time.perf_counter() - start, 3),
+        "key": key,  # what a rerun of the same command compares (_finished)
     }
     _atomic_json(out / MANIFEST, manifest)
     (out / PROGRESS).unlink(missing_ok=True)

@@ -15,7 +15,7 @@ from llmforge.data.mixture import PreparedMixture
 from llmforge.data.mixture_sources import check_one_tokenizer
 from llmforge.data.prepared import PreparedSplits, check_tokenizer
 from llmforge.data.shakespeare import cache_root
-from llmforge.data.sources import DocumentSplits, iter_texts, load_documents
+from llmforge.data.sources import DocumentSplits, iter_texts, load_documents, plain_options
 from llmforge.data.tokenizers import Tokenizer, build_tokenizer, check_vocab
 from llmforge.errors import ConfigError
 from llmforge.training.run_files import check_init_from_tokenizer, tokenizer_cache_key
@@ -63,8 +63,8 @@ class DataBuilders:
             if not self.cfg.data.path:
                 raise ConfigError("data.source=prepared needs data.path, the folder written by "
                                   "`llmforge data prepare`")
-            return open_prepared(self.cfg.data.path, storage_options=dict(self.cfg.data.storage_options),
-                                 cache_dir=self.cfg.data.cache_dir)
+            return open_prepared(self.cfg.data.path, cache_dir=self.cfg.data.cache_dir,
+                                 storage_options=plain_options(self.cfg.data.storage_options))
         return load_documents(self.cfg.data, self.cfg.run.seed)
 
     def build_tokenizer(self, docs: DocumentSplits) -> Tokenizer:

@@ -1,0 +1,385 @@
+"""One real training step of one rank at the real world size, in one CPU process.
+
+The simulation runs llmforge's own code, not a model of it: the device mesh of
+:func:`llmforge.parallel.mesh.build_mesh`, the model pipeline the Trainer runs (the algorithms'
+transforms -- float8 conversion, activation checkpointing -- and the strategy's tensor parallel
+and FSDP2 / HSDP, :func:`llmforge.parallel.transforms.strategy_transforms`), ``LLMModule``'s
+``configure_model``, ``configure_optimizers``, ``forward_backward`` (every micro-batch with
+gradient accumulation, the loss normalised over the whole window), ``clip_gradients_`` and the
+optimizer step. With ``fake=True`` the process group is torch's fake backend
+(``torch.testing._internal.distributed.fake_pg.FakeStore``: collectives return at once) of the
+real world size and every tensor is a ``FakeTensor`` (shape, dtype and device, no storage), so an
+8B or 405B step costs seconds on a laptop; rank 0 is simulated (FSDP2 / TP ranks are symmetric,
+so it holds the most, with rank 0's extra padding of uneven shards).
+
+What is measured (per rank, one step after one warm-up step so the optimizer state exists):
+
+* memory: ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker`` (``MemTracker``
+  without FSDP2): the peak of live tensor bytes, split at the moment of the peak into
+  parameters (sharded, all-gathered, buffers), gradients, optimizer state, activations (saved
+  for backward, recomputed ones included) and temporaries (everything else: gradients of
+  activations, collective buffers, the batch);
+* communication: every collective's payload (the unsharded tensor of an all-gather or
+  reduce-scatter, the tensor of an all-reduce), counted by a dispatch mode that sees what
+  ``torch.distributed.tensor.debug.CommDebugMode`` sees (see :class:`_ByteCounter`) and attributed to the mesh dim whose
+  process group ran it;
+* FLOPs: ``torch.utils.flop_counter.FlopCounterMode`` (recomputation of activation
+  checkpointing included; it sees tensor-parallel ops at their global shapes, so its count is
+  divided by ``tp``), beside the model spec's formula (:meth:`ModelSpec.flops`).
+
+Not simulated: ``torch.compile`` (the ``compile`` algorithm is left out of the traced step),
+the speed of kernels, the CUDA caching allocator's fragmentation and reserve, NCCL's own
+buffers and the CUDA context. The SDPA kernel is the CPU one (flash-style: it keeps the output
+and the log-sum-exp, as the GPU kernels do).
+
+Scaling by layer count: ``simulate_scaled`` runs the step with 2 and 3 blocks and extrapolates
+every measured quantity linearly to the real block count. Blocks are identical, so parameters,
+gradients, optimizer state, saved activations, FLOPs and collective bytes are affine in the
+block count; the peak is too as long as it happens in the same phase of the step at 2, 3 and N
+blocks (docs/scale.md gives the measured error against a full-depth simulation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as _c10d
+from omegaconf import OmegaConf
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from llmforge.algorithms.base import meta_model, run_pipeline
+from llmforge.algorithms.loading import build_algorithms
+from llmforge.config.validate import validate
+from llmforge.errors import ConfigError
+from llmforge.models.spec import get_spec
+from llmforge.parallel.mesh import ParallelDims, build_mesh
+from llmforge.parallel.transforms import check_strategy, strategy_transforms
+from llmforge.training.module import LLMModule
+
+AC_MODES = ("none", "selective", "full")
+"""Activation checkpointing choices: none, ``selective: op`` (torchtitan's per-operator
+policy), ``full`` (every block)."""
+
+AC_ENTRIES = {"selective": {"name": "activation_checkpointing", "mode": "selective", "selective": "op"},
+              "full": {"name": "activation_checkpointing", "mode": "full"}}
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+
+# the trackers' reference types -> the five categories of the report
+_CATEGORY_OF = {
+    "Parameter": "parameters", "Sharded Param": "parameters", "Unsharded Param": "parameters",
+    "Buffer": "parameters", "Gradient": "gradients", "Sharded Grad": "gradients",
+    "Unsharded Grad": "gradients", "Optstate": "optimizer", "OptState": "optimizer",
+    "Activation": "activations", "Temp": "temporaries", "All Gather": "temporaries",
+    "Reduce Scatter": "temporaries", "Inputs": "temporaries", "Other": "temporaries",
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout: ``dp_replicate * dp_shard * tp * pp`` = world size.
+
+    ``pp`` is always 1 until pipeline parallelism exists (the planner keeps the field).
+    """
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    activation_checkpointing: str
+    micro_batch_size: int
+    pp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    def overrides(self) -> list[str]:
+        """The dotlist overrides that give this layout (activation checkpointing is an entry of
+        ``algorithms:``: see :func:`layout_config`)."""
+        return [f"strategy.dp_replicate={self.dp_replicate}", f"strategy.dp_shard={self.dp_shard}",
+                f"strategy.tp={self.tp}", f"trainer.micro_batch_size={self.micro_batch_size}"]
+
+
+@dataclass
+class Collective:
+    """Payload of one kind of collective on one mesh dim over one step.
+
+    ``bytes``: summed tensor bytes (the unsharded size for all-gather and reduce-scatter);
+    ``group_size``: ranks in the group."""
+
+    kind: str
+    mesh_dim: str
+    group_size: int
+    count: int = 0
+    bytes: float = 0.0
+
+
+@dataclass
+class StepMeasurement:
+    """What one simulated (or real) step of one rank measured. Bytes, FLOPs per step."""
+
+    layout: Layout
+    world_size: int
+    n_layers: int
+    peak_bytes: float
+    breakdown: dict[str, float]
+    flops: float
+    formula_flops: float
+    collectives: list[Collective] = field(default_factory=list)
+    seconds: float = 0.0
+    simulated_layers: tuple[int, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"peak_bytes_per_rank": self.peak_bytes, "breakdown": self.breakdown,
+                "flops_per_rank": self.flops, "formula_flops_per_rank": self.formula_flops,
+                "n_layers": self.n_layers, "simulated_layers": list(self.simulated_layers),
+                "collectives": [vars(c) for c in self.collectives], "seconds": self.seconds}
+
+
+class _ByteCounter(TorchDispatchMode):
+    """Counts every collective and sums its payload bytes per process group.
+
+    It sees the same ops as ``CommDebugMode`` (the c10d and functional collectives, after
+    DTensor has turned its redistributions into them) but keeps no module tracker: in torch
+    2.13 CommDebugMode's tracker fails (``IndexError`` in ``ModuleTracker``) when activation
+    checkpointing recomputes a tensor-parallel block in the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.payload: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0])
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor lower itself into collectives first
+        out = func(*args, **(kwargs or {}))
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return out
+        name = func._overloadpacket.__name__
+        kind = next((k for k in ("all_gather", "allgather", "reduce_scatter", "allreduce",
+                                 "all_reduce", "all_to_all", "alltoall", "broadcast") if k in name), None)
+        if kind is None or func.namespace not in ("c10d", "_c10d_functional"):
+            return out
+        kind = {"allgather": "all_gather", "allreduce": "all_reduce", "alltoall": "all_to_all"}.get(kind, kind)
+        group = None
+        for a in list(args) + list((kwargs or {}).values()):
+            if isinstance(a, str):
+                group = a
+            elif isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):  # a c10d op's group
+                group = dist.ProcessGroup.unbox(a).group_name
+        outs = [t for t in _flat(out) if isinstance(t, torch.Tensor)]
+        ins = [t for t in _flat(args) if isinstance(t, torch.Tensor)]
+        # the unsharded size: an all-gather's output, a reduce-scatter's input
+        sizes = [t.numel() * t.element_size() for t in (outs if kind == "all_gather" else ins)]
+        rec = self.payload[(kind, str(group))]
+        rec[0] += 1
+        rec[1] += float(max(sizes)) if sizes else 0.0
+        return out
+
+
+def _flat(x: Any) -> list:
+    if isinstance(x, (list, tuple)):
+        return [y for v in x for y in _flat(v)]
+    return [x]
+
+
+def layout_config(cfg: Any, layout: Layout, n_layers: Optional[int] = None) -> Any:
+    """A copy of ``cfg`` with ``layout``: strategy degrees (``fsdp2``), micro-batch size, the
+    ``activation_checkpointing`` entry replaced, ``compile`` left out, and ``model.n_layers``
+    when given."""
+    out = copy.deepcopy(cfg)
+    OmegaConf.set_readonly(out, False)
+    s = out.strategy
+    s.name = "fsdp2" if layout.world_size > 1 else s.name
+    s.dp_replicate, s.dp_shard, s.tp = layout.dp_replicate, layout.dp_shard, layout.tp
+    out.trainer.micro_batch_size = layout.micro_batch_size
+    algos = [a for a in OmegaConf.to_container(out.algorithms)
+             if a.get("name") not in ("activation_checkpointing", "compile")]
+    if layout.activation_checkpointing != "none":
+        algos.append(AC_ENTRIES[layout.activation_checkpointing])
+    out.algorithms = algos
+    if n_layers is not None:
+        out.model.n_layers = n_layers
+    return out
+
+
+def model_layers(cfg: Any) -> int:
+    """Number of repeated blocks of the run's model (built on the meta device)."""
+    return len(get_spec(cfg.model.name).model_blocks(meta_model(cfg)))
+
+
+def _fake_group(world_size: int) -> None:
+    if dist.is_initialized():
+        if dist.get_backend() == "fake" and dist.get_world_size() == world_size:
+            return
+        if dist.get_backend() != "fake":
+            raise RuntimeError("a real process group is initialized; simulate(fake=False) uses it")
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+
+
+def _precision_context(cfg: Any) -> Any:
+    # what Lightning's precision plugin does around training_step
+    if cfg.trainer.precision == "bf16-mixed":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def simulate(cfg: Any, layout: Layout, *, n_layers: Optional[int] = None, fake: bool = True,
+             device: str = "cpu") -> StepMeasurement:
+    """Run one training step of rank 0 for ``layout`` and measure it.
+
+    Args:
+        cfg: a loaded run config (:func:`llmforge.config.load_config`).
+        layout: degrees, activation checkpointing and micro-batch size.
+        n_layers: build the model with this many blocks (``None``: the config's).
+        fake: fake process group of ``layout.world_size`` and fake tensors; ``False``: real
+            tensors on the process group already initialized (a gloo job, to check the fake run).
+
+    Returns:
+        the measurement; ``breakdown`` maps :data:`CATEGORIES` to bytes at the peak.
+
+    Raises:
+        ConfigError: the layout does not divide the batch or the model (names the key).
+    """
+    t0 = time.perf_counter()
+    run_cfg = layout_config(cfg, layout, n_layers)
+    world = layout.world_size
+    plan = validate(run_cfg, world)
+    dims = ParallelDims.from_config(run_cfg, world)
+    check_strategy(run_cfg, dims)
+    algorithms = build_algorithms(run_cfg)
+    pipeline = [t for t in (a.transform() for a in algorithms) if t is not None]
+    pipeline += strategy_transforms(run_cfg, dims)
+    if fake:
+        _fake_group(world)
+    mesh = build_mesh(dims, device) if world > 1 else None  # outside FakeTensorMode (real ranks)
+    module = LLMModule(run_cfg, plan, pipeline)
+    module.mesh_override = mesh
+    module.setup_events(algorithms)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16 if run_cfg.trainer.precision == "bf16-true" else torch.float32)
+    try:
+        if fake:  # configure_model, with the pipeline on meta outside FakeTensorMode (the mesh
+            # code it runs needs real tensors) and no init of the weights (no values to init)
+            with torch.device("meta"):
+                model = run_pipeline(module.build_model(), pipeline, module.model_context())
+        else:
+            module.configure_model()
+    finally:
+        torch.set_default_dtype(default)
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    with mode:
+        if fake:
+            module.model = model.to_empty(device=device)
+        optimizer = module.configure_optimizers()["optimizer"]
+        rows = plan.micro_batch_size * plan.gradient_accumulation_steps
+        batch = torch.randint(0, int(module.model.vocab_size), (rows, plan.seq_len + 1))
+        model = module.model
+        if isinstance(model, FSDPModule):
+            tracker: MemTracker = FSDPMemTracker(mod=model, optm=optimizer)
+        else:
+            tracker = MemTracker()
+            tracker.track_external(model, optimizer)
+        tracker.track_inputs((batch,)) if isinstance(tracker, FSDPMemTracker) else None
+        comm, flops = _ByteCounter(), FlopCounterMode(display=False)
+        with tracker:
+            _step(module, optimizer, batch)  # warm-up: the optimizer state exists from here on
+            tracker.reset_mod_stats()
+            with comm, flops:
+                _step(module, optimizer, batch)
+        peak = tracker.get_tracker_snapshot("peak")
+    snap = next(iter(peak.values())) if peak else {"Total": 0}
+    breakdown = dict.fromkeys(CATEGORIES, 0.0)
+    for ref, nbytes in snap.items():
+        key = getattr(ref, "value", ref)
+        if key != "Total":
+            breakdown[_CATEGORY_OF.get(key, "temporaries")] += float(nbytes)
+    spec = get_spec(run_cfg.model.name)
+    formula = float(spec.flops(model, plan.seq_len)) * rows * plan.seq_len / dims.tp
+    return StepMeasurement(
+        layout=layout, world_size=world, n_layers=len(spec.model_blocks(model)),
+        peak_bytes=float(snap.get("Total", 0)), breakdown=breakdown,
+        # FlopCounterMode sees DTensor ops at their global shapes (the tp group's work)
+        flops=float(flops.get_total_flops()) / dims.tp, formula_flops=formula,
+        collectives=_collectives(comm, mesh), seconds=time.perf_counter() - t0)
+
+
+def _step(module: LLMModule, optimizer: Any, batch: torch.Tensor) -> None:
+    """The body of ``LLMModule.training_step`` without Lightning (no scheduler, no metrics)."""
+    with _precision_context(module.cfg):
+        module.forward_backward(batch)
+    module.clip_gradients_(optimizer)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _collectives(comm: _ByteCounter, mesh: Any) -> list[Collective]:
+    names: dict[str, tuple[str, int]] = {}
+    if mesh is not None:
+        for dim in ("dp_replicate", "dp_shard", "tp", "dp"):
+            sub = mesh[dim]
+            names[sub.get_group().group_name] = (dim, sub.size())
+    out = []
+    for (kind, group), (count, nbytes) in sorted(comm.payload.items()):
+        if group not in names:  # a group DTensor or FSDP made for a concatenation of dims
+            ranks = sorted(dist.get_process_group_ranks(_c10d._resolve_process_group(group)))
+            names[group] = (_dim_of(mesh, ranks), len(ranks))
+        dim, size = names[group]
+        out.append(Collective(kind=kind, mesh_dim=dim, group_size=size, count=count, bytes=nbytes))
+    return out
+
+
+def _dim_of(mesh: Any, ranks: list) -> str:
+    """The mesh dims (joined by ``+``) whose group through rank 0 holds exactly ``ranks``."""
+    dims = [d for d in ("dp_replicate", "dp_shard", "tp") if mesh[d].size() > 1]
+    for n in range(len(dims), 0, -1):
+        for i in range(len(dims) - n + 1):
+            sub = mesh[tuple(dims[i:i + n])] if n > 1 else mesh[dims[i]]
+            if sorted(sub.mesh.flatten().tolist()) == ranks:
+                return "+".join(dims[i:i + n])
+    return "world"
+
+
+def simulate_scaled(cfg: Any, layout: Layout, *, full_depth: Optional[int] = None) -> StepMeasurement:
+    """:func:`simulate` with 2 and 3 blocks, every quantity extrapolated linearly to the real
+    block count ``full_depth`` (default: the config's). Configs of at most 3 blocks are
+    simulated whole."""
+    n = full_depth if full_depth is not None else model_layers(cfg)
+    if n <= 3:
+        m = simulate(cfg, layout)
+        return replace(m, simulated_layers=(n,))
+    a, b = simulate(cfg, layout, n_layers=2), simulate(cfg, layout, n_layers=3)
+    k = n - 2
+
+    def lin(x: float, y: float) -> float:
+        return x + k * (y - x)
+
+    colls = {(c.kind, c.mesh_dim): c for c in a.collectives}
+    scaled = []
+    for c in b.collectives:
+        c0 = colls.get((c.kind, c.mesh_dim), Collective(c.kind, c.mesh_dim, c.group_size))
+        scaled.append(Collective(c.kind, c.mesh_dim, c.group_size, int(round(lin(c0.count, c.count))),
+                                 lin(c0.bytes, c.bytes)))
+    return StepMeasurement(
+        layout=layout, world_size=a.world_size, n_layers=n, peak_bytes=lin(a.peak_bytes, b.peak_bytes),
+        breakdown={key: lin(a.breakdown[key], b.breakdown[key]) for key in CATEGORIES},
+        flops=lin(a.flops, b.flops), formula_flops=lin(a.formula_flops, b.formula_flops),
+        collectives=scaled, seconds=a.seconds + b.seconds, simulated_layers=(2, 3))
+
+
+__all__ = ["AC_MODES", "CATEGORIES", "Collective", "Layout", "StepMeasurement", "layout_config",
+           "model_layers", "simulate", "simulate_scaled", "ConfigError"]

@@ -59,7 +59,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from llmforge.algorithms.base import meta_model, run_pipeline
 from llmforge.algorithms.loading import build_algorithms
@@ -77,6 +77,13 @@ policy), ``full`` (every block)."""
 AC_ENTRIES = {"selective": {"name": "activation_checkpointing", "mode": "selective", "selective": "op"},
               "full": {"name": "activation_checkpointing", "mode": "full"}}
 
+# FlopCounterMode has formulas for the GPU attention kernels only: the CPU one does the same work
+_CPU_SDPA_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+        lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        lambda g, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(g, q, k, v)}
+
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 
 # the trackers' reference types -> the five categories of the report
@@ -87,6 +94,9 @@ _CATEGORY_OF = {
     "Activation": "activations", "Temp": "temporaries", "All Gather": "temporaries",
     "Reduce Scatter": "temporaries", "Inputs": "temporaries", "Other": "temporaries",
 }
+
+
+_SHARDED = {"Sharded Param", "Sharded Grad", "OptState", "Optstate", "Parameter", "Gradient"}
 
 
 @dataclass(frozen=True)
@@ -141,13 +151,17 @@ class StepMeasurement:
     formula_flops: float
     collectives: list[Collective] = field(default_factory=list)
     seconds: float = 0.0
+    sharded_state: float = 0.0
+    """Bytes at the peak that shrink with ``dp_shard``: sharded parameters and gradients,
+    optimizer state (all model state without FSDP2)."""
     simulated_layers: tuple[int, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return {"peak_bytes_per_rank": self.peak_bytes, "breakdown": self.breakdown,
                 "flops_per_rank": self.flops, "formula_flops_per_rank": self.formula_flops,
                 "n_layers": self.n_layers, "simulated_layers": list(self.simulated_layers),
-                "collectives": [vars(c) for c in self.collectives], "seconds": self.seconds}
+                "collectives": [vars(c) for c in self.collectives], "seconds": self.seconds,
+                "sharded_state_bytes": self.sharded_state}
 
 
 class _ByteCounter(TorchDispatchMode):
@@ -295,7 +309,7 @@ def simulate(cfg: Any, layout: Layout, *, n_layers: Optional[int] = None, fake: 
             tracker = MemTracker()
             tracker.track_external(model, optimizer)
         tracker.track_inputs((batch,)) if isinstance(tracker, FSDPMemTracker) else None
-        comm, flops = _ByteCounter(), FlopCounterMode(display=False)
+        comm, flops = _ByteCounter(), FlopCounterMode(display=False, custom_mapping=_CPU_SDPA_FLOPS)
         with tracker:
             _step(module, optimizer, batch)  # warm-up: the optimizer state exists from here on
             tracker.reset_mod_stats()
@@ -304,10 +318,13 @@ def simulate(cfg: Any, layout: Layout, *, n_layers: Optional[int] = None, fake: 
         peak = tracker.get_tracker_snapshot("peak")
     snap = next(iter(peak.values())) if peak else {"Total": 0}
     breakdown = dict.fromkeys(CATEGORIES, 0.0)
+    sharded = 0.0
     for ref, nbytes in snap.items():
         key = getattr(ref, "value", ref)
         if key != "Total":
             breakdown[_CATEGORY_OF.get(key, "temporaries")] += float(nbytes)
+        if key in _SHARDED:
+            sharded += float(nbytes)
     spec = get_spec(run_cfg.model.name)
     formula = float(spec.flops(model, plan.seq_len)) * rows * plan.seq_len / dims.tp
     return StepMeasurement(
@@ -315,7 +332,7 @@ def simulate(cfg: Any, layout: Layout, *, n_layers: Optional[int] = None, fake: 
         peak_bytes=float(snap.get("Total", 0)), breakdown=breakdown,
         # FlopCounterMode sees DTensor ops at their global shapes (the tp group's work)
         flops=float(flops.get_total_flops()) / dims.tp, formula_flops=formula,
-        collectives=_collectives(comm, mesh), seconds=time.perf_counter() - t0)
+        collectives=_collectives(comm, mesh), seconds=time.perf_counter() - t0, sharded_state=sharded)
 
 
 def _step(module: LLMModule, optimizer: Any, batch: torch.Tensor) -> None:
@@ -378,7 +395,8 @@ def simulate_scaled(cfg: Any, layout: Layout, *, full_depth: Optional[int] = Non
         layout=layout, world_size=a.world_size, n_layers=n, peak_bytes=lin(a.peak_bytes, b.peak_bytes),
         breakdown={key: lin(a.breakdown[key], b.breakdown[key]) for key in CATEGORIES},
         flops=lin(a.flops, b.flops), formula_flops=lin(a.formula_flops, b.formula_flops),
-        collectives=scaled, seconds=a.seconds + b.seconds, simulated_layers=(2, 3))
+        collectives=scaled, seconds=a.seconds + b.seconds, simulated_layers=(2, 3),
+        sharded_state=lin(a.sharded_state, b.sharded_state))
 
 
 __all__ = ["AC_MODES", "CATEGORIES", "Collective", "Layout", "StepMeasurement", "layout_config",

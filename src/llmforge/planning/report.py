@@ -1,0 +1,37 @@
+"""The text report of ``llmforge plan``."""
+
+from __future__ import annotations
+
+from llmforge.planning.planner import EFFICIENCY, HEADROOM, Plan, winner_yaml
+
+GIB = 1024**3
+
+
+def report(p: Plan, config: str, seconds: float, top: int = 8) -> str:
+    """The text report: header, the best ``top`` layouts, the drop reasons, the winner's YAML."""
+    g = p.gpu
+    lines = [f"plan: {config} on {p.world_size} x {g.name} ({(1 - HEADROOM) * g.memory_bytes / GIB:.1f} GiB "
+             f"usable per GPU = {1 - HEADROOM:.0%} of {g.memory_bytes / 1e9:.0f} GB; compute at "
+             f"{EFFICIENCY:.0%} of {g.bf16_flops / 1e12:.0f} TFLOP/s bf16; torch.compile not simulated)",
+             f"simulated {len(p.references)} (tp, activation checkpointing) groups at 2 and 3 layers, "
+             f"scaled to the model's depth, in {seconds:.1f} s (docs/scale.md)",
+             f"{'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'pp':>3} {'AC':>9} {'mbs':>4} {'peak GiB':>9} "
+             f"{'tok/s/GPU':>10} {'MFU':>6}  status"]
+    shown = [c for c in p.candidates if c.peak_bytes is not None][:top]
+    for c in shown:
+        lo = c.layout
+        lines.append(f"{lo.dp_replicate:>6} {lo.dp_shard:>8} {lo.tp:>3} {lo.pp:>3} "
+                     f"{lo.activation_checkpointing:>9} {lo.micro_batch_size:>4} {c.peak_bytes / GIB:>9.1f} "
+                     f"{c.tokens_per_second_per_gpu:>10.0f} {c.mfu:>6.1%}  {c.status}"
+                     f"{' (simulated)' if c.simulated else ''}{': ' + c.reason if c.reason else ''}")
+    counts: dict[str, int] = {}
+    for c in p.candidates:
+        counts[c.status] = counts.get(c.status, 0) + 1
+    lines.append("candidates: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
+    for c in p.candidates:
+        if c.peak_bytes is None:  # a whole group: refused or not simulated
+            lines.append(f"  tp={c.layout.tp} activation_checkpointing={c.layout.activation_checkpointing}: "
+                         f"{c.status}: {c.reason}")
+    if p.chosen is not None:
+        lines += ["winner's YAML overrides:", winner_yaml(p.chosen)]
+    return "\n".join(lines)

@@ -12,7 +12,7 @@ real world size and every tensor is a ``FakeTensor`` (shape, dtype and device, n
 8B or 405B step costs seconds on a laptop; rank 0 is simulated (FSDP2 / TP ranks are symmetric,
 so it holds the most, with rank 0's extra padding of uneven shards).
 
-What is measured (per rank, one step after one warm-up step so the optimizer state exists):
+What is measured (per rank, the second of two steps: the first creates the optimizer state):
 
 * memory: ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker`` (``MemTracker``
   without FSDP2): the peak of live tensor bytes, split at the moment of the peak into
@@ -278,9 +278,11 @@ def simulate(cfg: Any, layout: Layout, *, n_layers: Optional[int] = None, fake: 
     algorithms = build_algorithms(run_cfg)
     pipeline = [t for t in (a.transform() for a in algorithms) if t is not None]
     pipeline += strategy_transforms(run_cfg, dims)
-    if fake:
+    # the Trainer's rule (build_strategy): one process without a mesh only for auto / single
+    with_mesh = world > 1 or run_cfg.strategy.name not in ("auto", "single")
+    if fake and with_mesh:
         _fake_group(world)
-    mesh = build_mesh(dims, device) if world > 1 else None  # outside FakeTensorMode (real ranks)
+    mesh = build_mesh(dims, device) if with_mesh else None  # outside FakeTensorMode (real ranks)
     module = LLMModule(run_cfg, plan, pipeline)
     module.mesh_override = mesh
     module.setup_events(algorithms)
@@ -313,6 +315,12 @@ def simulate(cfg: Any, layout: Layout, *, n_layers: Optional[int] = None, fake: 
         with tracker:
             _step(module, optimizer, batch)  # warm-up: the optimizer state exists from here on
             tracker.reset_mod_stats()
+            # the steady-state step only: the warm-up's optimizer step creates the AdamW state
+            # through DTensor, which the tracker counts at several times its size for a moment
+            # (e.g. 6.3x the sharded fp32 state on a dim-1024 model over 8 ranks); torch 2.13 has
+            # no public reset of the global peak
+            tracker._peak_mem.clear()
+            tracker._peak_mem_snap.clear()
             with comm, flops:
                 _step(module, optimizer, batch)
         peak = tracker.get_tracker_snapshot("peak")
@@ -347,9 +355,9 @@ def _step(module: LLMModule, optimizer: Any, batch: torch.Tensor) -> None:
 def _collectives(comm: _ByteCounter, mesh: Any) -> list[Collective]:
     names: dict[str, tuple[str, int]] = {}
     if mesh is not None:
-        for dim in ("dp_replicate", "dp_shard", "tp", "dp"):
-            sub = mesh[dim]
-            names[sub.get_group().group_name] = (dim, sub.size())
+        for dim in ("dp_shard", "dp_replicate", "tp", "dp"):  # dims of one rank set share a group:
+            sub = mesh[dim]  # the first name wins (FSDP2's dp_shard before the flattened dp)
+            names.setdefault(sub.get_group().group_name, (dim, sub.size()))
     out = []
     for (kind, group), (count, nbytes) in sorted(comm.payload.items()):
         if group not in names:  # a group DTensor or FSDP made for a concatenation of dims

@@ -4,8 +4,6 @@ them)."""
 
 from __future__ import annotations
 
-import json
-import time
 from typing import Any
 
 from llmforge.errors import ConfigError
@@ -32,23 +30,6 @@ def cmd_plan(args: Any) -> int:
         raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
     # torch, Lightning and the model code: imported when the command runs, so that the CLI
     # (imported by every command) starts without them
-    from llmforge.config import load_config
-    from llmforge.planning.planner import plan
-    from llmforge.planning.report import report
+    from llmforge.planning.report import run_plan
 
-    cfg = load_config(args.config, list(args.overrides))
-    t0 = time.perf_counter()
-    result = plan(cfg, args.gpus, gpu)
-    seconds = time.perf_counter() - t0
-    if args.json:
-        out = result.as_dict()
-        out["seconds"] = seconds
-        print(json.dumps(out, indent=1))
-    else:
-        print(report(result, args.config, seconds, args.top))
-    if result.chosen is None:
-        where = (f"the smallest GPU count that would fit is {result.min_gpus} (memory only; "
-                 f"trainer.global_batch_size may have to grow to divide it)" if result.min_gpus
-                 else "it fits at no GPU count (the unsharded part of the peak alone is too big)")
-        raise ConfigError(f"{args.config}: no layout fits in {gpu.name} memory on {args.gpus} GPUs; {where}")
-    return 0
+    return run_plan(args.config, list(args.overrides), args.gpus, gpu, as_json=args.json, top=args.top)

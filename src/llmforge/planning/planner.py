@@ -52,7 +52,7 @@ class Candidate:
     """A layout and the planner's verdict. Times in seconds, memory in bytes."""
 
     layout: Layout
-    status: str = "fits"  # chosen | fits | does not fit | does not divide | refused | slower
+    status: str = "fits"  # chosen | fits | does not fit | does not divide | refused | not measured | slower
     reason: str = ""
     peak_bytes: Optional[float] = None
     step_seconds: Optional[float] = None
@@ -222,6 +222,9 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
                 refs[tp, ac] = simulate_fn(cfg, Layout(1, world // tp, tp, ac, 1))
             except ConfigError as exc:  # e.g. float8's FSDP all-gather without sharding
                 skipped[tp, ac] = Candidate(Layout(1, world // tp, tp, ac, 1), "refused", str(exc))
+            except NotImplementedError as exc:  # MemTracker (no FSDP2: tp = world) and accumulation
+                skipped[tp, ac] = Candidate(Layout(1, world // tp, tp, ac, 1), "not measured",
+                                            f"the memory tracker refuses this step: {exc}")
     cands = []
     for lo in layouts:
         key = (lo.tp, lo.activation_checkpointing)

@@ -1,8 +1,14 @@
-"""The text report of ``llmforge plan``."""
+"""The text report of ``llmforge plan`` and the command's body (:func:`run_plan`)."""
 
 from __future__ import annotations
 
-from llmforge.planning.planner import EFFICIENCY, HEADROOM, Plan, winner_yaml
+import json
+import time
+
+from llmforge.config import load_config
+from llmforge.errors import ConfigError
+from llmforge.planning.gpus import GPUKind
+from llmforge.planning.planner import EFFICIENCY, HEADROOM, Plan, plan, winner_yaml
 
 GIB = 1024**3
 
@@ -35,3 +41,28 @@ def report(p: Plan, config: str, seconds: float, top: int = 8) -> str:
     if p.chosen is not None:
         lines += ["winner's YAML overrides:", winner_yaml(p.chosen)]
     return "\n".join(lines)
+
+
+def run_plan(config: str, overrides: list[str], gpus: int, gpu: GPUKind, *, as_json: bool = False,
+             top: int = 8) -> int:
+    """Load ``config`` with ``overrides``, plan it and print the report (or one JSON object);
+    returns 0.
+
+    Raises:
+        ConfigError: bad config or layout (see :func:`llmforge.planning.planner.plan`), or no
+            layout fits (the message gives the smallest GPU count that would).
+    """
+    cfg = load_config(config, overrides)
+    t0 = time.perf_counter()
+    result = plan(cfg, gpus, gpu)
+    seconds = time.perf_counter() - t0
+    if as_json:
+        print(json.dumps({**result.as_dict(), "seconds": seconds}, indent=1))
+    else:
+        print(report(result, config, seconds, top))
+    if result.chosen is None:
+        where = (f"the smallest GPU count that would fit is {result.min_gpus} (memory only; "
+                 f"trainer.global_batch_size may have to grow to divide it)" if result.min_gpus
+                 else "it fits at no GPU count (the unsharded part of the peak alone is too big)")
+        raise ConfigError(f"{config}: no layout fits in {gpu.name} memory on {gpus} GPUs; {where}")
+    return 0

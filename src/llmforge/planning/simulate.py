@@ -64,7 +64,6 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 from llmforge.algorithms.base import meta_model, run_pipeline
 from llmforge.algorithms.loading import build_algorithms
 from llmforge.config.validate import validate
-from llmforge.errors import ConfigError
 from llmforge.models.spec import get_spec
 from llmforge.parallel.mesh import ParallelDims, build_mesh
 from llmforge.parallel.transforms import check_strategy, strategy_transforms
@@ -408,4 +407,4 @@ def simulate_scaled(cfg: Any, layout: Layout, *, full_depth: Optional[int] = Non
 
 
 __all__ = ["AC_MODES", "CATEGORIES", "Collective", "Layout", "StepMeasurement", "layout_config",
-           "model_layers", "simulate", "simulate_scaled", "ConfigError"]
+           "model_layers", "simulate", "simulate_scaled"]

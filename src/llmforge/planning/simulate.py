@@ -33,10 +33,12 @@ buffers and the CUDA context. The SDPA kernel is the CPU one (flash-style: it ke
 and the log-sum-exp, as the GPU kernels do).
 
 Scaling by layer count: ``simulate_scaled`` runs the step with 2 and 3 blocks and extrapolates
-every measured quantity linearly to the real block count. Blocks are identical, so parameters,
-gradients, optimizer state, saved activations, FLOPs and collective bytes are affine in the
-block count; the peak is too as long as it happens in the same phase of the step at 2, 3 and N
-blocks (docs/scale.md gives the measured error against a full-depth simulation).
+every measured quantity linearly to the real block count, the peak phase by phase (forward,
+loss, backward, optimizer). Blocks are identical, so parameters, gradients, optimizer state,
+saved activations, FLOPs and collective bytes are affine in the block count; a phase's peak is
+too while its moment within the phase does not move with depth, which holds for the forward
+and the loss but not always for the backward and the optimizer step (docs/scale.md gives the
+measured error).
 """
 
 from __future__ import annotations
@@ -150,6 +152,9 @@ class StepMeasurement:
     formula_flops: float
     collectives: list[Collective] = field(default_factory=list)
     seconds: float = 0.0
+    phases: dict[str, tuple] = field(default_factory=dict)
+    """``{phase: (peak bytes, breakdown, sharded state bytes)}`` for the phases forward, loss,
+    backward (each over all micro-batches) and optimizer (clipping and the step)."""
     sharded_state: float = 0.0
     """Bytes at the peak that shrink with ``dp_shard``: sharded parameters and gradients,
     optimizer state (all model state without FSDP2)."""
@@ -160,7 +165,8 @@ class StepMeasurement:
                 "flops_per_rank": self.flops, "formula_flops_per_rank": self.formula_flops,
                 "n_layers": self.n_layers, "simulated_layers": list(self.simulated_layers),
                 "collectives": [vars(c) for c in self.collectives], "seconds": self.seconds,
-                "sharded_state_bytes": self.sharded_state}
+                "sharded_state_bytes": self.sharded_state,
+                "phase_peak_bytes": {name: p[0] for name, p in self.phases.items()}}
 
 
 class _ByteCounter(TorchDispatchMode):
@@ -203,6 +209,57 @@ class _ByteCounter(TorchDispatchMode):
         return out
 
 
+class _PhasePeaks:
+    """An event plugin (:mod:`llmforge.events`) that splits the step's peak by phase: at the end
+    of each forward, loss and backward it folds the tracker's peak since the last phase into
+    that phase's maximum and starts a new one. The depth extrapolation is done per phase, since
+    each phase's peak is affine in the block count while the phase holding the overall peak may
+    change with depth. (The tracker's global peak has no public reset in torch 2.13: its two
+    private fields are cleared.)"""
+
+    def __init__(self) -> None:
+        self.tracker: Any = None
+        self.peaks: dict[str, tuple[float, dict[str, float], float]] = {}
+
+    def start(self, tracker: Any) -> None:
+        self.tracker = tracker
+        self._reset()
+
+    def _reset(self) -> None:  # the current state is the new peak
+        t = self.tracker
+        t._peak_mem_snap = copy.deepcopy(t._curr_mem_snap)
+        t._peak_mem = {dev: snap["Total"] for dev, snap in t._curr_mem_snap.items()}
+
+    def record(self, phase: str) -> None:
+        snap = self.tracker.get_tracker_snapshot("peak")
+        summary = _summarize(next(iter(snap.values())) if snap else {"Total": 0})
+        if phase not in self.peaks or summary[0] > self.peaks[phase][0]:
+            self.peaks[phase] = summary
+        self._reset()
+
+    def after_forward(self, state: Any) -> None:
+        self.record("forward")
+
+    def after_loss(self, state: Any) -> None:
+        self.record("loss")
+
+    def after_backward(self, state: Any) -> None:
+        self.record("backward")
+
+
+def _summarize(snap: dict) -> tuple[float, dict[str, float], float]:
+    """``(total, breakdown by CATEGORIES, sharded state)`` of one tracker snapshot."""
+    breakdown = dict.fromkeys(CATEGORIES, 0.0)
+    sharded = 0.0
+    for ref, nbytes in snap.items():
+        key = getattr(ref, "value", ref)
+        if key != "Total":
+            breakdown[_CATEGORY_OF.get(key, "temporaries")] += float(nbytes)
+        if key in _SHARDED:
+            sharded += float(nbytes)
+    return float(snap.get("Total", 0)), breakdown, sharded
+
+
 def _flat(x: Any) -> list:
     if isinstance(x, (list, tuple)):
         return [y for v in x for y in _flat(v)]
@@ -219,6 +276,8 @@ def layout_config(cfg: Any, layout: Layout, n_layers: Optional[int] = None) -> A
     s.name = "fsdp2" if layout.world_size > 1 else s.name
     s.dp_replicate, s.dp_shard, s.tp = layout.dp_replicate, layout.dp_shard, layout.tp
     out.trainer.micro_batch_size = layout.micro_batch_size
+    # the world size the checks derive from the trainer (devices x nodes) is the layout's
+    out.trainer.devices, out.trainer.num_nodes = layout.world_size, 1
     algos = [a for a in OmegaConf.to_container(out.algorithms)
              if a.get("name") not in ("activation_checkpointing", "compile")]
     if layout.activation_checkpointing != "none":
@@ -311,32 +370,24 @@ def simulate(cfg: Any, layout: Layout, *, n_layers: Optional[int] = None, fake: 
             tracker.track_external(model, optimizer)
         tracker.track_inputs((batch,)) if isinstance(tracker, FSDPMemTracker) else None
         comm, flops = _ByteCounter(), FlopCounterMode(display=False, custom_mapping=_CPU_SDPA_FLOPS)
+        phases = _PhasePeaks()
         with tracker:
             _step(module, optimizer, batch)  # warm-up: the optimizer state exists from here on
             tracker.reset_mod_stats()
             # the steady-state step only: the warm-up's optimizer step creates the AdamW state
             # through DTensor, which the tracker counts at several times its size for a moment
-            # (e.g. 6.3x the sharded fp32 state on a dim-1024 model over 8 ranks); torch 2.13 has
-            # no public reset of the global peak
-            tracker._peak_mem.clear()
-            tracker._peak_mem_snap.clear()
+            # (e.g. 6.3x the sharded fp32 state on a dim-1024 model over 8 ranks)
+            phases.start(tracker)
+            module.setup_events([*algorithms, phases])
             with comm, flops:
                 _step(module, optimizer, batch)
-        peak = tracker.get_tracker_snapshot("peak")
-    snap = next(iter(peak.values())) if peak else {"Total": 0}
-    breakdown = dict.fromkeys(CATEGORIES, 0.0)
-    sharded = 0.0
-    for ref, nbytes in snap.items():
-        key = getattr(ref, "value", ref)
-        if key != "Total":
-            breakdown[_CATEGORY_OF.get(key, "temporaries")] += float(nbytes)
-        if key in _SHARDED:
-            sharded += float(nbytes)
+            phases.record("optimizer")
+    total, breakdown, sharded = max(phases.peaks.values(), key=lambda p: p[0])
     spec = get_spec(run_cfg.model.name)
     formula = float(spec.flops(model, plan.seq_len)) * rows * plan.seq_len / dims.tp
     return StepMeasurement(
         layout=layout, world_size=world, n_layers=len(spec.model_blocks(model)),
-        peak_bytes=float(snap.get("Total", 0)), breakdown=breakdown,
+        peak_bytes=total, breakdown=breakdown, phases=dict(phases.peaks),
         # FlopCounterMode sees DTensor ops at their global shapes (the tp group's work)
         flops=float(flops.get_total_flops()) / dims.tp, formula_flops=formula,
         collectives=_collectives(comm, mesh), seconds=time.perf_counter() - t0, sharded_state=sharded)
@@ -398,12 +449,16 @@ def simulate_scaled(cfg: Any, layout: Layout, *, full_depth: Optional[int] = Non
         c0 = colls.get((c.kind, c.mesh_dim), Collective(c.kind, c.mesh_dim, c.group_size))
         scaled.append(Collective(c.kind, c.mesh_dim, c.group_size, int(round(lin(c0.count, c.count))),
                                  lin(c0.bytes, c.bytes)))
+    phases = {}
+    for name, (t2, b2, s2) in a.phases.items():
+        t3, b3, s3 = b.phases[name]
+        phases[name] = (lin(t2, t3), {key: lin(b2[key], b3[key]) for key in CATEGORIES}, lin(s2, s3))
+    total, breakdown, sharded = max(phases.values(), key=lambda p: p[0])
     return StepMeasurement(
-        layout=layout, world_size=a.world_size, n_layers=n, peak_bytes=lin(a.peak_bytes, b.peak_bytes),
-        breakdown={key: lin(a.breakdown[key], b.breakdown[key]) for key in CATEGORIES},
+        layout=layout, world_size=a.world_size, n_layers=n, peak_bytes=total, breakdown=breakdown,
         flops=lin(a.flops, b.flops), formula_flops=lin(a.formula_flops, b.formula_flops),
         collectives=scaled, seconds=a.seconds + b.seconds, simulated_layers=(2, 3),
-        sharded_state=lin(a.sharded_state, b.sharded_state))
+        phases=phases, sharded_state=sharded)
 
 
 __all__ = ["AC_MODES", "CATEGORIES", "Collective", "Layout", "StepMeasurement", "layout_config",

@@ -54,7 +54,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # before the heavy imports: a stop during startup loses nothing (see llmforge.signals)
     owns_signals = args.command == "train" and signals.install()
     handlers = {"train": cmd_train, "generate": cmd_generate, "algorithms": cmd_algorithms,
-                "runs": cmd_runs, "checkpoint": cmd_checkpoint, "convert": cmd_convert, "eval": cmd_eval, "plan": cmd_plan}
+                "runs": cmd_runs, "checkpoint": cmd_checkpoint, "convert": cmd_convert, "eval": cmd_eval,
+                "plan": cmd_plan}
     handlers.update(TOP_COMMANDS)  # launch, clusters, secrets
     from llmforge.data.commands import cmd_data
 

@@ -21,7 +21,7 @@ What is measured (per rank, the second of two steps: the first creates the optim
   activations, collective buffers, the batch);
 * communication: every collective's payload (the unsharded tensor of an all-gather or
   reduce-scatter, the tensor of an all-reduce), counted by a dispatch mode that sees what
-  ``torch.distributed.tensor.debug.CommDebugMode`` sees (see :class:`_ByteCounter`) and attributed to the mesh dim whose
+  ``torch.distributed.tensor.debug.CommDebugMode`` sees (see :class:`llmforge.planning.measure.ByteCounter`) and attributed to the mesh dim whose
   process group ran it;
 * FLOPs: ``torch.utils.flop_counter.FlopCounterMode`` (recomputation of activation
   checkpointing included; it sees tensor-parallel ops at their global shapes, so its count is
@@ -46,22 +46,18 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as _c10d
 from omegaconf import OmegaConf
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode
 
 from llmforge.algorithms.base import meta_model, run_pipeline
 from llmforge.algorithms.loading import build_algorithms
@@ -69,6 +65,8 @@ from llmforge.config.validate import validate
 from llmforge.models.spec import get_spec
 from llmforge.parallel.mesh import ParallelDims, build_mesh
 from llmforge.parallel.transforms import check_strategy, strategy_transforms
+from llmforge.planning.measure import (CATEGORIES, CPU_SDPA_FLOPS, ByteCounter, Collective,
+                                       PhasePeaks, collectives)
 from llmforge.training.module import LLMModule
 
 AC_MODES = ("none", "selective", "full")
@@ -77,28 +75,6 @@ policy), ``full`` (every block)."""
 
 AC_ENTRIES = {"selective": {"name": "activation_checkpointing", "mode": "selective", "selective": "op"},
               "full": {"name": "activation_checkpointing", "mode": "full"}}
-
-# FlopCounterMode has formulas for the GPU attention kernels only: the CPU one does the same work
-_CPU_SDPA_FLOPS = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
-        lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v),
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        lambda g, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(g, q, k, v)}
-
-CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
-
-# the trackers' reference types -> the five categories of the report
-_CATEGORY_OF = {
-    "Parameter": "parameters", "Sharded Param": "parameters", "Unsharded Param": "parameters",
-    "Buffer": "parameters", "Gradient": "gradients", "Sharded Grad": "gradients",
-    "Unsharded Grad": "gradients", "Optstate": "optimizer", "OptState": "optimizer",
-    "Activation": "activations", "Temp": "temporaries", "All Gather": "temporaries",
-    "Reduce Scatter": "temporaries", "Inputs": "temporaries", "Other": "temporaries",
-}
-
-
-_SHARDED = {"Sharded Param", "Sharded Grad", "OptState", "Optstate", "Parameter", "Gradient"}
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -123,20 +99,6 @@ class Layout:
         ``algorithms:``: see :func:`layout_config`)."""
         return [f"strategy.dp_replicate={self.dp_replicate}", f"strategy.dp_shard={self.dp_shard}",
                 f"strategy.tp={self.tp}", f"trainer.micro_batch_size={self.micro_batch_size}"]
-
-
-@dataclass
-class Collective:
-    """Payload of one kind of collective on one mesh dim over one step.
-
-    ``bytes``: summed tensor bytes (the unsharded size for all-gather and reduce-scatter);
-    ``group_size``: ranks in the group."""
-
-    kind: str
-    mesh_dim: str
-    group_size: int
-    count: int = 0
-    bytes: float = 0.0
 
 
 @dataclass
@@ -167,103 +129,6 @@ class StepMeasurement:
                 "collectives": [vars(c) for c in self.collectives], "seconds": self.seconds,
                 "sharded_state_bytes": self.sharded_state,
                 "phase_peak_bytes": {name: p[0] for name, p in self.phases.items()}}
-
-
-class _ByteCounter(TorchDispatchMode):
-    """Counts every collective and sums its payload bytes per process group.
-
-    It sees the same ops as ``CommDebugMode`` (the c10d and functional collectives, after
-    DTensor has turned its redistributions into them) but keeps no module tracker: in torch
-    2.13 CommDebugMode's tracker fails (``IndexError`` in ``ModuleTracker``) when activation
-    checkpointing recomputes a tensor-parallel block in the backward."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.payload: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0])
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        if any(t is DTensor for t in types):
-            return NotImplemented  # let DTensor lower itself into collectives first
-        out = func(*args, **(kwargs or {}))
-        if isinstance(func, torch._ops.HigherOrderOperator):
-            return out
-        name = func._overloadpacket.__name__
-        kind = next((k for k in ("all_gather", "allgather", "reduce_scatter", "allreduce",
-                                 "all_reduce", "all_to_all", "alltoall", "broadcast") if k in name), None)
-        if kind is None or func.namespace not in ("c10d", "_c10d_functional"):
-            return out
-        kind = {"allgather": "all_gather", "allreduce": "all_reduce", "alltoall": "all_to_all"}.get(kind, kind)
-        group = None
-        for a in list(args) + list((kwargs or {}).values()):
-            if isinstance(a, str):
-                group = a
-            elif isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):  # a c10d op's group
-                group = dist.ProcessGroup.unbox(a).group_name
-        outs = [t for t in _flat(out) if isinstance(t, torch.Tensor)]
-        ins = [t for t in _flat(args) if isinstance(t, torch.Tensor)]
-        # the unsharded size: an all-gather's output, a reduce-scatter's input
-        sizes = [t.numel() * t.element_size() for t in (outs if kind == "all_gather" else ins)]
-        rec = self.payload[(kind, str(group))]
-        rec[0] += 1
-        rec[1] += float(max(sizes)) if sizes else 0.0
-        return out
-
-
-class _PhasePeaks:
-    """An event plugin (:mod:`llmforge.events`) that splits the step's peak by phase: at the end
-    of each forward, loss and backward it folds the tracker's peak since the last phase into
-    that phase's maximum and starts a new one. The depth extrapolation is done per phase, since
-    each phase's peak is affine in the block count while the phase holding the overall peak may
-    change with depth. (The tracker's global peak has no public reset in torch 2.13: its two
-    private fields are cleared.)"""
-
-    def __init__(self) -> None:
-        self.tracker: Any = None
-        self.peaks: dict[str, tuple[float, dict[str, float], float]] = {}
-
-    def start(self, tracker: Any) -> None:
-        self.tracker = tracker
-        self._reset()
-
-    def _reset(self) -> None:  # the current state is the new peak
-        t = self.tracker
-        t._peak_mem_snap = copy.deepcopy(t._curr_mem_snap)
-        t._peak_mem = {dev: snap["Total"] for dev, snap in t._curr_mem_snap.items()}
-
-    def record(self, phase: str) -> None:
-        snap = self.tracker.get_tracker_snapshot("peak")
-        summary = _summarize(next(iter(snap.values())) if snap else {"Total": 0})
-        if phase not in self.peaks or summary[0] > self.peaks[phase][0]:
-            self.peaks[phase] = summary
-        self._reset()
-
-    def after_forward(self, state: Any) -> None:
-        self.record("forward")
-
-    def after_loss(self, state: Any) -> None:
-        self.record("loss")
-
-    def after_backward(self, state: Any) -> None:
-        self.record("backward")
-
-
-def _summarize(snap: dict) -> tuple[float, dict[str, float], float]:
-    """``(total, breakdown by CATEGORIES, sharded state)`` of one tracker snapshot."""
-    breakdown = dict.fromkeys(CATEGORIES, 0.0)
-    sharded = 0.0
-    for ref, nbytes in snap.items():
-        key = getattr(ref, "value", ref)
-        if key != "Total":
-            breakdown[_CATEGORY_OF.get(key, "temporaries")] += float(nbytes)
-        if key in _SHARDED:
-            sharded += float(nbytes)
-    return float(snap.get("Total", 0)), breakdown, sharded
-
-
-def _flat(x: Any) -> list:
-    if isinstance(x, (list, tuple)):
-        return [y for v in x for y in _flat(v)]
-    return [x]
 
 
 def layout_config(cfg: Any, layout: Layout, n_layers: Optional[int] = None) -> Any:
@@ -369,8 +234,8 @@ def simulate(cfg: Any, layout: Layout, *, n_layers: Optional[int] = None, fake: 
             tracker = MemTracker()
             tracker.track_external(model, optimizer)
         tracker.track_inputs((batch,)) if isinstance(tracker, FSDPMemTracker) else None
-        comm, flops = _ByteCounter(), FlopCounterMode(display=False, custom_mapping=_CPU_SDPA_FLOPS)
-        phases = _PhasePeaks()
+        comm, flops = ByteCounter(), FlopCounterMode(display=False, custom_mapping=CPU_SDPA_FLOPS)
+        phases = PhasePeaks()
         with tracker:
             _step(module, optimizer, batch)  # warm-up: the optimizer state exists from here on
             tracker.reset_mod_stats()
@@ -390,7 +255,7 @@ def simulate(cfg: Any, layout: Layout, *, n_layers: Optional[int] = None, fake: 
         peak_bytes=total, breakdown=breakdown, phases=dict(phases.peaks),
         # FlopCounterMode sees DTensor ops at their global shapes (the tp group's work)
         flops=float(flops.get_total_flops()) / dims.tp, formula_flops=formula,
-        collectives=_collectives(comm, mesh), seconds=time.perf_counter() - t0, sharded_state=sharded)
+        collectives=collectives(comm, mesh), seconds=time.perf_counter() - t0, sharded_state=sharded)
 
 
 def _step(module: LLMModule, optimizer: Any, batch: torch.Tensor) -> None:
@@ -400,33 +265,6 @@ def _step(module: LLMModule, optimizer: Any, batch: torch.Tensor) -> None:
     module.clip_gradients_(optimizer)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-
-
-def _collectives(comm: _ByteCounter, mesh: Any) -> list[Collective]:
-    names: dict[str, tuple[str, int]] = {}
-    if mesh is not None:
-        for dim in ("dp_shard", "dp_replicate", "tp", "dp"):  # dims of one rank set share a group:
-            sub = mesh[dim]  # the first name wins (FSDP2's dp_shard before the flattened dp)
-            names.setdefault(sub.get_group().group_name, (dim, sub.size()))
-    out = []
-    for (kind, group), (count, nbytes) in sorted(comm.payload.items()):
-        if group not in names:  # a group DTensor or FSDP made for a concatenation of dims
-            ranks = sorted(dist.get_process_group_ranks(_c10d._resolve_process_group(group)))
-            names[group] = (_dim_of(mesh, ranks), len(ranks))
-        dim, size = names[group]
-        out.append(Collective(kind=kind, mesh_dim=dim, group_size=size, count=count, bytes=nbytes))
-    return out
-
-
-def _dim_of(mesh: Any, ranks: list) -> str:
-    """The mesh dims (joined by ``+``) whose group through rank 0 holds exactly ``ranks``."""
-    dims = [d for d in ("dp_replicate", "dp_shard", "tp") if mesh[d].size() > 1]
-    for n in range(len(dims), 0, -1):
-        for i in range(len(dims) - n + 1):
-            sub = mesh[tuple(dims[i:i + n])] if n > 1 else mesh[dims[i]]
-            if sorted(sub.mesh.flatten().tolist()) == ranks:
-                return "+".join(dims[i:i + n])
-    return "world"
 
 
 def simulate_scaled(cfg: Any, layout: Layout, *, full_depth: Optional[int] = None) -> StepMeasurement:

@@ -6,6 +6,7 @@
                       [--top-k K] [--seed S] [--chat] [--trust-code] [--debug]
     llmforge eval RUN_DIR_OR_CHECKPOINT --tasks T1,T2 [--include-path DIR] [--limit N]
                   [--num-fewshot K] [--batch-size B] [--device D] [--trust-code]
+    llmforge plan CONFIG.yaml [key=value ...] --gpus N [--gpu NAME] [--json]   # layout for N GPUs
     llmforge algorithms          # the algorithm plugins: name, pipeline stage, summary
     llmforge runs plot RUN_DIR... [--metric train/loss] [--out FILE.png] [--x step|tokens]
     llmforge launch CONFIG.yaml [--cluster NAME] [--gpus N] [--nodes M] [--dry-run] [key=value ...]
@@ -28,6 +29,7 @@ from llmforge.cli_commands import (RUNS_COMMANDS, _pipeline_line, _print_summary
                                    cmd_train)
 from llmforge.cli_parser import _parser
 from llmforge.errors import LLMForgeError
+from llmforge.planning.command import cmd_plan
 
 
 def _scrub(message: str) -> str:
@@ -52,7 +54,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # before the heavy imports: a stop during startup loses nothing (see llmforge.signals)
     owns_signals = args.command in ("train", "data") and signals.install()
     handlers = {"train": cmd_train, "generate": cmd_generate, "algorithms": cmd_algorithms,
-                "runs": cmd_runs, "checkpoint": cmd_checkpoint, "convert": cmd_convert, "eval": cmd_eval}
+                "runs": cmd_runs, "checkpoint": cmd_checkpoint, "convert": cmd_convert, "eval": cmd_eval,
+                "plan": cmd_plan}
     handlers.update(TOP_COMMANDS)  # launch, clusters, secrets
     from llmforge.data.commands import cmd_data
 

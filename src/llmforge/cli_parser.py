@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from llmforge.planning.command import add_parser as add_plan_parser
+
 __all__ = ["_parser", "add_debug"]
 
 
@@ -122,6 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     from llmforge.data.commands import add_parser as add_data_parser  # data prepare
 
     add_data_parser(sub)
+    add_plan_parser(sub)  # plan
     from llmforge.runs.commands import add_parsers  # launch, clusters, secrets, runs list/stop/...
 
     add_parsers(sub, runs_sub)

@@ -1,0 +1,144 @@
+"""optimizer.name: muon — Newton-Schulz against a reference, the parameter split, the combined step
+against torch's own Muon and AdamW, the state dict through a save/load, a short training run."""
+
+import io
+
+import pytest
+import torch
+
+from llmforge.cli import main
+from llmforge.models import Llama, LlamaArgs
+from llmforge.training.muon import MuonAdamW, match_rms_adamw_scale, newton_schulz
+from llmforge.training.optim import build_optimizer, muon_param_groups
+
+
+class Cfg:
+    name, lr, betas, eps, weight_decay = "muon", 1e-2, (0.9, 0.95), 1e-8, 0.1
+    muon_lr, muon_momentum, muon_nesterov, muon_ns_steps = 2e-2, 0.95, True, 5
+
+
+def reference_ns(g, steps=5, a=3.4445, b=-4.7750, c=2.0315):
+    """Keller Jordan's zeropower_via_newtonschulz5 (github.com/KellerJordan/Muon), in float32."""
+    x = g.float()
+    if g.size(0) > g.size(1):
+        x = x.T
+    x = x / (x.norm() + 1e-7)
+    for _ in range(steps):
+        m = x @ x.T
+        x = a * x + (b * m + c * m @ m) @ x
+    return x.T if g.size(0) > g.size(1) else x
+
+
+@pytest.mark.parametrize("shape", [(48, 80), (80, 48), (64, 64)])
+def test_newton_schulz_equals_reference(shape):
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    got = newton_schulz(g, dtype=torch.float32)
+    assert (got - reference_ns(g)).abs().max().item() < 1e-5
+    s = torch.linalg.svdvals(got)
+    # the quintic is tuned to push singular values into about [0.7, 1.2] (a random square matrix
+    # keeps its very smallest ones small after 5 steps), never above
+    assert s.max() < 1.3 and 0.7 < s.median() < 1.2
+
+
+def test_bf16_newton_schulz_is_torch_muons_update():
+    g = torch.randn(40, 24, generator=torch.Generator().manual_seed(1))
+    p = torch.nn.Parameter(torch.zeros(40, 24))
+    p.grad = g.clone()
+    torch.optim.Muon([p], lr=1.0, weight_decay=0.0, momentum=0.0, adjust_lr_fn="match_rms_adamw").step()
+    want = -match_rms_adamw_scale((40, 24)) * newton_schulz(g).float()
+    assert torch.equal(p.detach(), want)
+
+
+def tiny(tie=False, seed=0):
+    torch.manual_seed(seed)
+    m = Llama(LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16,
+                        max_seq_len=16, tie_embeddings=tie))
+    m.init_weights()
+    return m
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_hidden_matrices_to_muon_rest_to_adamw(tie):
+    m = tiny(tie)
+    opt = build_optimizer(m, Cfg)
+    names = {id(p): n for n, p in m.named_parameters()}
+    groups = {g["name"]: sorted(names[id(p)] for p in g["params"]) for g in opt.param_groups}
+    assert [g["lr"] for g in opt.param_groups] == [2e-2, 1e-2, 1e-2]
+    assert len(groups["muon"]) == 14 and all(".attention.w" in n or ".feed_forward.w" in n for n in groups["muon"])
+    assert groups["decay"] == (["tok_embeddings.weight"] if tie else ["output.weight", "tok_embeddings.weight"])
+    assert len(groups["no_decay"]) == 5  # 2 norms per block + the final norm
+
+
+def batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g)
+
+
+def step(model, opt, seed):
+    x, y = batch(seed)
+    loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def test_step_is_torch_muon_plus_torch_adamw():
+    a, b = tiny(), tiny()
+    opt = build_optimizer(a, Cfg)
+    (mg,), adamw_groups = [opt.param_groups[0]], opt.param_groups[1:]
+    idx = {id(p): i for i, p in enumerate(a.parameters())}
+    bp = list(b.parameters())
+    muon = torch.optim.Muon([bp[idx[id(p)]] for p in mg["params"]], lr=2e-2, weight_decay=0.1,
+                            adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW([{"params": [bp[idx[id(p)]] for p in g["params"]],
+                                "weight_decay": g["weight_decay"]} for g in adamw_groups],
+                              lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+
+    class Both:
+        def step(self):
+            muon.step(), adamw.step()
+
+        def zero_grad(self, set_to_none):
+            muon.zero_grad(set_to_none), adamw.zero_grad(set_to_none)
+
+    for s in range(3):
+        assert step(a, opt, s) == step(b, Both(), s)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_state_dict_round_trip_continues_bit_exact():
+    a = tiny()
+    opt = build_optimizer(a, Cfg)
+    for s in range(2):
+        step(a, opt, s)
+    buf = io.BytesIO()
+    torch.save({"model": a.state_dict(), "optim": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    assert {"momentum_buffer"} == set(saved["optim"]["state"][0])  # the first group is Muon's
+    assert {"step", "exp_avg", "exp_avg_sq"} <= set(saved["optim"]["state"][14])
+    b = tiny(seed=1)
+    b.load_state_dict(saved["model"])
+    opt_b = build_optimizer(b, Cfg)
+    opt_b.load_state_dict(saved["optim"])
+    assert [step(a, opt, s) for s in (2, 3)] == [step(b, opt_b, s) for s in (2, 3)]
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_muon_lowers_the_loss():
+    m = tiny()
+    opt = MuonAdamW(*muon_param_groups(m, Cfg))
+    losses = [step(m, opt, 0) for _ in range(15)]  # one batch, memorized
+    assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_bad_muon_key_is_one_error_line(capsys, tmp_path):
+    from conftest import DEMO, TINY_OVERRIDES
+
+    rc = main(["train", DEMO, *TINY_OVERRIDES, f"run.output_dir={tmp_path}", "optimizer.muon_momentum=1.5"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == ["error: optimizer.muon_momentum must be in [0, 1), e.g. 0.95, got 1.5"]
+    assert not any(tmp_path.iterdir())

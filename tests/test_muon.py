@@ -1,11 +1,17 @@
 """optimizer.name: muon — Newton-Schulz against a reference, the parameter split, the combined step
-against torch's own Muon and AdamW, the state dict through a save/load, a short training run."""
+against torch's own Muon and AdamW, the state dict through a save/load, a short training run, and
+FSDP2 on 2 real processes (tests/dist/muon_worker.py) against one process."""
 
 import io
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from conftest import DEMO, REPO, TINY_OVERRIDES
 from llmforge.cli import main
 from llmforge.models import Llama, LlamaArgs
 from llmforge.training.muon import MuonAdamW, match_rms_adamw_scale, newton_schulz
@@ -136,9 +142,28 @@ def test_muon_lowers_the_loss():
 
 
 def test_bad_muon_key_is_one_error_line(capsys, tmp_path):
-    from conftest import DEMO, TINY_OVERRIDES
-
     rc = main(["train", DEMO, *TINY_OVERRIDES, f"run.output_dir={tmp_path}", "optimizer.muon_momentum=1.5"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err == ["error: optimizer.muon_momentum must be in [0, 1), e.g. 0.95, got 1.5"]
     assert not any(tmp_path.iterdir())
+
+
+@pytest.fixture(scope="module")
+def fsdp2_reports(tmp_path_factory):
+    out = tmp_path_factory.mktemp("muon_fsdp2")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "tests" / "dist" / "muon_worker.py"), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+                              [str(REPO), os.environ.get("PYTHONPATH", "")])})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_fsdp2_two_processes_give_one_process_losses(fsdp2_reports):
+    for rep in fsdp2_reports:
+        assert len(rep["losses"]) == 6
+        assert rep["losses"] == pytest.approx(rep["ref_losses"], abs=1e-5)
+        assert rep["ref_losses"][-1] != rep["ref_losses"][0]  # the weights did move
+        # 14 block matrices (orthogonalized round-robin: rank i % 2), embeddings, output, norms
+        assert len(rep["weight_diff"]) == 21 and max(rep["weight_diff"].values()) < 1e-4, rep["weight_diff"]

@@ -161,8 +161,10 @@ class MuonAdamW(torch.optim.Optimizer):
             mesh = p.device_mesh
             if mesh.ndim == 1 and mesh.size() > 1:
                 owner = i % mesh.size()
-                if mesh.get_local_rank() == owner:
-                    ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"], group["eps"])
+                if mesh.get_local_rank() == owner:  # contiguous: a tall matrix's result is a
+                    # transposed view, and a collective sends the storage as it lies
+                    ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"],
+                                          group["eps"]).contiguous()
                 else:
                     ortho = torch.empty(full.shape, dtype=torch.bfloat16, device=full.device)
                 pg = mesh.get_group()

@@ -1,8 +1,7 @@
 """optimizer.name: muon — Newton-Schulz against a reference, the parameter split, the combined step
-against torch's own Muon and AdamW, the state dict through a save/load, a short training run, and
+against torch's own Muon and AdamW, the state through a DCP checkpoint, a short training run, and
 FSDP2 on 2 real processes (tests/dist/muon_worker.py) against one process."""
 
-import io
 import json
 import os
 import subprocess
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 from conftest import DEMO, REPO, TINY_OVERRIDES
+from llmforge.checkpoint.dcp import load_training_state, save_checkpoint
 from llmforge.cli import main
 from llmforge.models import Llama, LlamaArgs
 from llmforge.training.muon import MuonAdamW, match_rms_adamw_scale, newton_schulz
@@ -114,21 +114,18 @@ def test_step_is_torch_muon_plus_torch_adamw():
         assert torch.equal(p, q)
 
 
-def test_state_dict_round_trip_continues_bit_exact():
+def test_checkpoint_round_trip_continues_bit_exact(tmp_path):
     a = tiny()
     opt = build_optimizer(a, Cfg)
     for s in range(2):
         step(a, opt, s)
-    buf = io.BytesIO()
-    torch.save({"model": a.state_dict(), "optim": opt.state_dict()}, buf)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
-    assert {"momentum_buffer"} == set(saved["optim"]["state"][0])  # the first group is Muon's
-    assert {"step", "exp_avg", "exp_avg_sq"} <= set(saved["optim"]["state"][14])
+    sd = opt.state_dict()["state"]
+    assert set(sd[0]) == {"momentum_buffer"}  # the first group is Muon's
+    assert {"step", "exp_avg", "exp_avg_sq"} <= set(sd[14])
+    save_checkpoint(tmp_path, 2, a, opt, {"step": 2}, {})  # torch.distributed.checkpoint, as training does
     b = tiny(seed=1)
-    b.load_state_dict(saved["model"])
     opt_b = build_optimizer(b, Cfg)
-    opt_b.load_state_dict(saved["optim"])
+    load_training_state(tmp_path / "step_00000002", b, opt_b)
     assert [step(a, opt, s) for s in (2, 3)] == [step(b, opt_b, s) for s in (2, 3)]
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)

@@ -28,8 +28,9 @@ PRECISIONS = {"fp32": "32-true", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 """``trainer.accelerator`` values."""
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
-OPTIMIZERS = ("adamw", "muon")
 """``scheduler.name`` values (formulas in llmforge.training.schedule)."""
+OPTIMIZERS = ("adamw", "muon")
+"""``optimizer.name`` values (built in llmforge.training.optim)."""
 STRATEGIES = ("auto", "single", "ddp", "fsdp2")
 """``strategy.name`` values."""
 

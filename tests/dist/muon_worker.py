@@ -1,9 +1,9 @@
-"""Run under torchrun (gloo): Muon+AdamW on an FSDP2-sharded model against one process.
+"""Run under torchrun (gloo): Muon+AdamW on a sharded model against one process.
 
-Each rank trains the same tiny model twice on the same batches, once unsharded (torch.optim.Muon's
-own step) and once under FSDP2 (DTensor shards: gather, orthogonalize, keep the shard, matrices
-dealt round-robin over the ranks); writes ``<out>/rank<R>.json`` with both loss curves and the
-largest weight difference. tests/test_muon.py reads them.
+Each rank trains the same tiny model on the same batches unsharded (torch.optim.Muon's own step),
+under FSDP2 and under tensor parallel over all ranks (DTensor shards: gather, orthogonalize, keep
+the shard, matrices dealt round-robin over the ranks); writes ``<out>/rank<R>.json`` with the loss
+curves and each parameter's largest difference. tests/test_muon.py reads them.
 """
 
 import json
@@ -63,16 +63,24 @@ def main(out):
     ref.configure_model()
     ref_losses = train(ref, batches, slice(None))
 
-    dims = ParallelDims.from_config(cfg, world)
-    mod = LLMModule(cfg, plan_batch(cfg, world), pipeline=strategy_transforms(cfg, dims))
-    mod.mesh_override = build_mesh(dims, "cpu")
-    mod.configure_model()
-    per = 4 // world
-    losses = train(mod, batches, slice(per * rank, per * rank + per))
-    weight_diff = {name: (full(p) - q).abs().max().item() for (name, p), q
-                   in zip(mod.model.named_parameters(), ref.model.parameters())}
+    report = {}
+    for name, tp in (("fsdp2", 1), ("tp2", world)):
+        cfg = make_cfg()
+        cfg.strategy.tp = tp
+        dims = ParallelDims.from_config(cfg, world)
+        mod = LLMModule(cfg, plan_batch(cfg, world), pipeline=strategy_transforms(cfg, dims))
+        mod.mesh_override = build_mesh(dims, "cpu")
+        mod.configure_model()
+        per = 4 // (world // tp)  # tensor parallel ranks see the same rows
+        rows = slice(None) if tp > 1 else slice(per * rank, per * rank + per)
+        losses = train(mod, batches, rows)
+        report[name] = {"losses": losses, "weight_diff": {
+            n: (full(p) - q).abs().max().item()
+            for (n, p), q in zip(mod.model.named_parameters(), ref.model.parameters())}}
+    # the same one-process curve for both
+    report["ref_losses"] = ref_losses
     with open(f"{out}/rank{rank}.json", "w") as f:
-        json.dump({"ref_losses": ref_losses, "losses": losses, "weight_diff": weight_diff}, f)
+        json.dump(report, f)
     dist.destroy_process_group()
 
 

@@ -1,6 +1,6 @@
 """optimizer.name: muon — Newton-Schulz against a reference, the parameter split, the combined step
 against torch's own Muon and AdamW, the state through a DCP checkpoint, a short training run, and
-FSDP2 on 2 real processes (tests/dist/muon_worker.py) against one process."""
+FSDP2 and tensor parallel on 2 real processes (tests/dist/muon_worker.py) against one process."""
 
 import json
 import os

@@ -165,6 +165,7 @@ def test_fsdp2_two_processes_give_one_process_losses(sharded_reports):
         assert rep["ref_losses"][-1] != rep["ref_losses"][0]  # the weights did move
         # 14 block matrices (orthogonalized round-robin: rank i % 2), embeddings, output, norms
         assert len(got["weight_diff"]) == 21 and max(got["weight_diff"].values()) < 1e-4, got["weight_diff"]
+        assert got["newton_schulz_calls"] == 14 * 6 // 2  # each rank orthogonalizes half the matrices
 
 
 def test_tensor_parallel_two_processes_near_one_process_losses(sharded_reports):
@@ -175,4 +176,5 @@ def test_tensor_parallel_two_processes_near_one_process_losses(sharded_reports):
     for rep in sharded_reports:
         got = rep["tp2"]
         assert got["losses"] == pytest.approx(rep["ref_losses"], abs=1e-4)
+        assert got["newton_schulz_calls"] == 14 * 6 // 2
         assert max(got["weight_diff"].values()) < 5e-3, got["weight_diff"]

@@ -16,11 +16,18 @@ from omegaconf import OmegaConf
 from llmforge.config.schema import TrainConfig
 from llmforge.config.validate import plan_batch
 from llmforge.parallel.mesh import ParallelDims, build_mesh
+from llmforge.training import muon
 from llmforge.parallel.transforms import strategy_transforms
 from llmforge.training.module import LLMModule
 from llmforge.training.optim import build_optimizer
 
 STEPS = 6
+CALLS = []
+
+
+def counting_newton_schulz(g, *args, _ns=muon.newton_schulz):
+    CALLS.append(tuple(g.shape))
+    return _ns(g, *args)
 
 
 def make_cfg():
@@ -64,6 +71,7 @@ def main(out):
     ref_losses = train(ref, batches, slice(None))
 
     report = {}
+    muon.newton_schulz = counting_newton_schulz  # count the orthogonalizations this rank does
     for name, tp in (("fsdp2", 1), ("tp2", world)):
         cfg = make_cfg()
         cfg.strategy.tp = tp
@@ -73,8 +81,9 @@ def main(out):
         mod.configure_model()
         per = 4 // (world // tp)  # tensor parallel ranks see the same rows
         rows = slice(None) if tp > 1 else slice(per * rank, per * rank + per)
+        CALLS.clear()
         losses = train(mod, batches, rows)
-        report[name] = {"losses": losses, "weight_diff": {
+        report[name] = {"losses": losses, "newton_schulz_calls": len(CALLS), "weight_diff": {
             n: (full(p) - q).abs().max().item()
             for (n, p), q in zip(mod.model.named_parameters(), ref.model.parameters())}}
     # the same one-process curve for both

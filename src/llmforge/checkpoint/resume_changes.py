@@ -12,11 +12,13 @@ without torch, so ``llmforge train`` refuses before its heavy imports.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from llmforge.config.schema import TrainConfig
 from llmforge.errors import ConfigError
 
 __all__ = ["MAY_CHANGE", "ResumeChanges", "resume_changes", "check_resume_changes"]
@@ -72,6 +74,24 @@ def _may_change(key: str, now: dict[str, Any]) -> bool:
     if _streams(now) and _matches(key, _STREAM_POSITION):
         return False
     return key == "world size" or _matches(key, MAY_CHANGE)
+
+
+def _schema_default(key: str) -> Any:
+    """The schema's default of a dotted key (``optimizer.muon_lr``), or ``_UNKNOWN``."""
+    node: Any = TrainConfig
+    value: Any = _UNKNOWN
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(node):
+            return _UNKNOWN
+        f = {f.name: f for f in dataclasses.fields(node)}.get(part)
+        if f is None:
+            return _UNKNOWN
+        value = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        node = value
+    return value
+
+
+_UNKNOWN = object()
 
 
 def _short(value: Any) -> str:
@@ -144,6 +164,8 @@ def resume_changes(ckpt: str | Path, config: dict[str, Any], world_size: int) ->
     for key in sorted(set(old) | set(now)) if old else ():
         if key.startswith("variables.") or key in _NOT_COMPARED or old.get(key) == now.get(key):
             continue  # variables reach the run only through the keys they fill in
+        if key not in old and now[key] == _schema_default(key):
+            continue  # a key added to llmforge after the save, at its default: the old behaviour
         (safe if _may_change(key, now) else breaking).append((key, old.get(key), now.get(key)))
     return ResumeChanges(ckpt, tuple(safe), tuple(breaking), where)
 

@@ -15,6 +15,8 @@ def test_readme_key_table_matches_schema():
 def test_readme_quick_start_commands():
     text = (REPO / "README.md").read_text()
     assert "pip install torch==2.13.0" in text
+    # what a CPU-only machine needs beside the public index (issue 27.3)
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in text
     assert "llmforge train yamls/demo_cpu.yaml" in text
     ci = (REPO / ".ci" / "run").read_text()
     assert "python -m pytest -q" in text and "python -m pytest -q" in ci

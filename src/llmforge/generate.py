@@ -13,6 +13,18 @@ from llmforge.config import load_config
 from llmforge.data.tokenizers import Tokenizer, load_saved
 from llmforge.errors import LLMForgeError
 from llmforge.models.sampling import generate
+from llmforge.parallel.threads import choose_num_threads
+
+
+def use_inference_threads() -> int:
+    """Set torch's compute threads for ``generate`` and ``eval`` by training's rule
+    (:func:`llmforge.parallel.threads.choose_num_threads`: one process, no data worker, the
+    cores other processes leave free; ``OMP_NUM_THREADS`` wins) and return the count. Measured
+    beside one CPU-burning process on 2 cores: torch's default 2 threads gave 197-201 tokens/s,
+    1 thread 607-797 (issue 27; ``benchmarks/generate.py --burner``)."""
+    n, _ = choose_num_threads(None, 1, 0)
+    torch.set_num_threads(n)
+    return n
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:

@@ -158,7 +158,7 @@ def _print_summary(s: dict[str, Any]) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from llmforge.errors import ConfigError
-    from llmforge.generate import sample_text, use_inference_threads
+    from llmforge.generate import sample_text
 
     checks = [(args.max_new_tokens >= 0, "--max-new-tokens must be >= 0"),
               (args.temperature >= 0 and args.temperature != float("inf"),
@@ -168,7 +168,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    stats: dict = {"threads": use_inference_threads()}
+    stats: dict = {}
 
     def show(piece: str) -> None:  # tokens are printed as they come
         if not stats.get("started"):
@@ -200,7 +200,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from llmforge.errors import ConfigError
     from llmforge.evaluation.harness import parse_limit
     from llmforge.evaluation.run import evaluate_run
-    from llmforge.generate import use_inference_threads
 
     try:
         limit = parse_limit(args.limit)
@@ -217,8 +216,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"--num-fewshot must be >= 0; got {args.num_fewshot}")
     if args.batch_size < 1 or args.max_gen_toks < 1:
         raise ConfigError("--batch-size and --max-gen-toks must be >= 1")
-    if device.type == "cpu":
-        use_inference_threads()
     out = evaluate_run(args.path, args.tasks.split(","), include_path=args.include_path,
                        limit=limit, num_fewshot=args.num_fewshot, batch_size=args.batch_size,
                        max_gen_toks=args.max_gen_toks, seed=args.seed, device=args.device)

@@ -126,7 +126,8 @@ def sample_text(path: str | Path, prompt: str, *, max_new_tokens: int = 200,
     ``on_text``: called with each new piece of text as soon as it decodes (streaming; a piece
     that ends inside a multi-byte character waits for the next token).
     ``stats``: filled with ``tokens`` (generated), ``seconds`` (wall time of generation, model
-    load excluded), ``tokens_per_second`` and ``kv_cache`` (whether the cache was used).
+    load excluded), ``tokens_per_second``, ``kv_cache`` (whether the cache was used) and
+    ``threads`` (torch's compute threads, set by :func:`use_inference_threads`).
 
     Raises:
         ConfigError: ``chat`` and the run's tokenizer lacks the template's special tokens.
@@ -135,6 +136,7 @@ def sample_text(path: str | Path, prompt: str, *, max_new_tokens: int = 200,
 
     from llmforge.models.sampling import supports_kv_cache
 
+    threads = use_inference_threads()
     model, tok, cfg = load_for_inference(path)
     gen = torch.Generator().manual_seed(seed)
     stop = tok.eos_id
@@ -167,5 +169,5 @@ def sample_text(path: str | Path, prompt: str, *, max_new_tokens: int = 200,
         on_text(text[len(shown[0]):])
     if stats is not None:
         stats.update(tokens=len(new), seconds=seconds, tokens_per_second=len(new) / max(seconds, 1e-9),
-                     kv_cache=use_cache and supports_kv_cache(model))
+                     kv_cache=use_cache and supports_kv_cache(model), threads=threads)
     return text

@@ -139,3 +139,14 @@ def test_train_on_shakespeare_then_generate(tmp_path, tiny_overrides, capsys):
 def test_generate_on_missing_run(tmp_path, capsys):
     assert main(["generate", str(tmp_path / "nothing"), "--prompt", "x"]) == 1
     assert_one_error(capsys.readouterr().err, "no such run directory")
+
+
+def test_version_and_dir_list_the_public_names(capsys):
+    """`llmforge --version` and `dir(llmforge)` (issue 27.7)."""
+    import llmforge
+    from llmforge.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out == f"llmforge {llmforge.__version__}\n"
+    assert {"Trainer", "LLMModule", "load_config", "TrainConfig", "registry", "__version__"} <= set(dir(llmforge))

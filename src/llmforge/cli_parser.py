@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from llmforge import __version__
+
 __all__ = ["_parser", "add_debug"]
 
 
@@ -17,6 +19,7 @@ def add_debug(p: argparse.ArgumentParser) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llmforge", description="Train language models (Llama 3, Qwen3, your own) from one YAML.")
+    p.add_argument("--version", action="version", version=f"llmforge {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train from a YAML config")

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from llmforge.errors import LLMForgeError
+from llmforge.errors import ConfigError
 
 
 def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
@@ -22,8 +22,9 @@ def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
     them instead.
 
     Raises:
-        LLMForgeError: the model's family has no HF adapter, the path has no checkpoint, or
-            ``adapters_only`` for a run without adapters.
+        ConfigError: the model's family has no HF adapter, or ``adapters_only`` for a run
+            without adapters (exit 2).
+        LLMForgeError: the path has no checkpoint.
     """
     from llmforge.checkpoint.hf import save_hf
     from llmforge.generate import load_model
@@ -32,7 +33,7 @@ def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
     model, cfg, run_dir, plugins, ckpt, meta = load_model(path, with_plugins=True)
     adapter = get_spec(cfg.model.name).adapter()  # by name: a derived research spec may have none
     if adapter is None:
-        raise LLMForgeError(f"{path}: model '{cfg.model.name}' has no Hugging Face adapter "
+        raise ConfigError(f"{path}: model '{cfg.model.name}' has no Hugging Face adapter "
                             "(ModelSpec.hf_adapter, docs/models.md), so it cannot be exported")
     cast = getattr(torch, dtype) if dtype else None
     if adapters_only:
@@ -40,7 +41,7 @@ def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
             written = plugin.export_adapters(model, Path(out), cfg, meta, dtype=cast)
             if written is not None:
                 return written
-        raise LLMForgeError(f"{path}: --adapters-only needs a run whose algorithms add adapters "
+        raise ConfigError(f"{path}: --adapters-only needs a run whose algorithms add adapters "
                             "(see `llmforge algorithms`); this checkpoint has none")
     for plugin in plugins:
         model = plugin.export_model(model, ckpt)

@@ -140,7 +140,11 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 def _print_summary(s: dict[str, Any]) -> None:
     minutes, seconds = divmod(int(s["seconds"]), 60)
-    parts = [f"done: {s['steps']} steps, {s['tokens']:,} tokens in {minutes}m{seconds:02d}s"]
+    if s.get("stopped_by"):
+        head = f"stopped early ({s['stopped_by']}): {s['steps']} of {s['max_steps']} steps"
+    else:
+        head = f"done: {s['steps']} steps"
+    parts = [f"{head}, {s['tokens']:,} tokens in {minutes}m{seconds:02d}s"]
     if s["final_train_loss"] is not None:
         parts.append(f"train/loss {s['final_train_loss']:.4f}")
     if s["final_eval_loss"] is not None:

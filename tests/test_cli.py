@@ -4,6 +4,7 @@ In-process through ``llmforge.cli.main([...])`` and ``capsys`` (an interpreter s
 seconds); one test runs the real ``llmforge`` process for its exit code and stderr."""
 
 import json
+import sys
 
 import pytest
 
@@ -83,6 +84,20 @@ def test_dry_run_big_models_on_meta(yaml_name, params, capsys):
     out = capsys.readouterr().out
     assert params in out
     assert "grad accum" in out and "memory/device" in out
+    if yaml_name == "llama3_405b.yaml":  # the 64 of dp next to the memory's 128 shards (issue 27.7)
+        assert "(fsdp2, dp 64 = 4 replicas x 16 shards (HSDP), tp 8)" in out and "sharded 128x" in out
+
+
+def test_dry_run_checks_the_loggers_packages(capsys, monkeypatch):
+    """A tracker SDK that is not installed fails the dry run as it would the run (issue 27.7);
+    an API key missing here does not (it may be set where the run goes)."""
+    monkeypatch.setitem(sys.modules, "wandb", None)  # importing it fails
+    assert main(["train", DEMO, "loggers=[{name: wandb, mode: offline}]", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: loggers: wandb needs the 'wandb' package") and "llmforge[wandb]" in err
+    monkeypatch.delitem(sys.modules, "wandb")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert main(["train", DEMO, "loggers=[{name: wandb, mode: online}]", "--dry-run"]) == 0
 
 
 def test_dry_run_batch_arithmetic(capsys):

@@ -60,7 +60,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     trainer = Trainer(cfg, overwrite=args.overwrite, run=run)  # imports, strategy, algorithms
     if args.dry_run:
+        from llmforge.runs.checks import build_loggers
         from llmforge.training.dry_run import dry_run_report
+
+        try:  # a tracker SDK missing here fails the real run here: say it now (an API key may
+            # be set only where the run goes, so a missing one is left to it)
+            build_loggers(trainer.cfg, {"run_dir": str(run.run_dir)}, strict=True)
+        except LLMForgeError as exc:
+            if isinstance(exc.__cause__, ImportError):
+                raise
 
         for note in run.notes:
             print(f"note            {note}")

@@ -11,32 +11,7 @@ import sys
 from typing import Any
 
 from llmforge.errors import LLMForgeError
-
-
-def _quiet_libraries() -> None:
-    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    import logging
-    import warnings
-
-    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=".*isinstance.treespec, LeafSpec.*")
-    warnings.filterwarnings("ignore", module="torch.distributed.device_mesh")
-    warnings.filterwarnings("ignore", module="torch.distributed.tensor._random")
-    # not actionable on every run: DTensor's RNG is CUDA-only (warned from its caller's module,
-    # so matched by text), and Lightning's hint that srun exists on this machine
-    warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
-    warnings.filterwarnings("ignore", message="The `srun` command is available on your system")
-    warnings.filterwarnings("ignore", message=".*_get_slice_mesh_layout.*|.*_rng_tracker.*")
-    warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
-    warnings.filterwarnings("ignore", message=".*Found a non-scalar tensor with numel=1 and ndim!=0.*")
-    import datasets
-
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
-    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+from llmforge.quiet import quiet_libraries as _quiet_libraries  # noqa: F401  (cli imports it from here)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -32,6 +32,7 @@ from llmforge.config import config_to_dict, load_config, redact, save_config
 from llmforge.config.resolve import ResolvedRun, check_run_name, resolve_run
 from llmforge.config.schema import PRECISIONS
 from llmforge.paths import check_writable_dir
+from llmforge.quiet import quiet_libraries
 from llmforge.data.datamodule import LLMDataModule
 from llmforge.data.mixture import MixtureTokens, PreparedMixture
 from llmforge.data.tokenizers import Tokenizer
@@ -66,6 +67,7 @@ class Trainer(DataBuilders):
     def __init__(self, cfg: DictConfig, *, overwrite: bool = False,
                  run: Optional[ResolvedRun] = None) -> None:
         self.run = run if run is not None else resolve_run(cfg, overwrite=overwrite)
+        quiet_libraries()  # the Python API is as quiet as the CLI (issue 27.7)
         self.cfg = cfg = self.run.cfg
         self.world_size, self.plan, self.dims = self.run.world_size, self.run.plan, self.run.dims
         registry.import_modules(cfg.imports)

@@ -76,8 +76,9 @@ class Evaluation:
         replaces them."""
         if before_training:
             self.trainer.callback_metrics.update({k: torch.tensor(float(v)) for k, v in metrics.items()})
-        for key, value in metrics.items() if not before_training else ():
-            self.log(key, float(value), on_step=True, on_epoch=False, logger=False, sync_dist=False)
+        else:
+            for key, value in metrics.items():
+                self.log(key, float(value), on_step=True, on_epoch=False, logger=False, sync_dist=False)
         for cb in self.trainer.callbacks:
             if type(cb).on_validation_end is not Callback.on_validation_end:
                 cb.on_validation_end(self.trainer, self)

@@ -316,7 +316,8 @@ class Trainer(DataBuilders):
         if self.lightning.global_step >= self.cfg.trainer.max_steps:
             return None
         for cb in self.lightning.callbacks:
-            if isinstance(cb, Timer) and (cb.time_remaining("train") or 0.0) <= 0.0:
+            left = cb.time_remaining("train") if isinstance(cb, Timer) else None  # None: no duration
+            if left is not None and left <= 0.0:
                 return "Lightning's Timer: its duration passed"
             if getattr(cb, "stopped_step", None) is not None:  # llmforge's early_stopping
                 return f"{type(cb).__name__}: eval/loss stopped improving"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from llmforge import __version__
 from llmforge.planning.command import add_parser as add_plan_parser
 
 __all__ = ["_parser", "add_debug"]
@@ -27,6 +28,7 @@ def add_trust_code(p: argparse.ArgumentParser) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llmforge", description="Train language models (Llama 3, Qwen3, your own) from one YAML.")
+    p.add_argument("--version", action="version", version=f"llmforge {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train from a YAML config")

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from llmforge.errors import LLMForgeError
+from llmforge.errors import ConfigError, LLMForgeError
 from llmforge.paths import all_or_nothing
 from llmforge.run_guard import mark_run_dir
 
@@ -26,9 +26,9 @@ def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
     :mod:`llmforge.checkpoint.run_dir`.
 
     Raises:
-        LLMForgeError: the model's family has no HF adapter, the path has no checkpoint, or
-            ``adapters_only`` for a run without adapters.
-        ConfigError: the run's config names code and ``trust_code`` is False.
+        ConfigError: the model's family has no HF adapter, ``adapters_only`` for a run without
+            adapters (exit 2), or the run's config names code and ``trust_code`` is False.
+        LLMForgeError: the path has no checkpoint.
         WriteError: a file could not be written (e.g. a full disk); nothing of ``out`` that this
             call created is left.
     """
@@ -40,7 +40,7 @@ def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
     plugins = export_order(plugins)
     adapter = get_spec(cfg.model.name).adapter()  # by name: a derived research spec may have none
     if adapter is None:
-        raise LLMForgeError(f"{path}: model '{cfg.model.name}' has no Hugging Face adapter "
+        raise ConfigError(f"{path}: model '{cfg.model.name}' has no Hugging Face adapter "
                             "(ModelSpec.hf_adapter, docs/models.md), so it cannot be exported")
     cast = getattr(torch, dtype) if dtype else None
     if adapters_only:
@@ -48,7 +48,7 @@ def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
             written = plugin.export_adapters(model, Path(out), cfg, meta, dtype=cast)
             if written is not None:
                 return written
-        raise LLMForgeError(f"{path}: --adapters-only needs a run whose algorithms add adapters "
+        raise ConfigError(f"{path}: --adapters-only needs a run whose algorithms add adapters "
                             "(see `llmforge algorithms`); this checkpoint has none")
     for plugin in plugins:
         model = plugin.export_model(model, ckpt)

@@ -143,9 +143,10 @@ def _saved_config(ckpt: Path) -> tuple[Optional[dict], str]:
     return (world or None), "no saved config"
 
 
-def resume_changes(ckpt: str | Path, config: dict[str, Any], world_size: int) -> ResumeChanges:
+def resume_changes(ckpt: str | Path, config: dict[str, Any], world_size: Optional[int]) -> ResumeChanges:
     """Compare this run's resolved ``config`` (a plain, redacted dict) and ``world_size`` with
-    the checkpoint's. A checkpoint without a saved config compares the world size only.
+    the checkpoint's. A checkpoint without a saved config compares the world size only;
+    ``world_size=None`` (not known yet: ``runs restart`` on its launcher) compares the config only.
 
     Raises:
         ConfigError: the checkpoint's ``meta.json`` exists but cannot be read.
@@ -158,7 +159,7 @@ def resume_changes(ckpt: str | Path, config: dict[str, Any], world_size: int) ->
     old = _flatten(json.loads(json.dumps(saved, default=str))) if saved else {}
     now = _flatten(json.loads(json.dumps(config, default=str)))
     safe, breaking = [], []
-    if old_world is not None and int(old_world) != world_size:
+    if old_world is not None and world_size is not None and int(old_world) != world_size:
         (safe if _may_change("world size", now) else breaking).append(
             ("world size", int(old_world), world_size))
     for key in sorted(set(old) | set(now)) if old else ():

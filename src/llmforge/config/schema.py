@@ -208,7 +208,8 @@ class TrainerSettings:
     """Show the rich progress bar."""
     num_threads: Optional[int] = None
     """Compute (intra-op) threads per process; null = the cores this process may use
-    (``os.sched_getaffinity``) divided among the node's processes, less ``data.num_workers``."""
+    (``os.sched_getaffinity``) divided among the node's processes, less the cores other
+    processes keep busy now and one per data worker of a streaming source."""
 
 
 @dataclass

@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from llmforge.config.validate import BatchPlan
+from llmforge.parallel.mesh import ParallelDims
 from llmforge.models.spec import get_spec
 
 GIB = 1024**3
@@ -102,6 +103,16 @@ USABLE_FRACTION = 0.9
 NCCL buffers take the rest)."""
 
 
+def _dp_words(cfg: Any, plan: BatchPlan) -> str:
+    """``dp N``, with HSDP's split: ``dp 64 = 4 replicas x 16 shards (HSDP)``, so the memory
+    line's ``sharded Sx`` (shards x tp) reads against it."""
+    dims = ParallelDims.from_config(cfg, plan.world_size)
+    if dims.dp_replicate > 1 and dims.dp_shard > 1:
+        return (f"dp {plan.dp_size} = {dims.dp_replicate} replicas x {dims.dp_shard} shards "
+                "(HSDP)")
+    return f"dp {plan.dp_size}"
+
+
 def dry_run_report(cfg: Any, plan: BatchPlan, device_memory_gib: Optional[float] = None,
                    algorithms: Optional[list[Any]] = None) -> str:
     """Build the model on meta and describe parameters, FLOPs, batch and memory, then each
@@ -125,7 +136,7 @@ def dry_run_report(cfg: Any, plan: BatchPlan, device_memory_gib: Optional[float]
             f", active {_fmt_count(n_active)} ({n_active:,}) per token" if n_active != n_params else ""),
         f"vocab_size      {model.vocab_size:,}",
         f"flops/token     {flops:.4g} (training, at seq_len {seq})",
-        f"world size      {plan.world_size} ({cfg.strategy.name}, dp {plan.dp_size}, tp {cfg.strategy.tp})",
+        f"world size      {plan.world_size} ({cfg.strategy.name}, {_dp_words(cfg, plan)}, tp {cfg.strategy.tp})",
         f"micro batch     {plan.micro_batch_size} sequences x {seq} tokens",
         f"grad accum      {plan.gradient_accumulation_steps} steps",
         f"global batch    {plan.global_batch_size} sequences = {plan.tokens_per_step:,} tokens/step",

@@ -7,7 +7,7 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from llmforge import registry
 from llmforge.errors import ConfigError
@@ -37,7 +37,8 @@ def build_entries(reg: registry.Registry, section: str, entries: Any, *, base: A
     entry's own keys win over it.
 
     An import path must name a class (a subclass of ``base`` when given), checked before it is
-    called: ``{name: os.system, command: ...}`` must not run anything.
+    called: ``{name: os.system, command: ...}`` must not run anything; it gets plain dicts and
+    lists (e.g. Lightning's ``Timer(duration={seconds: 30})``), not OmegaConf nodes.
 
     Raises:
         ConfigError: unknown name, an import path that is not such a class, or keyword
@@ -56,6 +57,9 @@ def build_entries(reg: registry.Registry, section: str, entries: Any, *, base: A
         if base is not None and isinstance(factory, type) and not issubclass(factory, base):
             raise ConfigError(f"{key} ({name}): {factory.__name__} is not a subclass of "
                               f"{base.__module__}.{base.__name__}; subclass it")
+        if not registered:  # a class by import path (Lightning's Timer) checks for dict, not DictConfig
+            kwargs = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+                      for k, v in kwargs.items()}
         try:
             out.append(factory(**{**accepted(factory, inject), **kwargs}))
         except TypeError as exc:

@@ -364,6 +364,7 @@ class LLMModule(AuxLosses, Evaluation, L.LightningModule):
             metrics = self.evaluate()
             if metrics:
                 self.log_record(0, metrics)
+                self.publish_evaluation(metrics, before_training=True)
 
     def on_train_end(self) -> None:
         self.event(Event.FIT_END)
@@ -373,7 +374,11 @@ class LLMModule(AuxLosses, Evaluation, L.LightningModule):
         the event ``STEP_RECORDED`` (the checkpointer saves there, so a checkpoint of step N
         never exists without step N's record in the loggers)."""
         step = self.trainer.global_step
-        if self.is_eval_step(step):
+        # a callback that ends the run after this step (Lightning's Timer, ...) gets the final
+        # evaluation a run that reaches trainer.max_steps gets (one that stops on an
+        # evaluation's result sets should_stop during it, after this check)
+        stopping = bool(self.trainer.should_stop) and step < self.cfg.trainer.max_steps
+        if self.is_eval_step(step) or stopping:
             evaluated = self.evaluate() or {}
             self.step_metrics.update(evaluated)
             if evaluated:

@@ -10,6 +10,7 @@ Subclass it and override any ``build_*`` method to change one piece; the rest st
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import lightning as L
+from lightning.pytorch.callbacks import Callback, Timer
+from lightning.pytorch.callbacks import EarlyStopping as LightningEarlyStopping
 from lightning.pytorch.loggers import Logger
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -31,6 +34,7 @@ from llmforge.config import config_to_dict, load_config, redact, save_config
 from llmforge.config.resolve import ResolvedRun, check_run_name, resolve_run
 from llmforge.config.schema import PRECISIONS
 from llmforge.paths import check_writable_dir
+from llmforge.quiet import quiet_libraries
 from llmforge.run_guard import RunLock, clear_run_dir, mark_run_dir
 from llmforge.data.datamodule import LLMDataModule
 from llmforge.data.mixture import MixtureTokens, PreparedMixture
@@ -67,6 +71,7 @@ class Trainer(DataBuilders):
     def __init__(self, cfg: DictConfig, *, overwrite: bool = False,
                  run: Optional[ResolvedRun] = None) -> None:
         self.run = run if run is not None else resolve_run(cfg, overwrite=overwrite)
+        quiet_libraries()  # the Python API is as quiet as the CLI (issue 27.7)
         self.cfg = cfg = self.run.cfg
         self.world_size, self.plan, self.dims = self.run.world_size, self.run.plan, self.run.dims
         registry.import_modules(cfg.imports)
@@ -326,14 +331,51 @@ class Trainer(DataBuilders):
             self.run_lock.release()
         return self.summary(time.perf_counter() - start)
 
+    def earlier_eval(self) -> dict[str, Any]:
+        """After a resume: the run's first evaluation record (step 0 of the first attempt) from
+        ``metrics.jsonl``, the closing line's baseline; ``{}`` for a fresh run, without a jsonl
+        logger or when the file cannot be read."""
+        path = self.run_dir / "metrics.jsonl"
+        if self.run.resume_from is None or not path.is_file():
+            return {}
+        try:
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    record = json.loads(line)
+                    if "eval/loss" in record:
+                        return record
+        except (OSError, ValueError):
+            pass
+        return {}
+
+    def stopped_by(self) -> Optional[str]:
+        """What ended the run before ``trainer.max_steps`` (a callback that set
+        ``trainer.should_stop``), in words; ``None`` when it reached them."""
+        if self.lightning.global_step >= self.cfg.trainer.max_steps:
+            return None
+        for cb in self.lightning.callbacks:
+            left = cb.time_remaining("train") if isinstance(cb, Timer) else None  # None: no duration
+            if left is not None and left <= 0.0:
+                return "Lightning's Timer: its duration passed"
+            if getattr(cb, "stopped_step", None) is not None:  # llmforge's early_stopping
+                return f"{type(cb).__name__}: eval/loss stopped improving"
+            if isinstance(cb, LightningEarlyStopping) and cb.wait_count >= cb.patience:
+                return f"Lightning's EarlyStopping: {cb.monitor} stopped improving"
+        return "a callback set trainer.should_stop"
+
     def summary(self, seconds: float) -> dict[str, Any]:
         history = self.module.history
         train = [r for r in history if "train/loss" in r]
         ckpt = next((c.last_path for c in self.lightning.callbacks if isinstance(c, Checkpointer)), None)
         last_eval = self.module.last_eval or {}
-        first_eval = next((r for r in history if "eval/loss" in r), {})  # after a resume: not step 0
+        evals = [r for r in history if "eval/loss" in r]
+        first_eval = self.earlier_eval() or (evals[0] if evals else {})
+        if evals and first_eval.get("step") == evals[-1]["step"]:
+            first_eval = {}  # one evaluation only: nothing to compare it with
         return {
             "steps": self.lightning.global_step,
+            "max_steps": int(self.cfg.trainer.max_steps),
+            "stopped_by": self.stopped_by(),
             "tokens": self.module.tokens_seen,
             "seconds": seconds,
             "final_train_loss": train[-1]["train/loss"] if train else None,

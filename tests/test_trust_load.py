@@ -300,3 +300,15 @@ def test_launch_checks_callbacks_before_submitting(home, tmp_path, capsys, entry
         rc, _, err = _main(["launch", str(cfg), f"run.output_dir={tmp_path / 'runs'}", *dry], capsys)
         assert rc == 2 and err.startswith("error: ") and words in err, err
     assert not marker.exists() and not (tmp_path / "runs").exists() and RunRegistry().list() == []
+
+
+@pytest.mark.parametrize("entry, words", [
+    ({"name": "ema", "bogus": 1}, "(ema): EMA.__init__() got an unexpected keyword"),
+    ({"decay": 0.5}, "has no name")])
+def test_a_malformed_algorithm_entry_in_a_shared_run_exits_2(template, tmp_path, monkeypatch, capsys, entry,
+                                                             words):
+    """An entry training would refuse (exit 2) is refused by generate too, not a TypeError (exit 1)."""
+    run, _, _ = _crafted(template, tmp_path, monkeypatch, lambda d, m: d.update(algorithms=[entry]))
+    rc, out, err = _main(COMMANDS["generate"](run, tmp_path), capsys)
+    assert rc == 2 and out == "" and err.startswith(f"error: {run / 'config.yaml'}: algorithms[0] "), err
+    assert words in err and err.count("\n") == 1

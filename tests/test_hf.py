@@ -187,3 +187,17 @@ def test_absent_config_keys_take_transformers_defaults(tmp_path, family):
     tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), hf(tokens).logits, atol=1e-5, rtol=0)
+
+
+def test_from_hf_overwrite_never_marks_a_folder_llmforge_did_not_make(tmp_path, capsys):
+    """`convert from-hf HF ~/work --overwrite` wrote into a user's folder and marked it a run, so a
+    later `train --overwrite` of that folder deleted the user's files: refused, exit 2, untouched."""
+    from llmforge.cli import main
+
+    user = tmp_path / "work"
+    user.mkdir()
+    (user / "thesis.tex").write_text("precious")
+    assert main(["convert", "from-hf", str(tmp_path / "hf"), str(user), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: OUT: {user} is not empty and is not an llmforge run"), err
+    assert [p.name for p in user.iterdir()] == ["thesis.tex"] and (user / "thesis.tex").read_text() == "precious"

@@ -9,7 +9,7 @@ import torch
 
 from llmforge.errors import LLMForgeError
 from llmforge.paths import all_or_nothing
-from llmforge.run_guard import mark_run_dir
+from llmforge.run_guard import check_run_dir, mark_run_dir
 
 
 def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
@@ -61,7 +61,13 @@ def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
 def from_hf(path: str | Path, out: str | Path) -> Path:
     """A Hugging Face folder (any family with an HF adapter: Llama, Qwen3) -> an llmforge run
     directory (``config.yaml``, ``tokenizer/``, ``checkpoints/step_00000000``) usable by
-    ``llmforge generate`` and ``model.init_from``."""
+    ``llmforge generate`` and ``model.init_from``.
+
+    Raises:
+        ConfigError: ``out`` is a symbolic link, or a non-empty folder llmforge did not make
+            (:func:`llmforge.run_guard.check_run_dir`): marking it a run would let a later
+            ``llmforge train --overwrite`` delete its files.
+    """
     from llmforge.checkpoint.dcp import save_checkpoint
     from llmforge.checkpoint.hf import load_hf_weights, model_overrides_from_hf, read_hf_config
     from llmforge.config import save_config, structured_config
@@ -69,6 +75,7 @@ def from_hf(path: str | Path, out: str | Path) -> Path:
     from llmforge.models.spec import get_spec
 
     src, out = Path(path), Path(out)
+    check_run_dir(out, "OUT")
     fields = model_overrides_from_hf(read_hf_config(src))
     cfg = structured_config(fields["name"])
     for key, value in fields.items():

@@ -137,6 +137,10 @@ def edit_json(file: Path, change) -> None:
      "scheduler.last_epoch is 'x', not a number"),
     ("trainer_state.json", lambda d: d["scheduler"].update(base_lrs=["0.1"]),
      "scheduler.base_lrs is ['0.1'], not a number"),
+    ("trainer_state.json", lambda d: d["scheduler"].update(base_lrs=[float("nan")]),
+     "scheduler.base_lrs is [nan], not a number"),  # a NaN learning rate: NaN weights, silently
+    ("trainer_state.json", lambda d: d["scheduler"].update(base_lrs=[0.1]),
+     "scheduler lists differ in length (base_lrs: 1, _last_lr: 2, lr_lambdas: 2)"),
     ("rng/rank0.json", lambda d: d.update(numpy=["MT19937", [1, 2], 0, 0, 0.0]),
      "an RNG state is not valid (IndexError"),
     ("rng/rank0.json", lambda d: d.update(torch=[300]), "an RNG state is not valid"),

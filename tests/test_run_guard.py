@@ -177,3 +177,18 @@ def test_a_linked_lock_or_mark_in_a_shared_run_is_never_written_through(tmp_path
     with pytest.raises(ConfigError, match="is a symbolic link"):
         RunLock(run).acquire()
     assert files(tmp_path) == before  # the victim's bytes (or its absence) unchanged
+
+
+@pytest.mark.parametrize("make", ["fifo", "folder"])
+def test_a_lock_that_is_a_pipe_or_a_folder_is_refused_not_waited_on(tmp_path, capsys, make):
+    """A named pipe as .llmforge-lock made the early check block for ever (open waits for a
+    writer); a folder was an IsADirectoryError (exit 1)."""
+    run = tmp_path / "runs" / "r"
+    old_run(run)
+    os.mkfifo(run / LOCK) if make == "fifo" else (run / LOCK).mkdir()
+    assert train(tmp_path, "checkpoint.resume=auto") == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {run / LOCK} is not a regular file; llmforge keeps its own small file "
+                   "there: delete it\n"), err
+    with pytest.raises(ConfigError, match="not a regular file"):
+        RunLock(run).acquire()

@@ -31,6 +31,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import sys
 import uuid
 from pathlib import Path
@@ -91,12 +92,16 @@ def refuse_link(path: Path, key: str) -> None:
 
 
 def refuse_file_link(path: Path) -> None:
-    """Raises ConfigError when ``path`` (the mark or the lock) is a symbolic link: writing through
-    it would truncate or create the file it points to (a run directory someone shared may hold
-    ``.llmforge-lock -> ~/.bashrc``)."""
+    """Raises ConfigError when ``path`` (the mark or the lock) exists but is not a regular file:
+    writing through a symbolic link would truncate or create the file it points to (a run
+    directory someone shared may hold ``.llmforge-lock -> ~/.bashrc``); opening a named pipe
+    blocks for ever; a folder cannot be opened."""
     if path.is_symlink():
         raise ConfigError(f"{path} is a symbolic link (to {os.path.realpath(path)}); llmforge writes "
                           "its run files only into the run directory itself: delete the link")
+    if path.exists() and not stat.S_ISREG(path.lstat().st_mode):
+        raise ConfigError(f"{path} is not a regular file; llmforge keeps its own small file there: "
+                          "delete it")
 
 
 def clear_run_dir(path: Path) -> None:
@@ -189,7 +194,7 @@ def peek_holder(path: Path) -> None:
 
     Raises:
         RunDirBusy: another process of another run holds it.
-        ConfigError: the lock or the mark is a symbolic link (:func:`refuse_file_link`).
+        ConfigError: the lock or the mark is a link, a pipe or a folder (:func:`refuse_file_link`).
     """
     refuse_file_link(path / MARK)  # what acquire would write through: refused early
     refuse_file_link(path / LOCK)
@@ -233,7 +238,7 @@ class RunLock:
         Raises:
             RunDirBusy: another live process holds it (the message names its host, pid and
                 start time).
-            ConfigError: the lock or the mark is a symbolic link (:func:`refuse_file_link`).
+            ConfigError: the lock or the mark is a link, a pipe or a folder (:func:`refuse_file_link`).
         """
         refuse_file_link(self.path / LOCK)
         mark_run_dir(self.path)

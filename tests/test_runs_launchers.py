@@ -263,7 +263,8 @@ def test_an_env_interpolation_forwarded_by_name_or_set_in_setup_passes(home, tmp
 
     monkeypatch.setenv("LAB_SECRET_TOKEN", "tok-FAKE-0004")
     monkeypatch.setenv("LAB_RUN_NAME", "lab")
-    secret = _config(tmp_path, "run: {name: '${oc.env:LAB_SECRET_TOKEN}'}\n")
+    # in a tag, not run.name: a secret in a folder name is refused (check_no_secret_in_folders)
+    secret = _config(tmp_path, "run: {tags: ['${oc.env:LAB_SECRET_TOKEN}']}\n")
     assert launch(secret, [], dry_run=True, secrets=["LAB_SECRET_TOKEN"]).definition
     with open(home / "clusters.yaml", "a") as f:
         f.write("lab:\n  type: slurm\n  gpus_per_node: 8\n  setup: |\n    export LAB_RUN_NAME=lab\n")

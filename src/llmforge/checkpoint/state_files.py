@@ -11,7 +11,6 @@ the entry.
 from __future__ import annotations
 
 import math
-
 import random
 from pathlib import Path
 from typing import Any

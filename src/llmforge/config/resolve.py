@@ -29,8 +29,8 @@ from llmforge.parallel.threads import choose_num_threads
 from llmforge.paths import check_printable
 from llmforge.run_guard import check_run_dir, peek_holder, refuse_link
 
-__all__ = ["ResolvedRun", "detect_world_size", "resolve_run", "check_names_and_paths", "check_no_secret_in_folders",
-           "check_run_name"]
+__all__ = ["ResolvedRun", "detect_world_size", "resolve_run", "check_names_and_paths",
+           "check_no_secret_in_folders", "check_run_name"]
 
 # Names and paths that reach file systems, trackers and job scripts (llmforge.runs renders
 # run.name and run.output_dir into sbatch scripts): a control character in one is refused.

@@ -16,6 +16,7 @@ import dataclasses
 import io
 import os
 import pickle
+import stat
 from typing import Any
 
 import torch
@@ -56,6 +57,22 @@ class CheckpointReadError(LLMForgeError):
     exit_code = 2
 
 
+def check_regular(path: str | os.PathLike) -> None:
+    """A checkpoint file that exists must be a regular file (or a link to one): opening a named
+    pipe blocks for ever, a device reads without end.
+
+    Raises:
+        CheckpointReadError: naming the file.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # missing or unreadable: the reader names it
+    if not stat.S_ISREG(mode):
+        raise CheckpointReadError(f"{path} is not a regular file (a named pipe, device or folder); "
+                                  "the checkpoint is damaged: use an older one (checkpoint.resume=PATH)")
+
+
 def _torch_enum_value(name: str) -> bool:
     """``torch.<name>`` is a dtype, layout or memory format (plain values, no code)."""
     return isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format))
@@ -88,6 +105,7 @@ def load_metadata(path: str | os.PathLike, fs: Any = None) -> Any:
         CheckpointReadError: it is missing, truncated or unreadable.
     """
     source = str(path)
+    check_regular(source)
     try:
         stream = fs.create_stream(path, "rb") if fs is not None else open(path, "rb")
         with stream as f:

@@ -31,13 +31,13 @@ import json
 import os
 import shutil
 import socket
-import stat
 import sys
 import uuid
 from pathlib import Path
 from typing import Any, Optional
 
 from llmforge.errors import ConfigError
+from llmforge.paths import is_special_file
 
 __all__ = ["LOCK", "MARK", "TOKEN_ENV", "RunDirBusy", "RunLock", "check_run_dir", "clear_run_dir",
            "is_run_dir", "mark_run_dir", "peek_holder", "refuse_file_link", "refuse_link"]
@@ -99,7 +99,7 @@ def refuse_file_link(path: Path) -> None:
     if path.is_symlink():
         raise ConfigError(f"{path} is a symbolic link (to {os.path.realpath(path)}); llmforge writes "
                           "its run files only into the run directory itself: delete the link")
-    if path.exists() and not stat.S_ISREG(path.lstat().st_mode):
+    if is_special_file(path):
         raise ConfigError(f"{path} is not a regular file; llmforge keeps its own small file there: "
                           "delete it")
 

@@ -16,7 +16,6 @@ import dataclasses
 import io
 import os
 import pickle
-import stat
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.futures import Future
 
 from llmforge.errors import LLMForgeError
+from llmforge.paths import is_special_file
 
 # Exact (module, name) pairs a DCP ``.metadata`` pickle refers to (collected from checkpoints of
 # models, optimizers and plain extra state with torch 2.6-2.13). Never module prefixes: pickle
@@ -64,11 +64,7 @@ def check_regular(path: str | os.PathLike) -> None:
     Raises:
         CheckpointReadError: naming the file.
     """
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return  # missing or unreadable: the reader names it
-    if not stat.S_ISREG(mode):
+    if is_special_file(path):
         raise CheckpointReadError(f"{path} is not a regular file (a named pipe, device or folder); "
                                   "the checkpoint is damaged: use an older one (checkpoint.resume=PATH)")
 

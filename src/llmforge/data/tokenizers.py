@@ -29,6 +29,7 @@ from llmforge.data.tokenizer_bpe import BPE_SPECIAL_TOKENS, train_bpe_tokenizer
 from llmforge.data.tokenizer_hf import HFTokenizer
 from llmforge.data.tokenizer_tiktoken import LLAMA3_PAT_STR, LLAMA3_SPECIAL_TOKENS, TiktokenTokenizer
 from llmforge.errors import ConfigError
+from llmforge.paths import is_special_file
 
 __all__ = ["Tokenizer", "HFTokenizer", "TiktokenTokenizer", "train_bpe_tokenizer",
            "build_tokenizer", "check_vocab", "load_saved", "LLAMA3_PAT_STR",
@@ -38,7 +39,7 @@ __all__ = ["Tokenizer", "HFTokenizer", "TiktokenTokenizer", "train_bpe_tokenizer
 def _regular(path: Path) -> None:
     """Raises ConfigError when ``path`` exists but is not a regular file (a named pipe in a
     shared run's tokenizer folder would make reading it block for ever)."""
-    if path.exists() and not path.is_file():
+    if is_special_file(path):
         raise ConfigError(f"{path} is not a regular file (a named pipe, device or folder); save "
                           "the tokenizer again")
 

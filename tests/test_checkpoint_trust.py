@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -137,6 +138,10 @@ def edit_json(file: Path, change) -> None:
      "scheduler.last_epoch is 'x', not a number"),
     ("trainer_state.json", lambda d: d["scheduler"].update(base_lrs=["0.1"]),
      "scheduler.base_lrs is ['0.1'], not a number"),
+    ("trainer_state.json", lambda d: d["scheduler"].update(base_lrs=[float("nan")]),
+     "scheduler.base_lrs is [nan], not a number"),  # a NaN learning rate: NaN weights, silently
+    ("trainer_state.json", lambda d: d["scheduler"].update(base_lrs=[0.1]),
+     "scheduler lists differ in length (base_lrs: 1, _last_lr: 2, lr_lambdas: 2)"),
     ("rng/rank0.json", lambda d: d.update(numpy=["MT19937", [1, 2], 0, 0, 0.0]),
      "an RNG state is not valid (IndexError"),
     ("rng/rank0.json", lambda d: d.update(torch=[300]), "an RNG state is not valid"),
@@ -215,3 +220,15 @@ def test_full_disk_in_data_prepare_keeps_no_partial_shard(trained, tmp_path, mon
     assert code == 2 and line.startswith(f"error: cannot write {out}/train/shard_00001.tmp: No space "
                                          "left on device; the shards written so far are kept"), line
     assert sorted(p.name for p in (out / "train").iterdir()) == ["shard_00000.bin"]
+
+
+@pytest.mark.parametrize("name", ["meta.json", ".metadata"])
+def test_a_named_pipe_in_a_checkpoint_is_refused_not_waited_on(run, capsys, name):
+    """A shared checkpoint with a FIFO for meta.json made `checkpoint inspect` and `generate`
+    block for ever (open waits for a writer)."""
+    file = run / STEP / name
+    file.unlink()
+    os.mkfifo(file)
+    for argv in (["checkpoint", "inspect", str(run / STEP)], generate(run)):
+        code, line = run_main(argv, capsys)
+        assert code == 2 and line.startswith(f"error: {file} is not a regular file (a named pipe"), line

@@ -187,3 +187,41 @@ def test_absent_config_keys_take_transformers_defaults(tmp_path, family):
     tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), hf(tokens).logits, atol=1e-5, rtol=0)
+
+
+def test_from_hf_overwrite_never_marks_a_folder_llmforge_did_not_make(tmp_path, capsys):
+    """`convert from-hf HF ~/work --overwrite` wrote into a user's folder and marked it a run, so a
+    later `train --overwrite` of that folder deleted the user's files: refused, exit 2, untouched."""
+    from llmforge.cli import main
+
+    user = tmp_path / "work"
+    user.mkdir()
+    (user / "thesis.tex").write_text("precious")
+    assert main(["convert", "from-hf", str(tmp_path / "hf"), str(user), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: OUT: {user} is not empty and is not an llmforge run"), err
+    assert [p.name for p in user.iterdir()] == ["thesis.tex"] and (user / "thesis.tex").read_text() == "precious"
+
+
+def test_from_hf_overwrite_replaces_a_run_instead_of_mixing_with_it(tmp_path, capsys):
+    """`convert from-hf HF RUN --overwrite` onto a trained run left its step_1 beside the new
+    step_0, so generate loaded the old checkpoint: the old run is deleted, as train --overwrite does."""
+    from llmforge.cli import main
+    from llmforge.generate import load_model
+
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128)).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000001").mkdir(parents=True)  # an older, bigger run's
+    (run / "checkpoints" / "step_00000001" / "COMPLETE").write_text("")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert main(["convert", "from-hf", str(tmp_path / "hf"), str(run), "--overwrite"]) == 0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000000"]
+    assert not (run / "metrics.jsonl").exists()
+    ours, _, _ = load_model(run)
+    tokens = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf(tokens).logits, atol=1e-5, rtol=0)

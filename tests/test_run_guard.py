@@ -13,6 +13,7 @@ import pytest
 
 from conftest import DEMO, REPO, TINY_OVERRIDES
 from llmforge.cli import main
+from llmforge.errors import ConfigError
 from llmforge.run_guard import LOCK, MARK, TOKEN_ENV, RunDirBusy, RunLock, peek_holder
 
 
@@ -157,3 +158,37 @@ def test_overwrite_replaces_an_old_run_keeps_foreign_files_and_expands_home(tmp_
     assert sorted(p.name for p in ckpts.iterdir()) == ["notes.txt", "step_00000001", "step_by_step"]
     assert (ckpts / "step_by_step" / "plan.md").read_text() == "mine too"
     assert (run / LOCK).read_text() == "" and not (tmp_path / "~").exists()
+
+
+@pytest.mark.parametrize("name", [LOCK, MARK])
+def test_a_linked_lock_or_mark_in_a_shared_run_is_never_written_through(tmp_path, capsys, name):
+    """A run directory someone shared with ``.llmforge-lock -> ~/.bashrc`` (or a dangling
+    ``.llmforge-run`` link): continuing it neither truncates nor creates the file the link names."""
+    run = tmp_path / "runs" / "r"
+    old_run(run)
+    victim = tmp_path / "victim"
+    if name == LOCK:
+        victim.write_text("precious\n")
+    (run / name).symlink_to(victim)
+    before = files(tmp_path)
+    assert train(tmp_path, "checkpoint.resume=auto") == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {run / name} is a symbolic link (to {victim}); ") and err.count("\n") == 1, err
+    with pytest.raises(ConfigError, match="is a symbolic link"):
+        RunLock(run).acquire()
+    assert files(tmp_path) == before  # the victim's bytes (or its absence) unchanged
+
+
+@pytest.mark.parametrize("make", ["fifo", "folder"])
+def test_a_lock_that_is_a_pipe_or_a_folder_is_refused_not_waited_on(tmp_path, capsys, make):
+    """A named pipe as .llmforge-lock made the early check block for ever (open waits for a
+    writer); a folder was an IsADirectoryError (exit 1)."""
+    run = tmp_path / "runs" / "r"
+    old_run(run)
+    os.mkfifo(run / LOCK) if make == "fifo" else (run / LOCK).mkdir()
+    assert train(tmp_path, "checkpoint.resume=auto") == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {run / LOCK} is not a regular file; llmforge keeps its own small file "
+                   "there: delete it\n"), err
+    with pytest.raises(ConfigError, match="not a regular file"):
+        RunLock(run).acquire()

@@ -263,7 +263,8 @@ def test_an_env_interpolation_forwarded_by_name_or_set_in_setup_passes(home, tmp
 
     monkeypatch.setenv("LAB_SECRET_TOKEN", "tok-FAKE-0004")
     monkeypatch.setenv("LAB_RUN_NAME", "lab")
-    secret = _config(tmp_path, "run: {name: '${oc.env:LAB_SECRET_TOKEN}'}\n")
+    # in a tag, not run.name: a secret in a folder name is refused (check_no_secret_in_folders)
+    secret = _config(tmp_path, "run: {tags: ['${oc.env:LAB_SECRET_TOKEN}']}\n")
     assert launch(secret, [], dry_run=True, secrets=["LAB_SECRET_TOKEN"]).definition
     with open(home / "clusters.yaml", "a") as f:
         f.write("lab:\n  type: slurm\n  gpus_per_node: 8\n  setup: |\n    export LAB_RUN_NAME=lab\n")
@@ -356,3 +357,19 @@ def test_a_control_character_in_a_name_or_path_exits_2_naming_the_key(home, tmp_
     spec = {"run_dir": "/r", "nodes": 1, "procs_per_node": 1, "workdir": "/w", "home": "/h", "config_path": "c.yaml"}
     with pytest.raises(ConfigError, match="run.name='a\\\\nb' holds a control character"):
         sbatch_script("id", "a\nb", spec, get_cluster("big"))  # a backend called directly refuses too
+
+
+def test_a_percent_in_the_run_directory_is_literal_in_sbatch_output(home):
+    """sbatch expands %u, %j, %x... in --output: a run directory `100%u` would send the job's log
+    to a folder that does not exist (the job fails before its first line)."""
+    import shlex
+
+    from llmforge.runs.clusters import get_cluster
+    from llmforge.runs.slurm import sbatch_script
+
+    spec = {"run_dir": "/r/100%u", "nodes": 1, "procs_per_node": 1, "workdir": "/w", "home": "/h",
+            "config_path": "c.yaml"}
+    lines = sbatch_script("id", "n", spec, get_cluster("big")).splitlines()
+    output = [shlex.split(ln[len("#SBATCH "):])[0] for ln in lines if ln.startswith("#SBATCH --output=")]
+    assert output == ["--output=/r/100%%u/logs/slurm-%j.log"]
+    assert "mkdir -p /r/100%u/logs" in lines  # the folder itself is the literal name

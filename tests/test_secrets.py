@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import DEMO, TINY_OVERRIDES
+from llmforge.cli import main
 from llmforge.config.redaction import is_secret_key, redact, redact_argv
 
 HEADER_KEY = "hdr-value-" + "A1" * 8
@@ -36,3 +38,19 @@ def test_redact_argv_hides_values_of_secret_overrides_wherever_they_appear():
                                  "data.storage_options={Private-Token: ***, Accept: text}"]
     assert redact({"h": {"X-Api-Key": HEADER_KEY, "Private-Token": PRIVATE_TOKEN, "Accept": "x"}}) == \
         {"h": {"X-Api-Key": "***", "Private-Token": "***", "Accept": "x"}}
+
+
+@pytest.mark.parametrize("override", ["run.name=r-${variables.api_key}",
+                                      "run.output_dir={tmp}/${variables.api_key}",
+                                      "checkpoint.dir={tmp}/ck-${variables.api_key}"])
+def test_a_secret_in_a_folder_name_is_refused_before_anything_is_written(tmp_path, capsys, override):
+    """A folder name cannot be redacted (the run directory, every path under it, the printed
+    lines): `run.name: r-${variables.api_key}` is refused with exit 2, nothing created."""
+    key = override.split("=")[0]
+    rc = main(["train", DEMO, *TINY_OVERRIDES, f"run.output_dir={tmp_path / 'runs'}",
+               "variables.api_key=SeKrEt123",
+               override.replace("{tmp}", str(tmp_path))])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(f"error: {key}=") and "holds a secret" in err, err
+    assert "SeKrEt123" not in err and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from dataclasses import replace
 
 import pytest
@@ -355,3 +356,16 @@ def test_hf_endoftext_serves_as_bos_and_eos(tmp_path, assets):
 def test_train_bpe_needs_factory_when_not_cached(tmp_path):
     with pytest.raises(ValueError, match="texts_factory"):
         build_tokenizer(TokenizerConfig(type="train_bpe", vocab_size=300), None, tmp_path, "new")
+
+
+def test_a_named_pipe_in_a_saved_tokenizer_is_refused_not_waited_on(tmp_path):
+    """A shared run's tokenizer folder with a FIFO made generate block for ever on open()."""
+    os.mkfifo(tmp_path / "llmforge_tokenizer.json")
+    with pytest.raises(ConfigError, match="llmforge_tokenizer.json is not a regular file"):
+        load_saved(tmp_path)
+    os.unlink(tmp_path / "llmforge_tokenizer.json")
+    meta = {"type": "huggingface", "file": "tokenizer.json"}
+    (tmp_path / "llmforge_tokenizer.json").write_text(json.dumps(meta))
+    os.mkfifo(tmp_path / "tokenizer.json")
+    with pytest.raises(ConfigError, match="tokenizer.json is not a regular file"):
+        load_saved(tmp_path)

@@ -300,3 +300,28 @@ def test_launch_checks_callbacks_before_submitting(home, tmp_path, capsys, entry
         rc, _, err = _main(["launch", str(cfg), f"run.output_dir={tmp_path / 'runs'}", *dry], capsys)
         assert rc == 2 and err.startswith("error: ") and words in err, err
     assert not marker.exists() and not (tmp_path / "runs").exists() and RunRegistry().list() == []
+
+
+@pytest.mark.parametrize("entry, words", [
+    ({"name": "ema", "bogus": 1}, "(ema): EMA.__init__() got an unexpected keyword"),
+    ({"decay": 0.5}, "has no name")])
+def test_a_malformed_algorithm_entry_in_a_shared_run_exits_2(template, tmp_path, monkeypatch, capsys, entry,
+                                                             words):
+    """An entry training would refuse (exit 2) is refused by generate too, not a TypeError (exit 1)."""
+    run, _, _ = _crafted(template, tmp_path, monkeypatch, lambda d, m: d.update(algorithms=[entry]))
+    rc, out, err = _main(COMMANDS["generate"](run, tmp_path), capsys)
+    assert rc == 2 and out == "" and err.startswith(f"error: {run / 'config.yaml'}: algorithms[0] "), err
+    assert words in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("name", ["eval_harness.jsonl", "metrics.jsonl"])
+def test_eval_of_a_shared_run_never_appends_through_a_link(template, tmp_path, monkeypatch, capsys, name):
+    """A shared run holding ``metrics.jsonl -> ~/.bashrc``: eval (which appends its scores to
+    both files) exits 2 before loading anything; the file the link names is unchanged."""
+    run, _, _ = _crafted(template, tmp_path, monkeypatch, lambda d, m: None)
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (run / name).symlink_to(victim)
+    rc, out, err = _main(COMMANDS["eval"](run, tmp_path), capsys)
+    assert rc == 2 and err.startswith(f"error: {run / name} is a symbolic link (to {victim}); "), err
+    assert victim.read_text() == "precious\n"

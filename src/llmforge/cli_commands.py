@@ -234,7 +234,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                         trust_code=args.trust_code)
         print(f"wrote {written}")
     else:
-        print(f"wrote {from_hf(args.path, args.out)}")
+        print(f"wrote {from_hf(args.path, args.out, overwrite=args.overwrite)}")
     return 0
 
 

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import os
 import shutil
+import stat
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -37,6 +38,16 @@ def check_printable(value: str, key: str) -> None:
     if any(ord(c) < 32 or ord(c) == 127 for c in value):
         raise ConfigError(f"{key}={value!r} holds a control character (newline, tab, ...); use "
                           f"printable characters only in {key}")
+
+
+def is_special_file(path: str | os.PathLike) -> bool:
+    """``path`` exists (links followed) but is not a regular file: a named pipe (opening it
+    blocks for ever), a device, a socket or a folder. Files llmforge reads or appends to from a
+    run someone else made are checked with it first."""
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:  # missing or unreadable: the reader names it
+        return False
 
 
 def check_writable_dir(path: str | Path, key: str) -> None:

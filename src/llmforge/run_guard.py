@@ -37,9 +37,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from llmforge.errors import ConfigError
+from llmforge.paths import is_special_file
 
 __all__ = ["LOCK", "MARK", "TOKEN_ENV", "RunDirBusy", "RunLock", "check_run_dir", "clear_run_dir",
-           "is_run_dir", "mark_run_dir", "peek_holder", "refuse_link"]
+           "is_run_dir", "mark_run_dir", "peek_holder", "refuse_file_link", "refuse_link"]
 
 MARK = ".llmforge-run"
 LOCK = ".llmforge-lock"
@@ -90,6 +91,19 @@ def refuse_link(path: Path, key: str) -> None:
                           "points to instead")
 
 
+def refuse_file_link(path: Path) -> None:
+    """Raises ConfigError when ``path`` (the mark or the lock) exists but is not a regular file:
+    writing through a symbolic link would truncate or create the file it points to (a run
+    directory someone shared may hold ``.llmforge-lock -> ~/.bashrc``); opening a named pipe
+    blocks for ever; a folder cannot be opened."""
+    if path.is_symlink():
+        raise ConfigError(f"{path} is a symbolic link (to {os.path.realpath(path)}); llmforge writes "
+                          "its run files only into the run directory itself: delete the link")
+    if is_special_file(path):
+        raise ConfigError(f"{path} is not a regular file; llmforge keeps its own small file there: "
+                          "delete it")
+
+
 def clear_run_dir(path: Path) -> None:
     """Delete what a run directory holds (``--overwrite``; :func:`check_run_dir` has passed),
     except :data:`MARK` and :data:`LOCK` (the lock stays held by this process). Links inside are
@@ -115,6 +129,7 @@ def mark_run_dir(path: Path) -> bool:
     whether the mark was written now."""
     path.mkdir(parents=True, exist_ok=True)
     mark = path / MARK
+    refuse_file_link(mark)
     if mark.exists():
         return False
     mark.write_text(json.dumps({"made_by": "llmforge", "created": _now()}) + "\n", encoding="utf-8")
@@ -179,9 +194,12 @@ def peek_holder(path: Path) -> None:
 
     Raises:
         RunDirBusy: another process of another run holds it.
+        ConfigError: the lock or the mark is a link, a pipe or a folder (:func:`refuse_file_link`).
     """
+    refuse_file_link(path / MARK)  # what acquire would write through: refused early
+    refuse_file_link(path / LOCK)
     try:
-        fd = os.open(path / LOCK, os.O_RDONLY)
+        fd = os.open(path / LOCK, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
         return  # no lock file (or no run directory): free
     try:
@@ -220,9 +238,12 @@ class RunLock:
         Raises:
             RunDirBusy: another live process holds it (the message names its host, pid and
                 start time).
+            ConfigError: the lock or the mark is a link, a pipe or a folder (:func:`refuse_file_link`).
         """
+        refuse_file_link(self.path / LOCK)
         mark_run_dir(self.path)
-        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        # O_NOFOLLOW: a link put there after the check is not followed either (ELOOP)
+        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -9,7 +9,7 @@ import torch
 
 from llmforge.errors import ConfigError, LLMForgeError
 from llmforge.paths import all_or_nothing
-from llmforge.run_guard import mark_run_dir
+from llmforge.run_guard import LOCK, MARK, RunLock, check_run_dir, clear_run_dir
 
 
 def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
@@ -58,10 +58,20 @@ def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
                        adapter=adapter)
 
 
-def from_hf(path: str | Path, out: str | Path) -> Path:
+def from_hf(path: str | Path, out: str | Path, overwrite: bool = False) -> Path:
     """A Hugging Face folder (any family with an HF adapter: Llama, Qwen3) -> an llmforge run
     directory (``config.yaml``, ``tokenizer/``, ``checkpoints/step_00000000``) usable by
-    ``llmforge generate`` and ``model.init_from``."""
+    ``llmforge generate`` and ``model.init_from``. ``overwrite``: an llmforge run already in
+    ``out`` is deleted first (once the HF weights have loaded), as ``train --overwrite`` does;
+    its newer checkpoints would otherwise be what ``generate`` loads. The run's lock is held
+    while writing.
+
+    Raises:
+        ConfigError: ``out`` is a symbolic link, or a non-empty folder llmforge did not make
+            (:func:`llmforge.run_guard.check_run_dir`): marking it a run would let a later
+            ``llmforge train --overwrite`` delete its files; a used run without ``overwrite``.
+        RunDirBusy: another process writes the run in ``out``.
+    """
     from llmforge.checkpoint.dcp import save_checkpoint
     from llmforge.checkpoint.hf import load_hf_weights, model_overrides_from_hf, read_hf_config
     from llmforge.config import save_config, structured_config
@@ -69,6 +79,7 @@ def from_hf(path: str | Path, out: str | Path) -> Path:
     from llmforge.models.spec import get_spec
 
     src, out = Path(path), Path(out)
+    check_run_dir(out, "OUT")
     fields = model_overrides_from_hf(read_hf_config(src))
     cfg = structured_config(fields["name"])
     for key, value in fields.items():
@@ -77,11 +88,17 @@ def from_hf(path: str | Path, out: str | Path) -> Path:
     model = get_spec(cfg.model.name)(cfg.model)
     model.init_weights()
     load_hf_weights(model, src)
-    mark_run_dir(out)  # a run llmforge made: train/--overwrite may use it (llmforge.run_guard)
-    if (src / "tokenizer.json").exists():
-        cfg.tokenizer.type, cfg.tokenizer.path = "huggingface", str((src / "tokenizer.json").resolve())
-        HFTokenizer(src / "tokenizer.json").save(out / "tokenizer")
-    save_config(cfg, out / "config.yaml")
-    save_checkpoint(out / "checkpoints", 0, model, None, {"step": 0, "tokens_seen": 0},
-                    {"source": str(src), "world_size": 1})
+    used = out.is_dir() and any(p.name not in (MARK, LOCK) for p in out.iterdir())
+    if used and not overwrite:
+        raise ConfigError(f"{out} already holds a run; choose another output folder or pass "
+                          "--overwrite to replace it")
+    with RunLock(out):  # marks it: a run llmforge made, train/--overwrite may use it
+        if used:
+            clear_run_dir(out)
+        if (src / "tokenizer.json").exists():
+            cfg.tokenizer.type, cfg.tokenizer.path = "huggingface", str((src / "tokenizer.json").resolve())
+            HFTokenizer(src / "tokenizer.json").save(out / "tokenizer")
+        save_config(cfg, out / "config.yaml")
+        save_checkpoint(out / "checkpoints", 0, model, None, {"step": 0, "tokens_seen": 0},
+                        {"source": str(src), "world_size": 1})
     return out

@@ -50,7 +50,7 @@ from llmforge.checkpoint.atomic_save import (CheckpointWriteError, PendingSave, 
                                              _crash_point, _is_rank0, _write_failed)
 # layout names, importable from here as before
 from llmforge.checkpoint.layout import COMPLETE, PREFIX, latest_checkpoint, list_checkpoints, step_name  # noqa: F401
-from llmforge.checkpoint.safe_load import CheckpointReadError, load_metadata, safe_load
+from llmforge.checkpoint.safe_load import CheckpointReadError, check_regular, load_metadata, safe_load
 from llmforge.checkpoint.state_files import check_meta, check_rng, check_trainer_state
 
 
@@ -301,6 +301,7 @@ def read_json(path: str | Path, name: str) -> dict[str, Any]:
             or an entry has the wrong type or range; the message names the file (exit code 2).
     """
     file = Path(path) / name
+    check_regular(file)
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
     except FileNotFoundError:

@@ -37,7 +37,7 @@ from llmforge.checkpoint.layout import COMPLETE, latest_checkpoint
 from llmforge.config import load_config
 from llmforge.config.yaml_files import _read_yaml
 from llmforge.data.tokenizers import Tokenizer, load_saved
-from llmforge.errors import LLMForgeError
+from llmforge.errors import ConfigError, LLMForgeError
 from llmforge.events import plugin_order
 from llmforge.parallel.init import seeded_init
 
@@ -102,16 +102,25 @@ def inference_plugins(cfg: Any, trust_code: bool = False, source: str | Path = "
 
     Raises:
         ConfigError: an entry names an import path (without ``trust_code``; ``source`` names
-            the file in the message), or one that is not an Algorithm subclass.
+            the file in the message), one that is not an Algorithm subclass, an entry without
+            a name or with an argument its class does not take.
     """
     out = []
     with registry.untrusted(source, trust_code):
         for i, entry in enumerate(cfg.algorithms or []):
             kwargs = dict(entry)
-            cls = registry.algorithms.get(kwargs.pop("name"), key=f"algorithms[{i}].name")
+            if "name" not in kwargs:
+                raise ConfigError(f"{source}: algorithms[{i}] has no name; each entry is "
+                                  "{name: ..., **arguments}")
+            name = kwargs.pop("name")
+            cls = registry.algorithms.get(name, key=f"algorithms[{i}].name")
             if isinstance(cls, type) and any(getattr(cls, h, None) not in (None, getattr(Algorithm, h))
                                              for h in _HOOKS):
-                out.append(cls(**kwargs))
+                try:
+                    out.append(cls(**kwargs))
+                except TypeError as exc:  # an argument the class does not take
+                    raise ConfigError(f"{source}: algorithms[{i}] ({name}): {exc}; check the keys "
+                                      "of this entry") from exc
     return sorted(out, key=_pipeline_key)
 
 

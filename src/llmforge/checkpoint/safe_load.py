@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.futures import Future
 
 from llmforge.errors import LLMForgeError
+from llmforge.paths import is_special_file
 
 # Exact (module, name) pairs a DCP ``.metadata`` pickle refers to (collected from checkpoints of
 # models, optimizers and plain extra state with torch 2.6-2.13). Never module prefixes: pickle
@@ -54,6 +55,18 @@ class CheckpointReadError(LLMForgeError):
     """A checkpoint file is missing, truncated or corrupt. Exit code 2."""
 
     exit_code = 2
+
+
+def check_regular(path: str | os.PathLike) -> None:
+    """A checkpoint file that exists must be a regular file (or a link to one): opening a named
+    pipe blocks for ever, a device reads without end.
+
+    Raises:
+        CheckpointReadError: naming the file.
+    """
+    if is_special_file(path):
+        raise CheckpointReadError(f"{path} is not a regular file (a named pipe, device or folder); "
+                                  "the checkpoint is damaged: use an older one (checkpoint.resume=PATH)")
 
 
 def _torch_enum_value(name: str) -> bool:
@@ -88,6 +101,7 @@ def load_metadata(path: str | os.PathLike, fs: Any = None) -> Any:
         CheckpointReadError: it is missing, truncated or unreadable.
     """
     source = str(path)
+    check_regular(source)
     try:
         stream = fs.create_stream(path, "rb") if fs is not None else open(path, "rb")
         with stream as f:

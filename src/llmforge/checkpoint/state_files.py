@@ -10,6 +10,7 @@ the entry.
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,9 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite JSON number: Python's json reads ``NaN`` and ``Infinity``, and a NaN base
+    learning rate would resume into NaN weights without a word."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _count(data: dict, key: str, file: Path, required: bool, least: int = 0) -> None:
@@ -48,7 +51,8 @@ def _count(data: dict, key: str, file: Path, required: bool, least: int = 0) -> 
 def check_trainer_state(data: dict, file: Path) -> dict:
     """``step`` (an integer >= 0, required), ``tokens_seen`` and ``samples_consumed`` (>= 0),
     ``global_batch_size`` (>= 1), ``scheduler`` (``null`` or an object whose entries are numbers,
-    booleans, ``null`` or lists of them: torch's LR scheduler state), ``callbacks`` (an object).
+    booleans, ``null`` or lists of them: torch's LR scheduler state; its per-group lists of
+    one length), ``callbacks`` (an object).
     Returns ``data``."""
     _count(data, "step", file, required=True)
     _count(data, "tokens_seen", file, required=False)
@@ -62,6 +66,12 @@ def check_trainer_state(data: dict, file: Path) -> dict:
             items = value if isinstance(value, list) else [value]
             if not all(v is None or isinstance(v, bool) or _is_number(v) for v in items):
                 raise _bad(file, f"scheduler.{key} is {value!r}, not a number")
+        # one entry per parameter group in each (torch zip()s them at every step)
+        lengths = {k: len(sched[k]) for k in ("base_lrs", "_last_lr", "lr_lambdas")
+                   if isinstance(sched.get(k), list)}
+        if len(set(lengths.values())) > 1:
+            raise _bad(file, "scheduler lists differ in length (" + ", ".join(
+                f"{k}: {n}" for k, n in lengths.items()) + "), one entry per parameter group each")
         for key in ("last_epoch", "_step_count"):
             if key in sched and (not _is_int(sched[key]) or sched[key] < -1):
                 raise _bad(file, f"scheduler.{key} is {sched[key]!r}, not an integer >= -1")

@@ -21,6 +21,7 @@ from typing import Any, Mapping, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from llmforge.config.redaction import redact
 from llmforge.config.validate import BatchPlan, validate
 from llmforge.errors import ConfigError
 from llmforge.parallel.mesh import ParallelDims
@@ -28,12 +29,16 @@ from llmforge.parallel.threads import choose_num_threads
 from llmforge.paths import check_printable
 from llmforge.run_guard import check_run_dir, peek_holder, refuse_link
 
-__all__ = ["ResolvedRun", "detect_world_size", "resolve_run", "check_names_and_paths", "check_run_name", "worker_cores"]
+__all__ = ["ResolvedRun", "detect_world_size", "resolve_run", "check_names_and_paths",
+           "check_no_secret_in_folders", "check_run_name", "worker_cores"]
 
 # Names and paths that reach file systems, trackers and job scripts (llmforge.runs renders
 # run.name and run.output_dir into sbatch scripts): a control character in one is refused.
 NAME_AND_PATH_KEYS = ("run.name", "run.output_dir", "run.group", "checkpoint.dir", "checkpoint.resume",
                       "model.init_from", "tokenizer.path", "data.path", "data.paths", "data.cache_dir")
+# Keys whose values become folder names: redaction cannot reach a name on disk (and in every
+# path printed or recorded under it), so a secret's value in one is refused.
+FOLDER_KEYS = ("run.name", "run.output_dir", "checkpoint.dir")
 # Folder keys whose leading ``~`` is the user's home, as a shell would expand it.
 HOME_KEYS = ("run.output_dir", "checkpoint.dir", "checkpoint.resume", "model.init_from")
 
@@ -122,6 +127,22 @@ def check_names_and_paths(cfg: DictConfig) -> None:
         for item in value if OmegaConf.is_list(value) else [value]:
             if isinstance(item, str):
                 check_printable(item, key)
+
+
+def check_no_secret_in_folders(cfg: DictConfig) -> None:
+    """No secret's value (:func:`llmforge.config.redaction.redact`: e.g. ``run.name:
+    r-${variables.api_key}``) in :data:`FOLDER_KEYS`.
+
+    Raises:
+        ConfigError: naming the key and showing the value as redacted.
+    """
+    shown = OmegaConf.create(redact(cfg))
+    for key in FOLDER_KEYS:
+        value, safe = OmegaConf.select(cfg, key, default=None), OmegaConf.select(shown, key, default=None)
+        if isinstance(value, str) and value != safe:
+            raise ConfigError(f"{key}={safe!r} holds a secret (shown as ***): a folder name stays on disk "
+                              "and in every path printed or recorded under it, where it cannot be "
+                              f"redacted; choose a {key} without it")
 
 
 def _expand_home(cfg: DictConfig) -> None:
@@ -222,6 +243,7 @@ def resolve_run(cfg: DictConfig, *, overwrite: bool = False, check_dir: bool = T
     dims = ParallelDims.from_config(out, world)
     check_run_name(out.run.name)
     check_names_and_paths(out)
+    check_no_secret_in_folders(out)
     _expand_home(out)
     if not dry_run:  # a dry run sizes a cluster's config anywhere
         _check_files(out)

@@ -29,10 +29,19 @@ from llmforge.data.tokenizer_bpe import BPE_SPECIAL_TOKENS, train_bpe_tokenizer
 from llmforge.data.tokenizer_hf import HFTokenizer
 from llmforge.data.tokenizer_tiktoken import LLAMA3_PAT_STR, LLAMA3_SPECIAL_TOKENS, TiktokenTokenizer
 from llmforge.errors import ConfigError
+from llmforge.paths import is_special_file
 
 __all__ = ["Tokenizer", "HFTokenizer", "TiktokenTokenizer", "train_bpe_tokenizer",
            "build_tokenizer", "check_vocab", "load_saved", "LLAMA3_PAT_STR",
            "LLAMA3_SPECIAL_TOKENS", "BPE_SPECIAL_TOKENS", "TOKENIZER_TYPES", "META_FILE"]
+
+
+def _regular(path: Path) -> None:
+    """Raises ConfigError when ``path`` exists but is not a regular file (a named pipe in a
+    shared run's tokenizer folder would make reading it block for ever)."""
+    if is_special_file(path):
+        raise ConfigError(f"{path} is not a regular file (a named pipe, device or folder); save "
+                          "the tokenizer again")
 
 
 def load_saved(directory: str | os.PathLike) -> Tokenizer:
@@ -44,6 +53,7 @@ def load_saved(directory: str | os.PathLike) -> Tokenizer:
     d = Path(directory)
     meta_path = d / META_FILE
     try:
+        _regular(meta_path)
         meta = json.loads(meta_path.read_text())
         kind, file = meta["type"], d / meta["file"]
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -54,6 +64,7 @@ def load_saved(directory: str | os.PathLike) -> Tokenizer:
             or meta["file"] in ("", ".", "..") or not file.resolve().is_relative_to(d.resolve())):
         raise ConfigError(f"{meta_path}: file={meta['file']!r} is not a file of {d}; refused (a saved "
                           "tokenizer only reads its own folder): save the tokenizer again")
+    _regular(file)
     if kind == "huggingface":
         return HFTokenizer(file, bos_token=meta.get("bos_token"),
                            eos_token=meta.get("eos_token"), pad_token=meta.get("pad_token"))

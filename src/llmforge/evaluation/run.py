@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from llmforge.evaluation.harness import evaluate_harness, import_lm_eval
+from llmforge.run_guard import refuse_file_link
 
 PREFIX = "eval/harness/"
 
@@ -35,7 +36,9 @@ def evaluate_run(path: str | Path, tasks: Sequence[str], *, include_path: Sequen
     Raises:
         ConfigError: lm-eval missing, unknown tasks, bad task data (see
             :func:`llmforge.evaluation.harness.evaluate_harness`); the run's config names code
-            and ``trust_code`` is False.
+            and ``trust_code`` is False; ``eval_harness.jsonl`` or ``metrics.jsonl`` in the
+            run directory is a symbolic link or not a file (a shared run must not make eval
+            append to a file elsewhere).
         LLMForgeError: the path is not a run directory or checkpoint.
     """
     import_lm_eval()  # say which extra is missing before loading weights
@@ -46,6 +49,8 @@ def evaluate_run(path: str | Path, tasks: Sequence[str], *, include_path: Sequen
     from llmforge.loggers.jsonl import JsonlLogger
 
     run_dir, ckpt = resolve_checkpoint(path)
+    for name in ("eval_harness.jsonl", "metrics.jsonl"):  # appended to: never through a link
+        refuse_file_link(run_dir / name)
     if device == "cpu":  # training's thread rule (a busy machine's cores are not all free)
         use_inference_threads()
     step = int(read_json(ckpt, "meta.json").get("step", 0))

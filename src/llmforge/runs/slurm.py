@@ -121,7 +121,8 @@ def sbatch_script(run_id: str, name: str, spec: dict[str, Any], cluster: SlurmCl
     lines += [f"#SBATCH --signal=USR1@{int(cluster.signal_seconds)}",
               "#SBATCH --requeue",
               "#SBATCH --open-mode=append",
-              f"#SBATCH --output={q(run_dir + '/logs/slurm-%j.log')}",
+              # sbatch expands %j, %u, %x... in the file name: a % of the folder's is %%
+              f"#SBATCH --output={q(run_dir.replace('%', '%%') + '/logs/slurm-%j.log')}",
               f"#SBATCH --export={','.join(export_names(spec)) or 'NONE'}"]
     lines += [f"#SBATCH {opt}" for opt in cluster.sbatch]
     python = cluster.python or "python3"  # the node's, after setup: not this machine's path

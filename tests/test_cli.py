@@ -153,7 +153,7 @@ def test_train_on_shakespeare_then_generate(tmp_path, tiny_overrides, capsys):
 
 
 def test_generate_on_missing_run(tmp_path, capsys):
-    assert main(["generate", str(tmp_path / "nothing"), "--prompt", "x"]) == 1
+    assert main(["generate", str(tmp_path / "nothing"), "--prompt", "x"]) == 2  # a wrong path is bad input
     assert_one_error(capsys.readouterr().err, "no such run directory")
 
 

@@ -43,9 +43,9 @@ def test_plot_several_metrics_and_tokens_axis(tmp_path, monkeypatch):
 
 def test_plot_errors_are_one_line(tmp_path, capsys):
     a = fake_run(tmp_path / "a", [5.0])
-    assert main(["runs", "plot", str(a), "--metric", "train/los"]) == 1
+    assert main(["runs", "plot", str(a), "--metric", "train/los"]) == 2
     assert "no run has values of 'train/los'" in capsys.readouterr().err
-    assert main(["runs", "plot", str(tmp_path / "missing")]) == 1
+    assert main(["runs", "plot", str(tmp_path / "missing")]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["runs"])  # a subcommand is required

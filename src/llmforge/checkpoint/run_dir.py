@@ -37,7 +37,7 @@ from llmforge.checkpoint.layout import COMPLETE, latest_checkpoint
 from llmforge.config import load_config
 from llmforge.config.yaml_files import _read_yaml
 from llmforge.data.tokenizers import Tokenizer, load_saved
-from llmforge.errors import ConfigError, LLMForgeError
+from llmforge.errors import ConfigError
 from llmforge.events import plugin_order
 from llmforge.parallel.init import seeded_init
 
@@ -52,25 +52,26 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
     ``checkpoint.dir`` is read from its ``config.yaml`` as plain YAML (nothing is imported).
 
     Raises:
-        LLMForgeError: the path is neither, or the run has no complete checkpoint.
+        ConfigError: the path is neither, or the run has no complete checkpoint (exit 2: a
+            wrong path is bad input).
         ConfigError: ``config.yaml`` is not valid YAML (file, line, column).
     """
     p = Path(path)
     if not p.exists():
-        raise LLMForgeError(f"{p}: no such run directory or checkpoint")
+        raise ConfigError(f"{p}: no such run directory or checkpoint")
     if (p / COMPLETE).exists():
         for run_dir in (p.parent.parent, p.parent):
             if (run_dir / "config.yaml").exists():
                 return run_dir, p
-        raise LLMForgeError(f"{p}: checkpoint found, but no config.yaml in its run directory")
+        raise ConfigError(f"{p}: checkpoint found, but no config.yaml in its run directory")
     if not (p / "config.yaml").exists():
-        raise LLMForgeError(f"{p}: not a run directory (no config.yaml) and not a checkpoint (no {COMPLETE})")
+        raise ConfigError(f"{p}: not a run directory (no config.yaml) and not a checkpoint (no {COMPLETE})")
     section = _read_yaml(p / "config.yaml", str(p / "config.yaml"), None).get("checkpoint")
     folder = section.get("dir") if isinstance(section, dict) else None
     ckpt_root = Path(folder) if isinstance(folder, str) and folder else p / "checkpoints"
     ckpt = latest_checkpoint(ckpt_root)
     if ckpt is None:
-        raise LLMForgeError(f"{p}: the run has no complete checkpoint under {ckpt_root}")
+        raise ConfigError(f"{p}: the run has no complete checkpoint under {ckpt_root}")
     return p, ckpt
 
 
@@ -144,7 +145,7 @@ def load_model(path: str | Path, device: str = "cpu", with_plugins: bool = False
     Raises:
         ConfigError: the run's config names code and ``trust_code`` is False (see the module
             doc), or the checkpoint does not fit the model.
-        LLMForgeError: no run directory or checkpoint at ``path``.
+        ConfigError: no run directory or checkpoint at ``path`` (exit 2).
     """
     run_dir, ckpt = resolve_checkpoint(path)
     cfg = load_run_config(run_dir, trust_code)

@@ -15,7 +15,7 @@ import torch
 
 from llmforge.checkpoint.dcp import COMPLETE, latest_checkpoint, read_json
 from llmforge.checkpoint.safe_load import SafeReader, safe_load
-from llmforge.errors import LLMForgeError
+from llmforge.errors import ConfigError
 from llmforge.paths import all_or_nothing
 
 
@@ -23,7 +23,7 @@ def resolve(path: str | Path) -> Path:
     """A complete checkpoint folder, or the newest one of a run directory.
 
     Raises:
-        LLMForgeError: neither exists.
+        ConfigError: neither exists.
     """
     p = Path(path)
     if (p / COMPLETE).exists():
@@ -33,8 +33,8 @@ def resolve(path: str | Path) -> Path:
         if found is not None:
             return found
     if p.name.startswith(".tmp-") or (p / ".metadata").exists():
-        raise LLMForgeError(f"{p}: an incomplete checkpoint (no {COMPLETE} marker); it is never loaded")
-    raise LLMForgeError(f"{p}: not a checkpoint or a run directory with a complete checkpoint")
+        raise ConfigError(f"{p}: an incomplete checkpoint (no {COMPLETE} marker); it is never loaded")
+    raise ConfigError(f"{p}: not a checkpoint or a run directory with a complete checkpoint")
 
 
 def tensor_entries(ckpt: Path) -> dict[str, Any]:

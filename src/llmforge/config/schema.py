@@ -191,7 +191,7 @@ class TrainerSettings:
     log_every: int = 10
     """Write metrics every N optimizer steps."""
     eval_every: int = 100
-    """Validate every N optimizer steps (and at step 0 and at the end); 0 = only at the end."""
+    """Validate every N optimizer steps (and at step 0 and at the end); 0 = only at step 0 and at the end."""
     eval_batches: int = 8
     """Micro-batches per validation."""
     accelerator: str = "auto"

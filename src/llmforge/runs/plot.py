@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Optional, Sequence
 
-from llmforge.errors import LLMForgeError
+from llmforge.errors import ConfigError
 
 X_KEYS = {"step": "step", "tokens": "train/tokens_seen"}
 
@@ -23,12 +23,12 @@ def metrics_file(run: str | Path) -> Path:
     """``metrics.jsonl`` of a run directory (or the file itself).
 
     Raises:
-        LLMForgeError: neither exists.
+        ConfigError: neither exists.
     """
     p = Path(run)
     path = p if p.is_file() else p / "metrics.jsonl"
     if not path.is_file():
-        raise LLMForgeError(f"{p}: no metrics.jsonl (not a run directory of llmforge train)")
+        raise ConfigError(f"{p}: no metrics.jsonl (not a run directory of llmforge train)")
     return path
 
 
@@ -75,19 +75,19 @@ def plot_runs(runs: Sequence[str | Path], metrics: Sequence[str] = ("train/loss"
         The path written.
 
     Raises:
-        LLMForgeError: no runs, a run without metrics.jsonl, an unknown ``x``, bad labels, or
+        ConfigError: no runs, a run without metrics.jsonl, an unknown ``x``, bad labels, or
             no run having any value of a metric.
     """
     if not runs:
-        raise LLMForgeError("runs plot: give at least one run directory")
+        raise ConfigError("runs plot: give at least one run directory")
     if x not in X_KEYS:
-        raise LLMForgeError(f"runs plot: --x must be one of {', '.join(X_KEYS)}; got {x!r}")
+        raise ConfigError(f"runs plot: --x must be one of {', '.join(X_KEYS)}; got {x!r}")
     if labels is not None and len(labels) != len(runs):
-        raise LLMForgeError(f"runs plot: {len(labels)} labels for {len(runs)} runs")
+        raise ConfigError(f"runs plot: {len(labels)} labels for {len(runs)} runs")
     data = {m: [series(r, m, x) for r in runs] for m in metrics}
     for m, per_run in data.items():
         if not any(xs for xs, _ in per_run):
-            raise LLMForgeError(f"runs plot: no run has values of {m!r}; metrics.jsonl names "
+            raise ConfigError(f"runs plot: no run has values of {m!r}; metrics.jsonl names "
                                 "look like train/loss, eval/loss, throughput/tokens_per_second")
     import matplotlib
 

@@ -26,6 +26,7 @@ def test_tokenize_in_bounded_calls_gives_the_same_ids():
     whole = tokenize_documents(ds, one, max_chars=10**9)
     bounded = tokenize_documents(ds, small, max_chars=1000)
     assert one.calls == [3710]  # everything at once: the old peak
-    assert small.calls == [1000, 200, 2500, 10]  # runs of <= 1000 chars; a longer text alone
+    # runs of <= 1000 chars; a longer text in pieces of <= 1000 (cut at whitespace where it has one, issue 26.4)
+    assert small.calls == [1000, 200, 1000, 1000, 500, 10]
     np.testing.assert_array_equal(whole, bounded)
     assert bounded[0] == 256 and bounded[701] == 257 and len(bounded) == 3710 + 2 * 5

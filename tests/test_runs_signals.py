@@ -160,3 +160,33 @@ def test_a_launcher_stopped_by_a_signal_exits_with_the_workers_code():
 
     assert [signal_exit_code(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)] == \
         [75, 130, 75, 128 + signal.SIGHUP]
+
+
+def test_a_startup_stop_raised_inside_a_callback_prints_no_traceback(monkeypatch):
+    """A signal during startup can land inside importlib's weakref callback, where Python cannot
+    raise and prints "Exception ignored ... Traceback" (CI saw it); the stop is recorded, so the
+    handlers' unraisable hook stays silent for it and passes every other error on."""
+    import weakref
+
+    seen = []
+
+    def hook(unraisable):
+        seen.append(type(unraisable.exc_value))
+
+    def raise_stop(_):
+        raise signals.StoppedBeforeTraining("received SIGUSR1 before training started")
+
+    class Obj:
+        pass
+
+    monkeypatch.setattr(sys, "unraisablehook", hook)
+    assert signals.install()
+    try:
+        for callback in (raise_stop, lambda _: 1 / 0):
+            obj = Obj()
+            ref = weakref.ref(obj, callback)
+            del obj  # the callback runs here; its exception is unraisable
+            assert ref() is None
+    finally:
+        signals.uninstall()
+    assert seen == [ZeroDivisionError] and sys.unraisablehook is hook

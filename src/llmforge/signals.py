@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from typing import Any, Optional
 
@@ -64,6 +65,7 @@ class _State:
     phase = "off"  # off | startup | training | finished
     received: Optional[int] = None
     previous: dict[int, Any] = {}  # handlers before install(); restored by uninstall()
+    previous_hook: Any = sys.unraisablehook
 
 
 _state = _State()
@@ -83,6 +85,16 @@ def _handler(signum: int, frame: Any) -> None:
                                     f"(exit code {exit_code_for(signum)})", exit_code_for(signum), signum)
 
 
+def _quiet_unraisable(unraisable: Any) -> None:
+    """``sys.unraisablehook`` while the handlers are installed: a startup stop raised inside a
+    callback Python cannot propagate from (importlib's module-lock ``weakref`` callback) is
+    printed by Python as "Exception ignored ... Traceback"; the stop is not lost
+    (:func:`training_started` raises it again from the recorded signal), so stay silent."""
+    if isinstance(unraisable.exc_value, StopRequested):
+        return
+    _state.previous_hook(unraisable)
+
+
 def install() -> bool:
     """Own SIGTERM, SIGUSR1 and SIGINT from now on, in the startup phase. Idempotent (installed
     already: nothing changes, a signal already received stays); returns whether this call
@@ -93,6 +105,7 @@ def install() -> bool:
     if threading.current_thread() is not threading.main_thread():
         return False
     _state.previous = {sig: signal.signal(sig, _handler) for sig in STOP_SIGNALS}
+    _state.previous_hook, sys.unraisablehook = sys.unraisablehook, _quiet_unraisable
     _state.phase, _state.received = "startup", None
     return True
 
@@ -101,6 +114,8 @@ def uninstall() -> None:
     """Give the signals back to the handlers that were there before :func:`install`."""
     for sig, old in _state.previous.items():
         signal.signal(sig, old)
+    if sys.unraisablehook is _quiet_unraisable:
+        sys.unraisablehook = _state.previous_hook
     _state.previous, _state.phase, _state.received = {}, "off", None
 
 

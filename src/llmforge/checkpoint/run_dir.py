@@ -19,7 +19,7 @@ the YAML list's:
   is rebuilt as training built it;
 * ``export_model`` and ``export_adapters``: in the reverse order, so plugins that act on the
   trained model's parameters by name (``ema``'s averaged weights) run before the transforms are
-  undone, last stage first (``lora`` merges its adapters away).
+  undone, last stage first (an adapter algorithm merges its adapters away).
 """
 
 from __future__ import annotations

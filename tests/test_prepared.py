@@ -393,3 +393,15 @@ def test_resume_on_2_then_1_then_4_ranks_loses_and_repeats_no_window(prepared):
     n = len(PreparedWindows(open_prepared(out), "train", 15))
     first_epoch = straight[: n // 8 * 8]
     assert len(set(first_epoch)) == len(first_epoch)  # no window twice within an epoch
+
+
+def test_a_corpus_with_no_held_out_document_says_so_and_the_run_too(tmp_path, capsys):
+    """A newcomer's `data prepare` of the demo held out none of 42 texts (the hold-out is by a
+    document's hash), and the run on it skipped evaluation without a word."""
+    source = write_corpus(tmp_path / "corpus", files=1, docs=30)
+    assert prepare(source, tmp_path / "tokens", "data.val_fraction=0.0001") == 0
+    err = capsys.readouterr().err
+    assert "note: no document of 30 was held out for validation" in err and "will not evaluate" in err
+    code, err = train(tmp_path, capsys, f"data.path={tmp_path / 'tokens'}")
+    assert code == 0, err
+    assert "the prepared corpus holds 0 validation windows" in err and "does not evaluate" in err

@@ -108,5 +108,11 @@ def _prepare_command(args: argparse.Namespace) -> int:
           f"{len(train['shards'])} shard{'s' * (len(train['shards']) != 1)}), {val['tokens']:,} "
           f"validation tokens; tokenized in {manifest['seconds']:.1f}s; tokenizer fingerprint "
           f"{manifest['tokenizer']['fingerprint']}")
+    if not val["documents"] and cfg.data.val_fraction > 0 and not cfg.data.val_split:
+        # the streaming hold-out picks documents by their hash: a corpus of few documents can
+        # come out with none, and a run on it would not evaluate
+        print(f"note: no document of {train['documents']:,} was held out for validation "
+              f"(data.val_fraction={cfg.data.val_fraction}), so a run on {out} will not evaluate; "
+              "prepare again with a larger data.val_fraction or give data.val_split", file=sys.stderr)
     print(f"train on it: llmforge train CONFIG data.source=prepared data.path={out}")
     return 0

@@ -169,12 +169,15 @@ class LLMDataModule(L.LightningDataModule):
             parts = self.docs.prepared if isinstance(self.docs, PreparedMixture) else [self.docs]
             val = ConcatDataset([PreparedWindows(p, "val", self.seq_len) for p in parts]) if parts else []
             self.val_windows = val if len(val) >= world else None  # too few: no evaluation
-            if self.val_windows is None and isinstance(self.docs, PreparedMixture) and rank == 0:
+            if self.val_windows is None and rank == 0:
                 import sys
 
                 print("data.mixture: evaluation reads the prepared entries' validation windows "
-                      "only; this mixture has too few, so the run does not evaluate",
-                      file=sys.stderr, flush=True)
+                      "only; this mixture has too few, so the run does not evaluate"
+                      if isinstance(self.docs, PreparedMixture) else
+                      f"data.path: the prepared corpus holds {len(val)} validation windows, fewer "
+                      f"than one per rank ({world}), so the run does not evaluate; prepare it again "
+                      "with a larger data.val_fraction", file=sys.stderr, flush=True)
         elif self.docs.val is not None:
             val_tokens = tokenize_documents(self.docs.val, self.tokenizer)
             self.val_windows = PackedWindows(val_tokens, self.seq_len)

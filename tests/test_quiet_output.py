@@ -4,7 +4,8 @@ error, the progress bar and the summary tell the same last loss and the real fir
 import warnings
 from types import SimpleNamespace
 
-from llmforge.cli import _print_summary, _quiet_libraries, main
+from llmforge.cli import main
+from llmforge.cli.handlers import _print_summary, _quiet_libraries
 
 
 def test_srun_hint_and_dtensor_cpu_rng_warning_are_silenced(tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import DEMO, REPO, TINY_OVERRIDES, run_cli
 from llmforge.runs import local
-from llmforge.runs.registry import RunRegistry
+from llmforge.job.records import RunRegistry
 
 BASE = [*TINY_OVERRIDES, "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_batches=1",
         "data.max_documents=6"]

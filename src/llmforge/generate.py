@@ -41,11 +41,11 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
 
 def inference_plugins(cfg: Any) -> list[Any]:
     """The run's algorithms that take part in loading or exporting its checkpoints (those that
-    override :meth:`~llmforge.algorithms.base.Algorithm.inference_model`, ``export_model`` or
+    override :meth:`~llmforge.plugin.Algorithm.inference_model`, ``export_model`` or
     ``export_adapters``), instantiated from ``cfg.algorithms``; the others (e.g. compile) are
     not built, so their optional packages need not be installed to load a run."""
     import llmforge.algorithms  # noqa: F401  (registers the built-ins)
-    from llmforge.algorithms.base import Algorithm
+    from llmforge.plugin import Algorithm
 
     out = []
     for i, entry in enumerate(cfg.algorithms or []):

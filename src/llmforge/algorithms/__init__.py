@@ -1,4 +1,4 @@
-"""Algorithm plugins and the model pipeline (see :mod:`llmforge.algorithms.base`), acting on
+"""Algorithm plugins and the model pipeline (see :mod:`llmforge.plugin`), acting on
 the training events of :mod:`llmforge.events`.
 
 Built-ins (registered in :data:`llmforge.registry.algorithms`): ``float8`` (stage convert),
@@ -8,7 +8,7 @@ Built-ins (registered in :data:`llmforge.registry.algorithms`): ``float8`` (stag
 the events and how to write an algorithm: ``docs/algorithms/README.md``.
 """
 
-from llmforge.algorithms.base import Algorithm, ModelContext, Stage, Transform, run_pipeline
+from llmforge.plugin import Algorithm, ModelContext, Stage, Transform, run_pipeline
 from llmforge.algorithms.checkpointing import ActivationCheckpointing
 from llmforge.algorithms.chunked_cross_entropy import ChunkedCrossEntropy
 from llmforge.algorithms.compile import Compile

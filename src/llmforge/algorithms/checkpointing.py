@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from llmforge.algorithms.base import Algorithm, ModelContext, Stage
+from llmforge.plugin import Algorithm, ModelContext, Stage
 from llmforge.errors import ConfigError
 
 

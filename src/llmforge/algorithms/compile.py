@@ -30,7 +30,7 @@ from typing import Any, Optional, Sequence
 
 from torch import nn
 
-from llmforge.algorithms.base import Algorithm, ModelContext, Stage
+from llmforge.plugin import Algorithm, ModelContext, Stage
 from llmforge.errors import ConfigError
 
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")

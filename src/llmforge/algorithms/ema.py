@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from llmforge.algorithms.base import Algorithm
+from llmforge.plugin import Algorithm
 from llmforge.errors import ConfigError
 
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -143,8 +143,8 @@ class EMA(Algorithm):
 
     def dry_run_lines(self, cfg: Any, plan: Any, device_memory_gib: Optional[float]) -> list[str]:
         """The average's memory per device: 4 bytes per trainable weight, sharded like it."""
-        from llmforge.algorithms.base import meta_model
-        from llmforge.training.dry_run import estimate_memory
+        from llmforge.plugin import meta_model
+        from llmforge.models.memory_estimate import estimate_memory
 
         n = sum(p.numel() for p in meta_model(cfg).parameters() if p.requires_grad)
         mem = estimate_memory(n, "fp32", cfg.strategy, plan.world_size)

@@ -37,7 +37,7 @@ from typing import Any, Optional, Sequence
 
 from torch import nn
 
-from llmforge.algorithms.base import Algorithm, ModelContext, Stage, meta_model
+from llmforge.plugin import Algorithm, ModelContext, Stage, meta_model
 from llmforge.errors import ConfigError
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")

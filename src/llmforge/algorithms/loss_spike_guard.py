@@ -27,7 +27,7 @@ import statistics
 from collections import deque
 from typing import Any
 
-from llmforge.algorithms.base import Algorithm
+from llmforge.plugin import Algorithm
 from llmforge.errors import ConfigError, LLMForgeError
 
 METRICS = ("both", "loss", "grad_norm")

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from llmforge.algorithms.base import Algorithm
+from llmforge.plugin import Algorithm
 from llmforge.errors import ConfigError
 
 

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
-from llmforge.algorithms.base import Algorithm
+from llmforge.plugin import Algorithm
 from llmforge.errors import ConfigError
 
 IGNORE_INDEX = -100

@@ -24,9 +24,9 @@ checkpoint can run code.
 :class:`PendingSave`; the folder becomes visible when :meth:`PendingSave.finish` has run (the
 next save calls it first, so at most one save is in flight; :mod:`llmforge.checkpoint.atomic_save`).
 
-A run whose plugin declares ``adapters_only`` (:class:`llmforge.algorithms.base.Algorithm`)
+A run whose plugin declares ``adapters_only`` (:class:`llmforge.plugin.Algorithm`)
 saves and loads only the adapter tensors (parameters of modules marked with
-:data:`~llmforge.algorithms.base.ADAPTER_CHILDREN`) and their optimizer state: the frozen base is
+:data:`~llmforge.plugin.ADAPTER_CHILDREN`) and their optimizer state: the frozen base is
 rebuilt from its pointer (``model.init_from`` or the seeded init) when the model is built.
 Plugins' own tensors (``Algorithm.sharded_state_dict``) are saved under ``plugins.<key>``.
 """
@@ -57,7 +57,7 @@ def _adapter_filter(model: nn.Module, model_sd: dict[str, Any],
                     adapters_only: Optional[bool] = None) -> tuple[dict[str, Any], bool]:
     """``(state dict to save/load, adapters_only)``: only the adapter entries when
     ``adapters_only`` (``None``: when the model has adapters), else ``model_sd`` unchanged."""
-    from llmforge.algorithms.base import adapter_key_filter, has_adapters
+    from llmforge.plugin import adapter_key_filter, has_adapters
 
     if adapters_only is None:
         adapters_only = has_adapters(model)
@@ -240,7 +240,7 @@ def load_model_weights(path: str | Path, model: nn.Module, adapters_only: Option
     Raises:
         ConfigError: a full load from a checkpoint that holds only adapters.
     """
-    from llmforge.algorithms.base import adapter_key_filter, has_adapters
+    from llmforge.plugin import adapter_key_filter, has_adapters
 
     path = Path(path)
     sd = full = get_model_state_dict(model)

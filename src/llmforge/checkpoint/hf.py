@@ -191,7 +191,7 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> int:
     tied = adapter.tied(model)
     loaded = 0
     handles: dict[Path, Any] = {}
-    from llmforge.algorithms.base import adapter_key_filter
+    from llmforge.plugin import adapter_key_filter
 
     is_adapter = adapter_key_filter(model)
     try:

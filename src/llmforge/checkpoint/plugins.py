@@ -136,7 +136,7 @@ def base_pointer(cfg: Any) -> dict[str, Any]:
 def adapter_plugins(callbacks: Iterable[Any], model: Any) -> list[str]:
     """Names of the plugins whose checkpoints hold only adapters (``adapters_only``), if
     ``model`` has adapters; else ``[]``."""
-    from llmforge.algorithms.base import has_adapters
+    from llmforge.plugin import has_adapters
 
     names = [str(getattr(cb, "name", type(cb).__name__)) for cb in callbacks
              if getattr(cb, "adapters_only", False)]

@@ -144,8 +144,7 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
         DataError: the source is empty or unreadable, ``out`` holds something else, or
             ``docs_per_shard < 1``.
     """
-    from llmforge.data.sources import iter_texts, load_documents, read_rows
-    from llmforge.training.run_files import tokenizer_cache_key
+    from llmforge.data.sources import iter_texts, load_documents, read_rows, tokenizer_cache_key
 
     if docs_per_shard < 1:
         raise DataError(f"--docs-per-shard must be >= 1, got {docs_per_shard}")

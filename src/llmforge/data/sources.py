@@ -318,3 +318,12 @@ def iter_texts(ds: AnyDataset, max_bytes: Optional[int] = None, files: Any = ())
 def hash_str(s: str) -> str:
     """A short stable hex digest of ``s``."""
     return hashlib.sha256(s.encode()).hexdigest()[:16]
+
+
+def tokenizer_cache_key(cfg: Any, docs: Any) -> str:
+    """What determines a trained BPE (the cache key of ``tokenizer.type: train_bpe``): the
+    source, the held-out documents (seed, val_fraction, val_split) and the training-byte budget
+    (the vocabulary size is in the file name)."""
+    d = cfg.data
+    return hash_str(f"{docs.fingerprint}-{cfg.run.seed}-{d.val_fraction}-{d.val_split}-"
+                    f"{d.max_documents}-{cfg.tokenizer.train_max_bytes}")

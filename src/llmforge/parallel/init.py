@@ -53,7 +53,7 @@ def init_parallel_model(model: nn.Module, build: Callable[[], nn.Module], seed: 
         full = ref.state_dict()
     # a plugin's adapters are not in the plain build's state dict; they are initialized (the
     # same on every rank) by init_weights above, so they are left out of the broadcast
-    from llmforge.algorithms.base import has_adapters
+    from llmforge.plugin import has_adapters
 
     extra = has_adapters(model)
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,

@@ -10,7 +10,7 @@ CPU performance guide gives the same rule: one compute thread per core a process
 taskset or SLURM's cgroup allow), divides them among the ranks of this node and subtracts each
 rank's data workers; ``trainer.num_threads`` overrides it, and so does ``OMP_NUM_THREADS`` when
 it is set (a user's or a launcher's explicit choice). No torch import here: the choice is part
-of the resolved run (:mod:`llmforge.config.resolve`) and applied by the Trainer.
+of the resolved run (:mod:`llmforge.preflight.resolve`) and applied by the Trainer.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def choose_num_threads(override: Optional[int], local_world_size: int, num_worke
         cores: cores available (default :func:`available_cores`).
         environ: the environment (default ``os.environ``); a positive ``OMP_NUM_THREADS`` wins
             over the choice above (not over ``override``), unless torchrun set it (the value
-            is then also in ``LLMFORGE_TORCHRUN_SET_OMP``, see :mod:`llmforge.runs.torchrun`).
+            is then also in ``LLMFORGE_TORCHRUN_SET_OMP``, see :mod:`llmforge.job.torchrun`).
     """
     cores = available_cores() if cores is None else cores
     env = os.environ if environ is None else environ

@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Mapping, Optional
 from llmforge.errors import LLMForgeError
 from llmforge.registry import backends
 from llmforge.runs.clusters import Cluster
-from llmforge.runs.registry import RunRecord
+from llmforge.job.records import RunRecord
 
 BUILTIN = {"local": "llmforge.runs.local:LocalBackend", "slurm": "llmforge.runs.slurm:SlurmBackend",
            "skypilot": "llmforge.runs.skypilot:SkyPilotBackend",

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Dict, List, Optional, get_type_hints
 
 from llmforge.errors import ConfigError
-from llmforge.runs.registry import llmforge_home
+from llmforge.job.records import llmforge_home
 
 
 class ClusterError(ConfigError):

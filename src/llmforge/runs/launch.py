@@ -21,7 +21,7 @@ from llmforge.runs.backend import Backend, backend_for, backend_of
 from llmforge.runs.clusters import Cluster, get_cluster
 from llmforge.runs.compute import ComputePlan, check_scheduling, plan_compute
 from llmforge.runs.credentials import check_names, secret_overrides
-from llmforge.runs.registry import RunRecord, RunRegistry, llmforge_home
+from llmforge.job.records import RunRecord, RunRegistry, llmforge_home
 
 
 @dataclass
@@ -123,7 +123,7 @@ def launch(config_path: str, overrides: Sequence[str] = (), *, cluster: Optional
         LLMForgeError: the backend refused the job.
     """
     from llmforge.config import config_to_dict, redact
-    from llmforge.runs.registry import new_run_id
+    from llmforge.job.records import new_run_id
 
     cfg, target, plan, spec = prepare(config_path, overrides, cluster=cluster, gpus=gpus, nodes=nodes,
                                       secrets=secrets)

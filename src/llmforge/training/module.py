@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmforge import registry
-from llmforge.algorithms.base import ModelContext, run_pipeline
+from llmforge.plugin import ModelContext, run_pipeline
 from llmforge.events import Dispatcher, Event, State
 from llmforge.parallel.init import init_parallel_model, seeded_init
 from llmforge.training.eval_loop import Evaluation

@@ -18,7 +18,8 @@ from llmforge.data.shakespeare import cache_root
 from llmforge.data.sources import DocumentSplits, iter_texts, load_documents
 from llmforge.data.tokenizers import Tokenizer, build_tokenizer, check_vocab
 from llmforge.errors import ConfigError
-from llmforge.training.run_files import check_init_from_tokenizer, tokenizer_cache_key
+from llmforge.data.sources import tokenizer_cache_key
+from llmforge.training.run_files import check_init_from_tokenizer
 
 __all__ = ["DataBuilders"]
 

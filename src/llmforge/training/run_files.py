@@ -10,11 +10,10 @@ from typing import Any, Optional
 
 from llmforge.checkpoint.dcp import check_checkpoint
 from llmforge.checkpoint.safe_load import CheckpointReadError
-from llmforge.data.sources import hash_str
 from llmforge.data.tokenizers import Tokenizer
 from llmforge.errors import ConfigError, LLMForgeError
 
-__all__ = ["check_init_from_tokenizer", "check_resumable", "tokenizer_cache_key", "truncate_metrics"]
+__all__ = ["check_init_from_tokenizer", "check_resumable", "truncate_metrics"]
 
 
 def _inside(path: Path, parent: Path) -> bool:
@@ -47,15 +46,6 @@ def truncate_metrics(path: Path, step: int) -> int:
         tmp.write_text("".join(x + "\n" for x in keep), encoding="utf-8")
         os.replace(tmp, path)
     return len(lines) - len(keep)
-
-
-def tokenizer_cache_key(cfg: Any, docs: Any) -> str:
-    """What determines a trained BPE (the cache key of ``tokenizer.type: train_bpe``): the
-    source, the held-out documents (seed, val_fraction, val_split) and the training-byte budget
-    (the vocabulary size is in the file name)."""
-    d = cfg.data
-    return hash_str(f"{docs.fingerprint}-{cfg.run.seed}-{d.val_fraction}-{d.val_split}-"
-                    f"{d.max_documents}-{cfg.tokenizer.train_max_bytes}")
 
 
 TOKENIZER_PROBE = "ROMEO. But, soft! what light through yonder window breaks? 0123456789 \u00e9\n"

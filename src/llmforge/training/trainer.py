@@ -27,7 +27,7 @@ from llmforge import registry
 from llmforge.callbacks import Checkpointer, GarbageCollection, RichProgress, SpeedMonitor
 from llmforge.checkpoint import list_checkpoints, read_json
 from llmforge.config import config_to_dict, load_config, redact, save_config
-from llmforge.config.resolve import ResolvedRun, check_run_name, resolve_run
+from llmforge.preflight.resolve import ResolvedRun, check_run_name, resolve_run
 from llmforge.config.schema import PRECISIONS
 from llmforge.paths import check_writable_dir
 from llmforge.data.datamodule import LLMDataModule
@@ -39,11 +39,11 @@ from llmforge.parallel.transforms import check_strategy, strategy_transforms
 from llmforge.training.host_malloc import tune_host_malloc
 from llmforge.training.run_data import DataBuilders
 
-from llmforge.training.entries import accepted, build_entries, module_class  # noqa: F401 (re-exported)
-from llmforge.training.run_files import (_inside, check_resumable,  # noqa: F401 (re-exported)
-                                         tokenizer_cache_key, truncate_metrics)
+from llmforge.registry import build_entries
+from llmforge.training.entries import module_class
+from llmforge.training.run_files import _inside, check_resumable, truncate_metrics
 
-__all__ = ["Trainer", "build_entries", "check_run_name", "truncate_metrics"]
+__all__ = ["Trainer"]
 
 
 class Trainer(DataBuilders):
@@ -53,7 +53,7 @@ class Trainer(DataBuilders):
         cfg: a config from :func:`llmforge.config.load_config` (not changed; ``self.cfg`` is
             the read-only resolved copy, :attr:`ResolvedRun.cfg`).
         overwrite: delete an existing run directory of the same name first.
-        run: the run already resolved from ``cfg`` (:func:`llmforge.config.resolve.resolve_run`;
+        run: the run already resolved from ``cfg`` (:func:`llmforge.preflight.resolve.resolve_run`;
             the CLI resolves it before the heavy imports); default: resolved here.
 
     Raises:
@@ -195,7 +195,7 @@ class Trainer(DataBuilders):
                                 resume_from=self.resume_path, config=redact(config_to_dict(self.cfg)),
                                 on_resumed=self.finish_resume))
         if os.environ.get("LLMFORGE_RUN_ID") and self.is_rank_zero():  # started by `llmforge launch`
-            from llmforge.runs.tracker import RunTracker
+            from llmforge.job.tracker import RunTracker
 
             cbs.append(RunTracker(os.environ["LLMFORGE_RUN_ID"]))
         return list(self.algorithms) + cbs + extra  # algorithms are Lightning callbacks too

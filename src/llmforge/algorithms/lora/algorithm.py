@@ -26,7 +26,7 @@ precision) on top, whatever the YAML order. FSDP2 shards base and adapters per b
 activation checkpointing and compile wrap the converted blocks. Tensor parallelism is not
 supported (``strategy.tp > 1`` is a ConfigError): the adapters would need their own plan.
 
-Everything else goes through the plugin hooks of :class:`llmforge.algorithms.base.Algorithm`,
+Everything else goes through the plugin hooks of :class:`llmforge.plugin.Algorithm`,
 so no core file knows LoRA: ``adapters_only`` checkpoints (the adapters and their optimizer
 state; the base is rebuilt from its pointer), the settings in ``meta.json``
 (:meth:`LoRA.checkpoint_meta`) that a resume must match (:meth:`LoRA.check_resume`), the
@@ -44,7 +44,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-from llmforge.algorithms.base import Algorithm, ModelContext, Stage
+from llmforge.plugin import Algorithm, ModelContext, Stage
 from llmforge.algorithms.lora.layers import (LoRAMixin, init_adapters, is_adapter_key, lora_class,
                                              lora_modules, merge_lora)
 from llmforge.errors import ConfigError
@@ -132,7 +132,7 @@ class LoRA(Algorithm):
         Raises:
             ConfigError: see the class docstring.
         """
-        from llmforge.algorithms.base import meta_model
+        from llmforge.plugin import meta_model
 
         if int(cfg.strategy.tp) > 1:
             raise ConfigError(f"algorithms: lora does not support strategy.tp={cfg.strategy.tp} "

@@ -33,7 +33,7 @@ def is_adapter_key(name: str) -> bool:
 class LoRAMixin:
     """Adds ``lora_A``/``lora_B``/``lora_dropout`` to a Linear-like module (class swap: the base
     module keeps its type's behaviour through ``super().forward``). ``adapter_children`` tells
-    core code (:func:`llmforge.algorithms.base.adapter_names`) which children are adapters."""
+    core code (:func:`llmforge.plugin.adapter_names`) which children are adapters."""
 
     adapter_children = ADAPTERS
     lora_rank: int

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import torch
 
-from llmforge.training.dry_run import (GIB, USABLE_FRACTION, _fmt_count, estimate_activations,
+from llmforge.models.memory_estimate import (GIB, USABLE_FRACTION, _fmt_count, estimate_activations,
                                        estimate_memory)
 
 
@@ -75,7 +75,7 @@ def lora_lines(lora: Any, cfg: Any, plan: Any, device_memory_gib: Optional[float
     Args:
         device_memory_gib: memory of one device, GiB, for the fit verdict (``None``: 80 and 192).
     """
-    from llmforge.algorithms.base import meta_model
+    from llmforge.plugin import meta_model
     from llmforge.algorithms.lora.algorithm import parameter_counts
 
     model = lora.convert(meta_model(cfg), cfg.run.seed)

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from lightning.pytorch.callbacks import Callback
 
-from llmforge.runs.registry import RunRegistry
+from llmforge.job.records import RunRegistry
 
 
 class RunTracker(Callback):

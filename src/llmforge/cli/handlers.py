@@ -44,7 +44,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     second), then build the Trainer: its one start-up sequence serves the dry run, the
     ``--nproc`` launcher's check and training."""
     from llmforge.config import load_config
-    from llmforge.config.resolve import resolve_run
+    from llmforge.preflight.resolve import resolve_run
     from llmforge.errors import ConfigError
 
     cfg = load_config(args.config, args.overrides)
@@ -60,15 +60,16 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     trainer = Trainer(cfg, overwrite=args.overwrite, run=run)  # imports, strategy, algorithms
     if args.dry_run:
-        from llmforge.training.dry_run import dry_run_report
+        from llmforge.training.dry_run import dry_run_report  # heavy (torch): after config errors
+        from llmforge.training.preflight import pipeline_line  # heavy (torch)
 
         for note in run.notes:
             print(f"note            {note}")
         print(dry_run_report(trainer.cfg, run.plan, device_memory_gib=args.device_memory_gib))
-        print(_pipeline_line(trainer))
+        print(pipeline_line(trainer))
         return 0
     if launcher:
-        from llmforge.parallel.launch import launch_local
+        from llmforge.job.nproc import launch_local
 
         argv = ["train", args.config, *args.overrides, f"trainer.devices={args.nproc}"]
         argv += ["--overwrite"] * args.overwrite + ["--debug"] * args.debug
@@ -77,33 +78,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     if trainer.is_rank_zero():
         _print_summary(summary)
     return 0
-
-
-def _static_checks(cfg: Any, world_size: int, dry_run: bool = False) -> tuple[Any, str]:
-    """The checks ``llmforge train`` runs before training, for a job of ``world_size``
-    processes (``trainer.devices`` per node) that runs elsewhere (``llmforge launch``): the same
-    resolution and Trainer start-up, without looking at the run directory. ``dry_run``: files
-    the config names (an HF folder, a tokenizer) may be missing here. Returns (plan, pipeline
-    line).
-
-    Raises:
-        ConfigError: what the job would exit 2 with.
-    """
-    from llmforge.config.resolve import resolve_run
-    from llmforge.training.trainer import Trainer
-
-    env = {"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(cfg.trainer.devices)}
-    run = resolve_run(cfg, check_dir=False, dry_run=dry_run, environ=env)
-    return run.plan, _pipeline_line(Trainer(cfg, run=run))
-
-
-def _pipeline_line(trainer: Any) -> str:
-    """The model-transform order a run would apply (algorithms and the strategy's stages)."""
-    from llmforge.algorithms.loading import pipeline_order
-    from llmforge.parallel.transforms import strategy_transforms
-
-    order = pipeline_order(trainer.cfg, trainer.algorithms, strategy_transforms(trainer.cfg, trainer.dims))
-    return f"pipeline        build (meta) -> {' -> '.join(order + ['materialize'])}"
 
 
 def cmd_algorithms(args: argparse.Namespace) -> int:
@@ -133,7 +107,7 @@ RUNS_COMMANDS = {"plot": cmd_runs_plot}
 
 def cmd_runs(args: argparse.Namespace) -> int:
     """``llmforge runs SUBCOMMAND``: dispatch on :data:`RUNS_COMMANDS` (and run management's)."""
-    from llmforge.runs.commands import RUN_COMMANDS
+    from llmforge.cli.runs_commands import RUN_COMMANDS
 
     return {**RUN_COMMANDS, **RUNS_COMMANDS}[args.runs_command](args)
 

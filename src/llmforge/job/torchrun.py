@@ -1,4 +1,4 @@
-"""``python -m llmforge.runs.torchrun ARGS``: torchrun (same arguments) that keeps the exit code.
+"""``python -m llmforge.job.torchrun ARGS``: torchrun (same arguments) that keeps the exit code.
 
 Plain ``torchrun`` exits 1 whenever a worker fails, so a scheduler cannot tell a clean
 preemption (llmforge exits 75 after saving) from a crash. This runs torch's own launcher

@@ -23,6 +23,8 @@ from typing import Any, Callable, Optional, Sequence
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
+from llmforge import registry
+
 
 class Stage(IntEnum):
     """Pipeline stages, in the order they run."""
@@ -77,8 +79,6 @@ def run_pipeline(model: nn.Module, transforms: Sequence[Transform], ctx: ModelCo
 def meta_model(cfg: Any) -> nn.Module:
     """The run's model built on the meta device (no memory; for checks and dry-run lines)."""
     import torch
-
-    from llmforge import registry
 
     factory = registry.models.get(cfg.model.name, key="model.name")
     with torch.device("meta"):

@@ -12,6 +12,14 @@ import argparse
 import sys
 from typing import Any
 
+from omegaconf import OmegaConf
+
+from llmforge.config import load_config
+from llmforge.config.loader import _apply_override
+from llmforge.config.redaction import scrub_url_credentials
+from llmforge.config.schema import TrainConfig
+from llmforge.errors import ConfigError
+
 
 def add_parser(sub: Any) -> None:
     """Add ``data prepare`` to the top-level subparsers ``sub``."""
@@ -36,15 +44,8 @@ def load_prepare_config(source: str, overrides: list[str]) -> Any:
     Raises:
         ConfigError: as :func:`llmforge.config.load_config`.
     """
-    from llmforge.config import load_config
-
     if source.endswith((".yaml", ".yml")):
         return load_config(source, overrides)
-    from omegaconf import OmegaConf
-
-    from llmforge.config.loader import _apply_override
-    from llmforge.config.schema import TrainConfig
-
     cfg = OmegaConf.structured(TrainConfig)
     for item in ["data.source=files", f"data.path={source}", *overrides]:
         _apply_override(cfg, item)
@@ -58,8 +59,6 @@ def _check_preparable(cfg: Any) -> None:
     Raises:
         ConfigError: a mixture, an already prepared source or an SFT config (names the key).
     """
-    from llmforge.errors import ConfigError
-
     if cfg.data.get("mixture"):
         raise ConfigError("data.mixture: `data prepare` prepares one source; prepare each entry into "
                           "its own folder (llmforge data prepare ENTRY_PATH OUT) and list the folders "
@@ -73,8 +72,7 @@ def _check_preparable(cfg: Any) -> None:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    from llmforge.data.prepare import prepare
-    from llmforge.errors import ConfigError
+    from llmforge.data.prepare import prepare  # heavy (datasets, torch): after the config's errors
 
     if args.workers is not None and args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
@@ -82,8 +80,6 @@ def cmd_data(args: argparse.Namespace) -> int:
     _check_preparable(cfg)
     manifest = prepare(cfg, args.out, workers=args.workers, docs_per_shard=args.docs_per_shard,
                        show_progress=not args.no_progress and sys.stderr.isatty())
-    from llmforge.config.redaction import scrub_url_credentials
-
     out = scrub_url_credentials(str(args.out))  # s3://KEY:SECRET@bucket/x: never printed
     train = manifest["splits"]["train"]
     val = manifest["splits"].get("val", {"tokens": 0, "documents": 0})

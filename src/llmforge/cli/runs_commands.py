@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from llmforge.cli_parser import add_debug as _debug
+from llmforge.cli.common_args import add_debug as _debug
 from llmforge.errors import ConfigError, LLMForgeError
 
 
@@ -151,7 +151,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from llmforge.runs.launch import refresh
-    from llmforge.runs.registry import RunRegistry
+    from llmforge.job.records import RunRegistry
 
     registry = RunRegistry()
     refresh(registry)
@@ -186,7 +186,7 @@ def cmd_describe(args: argparse.Namespace) -> int:
 
     from llmforge.runs.backend import backend_of
     from llmforge.runs.launch import refresh
-    from llmforge.runs.registry import RunRegistry
+    from llmforge.job.records import RunRegistry
 
     registry = RunRegistry()
     refresh(registry)
@@ -224,7 +224,7 @@ def cmd_describe(args: argparse.Namespace) -> int:
 def cmd_logs(args: argparse.Namespace) -> int:
     from llmforge.runs.backend import backend_of
     from llmforge.runs.launch import refresh
-    from llmforge.runs.registry import RunRegistry
+    from llmforge.job.records import RunRegistry
 
     registry = RunRegistry()
     r = registry.resolve(args.run)
@@ -266,7 +266,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 def cmd_delete(args: argparse.Namespace) -> int:
     from llmforge.runs.launch import refresh, stop
-    from llmforge.runs.registry import RunRegistry
+    from llmforge.job.records import RunRegistry
 
     registry = RunRegistry()
     refresh(registry)

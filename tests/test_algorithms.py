@@ -12,7 +12,7 @@ from llmforge.algorithms import ActivationCheckpointing, Algorithm, Compile, Flo
 from llmforge.plugin import ModelContext, run_pipeline
 from llmforge.algorithms.loading import available, build_algorithms
 from llmforge.errors import ConfigError
-from llmforge.models.llama import Llama, LlamaArgs
+from llmforge.models.llama3.model import Llama, LlamaArgs
 
 
 def meta_model(**kw) -> nn.Module:

@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 from llmforge.checkpoint.hf import load_hf_weights, model_overrides_from_hf, read_hf_config, save_hf  # noqa: E402
 from llmforge.models.llama3.config import Llama3Config as ModelConfig  # noqa: E402
-from llmforge.models import build_llama  # noqa: E402
+from llmforge.models.llama3.model import build_llama  # noqa: E402
 
 
 def tiny_hf(tmp_path, tie: bool, inter: int = 96):

@@ -257,7 +257,7 @@ def test_a_missing_driver_or_unknown_protocol_is_a_data_error_naming_the_fix(url
 
 
 def test_the_drivers_credential_options_are_redacted_in_what_a_run_writes():
-    from llmforge.config.loader import redact
+    from llmforge.config import redact
 
     options = {"key": "AKIAEXAMPLE1", "secret": "s3cr3t-value", "token": "session-tok",  # s3fs
                "account_key": "azure-key-1", "sas_token": "sv=2024&sig=x",  # adlfs

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import REPO, TINY_OVERRIDES
 from llmforge import signals
-from llmforge.runs.local import catches
+from llmforge.job.torchrun import catches
 
 
 @pytest.fixture

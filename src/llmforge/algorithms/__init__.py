@@ -8,7 +8,6 @@ Built-ins (registered in :data:`llmforge.registry.algorithms`): ``float8`` (stag
 the events and how to write an algorithm: ``docs/algorithms/README.md``.
 """
 
-from llmforge.plugin import Algorithm, ModelContext, Stage, Transform, run_pipeline
 from llmforge.algorithms.checkpointing import ActivationCheckpointing
 from llmforge.algorithms.chunked_cross_entropy import ChunkedCrossEntropy
 from llmforge.algorithms.compile import Compile
@@ -18,6 +17,7 @@ from llmforge.algorithms.lora import LoRA
 from llmforge.algorithms.loss_spike_guard import LossSpikeGuard
 from llmforge.algorithms.seq_length_warmup import SeqLengthWarmup
 from llmforge.algorithms.z_loss import ZLoss
+from llmforge.plugin import Algorithm, ModelContext, Stage, Transform, run_pipeline
 from llmforge.registry import algorithms as _registry
 
 # the list of built-ins: a new algorithm is one file above plus one line here

@@ -13,9 +13,9 @@ import difflib
 from typing import Any, Sequence
 
 from llmforge import registry
+from llmforge.errors import ConfigError
 from llmforge.events import Event
 from llmforge.plugin import Algorithm
-from llmforge.errors import ConfigError
 from llmforge.registry import build_entries
 
 

@@ -24,13 +24,14 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from llmforge import signals
+from llmforge import __version__, signals
 from llmforge.callbacks._util import say
 from llmforge.checkpoint.dcp import PendingSave, load_training_state, prune_checkpoints, save_checkpoint
 from llmforge.checkpoint.plugins import (check_resume, checkpoint_meta, dropped_states, plain_states,
                                          restore_plain_states, restore_sharded_states, sharded_states)
 from llmforge.checkpoint.rng import capture_rng, restore_rng
-from llmforge.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, StopRequested  # noqa: F401 (re-exported)
+from llmforge.errors import ConfigError
+from llmforge.signals import EXIT_PREEMPTED, StopRequested
 
 
 class Preempted(StopRequested):
@@ -89,8 +90,6 @@ class Checkpointer(Callback):
 
     def save(self, trainer: Any, pl_module: Any) -> Path:
         """Save now (every rank must call it); returns the checkpoint folder."""
-        from llmforge import __version__
-
         start = time.perf_counter()
         self._finish_pending()  # at most one save in flight
         step = trainer.global_step
@@ -139,8 +138,6 @@ class Checkpointer(Callback):
         try:
             state = load_training_state(self.resume_from, pl_module.model, opt, plugin_state=templates)
         except (ValueError, RuntimeError, KeyError, CheckpointException) as exc:  # shapes/keys differ
-            from llmforge.errors import ConfigError
-
             lines = [x.strip() for x in str(exc).strip().splitlines() if x.strip()]
             # DCP's CheckpointException carries each rank's traceback; its last line is the cause
             first = (lines[-1] if isinstance(exc, CheckpointException) else lines[0]) if lines \

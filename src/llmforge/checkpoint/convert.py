@@ -7,7 +7,13 @@ from typing import Optional
 
 import torch
 
+from llmforge.checkpoint.dcp import save_checkpoint
+from llmforge.checkpoint.hf import load_hf_weights, model_overrides_from_hf, read_hf_config, save_hf
+from llmforge.checkpoint.run_dir import load_model
+from llmforge.config import save_config, structured_config
+from llmforge.data.tokenizers import HFTokenizer
 from llmforge.errors import LLMForgeError
+from llmforge.models.spec import get_spec
 
 
 def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
@@ -25,10 +31,6 @@ def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
         LLMForgeError: the model's family has no HF adapter, the path has no checkpoint, or
             ``adapters_only`` for a run without adapters.
     """
-    from llmforge.checkpoint.hf import save_hf
-    from llmforge.generate import load_model
-    from llmforge.models.spec import get_spec
-
     model, cfg, run_dir, plugins, ckpt, meta = load_model(path, with_plugins=True)
     adapter = get_spec(cfg.model.name).adapter()  # by name: a derived research spec may have none
     if adapter is None:
@@ -53,12 +55,6 @@ def from_hf(path: str | Path, out: str | Path) -> Path:
     """A Hugging Face folder (any family with an HF adapter: Llama, Qwen3) -> an llmforge run
     directory (``config.yaml``, ``tokenizer/``, ``checkpoints/step_00000000``) usable by
     ``llmforge generate`` and ``model.init_from``."""
-    from llmforge.checkpoint.dcp import save_checkpoint
-    from llmforge.checkpoint.hf import load_hf_weights, model_overrides_from_hf, read_hf_config
-    from llmforge.config import save_config, structured_config
-    from llmforge.data.tokenizers import HFTokenizer
-    from llmforge.models.spec import get_spec
-
     src, out = Path(path), Path(out)
     fields = model_overrides_from_hf(read_hf_config(src))
     cfg = structured_config(fields["name"])

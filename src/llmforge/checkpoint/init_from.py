@@ -14,7 +14,10 @@ from typing import Any
 
 from torch import nn
 
-from llmforge.errors import ConfigError
+from llmforge.checkpoint.dcp import load_model_weights
+from llmforge.checkpoint.hf import load_hf_weights, model_overrides_from_hf, read_hf_config
+from llmforge.checkpoint.tools import resolve
+from llmforge.errors import ConfigError, LLMForgeError
 
 HF_PREFIX = "hf:"
 
@@ -27,8 +30,6 @@ def apply_hf_shape(cfg: Any) -> None:
         ConfigError: the folder's family is not ``model.name``'s (names the one to set)."""
     spec = cfg.model.init_from
     if spec and spec.startswith(HF_PREFIX):
-        from llmforge.checkpoint.hf import model_overrides_from_hf, read_hf_config
-
         hf = read_hf_config(spec[len(HF_PREFIX):])
         fields = model_overrides_from_hf(hf)
         family = fields.pop("name")
@@ -47,14 +48,8 @@ def load_initial_weights(model: nn.Module, spec: str) -> str:
         ConfigError: the path holds no usable weights.
     """
     if spec.startswith(HF_PREFIX):
-        from llmforge.checkpoint.hf import load_hf_weights
-
         n = load_hf_weights(model, spec[len(HF_PREFIX):])
         return f"{n} tensors from Hugging Face folder {spec[len(HF_PREFIX):]}"
-    from llmforge.checkpoint.dcp import load_model_weights
-    from llmforge.checkpoint.tools import resolve
-    from llmforge.errors import LLMForgeError
-
     try:
         ckpt = resolve(spec)
     except LLMForgeError as exc:

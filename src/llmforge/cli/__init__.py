@@ -27,7 +27,7 @@ from llmforge.cli.handlers import (_quiet_libraries, cmd_algorithms, cmd_checkpo
                                    cmd_generate, cmd_runs, cmd_train)
 from llmforge.cli.parser import _parser
 from llmforge.cli.runs_commands import RUN_COMMANDS, TOP_COMMANDS
-from llmforge.config.loader import redact
+from llmforge.config.redaction import redact
 from llmforge.errors import LLMForgeError
 from llmforge.paths import os_error_message
 

@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from llmforge.config import load_config
-from llmforge.config.loader import _apply_override
+from llmforge.config.overrides import _apply_override
 from llmforge.config.redaction import scrub_url_credentials
 from llmforge.config.schema import TrainConfig
 from llmforge.errors import ConfigError

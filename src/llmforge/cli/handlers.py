@@ -10,7 +10,12 @@ import os
 import sys
 from typing import Any
 
-from llmforge.errors import LLMForgeError
+from llmforge.cli.runs_commands import RUN_COMMANDS
+from llmforge.config import load_config
+from llmforge.errors import ConfigError, LLMForgeError
+from llmforge.job.nproc import launch_local
+from llmforge.preflight.resolve import resolve_run
+from llmforge.runs.plot import plot_runs
 
 
 def _quiet_libraries() -> None:
@@ -43,10 +48,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     """Load and resolve the run before the heavy imports (a typo fails in a fraction of a
     second), then build the Trainer: its one start-up sequence serves the dry run, the
     ``--nproc`` launcher's check and training."""
-    from llmforge.config import load_config
-    from llmforge.preflight.resolve import resolve_run
-    from llmforge.errors import ConfigError
-
     cfg = load_config(args.config, args.overrides)
     if args.nproc is not None:
         if args.nproc < 1:
@@ -56,12 +57,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     run = resolve_run(cfg, overwrite=args.overwrite, check_dir=not args.dry_run,
                       dry_run=args.dry_run)
     _quiet_libraries()
-    from llmforge.training.trainer import Trainer
+    from llmforge.training.trainer import Trainer  # heavy (torch, Lightning): after the config errors
 
     trainer = Trainer(cfg, overwrite=args.overwrite, run=run)  # imports, strategy, algorithms
     if args.dry_run:
         from llmforge.training.dry_run import dry_run_report  # heavy (torch): after config errors
-        from llmforge.training.preflight import pipeline_line  # heavy (torch)
+        from llmforge.training.preflight import pipeline_line  # heavy (torch, Lightning)
 
         for note in run.notes:
             print(f"note            {note}")
@@ -69,8 +70,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(pipeline_line(trainer))
         return 0
     if launcher:
-        from llmforge.job.nproc import launch_local
-
         argv = ["train", args.config, *args.overrides, f"trainer.devices={args.nproc}"]
         argv += ["--overwrite"] * args.overwrite + ["--debug"] * args.debug
         return launch_local(args.nproc, argv)
@@ -81,7 +80,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_algorithms(args: argparse.Namespace) -> int:
-    from llmforge.algorithms.loading import available
+    from llmforge.algorithms.loading import available  # heavy (torch): off the CLI's fast path
 
     rows = available()
     width = max(len(r[0]) for r in rows)
@@ -92,8 +91,6 @@ def cmd_algorithms(args: argparse.Namespace) -> int:
 
 
 def cmd_runs_plot(args: argparse.Namespace) -> int:
-    from llmforge.runs.plot import plot_runs
-
     metrics = args.metric or ["train/loss"]
     out = args.out or metrics[0].replace("/", "_") + ".png"
     path = plot_runs(args.run_dirs, metrics, out, x=args.x, width=args.width, height=args.height,
@@ -107,8 +104,6 @@ RUNS_COMMANDS = {"plot": cmd_runs_plot}
 
 def cmd_runs(args: argparse.Namespace) -> int:
     """``llmforge runs SUBCOMMAND``: dispatch on :data:`RUNS_COMMANDS` (and run management's)."""
-    from llmforge.cli.runs_commands import RUN_COMMANDS
-
     return {**RUN_COMMANDS, **RUNS_COMMANDS}[args.runs_command](args)
 
 
@@ -131,8 +126,7 @@ def _print_summary(s: dict[str, Any]) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from llmforge.errors import ConfigError
-    from llmforge.generate import sample_text
+    from llmforge.generate import sample_text  # heavy (torch): off the CLI's fast path
 
     checks = [(args.max_new_tokens >= 0, "--max-new-tokens must be >= 0"),
               (args.temperature >= 0 and args.temperature != float("inf"),
@@ -170,9 +164,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from torch import device as torch_device
     from torch.cuda import is_available as cuda_available
 
-    from llmforge.errors import ConfigError
-    from llmforge.evaluation.harness import parse_limit
-    from llmforge.evaluation.run import evaluate_run
+    from llmforge.evaluation.harness import parse_limit  # heavy (torch): off the CLI's fast path
+    from llmforge.evaluation.run import evaluate_run  # heavy (torch, lm-eval)
 
     try:
         limit = parse_limit(args.limit)
@@ -201,8 +194,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from llmforge.checkpoint.convert import from_hf, to_hf
-    from llmforge.errors import ConfigError
+    from llmforge.checkpoint.convert import from_hf, to_hf  # heavy (torch): off the CLI's fast path
 
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
@@ -217,7 +209,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
-    from llmforge.checkpoint.tools import consolidate, inspect_checkpoint
+    from llmforge.checkpoint.tools import consolidate, inspect_checkpoint  # heavy (torch): off the fast path
 
     if args.checkpoint_command == "inspect":
         print(inspect_checkpoint(args.path))

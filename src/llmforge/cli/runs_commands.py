@@ -28,6 +28,11 @@ from typing import Any, Optional
 
 from llmforge.cli.common_args import add_debug as _debug
 from llmforge.errors import ConfigError, LLMForgeError
+from llmforge.job.records import RunRegistry
+from llmforge.runs.backend import backend_of
+from llmforge.runs.clusters import clusters_file, describe, load_clusters
+from llmforge.runs.credentials import available
+from llmforge.runs.launch import launch, refresh, restart, stop
 
 
 def add_parsers(sub: Any, runs_sub: Any) -> None:
@@ -96,8 +101,6 @@ def _duration(run: Any) -> str:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from llmforge.runs.launch import launch
-
     res = launch(args.config, args.overrides, cluster=args.cluster, gpus=args.gpus, nodes=args.nodes,
                  dry_run=args.dry_run, secrets=args.secret)
     if args.dry_run:
@@ -117,8 +120,6 @@ def cmd_launch(args: argparse.Namespace) -> int:
 def cmd_clusters(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from llmforge.runs.clusters import clusters_file, describe, load_clusters
-
     table = Table(title=f"clusters ({clusters_file()})")
     for col in ("name", "type", "GPU type", "GPUs/node", "where"):
         table.add_column(col, no_wrap=True)
@@ -131,8 +132,6 @@ def cmd_clusters(args: argparse.Namespace) -> int:
 
 def cmd_secrets(args: argparse.Namespace) -> int:
     from rich.table import Table
-
-    from llmforge.runs.credentials import available
 
     rows = available()
     table = Table(title="credentials in this environment (values never shown)")
@@ -149,9 +148,6 @@ def cmd_secrets(args: argparse.Namespace) -> int:
 
 def cmd_list(args: argparse.Namespace) -> int:
     from rich.table import Table
-
-    from llmforge.runs.launch import refresh
-    from llmforge.job.records import RunRegistry
 
     registry = RunRegistry()
     refresh(registry)
@@ -183,10 +179,6 @@ def _last_metrics(run_dir: Optional[str]) -> dict[str, Any]:
 
 def cmd_describe(args: argparse.Namespace) -> int:
     import yaml
-
-    from llmforge.runs.backend import backend_of
-    from llmforge.runs.launch import refresh
-    from llmforge.job.records import RunRegistry
 
     registry = RunRegistry()
     refresh(registry)
@@ -222,10 +214,6 @@ def cmd_describe(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    from llmforge.runs.backend import backend_of
-    from llmforge.runs.launch import refresh
-    from llmforge.job.records import RunRegistry
-
     registry = RunRegistry()
     r = registry.resolve(args.run)
     backend = backend_of(r)
@@ -257,17 +245,12 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from llmforge.runs.launch import stop
-
     r = stop(args.run, wait=not args.no_wait, timeout=args.timeout)
     print(f"{r.id}: {r.status}" + (f" (exit code {r.exit_code})" if r.exit_code is not None else ""))
     return 0
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
-    from llmforge.runs.launch import refresh, stop
-    from llmforge.job.records import RunRegistry
-
     registry = RunRegistry()
     refresh(registry)
     r = registry.resolve(args.run)
@@ -292,8 +275,6 @@ def cmd_delete(args: argparse.Namespace) -> int:
 
 
 def cmd_restart(args: argparse.Namespace) -> int:
-    from llmforge.runs.launch import restart
-
     r = restart(args.run, args.overrides)
     print(f"restarted {r.id} as resumption {r.resumptions} (checkpoint.resume=auto) on {r.cluster}")
     return 0

@@ -5,11 +5,16 @@ the environment's credential values, and ``user:password@`` in URLs.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from llmforge.config.keycheck import _omega_message
+from llmforge.errors import ConfigError
 
 __all__ = ["redact", "scrub_url_credentials"]
 
@@ -77,6 +82,22 @@ def _scrub(container: Any, values: set) -> Any:
     return container
 
 
+def config_to_dict(cfg: Any) -> Any:
+    """Resolved plain container (dicts and lists) of a config, dataclass or dict.
+
+    Raises:
+        ConfigError: an interpolation cannot be resolved.
+    """
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        cfg = OmegaConf.structured(cfg)
+    if isinstance(cfg, (DictConfig, ListConfig)):
+        try:
+            return OmegaConf.to_container(cfg, resolve=True)
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"cannot resolve the config: {_omega_message(exc)}") from None
+    return copy.deepcopy(cfg)
+
+
 def redact(container: Any) -> Any:
     """Return a copy of a (nested) dict/list, or a config, with secret-looking keys' values
     (``api_key``, ``wandb_api_key``, ``secret``, ``password``, ``passwd``, ``access_key``,
@@ -86,8 +107,6 @@ def redact(container: Any) -> Any:
     are also replaced wherever else they appear (e.g. interpolated into ``run.tags``), and so is
     the ``user:password@`` part of URLs (``https://user:pw@host/x`` -> ``https://***@host/x``)."""
     if isinstance(container, (DictConfig, ListConfig)) or dataclasses.is_dataclass(container):
-        from llmforge.config.loader import config_to_dict
-
         container = config_to_dict(container)
     values = _secret_values(container, set()) | _env_secret_values()
     return _scrub(_redact_keys(container), values)

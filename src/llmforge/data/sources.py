@@ -19,6 +19,9 @@ from typing import Any, Iterator, Optional, Union
 
 import datasets
 
+from llmforge.config.redaction import scrub_url_credentials
+from llmforge.data.prepared_checks import file_sha256
+from llmforge.data.remote import missing_driver
 from llmforge.data.shakespeare import shakespeare_files
 from llmforge.errors import DataError
 
@@ -89,8 +92,6 @@ def _check_url(url: str) -> None:
     import fsspec
     from fsspec.registry import known_implementations, registry
 
-    from llmforge.config.redaction import scrub_url_credentials
-
     scheme = _URL.match(url).group(1).lower()  # type: ignore[union-attr]
     shown = scrub_url_credentials(url)
     if scheme not in known_implementations and scheme not in registry:
@@ -99,8 +100,6 @@ def _check_url(url: str) -> None:
     try:
         fsspec.get_filesystem_class(scheme)
     except ImportError as exc:  # the message prepared corpora give (remote.open_store)
-        from llmforge.data.remote import missing_driver
-
         raise missing_driver(url, "data.path") from exc
 
 
@@ -108,9 +107,6 @@ def describe_files(files: list[str]) -> list[dict[str, Any]]:
     """``[{path, bytes, sha256}]`` of local files; a URL's files (its glob expanded by fsspec)
     get ``{path, bytes}`` only (hashing would read an object store twice) and their credentials
     (``user:password@``) are never recorded."""
-    from llmforge.config.redaction import scrub_url_credentials
-    from llmforge.data.prepared import file_sha256
-
     out: list[dict[str, Any]] = []
     for f in files:
         if not _URL.match(f):

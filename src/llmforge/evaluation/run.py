@@ -14,7 +14,10 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from llmforge.checkpoint.dcp import read_json
+from llmforge.checkpoint.run_dir import load_for_inference, resolve_checkpoint
 from llmforge.evaluation.harness import evaluate_harness, import_lm_eval
+from llmforge.loggers.jsonl import JsonlLogger
 
 PREFIX = "eval/harness/"
 
@@ -35,10 +38,6 @@ def evaluate_run(path: str | Path, tasks: Sequence[str], *, include_path: Sequen
     """
     import_lm_eval()  # say which extra is missing before loading weights
     tasks = [t.strip() for t in tasks if t and t.strip()]
-    from llmforge.checkpoint.dcp import read_json
-    from llmforge.generate import load_for_inference, resolve_checkpoint
-    from llmforge.loggers.jsonl import JsonlLogger
-
     run_dir, ckpt = resolve_checkpoint(path)
     step = int(read_json(ckpt, "meta.json").get("step", 0))
     model, tokenizer, _ = load_for_inference(ckpt, device=device)

@@ -15,7 +15,9 @@ import sys
 import uuid
 from typing import Sequence
 
+from llmforge import signals
 from llmforge.errors import LLMForgeError
+from llmforge.job.torchrun import _forward_usr1, exit_code, signal_exit_code
 
 
 def launch_local(nproc: int, argv: Sequence[str]) -> int:
@@ -33,9 +35,6 @@ def launch_local(nproc: int, argv: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from llmforge import signals
-    from llmforge.job.torchrun import _forward_usr1
-
     # the workers own the stop signals from here: torch's agent forwards SIGTERM/SIGINT to them,
     # and SIGUSR1 (SLURM's warning) is forwarded as llmforge.job.torchrun does
     signals.uninstall()
@@ -46,12 +45,8 @@ def launch_local(nproc: int, argv: Sequence[str]) -> int:
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "llmforge", *argv)
     except ChildFailedError as exc:
-        from llmforge.job.torchrun import exit_code
-
         return exit_code(exc.failures)  # 75 when a worker saved on a stop signal, else 2, else the first
     except SignalException as exc:  # the agent got SIGTERM/SIGINT and stopped the workers
-        from llmforge.job.torchrun import signal_exit_code
-
         return signal_exit_code(int(exc.sigval))
     except Exception as exc:  # rendezvous or agent failure
         raise LLMForgeError(f"--nproc {nproc}: the local launcher failed: {exc}") from exc

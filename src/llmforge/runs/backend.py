@@ -31,10 +31,10 @@ import os
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Optional
 
-from llmforge.errors import LLMForgeError
-from llmforge.registry import backends
-from llmforge.runs.clusters import Cluster
+from llmforge.errors import ConfigError, LLMForgeError
 from llmforge.job.records import RunRecord
+from llmforge.registry import backends
+from llmforge.runs.cluster_types import Cluster
 
 BUILTIN = {"local": "llmforge.runs.local:LocalBackend", "slurm": "llmforge.runs.slurm:SlurmBackend",
            "skypilot": "llmforge.runs.skypilot:SkyPilotBackend",
@@ -170,8 +170,6 @@ def backend_class(kind: str, *, key: str = "type") -> type[Backend]:
     """
     cls = backends.get(kind, key=key)
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
-        from llmforge.errors import ConfigError
-
         raise ConfigError(f"{key}: {kind!r} is not a llmforge.runs.backend.Backend subclass")
     return cls
 

@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
+from llmforge.config.redaction import _is_secret
 from llmforge.errors import ConfigError
 
 KNOWN: dict[str, str] = {
@@ -98,8 +99,6 @@ def job_environment(forward: Iterable[str], env: Optional[Mapping[str, str]] = N
 def secret_overrides(overrides: Iterable[str]) -> list[str]:
     """Overrides that set a secret-looking key (``loggers.0.api_key=...``); launch refuses them
     so that no value reaches the registry or a script."""
-    from llmforge.config.loader import _is_secret
-
     bad = []
     for item in overrides:
         key = item.split("=", 1)[0].lstrip("+~")

@@ -19,11 +19,12 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from llmforge.errors import LLMForgeError
-from llmforge.runs.backend import Backend
-from llmforge.runs.clusters import LocalCluster
 from llmforge.job.records import RunRecord
-from llmforge.job.torchrun import catches  # noqa: F401  (re-exported: tests, callers)
+from llmforge.job.supervisor import torchrun_command
 from llmforge.job.torchrun import proc_table as _proc_table
+from llmforge.runs.backend import Backend
+from llmforge.runs.cluster_types import LocalCluster
+from llmforge.runs.credentials import job_environment
 
 
 def run_pids(pgid: int) -> list[int]:
@@ -132,8 +133,6 @@ class LocalBackend(Backend):
     runs_here = True
 
     def render(self, run_id: str, name: str, spec: dict[str, Any], resumption: int = 0) -> str:
-        from llmforge.job.supervisor import torchrun_command
-
         cmd = torchrun_command(spec, resume=resumption > 0)
         env = ", ".join(spec["secrets"]) or "none"
         return (f"# local: a detached supervisor runs, in {spec['workdir']} (output in "
@@ -141,8 +140,6 @@ class LocalBackend(Backend):
                 + " ".join(cmd) + "\n")
 
     def job_environment(self, spec: dict[str, Any], env: Optional[Mapping[str, str]] = None) -> dict[str, str]:
-        from llmforge.runs.credentials import job_environment
-
         out = job_environment(spec["secrets"], env)
         out.update(LLMFORGE_RUN_ID="<run id>", LLMFORGE_HOME=spec["home"], PYTHONUNBUFFERED="1")
         return out

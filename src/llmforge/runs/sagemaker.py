@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from llmforge.errors import ConfigError, LLMForgeError
-from llmforge.runs.backend import Backend
-from llmforge.runs.clusters import Cluster
 from llmforge.job.records import RunRecord
+from llmforge.runs.backend import Backend
+from llmforge.runs.cluster_types import Cluster
 
 ENTRY = Path(__file__).parents[1] / "cli" / "sagemaker_entry.py"  # a script file, not imported
 SECRET_PLACEHOLDER = "<from the submitting environment>"

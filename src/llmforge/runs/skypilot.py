@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from llmforge.errors import LLMForgeError
-from llmforge.runs.backend import Backend, train_args
-from llmforge.runs.clusters import Cluster, ClusterError
 from llmforge.job.records import RunRecord
+from llmforge.runs.backend import Backend, train_args
+from llmforge.runs.cluster_types import Cluster, ClusterError
 
 # Task fields SkyPilot documents (docs: "SkyPilot YAML"); tests check the task uses only these.
 TASK_FIELDS = {"name", "workdir", "num_nodes", "resources", "envs", "secrets", "file_mounts", "setup",

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any, List, Mapping, Optional
 
 from llmforge.errors import LLMForgeError
-from llmforge.runs.backend import JOB_VARIABLES, Backend, train_args
-from llmforge.runs.clusters import Cluster, ClusterError
 from llmforge.job.records import RunRecord
+from llmforge.runs.backend import JOB_VARIABLES, Backend, train_args
+from llmforge.runs.cluster_types import Cluster, ClusterError
 
 # Non-secret variables a job needs from the submitting environment (exported by name if set).
 # sbatch passes only these (and the named secrets); srun inside uses --export=ALL so that the

@@ -3,8 +3,6 @@ loggers and algorithms are built by :func:`llmforge.registry.build_entries`.)"""
 
 from __future__ import annotations
 
-from typing import Any
-
 import lightning as L
 from omegaconf import DictConfig
 
@@ -12,7 +10,6 @@ from llmforge import registry
 from llmforge.errors import ConfigError
 
 __all__ = ["module_class"]
-
 
 def module_class(cfg: DictConfig) -> type:
     """The class named by ``trainer.module``, imported (research code may be in ``imports:``).

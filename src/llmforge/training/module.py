@@ -23,9 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmforge import registry
-from llmforge.plugin import ModelContext, run_pipeline
+from llmforge.checkpoint.init_from import load_initial_weights
 from llmforge.events import Dispatcher, Event, State
 from llmforge.parallel.init import init_parallel_model, seeded_init
+from llmforge.parallel.mesh import ParallelDims
+from llmforge.plugin import ModelContext, run_pipeline
 from llmforge.training.eval_loop import Evaluation
 from llmforge.training.optim import build_optimizer
 from llmforge.training.schedule import build_scheduler
@@ -93,8 +95,6 @@ class LLMModule(Evaluation, L.LightningModule):
         return getattr(self.trainer.strategy, "_device_mesh", None)
 
     def model_context(self) -> ModelContext:
-        from llmforge.parallel.mesh import ParallelDims
-
         mesh = self.mesh
         if mesh is None:
             dims = ParallelDims(1, 1, 1, 1)
@@ -115,8 +115,6 @@ class LLMModule(Evaluation, L.LightningModule):
         model = run_pipeline(model, self.pipeline, ctx)
         model.to_empty(device=ctx.device)
         if self.cfg.model.get("init_from"):
-            from llmforge.checkpoint.init_from import load_initial_weights
-
             # buffers and parameters the source lacks (e.g. a plugin's adapters) by the seeded init of
             # each rank's shards; no full copy of the model on rank 0 (the weights come next)
             seeded_init(model, self.cfg.run.seed)

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from llmforge.checkpoint.dcp import check_checkpoint
+from llmforge.checkpoint.run_dir import resolve_checkpoint
 from llmforge.checkpoint.safe_load import CheckpointReadError
-from llmforge.data.tokenizers import Tokenizer
+from llmforge.data.tokenizers import load_saved, Tokenizer
 from llmforge.errors import ConfigError, LLMForgeError
 
 __all__ = ["check_init_from_tokenizer", "check_resumable", "truncate_metrics"]
@@ -64,9 +65,6 @@ def check_init_from_tokenizer(tok: Tokenizer, init_from: Optional[str]) -> None:
     """
     if not init_from or init_from.startswith("hf:"):
         return
-    from llmforge.data.tokenizers import load_saved
-    from llmforge.generate import resolve_checkpoint
-
     try:
         run_dir, _ = resolve_checkpoint(init_from)
     except LLMForgeError:

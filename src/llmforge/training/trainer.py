@@ -27,21 +27,24 @@ from llmforge import registry
 from llmforge.callbacks import Checkpointer, GarbageCollection, RichProgress, SpeedMonitor
 from llmforge.checkpoint import list_checkpoints, read_json
 from llmforge.config import config_to_dict, load_config, redact, save_config
-from llmforge.preflight.resolve import ResolvedRun, check_run_name, resolve_run
 from llmforge.config.schema import PRECISIONS
-from llmforge.paths import check_writable_dir
 from llmforge.data.datamodule import LLMDataModule
 from llmforge.data.mixture import MixtureTokens, PreparedMixture
 from llmforge.data.tokenizers import Tokenizer
 from llmforge.errors import ConfigError
 from llmforge.parallel.strategy import LLMParallelStrategy
 from llmforge.parallel.transforms import check_strategy, strategy_transforms
+from llmforge.paths import check_writable_dir
+from llmforge.preflight.resolve import ResolvedRun, resolve_run
 from llmforge.training.host_malloc import tune_host_malloc
 from llmforge.training.run_data import DataBuilders
 
+from llmforge.job.tracker import RunTracker
 from llmforge.registry import build_entries
 from llmforge.training.entries import module_class
 from llmforge.training.run_files import _inside, check_resumable, truncate_metrics
+import llmforge.loggers
+from llmforge.algorithms.loading import build_algorithms
 
 __all__ = ["Trainer"]
 
@@ -195,8 +198,6 @@ class Trainer(DataBuilders):
                                 resume_from=self.resume_path, config=redact(config_to_dict(self.cfg)),
                                 on_resumed=self.finish_resume))
         if os.environ.get("LLMFORGE_RUN_ID") and self.is_rank_zero():  # started by `llmforge launch`
-            from llmforge.job.tracker import RunTracker
-
             cbs.append(RunTracker(os.environ["LLMFORGE_RUN_ID"]))
         return list(self.algorithms) + cbs + extra  # algorithms are Lightning callbacks too
 
@@ -206,8 +207,6 @@ class Trainer(DataBuilders):
         and the config is logged as the run's hyperparameters. Building checks settings (SDK
         installed, API key in the environment) but writes nothing and contacts no server: the
         built-in loggers start with their first record, after the run directory is prepared."""
-        import llmforge.loggers  # noqa: F401  (registers the built-in loggers)
-
         config = redact(config_to_dict(self.cfg))
         built = build_entries(registry.loggers, "loggers", self.cfg.loggers, base=Logger,
                               run_dir=self.run_dir, run=self.cfg.run, config=config)
@@ -230,8 +229,6 @@ class Trainer(DataBuilders):
     def build_algorithms(self) -> list[Any]:
         """``algorithms:`` instantiated (registered names, entry points or import paths) and
         checked together (:func:`llmforge.algorithms.loading.build_algorithms`)."""
-        from llmforge.algorithms.loading import build_algorithms
-
         return build_algorithms(self.cfg)
 
     def build_pipeline(self) -> list[Any]:

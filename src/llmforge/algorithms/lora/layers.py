@@ -20,6 +20,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from llmforge.checkpoint.hf import _local_box as box
 
 ADAPTERS = ("lora_A", "lora_B")
 
@@ -107,8 +108,6 @@ def adapter_seed(seed: int, fqn: str) -> int:
 
 def _local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(offsets, shape)`` of this rank's part of a (possibly DTensor) parameter."""
-    from llmforge.checkpoint.hf import _local_box as box
-
     return box(param)
 
 

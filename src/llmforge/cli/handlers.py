@@ -13,7 +13,6 @@ from typing import Any
 from llmforge.cli.runs_commands import RUN_COMMANDS
 from llmforge.config import load_config
 from llmforge.errors import ConfigError, LLMForgeError
-from llmforge.job.nproc import launch_local
 from llmforge.preflight.resolve import resolve_run
 from llmforge.runs.plot import plot_runs
 
@@ -70,6 +69,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(pipeline_line(trainer))
         return 0
     if launcher:
+        from llmforge.job.nproc import launch_local  # after the config errors, like the Trainer
+
         argv = ["train", args.config, *args.overrides, f"trainer.devices={args.nproc}"]
         argv += ["--overwrite"] * args.overwrite + ["--debug"] * args.debug
         return launch_local(args.nproc, argv)

@@ -31,6 +31,7 @@ from llmforge.checkpoint.plugins import (check_resume, checkpoint_meta, dropped_
                                          restore_plain_states, restore_sharded_states, sharded_states)
 from llmforge.checkpoint.rng import capture_rng, restore_rng
 from llmforge.errors import ConfigError
+from llmforge.parallel.lightning_private import optimizer_step_progress
 from llmforge.signals import EXIT_PREEMPTED, StopRequested
 
 
@@ -41,7 +42,7 @@ class Preempted(StopRequested):
 
 def set_global_step(trainer: Any, step: int) -> None:
     """Make Lightning count ``step`` optimizer steps done (manual optimization)."""
-    progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress.total
+    progress = optimizer_step_progress(trainer)
     progress.ready = progress.completed = step
 
 

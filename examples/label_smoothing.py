@@ -6,7 +6,7 @@ default cross-entropy by a label-smoothed one (Szegedy et al. 2016, "Rethinking 
 Architecture for Computer Vision", sec. 7) at ``BEFORE_LOSS``. No llmforge file knows it: YAML
 names it by import path. Run it from the repository root::
 
-    llmforge train examples/label_smoothing.yaml
+    PYTHONPATH=. llmforge train examples/label_smoothing.yaml
 
 Evaluation is left alone (``state.training`` is False there), so ``eval/loss`` stays the plain
 cross-entropy and runs with and without the algorithm compare directly.

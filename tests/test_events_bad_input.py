@@ -98,7 +98,7 @@ def test_the_cli_refuses_a_function_as_an_algorithm_in_one_line(tmp_path, tiny_o
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and not marker.exists()
     assert err == ["error: algorithms[0].name: 'os.system' is a builtin_function_or_method, not a "
-                   "class; name a class (e.g. 'my_pkg.module.MyClass')"]
+                   "class; name an llmforge.plugin.Algorithm subclass"]
 
 
 @pytest.fixture(scope="module")

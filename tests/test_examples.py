@@ -12,7 +12,7 @@ from conftest import REPO
 def test_example_runs(yaml_name, tmp_path, tiny_overrides, monkeypatch):
     from llmforge.cli import main
 
-    monkeypatch.chdir(REPO)  # examples/ is imported from the working directory
+    monkeypatch.syspath_prepend(str(REPO))  # examples/ is found as PYTHONPATH=REPO finds it
     assert main(["train", str(REPO / "examples" / yaml_name), *tiny_overrides, "trainer.max_steps=6",
                  "trainer.eval_every=0", "trainer.log_every=3"]) == 0
     run_dirs = list((tmp_path / "runs").iterdir())

@@ -12,7 +12,7 @@ from conftest import REPO, TINY_OVERRIDES
 def test_custom_callback_and_logger_from_yaml(tmp_path, monkeypatch):
     from llmforge import Trainer
 
-    monkeypatch.chdir(REPO)  # import paths like examples.callbacks resolve from the working directory
+    monkeypatch.syspath_prepend(str(REPO))  # examples.callbacks is found as PYTHONPATH=REPO finds it
     summary = Trainer.from_yaml(REPO / "examples" / "custom_callback.yaml", [
         *TINY_OVERRIDES, f"run.output_dir={tmp_path}", "trainer.max_steps=4", "trainer.log_every=2",
         "trainer.eval_every=0", "trainer.eval_batches=1", "checkpoint.save_final=false"]).fit()

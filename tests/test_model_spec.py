@@ -17,7 +17,7 @@ trainer: {seq_len: 64, global_batch_size: 8, micro_batch_size: 8}
 
 @pytest.fixture
 def bare_yaml(tmp_path, monkeypatch):
-    monkeypatch.chdir(REPO)  # the import path is relative to the repository
+    monkeypatch.syspath_prepend(str(REPO))  # tests.helpers.bare_model: as PYTHONPATH=REPO would
     path = tmp_path / "bare.yaml"
     path.write_text(BARE)
     return str(path)

@@ -275,3 +275,84 @@ def test_an_env_interpolation_forwarded_by_name_or_set_in_setup_passes(home, tmp
     # weights that live on the cluster, not on the login node: noted, not refused
     there = _config(tmp_path, "model: {init_from: 'hf:/nonexistent/llama'}\n")
     assert "#SBATCH" in launch(there, BATCH, cluster="lab", gpus=8, dry_run=True).definition
+
+
+# issue 21 item 9: names and paths rendered into job scripts are data, never shell
+HOSTILE_NAME = "x'; touch P1; echo \"$(touch P2)\" `touch P3`;#end"
+
+
+def _recorders(tmp_path, *names):
+    """Stand-ins for ``names`` that append their arguments (NUL-separated) to ``<name>.args``."""
+    bin_dir = tmp_path / "stub-bin"
+    bin_dir.mkdir(parents=True)
+    for name in names:
+        (bin_dir / name).write_text(f'#!/bin/bash\nprintf "%s\\0" "$@" >> "$(dirname "$0")/{name}.args"\n')
+        (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
+def _run_bash(script, bin_dir, cwd, env):
+    """Run ``script`` with only the recorders and the system's tools on PATH; returns what each
+    recorder got, by name."""
+    proc = subprocess.run(["bash", "-c", script], cwd=cwd, capture_output=True, text=True, timeout=60,
+                          env={"PATH": f"{bin_dir}{os.pathsep}/usr/bin:/bin", **env})
+    return proc, {p.stem: p.read_text().split("\0")[:-1] for p in bin_dir.glob("*.args")}
+
+
+def test_hostile_names_and_paths_reach_the_job_as_one_argument_in_every_backend(home, tmp_path, monkeypatch):
+    """Quotes, ``$(...)``, backticks, ``;`` and ``#`` in run.name and run.output_dir: the sbatch
+    script and the SkyPilot task run (with recorders for srun, scontrol and python) and pass the
+    exact values; the local command line and SageMaker's hyperparameters split back to them;
+    nothing the values spell runs."""
+    import shlex
+
+    from llmforge.cli.sagemaker_entry import train_argv
+
+    work = tmp_path / "work dir"
+    work.mkdir()
+    out = tmp_path / "out $(touch P4); `touch P5`"
+    hostile = [f"run.name={HOSTILE_NAME}", f"run.output_dir={out}"]
+    monkeypatch.chdir(work)
+    script = _dry("big", *hostile).definition
+    sbatch = dict(shlex.split(ln[len("#SBATCH "):])[0].split("=", 1) for ln in script.splitlines()
+                  if ln.startswith("#SBATCH --") and "=" in ln)
+    assert sbatch["--job-name"] == HOSTILE_NAME and sbatch["--output"] == f"{out}/{HOSTILE_NAME}/logs/slurm-%j.log"
+    bins = _recorders(tmp_path, "srun", "scontrol")
+    proc, calls = _run_bash(script, bins, work, {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1"})
+    assert calls["srun"][-3:] == [*hostile, "checkpoint.resume=auto"], proc.stderr
+    assert (out / HOSTILE_NAME / "logs" / "resumption-0.log").is_file()
+
+    task = yaml.safe_load(_dry("sky", *hostile).definition)
+    bins = _recorders(tmp_path / "sky", "python")
+    proc, calls = _run_bash(task["run"], bins, work, {"SKYPILOT_NUM_NODES": "2", "SKYPILOT_NODE_RANK": "0",
+                                                      "SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2",
+                                                      "SKYPILOT_NUM_GPUS_PER_NODE": "8"})
+    assert calls["python"][-3:] == [*hostile, "checkpoint.resume=auto"], proc.stderr
+
+    local = _dry("local", *hostile).definition.splitlines()
+    assert shlex.split(local[1])[-2:] == hostile and shlex.split(local[0])[7] == str(work)
+    monkeypatch.chdir(REPO)  # SageMaker uploads the project folder
+    hp = json.loads(_dry("sm", *hostile).definition)["hyperparameters"]
+    argv = train_argv(["--config", hp["config"], "--overrides", hp["overrides"]], env={})
+    assert argv[-4:-2] == hostile
+    assert [p.name for p in tmp_path.rglob("P[0-9]")] == [] and not list(REPO.glob("P[0-9]"))
+
+
+@pytest.mark.parametrize("key", ["run.name", "run.output_dir"])
+def test_a_control_character_in_a_name_or_path_exits_2_naming_the_key(home, tmp_path, capsys, key):
+    from llmforge.cli import main
+    from llmforge.errors import ConfigError
+    from llmforge.runs.clusters import get_cluster
+    from llmforge.runs.slurm import sbatch_script
+
+    section, field = key.split(".")
+    value = "x\ntouch P\n#"
+    cfg = _config(tmp_path, f"{section}: {{{field}: {json.dumps(value)}}}\n")
+    want = (f"error: {key}={value!r} holds a control character (newline, tab, ...); use printable characters "
+            f"only in {key}\n")
+    for argv in (["launch", cfg, *BATCH, "--cluster", "big", "--gpus", "16", "--dry-run"], ["train", cfg]):
+        assert main(argv) == 2
+        assert capsys.readouterr().err == want
+    spec = {"run_dir": "/r", "nodes": 1, "procs_per_node": 1, "workdir": "/w", "home": "/h", "config_path": "c.yaml"}
+    with pytest.raises(ConfigError, match="run.name='a\\\\nb' holds a control character"):
+        sbatch_script("id", "a\nb", spec, get_cluster("big"))  # a backend called directly refuses too

@@ -11,6 +11,7 @@ from conftest import DEMO, REPO
 from llmforge.cli import main
 from llmforge.errors import ConfigError
 from llmforge.job.records import RunNotFound, RunRegistry
+from llmforge.run_guard import mark_run_dir
 
 
 def _writer(db: str, name: str, n: int) -> None:
@@ -206,6 +207,17 @@ def test_delete_purge_asks_first_unless_yes(home, tmp_path, capsys, monkeypatch)
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "logs" / "resumption-0.log").write_text("hello from the run\n")
     reg = RunRegistry(home / "runs.db")
+    mine = tmp_path / "mine"  # a record (data) naming a folder llmforge did not make
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    other = reg.create("mine", "local", "local", run_dir=str(mine))
+    reg.set_status(other.id, "completed", "done")
+    assert main(["runs", "delete", other.id, "--purge", "--yes"]) == 2
+    assert capsys.readouterr().err == (f"error: --purge: {mine} is a link or not an llmforge run directory (no "
+                                       ".llmforge-run file); nothing deleted: delete the record without --purge\n")
+    assert (mine / "notes.txt").read_text() == "keep" and [r.id for r in reg.list()] == [other.id]
+    reg.delete(other.id)
+    mark_run_dir(run_dir)  # as llmforge launch made it
     run = reg.create("old", "local", "local", run_dir=str(run_dir))
     reg.set_status(run.id, "completed", "done")
     assert main(["runs", "logs", "old"]) == 0 and capsys.readouterr().out == "hello from the run\n"

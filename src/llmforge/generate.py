@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -18,7 +17,7 @@ def sample_text(path: str | Path, prompt: str, *, max_new_tokens: int = 200,
                 temperature: float = 0.8, top_k: Optional[int] = 50, seed: int = 0,
                 chat: bool = False, use_cache: bool = True,
                 on_text: Optional[Callable[[str], None]] = None,
-                stats: Optional[dict] = None) -> str:
+                stats: Optional[dict] = None, trust_code: bool = False) -> str:
     """Sample a continuation of ``prompt`` (the returned text excludes the prompt).
 
     ``chat``: ``prompt`` is one user turn, rendered with the run's ``data.chat_template``
@@ -30,11 +29,16 @@ def sample_text(path: str | Path, prompt: str, *, max_new_tokens: int = 200,
     that ends inside a multi-byte character waits for the next token).
     ``stats``: filled with ``tokens`` (generated), ``seconds`` (wall time of generation, model
     load excluded), ``tokens_per_second`` and ``kv_cache`` (whether the cache was used).
+    ``trust_code``: import the research code the run's config names (``--trust-code``; see
+    :mod:`llmforge.checkpoint.run_dir`).
 
     Raises:
-        ConfigError: ``chat`` and the run's tokenizer lacks the template's special tokens.
+        ConfigError: ``chat`` and the run's tokenizer lacks the template's special tokens; the
+            run's config names code and ``trust_code`` is False.
     """
-    model, tok, cfg = load_for_inference(path)
+    import time
+
+    model, tok, cfg = load_for_inference(path, trust_code=trust_code)
     gen = torch.Generator().manual_seed(seed)
     stop = tok.eos_id
     if chat:

@@ -12,7 +12,7 @@ import errno
 import os
 from pathlib import Path
 
-from llmforge.errors import LLMForgeError
+from llmforge.errors import ConfigError, LLMForgeError
 
 
 class WriteError(LLMForgeError):
@@ -20,6 +20,18 @@ class WriteError(LLMForgeError):
     needed, a read-only or full disk, no permission). Exit code 2."""
 
     exit_code = 2
+
+
+def check_printable(value: str, key: str) -> None:
+    """``value`` (a name or path) holds no control character (``\\x00``-``\\x1f``, ``\\x7f``:
+    a newline in a name rendered into a job script starts a new shell command).
+
+    Raises:
+        ConfigError: naming ``key`` and showing the value with the character escaped.
+    """
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise ConfigError(f"{key}={value!r} holds a control character (newline, tab, ...); use "
+                          f"printable characters only in {key}")
 
 
 def check_writable_dir(path: str | Path, key: str) -> None:

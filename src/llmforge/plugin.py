@@ -109,6 +109,17 @@ def adapter_key_filter(model: nn.Module) -> Callable[[str], bool]:
     return lambda key: bool(names) and any(part in names for part in key.split("."))
 
 
+def algorithm_kind(obj: Any) -> str:
+    """"" when ``obj`` (named by import path under ``algorithms:``) is an :class:`Algorithm`
+    subclass, else what it is (checked before anything calls it)."""
+    if isinstance(obj, type) and issubclass(obj, Algorithm):
+        return ""
+    if isinstance(obj, type):
+        return (f"a class, but {obj.__name__} is not a subclass of llmforge.plugin.Algorithm; "
+                "subclass it (plain callbacks go under callbacks:)")
+    return f"a {type(obj).__name__}, not a class; name an llmforge.plugin.Algorithm subclass"
+
+
 class Algorithm(Callback):
     """A Lightning ``Callback`` that may also transform the model at one pipeline stage and act
     on the events of :mod:`llmforge.events`.
@@ -181,12 +192,14 @@ class Algorithm(Callback):
     def inference_model(self, model: nn.Module, cfg: Any, meta: dict[str, Any]) -> nn.Module:
         """Prepare a model built on the meta device for loading a checkpoint of this run
         outside training (``generate``, ``eval``, ``convert``): e.g. add adapter layers with the
-        settings in ``meta`` (the checkpoint's ``meta.json``). Default: unchanged."""
+        settings in ``meta`` (the checkpoint's ``meta.json``). Default: unchanged. Several
+        plugins run in pipeline order (:mod:`llmforge.checkpoint.run_dir`)."""
         return model
 
     def export_model(self, model: nn.Module, checkpoint: Path) -> nn.Module:
         """The model to write for ``convert to-hf`` (unsharded, loaded from ``checkpoint``):
-        e.g. adapters merged into the base weights. Default: unchanged."""
+        e.g. adapters merged into the base weights. Default: unchanged. Several plugins run in
+        the reverse of pipeline order (:func:`llmforge.checkpoint.run_dir.export_order`)."""
         return model
 
     def export_adapters(self, model: nn.Module, out: Path, cfg: Any, meta: dict[str, Any],

@@ -7,6 +7,12 @@ through the entry-point groups ``llmforge.models``, ``llmforge.algorithms``,
 ``llmforge.callbacks``, ``llmforge.loggers`` and ``llmforge.backends`` (launch backends,
 :mod:`llmforge.runs.backend`).
 
+Import paths are found on ``sys.path`` as Python finds them (``PYTHONPATH``; ``python -m
+llmforge`` also puts the working directory first, the ``llmforge`` script does not); llmforge
+adds nothing to it. Inside :func:`untrusted` (loading a run directory someone else wrote) no
+import path and no ``imports:`` module is imported at all: only registered names and
+installed entry points resolve.
+
 Example::
 
     from llmforge.registry import models
@@ -18,29 +24,57 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import difflib
 import importlib
 import importlib.metadata
-from typing import Any, Callable, Dict, Iterable
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional
 
 from llmforge.errors import ConfigError
 
-
-def _cwd_on_path() -> None:
-    """Research code is imported from the working directory too (as ``python -m`` would)."""
-    import os
-    import sys
-
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.append(cwd)
+# the file whose names are being resolved when it is untrusted (a run directory's config.yaml)
+_UNTRUSTED: contextvars.ContextVar[str] = contextvars.ContextVar("llmforge_untrusted", default="")
 
 
-def import_object(path: str, *, key: str = "") -> Any:
-    """Import ``pkg.module.attr`` or ``pkg.module:attr`` (from PYTHONPATH or the working directory).
+@contextlib.contextmanager
+def untrusted(source: str, trust_code: bool = False) -> Iterator[None]:
+    """Inside the block, names read from ``source`` (e.g. ``runs/x/config.yaml``) resolve only
+    to registered names and entry points: :func:`import_object` and :func:`import_modules`
+    refuse before importing anything. ``trust_code=True`` (``--trust-code``) makes the block
+    a no-op. Used by :mod:`llmforge.checkpoint.run_dir` for ``generate``, ``eval`` and
+    ``convert``."""
+    token = _UNTRUSTED.set("" if trust_code else str(source))
+    try:
+        yield
+    finally:
+        _UNTRUSTED.reset(token)
+
+
+def refuse_untrusted(key: str, what: str) -> None:
+    """Raise when an untrusted source names code (see :func:`untrusted`); else nothing.
 
     Raises:
-        ConfigError: the module or the attribute does not exist (names ``key`` and ``path``).
+        ConfigError: naming the source, ``key``, ``what`` it names and ``--trust-code``.
+    """
+    source = _UNTRUSTED.get()
+    if source:
+        raise ConfigError(
+            f"{source}: {key} names {what!r}, code that is neither built in nor a registered name; "
+            "a run directory is data, so loading it imports none of its own code. If you trust "
+            "this run, put its code on PYTHONPATH and pass --trust-code")
+
+
+def import_object(path: str, *, key: str = "", check: Optional[Callable[[Any], str]] = None) -> Any:
+    """Import ``pkg.module.attr`` or ``pkg.module:attr`` from ``sys.path`` (``PYTHONPATH``).
+
+    ``check(obj)`` returns "" when ``obj`` is of the kind the caller needs, else what it is
+    instead (e.g. "a builtin_function_or_method, not a class"); it runs before the caller
+    calls anything.
+
+    Raises:
+        ConfigError: the module or the attribute does not exist, ``check`` refuses the object,
+            or the config is untrusted (:func:`untrusted`); names ``key`` and ``path``.
     """
     if ":" in path:
         module_name, _, attr = path.partition(":")
@@ -49,7 +83,7 @@ def import_object(path: str, *, key: str = "") -> Any:
     where = f"{key}: " if key else ""
     if not module_name or not attr:
         raise ConfigError(f"{where}'{path}' is not an import path; write 'package.module.Name'")
-    _cwd_on_path()
+    refuse_untrusted(key or "an entry", path)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -58,14 +92,24 @@ def import_object(path: str, *, key: str = "") -> Any:
             "Check the spelling, that the package is installed, or add its folder to PYTHONPATH."
         ) from exc
     try:
-        return getattr(module, attr)
+        obj = getattr(module, attr)
     except AttributeError:
         raise ConfigError(f"{where}module '{module_name}' has no attribute '{attr}'") from None
+    wrong = check(obj) if check is not None else ""
+    if wrong:
+        raise ConfigError(f"{where}'{path}' is {wrong}")
+    return obj
 
 
 def import_modules(names: Iterable[str]) -> None:
-    """Import research modules named in the YAML's ``imports:`` list so that they register."""
-    _cwd_on_path()
+    """Import research modules named in the YAML's ``imports:`` list so that they register.
+
+    Raises:
+        ConfigError: a module does not import, or the config is untrusted (:func:`untrusted`).
+    """
+    names = list(names)
+    if names:
+        refuse_untrusted("imports", names[0] if len(names) == 1 else ", ".join(names))
     for name in names:
         try:
             importlib.import_module(name)
@@ -84,6 +128,13 @@ class Registry:
         self.builtins = builtins  # module that registers the built-ins, imported on first use
         self._items: Dict[str, Any] = {}
         self._entry_points_loaded = False
+        # what an import path must name (set by the built-ins module: it knows the base class)
+        self.check: Optional[Callable[[Any], str]] = None
+
+    def expect(self, check: Callable[[Any], str]) -> None:
+        """Objects named by import path must pass ``check`` (``obj -> ""`` when of the right
+        kind, else what it is instead) before anyone calls them."""
+        self.check = check
 
     def register(self, name: str, obj: Any = None) -> Callable[[Any], Any] | Any:
         """Register ``obj`` under ``name``; usable as ``@registry.register("name")``."""
@@ -107,11 +158,14 @@ class Registry:
         self._load_entry_points()
         return sorted(self._items)
 
-    def get(self, name: str, *, key: str = "") -> Any:
-        """Return the object registered as ``name``, or import it when ``name`` is a path.
+    def get(self, name: str, *, key: str = "", registered_only: bool = False) -> Any:
+        """Return the object registered as ``name``, or import it when ``name`` is a path
+        (checked by :meth:`expect`'s function before it is returned). ``registered_only``: the
+        name comes from data (a run record), so an import path is refused, not imported.
 
         Raises:
-            ConfigError: unknown name; the message lists the closest registered names.
+            ConfigError: unknown name (the message lists the closest registered names), an
+                import path to an object of the wrong kind, or one refused as untrusted.
         """
         self._load_entry_points()
         if name in self._items:
@@ -119,8 +173,8 @@ class Registry:
             if isinstance(obj, importlib.metadata.EntryPoint):
                 obj = self._items[name] = obj.load()
             return obj
-        if "." in name or ":" in name:
-            return import_object(name, key=key)
+        if ("." in name or ":" in name) and not registered_only:
+            return import_object(name, key=key, check=self.check)
         close = difflib.get_close_matches(name, self._items, n=3)
         hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
         where = f"{key}: " if key else ""

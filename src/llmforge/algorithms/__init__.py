@@ -17,7 +17,7 @@ from llmforge.algorithms.lora import LoRA
 from llmforge.algorithms.loss_spike_guard import LossSpikeGuard
 from llmforge.algorithms.seq_length_warmup import SeqLengthWarmup
 from llmforge.algorithms.z_loss import ZLoss
-from llmforge.plugin import Algorithm, ModelContext, Stage, Transform, run_pipeline
+from llmforge.plugin import Algorithm, ModelContext, Stage, Transform, algorithm_kind, run_pipeline
 from llmforge.registry import algorithms as _registry
 
 # the list of built-ins: a new algorithm is one file above plus one line here
@@ -26,6 +26,7 @@ BUILTINS = {"compile": Compile, "activation_checkpointing": ActivationCheckpoint
             "loss_spike_guard": LossSpikeGuard, "chunked_cross_entropy": ChunkedCrossEntropy}
 for _name, _cls in BUILTINS.items():
     _registry.register(_name, _cls)
+_registry.expect(algorithm_kind)  # an import path must name an Algorithm subclass
 
 __all__ = ["Algorithm", "ModelContext", "Stage", "Transform", "run_pipeline", "BUILTINS",
            "ActivationCheckpointing", "ChunkedCrossEntropy", "Compile", "EMA", "Float8", "LoRA",

@@ -9,15 +9,16 @@ import torch
 
 from llmforge.checkpoint.dcp import save_checkpoint
 from llmforge.checkpoint.hf import load_hf_weights, model_overrides_from_hf, read_hf_config, save_hf
-from llmforge.checkpoint.run_dir import load_model
+from llmforge.checkpoint.run_dir import export_order, load_model
 from llmforge.config import save_config, structured_config
 from llmforge.data.tokenizers import HFTokenizer
 from llmforge.errors import LLMForgeError
 from llmforge.models.spec import get_spec
+from llmforge.run_guard import mark_run_dir
 
 
 def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
-          adapters_only: bool = False) -> Path:
+          adapters_only: bool = False, trust_code: bool = False) -> Path:
     """A run directory or checkpoint -> a Hugging Face folder (config, generation config,
     safetensors, tokenizer) that the family's ``*ForCausalLM.from_pretrained`` loads.
 
@@ -25,13 +26,17 @@ def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
     is written merged (computed in float32; written in float32 unless ``dtype`` is given, since
     a bf16 base would round small adapter updates away). With ``adapters_only`` the first
     algorithm that exports adapters (``Algorithm.export_adapters``, e.g. PEFT's folder) writes
-    them instead.
+    them instead. The hooks run in :func:`~llmforge.checkpoint.run_dir.export_order` (declared
+    by the plugins, never the YAML list). ``trust_code``: see
+    :mod:`llmforge.checkpoint.run_dir`.
 
     Raises:
         LLMForgeError: the model's family has no HF adapter, the path has no checkpoint, or
             ``adapters_only`` for a run without adapters.
+        ConfigError: the run's config names code and ``trust_code`` is False.
     """
-    model, cfg, run_dir, plugins, ckpt, meta = load_model(path, with_plugins=True)
+    model, cfg, run_dir, plugins, ckpt, meta = load_model(path, with_plugins=True, trust_code=trust_code)
+    plugins = export_order(plugins)
     adapter = get_spec(cfg.model.name).adapter()  # by name: a derived research spec may have none
     if adapter is None:
         raise LLMForgeError(f"{path}: model '{cfg.model.name}' has no Hugging Face adapter "
@@ -64,7 +69,7 @@ def from_hf(path: str | Path, out: str | Path) -> Path:
     model = get_spec(cfg.model.name)(cfg.model)
     model.init_weights()
     load_hf_weights(model, src)
-    out.mkdir(parents=True, exist_ok=True)
+    mark_run_dir(out)  # a run llmforge made: train/--overwrite may use it (llmforge.run_guard)
     if (src / "tokenizer.json").exists():
         cfg.tokenizer.type, cfg.tokenizer.path = "huggingface", str((src / "tokenizer.json").resolve())
         HFTokenizer(src / "tokenizer.json").save(out / "tokenizer")

@@ -1,34 +1,59 @@
-"""Loading a run directory (or one checkpoint folder of it): what ``llmforge generate``,
-``llmforge eval``, ``llmforge convert to-hf`` and ``model.init_from: RUN_DIR`` share.
+"""Loading a run directory (or one checkpoint of it) for inference, evaluation and export: the one
+path ``llmforge generate``, ``llmforge eval`` and ``llmforge convert to-hf`` share.
 
-:func:`resolve_checkpoint` finds the run directory and its newest complete checkpoint,
-:func:`load_model` builds the run's model (meta device, the run's inference plugins, seeded
-init) and loads the weights, :func:`load_for_inference` adds the saved tokenizer.
+A run directory is data, whoever wrote it. Its ``config.yaml`` is read with every name resolved
+to a built-in or registered one only (:func:`llmforge.registry.untrusted`; installed packages'
+entry points count as registered): an ``imports:`` list, or an import path in ``model.name`` or
+``algorithms:``, stops with one ``error:`` line naming the key and ``--trust-code`` (exit 2)
+before anything of it is imported. ``trust_code=True`` (``--trust-code``) imports them from
+``sys.path`` as ``llmforge train`` does (``PYTHONPATH``; llmforge adds no folder to it). The
+config's ``callbacks:``, ``loggers:`` and ``trainer.module`` are not needed to load a model and
+are never imported here. Finding the checkpoint reads ``checkpoint.dir`` as plain YAML.
+
+The run's algorithms shape loading and export through three hooks
+(:class:`~llmforge.plugin.Algorithm`), called in an order the plugins declare, never
+the YAML list's:
+
+* ``inference_model``: in the training pipeline's order (``stage``, then ``priority``, then the
+  event order :func:`llmforge.events.plugin_order`), plugins without a stage last, so the model
+  is rebuilt as training built it;
+* ``export_model`` and ``export_adapters``: in the reverse order, so plugins that act on the
+  trained model's parameters by name (``ema``'s averaged weights) run before the transforms are
+  undone, last stage first (``lora`` merges its adapters away).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
+
+import torch
 
 from llmforge import registry
+from llmforge.plugin import Algorithm
 from llmforge.checkpoint.dcp import load_model_weights, read_json
 from llmforge.checkpoint.init_from import load_initial_weights
 from llmforge.checkpoint.layout import COMPLETE, latest_checkpoint
 from llmforge.config import load_config
+from llmforge.config.yaml_files import _read_yaml
 from llmforge.data.tokenizers import Tokenizer, load_saved
 from llmforge.errors import LLMForgeError
+from llmforge.events import plugin_order
 from llmforge.parallel.init import seeded_init
-from llmforge.plugin import Algorithm, meta_model
 
-__all__ = ["inference_plugins", "load_for_inference", "load_model", "resolve_checkpoint"]
+__all__ = ["resolve_checkpoint", "load_run_config", "inference_plugins", "export_order",
+           "load_model", "load_for_inference"]
+
+_HOOKS = ("inference_model", "export_model", "export_adapters")
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
-    """``(run_dir, checkpoint_dir)`` for a run directory or a checkpoint folder.
+    """``(run_dir, checkpoint_dir)`` for a run directory or a checkpoint folder; the run's
+    ``checkpoint.dir`` is read from its ``config.yaml`` as plain YAML (nothing is imported).
 
     Raises:
         LLMForgeError: the path is neither, or the run has no complete checkpoint.
+        ConfigError: ``config.yaml`` is not valid YAML (file, line, column).
     """
     p = Path(path)
     if not p.exists():
@@ -40,45 +65,87 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
         raise LLMForgeError(f"{p}: checkpoint found, but no config.yaml in its run directory")
     if not (p / "config.yaml").exists():
         raise LLMForgeError(f"{p}: not a run directory (no config.yaml) and not a checkpoint (no {COMPLETE})")
-    cfg = load_config(p / "config.yaml")
-    ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else p / "checkpoints"
+    section = _read_yaml(p / "config.yaml", str(p / "config.yaml"), None).get("checkpoint")
+    folder = section.get("dir") if isinstance(section, dict) else None
+    ckpt_root = Path(folder) if isinstance(folder, str) and folder else p / "checkpoints"
     ckpt = latest_checkpoint(ckpt_root)
     if ckpt is None:
         raise LLMForgeError(f"{p}: the run has no complete checkpoint under {ckpt_root}")
     return p, ckpt
 
 
-def inference_plugins(cfg: Any) -> list[Any]:
+def load_run_config(run_dir: Path, trust_code: bool = False) -> Any:
+    """The run's ``config.yaml``, its ``imports:`` imported only with ``trust_code``.
+
+    Raises:
+        ConfigError: without ``trust_code``, the config names code outside the built-in and
+            registered names (the key, the name and ``--trust-code``); or an invalid config.
+    """
+    path = Path(run_dir) / "config.yaml"
+    with registry.untrusted(path, trust_code):
+        cfg = load_config(path)
+        registry.import_modules(cfg.imports)
+    return cfg
+
+
+def _pipeline_key(plugin: Any) -> tuple:
+    stage = getattr(plugin, "stage", None)
+    return (stage is None, int(stage or 0), int(getattr(plugin, "priority", 0)), plugin_order(plugin))
+
+
+def inference_plugins(cfg: Any, trust_code: bool = False, source: str | Path = "config.yaml") -> list[Any]:
     """The run's algorithms that take part in loading or exporting its checkpoints (those that
-    override :meth:`~llmforge.plugin.Algorithm.inference_model`, ``export_model`` or
-    ``export_adapters``), instantiated from ``cfg.algorithms``; the others (e.g. compile) are
-    not built, so their optional packages need not be installed to load a run."""
+    override ``inference_model``, ``export_model`` or ``export_adapters``), instantiated from
+    ``cfg.algorithms`` and sorted in ``inference_model`` order (see the module doc; YAML order
+    never matters). The others (e.g. compile) are not built, so their optional packages need not
+    be installed to load a run.
+
+    Raises:
+        ConfigError: an entry names an import path (without ``trust_code``; ``source`` names
+            the file in the message), or one that is not an Algorithm subclass.
+    """
     out = []
-    for i, entry in enumerate(cfg.algorithms or []):
-        kwargs = dict(entry)
-        cls = registry.algorithms.get(kwargs.pop("name"), key=f"algorithms[{i}].name")
-        if isinstance(cls, type) and any(getattr(cls, h) is not getattr(Algorithm, h)
-                                         for h in ("inference_model", "export_model", "export_adapters")):
-            out.append(cls(**kwargs))
-    return out
+    with registry.untrusted(source, trust_code):
+        for i, entry in enumerate(cfg.algorithms or []):
+            kwargs = dict(entry)
+            cls = registry.algorithms.get(kwargs.pop("name"), key=f"algorithms[{i}].name")
+            if isinstance(cls, type) and any(getattr(cls, h, None) not in (None, getattr(Algorithm, h))
+                                             for h in _HOOKS):
+                out.append(cls(**kwargs))
+    return sorted(out, key=_pipeline_key)
 
 
-def load_model(path: str | Path, device: str = "cpu", with_plugins: bool = False) -> Any:
+def export_order(plugins: Sequence[Any]) -> list[Any]:
+    """``plugins`` in the order of the export hooks: the reverse of :func:`inference_plugins`'
+    (stage-less plugins first, then the transforms last stage first)."""
+    return sorted(plugins, key=_pipeline_key, reverse=True)
+
+
+def load_model(path: str | Path, device: str = "cpu", with_plugins: bool = False,
+               trust_code: bool = False) -> Any:
     """Return ``(model, cfg, run_dir)`` of a run directory or checkpoint, model in eval mode
-    (with ``with_plugins``: ``(model, cfg, run_dir, plugins, checkpoint, meta)``).
+    (with ``with_plugins``: ``(model, cfg, run_dir, plugins, checkpoint, meta)``, plugins in
+    :func:`inference_plugins` order).
 
-    The model is built on the meta device, each :func:`inference_plugins` entry's
-    ``inference_model`` prepares it (e.g. adds adapter layers), it is materialized with the
-    run's seeded init, and the checkpoint is loaded. A checkpoint of adapters only
-    (``adapters_only`` in meta.json) gets its base from the run's pointer first
-    (``model.init_from``, else the seeded init), then the adapters.
+    The model is built on the meta device, each plugin's ``inference_model`` prepares it (e.g.
+    adds adapter layers), it is materialized with the run's seeded init, and the checkpoint is
+    loaded. A checkpoint of adapters only (``adapters_only`` in meta.json) gets its base from
+    the run's pointer first (``model.init_from``, else the seeded init), then the adapters.
+
+    Raises:
+        ConfigError: the run's config names code and ``trust_code`` is False (see the module
+            doc), or the checkpoint does not fit the model.
+        LLMForgeError: no run directory or checkpoint at ``path``.
     """
     run_dir, ckpt = resolve_checkpoint(path)
-    cfg = load_config(run_dir / "config.yaml")
-    registry.import_modules(cfg.imports)
+    cfg = load_run_config(run_dir, trust_code)
     meta = read_json(ckpt, "meta.json") if (ckpt / "meta.json").exists() else {}
-    plugins = inference_plugins(cfg)
-    model = meta_model(cfg)
+    source = run_dir / "config.yaml"
+    plugins = inference_plugins(cfg, trust_code, source)
+    with registry.untrusted(source, trust_code):
+        factory = registry.models.get(cfg.model.name, key="model.name")
+    with torch.device("meta"):
+        model = factory(cfg.model)
     for plugin in plugins:
         model = plugin.inference_model(model, cfg, meta)
     model.to_empty(device=device)
@@ -93,7 +160,9 @@ def load_model(path: str | Path, device: str = "cpu", with_plugins: bool = False
     return model, cfg, run_dir
 
 
-def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Any, Tokenizer, Any]:
-    """Return ``(model, tokenizer, cfg)`` of a run directory or checkpoint, model in eval mode."""
-    model, cfg, run_dir = load_model(path, device)
+def load_for_inference(path: str | Path, device: str = "cpu",
+                       trust_code: bool = False) -> tuple[Any, Tokenizer, Any]:
+    """Return ``(model, tokenizer, cfg)`` of a run directory or checkpoint, model in eval mode
+    (see :func:`load_model`)."""
+    model, cfg, run_dir = load_model(path, device, trust_code=trust_code)
     return model, load_saved(run_dir / "tokenizer"), cfg

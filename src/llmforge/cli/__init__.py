@@ -3,9 +3,9 @@
     llmforge train CONFIG.yaml [key=value ...] [--nproc N] [--dry-run [--device-memory-gib G]]
                    [--overwrite] [--debug]
     llmforge generate RUN_DIR_OR_CHECKPOINT --prompt TEXT [--max-new-tokens N] [--temperature T]
-                      [--top-k K] [--seed S] [--chat] [--debug]
+                      [--top-k K] [--seed S] [--chat] [--trust-code] [--debug]
     llmforge eval RUN_DIR_OR_CHECKPOINT --tasks T1,T2 [--include-path DIR] [--limit N]
-                  [--num-fewshot K] [--batch-size B] [--device D]
+                  [--num-fewshot K] [--batch-size B] [--device D] [--trust-code]
     llmforge algorithms          # the algorithm plugins: name, pipeline stage, summary
     llmforge runs plot RUN_DIR... [--metric train/loss] [--out FILE.png] [--x step|tokens]
     llmforge launch CONFIG.yaml [--cluster NAME] [--gpus N] [--nodes M] [--dry-run] [key=value ...]

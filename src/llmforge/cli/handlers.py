@@ -73,7 +73,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         argv = ["train", args.config, *args.overrides, f"trainer.devices={args.nproc}"]
         argv += ["--overwrite"] * args.overwrite + ["--debug"] * args.debug
-        return launch_local(args.nproc, argv)
+        trainer.lock_run_dir()  # held here for the whole run; the workers inherit its token
+        try:
+            return launch_local(args.nproc, argv)
+        finally:
+            trainer.run_lock.release()
     summary = trainer.fit()
     if trainer.is_rank_zero():
         _print_summary(summary)
@@ -150,7 +154,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         sample_text(args.path, args.prompt, max_new_tokens=args.max_new_tokens,
                     temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                    chat=args.chat, use_cache=not args.no_cache, on_text=show, stats=stats)
+                    chat=args.chat, use_cache=not args.no_cache, on_text=show, stats=stats,
+                    trust_code=args.trust_code)
     except ValueError as exc:
         raise LLMForgeError(str(exc)) from exc
     if not stats.get("started") and not args.chat:
@@ -185,7 +190,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise ConfigError("--batch-size and --max-gen-toks must be >= 1")
     out = evaluate_run(args.path, args.tasks.split(","), include_path=args.include_path,
                        limit=limit, num_fewshot=args.num_fewshot, batch_size=args.batch_size,
-                       max_gen_toks=args.max_gen_toks, seed=args.seed, device=args.device)
+                       max_gen_toks=args.max_gen_toks, seed=args.seed, device=args.device,
+                       trust_code=args.trust_code)
     for key, value in sorted(out["scores"].items()):
         print(f"{key:40s} {value:.4f}")
     print(f"wrote {out['path']}")
@@ -203,7 +209,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
                           "pass --overwrite to write into it")
 
     if args.convert_command == "to-hf":
-        print(f"wrote {to_hf(args.path, args.out, args.dtype, adapters_only=args.adapters_only)}")
+        written = to_hf(args.path, args.out, args.dtype, adapters_only=args.adapters_only,
+                        trust_code=args.trust_code)
+        print(f"wrote {written}")
     else:
         print(f"wrote {from_hf(args.path, args.out)}")
     return 0

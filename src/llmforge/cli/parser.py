@@ -14,6 +14,14 @@ from llmforge.cli.runs_commands import add_parsers  # launch, clusters, secrets,
 __all__ = ["_parser"]
 
 
+def add_trust_code(p: argparse.ArgumentParser) -> None:
+    """``--trust-code``: a command that loads a run directory may import what its config names."""
+    p.add_argument("--trust-code", action="store_true",
+                   help="import the research code the run's config.yaml names (imports:, an import "
+                        "path in model.name or algorithms:) from PYTHONPATH; without it only "
+                        "built-in and registered names load (a run directory is data)")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llmforge", description="Train language models (Llama 3, Qwen3, your own) from one YAML.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -29,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="run N local processes (torchrun's launcher; gloo on CPU, NCCL on GPUs)")
     t.add_argument("--overwrite", action="store_true",
-                   help="delete an existing run directory of the same run.name first")
+                   help="delete an existing run directory of the same run.name first (only one "
+                        "llmforge made: README, 'What --overwrite deletes')")
     add_debug(t)
 
     g = sub.add_parser("generate", help="sample text from a trained run or checkpoint")
@@ -45,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
                         "at the end of the assistant turn (SFT runs)")
     g.add_argument("--no-cache", action="store_true",
                    help="recompute the whole context for every token instead of using a KV cache")
+    add_trust_code(g)
     add_debug(g)
 
     e = sub.add_parser("eval", help="run lm-evaluation-harness tasks on a run or checkpoint")
@@ -60,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--max-gen-toks", type=int, default=256, help="cap on generated tokens")
     e.add_argument("--seed", type=int, default=0, help="lm-eval's seeds")
     e.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    add_trust_code(e)
     add_debug(e)
 
     v = sub.add_parser("convert", help="Hugging Face <-> llmforge weights")
@@ -73,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="adapter runs: write only the adapters in PEFT's format (adapter_config.json + "
                          "adapter_model.safetensors) instead of merged weights")
     th.add_argument("--overwrite", action="store_true", help="replace files in a non-empty OUT")
+    add_trust_code(th)
     add_debug(th)
     fh = cv_sub.add_parser("from-hf", help="turn a Hugging Face folder (Llama, Qwen3) into an "
                            "llmforge run directory")

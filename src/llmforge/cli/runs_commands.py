@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 from llmforge.cli.common_args import add_debug as _debug
 from llmforge.errors import ConfigError, LLMForgeError
+from llmforge.run_guard import MARK, is_run_dir
 
 
 def add_parsers(sub: Any, runs_sub: Any) -> None:
@@ -154,8 +155,9 @@ def cmd_secrets(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from llmforge.runs.launch import refresh  # lazy: see the module doc
     from llmforge.job.records import RunRegistry  # lazy: see the module doc
+    from llmforge.runs.backend import record_backend_allowed  # lazy: see the module doc
+    from llmforge.runs.launch import refresh  # lazy: see the module doc
 
     registry = RunRegistry()
     refresh(registry)
@@ -164,14 +166,23 @@ def cmd_list(args: argparse.Namespace) -> int:
     for col in ("id", "name", "cluster", "status", "step", "loss", "resumptions", "created", "duration"):
         table.add_column(col, no_wrap=True)
     colors = {"running": "cyan", "completed": "green", "failed": "red", "stopped": "yellow"}
+    refused = []
     for r in runs:
         loss = f"{r.last_loss:.4f}" if r.last_loss is not None else "-"
         status = f"[{colors.get(r.status, 'white')}]{r.status}[/]"
-        table.add_row(r.id, r.name, r.cluster, status, str(r.last_step if r.last_step is not None else "-"),
+        cluster = r.cluster
+        if not record_backend_allowed(r):  # not polled, nothing imported
+            refused.append(r.id)
+            cluster += " [red](backend refused)[/]"
+        table.add_row(r.id, r.name, cluster, status, str(r.last_step if r.last_step is not None else "-"),
                       loss, str(r.resumptions), _time(r.created_at), _duration(r))
     _console().print(table)
     if not runs:
         print(f"no runs in {registry.path}")
+    if refused:
+        print(f"backend refused: {', '.join(refused)} name a backend that is not registered and not "
+              "their cluster's type: in clusters.yaml; run records never import code (statuses as "
+              "last recorded; llmforge runs describe ID)")
     return 0
 
 
@@ -278,6 +289,11 @@ def cmd_delete(args: argparse.Namespace) -> int:
     if r.active and not args.force:  # deleting the record would orphan the job
         raise ConfigError(f"run {r.id} is {r.status}: stop it first (llmforge runs stop {r.id}), or "
                           f"pass --force to stop it and then delete it")
+    folder = Path(r.run_dir) if args.purge and r.run_dir else None
+    if folder and (folder.is_symlink() or (folder.is_dir() and not is_run_dir(folder))):
+        # a record is data: --purge deletes only a folder llmforge made (llmforge.run_guard)
+        raise ConfigError(f"--purge: {folder} is a link or not an llmforge run directory (no {MARK} "
+                          "file); nothing deleted: delete the record without --purge")
     if args.purge and r.run_dir and Path(r.run_dir).exists() and not args.yes and not sys.stdin.isatty():
         raise ConfigError(f"--purge deletes {r.run_dir}: confirm with --yes")
     if r.active:

@@ -25,22 +25,26 @@ PREFIX = "eval/harness/"
 def evaluate_run(path: str | Path, tasks: Sequence[str], *, include_path: Sequence[str] = (),
                  limit: Optional[int | float] = None, num_fewshot: Optional[int] = None,
                  batch_size: int = 8, max_gen_toks: int = 256, seed: int = 0,
-                 device: str = "cpu") -> dict[str, Any]:
+                 device: str = "cpu", trust_code: bool = False) -> dict[str, Any]:
     """Evaluate the newest complete checkpoint of a run directory (or the given checkpoint).
 
     Returns ``{"scores": {"<task>/<metric>": value}, "step", "path"}`` (``path``: the
     ``eval_harness.jsonl`` written to).
 
+    ``trust_code``: import the research code the run's config names (``--trust-code``; see
+    :mod:`llmforge.checkpoint.run_dir`).
+
     Raises:
         ConfigError: lm-eval missing, unknown tasks, bad task data (see
-            :func:`llmforge.evaluation.harness.evaluate_harness`).
+            :func:`llmforge.evaluation.harness.evaluate_harness`); the run's config names code
+            and ``trust_code`` is False.
         LLMForgeError: the path is not a run directory or checkpoint.
     """
     import_lm_eval()  # say which extra is missing before loading weights
     tasks = [t.strip() for t in tasks if t and t.strip()]
     run_dir, ckpt = resolve_checkpoint(path)
     step = int(read_json(ckpt, "meta.json").get("step", 0))
-    model, tokenizer, _ = load_for_inference(ckpt, device=device)
+    model, tokenizer, _ = load_for_inference(ckpt, device=device, trust_code=trust_code)
     out = evaluate_harness(model, tokenizer, tasks, include_path=include_path, limit=limit,
                            num_fewshot=num_fewshot, batch_size=batch_size,
                            max_gen_toks=max_gen_toks, seed=seed)

@@ -35,10 +35,11 @@ from __future__ import annotations
 
 from llmforge.models.llama3 import LLAMA3
 from llmforge.models.qwen3 import QWEN3
-from llmforge.models.spec import MemoryShape, ModelSpec, get_spec
+from llmforge.models.spec import MemoryShape, ModelSpec, factory_kind, get_spec
 from llmforge.registry import models
 
 __all__ = ["LLAMA3", "QWEN3", "ModelSpec", "MemoryShape", "get_spec"]
 
 models.register("llama3", LLAMA3)
 models.register("qwen3", QWEN3)
+models.expect(factory_kind)  # model.name by import path: checked before it is called

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Union
 
@@ -34,7 +36,7 @@ from llmforge import registry
 from llmforge.errors import ConfigError
 
 __all__ = ["ModelSpec", "MemoryShape", "family_spec", "get_spec", "spec_for_model",
-           "spec_for_hf_type", "cfg_get", "reject_factory_kwargs"]
+           "spec_for_hf_type", "cfg_get", "reject_factory_kwargs", "factory_kind"]
 
 Ref = Union[str, Callable[..., Any], None]
 
@@ -169,6 +171,26 @@ def family_spec(name: str, package: str, *, model: str, build: str, hf_adapter: 
                      tp_plan=f"{package}.parallelize:apply_tp",
                      check_tp=f"{package}.parallelize:check_tp",
                      hf_adapter=f"{package}.hf:{hf_adapter}", **members)
+
+
+def factory_kind(obj: Any) -> str:
+    """"" when ``obj`` (named by import path in ``model.name``) can be a model factory: a
+    :class:`ModelSpec`, a function defined in Python outside the standard library, or an
+    ``nn.Module`` subclass; else what it is, for the error message. Checked before it is called:
+    ``model.name: builtins.print`` or ``subprocess.Popen`` must not run with the model section."""
+    if isinstance(obj, ModelSpec):
+        return ""
+    if inspect.isfunction(obj):
+        top = (obj.__module__ or "").split(".")[0]
+        if top in sys.stdlib_module_names:
+            return f"a function of the standard library ({obj.__module__}), not a model factory"
+        return ""
+    torch = sys.modules.get("torch")  # a Module subclass was defined by importing torch
+    if isinstance(obj, type) and torch is not None and issubclass(obj, torch.nn.Module):
+        return ""
+    what = "a class that is not an nn.Module subclass" if isinstance(obj, type) else f"a {type(obj).__name__}"
+    return (f"{what}, not a model factory; name a ModelSpec, a function cfg -> nn.Module or an "
+            "nn.Module subclass (docs/models.md)")
 
 
 def _as_spec(name: str, obj: Any) -> ModelSpec:

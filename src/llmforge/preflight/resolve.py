@@ -28,8 +28,17 @@ from llmforge.config.validate import BatchPlan, validate
 from llmforge.errors import ConfigError
 from llmforge.parallel.mesh import ParallelDims
 from llmforge.parallel.threads import choose_num_threads
+from llmforge.paths import check_printable
+from llmforge.run_guard import check_run_dir, peek_holder, refuse_link
 
-__all__ = ["ResolvedRun", "detect_world_size", "resolve_run", "check_run_name"]
+__all__ = ["ResolvedRun", "detect_world_size", "resolve_run", "check_names_and_paths", "check_run_name"]
+
+# Names and paths that reach file systems, trackers and job scripts (llmforge.runs renders
+# run.name and run.output_dir into sbatch scripts): a control character in one is refused.
+NAME_AND_PATH_KEYS = ("run.name", "run.output_dir", "run.group", "checkpoint.dir", "checkpoint.resume",
+                      "model.init_from", "tokenizer.path", "data.path", "data.paths", "data.cache_dir")
+# Folder keys whose leading ``~`` is the user's home, as a shell would expand it.
+HOME_KEYS = ("run.output_dir", "checkpoint.dir", "checkpoint.resume", "model.init_from")
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,29 @@ def check_run_name(name: str) -> None:
                           "not '.' or '..'); use run.output_dir for the parent folder")
 
 
+def check_names_and_paths(cfg: DictConfig) -> None:
+    """No control character (:func:`llmforge.paths.check_printable`) in the names and paths of
+    :data:`NAME_AND_PATH_KEYS`: they become folder names, tracker names and lines of job
+    scripts, where a newline starts a new shell command.
+
+    Raises:
+        ConfigError: naming the key and showing the value with the character escaped.
+    """
+    for key in NAME_AND_PATH_KEYS:
+        value = OmegaConf.select(cfg, key, default=None)
+        for item in value if OmegaConf.is_list(value) else [value]:
+            if isinstance(item, str):
+                check_printable(item, key)
+
+
+def _expand_home(cfg: DictConfig) -> None:
+    """``~`` and ``~user`` at the start of :data:`HOME_KEYS` become the home folder."""
+    for key in HOME_KEYS:
+        value = OmegaConf.select(cfg, key, default=None)
+        if isinstance(value, str) and value.startswith("~"):
+            OmegaConf.update(cfg, key, os.path.expanduser(value), merge=False)
+
+
 def _hf_shape(cfg: DictConfig, dry_run: bool) -> tuple[str, ...]:
     """``model.init_from: hf:PATH`` fixes the model's shape (its config.json wins)."""
     spec = cfg.model.get("init_from") or ""
@@ -121,6 +153,9 @@ def _run_dir_state(cfg: DictConfig, run_dir: Path, ckpt_dir: Path, overwrite: bo
     """``(resume_from, used, resume line)``; refuses a used directory without resume or
     overwrite, an incomplete resume path, and a resume whose changes break exactness."""
     ck = cfg.checkpoint
+    check_run_dir(run_dir, "run.name")
+    if ck.dir:  # llmforge's checkpoints in it, and nothing else, are what --overwrite deletes
+        refuse_link(ckpt_dir, "checkpoint.dir")
     metrics = (run_dir / "metrics.jsonl").exists()
     used = metrics or bool(list_checkpoints(ckpt_dir))
     if used and not overwrite and not ck.resume:
@@ -159,8 +194,12 @@ def resolve_run(cfg: DictConfig, *, overwrite: bool = False, check_dir: bool = T
 
     Raises:
         ConfigError: the first invalid setting (see :func:`llmforge.config.validate`), a run
-            name that is not one folder, a missing tokenizer file, a used run directory, or a
-            resume that changes settings exactness depends on.
+            name that is not one folder, a control character in a name or path, a missing
+            tokenizer file, a used run directory, a run directory (or ``checkpoint.dir``) that is
+            a symbolic link, a non-empty folder that is not an llmforge run
+            (:func:`llmforge.run_guard.check_run_dir`), or a resume that changes settings
+            exactness depends on.
+        RunDirBusy: another process holds the run directory's lock (rank 0 only).
     """
     env = os.environ if environ is None else environ
     out = copy.deepcopy(cfg)  # typed like cfg (a structured TrainConfig)
@@ -171,6 +210,8 @@ def resolve_run(cfg: DictConfig, *, overwrite: bool = False, check_dir: bool = T
         out.strategy.name = "fsdp2"
     dims = ParallelDims.from_config(out, world)
     check_run_name(out.run.name)
+    check_names_and_paths(out)
+    _expand_home(out)
     if not dry_run:  # a dry run sizes a cluster's config anywhere
         _check_files(out)
     notes = _hf_shape(out, dry_run)
@@ -178,6 +219,8 @@ def resolve_run(cfg: DictConfig, *, overwrite: bool = False, check_dir: bool = T
     ckpt_dir = Path(out.checkpoint.dir) if out.checkpoint.dir else run_dir / "checkpoints"
     local = int(env.get("LOCAL_WORLD_SIZE") or t.devices)
     threads, why = choose_num_threads(t.num_threads, local, int(out.data.num_workers), environ=env)
+    if check_dir and env.get("RANK", "0") == "0":  # rank 0 holds the run's lock (Trainer.setup)
+        peek_holder(run_dir)
     resume, used, line = (_run_dir_state(out, run_dir, ckpt_dir, overwrite, world) if check_dir
                           else (None, False, None))
     OmegaConf.set_readonly(out, True)

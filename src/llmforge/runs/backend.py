@@ -31,10 +31,13 @@ import os
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Optional
 
+import yaml
+
 from llmforge.errors import ConfigError, LLMForgeError
 from llmforge.job.records import RunRecord
 from llmforge.registry import backends
-from llmforge.runs.cluster_types import Cluster
+from llmforge.run_guard import mark_run_dir
+from llmforge.runs.cluster_types import Cluster, clusters_file
 
 BUILTIN = {"local": "llmforge.runs.local:LocalBackend", "slurm": "llmforge.runs.slurm:SlurmBackend",
            "skypilot": "llmforge.runs.skypilot:SkyPilotBackend",
@@ -155,9 +158,11 @@ def train_args(spec: dict[str, Any]) -> list[str]:
 
 
 def files_dir(spec: dict[str, Any]) -> Path:
-    """``<run_dir>/launch`` for generated files (``logs/`` too: SLURM opens its output file there)."""
+    """``<run_dir>/launch`` for generated files (``logs/`` too: SLURM opens its output file there);
+    the run directory is created marked as llmforge's (:func:`llmforge.run_guard.mark_run_dir`)."""
     out = Path(spec["run_dir"]) / "launch"
-    out.mkdir(parents=True, exist_ok=True)
+    mark_run_dir(out.parent)
+    out.mkdir(exist_ok=True)
     (out.parent / "logs").mkdir(exist_ok=True)
     return out
 
@@ -179,12 +184,37 @@ def backend_for(cluster: Cluster) -> Backend:
     return backend_class(cluster.type)(cluster)
 
 
+def record_backend_allowed(run: RunRecord) -> bool:
+    """Whether the backend a run record names may be loaded: a registered name (built-in or an
+    installed package's ``llmforge.backends`` entry point), or an import path that the user's
+    clusters.yaml still gives as the ``type:`` of the run's cluster. ``runs.db`` is data: a row
+    alone never makes llmforge import a module (the file is read as YAML; nothing is imported)."""
+    if run.kind in backends.names():
+        return True
+    try:
+        data = yaml.safe_load(clusters_file().read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError):
+        return False
+    if isinstance(data, dict) and set(data) == {"clusters"}:
+        data = data["clusters"] or {}
+    entry = data.get(run.cluster) if isinstance(data, dict) else None
+    return isinstance(entry, dict) and entry.get("type") == run.kind
+
+
 def backend_of(run: RunRecord) -> Backend:
     """The backend of a recorded run (no cluster: clusters.yaml may have changed since).
 
     Raises:
+        ConfigError: the record names a backend that :func:`record_backend_allowed` refuses
+            (nothing is imported).
         LLMForgeError: the run's backend is no longer installed.
     """
+    if not record_backend_allowed(run):
+        raise ConfigError(
+            f"run {run.id}: the run registry names backend {run.kind!r}, which is neither a registered "
+            f"backend ({', '.join(backends.names())}) nor the type: of cluster {run.cluster!r} in "
+            "clusters.yaml; run records are data and never import code: give that cluster its type in "
+            "clusters.yaml again, or install the package that registers the backend")
     try:
         return backend_class(run.kind)(None)
     except LLMForgeError as exc:

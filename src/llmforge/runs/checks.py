@@ -3,9 +3,10 @@
 A job that would stop at once with exit 2 should never be queued: :func:`check_job` loads the
 config again in the environment the job will have (:meth:`Backend.job_environment`: an
 ``${oc.env:NAME}`` whose variable is not forwarded fails here) and builds its loggers there (an
-online tracker whose key is not forwarded fails), refuses API keys written in the config (every
-logger refuses them), and runs the training command's own static checks (research
-imports, batch arithmetic, strategy, algorithms) at the job's world size. :func:`check_restart`
+online tracker whose key is not forwarded fails) and its callbacks (a non-class, a wrong
+keyword), refuses API keys written in the config (every logger refuses them), and runs the
+training command's own static checks (research imports, batch arithmetic, strategy,
+algorithms) at the job's world size. :func:`check_restart`
 refuses a restart that could train nothing.
 """
 
@@ -68,10 +69,14 @@ def check_job(config_path: str, overrides: Sequence[str], cfg: Any, spec: dict[s
         raise ConfigError(f"{', '.join(keys)}: API keys are not read from config files (the job refuses "
                           "them: configs are saved with the run); export the key (e.g. WANDB_API_KEY) and "
                           "forward it by name with --secret NAME or compute.secrets")
+    from llmforge.training.entries import build_callbacks  # heavy (Lightning): after the config checks
+
     env = backend.job_environment(spec)
     try:
         with environment(env):
-            build_loggers(load_config(config_path, list(overrides)), spec, strict=local_files)
+            loaded = load_config(config_path, list(overrides))
+            build_loggers(loaded, spec, strict=local_files)
+            build_callbacks(loaded)  # a non-class, a wrong keyword: as the job would refuse it
     except ConfigError as exc:
         found = re.search(r"Environment variable '([^']+)' not found|\b([A-Z_][A-Z0-9_]*) is not set", str(exc))
         if not found:  # not about the environment (e.g. a logger setting): as the job would say it

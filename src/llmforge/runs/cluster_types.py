@@ -1,14 +1,16 @@
 """What a cluster is: :class:`Cluster` (the keys every cluster has) and :class:`LocalCluster`
-(this machine); each backend's cluster dataclass subclasses :class:`Cluster`. Reading
-``clusters.yaml`` is :mod:`llmforge.runs.clusters`.
+(this machine); each backend's cluster dataclass subclasses :class:`Cluster`; where the clusters
+file is (:func:`clusters_file`). Reading ``clusters.yaml`` is :mod:`llmforge.runs.clusters`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 from llmforge.errors import ConfigError
+from llmforge.job.records import llmforge_home
 
 
 class ClusterError(ConfigError):
@@ -68,6 +70,11 @@ class LocalCluster(Cluster):
 
     def default_world_size(self, cfg: Any, nodes: Optional[int]) -> int:
         return int(cfg.trainer.devices)
+
+
+def clusters_file() -> Path:
+    """``$LLMFORGE_HOME/clusters.yaml``."""
+    return llmforge_home() / "clusters.yaml"
 
 
 def detect_local() -> LocalCluster:

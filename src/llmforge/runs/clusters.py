@@ -42,15 +42,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, get_type_hints
 
 from llmforge.errors import ConfigError
-from llmforge.job.records import llmforge_home
 from llmforge.registry import backends
 from llmforge.runs.backend import backend_class, backend_for
-from llmforge.runs.cluster_types import Cluster, ClusterError, LocalCluster, detect_local
-
-
-def clusters_file() -> Path:
-    """``$LLMFORGE_HOME/clusters.yaml``."""
-    return llmforge_home() / "clusters.yaml"
+from llmforge.runs.cluster_types import Cluster, ClusterError, LocalCluster, clusters_file, detect_local
 
 
 def _check_value(value: Any, tp: Any, where: str) -> Any:

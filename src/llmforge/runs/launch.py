@@ -19,6 +19,7 @@ from typing import Any, Optional, Sequence
 from llmforge.config import config_to_dict, load_config, redact
 from llmforge.errors import ConfigError, LLMForgeError
 from llmforge.job.records import llmforge_home, new_run_id, RunRecord, RunRegistry
+from llmforge.run_guard import check_run_dir
 from llmforge.runs.backend import Backend, backend_for, backend_of
 from llmforge.runs.checks import check_job, check_restart
 from llmforge.runs.clusters import Cluster, get_cluster
@@ -88,6 +89,7 @@ def _check_run_dir(spec: dict[str, Any], cfg: Any, registry: RunRegistry, backen
     if backend.uploads_workdir:  # the run directory is not on this machine
         return
     run_dir = Path(spec["run_dir"])
+    check_run_dir(run_dir, "run.name")  # a link, or a folder llmforge did not make
     used = (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").is_dir()
     if used and not cfg.checkpoint.resume:
         raise ConfigError(f"run directory {run_dir} already holds a run: choose another run.name "

@@ -11,6 +11,7 @@ every descendant of it (found through /proc).
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from llmforge.errors import LLMForgeError
 from llmforge.job.records import RunRecord
 from llmforge.job.supervisor import torchrun_command
 from llmforge.job.torchrun import proc_table as _proc_table
+from llmforge.run_guard import mark_run_dir
 from llmforge.runs.backend import Backend
 from llmforge.runs.cluster_types import LocalCluster
 from llmforge.runs.credentials import job_environment
@@ -62,7 +64,8 @@ def start_supervisor(run: RunRecord, env: Mapping[str, str], workdir: str) -> in
     Its own output goes to ``<run_dir>/logs/supervisor.log``; it never holds the caller's
     terminal or pipes, so the caller can exit at once."""
     logs = Path(run.run_dir or ".") / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    mark_run_dir(logs.parent)
+    logs.mkdir(exist_ok=True)
     with open(logs / "supervisor.log", "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "llmforge.job.supervisor", run.id], cwd=workdir,
                                 env=dict(env), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -135,9 +138,11 @@ class LocalBackend(Backend):
     def render(self, run_id: str, name: str, spec: dict[str, Any], resumption: int = 0) -> str:
         cmd = torchrun_command(spec, resume=resumption > 0)
         env = ", ".join(spec["secrets"]) or "none"
-        return (f"# local: a detached supervisor runs, in {spec['workdir']} (output in "
-                f"{spec['run_dir']}/logs/resumption-{resumption}.log; secrets forwarded: {env}):\n"
-                + " ".join(cmd) + "\n")
+        log = shlex.quote(f"{spec['run_dir']}/logs/resumption-{resumption}.log")
+        # shown, not run (the supervisor runs the argument list without a shell), but quoted
+        # so that a printed line is the one command it stands for
+        return (f"# local: a detached supervisor runs, in {shlex.quote(spec['workdir'])} (output in "
+                f"{log}; secrets forwarded: {env}):\n" + shlex.join(cmd) + "\n")
 
     def job_environment(self, spec: dict[str, Any], env: Optional[Mapping[str, str]] = None) -> dict[str, str]:
         out = job_environment(spec["secrets"], env)

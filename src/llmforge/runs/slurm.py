@@ -24,6 +24,7 @@ from typing import Any, List, Mapping, Optional
 
 from llmforge.errors import LLMForgeError
 from llmforge.job.records import RunRecord
+from llmforge.paths import check_printable
 from llmforge.runs.backend import JOB_VARIABLES, Backend, train_args
 from llmforge.runs.cluster_types import Cluster, ClusterError
 
@@ -84,34 +85,50 @@ def export_names(spec: dict[str, Any], env: Any = None) -> list[str]:
 
 def sbatch_script(run_id: str, name: str, spec: dict[str, Any], cluster: SlurmCluster,
                   base_resumption: int = 0) -> str:
-    """The sbatch script of a run (names of secrets only, never values)."""
+    """The sbatch script of a run (names of secrets only, never values).
+
+    Every value is quoted with :func:`shlex.quote`, in the ``#SBATCH`` lines too (sbatch's
+    parser of those lines groups single- or double-quoted text as a shell does); a value with a
+    control character is refused, as a newline would end the ``#SBATCH`` block and start a shell
+    line. The cluster's ``sbatch`` options and ``setup`` lines are written as given: they are the
+    clusters file's own shell.
+
+    Raises:
+        ConfigError: the run name, run directory, rendered values or cluster fields hold a
+            control character (naming the key).
+    """
     q = shlex.quote
     run_dir, nodes, per_node = spec["run_dir"], int(spec["nodes"]), int(spec["procs_per_node"])
+    for key, value in (("run.name", name), ("run.output_dir", run_dir), ("run id", run_id),
+                       ("launch folder", spec["workdir"]), ("summary", spec.get("summary", "")),
+                       *((f"clusters.yaml {cluster.name}.{k}", getattr(cluster, k) or "")
+                         for k in ("name", "partition", "account", "time_limit", "gpu_type"))):
+        check_printable(str(value), key)
     lines = ["#!/bin/bash",
              f"# llmforge launch: run {run_id} on cluster {cluster.name}: {spec.get('summary', '')}",
-             f"#SBATCH --job-name={name}"]
+             f"#SBATCH --job-name={q(name)}"]
     if cluster.partition:
-        lines.append(f"#SBATCH --partition={cluster.partition}")
+        lines.append(f"#SBATCH --partition={q(cluster.partition)}")
     if cluster.account:
-        lines.append(f"#SBATCH --account={cluster.account}")
+        lines.append(f"#SBATCH --account={q(cluster.account)}")
     lines += [f"#SBATCH --nodes={nodes}", "#SBATCH --ntasks-per-node=1"]
     if cluster.gpus_per_node:
         gres = f"{cluster.gpu_type}:{per_node}" if cluster.gpu_type else str(per_node)
-        lines.append(f"#SBATCH --gpus-per-node={gres}")
+        lines.append(f"#SBATCH --gpus-per-node={q(gres)}")
     lines.append(f"#SBATCH --cpus-per-task={cpus_per_task(spec, cluster)}")
     if cluster.time_limit:
-        lines.append(f"#SBATCH --time={cluster.time_limit}")
-    lines += [f"#SBATCH --signal=USR1@{cluster.signal_seconds}",
+        lines.append(f"#SBATCH --time={q(cluster.time_limit)}")
+    lines += [f"#SBATCH --signal=USR1@{int(cluster.signal_seconds)}",
               "#SBATCH --requeue",
               "#SBATCH --open-mode=append",
-              f"#SBATCH --output={run_dir}/logs/slurm-%j.log",
+              f"#SBATCH --output={q(run_dir + '/logs/slurm-%j.log')}",
               f"#SBATCH --export={','.join(export_names(spec)) or 'NONE'}"]
     lines += [f"#SBATCH {opt}" for opt in cluster.sbatch]
     python = cluster.python or "python3"  # the node's, after setup: not this machine's path
     torchrun = [python, "-m", "llmforge.job.torchrun", f"--nnodes={nodes}",
                 f"--nproc-per-node={per_node}", "--rdzv-backend=c10d"]
     command = " ".join(q(a) for a in torchrun)
-    command += f' --rdzv-endpoint="$HEAD_NODE:{cluster.port}" --rdzv-id="$SLURM_JOB_ID" \\\n    '
+    command += f' --rdzv-endpoint="$HEAD_NODE:{int(cluster.port)}" --rdzv-id="$SLURM_JOB_ID" \\\n    '
     command += " ".join(q(a) for a in train_args(spec))
     lines += ["",
               "set -uo pipefail",
@@ -127,7 +144,7 @@ def sbatch_script(run_id: str, name: str, spec: dict[str, Any], cluster: SlurmCl
     if cluster.setup:
         lines += ["", cluster.setup.rstrip(), ""]
     lines += ['echo "== llmforge: job $SLURM_JOB_ID, resumption $RESUMPTION, rendezvous '
-              f'$HEAD_NODE:{cluster.port}, $(date)" >> "$LOG"',
+              f'$HEAD_NODE:{int(cluster.port)}, $(date)" >> "$LOG"',
               f"srun --export=ALL --kill-on-bad-exit=1 --nodes={nodes} --ntasks-per-node=1 \\\n  {command} \\\n"
               '  >> "$LOG" 2>&1',
               "code=$?",

@@ -18,33 +18,32 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 import torch
 from omegaconf import DictConfig
 
 from llmforge import registry
+from llmforge.algorithms.loading import build_algorithms
 from llmforge.callbacks import Checkpointer, GarbageCollection, RichProgress, SpeedMonitor
 from llmforge.checkpoint import list_checkpoints, read_json
+from llmforge.checkpoint.layout import is_checkpoint_folder
 from llmforge.config import config_to_dict, load_config, redact, save_config
 from llmforge.config.schema import PRECISIONS
 from llmforge.data.datamodule import LLMDataModule
 from llmforge.data.mixture import MixtureTokens, PreparedMixture
 from llmforge.data.tokenizers import Tokenizer
 from llmforge.errors import ConfigError
+from llmforge.job.tracker import RunTracker
 from llmforge.parallel.strategy import LLMParallelStrategy
 from llmforge.parallel.transforms import check_strategy, strategy_transforms
 from llmforge.paths import check_writable_dir
 from llmforge.preflight.resolve import ResolvedRun, resolve_run
+from llmforge.registry import build_entries
+from llmforge.run_guard import RunLock, clear_run_dir, mark_run_dir
+from llmforge.training.entries import build_callbacks, module_class
 from llmforge.training.host_malloc import tune_host_malloc
 from llmforge.training.run_data import DataBuilders
-
-from llmforge.job.tracker import RunTracker
-from llmforge.registry import build_entries
-from llmforge.training.entries import module_class
 from llmforge.training.run_files import _inside, check_resumable, truncate_metrics
-import llmforge.loggers
-from llmforge.algorithms.loading import build_algorithms
 
 __all__ = ["Trainer"]
 
@@ -77,6 +76,8 @@ class Trainer(DataBuilders):
         check_writable_dir(self.run_dir, "run.output_dir")  # before data and tokenizer, not after
         check_writable_dir(self.checkpoint_dir, "checkpoint.dir" if cfg.checkpoint.dir else "run.output_dir")
         self.overwrite = overwrite
+        self.run_lock = RunLock(self.run_dir)
+        """One process writes the run directory (:mod:`llmforge.run_guard`); taken in setup."""
         self.tokenizer: Optional[Tokenizer] = None
         self.module: Any = None
         self.datamodule: Optional[LLMDataModule] = None
@@ -133,20 +134,35 @@ class Trainer(DataBuilders):
             if self.run.resume_line:
                 print(self.run.resume_line, file=sys.stderr, flush=True)
 
+    def lock_run_dir(self) -> None:
+        """Take the run directory's lock on rank 0 (the launcher process under ``--nproc``, whose
+        workers inherit its token), held until :meth:`fit` ends; the other ranks write what rank
+        0's lock covers.
+
+        Raises:
+            RunDirBusy: another process holds it (the message names its host, pid, start time).
+        """
+        if self.is_rank_zero():
+            self.run_lock.acquire()
+
     def prepare_run_dir(self, used: bool) -> None:
-        """Create the run directory and write the resolved config (secrets redacted).
+        """Create and mark the run directory and write the resolved config (secrets redacted).
 
         With ``overwrite``, the old run's own files are deleted here, after the new run's
-        config, data and tokenizer have been checked: the run directory and, when the checkpoint
-        folder lies elsewhere, only its ``step_*`` checkpoints.
+        config, data and tokenizer have been checked: the contents of the run directory (an
+        llmforge run: :func:`llmforge.run_guard.check_run_dir` was checked when the run was
+        resolved) and, when the checkpoint folder lies elsewhere, only llmforge's checkpoints in
+        it (:func:`llmforge.checkpoint.layout.is_checkpoint_folder`).
         """
         if used and self.overwrite and self.is_rank_zero():
-            shutil.rmtree(self.run_dir, ignore_errors=True)
+            clear_run_dir(self.run_dir)
             if self.checkpoint_dir.exists() and not _inside(self.checkpoint_dir, self.run_dir):
                 for old in self.checkpoint_dir.iterdir():
-                    if old.is_dir() and (old.name.startswith("step_") or old.name.startswith(".tmp-step_")):
+                    if is_checkpoint_folder(old):
                         shutil.rmtree(old)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.is_rank_zero():
+            mark_run_dir(self.run_dir)  # also adopts a run made before the mark
         if self.resume_path is None and self.is_rank_zero():
             save_config(self.cfg, self.run_dir / "config.yaml")
             if used and self.cfg.checkpoint.resume == "auto" and not self.overwrite:
@@ -184,7 +200,7 @@ class Trainer(DataBuilders):
         :class:`SpeedMonitor`) in ``callbacks:`` replaces the default one instead of adding a
         second."""
         ck = self.cfg.checkpoint
-        extra = build_entries(registry.callbacks, "callbacks", self.cfg.callbacks, base=Callback)
+        extra = build_callbacks(self.cfg)
         speed = next((c for c in extra if isinstance(c, SpeedMonitor)), None)
         extra = [c for c in extra if c is not speed]
         cbs: list[Any] = [speed or SpeedMonitor()]
@@ -266,6 +282,15 @@ class Trainer(DataBuilders):
         callbacks, loggers = self.build_callbacks(), self.build_loggers()
         docs = self.build_documents()
         self.tokenizer = self.build_tokenizer(docs)
+        self.lock_run_dir()
+        try:
+            self._setup_run(used, docs, callbacks, loggers)
+        except BaseException:
+            self.run_lock.release()
+            raise
+
+    def _setup_run(self, used: bool, docs: Any, callbacks: list[Any], loggers: list[Any]) -> None:
+        """The part of :meth:`setup` that writes the run directory (under its lock)."""
         self.prepare_run_dir(used)
         if self.is_rank_zero():
             self.tokenizer.save(self.run_dir / "tokenizer")
@@ -283,7 +308,10 @@ class Trainer(DataBuilders):
             self.setup()
         assert self.lightning is not None
         start = time.perf_counter()
-        self.lightning.fit(self.module, datamodule=self.datamodule)
+        try:
+            self.lightning.fit(self.module, datamodule=self.datamodule)
+        finally:
+            self.run_lock.release()
         return self.summary(time.perf_counter() - start)
 
     def summary(self, seconds: float) -> dict[str, Any]:

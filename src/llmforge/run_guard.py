@@ -1,0 +1,281 @@
+"""What llmforge may do to a run directory: the mark that says llmforge made it, and the lock
+that makes one process its writer.
+
+**The mark.** Every run directory llmforge creates holds :data:`MARK` (``.llmforge-run``, a
+small JSON file). ``llmforge train`` writes into, and ``--overwrite`` deletes, only a folder
+that is empty, missing, or an llmforge run (:func:`is_run_dir`): marked, or made by an llmforge
+version before the mark (``config.yaml`` beside ``metrics.jsonl``, or a complete checkpoint
+``checkpoints/step_<digits>/COMPLETE``; such a folder is marked when a run adopts it). A run
+directory that is a symbolic link is refused (:func:`check_run_dir`): writing through it would
+mix the new run into the old one's files.
+
+**The lock.** :class:`RunLock` holds an exclusive ``flock(2)`` on :data:`LOCK`
+(``.llmforge-lock`` inside the run directory) for the whole run; the file holds the holder's
+host, pid, start time and a token as JSON. A second process gets :class:`RunDirBusy` (exit 2)
+naming the holder. The kernel drops the lock when its process dies, so a lock left by a killed
+process is free: the next run takes it over and says whose it was. Processes started by the
+holder (torchrun's workers under ``--nproc``, Lightning's re-run ranks) inherit the token in
+:data:`TOKEN_ENV` and are recognized as the same run; in a job started by any other launcher
+only rank 0 takes the lock (the caller decides, see :meth:`llmforge.Trainer.setup`).
+
+``flock`` is used directly rather than the ``filelock`` package: the holder's JSON must be
+readable by the process that is refused, from the file the lock is on.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import json
+import os
+import shutil
+import socket
+import sys
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+from llmforge.errors import ConfigError
+
+__all__ = ["LOCK", "MARK", "TOKEN_ENV", "RunDirBusy", "RunLock", "check_run_dir", "clear_run_dir",
+           "is_run_dir", "mark_run_dir", "peek_holder", "refuse_link"]
+
+MARK = ".llmforge-run"
+LOCK = ".llmforge-lock"
+TOKEN_ENV = "LLMFORGE_RUN_LOCK"
+"""Environment variable with the lock holder's token, inherited by the processes it starts."""
+
+
+class RunDirBusy(ConfigError):
+    """Another live process holds the run directory's lock. Exit code 2."""
+
+
+def is_run_dir(path: Path) -> bool:
+    """Whether ``path`` is a folder llmforge made: it holds :data:`MARK`, or it has the layout
+    of a run written before the mark existed: ``config.yaml`` beside ``metrics.jsonl``, or a
+    complete checkpoint ``checkpoints/step_<digits>/COMPLETE`` (the names of
+    :mod:`llmforge.checkpoint.layout`)."""
+    if (path / MARK).is_file():
+        return True
+    if (path / "config.yaml").is_file() and (path / "metrics.jsonl").is_file():
+        return True
+    return any((path / "checkpoints").glob("step_[0-9]*/COMPLETE"))
+
+
+def check_run_dir(path: Path, key: str) -> None:
+    """Refuse a run directory llmforge must not write into (nor ``--overwrite`` delete).
+
+    Args:
+        path: the run directory (``run.output_dir/run.name``) or checkpoint folder.
+        key: the config key that chose it, named in the message.
+
+    Raises:
+        ConfigError: ``path`` is a symbolic link, or a non-empty folder that is not an llmforge
+            run (:func:`is_run_dir`).
+    """
+    refuse_link(path, key)
+    if path.is_dir() and any(path.iterdir()) and not is_run_dir(path):
+        raise ConfigError(f"{key}: {path} is not empty and is not an llmforge run (no {MARK} file); "
+                          "llmforge neither trains into nor deletes (--overwrite) a folder it did not "
+                          f"make: choose another {key}, or move the files away")
+
+
+def refuse_link(path: Path, key: str) -> None:
+    """Raises ConfigError when ``path`` (the folder itself, not its parents) is a symbolic link."""
+    if path.is_symlink():
+        raise ConfigError(f"{key}: {path} is a symbolic link (to {os.path.realpath(path)}); llmforge "
+                          "does not write a run through a link (the new run would mix with the old "
+                          "one's files, and --overwrite would not replace them): give the folder it "
+                          "points to instead")
+
+
+def clear_run_dir(path: Path) -> None:
+    """Delete what a run directory holds (``--overwrite``; :func:`check_run_dir` has passed),
+    except :data:`MARK` and :data:`LOCK` (the lock stays held by this process). Links inside are
+    removed, never followed.
+
+    Raises:
+        ConfigError: ``path`` is a symbolic link.
+    """
+    refuse_link(path, "run.name")
+    if not path.is_dir():
+        return
+    for entry in path.iterdir():
+        if entry.name in (MARK, LOCK):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def mark_run_dir(path: Path) -> bool:
+    """Create ``path`` (and parents) if needed and write :data:`MARK` if missing; returns
+    whether the mark was written now."""
+    path.mkdir(parents=True, exist_ok=True)
+    mark = path / MARK
+    if mark.exists():
+        return False
+    mark.write_text(json.dumps({"made_by": "llmforge", "created": _now()}) + "\n", encoding="utf-8")
+    return True
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _read_holder(fd: int) -> Optional[dict[str, Any]]:
+    """The holder JSON of the open lock file, or None (empty: released cleanly, or unreadable)."""
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        text = os.read(fd, 65536).decode("utf-8", "replace").strip()
+        holder = json.loads(text) if text else None
+    except (OSError, ValueError):
+        return None
+    return holder if isinstance(holder, dict) else None
+
+
+def _alive(holder: dict[str, Any]) -> Optional[bool]:
+    """Whether the holder's process runs (None: on another host, cannot tell from here)."""
+    if holder.get("host") != socket.gethostname():
+        return None
+    try:
+        os.kill(int(holder.get("pid", -1)), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True
+
+
+def _describe(holder: Optional[dict[str, Any]]) -> str:
+    if not holder:
+        return "another process (no holder information)"
+    return (f"pid {holder.get('pid')} on host {holder.get('host')} since {holder.get('started')}")
+
+
+def _busy(path: Path, holder: Optional[dict[str, Any]], os_lock: bool = True) -> RunDirBusy:
+    if not os_lock:  # no flock on this file system: the holder's word is all there is
+        why = f" (this file system has no locks: if that run is gone, delete {path / LOCK})"
+    elif holder and _alive(holder) is False:
+        why = " (that pid has ended, but a process it started still holds the lock: wait for it to exit)"
+    else:
+        why = ""
+    return RunDirBusy(f"run directory {path} is in use by {_describe(holder)}{why}; one process "
+                      "writes a run at a time: wait for it to finish, stop it, or choose another "
+                      "run.name")
+
+
+def _own(holder: Optional[dict[str, Any]]) -> bool:
+    """The holder is this process's own run (its token was inherited from the holder)."""
+    token = os.environ.get(TOKEN_ENV)
+    return bool(token and holder and holder.get("token") == token)
+
+
+def peek_holder(path: Path) -> None:
+    """Check, without taking it, that no other live process holds ``path``'s lock (the early
+    check of ``llmforge train``, before the run directory is read).
+
+    Raises:
+        RunDirBusy: another process of another run holds it.
+    """
+    try:
+        fd = os.open(path / LOCK, os.O_RDONLY)
+    except OSError:
+        return  # no lock file (or no run directory): free
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            if not _own(holder):
+                raise _busy(path, holder) from None
+            return
+        except OSError:
+            return  # no OS locks on this file system: RunLock.acquire decides
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+class RunLock:
+    """The lock on one run directory, held from :meth:`acquire` to :meth:`release`.
+
+    Args:
+        path: the run directory (created and marked by :meth:`acquire`).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.fd: Optional[int] = None
+        self.token: Optional[str] = None
+        self.took_over: Optional[dict[str, Any]] = None
+        """The holder info a killed process left behind, when :meth:`acquire` took its lock over."""
+
+    def acquire(self) -> "RunLock":
+        """Take the lock (a no-op in a process the holder started: :data:`TOKEN_ENV`); a lock a
+        killed process left is taken over, with a line on stderr naming it.
+
+        Raises:
+            RunDirBusy: another live process holds it (the message names its host, pid and
+                start time).
+        """
+        mark_run_dir(self.path)
+        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            if _own(holder):
+                return self
+            raise _busy(self.path, holder) from None
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                os.close(fd)
+                raise
+            holder = _read_holder(fd)  # no OS locks here: trust a holder that may be alive
+            if holder and not _own(holder) and _alive(holder) is not False:
+                os.close(fd)
+                raise _busy(self.path, holder, os_lock=False) from None
+        self.fd = fd
+        old = _read_holder(fd)
+        if old and not _own(old):
+            self.took_over = old
+            print(f"note: took over the lock of {self.path} left by {_describe(old)}, which is no "
+                  "longer running", file=sys.stderr, flush=True)
+        token = uuid.uuid4().hex
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "started": _now(), "token": token}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode("utf-8"), 0)
+        os.fsync(fd)
+        os.environ[TOKEN_ENV] = self.token = token
+        return self
+
+    def release(self) -> None:
+        """Empty the holder info (a clean end is not a stale lock) and drop the lock; safe to call
+        twice, and a no-op for a process that did not take it."""
+        if self.fd is None:
+            return
+        fd, self.fd = self.fd, None
+        try:
+            os.ftruncate(fd, 0)
+        except OSError:
+            pass  # the holder info then reads as a killed process's: the next run takes it over
+        finally:
+            os.close(fd)  # closing the only descriptor drops the flock
+            if os.environ.get(TOKEN_ENV) == self.token:
+                del os.environ[TOKEN_ENV]
+
+    def __del__(self) -> None:  # a Trainer set up but never fit, then dropped
+        try:
+            self.release()
+        except Exception:
+            pass
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()

@@ -3,6 +3,8 @@
     python benchmarks/data.py                 # a 64 MB synthetic jsonl corpus (the issue asks
                                               # for 1 GB; scale with --mb on a bigger machine)
     python benchmarks/data.py --smoke         # 0.6 MB, seconds
+    python benchmarks/data.py --long 1 10 100 # peak memory of `data prepare` against the size
+                                              # of one document (issue 26.4); --smoke: 0.5 2 MB
 
 Prints, each as a ratio measured here:
 (a) ``llmforge data prepare`` (read, clean, tokenize on every core, write shards, hash) against
@@ -16,6 +18,11 @@ Prints, each as a ratio measured here:
     with each rank's private bytes and its proportional share (PSS) from /proc/self/smaps_rollup;
 (d) resume: time to the first batch at step 0 and at a late step, prepared (sampler arithmetic)
     and streaming (the saved StatefulDataLoader position; at most one block is re-read).
+
+``--long MB...`` instead: for each size, one jsonl file holding a single document of that many
+MB, prepared by ``llmforge.data.prepare.prepare`` (one process, a fixed BPE) in a fresh child
+process; prints each child's peak RSS and the slope (MB of peak RSS per MB of document) between
+consecutive sizes and from the smallest to the largest. Before issue 26.4 the slope was ~200.
 """
 
 from __future__ import annotations
@@ -137,6 +144,60 @@ def two_ranks(kind: str, source: str, prepared: str) -> list[dict]:
     return [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
 
 
+def write_long(path: Path, mb: float) -> None:
+    """One jsonl line: a single document of ``mb`` MB of words."""
+    rng = random.Random(1)
+    pieces, size = [], 0
+    while size < mb * 1e6:
+        line = " ".join(rng.choice(WORDS) for _ in range(200)) + "\n"
+        pieces.append(line)
+        size += len(line)
+    path.write_text(json.dumps({"text": "".join(pieces)}) + "\n")
+
+
+def long_child(args) -> int:
+    """Prepare ``args.source`` (one long document) with the tokenizer at ``args.prepared``;
+    print this process's memory as JSON."""
+    from llmforge.data.prepare import prepare
+
+    cfg = config(args.source, ["tokenizer.type=huggingface", f"tokenizer.path={args.prepared}"])
+    start = time.perf_counter()
+    manifest = prepare(cfg, Path(args.source).with_suffix(".out"), workers=1, show_progress=False)
+    print(json.dumps({**memory(), "seconds": time.perf_counter() - start,
+                      "tokens": manifest["splits"]["train"]["tokens"]}))
+    return 0
+
+
+def long_documents(sizes: list[float], work: Path) -> int:
+    from llmforge.data.tokenizers import train_bpe_tokenizer
+
+    train_bpe_tokenizer([" ".join(WORDS)] * 50, 512, work / "tok", "long-bench")
+    tok = next((work / "tok").rglob("tokenizer.json"))
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    rows = []
+    for mb in sizes:
+        doc = work / f"long-{mb:g}.jsonl"
+        write_long(doc, mb)
+        text_mb = doc.stat().st_size / 1e6
+        out = subprocess.run([sys.executable, __file__, "--child", "long", "--source", str(doc),
+                              "--prepared", str(tok)], capture_output=True, text=True, env=env)
+        if out.returncode != 0:
+            print(f"{mb:g} MB: the prepare failed: {out.stderr.strip()[-500:]}")
+            return 1
+        m = json.loads(out.stdout.strip().splitlines()[-1])
+        rows.append((text_mb, m["peak_rss"]))
+        print(f"one document of {text_mb:8.1f} MB: peak RSS {m['peak_rss']:8.0f} MB, {m['seconds']:6.1f} s, "
+              f"{m['tokens']:,} tokens")
+        doc.unlink()
+        shutil.rmtree(doc.with_suffix(".out"), ignore_errors=True)
+    for (a, ra), (b, rb) in zip(rows, rows[1:]):
+        print(f"slope {a:g} -> {b:g} MB: {(rb - ra) / (b - a):.2f} MB of peak RSS per MB of document")
+    if len(rows) > 2:
+        (a, ra), (b, rb) = rows[0], rows[-1]
+        print(f"slope {a:g} -> {b:g} MB: {(rb - ra) / (b - a):.2f} MB of peak RSS per MB of document")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true")
@@ -145,6 +206,8 @@ def main() -> int:
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--source", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prepared", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--long", type=float, nargs="*", default=None, metavar="MB",
+                    help="peak memory against the size of one document (e.g. --long 1 10 100)")
     args = ap.parse_args()
     work = None if args.child else Path(tempfile.mkdtemp(prefix="llmforge-data-bench-"))
     if work is not None:  # the Arrow cache of the in-memory path goes with the corpus (GBs at --mb 1000)
@@ -154,8 +217,10 @@ def main() -> int:
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     if args.child:
-        return rank_child(args)
+        return long_child(args) if args.child == "long" else rank_child(args)
     try:
+        if args.long is not None:
+            return long_documents(args.long or ([0.5, 2] if args.smoke else [1, 10, 100]), work)
         return run(args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)

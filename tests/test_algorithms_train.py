@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from algo_harness import train_losses
-from conftest import DEMO, TINY_OVERRIDES, run_cli
+from conftest import DEMO, REPO, TINY_OVERRIDES, run_cli
 
 AC_MODES = {
     "full": {"name": "activation_checkpointing"},
@@ -155,3 +155,57 @@ def test_fp8_all_gather_under_fsdp2_same_losses_and_float8_shards(cli_dir):
     assert types["layers.0.attention.wq.weight"] == ["DTensor", "WeightWithDynamicFloat8CastTensor"]
     assert types["layers.1.feed_forward.w2.weight"][1] == "WeightWithDynamicFloat8CastTensor"
     assert types["output.weight"] == ["DTensor", "Tensor"]  # kept in high precision
+
+
+def _docs_grad_noise(folder: Path) -> Path:
+    """docs/algorithms/README.md's DTensor example, written to ``folder/my_lab/grad_noise.py``."""
+    text = (REPO / "docs" / "algorithms" / "README.md").read_text()
+    code = "# my_lab/grad_noise.py" + text.split("# my_lab/grad_noise.py", 1)[1].split("```", 1)[0]
+    (folder / "my_lab").mkdir(exist_ok=True)
+    path = folder / "my_lab" / "grad_noise.py"
+    path.write_text(code)
+    return path
+
+
+def test_docs_grad_noise_example_in_one_process(tmp_path, monkeypatch):
+    """The doc's idiom on plain tensors: N(0, std^2) per element, the same for the same step and
+    parameter, another for another step."""
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _docs_grad_noise(tmp_path)
+    from my_lab.grad_noise import GradNoise, local_piece
+
+    model = torch.nn.Linear(200, 100)
+    noise = []
+    for step in (1, 1, 2):
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        GradNoise(std=0.01).before_optimizer_step(SimpleNamespace(model=model, step=step))
+        noise.append(model.weight.grad.clone())
+    assert abs(noise[0].std().item() - 0.01) < 0.0005 and abs(noise[0].mean().item()) < 0.0005
+    assert torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
+    assert local_piece(model.weight)[1] == ()
+    import sys
+
+    for name in ("my_lab.grad_noise", "my_lab"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.slow
+def test_docs_grad_noise_example_under_fsdp2(tmp_path):
+    """Issue 27.6: the doc's example changes DTensor gradients on 2 processes (FSDP2); a plain
+    tensor mixed in used to fail with 'mixed torch.Tensor and DTensor'."""
+    import math
+    import os
+
+    _docs_grad_noise(tmp_path)
+    algos = "algorithms=[{name: my_lab.grad_noise.GradNoise, std: 0.001}]"
+    proc = run_cli("train", DEMO, *COMMON, algos, f"run.output_dir={tmp_path}", "run.name=noise",
+                   "checkpoint.save_final=false", "--nproc", "2", "strategy.name=fsdp2", cwd=tmp_path,
+                   timeout=600, env={"PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO),
+                                                                    os.environ.get("PYTHONPATH", "")])})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = [json.loads(x) for x in (tmp_path / "noise" / "metrics.jsonl").read_text().splitlines()]
+    got = losses(records)
+    assert len(got) == 5 and all(math.isfinite(x) for x in got)

@@ -37,7 +37,7 @@ def test_checkpoint_save_smoke():
 
 
 @pytest.mark.parametrize("script", ["overhead.py", "data.py", "startup.py", "threads.py", "generate.py",
-                                    "model_speed.py"])
+                                    "model_speed.py", "moe.py"])
 def test_cpu_benchmark_smoke(script):
     proc = run_script(f"benchmarks/{script}", "--smoke")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -4,6 +4,7 @@ In-process through ``llmforge.cli.main([...])`` and ``capsys`` (an interpreter s
 seconds); one test runs the real ``llmforge`` process for its exit code and stderr."""
 
 import json
+import sys
 
 import pytest
 
@@ -83,6 +84,20 @@ def test_dry_run_big_models_on_meta(yaml_name, params, capsys):
     out = capsys.readouterr().out
     assert params in out
     assert "grad accum" in out and "memory/device" in out
+    if yaml_name == "llama3_405b.yaml":  # the 64 of dp next to the memory's 128 shards (issue 27.7)
+        assert "(fsdp2, dp 64 = 4 replicas x 16 shards (HSDP), tp 8)" in out and "sharded 128x" in out
+
+
+def test_dry_run_checks_the_loggers_packages(capsys, monkeypatch):
+    """A tracker SDK that is not installed fails the dry run as it would the run (issue 27.7);
+    an API key missing here does not (it may be set where the run goes)."""
+    monkeypatch.setitem(sys.modules, "wandb", None)  # importing it fails
+    assert main(["train", DEMO, "loggers=[{name: wandb, mode: offline}]", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: loggers: wandb needs the 'wandb' package") and "llmforge[wandb]" in err
+    monkeypatch.delitem(sys.modules, "wandb")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert main(["train", DEMO, "loggers=[{name: wandb, mode: online}]", "--dry-run"]) == 0
 
 
 def test_dry_run_batch_arithmetic(capsys):
@@ -126,7 +141,8 @@ def test_train_on_shakespeare_then_generate(tmp_path, tiny_overrides, capsys):
     changed = ["run.name=e2e", "model.dim=128", "checkpoint.resume=auto", "trainer.max_steps=130"]
     config_error(capsys, ["train", DEMO, *tiny_overrides, *changed], "model.dim 64 -> 128")  # before loading
     config_error(capsys, ["train", DEMO, *tiny_overrides, *changed, "checkpoint.allow_config_changes=true"],
-                 "does not fit this run's model or optimizer")
+                 "checkpoint.resume: ", "parameter tok_embeddings.weight has shape (1024, 64) in the "
+                 "checkpoint, but this model's is (1024, 128)")
     assert (run_dir / "config.yaml").read_text() == before
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == len(records)
     # starting from this run's weights with a tokenizer trained anew (on other text) is refused
@@ -139,3 +155,14 @@ def test_train_on_shakespeare_then_generate(tmp_path, tiny_overrides, capsys):
 def test_generate_on_missing_run(tmp_path, capsys):
     assert main(["generate", str(tmp_path / "nothing"), "--prompt", "x"]) == 1
     assert_one_error(capsys.readouterr().err, "no such run directory")
+
+
+def test_version_and_dir_list_the_public_names(capsys):
+    """`llmforge --version` and `dir(llmforge)` (issue 27.7)."""
+    import llmforge
+    from llmforge.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out == f"llmforge {llmforge.__version__}\n"
+    assert {"Trainer", "LLMModule", "load_config", "TrainConfig", "registry", "__version__"} <= set(dir(llmforge))

@@ -15,6 +15,8 @@ def test_readme_key_table_matches_schema():
 def test_readme_quick_start_commands():
     text = (REPO / "README.md").read_text()
     assert "pip install torch==2.13.0" in text
+    # what a CPU-only machine needs beside the public index (issue 27.3)
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in text
     assert "llmforge train yamls/demo_cpu.yaml" in text
     ci = (REPO / ".ci" / "run").read_text()
     assert "python -m pytest -q" in text and "python -m pytest -q" in ci
@@ -36,3 +38,13 @@ def test_readme_override_examples_load_on_the_demo():
     cfg = load_config(REPO / "yamls" / "demo_cpu.yaml",
                       ["algorithms=[{name: compile}]", "loggers.0.name=tensorboard"])
     assert (cfg.algorithms[0]["name"], cfg.loggers[0]["name"]) == ("compile", "tensorboard")
+
+
+def test_readme_names_every_trainer_builder():
+    """The builders a research subclass overrides are named, not found by inspect (issue 27.6)."""
+    from llmforge import LLMModule, Trainer
+
+    text = (REPO / "README.md").read_text()
+    builders = [n for n in dir(Trainer) if n.startswith("build_")] + ["build_model"]
+    assert len(builders) >= 10 and hasattr(LLMModule, "build_model")
+    assert [n for n in builders if f"`{n}(" not in text] == []

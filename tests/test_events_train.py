@@ -150,7 +150,10 @@ def test_lightning_callbacks_and_loggers_work_beside_llmforges(out, capsys):
         f"save_dir: {out / 'csv'}}}]")
     recs = records(run)
     # lr ~ 0: eval/loss never improves by 0.01; Lightning's EarlyStopping stops after 2 evaluations
-    assert max(r["step"] for r in recs) == 6
+    # after the first, which is step 0's (it reaches on_validation_end too, issue 27.7)
+    assert max(r["step"] for r in recs) == 4
+    assert "stopped early (Lightning's EarlyStopping: eval/loss stopped improving): 4 of 40 steps" \
+        in capsys.readouterr().out
     ours = {r["step"]: r for r in recs if "train/loss" in r}
     client = MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
     run_id = (run / "mlflow_run_id").read_text().strip()
@@ -160,3 +163,27 @@ def test_lightning_callbacks_and_loggers_work_beside_llmforges(out, capsys):
     [csv] = (out / "csv").rglob("metrics.csv")
     header = csv.read_text().splitlines()[0].split(",")
     assert "train/loss" in header and "eval/loss" in header and "lr-AdamW/decay" in header
+
+
+def test_timer_stop_step0_validation_end_and_the_closing_line_after_resume(out, capsys):
+    """Issue 27.7: step 0's evaluation reaches Lightning callbacks' on_validation_end; a run that
+    Lightning's Timer stops evaluates once more and says it stopped early; the closing line of
+    a resumed run compares with step 0 of the first attempt, not with its own last evaluation."""
+    seen = out / "validation_ends.json"
+    timer = ("callbacks=[{name: lightning.pytorch.callbacks.Timer, duration: {seconds: 0.001}}, "
+             f"{{name: tests.helpers.modules.ValidationEnds, path: '{seen}'}}]")
+    run = train_in_process(out, "timer", timer, "trainer.max_steps=6", "trainer.eval_every=4",
+                           "scheduler.name=constant")
+    evals = series(run, "eval/loss")
+    assert sorted(evals) == [0, 1]  # step 0, and the final evaluation after the stop at step 1
+    assert json.loads(seen.read_text()) == [[0, pytest.approx(evals[0])], [1, pytest.approx(evals[1])]]
+    closing = capsys.readouterr().out
+    assert "stopped early (Lightning's Timer: its duration passed): 1 of 6 steps" in closing
+    assert f"eval/loss {evals[1]:.4f} (step 0: {evals[0]:.4f})" in closing
+    # resume to step 4: one evaluation (step 4) in this process; the baseline is step 0's
+    train_in_process(out, "timer", "trainer.max_steps=4", "trainer.eval_every=4", "scheduler.name=constant",
+                     "checkpoint.resume=auto")
+    evals = series(run, "eval/loss")
+    assert sorted(evals) == [0, 1, 4]
+    closing = capsys.readouterr().out
+    assert "done: 4 steps" in closing and f"eval/loss {evals[4]:.4f} (step 0: {evals[0]:.4f})" in closing

@@ -58,7 +58,8 @@ def test_research_block_without_cache_falls_back(one_thread):
     assert len(generate(model, [1, 2, 3], 5, temperature=0)) == 5
 
 
-def test_generate_cli_streams_and_reports_speed(tmp_path, capsys):
+def test_generate_cli_streams_and_reports_speed(tmp_path, capsys, monkeypatch):
+    """... with its compute threads chosen by training's rule (here OMP_NUM_THREADS wins)."""
     from conftest import REPO, TINY_OVERRIDES
     from llmforge.cli import main
 
@@ -67,10 +68,18 @@ def test_generate_cli_streams_and_reports_speed(tmp_path, capsys):
                  "run.name=g"]) == 0
     capsys.readouterr()
     outs = {}
-    for flag in ([], ["--no-cache"]):
-        assert main(["generate", str(tmp_path / "g"), "--prompt", "ROMEO.", "--max-new-tokens", "12",
-                     "--temperature", "0", *flag]) == 0
-        outs[bool(flag)] = capsys.readouterr()
+    before = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    try:
+        for flag in ([], ["--no-cache"]):
+            torch.set_num_threads(2)
+            assert main(["generate", str(tmp_path / "g"), "--prompt", "ROMEO.", "--max-new-tokens",
+                         "12", "--temperature", "0", *flag]) == 0
+            outs[bool(flag)] = capsys.readouterr()
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert "KV cache on, 1 thread)" in outs[False].err
     assert outs[False].out == outs[True].out and outs[False].out.startswith("ROMEO.")
     assert "12 tokens in" in outs[False].err and "KV cache on" in outs[False].err
     assert "tokens/s, KV cache off" in outs[True].err

@@ -154,3 +154,36 @@ def test_rank_local_import_keeps_each_process_below_the_checkpoint_size(tmp_path
         assert r["local_param_bytes"] <= 0.55 * ckpt_bytes  # a half shard (+ replicated norms)
         assert r["local_param_bytes"] * 0.9 <= r["growth_bytes"] < 0.8 * ckpt_bytes
         assert r["checksum"] == pytest.approx(want, rel=1e-9)
+
+
+# keys a hand-written or older config.json may lack; transformers then uses its config class's
+# defaults (Qwen3: head_dim 128, rope_theta 10,000; Llama: rms_norm_eps 1e-6), and so must we
+ABSENT = ("head_dim", "rope_theta", "rope_parameters", "rope_scaling", "rms_norm_eps",
+          "max_position_embeddings")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_absent_config_keys_take_transformers_defaults(tmp_path, family):
+    """A config.json without head_dim, rope_theta, rms_norm_eps...: `convert from-hf` reads the
+    installed transformers' defaults, so the logits equal transformers' within 1e-5."""
+    import json
+
+    from llmforge.cli import main
+    from llmforge.checkpoint.run_dir import load_model
+
+    cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                      "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[family]
+    torch.manual_seed(0)
+    hf = model_cls(cls(hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=128)).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k not in ABSENT}))
+    assert main(["convert", "from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
+    ours, cfg, _ = load_model(tmp_path / "run")
+    assert cfg.model.rope_theta == 10_000.0 and cfg.model.norm_eps == 1e-6
+    if family == "qwen3":
+        assert cfg.model.head_dim == 128  # transformers' default, not hidden_size / heads (12)
+    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf(tokens).logits, atol=1e-5, rtol=0)

@@ -11,7 +11,7 @@ from conftest import REPO
 # neighbours or from floors below it
 FLOORS = [
     {"llmforge", "llmforge.errors", "llmforge.paths", "llmforge.signals", "llmforge.registry",
-     "llmforge.events", "llmforge.plugin", "llmforge.run_guard"},
+     "llmforge.events", "llmforge.plugin", "llmforge.run_guard", "llmforge.quiet"},
     {"llmforge.config"},
     {"llmforge.models"},
     {"llmforge.parallel"},
@@ -21,8 +21,8 @@ FLOORS = [
     {"llmforge.evaluation"},
     {"llmforge.callbacks"},
     {"llmforge.algorithms"},
-    {"llmforge.planning"},
     {"llmforge.training"},
+    {"llmforge.planning"},
     {"llmforge.runs"},
     {"llmforge.cli"},
     {"llmforge.__main__"},

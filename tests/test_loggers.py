@@ -1,9 +1,12 @@
-"""Every logger writes the same records as metrics.jsonl; trackers run offline, keep no API key,
-fall back to offline when their server does not answer, and fail clearly when misconfigured.
+"""Every logger writes the same records as metrics.jsonl; trackers run offline, keep no API key
+or other secret, fall back to offline when their server does not answer, and fail clearly when
+misconfigured.
 
 One short in-process run (4 optimizer steps, gradient accumulation 2) feeds jsonl, W&B
-(offline), Comet (offline experiment), TensorBoard and console at once; each file is then read
-back with the tracker's own format.
+(offline), Comet (offline experiment), MLflow (SQLite store), TensorBoard and console at once;
+each file is then read back with the tracker's own format. The run also carries secrets the
+way users pass them (HTTP headers in ``data.storage_options``, an override on the command line,
+that value in ``run.tags``) and reports to a runs registry; no file holds them afterwards.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from llmforge.errors import ConfigError
 
 FAKE_WANDB_KEY = "fakeWANDBkey" + "0123456789abcdef" * 3  # 60 characters, like a real one
 FAKE_COMET_KEY = "fakeCOMETkey0123456789abcdefXYZ"
+HEADER_KEY, PRIVATE_TOKEN, ARGV_KEY = "hdr-value-" + "A1" * 8, "glpat-" + "B2" * 8, "argv-" + "C3" * 8
 STEPS = 4
 
 
@@ -38,17 +42,31 @@ def isolate_trackers(mp: pytest.MonkeyPatch, home: Path) -> None:
 TRACKED = [*TINY_OVERRIDES, "run.name=trackers", f"trainer.max_steps={STEPS}", "trainer.log_every=1",
            "trainer.eval_every=2", "trainer.eval_batches=2", "checkpoint.save_every=2",
            "loggers=[{name: jsonl}, {name: wandb, mode: offline, project: llmforge-test, "
-           "tags: [t1]}, {name: comet, mode: offline}, {name: tensorboard}, {name: console}]",
+           "tags: [t1]}, {name: comet, mode: offline}, {name: tensorboard}, {name: console}, "
+           "{name: mlflow}]",
+           # secrets as users pass them (issue 21): header-style keys, a command-line override, a tag
+           f"data.storage_options={{X-Api-Key: {HEADER_KEY}, Private-Token: {PRIVATE_TOKEN}}}",
+           f"variables.api_key={ARGV_KEY}", "run.tags=['${variables.api_key}', plain]",
            "callbacks=[{name: generate_samples, prompts: [ROMEO.], every: 2, max_new_tokens: 6}]"]
 
 
 def tracked_fit(home: Path, out: Path, *extra: str) -> tuple[Path, list[dict]]:
     from llmforge import Trainer
+    from llmforge.config import config_to_dict, load_config, redact
+    from llmforge.job.records import RunRegistry
 
+    overrides = [*TRACKED, f"run.output_dir={out}", *extra]
+    config = str(REPO / "yamls" / "demo_cpu.yaml")
     with pytest.MonkeyPatch.context() as mp:
         isolate_trackers(mp, home)
-        trainer = Trainer.from_yaml(REPO / "yamls" / "demo_cpu.yaml",
-                                    [*TRACKED, f"run.output_dir={out}", *extra])
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        # the command line W&B and Comet record, and a registry row the run reports to (as launched)
+        mp.setattr(sys, "argv", ["llmforge", "train", config, *overrides])
+        mp.setenv("LLMFORGE_HOME", str(home))
+        row = RunRegistry().create("trackers", "local", "local",
+                                   config=redact(config_to_dict(load_config(config, overrides))))
+        mp.setenv("LLMFORGE_RUN_ID", row.id)
+        trainer = Trainer.from_yaml(config, overrides)
         summary = trainer.fit()
     run_dir = Path(summary["run_dir"])
     return run_dir, [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -211,7 +229,7 @@ def test_comet_offline_matches_jsonl(tracker_run):
             params[p["paramName"]] = p["paramValue"]
     assert isinstance(params["optimizer|lr"], float)
     assert params["loggers|0|name"] == "jsonl" and params["loggers|1|tags"] == '["t1"]'
-    assert params["callbacks|0|prompts"] == '["ROMEO."]' and params["run|tags"] == "[]"
+    assert params["callbacks|0|prompts"] == '["ROMEO."]' and params["run|tags"] == '["***", "plain"]'
     assert json.loads(params["optimizer|betas"]) == [0.9, 0.95]
 
 
@@ -260,11 +278,15 @@ def test_resumed_run_shows_each_step_once_in_every_tracker(tracker_run, resumed_
     assert len(keys) == 1 and strategies == {"create", "get"} and sorted(metric_steps) == [1, 2, 3, 4]
 
 
-def test_no_api_key_in_any_written_file(tracker_run):
+def test_no_api_key_or_secret_in_any_written_file(tracker_run):
+    """The trackers' keys (environment) and the secrets of the config, the command line and the
+    tags are in no file of the run directory, the trackers' own folders or runs.db."""
     run_dir, _ = tracker_run
-    keys = [FAKE_WANDB_KEY.encode(), FAKE_COMET_KEY.encode()]
+    home = run_dir.parents[1]
+    assert (home / "runs.db").is_file() and (run_dir / "mlflow.db").is_file()
+    keys = [k.encode() for k in (FAKE_WANDB_KEY, FAKE_COMET_KEY, HEADER_KEY, PRIVATE_TOKEN, ARGV_KEY)]
     checked = 0
-    for path in run_dir.rglob("*"):
+    for path in home.rglob("*"):
         if not path.is_file():
             continue
         blobs = [path.read_bytes()]
@@ -273,8 +295,45 @@ def test_no_api_key_in_any_written_file(tracker_run):
                 blobs += [z.read(n) for n in z.namelist()]
         for blob in blobs:
             checked += 1
-            assert not any(k in blob for k in keys), f"an API key is written in {path}"
+            assert not [k for k in keys if k in blob], f"a secret is written in {path}"
     assert checked > 10
+    import sqlite3
+
+    params = dict(sqlite3.connect(run_dir / "mlflow.db").execute("SELECT key, value FROM params"))
+    assert params["data.storage_options.X-Api-Key"] == params["variables.api_key"] == "***"
+    assert params["run.tags"] == '["***", "plain"]'
+    [wandb_run] = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    recorded = wandb_run.read_bytes()  # W&B keeps the command line (its args) in the run file
+    assert b"variables.api_key=***" in recorded and b"{X-Api-Key: ***, Private-Token: ***}" in recorded
+
+
+def test_mlflow_renames_metrics_it_refuses_once_and_alike_at_every_step(tracker_run, tmp_path):
+    """A mixture entry named after a folder (``code+math``) gives ``data/code+math/tokens_seen``,
+    which MLflow refuses: it is logged as ``data/code_math/tokens_seen`` at every step, with one
+    warning naming it; names that would collide stay apart; parameters are mapped alike. (The
+    tracker run's SQLite store is reused: a new one costs seconds of migrations.)"""
+    from mlflow.tracking import MlflowClient
+
+    from llmforge.loggers.mlflow import MLflowLogger
+
+    uri = f"sqlite:///{tracker_run[0] / 'mlflow.db'}"
+    logger = MLflowLogger(tmp_path, config=None, tracking_uri=uri, experiment="names", run_name="x")
+    logger.log_hyperparams({"data": {"weights": {"code+math": 0.5}}})
+    with pytest.warns(UserWarning) as warned:
+        for step in (1, 2):
+            logger.log_metrics({"train/loss": 1.0 / step, "data/code+math/tokens_seen": 64.0 * step,
+                                "data/code_math/tokens_seen": 1.0}, step=step)
+    messages = [str(w.message) for w in warned if "mlflow" in str(w.message)]
+    head = "mlflow: logs under other names what it does not accept (or what would then collide): "
+    assert sorted(messages) == [head + "data.weights.code+math -> data.weights.code_math",
+                                head + "data/code+math/tokens_seen -> data/code_math/tokens_seen, "
+                                "data/code_math/tokens_seen -> data/code_math/tokens_seen_a983f4"]
+    client = MlflowClient(tracking_uri=uri)
+    history = {m.step: m.value for m in client.get_metric_history(logger.run_id, "data/code_math/tokens_seen")}
+    assert history == {1: 64.0, 2: 128.0}
+    metrics = client.get_run(logger.run_id).data.metrics
+    assert {"train/loss", "data/code_math/tokens_seen"} < set(metrics) and len(metrics) == 3
+    assert client.get_run(logger.run_id).data.params == {"data.weights.code_math": "0.5"}
 
 
 def test_console_prints_one_line_per_record(capsys):

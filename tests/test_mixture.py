@@ -2,6 +2,7 @@
 and on another world size, per-source tokens in the metrics, bad weights exit 2."""
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -83,11 +84,24 @@ def test_mixture_trains_logs_tokens_per_source_and_dry_run_shows_shares(two_sour
     out = capsys.readouterr().out
     assert "mixture         books: 75.0% share, ~384 tokens per step" in out
     assert "mixture         code: 25.0% share, ~128 tokens per step" in out
-    assert main(["train", *common, "run.name=m"]) == 0, capsys.readouterr().err
+    # seq_length_warmup trains fewer tokens of each window: the per-source counts follow
+    warmup = "algorithms=[{name: seq_length_warmup, duration: 2, min_seq_len: 16, step_size: 8}]"
+    assert main(["train", *common, "run.name=m", warmup, "trainer.max_steps=3",
+                 "checkpoint.save_every=2"]) == 0, capsys.readouterr().err
     rows = [json.loads(x) for x in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
-    last = [r for r in rows if "train/loss" in r][-1]
-    assert last["data/books/tokens_seen"] + last["data/code/tokens_seen"] == last["train/tokens_seen"]
-    assert last["data/books/tokens_seen"] >= last["data/code/tokens_seen"]
+    steps = [r for r in rows if "train/loss" in r]
+    assert [r["train/tokens_seen"] for r in steps] == [8 * 16, 8 * 16 + 8 * 40, 8 * 16 + 8 * 40 + 8 * 64]
+    for r in steps:  # at every step, not only at the end
+        assert r["data/books/tokens_seen"] + r["data/code/tokens_seen"] == r["train/tokens_seen"], r
+    assert steps[-1]["data/books/tokens_seen"] >= steps[-1]["data/code/tokens_seen"]
+    # a resume continues the counts saved in the checkpoint (not windows x seq_len)
+    shutil.rmtree(tmp_path / "m" / "checkpoints" / "step_00000003")
+    assert main(["train", *common, "run.name=m", warmup, "trainer.max_steps=3",
+                 "checkpoint.save_every=2", "checkpoint.resume=auto"]) == 0, capsys.readouterr().err
+    again = [json.loads(x) for x in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in again if "train/loss" in r][-1]
+    keys = ["train/tokens_seen", "data/books/tokens_seen", "data/code/tokens_seen"]
+    assert last["step"] == 3 and [last[k] for k in keys] == [steps[-1][k] for k in keys]
 
 
 def test_entries_prepared_with_two_tokenizers_exit_2_naming_the_entry(two_sources, tmp_path, capsys):

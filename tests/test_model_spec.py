@@ -74,3 +74,58 @@ def test_builtin_families_refuse_model_kwargs_and_name_their_plan(family):
     with pytest.raises(ConfigError, match=rf"model.kwargs: the built-in '{family}' factory takes no "
                                           r"extra arguments \(got share_norm\)"):
         spec(cfg)
+
+
+def test_plain_function_under_the_demo_base_says_to_register_a_spec(tmp_path, monkeypatch, capsys):
+    """Issue 27.5: the demo's shape keys under a bare factory name the spec route, not a
+    'did you mean tokenizer.vocab_size'."""
+    monkeypatch.chdir(REPO)
+    path = tmp_path / "bare_base.yaml"
+    path.write_text(f"base: {REPO / 'yamls' / 'demo_cpu.yaml'}\nmodel: {{name: tests.helpers.bare_model.build}}\n")
+    assert main(["train", str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown key 'model.vocab_size'") and "tokenizer.vocab_size" not in err
+    assert "model.name is a plain function" in err and "register a ModelSpec" in err
+    assert "docs/models.md, 'A model in your own package'" in err
+
+
+def test_docs_model_in_your_own_package_trains(tmp_path, monkeypatch, capsys):
+    """docs/models.md's spec route for code outside llmforge: base: yamls/demo_cpu.yaml works,
+    the new key is checked, one step trains with the scaled logits."""
+    import sys
+
+    from conftest import TINY_OVERRIDES
+    from llmforge.registry import models
+
+    text = (REPO / "docs" / "models.md").read_text().split("## A model in your own package", 1)[1]
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    yaml = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "my_lab").mkdir()
+    (tmp_path / "my_lab" / "models.py").write_text(code)
+    (tmp_path / "my_lab" / "scaled.yaml").write_text(
+        yaml.replace("../yamls/demo_cpu.yaml", str(REPO / "yamls" / "demo_cpu.yaml")))
+    monkeypatch.chdir(tmp_path)  # imports: [my_lab.models] from the current folder
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        cfg = "my_lab/scaled.yaml"
+        assert main(["train", cfg, "model.logit_scal=2", "--dry-run"]) == 2
+        assert "did you mean 'model.logit_scale'?" in capsys.readouterr().err
+        assert main(["train", cfg, *TINY_OVERRIDES, "trainer.max_steps=1", "trainer.eval_every=0",
+                     "data.max_documents=3", f"run.output_dir={tmp_path / 'runs'}"]) == 0
+        from my_lab.models import ScaledLlama, build_scaled_llama
+
+        from llmforge.config import load_config
+
+        model = build_scaled_llama(load_config(cfg, TINY_OVERRIDES).model)
+        assert isinstance(model, ScaledLlama) and model.logit_scale == 0.5
+        assert "done: 1 steps" in capsys.readouterr().out
+        # no HF adapter: convert to-hf refuses with exit 2, one line, nothing written (issue 27.7)
+        out = tmp_path / "hf"
+        assert main(["convert", "to-hf", str(tmp_path / "runs" / "scaled"), str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and "model 'scaled_llama' has no Hugging Face adapter" in err
+        assert err.count("\n") == 1 and not out.exists()
+    finally:
+        models._items.pop("scaled_llama", None)
+        for name in ("my_lab.models", "my_lab"):
+            sys.modules.pop(name, None)

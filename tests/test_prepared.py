@@ -78,6 +78,113 @@ def test_an_interrupted_prepare_keeps_its_shards_and_finishes(prepared, tmp_path
     capsys.readouterr()
 
 
+def shard_digests(out: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(out.glob("*/shard_*.bin"))}
+
+
+def _killed_child(source: str, out: Path, moment: str) -> int:
+    """``data prepare`` in a forked process that SIGKILLs itself at ``moment``; its exit code."""
+    import multiprocessing as mp
+    import os
+    import signal
+
+    def child() -> None:
+        import llmforge.data.prepare as prep
+
+        real, calls = prep.write_shard, []
+
+        def dying(tok, texts, path):
+            calls.append(path)
+            if moment == "first shard half written" and len(calls) == 1:
+                path.with_suffix(".tmp").write_bytes(b"\0" * 7)  # torn, no progress entry yet
+                os.kill(os.getpid(), signal.SIGKILL)
+            entry = real(tok, texts, path)
+            if moment == "third shard written, not listed" and len(calls) == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return entry
+
+        prep.write_shard = dying
+        prepare(source, out)
+
+    proc = mp.get_context("fork").Process(target=child)
+    proc.start()
+    proc.join(120)
+    return proc.exitcode
+
+
+def test_prepare_killed_at_any_moment_reruns_to_identical_shards(prepared, tmp_path, monkeypatch, capsys):
+    import os
+    import signal
+
+    import llmforge.data.prepare as prep
+
+    source, reference = prepared
+    want = shard_digests(reference)
+    for moment in ("first shard half written", "third shard written, not listed"):
+        out = tmp_path / moment.replace(" ", "-").replace(",", "")
+        assert _killed_child(source, out, moment) == -signal.SIGKILL, moment
+        assert not (out / "manifest.json").exists()
+        assert prepare(source, out) == 0, capsys.readouterr().err
+        assert shard_digests(out) == want, moment
+    # SIGTERM: exit 75 and a `stopped:` line (llmforge.signals), then the same command finishes
+    real, calls = prep.write_shard, []
+
+    def terminated(tok, texts, path):
+        calls.append(path)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(tok, texts, path)
+
+    monkeypatch.setattr(prep, "write_shard", terminated)
+    out = tmp_path / "sigterm"
+    capsys.readouterr()
+    assert prepare(source, out) == 75
+    err = capsys.readouterr().err
+    assert err.startswith(f"stopped: received SIGTERM: `data prepare` stopped; the shards finished in {out} "
+                          "are kept: run the same command again to continue"), err
+    monkeypatch.setattr(prep, "write_shard", real)
+    assert prepare(source, out) == 0 and shard_digests(out) == want
+    # a signal that came as it finished: the same command again changes nothing and succeeds
+    before = (out / "manifest.json").read_bytes()
+    monkeypatch.setattr(prep, "write_shard", lambda *a: pytest.fail("a finished shard rewritten"))
+    assert prepare(source, out) == 0 and (out / "manifest.json").read_bytes() == before
+    assert shard_digests(out) == want
+
+
+def test_a_long_document_is_encoded_in_bounded_pieces_with_the_same_ids(prepared):
+    import random
+
+    from llmforge.data.packing import encode_packed, text_pieces
+    from llmforge.data.tokenizers import load_saved
+
+    tok = load_saved(prepared[1] / "tokenizer")
+    rng = random.Random(0)
+    words = ["w17", "doth", "king,", "the", "\n\n", "  ", "lord."]
+    long = "".join(rng.choice(words) + rng.choice([" ", "  ", "\n", ""]) for _ in range(4000))
+    pieces = list(text_pieces(long, 1000))
+    assert "".join(pieces) == long and len(pieces) >= len(long) // 1000
+    assert all(len(p) <= 1000 for p in pieces)
+    assert all(p.startswith(" ") and not q[-1].isspace() for q, p in zip(pieces, pieces[1:]))
+    calls = []
+
+    class Spy:
+        vocab_size, bos_id, eos_id = tok.vocab_size, tok.bos_id, tok.eos_id
+
+        def encode_batch(self, texts):
+            calls.append(sum(map(len, texts)))
+            return tok.encode_batch(texts)
+
+    dtype = np.dtype(np.uint16)
+    got = encode_packed(Spy(), ["short one", long, "", "last"], dtype, max_chars=1000)
+    whole = [tok.bos_id, *tok.encode_batch(["short one"])[0], tok.eos_id, tok.bos_id,
+             *tok.encode_batch([long])[0], tok.eos_id, tok.bos_id, *tok.encode_batch(["last"])[0], tok.eos_id]
+    assert got.tolist() == whole  # the pieces' ids are the whole document's
+    assert max(calls) <= 1000 and len(calls) == len(pieces) + 2
+
+
 def train(tmp_path, capsys, *extra):
     code = main(["train", DEMO, *TINY_OVERRIDES, f"run.output_dir={tmp_path / 'runs'}", "run.name=p",
                  "trainer.max_steps=2", "trainer.eval_every=0", "trainer.eval_batches=1",
@@ -104,6 +211,8 @@ def _copy(prepared, tmp_path) -> Path:
     ("truncate", ["train/shard_00001.bin", "truncated"]),
     ("corrupt", ["train/shard_00001.bin", "corrupt"]),
     ("interrupted", ["interrupted", "run the same command again"]),
+    ("deep", ["manifest.json is not valid JSON (nested too deeply)"]),
+    ("vocab", ["train/shard_00001.bin holds token id 421, outside the tokenizer's vocabulary of 421 ids"]),
 ])
 def test_damaged_prepared_folder_exits_2_naming_the_file(prepared, tmp_path, capsys, damage, words):
     out = _copy(prepared, tmp_path)
@@ -116,6 +225,17 @@ def test_damaged_prepared_folder_exits_2_naming_the_file(prepared, tmp_path, cap
         data = bytearray(shard.read_bytes())
         data[10] ^= 0xFF
         shard.write_bytes(bytes(data))
+    elif damage == "deep":  # parses past Python's recursion limit
+        (out / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    elif damage == "vocab":  # an id past the vocabulary, with the manifest's sha256 to match
+        from llmforge.data.prepared import file_sha256
+
+        m = manifest(out)
+        ids = np.fromfile(shard, dtype=np.uint16)
+        ids[5] = m["tokenizer"]["vocab_size"]  # 421: the corpus is too small for 1024
+        ids.tofile(shard)
+        m["splits"]["train"]["shards"][1]["sha256"] = file_sha256(shard)
+        (out / "manifest.json").write_text(json.dumps(m))
     else:
         m = manifest(out)
         m["complete"] = False

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import fsspec
+import fsspec.implementations.local
 import pytest
 
 from conftest import DEMO, REPO, TINY_OVERRIDES
@@ -152,11 +153,28 @@ def test_a_manifest_naming_files_outside_the_corpus_is_refused(corpus, tmp_path)
     assert not list(tmp_path.rglob("evil.bin*"))
 
 
+class HeadersFile(fsspec.implementations.local.LocalFileSystem):
+    """A local filesystem that adds to its nested ``headers`` option, as HTTP drivers do."""
+
+    protocol = ("headersfile",)
+    seen: list = []
+
+    def __init__(self, headers=None, client_kwargs=None, **kwargs):
+        headers["User-Agent"] = "llmforge-test"  # a read-only OmegaConf node refuses this
+        HeadersFile.seen.append((type(headers), dict(headers), type(client_kwargs)))
+        super().__init__(**kwargs)
+
+
 def test_a_mixture_entry_at_a_url_is_read_through_the_cache(corpus, tmp_path, capsys):
+    fsspec.register_implementation("headersfile", HeadersFile, clobber=True)
     _, out, _ = corpus
-    code, err = train(tmp_path, capsys, f"data.mixture=[{{path: '{out.as_uri()}', weight: 1, name: remote}}, "
-                                        f"{{path: '{out}', weight: 1, name: local}}]")
+    nested = "data.storage_options={headers: {Authorization: Bearer-x}, client_kwargs: {region_name: r}}"
+    code, err = train(tmp_path, capsys, f"data.mixture=[{{path: 'headersfile://{out}', weight: 1, name: remote}}, "
+                                        f"{{path: '{out}', weight: 1, name: local}}]", nested)
     assert code == 0, err
+    # nested storage options reach the driver as plain, mutable dicts (issue 26.6)
+    assert HeadersFile.seen and all(t is dict and c is dict for t, _, c in HeadersFile.seen)
+    assert HeadersFile.seen[0][1] == {"Authorization": "Bearer-x", "User-Agent": "llmforge-test"}
     assert f"copying {shard_count(out)} shard(s)" in err and list((tmp_path / "cache").glob("*/manifest.json"))
 
 

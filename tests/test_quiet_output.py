@@ -5,7 +5,8 @@ import warnings
 from types import SimpleNamespace
 
 from llmforge.cli import main
-from llmforge.cli.handlers import _print_summary, _quiet_libraries
+from llmforge.cli.handlers import _print_summary
+from llmforge.quiet import quiet_libraries
 
 
 def test_srun_hint_and_dtensor_cpu_rng_warning_are_silenced(tmp_path, monkeypatch):
@@ -24,7 +25,7 @@ def test_srun_hint_and_dtensor_cpu_rng_warning_are_silenced(tmp_path, monkeypatc
         assert {"srun", "DTensor random"} == {w for w in ("srun", "DTensor random")
                                               if any(w in str(x.message) for x in seen)}  # real texts
         seen.clear()
-        _quiet_libraries()
+        quiet_libraries()
         SLURMEnvironment._validate_srun_used()
         is_rng_supported_mesh(SimpleNamespace(device_type="cpu"))
     assert [str(w.message) for w in seen] == []
@@ -69,3 +70,25 @@ def test_progress_bar_last_frame_shows_the_last_steps_loss():
     bar.on_train_end(trainer, module)
     frames = console.export_text()
     assert "20/20" in frames and "loss 1.2345" in frames.split("20/20")[-1]
+
+
+def test_python_api_is_as_quiet_as_the_cli(tmp_path, monkeypatch):
+    """Building a Trainer from Python silences the same library noise as `llmforge train`
+    (issue 27.7): here Lightning's srun hint."""
+    from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
+
+    from conftest import DEMO, TINY_OVERRIDES
+    from llmforge import Trainer, load_config
+
+    srun = tmp_path / "srun"
+    srun.write_text("#!/bin/sh\nexit 0\n")
+    srun.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.delenv("SLURM_NTASKS", raising=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.resetwarnings()
+        warnings.simplefilter("always")
+        Trainer(load_config(DEMO, [*TINY_OVERRIDES, f"run.output_dir={tmp_path}"]))
+        seen.clear()
+        SLURMEnvironment._validate_srun_used()
+    assert [str(w.message) for w in seen] == []

@@ -84,23 +84,50 @@ def test_config_errors_come_before_the_heavy_imports(tmp_path):
     assert (used / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
-@pytest.mark.parametrize("override, procs, workers, cores, want", [
-    (None, 1, 1, 2, 1),   # the demo on 2 cores: one for the data worker
-    (None, 1, 0, 2, 2),
-    (None, 2, 1, 8, 3),   # --nproc 2 on 8 cores: 4 each, less the worker
-    (None, 4, 1, 2, 1),   # never 0
-    (3, 1, 1, 2, 3),      # trainer.num_threads wins
+@pytest.mark.parametrize("override, procs, workers, cores, busy, want", [
+    (None, 1, 0, 2, 0.0, 2),    # the demo on 2 idle cores: its worker slices windows in memory
+    (None, 1, 0, 2, 1.0, 1),    # beside one CPU-burning process
+    (None, 1, 0, 2, 9.0, 1),    # a shared machine at load 9: never 0
+    (None, 1, 1, 2, 0.0, 1),    # a streaming source's worker tokenizes: it takes a core
+    (None, 1, 0, 2, None, 2),   # no count (taskset/SLURM: machine-wide counts do not apply)
+    (None, 2, 1, 8, 1.0, 3),    # --nproc 2 on 8 cores: 4 each, less the worker; the sibling is not busy
+    (None, 2, 0, 8, 5.0, 2),    # ... 4 other tasks leave 4 cores: 2 each
+    (None, 1, 0, 64, 10.0, 54),
+    (None, 4, 1, 2, 0.0, 1),    # never 0
+    (3, 1, 1, 2, 9.0, 3),       # trainer.num_threads wins
 ])
-def test_threads_per_process(override, procs, workers, cores, want):
-    n, why = choose_num_threads(override, procs, workers, cores=cores, environ={})
+def test_threads_per_process(override, procs, workers, cores, busy, want):
+    n, why = choose_num_threads(override, procs, workers, cores=cores, environ={}, busy=busy)
     assert n == want
     assert f"{cores} cores" in why
+    if override is None and busy and want < cores // procs - workers:
+        assert "busy with other processes" in why
     # an explicit OMP_NUM_THREADS is a choice too; trainer.num_threads still wins over it
     omp = {"OMP_NUM_THREADS": "5"}
-    assert choose_num_threads(override, procs, workers, cores=cores, environ=omp)[0] == (override or 5)
+    assert choose_num_threads(override, procs, workers, cores=cores, environ=omp, busy=busy)[0] == (override or 5)
     # torchrun's own default (1, noted by llmforge's launcher) is not a choice: the cores decide
     torchrun = {"OMP_NUM_THREADS": "1", TORCHRUN_SET_OMP: "1"}
-    assert choose_num_threads(override, procs, workers, cores=cores, environ=torchrun)[0] == want
+    assert choose_num_threads(override, procs, workers, cores=cores, environ=torchrun, busy=busy)[0] == want
+
+
+def test_busy_cores_reads_the_machine():
+    """One real read: a count of other tasks, never negative (this process is not counted)."""
+    from llmforge.parallel.threads import busy_cores
+
+    busy = busy_cores(samples=3, interval=0.0)
+    assert busy is None or busy >= 0
+
+
+@pytest.mark.parametrize("overrides, want", [
+    ([], 0),                                             # the demo: windows tokenized up front
+    (["data.num_workers=2", "data.source=prepared"], 0),  # memory-mapped shards
+    (["data.num_workers=2", "data.streaming=true"], 2),   # workers tokenize
+    (["data.num_workers=1", "data.mixture=[{path: a, weight: 1, source: files}]"], 1),
+])
+def test_data_workers_that_cost_a_core(overrides, want):
+    from llmforge.preflight.resolve import worker_cores
+
+    assert worker_cores(load_config(DEMO, overrides).data) == want
 
 
 def test_launched_workers_choose_their_threads(tmp_path):
@@ -110,7 +137,7 @@ def test_launched_workers_choose_their_threads(tmp_path):
 
     script = tmp_path / "worker.py"
     script.write_text("import os\nfrom llmforge.parallel.threads import choose_num_threads\n"
-                      "n, _ = choose_num_threads(None, 2, 0, cores=8)\n"
+                      "n, _ = choose_num_threads(None, 2, 0, cores=8, busy=None)\n"
                       "open(os.path.join(os.environ['OUT'], os.environ['RANK']), 'w').write(str(n))\n")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", TORCHRUN_SET_OMP)}
     for extra, want in (({}, "4"), ({"OMP_NUM_THREADS": "3"}, "3")):

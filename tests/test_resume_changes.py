@@ -85,6 +85,18 @@ def test_a_streaming_run_keeps_its_world_size_and_workers(tmp_path):
     assert "trainer.log_every 10 -> 5" in resume(overrides, "trainer.log_every=5").resume_line
 
 
+def test_keys_added_since_the_save_at_their_default_are_no_change(saved_run):
+    overrides, first = saved_run
+    meta_file = first.checkpoint_dir / "step_00000010" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    for key in ("muon_lr", "muon_momentum", "muon_nesterov", "muon_ns_steps"):
+        del meta["config"]["optimizer"][key]  # a checkpoint saved before optimizer.name: muon
+    meta_file.write_text(json.dumps(meta))
+    assert resume(overrides).resume_line is None
+    with pytest.raises(ConfigError, match=r"optimizer.muon_momentum None -> 0.9"):
+        resume(overrides, "optimizer.muon_momentum=0.9")
+
+
 def test_constant_schedule_may_change_its_length(tmp_path):
     overrides = checkpointed(tmp_path, "scheduler.name=constant")
     assert "trainer.max_steps 300 -> 600" in resume(overrides, "trainer.max_steps=600").resume_line

@@ -153,11 +153,39 @@ def test_restart_with_nothing_left_to_train_exits_2_saying_why(home, tmp_path, c
     assert capsys.readouterr().err == (
         f"error: run {run.id} is already at step 200 (newest checkpoint in {run_dir / 'checkpoints'}) and "
         "trainer.max_steps=12: the restart would train nothing; restart with trainer.max_steps above 200 "
-        "(e.g. trainer.max_steps=212), or launch a new run\n")
+        f"(e.g. llmforge runs restart {run.id} trainer.max_steps=212 checkpoint.allow_config_changes=true), "
+        "or launch a new run\n")
     assert main(["runs", "restart", run.id, "trainer.max_stepz=400"]) == 2
     assert "trainer.max_stepz" in capsys.readouterr().err
     after = reg.get(run.id)
     assert (after.status, after.resumptions, after.spec) == ("completed", 0, spec)  # untouched
+
+
+def test_restart_runs_the_jobs_resume_check_first(home, tmp_path, capsys, monkeypatch):
+    """A longer cosine schedule is refused before submitting (the job would exit 2, issue 27.4);
+    the suggested override, with checkpoint.allow_config_changes=true, is submitted."""
+    import llmforge.runs.launch as launch
+    from llmforge.config import config_to_dict, load_config, redact
+
+    ckpt = tmp_path / "runs" / "done" / "checkpoints" / "step_00000050"
+    ckpt.mkdir(parents=True)
+    (ckpt / "COMPLETE").write_text("")
+    saved = redact(config_to_dict(load_config(DEMO, ["trainer.max_steps=50"])))
+    (ckpt / "meta.json").write_text(json.dumps({"step": 50, "world_size": 1, "config": saved}))
+    reg = RunRegistry()
+    spec = {"config_path": DEMO, "overrides": ["trainer.max_steps=50"], "workdir": str(REPO), "secrets": []}
+    run = reg.create("done", "local", "local", spec=spec, run_dir=str(ckpt.parent.parent))
+    reg.set_status(run.id, "completed", "done", exit_code=0)
+    submitted = []
+    monkeypatch.setattr(launch, "submit", lambda record, target, registry: submitted.append(record) or record)
+    assert main(["runs", "restart", run.id, "trainer.max_steps=100"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: run {run.id}: the restarted job would stop at once: checkpoint.resume: ")
+    assert "trainer.max_steps 50 -> 100 (the learning-rate schedule's length)" in err
+    assert "checkpoint.allow_config_changes=true" in err and not submitted
+    assert reg.get(run.id).resumptions == 0
+    assert main(["runs", "restart", run.id, "trainer.max_steps=100", "checkpoint.allow_config_changes=true"]) == 0
+    assert len(submitted) == 1 and submitted[0].spec["overrides"][-1] == "checkpoint.allow_config_changes=true"
 
 
 def test_sagemaker_sdk_message_names_the_installed_version(monkeypatch):

@@ -25,6 +25,12 @@ _LAZY = {
 __all__ = ["LLMModule", "TrainConfig", "Trainer", "__version__", "load_config", "registry"]
 
 
+def __dir__() -> list[str]:
+    """The module's names and the lazily imported public ones (``dir(llmforge)`` lists
+    ``Trainer``)."""
+    return sorted(set(globals()) | set(_LAZY))
+
+
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         module = importlib.import_module(_LAZY[name])

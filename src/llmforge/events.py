@@ -6,10 +6,13 @@ micro-batch)::
 
     BATCH_START                 state.batch: this rank's windows; may be replaced
     ├─ BEFORE_FORWARD      x n  state.inputs / labels / doc_ids of the micro-batch; may be replaced
-    ├─ AFTER_FORWARD       x n  state.outputs: the model's output (logits [b, T, V]); may be replaced
-    ├─ BEFORE_LOSS         x n  may set state.loss: then the default cross-entropy is not computed
-    ├─ AFTER_LOSS          x n  state.loss: summed loss over the micro-batch's target tokens; may
-    │                           be replaced or gain terms; state.metrics may gain entries
+    ├─ AFTER_FORWARD       x n  state.outputs: the model's output (logits [b, T, V]); may be replaced;
+    │                           state.aux_losses: the model's auxiliary losses of this forward
+    ├─ BEFORE_LOSS         x n  may set state.loss: then the default cross-entropy is not computed;
+    │                           may change state.aux_losses (e.g. reweight or drop a term)
+    ├─ AFTER_LOSS          x n  state.loss: summed loss over the micro-batch's target tokens, the
+    │                           auxiliary losses included (training only: n_targets * each term);
+    │                           may be replaced or gain terms; state.metrics may gain entries
     ├─ BEFORE_BACKWARD     x n
     ├─ AFTER_BACKWARD      x n
     BEFORE_OPTIMIZER_STEP       gradients reduced and clipped, state.grad_norm; may set
@@ -84,6 +87,12 @@ class State:
         outputs: what the model returned for ``inputs`` (logits ``[b, T, V]`` for the built-ins),
             from ``AFTER_FORWARD`` to ``AFTER_BACKWARD`` of its micro-batch (then ``None``, so
             the logits never outlive it).
+        aux_losses: the model's auxiliary losses of the current micro-batch's forward
+            (``name -> scalar tensor``, a mean per token with its weight, e.g. a router's
+            load-balancing loss; ``{}`` for models without: the ``aux_losses()`` method of the
+            model factory contract, :mod:`llmforge.models`). In training, after ``BEFORE_LOSS``,
+            ``n_targets * sum(aux_losses.values())`` is added to ``loss``; evaluation leaves them
+            out, so ``eval/loss`` stays the cross-entropy.
         loss: the micro-batch's loss summed over its target tokens (nats, a scalar tensor),
             set by the default cross-entropy or a plugin in ``BEFORE_LOSS``.
         n_targets: target tokens of the micro-batch (``labels != -100``), a scalar tensor.
@@ -107,6 +116,7 @@ class State:
     labels: Optional[torch.Tensor] = None
     doc_ids: Optional[torch.Tensor] = None
     outputs: Any = None
+    aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
     loss: Optional[torch.Tensor] = None
     n_targets: Optional[torch.Tensor] = None
     total_targets: Optional[torch.Tensor] = None

@@ -11,6 +11,18 @@ import torch
 from llmforge.checkpoint.run_dir import load_for_inference
 from llmforge.data.chat import build_chat_template
 from llmforge.models.sampling import generate, supports_kv_cache
+from llmforge.parallel.threads import choose_num_threads
+
+
+def use_inference_threads() -> int:
+    """Set torch's compute threads for ``generate`` and ``eval`` by training's rule
+    (:func:`llmforge.parallel.threads.choose_num_threads`: one process, no data worker, the
+    cores other processes leave free; ``OMP_NUM_THREADS`` wins) and return the count. Measured
+    beside one CPU-burning process on 2 cores: torch's default 2 threads gave 197-201 tokens/s,
+    1 thread 607-797 (issue 27; ``benchmarks/generate.py --burner``)."""
+    n, _ = choose_num_threads(None, 1, 0)
+    torch.set_num_threads(n)
+    return n
 
 
 def sample_text(path: str | Path, prompt: str, *, max_new_tokens: int = 200,
@@ -28,7 +40,8 @@ def sample_text(path: str | Path, prompt: str, *, max_new_tokens: int = 200,
     ``on_text``: called with each new piece of text as soon as it decodes (streaming; a piece
     that ends inside a multi-byte character waits for the next token).
     ``stats``: filled with ``tokens`` (generated), ``seconds`` (wall time of generation, model
-    load excluded), ``tokens_per_second`` and ``kv_cache`` (whether the cache was used).
+    load excluded), ``tokens_per_second``, ``kv_cache`` (whether the cache was used) and
+    ``threads`` (torch's compute threads, set by :func:`use_inference_threads`).
     ``trust_code``: import the research code the run's config names (``--trust-code``; see
     :mod:`llmforge.checkpoint.run_dir`).
 
@@ -38,6 +51,7 @@ def sample_text(path: str | Path, prompt: str, *, max_new_tokens: int = 200,
     """
     import time
 
+    threads = use_inference_threads()
     model, tok, cfg = load_for_inference(path, trust_code=trust_code)
     gen = torch.Generator().manual_seed(seed)
     stop = tok.eos_id
@@ -68,5 +82,5 @@ def sample_text(path: str | Path, prompt: str, *, max_new_tokens: int = 200,
         on_text(text[len(shown[0]):])
     if stats is not None:
         stats.update(tokens=len(new), seconds=seconds, tokens_per_second=len(new) / max(seconds, 1e-9),
-                     kv_cache=use_cache and supports_kv_cache(model))
+                     kv_cache=use_cache and supports_kv_cache(model), threads=threads)
     return text

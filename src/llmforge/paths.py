@@ -3,14 +3,19 @@ user-facing line that names the file.
 
 :func:`check_writable_dir` probes without creating anything: the nearest existing ancestor must
 be a folder this process may write into. :func:`os_error_message` is what the CLI prints for a
-read or write error nobody foresaw (exit code 2 instead of a traceback).
+read or write error nobody foresaw (exit code 2 instead of a traceback). :func:`all_or_nothing`
+wraps the writing of an output (an export folder, a consolidated file): a full disk leaves no
+half-written output behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import shutil
 from pathlib import Path
+from typing import Iterator, Optional
 
 from llmforge.errors import ConfigError, LLMForgeError
 
@@ -72,3 +77,45 @@ def os_error_message(exc: OSError) -> str:
     verb = "write" if exc.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EEXIST,
                                     errno.ENOTDIR, errno.EISDIR) else "use"
     return f"cannot {verb} {name}: {reason}"
+
+
+def write_failed(exc: OSError, target: str | Path, after: str = "") -> WriteError:
+    """A :class:`WriteError` naming the file of ``exc`` (else ``target``) and its reason."""
+    if exc.filename is None:
+        exc = OSError(exc.errno, exc.strerror or str(exc), str(target))
+    return WriteError(os_error_message(exc) + (f"; {after}" if after else ""))
+
+
+@contextlib.contextmanager
+def all_or_nothing(target: str | Path) -> Iterator[Path]:
+    """Write ``target`` (a file or a folder) completely or not at all: on an ``OSError`` (a
+    full disk, a vanished folder) what the block created is removed (the whole ``target`` if it
+    did not exist before, else the entries it added) and a :class:`WriteError` names the file.
+
+    Raises:
+        WriteError: the block raised an ``OSError``.
+    """
+    target = Path(target)
+    before: Optional[set] = None
+    if target.is_dir():
+        before = {p.name for p in target.iterdir()}
+    elif target.exists():
+        before = set()  # an existing file is replaced whole or kept: see the caller
+    try:
+        yield target
+    except OSError as exc:
+        _remove_new(target, before)
+        raise write_failed(exc, target, f"nothing of {target} is left half-written; free space "
+                                        "or choose another place and run it again") from None
+
+
+def _remove_new(target: Path, before: Optional[set]) -> None:
+    if before is None:  # the block created it
+        if target.is_dir():
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            target.unlink(missing_ok=True)
+    elif target.is_dir():
+        for p in target.iterdir():
+            if p.name not in before:
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)

@@ -31,6 +31,8 @@ import importlib
 import importlib.metadata
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional
 
+from omegaconf import OmegaConf
+
 from llmforge.errors import ConfigError
 
 # the file whose names are being resolved when it is untrusted (a run directory's config.yaml)
@@ -214,7 +216,8 @@ def build_entries(reg: Registry, section: str, entries: Any, *, base: Any = None
     entry's own keys win over it.
 
     An import path must name a class (a subclass of ``base`` when given), checked before it is
-    called: ``{name: os.system, command: ...}`` must not run anything.
+    called: ``{name: os.system, command: ...}`` must not run anything; it gets plain dicts and
+    lists (e.g. Lightning's ``Timer(duration={seconds: 30})``), not OmegaConf nodes.
 
     Raises:
         ConfigError: unknown name, an import path that is not such a class, or keyword
@@ -233,6 +236,9 @@ def build_entries(reg: Registry, section: str, entries: Any, *, base: Any = None
         if base is not None and isinstance(factory, type) and not issubclass(factory, base):
             raise ConfigError(f"{key} ({name}): {factory.__name__} is not a subclass of "
                               f"{base.__module__}.{base.__name__}; subclass it")
+        if not registered:  # a class by import path (Lightning's Timer) checks for dict, not DictConfig
+            kwargs = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+                      for k, v in kwargs.items()}
         try:
             out.append(factory(**{**accepted(factory, inject), **kwargs}))
         except TypeError as exc:

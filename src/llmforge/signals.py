@@ -40,13 +40,15 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
 class StopRequested(LLMForgeError):
-    """The run stopped on a stop signal; ``exit_code`` is 75 (SIGTERM/SIGUSR1) or 130 (SIGINT)."""
+    """The run stopped on a stop signal; ``exit_code`` is 75 (SIGTERM/SIGUSR1) or 130 (SIGINT);
+    ``signum``: the signal, where known."""
 
     exit_code = EXIT_PREEMPTED
 
-    def __init__(self, message: str, exit_code: int = EXIT_PREEMPTED) -> None:
+    def __init__(self, message: str, exit_code: int = EXIT_PREEMPTED,
+                 signum: Optional[int] = None) -> None:
         super().__init__(message)
-        self.exit_code = exit_code
+        self.exit_code, self.signum = exit_code, signum
 
 
 class StoppedBeforeTraining(StopRequested):
@@ -78,7 +80,7 @@ def _handler(signum: int, frame: Any) -> None:
     if phase == "startup" and first is None:
         name = signal.Signals(signum).name
         raise StoppedBeforeTraining(f"received {name} before training started: nothing to save "
-                                    f"(exit code {exit_code_for(signum)})", exit_code_for(signum))
+                                    f"(exit code {exit_code_for(signum)})", exit_code_for(signum), signum)
 
 
 def install() -> bool:

@@ -30,6 +30,7 @@ from llmforge.checkpoint.dcp import PendingSave, load_training_state, prune_chec
 from llmforge.checkpoint.plugins import (check_resume, checkpoint_meta, dropped_states, plain_states,
                                          restore_plain_states, restore_sharded_states, sharded_states)
 from llmforge.checkpoint.rng import capture_rng, restore_rng
+from llmforge.checkpoint.safe_load import CheckpointShapeError
 from llmforge.errors import ConfigError
 from llmforge.parallel.lightning_private import optimizer_step_progress
 from llmforge.signals import EXIT_PREEMPTED, StopRequested
@@ -138,7 +139,11 @@ class Checkpointer(Callback):
         templates = sharded_states(trainer.callbacks)
         try:
             state = load_training_state(self.resume_from, pl_module.model, opt, plugin_state=templates)
+        except CheckpointShapeError as exc:
+            raise ConfigError(f"checkpoint.resume: {exc}; resume with the settings it was saved "
+                              "with, or start a new run") from exc
         except (ValueError, RuntimeError, KeyError, CheckpointException) as exc:  # shapes/keys differ
+
             lines = [x.strip() for x in str(exc).strip().splitlines() if x.strip()]
             # DCP's CheckpointException carries each rank's traceback; its last line is the cause
             first = (lines[-1] if isinstance(exc, CheckpointException) else lines[0]) if lines \
@@ -150,7 +155,7 @@ class Checkpointer(Callback):
         sched = trainer.lr_scheduler_configs[0].scheduler if trainer.lr_scheduler_configs else None
         if sched is not None and state.get("scheduler"):
             sched.load_state_dict(state["scheduler"])
-        pl_module.tokens_seen = int(state["tokens_seen"])
+        pl_module.tokens_seen = int(state.get("tokens_seen", 0))
         restore_plain_states(trainer.callbacks, state.get("callbacks") or {})
         for key in dropped_states(self.resume_from, trainer.callbacks, state.get("callbacks") or {}):
             say(trainer, f"checkpoint.resume: {self.resume_from} holds state of {key}, which this run "
@@ -162,7 +167,7 @@ class Checkpointer(Callback):
             restore_rng(state["rng"])
         self.last_saved_step = int(state["step"])
         say(trainer, f"resumed from {self.resume_from} at step {int(state['step'])} "
-                     f"({int(state['tokens_seen']):,} tokens seen)")
+                     f"({int(state.get('tokens_seen', 0)):,} tokens seen)")
         if self.on_resumed is not None:
             self.on_resumed()
 

@@ -12,8 +12,9 @@ from llmforge.checkpoint.hf import load_hf_weights, model_overrides_from_hf, rea
 from llmforge.checkpoint.run_dir import export_order, load_model
 from llmforge.config import save_config, structured_config
 from llmforge.data.tokenizers import HFTokenizer
-from llmforge.errors import LLMForgeError
+from llmforge.errors import ConfigError, LLMForgeError
 from llmforge.models.spec import get_spec
+from llmforge.paths import all_or_nothing
 from llmforge.run_guard import mark_run_dir
 
 
@@ -31,15 +32,17 @@ def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
     :mod:`llmforge.checkpoint.run_dir`.
 
     Raises:
-        LLMForgeError: the model's family has no HF adapter, the path has no checkpoint, or
-            ``adapters_only`` for a run without adapters.
-        ConfigError: the run's config names code and ``trust_code`` is False.
+        ConfigError: the model's family has no HF adapter, ``adapters_only`` for a run without
+            adapters (exit 2), or the run's config names code and ``trust_code`` is False.
+        LLMForgeError: the path has no checkpoint.
+        WriteError: a file could not be written (e.g. a full disk); nothing of ``out`` that this
+            call created is left.
     """
     model, cfg, run_dir, plugins, ckpt, meta = load_model(path, with_plugins=True, trust_code=trust_code)
     plugins = export_order(plugins)
     adapter = get_spec(cfg.model.name).adapter()  # by name: a derived research spec may have none
     if adapter is None:
-        raise LLMForgeError(f"{path}: model '{cfg.model.name}' has no Hugging Face adapter "
+        raise ConfigError(f"{path}: model '{cfg.model.name}' has no Hugging Face adapter "
                             "(ModelSpec.hf_adapter, docs/models.md), so it cannot be exported")
     cast = getattr(torch, dtype) if dtype else None
     if adapters_only:
@@ -47,13 +50,14 @@ def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
             written = plugin.export_adapters(model, Path(out), cfg, meta, dtype=cast)
             if written is not None:
                 return written
-        raise LLMForgeError(f"{path}: --adapters-only needs a run whose algorithms add adapters "
+        raise ConfigError(f"{path}: --adapters-only needs a run whose algorithms add adapters "
                             "(see `llmforge algorithms`); this checkpoint has none")
     for plugin in plugins:
         model = plugin.export_model(model, ckpt)
     tok_dir = run_dir / "tokenizer"
-    return save_hf(model, out, tokenizer_dir=tok_dir if tok_dir.is_dir() else None, dtype=cast,
-                   adapter=adapter)
+    with all_or_nothing(out):
+        return save_hf(model, out, tokenizer_dir=tok_dir if tok_dir.is_dir() else None, dtype=cast,
+                       adapter=adapter)
 
 
 def from_hf(path: str | Path, out: str | Path) -> Path:

@@ -50,6 +50,7 @@ from llmforge.checkpoint.atomic_save import (CheckpointWriteError, PendingSave, 
                                              _crash_point, _is_rank0, _write_failed)
 from llmforge.checkpoint.layout import COMPLETE, list_checkpoints, step_name
 from llmforge.checkpoint.safe_load import CheckpointReadError, load_metadata, safe_load, SafeReader
+from llmforge.checkpoint.state_files import check_meta, check_rng, check_trainer_state
 from llmforge.errors import ConfigError
 from llmforge.plugin import adapter_key_filter, has_adapters
 
@@ -177,7 +178,7 @@ def load_training_state(path: str | Path, model: nn.Module,
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     rng_file = path / "rng" / f"rank{rank}.json"
     if rng_file.exists():
-        out["rng"] = read_json(rng_file.parent, rng_file.name)
+        out["rng"] = read_json(path, f"rng/{rng_file.name}")
     return out
 
 
@@ -199,8 +200,10 @@ def _saved_plugin_keys(path: Path, templates: dict[str, Any]) -> list[str]:
 
 def check_checkpoint(path: str | Path) -> None:
     """Read what a resume reads before any tensor: ``trainer_state.json``, ``meta.json`` (if
-    present) and the DCP metadata, whose shards must all be there and long enough. Cheap (no
-    tensor is read), so a damaged checkpoint fails before data and model are built.
+    present), the RNG states (each checked by type and range,
+    :mod:`llmforge.checkpoint.state_files`) and the DCP metadata, whose shards must all be
+    there and long enough. Cheap (no tensor is read), so a damaged checkpoint fails before data
+    and model are built.
 
     Raises:
         CheckpointReadError: a file is missing, truncated or corrupt (named in the message).
@@ -210,6 +213,8 @@ def check_checkpoint(path: str | Path) -> None:
     read_json(path, "trainer_state.json")
     if (path / "meta.json").exists():
         read_json(path, "meta.json")
+    for rng in sorted((path / "rng").glob("rank*.json")):
+        read_json(path, f"rng/{rng.name}")
     SafeReader(str(path)).read_metadata()
 
 
@@ -242,6 +247,7 @@ def load_model_weights(path: str | Path, model: nn.Module, adapters_only: Option
         adapters_only = has_adapters(model)
     if adapters_only:
         sd = {k: v for k, v in sd.items() if is_adapter(k)}
+        _check_adapters(path, sd)
     else:
         meta = read_json(path, "meta.json") if (path / "meta.json").exists() else {}
         if meta.get("adapters_only"):
@@ -258,12 +264,32 @@ def load_model_weights(path: str | Path, model: nn.Module, adapters_only: Option
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not partial))
 
 
+def _check_adapters(path: Path, adapters: dict[str, Any]) -> None:
+    """An adapters-only load has adapters to load, and the checkpoint holds them (else the
+    model would run on its base, or random weights, without a word).
+
+    Raises:
+        CheckpointReadError: the model has no adapters, or the checkpoint none of them."""
+    if not adapters:
+        raise CheckpointReadError(
+            f"{path / 'meta.json'}: says adapters_only, but this run's algorithms add no adapters "
+            "to the model; the checkpoint's meta.json is damaged or belongs to another run")
+    saved = load_metadata(path / ".metadata").state_dict_metadata
+    if not any(f"model.{k}" in saved for k in adapters):
+        raise CheckpointReadError(
+            f"{path / 'meta.json'}: says adapters_only, but {path / '.metadata'} holds no adapter "
+            "tensor; the checkpoint is damaged or belongs to another run")
+
+
 def read_json(path: str | Path, name: str) -> dict[str, Any]:
     """Read ``trainer_state.json``, ``meta.json`` (or another JSON file) of a checkpoint.
 
+    ``trainer_state.json``, ``meta.json`` and ``rng/*.json`` are also checked by type and
+    range (:mod:`llmforge.checkpoint.state_files`).
+
     Raises:
-        CheckpointReadError: the file is missing, unreadable, not UTF-8 JSON or not an object;
-            the message names the file (exit code 2).
+        CheckpointReadError: the file is missing, unreadable, not UTF-8 JSON or not an object,
+            or an entry has the wrong type or range; the message names the file (exit code 2).
     """
     file = Path(path) / name
     try:
@@ -278,4 +304,9 @@ def read_json(path: str | Path, name: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise CheckpointReadError(f"{file} holds {type(data).__name__}, not a JSON object; the "
                                   "checkpoint is damaged")
-    return data
+    check = _STATE_CHECKS.get(name if not name.startswith("rng/") else "rng/")
+    return check(data, file) if check is not None else data
+
+
+# the type and range checks of the state files (llmforge.checkpoint.state_files)
+_STATE_CHECKS = {"trainer_state.json": check_trainer_state, "meta.json": check_meta, "rng/": check_rng}

@@ -172,6 +172,32 @@ def _read_box(f: Any, key: str, offset: tuple, shape: tuple, heads: Optional[int
     return block[r0 - h0 * hd:r1 - h0 * hd]
 
 
+def _load_stacked(param: torch.Tensor, name: str, keys: list[str], files: dict[str, Path],
+                  handles: dict[Path, Any], path: Path) -> None:
+    """Fill ``param [len(keys), ...]`` from one HF tensor per index of dim 0 (the experts of a
+    mixture), reading only this rank's box of each (rows of dim 0 outside it are not read).
+
+    Raises:
+        ConfigError: a key is missing or a tensor has another shape."""
+    from safetensors import safe_open
+
+    offset, shape = _local_box(param)
+    parts = []
+    for i in range(offset[0], offset[0] + shape[0]):
+        key = keys[i]
+        if key not in files:
+            raise ConfigError(f"model.init_from: {path} has no tensor {key} (part {i} of {name})")
+        f = handles.get(files[key]) or handles.setdefault(files[key], safe_open(str(files[key]), framework="pt"))
+        sl = f.get_slice(key)
+        if tuple(sl.get_shape()) != tuple(param.shape[1:]):
+            raise ConfigError(f"model.init_from: {key} has shape {tuple(sl.get_shape())}, the model "
+                              f"expects {tuple(param.shape[1:])} for each of {name}")
+        parts.append(sl[tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:]))])
+    local = param.to_local() if hasattr(param, "to_local") else param
+    with torch.no_grad():
+        local.copy_(torch.stack(parts).to(local.dtype))
+
+
 def load_hf_weights(model: nn.Module, path: str | Path) -> int:
     """Copy an HF checkpoint into a materialized llmforge model of the same family (plain or
     sharded); returns the number of tensors loaded.
@@ -193,6 +219,11 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> int:
         for name, param in model.named_parameters():
             if is_adapter(name):
                 continue  # a plugin's adapters are initialized by the plugin, not loaded
+            stacked = adapter.stacked_keys(model, name)
+            if stacked is not None:
+                _load_stacked(param, name, stacked, files, handles, path)
+                loaded += 1
+                continue
             hf_key = ours.get(name)
             if hf_key is None:
                 if name == "output.weight" and tied:
@@ -225,6 +256,10 @@ def hf_state_dict(model: nn.Module, adapter: Any = None) -> Iterator[tuple[str, 
     tied = adapter.tied(model)
     for name, tensor in model.state_dict().items():
         if name == "output.weight" and tied:
+            continue
+        stacked = adapter.stacked_keys(model, name)
+        if stacked is not None:  # one HF key per index of dim 0 (a mixture's experts)
+            yield from ((k, part.contiguous()) for k, part in zip(stacked, tensor.detach().unbind(0)))
             continue
         key = adapter.key_to_hf(name)
         if key is None:

@@ -15,7 +15,8 @@ from typing import Any
 from torch import nn
 
 from llmforge.checkpoint.dcp import load_model_weights
-from llmforge.checkpoint.hf import load_hf_weights, model_overrides_from_hf, read_hf_config
+from llmforge.checkpoint.hf import adapter_for_hf, load_hf_weights, model_overrides_from_hf, read_hf_config
+from llmforge.checkpoint.safe_load import CheckpointShapeError, SafeReader, check_shapes
 from llmforge.checkpoint.tools import resolve
 from llmforge.errors import ConfigError, LLMForgeError
 
@@ -24,7 +25,8 @@ HF_PREFIX = "hf:"
 
 def apply_hf_shape(cfg: Any) -> None:
     """For ``model.init_from: hf:PATH``, set the ``model:`` shape fields from its config.json
-    (they must match the weights, so they win over the YAML's).
+    (they must match the weights, so they win over the YAML's); the adapter's
+    ``training_keys`` (e.g. a router loss weight) only where the YAML leaves them null.
 
     Raises:
         ConfigError: the folder's family is not ``model.name``'s (names the one to set)."""
@@ -32,6 +34,9 @@ def apply_hf_shape(cfg: Any) -> None:
     if spec and spec.startswith(HF_PREFIX):
         hf = read_hf_config(spec[len(HF_PREFIX):])
         fields = model_overrides_from_hf(hf)
+        for key in adapter_for_hf(hf).training_keys:  # settings, not shapes: the YAML's win
+            if cfg.model.get(key) is not None:
+                fields.pop(key, None)
         family = fields.pop("name")
         if cfg.model.name != family:
             raise ConfigError(f"model.init_from: {spec[len(HF_PREFIX):]} holds a Hugging Face "
@@ -45,14 +50,40 @@ def load_initial_weights(model: nn.Module, spec: str) -> str:
     """Load ``spec`` into a materialized model; returns a short description of what was loaded.
 
     Raises:
-        ConfigError: the path holds no usable weights.
+        ConfigError: the path holds no usable weights, or a tensor of another shape.
     """
     if spec.startswith(HF_PREFIX):
         n = load_hf_weights(model, spec[len(HF_PREFIX):])
         return f"{n} tensors from Hugging Face folder {spec[len(HF_PREFIX):]}"
+    ckpt = _checkpoint(spec)
     try:
-        ckpt = resolve(spec)
+        load_model_weights(ckpt, model)
+    except CheckpointShapeError as exc:
+        raise ConfigError(f"model.init_from: {exc}") from exc
+    return f"model weights of {ckpt}"
+
+
+def _checkpoint(spec: str) -> Path:
+    try:
+        return Path(resolve(spec))
     except LLMForgeError as exc:
         raise ConfigError(f"model.init_from: {exc}") from exc
-    load_model_weights(Path(ckpt), model)
-    return f"model weights of {ckpt}"
+
+
+def check_initial_weights(model: nn.Module, spec: str) -> None:
+    """Before anything is written: the llmforge checkpoint ``spec`` names is readable and each
+    of its model tensors that ``model`` has (built on the meta device; no weights read) has the
+    same shape. ``hf:`` sources fix the model's shape themselves and are not checked here.
+
+    Raises:
+        ConfigError: no checkpoint there, or a parameter of another shape (named, both shapes).
+        CheckpointReadError: its metadata is missing or damaged (the file named).
+    """
+    if not spec or spec.startswith(HF_PREFIX):
+        return
+    ckpt = _checkpoint(spec)
+    metadata = SafeReader(str(ckpt)).read_metadata()
+    try:
+        check_shapes({"model": model.state_dict()}, metadata, str(ckpt))
+    except CheckpointShapeError as exc:
+        raise ConfigError(f"model.init_from: {exc}") from exc

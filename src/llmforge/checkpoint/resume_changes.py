@@ -12,11 +12,13 @@ without torch, so ``llmforge train`` refuses before its heavy imports.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from llmforge.config.schema import TrainConfig
 from llmforge.errors import ConfigError
 
 __all__ = ["MAY_CHANGE", "ResumeChanges", "resume_changes", "check_resume_changes"]
@@ -74,6 +76,24 @@ def _may_change(key: str, now: dict[str, Any]) -> bool:
     return key == "world size" or _matches(key, MAY_CHANGE)
 
 
+def _schema_default(key: str) -> Any:
+    """The schema's default of a dotted key (``optimizer.muon_lr``), or ``_UNKNOWN``."""
+    node: Any = TrainConfig
+    value: Any = _UNKNOWN
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(node):
+            return _UNKNOWN
+        f = {f.name: f for f in dataclasses.fields(node)}.get(part)
+        if f is None:
+            return _UNKNOWN
+        value = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        node = value
+    return value
+
+
+_UNKNOWN = object()
+
+
 def _short(value: Any) -> str:
     text = json.dumps(value) if isinstance(value, (list, dict)) else repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
@@ -123,9 +143,10 @@ def _saved_config(ckpt: Path) -> tuple[Optional[dict], str]:
     return (world or None), "no saved config"
 
 
-def resume_changes(ckpt: str | Path, config: dict[str, Any], world_size: int) -> ResumeChanges:
+def resume_changes(ckpt: str | Path, config: dict[str, Any], world_size: Optional[int]) -> ResumeChanges:
     """Compare this run's resolved ``config`` (a plain, redacted dict) and ``world_size`` with
-    the checkpoint's. A checkpoint without a saved config compares the world size only.
+    the checkpoint's. A checkpoint without a saved config compares the world size only;
+    ``world_size=None`` (not known yet: ``runs restart`` on its launcher) compares the config only.
 
     Raises:
         ConfigError: the checkpoint's ``meta.json`` exists but cannot be read.
@@ -138,12 +159,14 @@ def resume_changes(ckpt: str | Path, config: dict[str, Any], world_size: int) ->
     old = _flatten(json.loads(json.dumps(saved, default=str))) if saved else {}
     now = _flatten(json.loads(json.dumps(config, default=str)))
     safe, breaking = [], []
-    if old_world is not None and int(old_world) != world_size:
+    if old_world is not None and world_size is not None and int(old_world) != world_size:
         (safe if _may_change("world size", now) else breaking).append(
             ("world size", int(old_world), world_size))
     for key in sorted(set(old) | set(now)) if old else ():
         if key.startswith("variables.") or key in _NOT_COMPARED or old.get(key) == now.get(key):
             continue  # variables reach the run only through the keys they fill in
+        if key not in old and now[key] == _schema_default(key):
+            continue  # a key added to llmforge after the save, at its default: the old behaviour
         (safe if _may_change(key, now) else breaking).append((key, old.get(key), now.get(key)))
     return ResumeChanges(ckpt, tuple(safe), tuple(breaking), where)
 

@@ -12,6 +12,7 @@ before any of it is run. Tensor data files are read by DCP with ``weights_only=T
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -21,6 +22,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
+from torch.futures import Future
 
 from llmforge.errors import LLMForgeError
 
@@ -108,17 +110,36 @@ def load_metadata(path: str | os.PathLike, fs: Any = None) -> Any:
 
 
 def check_shards(folder: str | os.PathLike, metadata: Any) -> None:
-    """Every data file the metadata points into exists and is long enough (a truncated shard,
-    e.g. a copy cut short, fails here with its name instead of deep inside ``torch.load``).
+    """Every data file the metadata points into lies inside ``folder``, exists and is long enough
+    (a truncated shard, e.g. a copy cut short, fails here with its name instead of deep inside
+    ``torch.load``), and no tensor claims more bytes than its shards hold (a damaged size would
+    have the loader allocate them). Storage paths are normalized to plain strings in place, so
+    DCP reads exactly the files checked here.
 
     Raises:
-        CheckpointReadError: a shard is missing or shorter than its entries' ``offset + length``.
+        CheckpointReadError: a storage path that is not a relative path inside ``folder``; a
+            shard that is missing or shorter than its entries' ``offset + length``; a tensor
+            larger than its stored bytes.
     """
+    source = os.path.join(folder, ".metadata")
     need: dict[str, int] = {}
-    for info in (getattr(metadata, "storage_data", None) or {}).values():
-        rel = getattr(info, "relative_path", None)
-        if isinstance(rel, str):
-            need[rel] = max(need.get(rel, 0), int(info.offset) + int(info.length))
+    stored: dict[str, int] = {}
+    transformed: set[str] = set()
+    for index, info in (getattr(metadata, "storage_data", None) or {}).items():
+        rel = _inside(folder, getattr(info, "relative_path", None), source)
+        info.relative_path = rel
+        try:
+            offset, length = int(info.offset), int(info.length)
+        except (TypeError, ValueError):
+            offset = length = -1
+        if offset < 0 or length < 0:
+            raise CheckpointReadError(f"{source}: the entry of {getattr(index, 'fqn', index)!r} has "
+                                      "no valid offset and length; the checkpoint is damaged")
+        need[rel] = max(need.get(rel, 0), offset + length)
+        fqn = getattr(index, "fqn", None)
+        stored[fqn] = stored.get(fqn, 0) + length
+        if getattr(info, "transform_descriptors", None):
+            transformed.add(fqn)
     for rel, size in sorted(need.items()):
         file = os.path.join(folder, rel)
         have = os.path.getsize(file) if os.path.isfile(file) else None
@@ -126,11 +147,63 @@ def check_shards(folder: str | os.PathLike, metadata: Any) -> None:
             what = "is missing" if have is None else f"is truncated ({have:,} of {size:,} bytes)"
             raise CheckpointReadError(f"{file} {what}; the checkpoint is damaged: use an older "
                                       "one (checkpoint.resume=PATH) or copy it again")
+    for fqn, md in (getattr(metadata, "state_dict_metadata", None) or {}).items():
+        size = getattr(md, "size", None)
+        if size is None:  # bytes entries: their length is checked above
+            continue
+        need_bytes = _tensor_bytes(md, source, fqn)
+        # stored uncompressed (torch.save per chunk); storage transforms (compression) may shrink
+        # it, but not by more than this
+        limit = stored.get(fqn, 0) * (_MAX_COMPRESSION if fqn in transformed else 1)
+        if need_bytes > limit:
+            raise CheckpointReadError(
+                f"{source}: tensor {fqn!r} claims shape {tuple(size)} ({need_bytes:,} bytes) but its "
+                f"shards hold {stored.get(fqn, 0):,} bytes; the metadata is damaged")
+
+
+_MAX_COMPRESSION = 1000
+
+
+def _inside(folder: str | os.PathLike, rel: Any, source: str) -> str:
+    """``rel`` as a plain relative path that stays inside ``folder``.
+
+    Raises:
+        CheckpointReadError: not a string or path, absolute, or leading out (``..``)."""
+    if isinstance(rel, os.PathLike):
+        rel = os.fspath(rel)
+    if not isinstance(rel, str) or not rel:
+        raise CheckpointReadError(f"{source}: a storage path is {rel!r}, not a file name; the "
+                                  "metadata is damaged")
+    norm = os.path.normpath(rel)
+    if os.path.isabs(rel) or norm == ".." or norm.startswith(".." + os.sep) or "\0" in rel:
+        raise CheckpointReadError(f"{source}: storage path {rel!r} leads outside the checkpoint "
+                                  f"folder {folder}; refused (a checkpoint reads only its own files)")
+    return norm
+
+
+def _tensor_bytes(md: Any, source: str, fqn: str) -> int:
+    """The bytes a tensor's metadata asks for (its size times its element size).
+
+    Raises:
+        CheckpointReadError: a size that is not a list of non-negative integers."""
+    try:
+        dims = [int(d) for d in md.size]
+        element = torch.empty((), dtype=md.properties.dtype).element_size()
+    except (TypeError, ValueError, AttributeError, RuntimeError) as exc:
+        raise CheckpointReadError(f"{source}: tensor {fqn!r} has no valid size and dtype "
+                                  f"({exc}); the metadata is damaged") from None
+    if any(d < 0 for d in dims):
+        raise CheckpointReadError(f"{source}: tensor {fqn!r} has a negative size {tuple(dims)}; the "
+                                  "metadata is damaged")
+    n = element
+    for d in dims:
+        n *= d
+    return n
 
 
 class SafeReader(FileSystemReader):
-    """``FileSystemReader`` whose metadata is unpickled with an allow-list and whose shards are
-    checked against it (:func:`check_shards`)."""
+    """``FileSystemReader`` whose metadata is unpickled with an allow-list and checked against
+    the folder (:func:`check_shards`), and whose read errors name the data file."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         path = self.fs.concat_path(self.path, ".metadata")
@@ -142,6 +215,33 @@ class SafeReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        """DCP's reads, one data file at a time, so that an error names its file."""
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for rel, items in per_file.items():
+            file = os.path.join(str(self.path), rel)
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except LLMForgeError as exc:
+                raise type(exc)(f"{file}: {exc}") from exc
+            except pickle.UnpicklingError as exc:
+                if "global" in str(exc).lower():  # torch's weights_only allow-list said no
+                    raise UnsafeCheckpointError(
+                        f"{file}: a tensor entry is not plain data; refused to load it "
+                        "(unpickling it could run code)") from exc
+                raise CheckpointReadError(f"{file} is corrupt ({str(exc)[:200]}); the checkpoint "
+                                          "is damaged: use an older one or copy it again") from exc
+            except Exception as exc:  # torch.load / zipfile / pickle on damaged bytes
+                last = (str(exc).strip().splitlines() or [""])[-1][:200]
+                raise CheckpointReadError(f"{file} is corrupt ({type(exc).__name__}: {last}); the "
+                                          "checkpoint is damaged: use an older one or copy it "
+                                          "again") from exc
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -165,39 +265,77 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+class CheckpointShapeError(LLMForgeError):
+    """A checkpoint's tensor has another shape than the model's (another model size or
+    architecture). Exit code 2. ``name``, ``saved`` and ``expected`` say which and how."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, name: str = "", saved: tuple = (), expected: tuple = ()) -> None:
+        super().__init__(message)
+        self.name, self.saved, self.expected = name, saved, expected
+
+    def __reduce__(self) -> Any:  # DCP pickles each rank's error to gather it
+        return (type(self), (str(self), self.name, self.saved, self.expected))
+
+
+def check_shapes(state: dict, metadata: Any, path: str) -> None:
+    """Every tensor of ``state`` (``{"model": {name: tensor}, ...}``, one level of sections as
+    DCP flattens them) that the checkpoint holds has the checkpoint's shape.
+
+    Raises:
+        CheckpointShapeError: the first that differs, with both shapes.
+    """
+    saved = getattr(metadata, "state_dict_metadata", None) or {}
+    for section, entries in state.items():
+        if not isinstance(entries, dict):
+            continue
+        for name, value in entries.items():
+            md = saved.get(f"{section}.{name}")
+            shape = getattr(md, "size", None)
+            if shape is None or not isinstance(value, torch.Tensor):
+                continue
+            if tuple(shape) != tuple(value.shape):
+                raise CheckpointShapeError(
+                    f"{path}: parameter {name} has shape {tuple(shape)} in the checkpoint, but this "
+                    f"model's is {tuple(value.shape)}; it was saved by a model of another size or "
+                    "architecture", name, tuple(shape), tuple(value.shape))
+
+
 def safe_load(state: dict, path: str) -> None:
     """``dcp.load(state, ...)`` with :class:`SafeReader` and :class:`SafeLoadPlanner`.
+
+    Every error is one of llmforge's, naming the file (exit code 2): DCP's own
+    ``CheckpointException`` derives from ``BaseException`` and would escape the CLI's handling.
 
     Raises:
         UnsafeCheckpointError: the metadata or a non-tensor entry refers to code outside the
             allow-lists (nothing of it is run); the message names the file or entry.
-        CheckpointReadError: ``.metadata`` is missing, truncated or corrupt.
+        CheckpointReadError: ``.metadata`` or a data file is missing, truncated, corrupt or points
+            outside the folder; an entry of ``state`` is not in the checkpoint.
+        CheckpointShapeError: a tensor's shape differs from the checkpoint's (names it, both
+            shapes).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     reader = SafeReader(path)
-    reader.read_metadata()  # fail here, with our own error, before DCP wraps it
+    metadata = reader.read_metadata()  # fail here, with our own error, before DCP wraps it
+    check_shapes(state, metadata, path)
     try:
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
-    except (UnsafeCheckpointError, CheckpointReadError) as exc:
-        raise type(exc)(f"{path}: {exc}") from exc
+    except (UnsafeCheckpointError, CheckpointReadError, CheckpointShapeError):
+        raise
     except CheckpointException as exc:
-        text = str(exc)
-        if "is corrupt (" in text:
-            raise CheckpointReadError(f"{path}: a non-tensor entry of the checkpoint is corrupt; "
-                                      "use an older checkpoint or copy it again") from exc
-        if "refused to load" in text or "Weights only load failed" in text or "Unsupported global" in text:
+        causes = [pair[0] for pair in exc.failures.values() if isinstance(pair, tuple) and pair]
+        for cause in causes:
+            if isinstance(cause, LLMForgeError):
+                raise cause from exc
+        text = "\n".join(str(c) for c in causes) or str(exc)
+        if "Weights only load failed" in text or "Unsupported global" in text:
             raise UnsafeCheckpointError(
                 f"{path}: a non-tensor entry of the checkpoint is not plain data; refused to "
                 "load it (unpickling it could run code)") from exc
-        if any(w in text for w in _CORRUPT):  # bytes changed in place: sizes fit, content not
-            raise CheckpointReadError(f"{path}: a data file of the checkpoint is corrupt "
-                                      f"({text.strip().splitlines()[-1][:200]}); use an older "
-                                      "checkpoint or copy it again") from exc
-        raise
-
-
-# what torch.load / zipfile / pickle say about damaged bytes (shape errors say none of these)
-_CORRUPT = ("PytorchStreamReader failed", "corrupted", "invalid load key", "unexpected EOF",
-            "Ran out of input", "CRC", "truncated")
+        last = (text.strip().splitlines() or [type(exc).__name__])[-1][:300]
+        raise CheckpointReadError(f"{path}: cannot be loaded into this model ({last}); use a "
+                                  "checkpoint saved with the same settings") from exc

@@ -17,6 +17,7 @@ from llmforge.checkpoint.dcp import read_json
 from llmforge.checkpoint.layout import COMPLETE, latest_checkpoint
 from llmforge.checkpoint.safe_load import SafeReader, safe_load
 from llmforge.errors import LLMForgeError
+from llmforge.paths import all_or_nothing
 
 
 def resolve(path: str | Path) -> Path:
@@ -73,18 +74,22 @@ def inspect_checkpoint(path: str | Path) -> str:
 
 
 def consolidate(path: str | Path, out: str | Path) -> Path:
-    """Write the model's full tensors to one safetensors file; returns its path."""
+    """Write the model's full tensors to one safetensors file; returns its path.
+
+    Raises:
+        WriteError: the file could not be written (e.g. a full disk); no part of it is left."""
     from safetensors.torch import save_file
 
     ckpt = resolve(path)
     entries = {k: v for k, v in tensor_entries(ckpt).items() if k.startswith("model.")}
     state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in entries.items()}
     safe_load(state, str(ckpt))
-    out = Path(out)
+    out = target = Path(out)
     if out.suffix != ".safetensors":
         out = out / "model.safetensors"
-    out.parent.mkdir(parents=True, exist_ok=True)
     meta = read_json(ckpt, "meta.json")
-    save_file({k[6:]: v.contiguous() for k, v in state.items()}, str(out),
-              metadata={"step": str(meta.get("step")), "source": str(ckpt)})
+    with all_or_nothing(target):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k[6:]: v.contiguous() for k, v in state.items()}, str(out),
+                  metadata={"step": str(meta.get("step")), "source": str(ckpt)})
     return out

@@ -6,6 +6,7 @@
                       [--top-k K] [--seed S] [--chat] [--trust-code] [--debug]
     llmforge eval RUN_DIR_OR_CHECKPOINT --tasks T1,T2 [--include-path DIR] [--limit N]
                   [--num-fewshot K] [--batch-size B] [--device D] [--trust-code]
+    llmforge plan CONFIG.yaml [key=value ...] --gpus N [--gpu NAME] [--json]   # layout for N GPUs
     llmforge algorithms          # the algorithm plugins: name, pipeline stage, summary
     llmforge runs plot RUN_DIR... [--metric train/loss] [--out FILE.png] [--x step|tokens]
     llmforge launch CONFIG.yaml [--cluster NAME] [--gpus N] [--nodes M] [--dry-run] [key=value ...]
@@ -23,13 +24,15 @@ from typing import Optional, Sequence
 
 from llmforge import signals
 from llmforge.cli.data_commands import cmd_data
-from llmforge.cli.handlers import (_quiet_libraries, cmd_algorithms, cmd_checkpoint, cmd_convert, cmd_eval,
+from llmforge.cli.handlers import (cmd_algorithms, cmd_checkpoint, cmd_convert, cmd_eval,
                                    cmd_generate, cmd_runs, cmd_train)
 from llmforge.cli.parser import _parser
 from llmforge.cli.runs_commands import RUN_COMMANDS, TOP_COMMANDS
 from llmforge.config.redaction import redact
 from llmforge.errors import LLMForgeError
 from llmforge.paths import os_error_message
+from llmforge.planning.command import cmd_plan
+from llmforge.quiet import quiet_libraries
 
 
 def _scrub(message: str) -> str:
@@ -47,15 +50,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if extra:
         args.overrides = list(args.overrides) + extra
     # before the heavy imports: a stop during startup loses nothing (see llmforge.signals)
-    owns_signals = args.command == "train" and signals.install()
+    owns_signals = args.command in ("train", "data") and signals.install()
     handlers = {"train": cmd_train, "generate": cmd_generate, "algorithms": cmd_algorithms,
-                "runs": cmd_runs, "checkpoint": cmd_checkpoint, "convert": cmd_convert, "eval": cmd_eval}
+                "runs": cmd_runs, "checkpoint": cmd_checkpoint, "convert": cmd_convert, "eval": cmd_eval,
+                "plan": cmd_plan}
     handlers.update(TOP_COMMANDS)  # launch, clusters, secrets
     handlers["data"] = cmd_data
     try:
         light = args.command in TOP_COMMANDS or getattr(args, "runs_command", None) in RUN_COMMANDS
         if not light and args.command != "train":  # train quiets them after its config checks
-            _quiet_libraries()  # run management imports neither datasets nor (mostly) torch
+            quiet_libraries()  # run management imports neither datasets nor (mostly) torch
         return handlers[args.command](args)
     except LLMForgeError as exc:
         if args.debug:

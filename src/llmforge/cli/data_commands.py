@@ -14,6 +14,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from llmforge import signals
 from llmforge.config import load_config
 from llmforge.config.overrides import _apply_override
 from llmforge.config.redaction import scrub_url_credentials
@@ -72,6 +73,21 @@ def _check_preparable(cfg: Any) -> None:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
+    """``data prepare``; a stop signal at any moment (llmforge.signals) says the command stopped
+    and that running it again continues (exit 75 for SIGTERM/SIGUSR1, 130 for SIGINT)."""
+    try:
+        return _prepare_command(args)
+    except signals.StoppedBeforeTraining as exc:  # the CLI prints "stopped: ..."
+        import signal
+
+        name = signal.Signals(exc.signum).name if exc.signum else "a stop signal"
+        out = scrub_url_credentials(str(args.out))
+        raise signals.StopRequested(f"received {name}: `data prepare` stopped; the shards finished "
+                                    f"in {out} are kept: run the same command again to continue",
+                                    exc.exit_code, exc.signum) from None
+
+
+def _prepare_command(args: argparse.Namespace) -> int:
     from llmforge.data.prepare import prepare  # heavy (datasets, torch): after the config's errors
 
     if args.workers is not None and args.workers < 1:

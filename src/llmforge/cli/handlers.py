@@ -14,33 +14,9 @@ from llmforge.cli.runs_commands import RUN_COMMANDS
 from llmforge.config import load_config
 from llmforge.errors import ConfigError, LLMForgeError
 from llmforge.preflight.resolve import resolve_run
+from llmforge.quiet import quiet_libraries
+from llmforge.runs.checks import build_loggers
 from llmforge.runs.plot import plot_runs
-
-
-def _quiet_libraries() -> None:
-    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    import logging
-    import warnings
-
-    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=".*isinstance.treespec, LeafSpec.*")
-    warnings.filterwarnings("ignore", module="torch.distributed.device_mesh")
-    warnings.filterwarnings("ignore", module="torch.distributed.tensor._random")
-    # not actionable on every run: DTensor's RNG is CUDA-only (warned from its caller's module,
-    # so matched by text), and Lightning's hint that srun exists on this machine
-    warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
-    warnings.filterwarnings("ignore", message="The `srun` command is available on your system")
-    warnings.filterwarnings("ignore", message=".*_get_slice_mesh_layout.*|.*_rng_tracker.*")
-    warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
-    warnings.filterwarnings("ignore", message=".*Found a non-scalar tensor with numel=1 and ndim!=0.*")
-    import datasets
-
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
-    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -55,13 +31,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     launcher = bool(args.nproc and args.nproc > 1 and not os.environ.get("WORLD_SIZE"))
     run = resolve_run(cfg, overwrite=args.overwrite, check_dir=not args.dry_run,
                       dry_run=args.dry_run)
-    _quiet_libraries()
+    quiet_libraries()
     from llmforge.training.trainer import Trainer  # heavy (torch, Lightning): after the config errors
 
     trainer = Trainer(cfg, overwrite=args.overwrite, run=run)  # imports, strategy, algorithms
     if args.dry_run:
         from llmforge.training.dry_run import dry_run_report  # heavy (torch): after config errors
         from llmforge.training.preflight import pipeline_line  # heavy (torch, Lightning)
+
+        try:  # a tracker SDK missing here fails the real run here: say it now (an API key may
+            # be set only where the run goes, so a missing one is left to it)
+            build_loggers(trainer.cfg, {"run_dir": str(run.run_dir)}, strict=True)
+        except LLMForgeError as exc:
+            if isinstance(exc.__cause__, ImportError):
+                raise
 
         for note in run.notes:
             print(f"note            {note}")
@@ -114,7 +97,11 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 def _print_summary(s: dict[str, Any]) -> None:
     minutes, seconds = divmod(int(s["seconds"]), 60)
-    parts = [f"done: {s['steps']} steps, {s['tokens']:,} tokens in {minutes}m{seconds:02d}s"]
+    if s.get("stopped_by"):
+        head = f"stopped early ({s['stopped_by']}): {s['steps']} of {s['max_steps']} steps"
+    else:
+        head = f"done: {s['steps']} steps"
+    parts = [f"{head}, {s['tokens']:,} tokens in {minutes}m{seconds:02d}s"]
     if s["final_train_loss"] is not None:
         parts.append(f"train/loss {s['final_train_loss']:.4f}")
     if s["final_eval_loss"] is not None:
@@ -162,7 +149,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(args.prompt)
     print(flush=True)
     print(f"{stats['tokens']} tokens in {stats['seconds']:.2f} s ({stats['tokens_per_second']:.1f} "
-          f"tokens/s, KV cache {'on' if stats['kv_cache'] else 'off'})", file=sys.stderr)
+          f"tokens/s, KV cache {'on' if stats['kv_cache'] else 'off'}, {stats['threads']} "
+          f"thread{'s' * (stats['threads'] != 1)})", file=sys.stderr)
     return 0
 
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 
+from llmforge import __version__
 from llmforge.cli.common_args import add_debug
 from llmforge.cli.data_commands import add_parser as add_data_parser  # data prepare
 from llmforge.cli.runs_commands import add_parsers  # launch, clusters, secrets, runs list/stop/...
+from llmforge.planning.command import add_parser as add_plan_parser
 
 __all__ = ["_parser"]
 
@@ -24,6 +26,7 @@ def add_trust_code(p: argparse.ArgumentParser) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llmforge", description="Train language models (Llama 3, Qwen3, your own) from one YAML.")
+    p.add_argument("--version", action="version", version=f"llmforge {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train from a YAML config")
@@ -119,5 +122,6 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("--log-y", action="store_true", help="logarithmic y axis")
     add_debug(rp)
     add_data_parser(sub)
+    add_plan_parser(sub)  # plan
     add_parsers(sub, runs_sub)
     return p

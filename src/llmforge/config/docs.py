@@ -26,14 +26,17 @@ SECTIONS = {
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings (the string literal under each field) of a dataclass."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
+    """Attribute docstrings (the string literal under each field) of a dataclass, those of its
+    dataclass bases included (a subclass's own docstring of a field wins)."""
     docs: dict[str, str] = {}
-    for prev, node in zip(body, body[1:]):
-        if (isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name)
-                and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
-            docs[prev.target.id] = " ".join(str(node.value.value).split())
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(inspect.getsource(klass)).body[0].body  # type: ignore[attr-defined]
+        for prev, node in zip(body, body[1:]):
+            if (isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name)
+                    and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
+                docs[prev.target.id] = " ".join(str(node.value.value).split())
     return docs
 
 

@@ -19,7 +19,7 @@ from typing import Any, Union
 from omegaconf import BooleanNode, FloatNode, IntegerNode, StringNode
 from omegaconf.errors import OmegaConfBaseException
 
-from llmforge.config.schema import TrainConfig
+from llmforge.config.schema import ModelConfig, TrainConfig
 from llmforge.errors import ConfigError
 
 _ROOT: contextvars.ContextVar = contextvars.ContextVar("llmforge_config_root", default=TrainConfig)
@@ -93,6 +93,14 @@ def _all_paths(dc: Any, prefix: str = "") -> list:
 
 
 def _unknown(full: str, source: str, dc: Any, parent: str) -> ConfigError:
+    if parent == "model" and dc is ModelConfig:  # a bare factory: only the generic keys
+        leaf = full.rsplit(".", 1)[-1]
+        return ConfigError(
+            f"unknown key '{full}' in {source}; model.name is a plain function, whose model: keys "
+            f"are only {', '.join(_fields(dc))} (its own arguments go in model.kwargs, e.g. "
+            f"model.kwargs.{leaf}); to take shape keys such as model.{leaf} (those of a base: "
+            "file like yamls/demo_cpu.yaml), register a ModelSpec whose config_cls has them "
+            "(docs/models.md, 'A model in your own package')")
     return ConfigError(f"unknown key '{full}' in {source}; {_suggest(full, dc, parent)}")
 
 

@@ -26,7 +26,6 @@ from omegaconf.errors import InterpolationKeyError, InterpolationValidationError
 
 from llmforge.config.keycheck import _ROOT, _bad_type, _check, _join, _omega_message, _schema_type
 from llmforge.config.model_typing import _model_class, _root_for
-# _apply_override, _is_secret, scrub_url_credentials: imported from here by older code
 from llmforge.config.overrides import _apply_override
 from llmforge.config.redaction import config_to_dict, redact
 from llmforge.config.schema import TrainConfig, model_config_class

@@ -1,6 +1,12 @@
 """Keeping secrets out of what llmforge writes: secret-looking keys (``api_key``, ``*_token``,
 ``password``, ...; not ``max_tokens`` or ``eos_token``), their values wherever else they appear,
 the environment's credential values, and ``user:password@`` in URLs.
+
+One rule (:func:`is_secret_key`) decides what a secret is for every writer: the saved config,
+``meta.json``, the run registry, the trackers' parameters, names and tags, and the command line
+a tracker records (:func:`redact_argv`). Keys are compared after normalizing HTTP-header and
+camelCase spellings (``X-Api-Key``, ``Private-Token``, ``apiKey`` are ``x_api_key``,
+``private_token``, ``api_key``).
 """
 
 from __future__ import annotations
@@ -10,13 +16,14 @@ import dataclasses
 import re
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from llmforge.config.keycheck import _omega_message
 from llmforge.errors import ConfigError
 
-__all__ = ["redact", "scrub_url_credentials"]
+__all__ = ["is_secret_key", "redact", "redact_argv", "scrub_url_credentials"]
 
 
 _SECRET = re.compile(r"(?i)(api_?key|secret|passw(or)?d|passwd|access_key|private_key|credential|"
@@ -24,8 +31,20 @@ _SECRET = re.compile(r"(?i)(api_?key|secret|passw(or)?d|passwd|access_key|privat
 _NOT_SECRET = re.compile(r"(?i)(_tokens$|^(bos|eos|pad|unk|sep|cls|mask|start|end)_token$)")
 
 
-def _is_secret(key: Any) -> bool:
-    return isinstance(key, str) and bool(_SECRET.search(key)) and not _NOT_SECRET.search(key)
+_CAMEL = re.compile(r"([a-z0-9])([A-Z])")
+_SEPARATORS = re.compile(r"[-\s]+")
+
+
+def is_secret_key(key: Any) -> bool:
+    """Whether a config key, HTTP header or variable name names a secret (``api_key``,
+    ``X-Api-Key``, ``Private-Token``, ``apiKey``, ``HF_TOKEN``; not ``max_tokens``,
+    ``eos_token``)."""
+    if not isinstance(key, str):
+        return False
+    key = _SEPARATORS.sub("_", _CAMEL.sub(r"\1_\2", key)).lower()
+    return bool(_SECRET.search(key)) and not _NOT_SECRET.search(key)
+
+
 
 
 _ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
@@ -41,7 +60,7 @@ def _secret_values(container: Any, out: set) -> set:
     """Every non-trivial string held under a secret-looking key, at any depth."""
     if isinstance(container, dict):
         for k, v in container.items():
-            if _is_secret(k) and not _env_names(k, v):
+            if is_secret_key(k) and not _env_names(k, v):
                 for item in (v if isinstance(v, (list, tuple)) else [v]):
                     if isinstance(item, (str, int)) and len(str(item)) >= 6:
                         out.add(str(item))
@@ -56,7 +75,7 @@ def _env_secret_values() -> set:
     """Values of the environment's credential variables (``*_API_KEY``, ``*_TOKEN``, ...)."""
     import os
 
-    return {v for k, v in os.environ.items() if _is_secret(k.lower()) and v and len(v) >= 6}
+    return {v for k, v in os.environ.items() if is_secret_key(k) and v and len(v) >= 6}
 
 
 # user:password@ or a bare token@ (https://ghp_xxx@github.com, s3://KEY@bucket), also after the
@@ -115,10 +134,33 @@ def redact(container: Any) -> Any:
 def _redact_keys(container: Any) -> Any:
     if isinstance(container, dict):
         return {
-            k: ("***" if _is_secret(k) and v is not None and not _env_names(k, v) else _redact_keys(v))
+            k: ("***" if is_secret_key(k) and v is not None and not _env_names(k, v) else _redact_keys(v))
             for k, v in container.items()
         }
     if isinstance(container, (list, tuple)):
         return [_redact_keys(v) for v in container]
     return container
 
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """A command line with the values of secret-looking overrides (``variables.api_key=S``,
+    ``data.storage_options.X-Api-Key=S``) replaced by ``***``, and those values, the
+    environment's credential values and URL credentials removed from every other argument
+    (e.g. ``run.tags=[S]``, or ``data.storage_options={X-Api-Key: S}``). What a tracker records
+    as the run's command."""
+    values = _env_secret_values()
+    out = []
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if eq and any(is_secret_key(part) for part in key.lstrip("+~").split(".")):
+            if len(value) >= 6:
+                values.add(value)
+            arg = f"{key}=***"
+        elif eq and value.startswith(("{", "[")):  # a mapping such as {X-Api-Key: S} given as one value
+            try:
+                _secret_values(yaml.safe_load(value), values)
+            except yaml.YAMLError:
+                pass
+        out.append(arg)
+    return _scrub(out, values)

@@ -31,6 +31,8 @@ ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 """``trainer.accelerator`` values."""
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
 """``scheduler.name`` values (formulas in llmforge.training.schedule)."""
+OPTIMIZERS = ("adamw", "muon")
+"""``optimizer.name`` values (built in llmforge.training.optim)."""
 STRATEGIES = ("auto", "single", "ddp", "fsdp2")
 """``strategy.name`` values."""
 
@@ -218,23 +220,34 @@ class TrainerSettings:
     """Show the rich progress bar."""
     num_threads: Optional[int] = None
     """Compute (intra-op) threads per process; null = the cores this process may use
-    (``os.sched_getaffinity``) divided among the node's processes, less ``data.num_workers``."""
+    (``os.sched_getaffinity``) divided among the node's processes, less the cores other
+    processes keep busy now and one per data worker of a streaming source."""
 
 
 @dataclass
 class OptimizerConfig:
-    """``optimizer:`` — AdamW; weight decay applies to 2-D weights only."""
+    """``optimizer:`` — AdamW, or Muon plus AdamW; weight decay applies to 2-D weights only."""
 
     name: str = "adamw"
-    """Only ``adamw`` is built in."""
+    """``adamw``, or ``muon``: Muon for the 2-D weights inside the repeated blocks, AdamW for
+    embeddings, output, norms and biases, the Muon update scaled to AdamW's RMS (Moonlight) so
+    AdamW's lr and weight decay carry over (docs/optimizers.md)."""
     lr: float = 3e-4
-    """Peak learning rate."""
+    """Peak learning rate (with ``muon``: of the AdamW parameters)."""
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     """Adam betas."""
     eps: float = 1e-8
     """Adam epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay on matrices (not on norms, biases or 1-D parameters)."""
+    muon_lr: Optional[float] = None
+    """``muon``: peak learning rate of the Muon matrices; null = ``lr``."""
+    muon_momentum: float = 0.95
+    """``muon``: momentum of the Muon matrices."""
+    muon_nesterov: bool = True
+    """``muon``: Nesterov momentum."""
+    muon_ns_steps: int = 5
+    """``muon``: Newton-Schulz iterations per step."""
 
 
 @dataclass

@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from llmforge.config.schema import (ACCELERATORS, DATA_SOURCES, DATA_TASKS, OVERLONG, PRECISIONS,
-                                    SCHEDULES, STRATEGIES, TOKENIZER_TYPES)
 from llmforge.config.mixture import mixture_entries
+from llmforge.config.schema import (ACCELERATORS, DATA_SOURCES, DATA_TASKS, OPTIMIZERS, OVERLONG,
+                                    PRECISIONS, SCHEDULES, STRATEGIES, TOKENIZER_TYPES)
 from llmforge.errors import ConfigError
 
 __all__ = ["BatchPlan", "data_parallel_size", "plan_batch", "validate"]
@@ -202,6 +202,11 @@ def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
              "two numbers in [0, 1), e.g. [0.9, 0.95]", list(opt.betas))
     _require(0 < opt.eps < 1, "optimizer.eps", "in (0, 1), e.g. 1e-8", opt.eps)
     _require(opt.weight_decay >= 0, "optimizer.weight_decay", ">= 0", opt.weight_decay)
+    _one_of("optimizer.name", opt.name, OPTIMIZERS)
+    if opt.muon_lr is not None:
+        _require(0 < opt.muon_lr < float("inf"), "optimizer.muon_lr", "> 0 and finite, or null", opt.muon_lr)
+    _require(0 <= opt.muon_momentum < 1, "optimizer.muon_momentum", "in [0, 1), e.g. 0.95", opt.muon_momentum)
+    _require(0 < opt.muon_ns_steps < 100, "optimizer.muon_ns_steps", "in [1, 99], e.g. 5", opt.muon_ns_steps)
     _require(0 <= cfg.run.seed < 2**32, "run.seed", "in [0, 2**32)", cfg.run.seed)
     _require(cfg.data.num_workers >= 0, "data.num_workers", ">= 0", cfg.data.num_workers)
     _require(cfg.data.max_documents is None or cfg.data.max_documents > 0, "data.max_documents",

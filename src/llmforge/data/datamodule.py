@@ -32,9 +32,10 @@ from torch.utils.data import ConcatDataset, DataLoader
 from llmforge.data.loader import PositionedLoader
 from llmforge.data.mixture import (MixtureSampler, MixtureStream, MixtureWindows, PreparedMixture,
                                    mixture_windows)
-from llmforge.data.packing import PackedWindows, ShardedSampler, pack_documents, token_dtype
+from llmforge.data.packing import (PIECE_CHARS, PackedWindows, ShardedSampler, encode_packed,
+                                   token_dtype)
 from llmforge.data.prepared import PreparedSplits, PreparedWindows
-from llmforge.data.sources import DocumentSplits
+from llmforge.data.sources import DocumentSplits, file_identity
 from llmforge.data.streaming import StreamingWindows
 from llmforge.errors import DataError
 from llmforge.parallel.lightning_private import strategy_mesh
@@ -57,34 +58,18 @@ def ignore_stop_signals(worker_id: int) -> None:
         pl_worker_init_function(worker_id)
 
 
-def _by_size(texts: list[str], max_chars: int) -> Any:
-    """Consecutive runs of ``texts`` of at most ``max_chars`` characters (one longer text alone)."""
-    run: list[str] = []
-    size = 0
-    for text in texts:
-        if run and size + len(text) > max_chars:
-            yield run
-            run, size = [], 0
-        run.append(text)
-        size += len(text)
-    if run:
-        yield run
-
-
 def tokenize_documents(ds: Any, tokenizer: Any, batch_size: int = 512,
-                       max_chars: int = 1 << 20) -> np.ndarray:
-    """Tokenize every document of a map-style dataset and pack it (see :func:`pack_documents`).
+                       max_chars: int = PIECE_CHARS) -> np.ndarray:
+    """Tokenize every document of a map-style dataset and pack it (``[BOS] doc [EOS]`` each).
 
-    Each call of the batch encoder gets at most ``max_chars`` characters (documents stay whole,
-    so the ids are the same): its per-token objects (``tokenizers`` Encodings, Python int
-    lists) are ~150 bytes a token, so encoding the 39 plays of the demo in one call held
-    ~330 MiB at once, the peak of the whole run (issue 18.9); 1 MiB of text holds ~60 MiB."""
+    Each call of the batch encoder gets at most ``max_chars`` characters
+    (:func:`llmforge.data.packing.encode_packed`): its per-token objects are ~150 bytes a
+    token, so encoding the 39 plays of the demo in one call held ~330 MiB at once, the peak of
+    the whole run (issue 18.9); 1 MiB of text holds ~60 MiB. A longer document is encoded in
+    pieces cut at spaces (issue 26.4)."""
     dtype = token_dtype(tokenizer.vocab_size)
-    parts = []
-    for batch in ds.iter(batch_size=batch_size):
-        for texts in _by_size(batch["text"], max_chars):
-            parts.append(pack_documents(tokenizer.encode_batch(texts), tokenizer.bos_id,
-                                        tokenizer.eos_id, dtype))
+    parts = [encode_packed(tokenizer, batch["text"], dtype, max_chars)
+             for batch in ds.iter(batch_size=batch_size)]
     return np.concatenate(parts) if parts else np.empty(0, dtype=dtype)
 
 
@@ -131,6 +116,7 @@ class LLMDataModule(L.LightningDataModule):
         self.resume_dir = Path(resume_dir) if resume_dir else None
         self.allow_source_changes = allow_source_changes
         self.positioned: Optional[PositionedLoader] = None
+        self._stats: Optional[dict[str, list[list]]] = None  # see _stream_stats
         self.train_windows: Any = None
         self.val_windows: Any = None
         self.train_tokens = 0
@@ -276,14 +262,26 @@ class LLMDataModule(L.LightningDataModule):
                   file=sys.stderr, flush=True)
         return None
 
-    def _stream_files(self) -> dict[str, list[str]]:
-        """The file names of each streaming source (``data``, or a mixture entry's name): a
-        saved position is a shard index and an offset in these (``datasets``' state)."""
-        names = lambda files: [os.path.basename(str(f)) for f in files]  # noqa: E731 (no URL credentials)
+    def _stream_paths(self) -> dict[str, list[str]]:
+        """The files of each streaming source (``data``, or a mixture entry's name): a saved
+        position is a shard index and an offset in these (``datasets``' state)."""
         if isinstance(self.docs, PreparedMixture):
-            return {e["name"]: names(p.files) for e, p in zip(self.docs.entries, self.docs.parts)
-                    if e["source"] != "prepared"}
-        return {"data": names(getattr(self.docs, "files", ()))}
+            return {e["name"]: [str(f) for f in p.files]
+                    for e, p in zip(self.docs.entries, self.docs.parts) if e["source"] != "prepared"}
+        return {"data": [str(f) for f in getattr(self.docs, "files", ())]}
+
+    def _stream_files(self) -> dict[str, list[str]]:
+        """The file names of each streaming source (no directories, no URL credentials)."""
+        return {k: [os.path.basename(f) for f in v] for k, v in self._stream_paths().items()}
+
+    def _stream_stats(self) -> dict[str, list[list]]:
+        """``[name, bytes, sha256 of the first 64 KiB]`` of each local file of each streaming
+        source, computed once per run (a checkpoint records it; a file rewritten under the same
+        name is then noticed at resume). URLs are not read here (an object store per save)."""
+        if self._stats is None:
+            self._stats = {k: [[os.path.basename(f), *file_identity(f)] for f in v if os.path.isfile(f)]
+                           for k, v in self._stream_paths().items()}
+        return self._stats
 
     def _same_files(self, saved: dict, path: Path, rank: int) -> bool:
         """Whether the streaming sources read the files ``saved`` was written with (a position
@@ -293,12 +291,24 @@ class LLMDataModule(L.LightningDataModule):
             DataError: they differ and ``allow_source_changes`` is off.
         """
         then, now = saved.get("files"), self._stream_files()
-        if then is None or then == now:  # None: saved by an older llmforge
+        if then is None:  # saved by an older llmforge
             return True
-        changed = ", ".join(f"{k}: {len(then.get(k) or [])} -> {len(v)} files"
-                            + (" (other names)" if len(then.get(k) or []) == len(v) else "")
-                            for k, v in now.items() if then.get(k) != v)
-        msg = f"data: the streaming files differ from those {path} was saved with ({changed})"
+        if then == now:
+            stats_then, stats_now = saved.get("file_stats") or {}, self._stream_stats()
+            rewritten = [f"{k}: {new[0]} ({old[1]:,} -> {new[1]:,} bytes"
+                         + (", other content)" if old[1] == new[1] else ")")
+                         for k, entries in stats_now.items()
+                         for old, new in zip(stats_then.get(k) or [], entries)
+                         if old[0] == new[0] and old != new]
+            if not rewritten:
+                return True
+            msg = (f"data: a streaming file changed since {path} was saved ({'; '.join(rewritten)}): "
+                   "the saved offsets in it would skip or repeat documents")
+        else:
+            changed = ", ".join(f"{k}: {len(then.get(k) or [])} -> {len(v)} files"
+                                + (" (other names)" if len(then.get(k) or []) == len(v) else "")
+                                for k, v in now.items() if then.get(k) != v)
+            msg = f"data: the streaming files differ from those {path} was saved with ({changed})"
         if not self.allow_source_changes:
             raise DataError(f"{msg}; the saved position does not fit them: restore the files, or "
                             "pass checkpoint.allow_config_changes=true to restart the stream from its "
@@ -323,5 +333,5 @@ class LLMDataModule(L.LightningDataModule):
         trainer = getattr(self, "trainer", None)
         step = trainer.global_step if trainer is not None else self.start_step
         return {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "num_workers": self.num_workers,
-                "step": step, "files": self._stream_files(),
+                "step": step, "files": self._stream_files(), "file_stats": self._stream_stats(),
                 "loader": self.positioned.position(step - self.start_step)}

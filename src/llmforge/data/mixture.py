@@ -277,23 +277,42 @@ def _checked_stream(key: str, entry: dict[str, Any], docs: Any, tokenizer: Any, 
 
 
 class MixtureTokens(Callback):
-    """Adds ``data/<name>/tokens_seen`` (tokens of windows drawn from each source, all ranks) to
-    the step's metrics on logging steps, so every logger records them."""
+    """Adds ``data/<name>/tokens_seen`` (tokens trained from each source, all ranks) to the
+    step's metrics on logging steps, so every logger records them.
+
+    A step's windows are all trained on the same number of tokens, ``step_tokens /
+    global_batch_size`` (``seq_len``, or fewer where an algorithm truncates them:
+    ``seq_length_warmup``), so the per-source counts sum to ``train/tokens_seen`` at every
+    step. The counts are saved in every checkpoint (:meth:`state_dict`); a checkpoint without
+    them (an older llmforge) restarts them at ``seq_len`` tokens per window drawn before."""
 
     def __init__(self, names: list[str], shares: list[float], seed: int, global_batch_size: int,
                  seq_len: int) -> None:
         # the assignment depends on the shares, the seed and the global batch only
         self.sampler = MixtureSampler(shares, [1] * len(shares), seed=seed, local_batch=global_batch_size)
         self.names, self.seq_len = names, seq_len
-        self.counts: Optional[np.ndarray] = None
+        self.tokens: Optional[np.ndarray] = None  # int64[n_sources], after self.step
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"step", "tokens": {name: tokens}}`` (plain JSON, in ``trainer_state.json``)."""
+        if self.tokens is None:
+            return {}
+        return {"step": self.step, "tokens": dict(zip(self.names, map(int, self.tokens)))}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("tokens") and list(state["tokens"]) == self.names:
+            self.tokens = np.asarray(list(state["tokens"].values()), dtype=np.int64)
+            self.step = int(state["step"])
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         step, g = trainer.global_step, self.sampler.global_batch
-        if self.counts is None:  # first step of this process (maybe a resume)
-            self.counts = self.sampler.counts_before(step * g)
-        else:
-            self.counts += np.bincount(self.sampler.sources((step - 1) * g, step * g),
-                                       minlength=len(self.names))
+        if self.tokens is None or self.step != step - 1:  # a resume without saved counts
+            self.tokens = self.sampler.counts_before((step - 1) * g).astype(np.int64) * self.seq_len
+        per_window = pl_module.step_tokens // g  # this step's trained tokens of one window
+        self.tokens += np.bincount(self.sampler.sources((step - 1) * g, step * g),
+                                   minlength=len(self.names)) * per_window
+        self.step = step
         if pl_module.is_log_step(step):
-            pl_module.step_metrics.update({f"data/{n}/tokens_seen": int(c) * self.seq_len
-                                           for n, c in zip(self.names, self.counts)})
+            pl_module.step_metrics.update({f"data/{n}/tokens_seen": int(c)
+                                           for n, c in zip(self.names, self.tokens)})

@@ -19,7 +19,7 @@ from llmforge.errors import ConfigError, DataError
 from llmforge.config.mixture import mixture_entries
 from llmforge.config.redaction import scrub_url_credentials
 from llmforge.data.prepared import open_prepared, tokenizer_fingerprint
-from llmforge.data.sources import hash_str, iter_texts, load_documents
+from llmforge.data.sources import hash_str, iter_texts, load_documents, plain_options
 from llmforge.data.tokenizer_base import META_FILE
 
 
@@ -102,7 +102,7 @@ def open_mixture(cfg: Any) -> PreparedMixture:
     parts = []
     for i, e in enumerate(entries):
         try:
-            parts.append(open_prepared(e["path"], storage_options=dict(cfg.data.storage_options),
+            parts.append(open_prepared(e["path"], storage_options=plain_options(cfg.data.storage_options),
                                        cache_dir=cfg.data.cache_dir) if e["data"] is None
                          else load_documents(e["data"], cfg.run.seed))
         except DataError as exc:

@@ -8,7 +8,7 @@ labels ``w[1:]`` (the label shift), both ``seq_len`` tokens long.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -35,6 +35,68 @@ def pack_documents(token_lists: Iterable[list[int]], bos_id: int, eos_id: int,
         arr[0], arr[-1] = bos_id, eos_id
         arr[1:-1] = ids
         parts.append(arr)
+    return np.concatenate(parts) if parts else np.empty(0, dtype=dtype)
+
+
+PIECE_CHARS = 1 << 20  # characters per call of a tokenizer's batch encoder
+
+
+def _by_size(texts: list[str], max_chars: int) -> Iterator[list[str]]:
+    """Consecutive runs of ``texts`` of at most ``max_chars`` characters (one longer text alone)."""
+    run: list[str] = []
+    size = 0
+    for text in texts:
+        if run and size + len(text) > max_chars:
+            yield run
+            run, size = [], 0
+        run.append(text)
+        size += len(text)
+    if run:
+        yield run
+
+
+def text_pieces(text: str, max_chars: int = PIECE_CHARS) -> Iterator[str]:
+    """``text`` in consecutive pieces of at most ``max_chars`` characters, each cut just before a
+    space that follows a non-space character (searched back from ``max_chars`` to half of it;
+    a hard cut at ``max_chars`` when there is none). Regex pre-tokenizers (byte-level BPE:
+    GPT-2, Llama 3, tiktoken) start a new pre-token there, so encoding the pieces gives the ids
+    of encoding the whole text."""
+    start = 0
+    while len(text) - start > max_chars:
+        end = start + max_chars
+        cut = text.rfind(" ", start + max_chars // 2, end)
+        while cut > start and text[cut - 1].isspace():
+            cut = text.rfind(" ", start + max_chars // 2, cut)
+        cut = cut if cut > start else end
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
+
+
+def encode_packed(tokenizer: Any, texts: Iterable[str], dtype: np.dtype,
+                  max_chars: int = PIECE_CHARS) -> np.ndarray:
+    """``[BOS] doc [EOS]`` of every non-empty text (as :func:`pack_documents`), with at most
+    about ``max_chars`` characters per call of ``tokenizer.encode_batch``.
+
+    The encoder's per-token objects (``tokenizers`` Encodings, Python int lists) cost ~150-200
+    bytes a token, so one call on a 100 MB document held ~20 GB (issue 26.4); a text longer than
+    ``max_chars`` is encoded in :func:`text_pieces`, each turned into ``dtype`` ids at once, so
+    the peak is the text and its ids plus one piece's objects, whatever the text's length.
+
+    Returns:
+        A 1-D ``dtype`` array of the packed ids.
+    """
+    parts: list[np.ndarray] = []
+    for run in _by_size(list(texts), max_chars):
+        if len(run) > 1 or len(run[0]) <= max_chars:
+            parts.append(pack_documents(tokenizer.encode_batch(run), tokenizer.bos_id,
+                                        tokenizer.eos_id, dtype))
+            continue
+        ids = [np.asarray(tokenizer.encode_batch([piece])[0], dtype=dtype)
+               for piece in text_pieces(run[0], max_chars)]
+        if sum(len(x) for x in ids):
+            parts.extend([np.asarray([tokenizer.bos_id], dtype), *ids,
+                          np.asarray([tokenizer.eos_id], dtype)])
     return np.concatenate(parts) if parts else np.empty(0, dtype=dtype)
 
 

@@ -5,9 +5,9 @@ Documents are read lazily (``datasets`` streaming) in the order a run would read
 validation documents held out as the run's ``data.val_fraction`` / ``data.val_split`` would,
 and cut into shards of ``docs_per_shard`` documents. Shards are tokenized by a pool of
 processes (one per core), each writing its shard to a temporary file that is renamed when
-whole; ``progress.json`` lists the finished shards, so an interrupted prepare started again
-keeps them and re-reads (without tokenizing) only their documents. ``manifest.json`` is
-written last.
+whole; ``progress.json`` is written before anything else and lists the finished shards, so a
+prepare interrupted at any moment (SIGKILL included) and started again keeps them and re-reads
+(without tokenizing) only their documents. ``manifest.json`` is written last.
 """
 
 from __future__ import annotations
@@ -22,15 +22,16 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from llmforge.data.packing import pack_documents, token_dtype
+from llmforge.data.packing import encode_packed, token_dtype
 from llmforge.data.prepared import tokenizer_fingerprint
 from llmforge.data.prepared_checks import FORMAT, MANIFEST, file_sha256, parse_manifest
 from llmforge.data.remote import _check_store_out, _remote_size, _upload, open_store
-from llmforge.data.tokenizers import build_tokenizer, load_saved
-from llmforge.errors import DataError
+from llmforge.data.shakespeare import cache_root
 from llmforge.data.sources import (_resolve_files, describe_files, iter_texts, load_documents, read_rows,
                                    tokenizer_cache_key)
-from llmforge.data.shakespeare import cache_root
+from llmforge.data.tokenizers import build_tokenizer, load_saved
+from llmforge.errors import DataError
+from llmforge.paths import write_failed
 
 PROGRESS = "progress.json"
 
@@ -39,22 +40,38 @@ _WORKER_TOK: Any = None
 
 def _init_worker(tokenizer_dir: str) -> None:
     global _WORKER_TOK
+    import signal
+
+    # a Ctrl-C or a scheduler's signal reaches the whole process group: the parent alone
+    # stops (llmforge.signals, exit 75/130) and ends the pool with SIGTERM, whose default
+    # action a worker must keep (the handler inherited at fork would raise in the task)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _WORKER_TOK = load_saved(tokenizer_dir)
 
 
 def write_shard(tok: Any, texts: list[str], path: Path) -> dict[str, Any]:
     """Tokenize ``texts`` into ``path`` (``[BOS] doc [EOS]`` each, the smallest dtype), atomically.
 
+    Raises:
+        WriteError: it could not be written (e.g. a full disk); no partial file is left.
+
     Returns:
         ``{"file", "tokens", "sha256", "documents", "bytes"}`` (bytes: UTF-8 text read).
     """
-    arr = pack_documents(tok.encode_batch(texts), tok.bos_id, tok.eos_id, token_dtype(tok.vocab_size))
+    arr = encode_packed(tok, texts, token_dtype(tok.vocab_size))  # long texts in pieces
     tmp = path.with_suffix(".tmp")
-    arr.tofile(tmp)
-    os.replace(tmp, path)
+    try:
+        arr.tofile(tmp)
+        os.replace(tmp, path)
+    except OSError as exc:  # a full disk: no partial shard; the finished ones and progress.json stay
+        tmp.unlink(missing_ok=True)
+        raise write_failed(exc, tmp, "the shards written so far are kept: free space and run the "
+                                     "same command again to continue") from None
     return {"file": f"{path.parent.name}/{path.name}", "tokens": int(len(arr)),
             "sha256": file_sha256(path), "documents": len(texts),
-            "bytes": sum(len(t.encode("utf-8", "replace")) for t in texts)}
+            "bytes": sum(len(t) if t.isascii() else len(t.encode("utf-8", "replace")) for t in texts)}
 
 
 def _pool_shard(args: tuple[list[str], str]) -> dict[str, Any]:
@@ -81,8 +98,13 @@ def source_files(cfg: Any) -> list[dict[str, Any]]:
 
 def _atomic_json(path: Path, value: Any) -> None:
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(value, indent=1))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(value, indent=1))
+        os.replace(tmp, path)
+    except OSError as exc:  # a full disk: the previous version of the file stays
+        tmp.unlink(missing_ok=True)
+        raise write_failed(exc, tmp, f"{path.name} keeps its previous content: free space and run "
+                                     "the same command again to continue") from None
 
 
 def _check_out(out: Path, key: dict[str, Any]) -> dict[str, list]:
@@ -91,14 +113,16 @@ def _check_out(out: Path, key: dict[str, Any]) -> dict[str, list]:
     Raises:
         DataError: OUT holds something else (another corpus, another tokenizer, other files).
     """
-    if not out.exists() or not any(out.iterdir()):
+    # a *.tmp beside: a kill between writing and renaming progress.json (nothing else yet)
+    if not out.exists() or all(p.suffix == ".tmp" for p in out.iterdir()):
         return {}
     progress = out / PROGRESS
     if progress.exists():
         try:
             saved = json.loads(progress.read_text())
-        except (OSError, ValueError) as exc:
-            raise DataError(f"{progress} is damaged ({exc}); delete {out} and prepare again") from exc
+        except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
+            raise DataError(f"{progress} is damaged ({exc or 'nested too deeply'}); delete {out} and "
+                            "prepare again") from exc
         if not isinstance(saved, dict) or not isinstance(saved.get("splits"), dict):
             raise DataError(f"{progress} is not a progress file of `llmforge data prepare`; delete "
                             f"{out} and prepare again")
@@ -110,6 +134,19 @@ def _check_out(out: Path, key: dict[str, Any]) -> dict[str, list]:
         raise DataError(f"{out} already holds a prepared corpus ({out / MANIFEST}); choose "
                         "another folder or delete it")
     raise DataError(f"{out} exists and is not empty; choose an empty or new folder")
+
+
+def _finished(out: Path, key: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The manifest of a prepare of the same inputs that completed in ``out`` (a rerun of the
+    same command, e.g. after a stop signal that came as it finished), or ``None``."""
+    if (out / PROGRESS).exists() or not (out / MANIFEST).exists():
+        return None
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError, RecursionError):
+        return None  # _check_out refuses the folder
+    same = isinstance(manifest, dict) and manifest.get("complete") and manifest.get("key") == key
+    return manifest if same else None
 
 
 def _progress_bar(total_bytes: Optional[int]) -> Any:
@@ -145,6 +182,8 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
     Raises:
         DataError: the source is empty or unreadable, ``out`` holds something else, or
             ``docs_per_shard < 1``.
+        WriteError: a shard could not be written (a full disk): its partial file is removed,
+            the finished shards are kept and the same command continues from them.
     """
     if docs_per_shard < 1:
         raise DataError(f"--docs-per-shard must be >= 1, got {docs_per_shard}")
@@ -164,8 +203,13 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
     key = {"fingerprint": fp, "sources": sources, "docs_per_shard": docs_per_shard,
            "seed": cfg.run.seed, "val_fraction": cfg.data.val_fraction, "split": cfg.data.split,
            "val_split": cfg.data.val_split, "max_documents": cfg.data.max_documents}
+    finished = _finished(out, key)
+    if finished is not None:  # the same command again after it completed: nothing to do
+        return finished
     done = _check_out(out, key)
     out.mkdir(parents=True, exist_ok=True)
+    if not (out / PROGRESS).exists():  # first, so a kill at any later moment can be rerun
+        _atomic_json(out / PROGRESS, {"key": key, "splits": {"train": [], "val": []}})
     tok.save(out / "tokenizer")
     total = sum(s.get("bytes", 0) for s in sources) or None
     workers = workers or os.cpu_count() or 1
@@ -230,6 +274,7 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
                           "shards": [{k: s[k] for k in ("file", "tokens", "sha256")} for s in shards]}
                    for name, shards in splits.items() if shards},
         "seconds": round(time.perf_counter() - start, 3),
+        "key": key,  # what a rerun of the same command compares (_finished)
     }
     _atomic_json(out / MANIFEST, manifest)
     (out / PROGRESS).unlink(missing_ok=True)

@@ -69,7 +69,7 @@ def check_tokenizer(prepared: PreparedSplits, tok: Any, what: str) -> None:
         raise DataError(
             f"tokenizer: {what} (fingerprint {have}, vocabulary {tok.vocab_size}) is not the "
             f"tokenizer that prepared {prepared.root} (fingerprint {prepared.fingerprint}, "
-            f"vocabulary {saved['vocab_size']}, {saved['type']}); use tokenizer.type=train_bpe "
+            f"vocabulary {saved['vocab_size']}, {saved.get('type')}); use tokenizer.type=train_bpe "
             "to read the one saved with the shards, or prepare the corpus again with this one")
 
 
@@ -83,8 +83,9 @@ def open_prepared(root: str | Path, verify: bool = True, *, storage_options: Opt
     with ``storage_options`` and ``cache_dir``) and that copy is opened.
 
     Raises:
-        DataError: missing or incomplete manifest, a missing, truncated or corrupt shard (the
-            message names the file or URL), no training tokens, or (a URL) a missing fsspec
+        DataError: missing or incomplete manifest, a missing, truncated or corrupt shard, or
+            one holding a token id outside the tokenizer's vocabulary (the message names the
+            file or URL), no training tokens, or (a URL) a missing fsspec
             driver or an unreadable store.
     """
     if "://" in str(root):
@@ -115,9 +116,25 @@ def _open_local(root: Path, verify: bool) -> PreparedSplits:
             if verify and file_sha256(path) != shard["sha256"]:
                 raise DataError(f"data.path: shard {path} is corrupt (its sha256 differs from the "
                                 "manifest's); delete it and run `llmforge data prepare` again")
+            top = _max_id(path, manifest["dtype"])
+            if top is not None and top >= manifest["tokenizer"]["vocab_size"]:
+                raise DataError(f"data.path: shard {path} holds token id {top}, outside the tokenizer's "
+                                f"vocabulary of {manifest['tokenizer']['vocab_size']} ids (the manifest's "
+                                "tokenizer.vocab_size): it was written by another tokenizer or damaged; "
+                                "delete the folder and run `llmforge data prepare` again")
     if not manifest["splits"].get("train", {}).get("tokens"):
         raise DataError(f"data.path: {root} holds no training tokens; prepare a non-empty source")
     return PreparedSplits(root, manifest)
+
+
+def _max_id(path: Path, dtype: str, chunk: int = 1 << 24) -> Optional[int]:
+    """The largest token id of a shard (``None``: empty), read memory-mapped in chunks of
+    ``chunk`` ids (just hashed: from the page cache). An id past the vocabulary would
+    otherwise fail in the embedding lookup, mid-training, as an ``IndexError``."""
+    if path.stat().st_size == 0:
+        return None
+    ids = np.memmap(path, dtype=np.dtype(dtype), mode="r")
+    return max(int(ids[i:i + chunk].max()) for i in range(0, len(ids), chunk))
 
 
 class PreparedWindows(Dataset):

@@ -127,8 +127,9 @@ def parse_manifest(data: bytes, root: str | Path) -> dict[str, Any]:
     """
     try:
         manifest = json.loads(data)
-    except ValueError as exc:
-        raise DataError(f"data.path: {root}/{MANIFEST} is not valid JSON ({exc}); run `llmforge "
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply to parse
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise DataError(f"data.path: {root}/{MANIFEST} is not valid JSON ({why}); run `llmforge "
                         "data prepare` again into an empty folder") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__

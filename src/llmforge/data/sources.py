@@ -9,6 +9,7 @@ documents are dropped.
 
 from __future__ import annotations
 
+import copy
 import glob
 import hashlib
 import os
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
 import datasets
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from llmforge.config.redaction import scrub_url_credentials
 from llmforge.data.prepared_checks import file_sha256
@@ -45,6 +47,8 @@ def clean_text(text: Optional[str]) -> str:
                         "where text was expected; point data.text_field at a string column")
     if text.startswith("\ufeff"):
         text = text[1:]
+    if "\r" not in text:  # no copies of a long document that needs none
+        return text
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
@@ -120,6 +124,14 @@ def describe_files(files: list[str]) -> list[dict[str, Any]]:
     return out
 
 
+def file_identity(path: str, head: int = 1 << 16) -> tuple[int, str]:
+    """``(bytes, sha256 hex of the first head bytes)`` of a local file: tells a file rewritten
+    under its name (another size or beginning) from the one a streaming position was saved in,
+    reading 64 KiB whatever its size. Unlike the modification time, it survives a copy."""
+    with open(path, "rb") as fh:
+        return os.fstat(fh.fileno()).st_size, hashlib.sha256(fh.read(head)).hexdigest()
+
+
 def _file_format(cfg: Any, files: list[str]) -> str:
     if cfg.format:
         fmt = {"txt": "text", "jsonl": "json"}.get(cfg.format, cfg.format)
@@ -143,12 +155,22 @@ def _load(builder: str, data_files: Any, cfg: Any, split: str, **kwargs: Any) ->
     try:
         return datasets.load_dataset(builder, data_files=data_files, split=split,
                                      streaming=cfg.streaming,
-                                     storage_options=dict(cfg.storage_options) or None, **kwargs)
+                                     storage_options=plain_options(cfg.storage_options) or None, **kwargs)
     except (FileNotFoundError, ValueError, OSError, datasets.exceptions.DatasetGenerationError) as exc:
         cause = exc.__cause__ or exc
         if isinstance(cause, UnicodeDecodeError):
             raise not_utf8(data_files, cause) from exc
         raise DataError(f"data: cannot read {data_files!r} as {builder}: {cause}") from exc
+
+
+def plain_options(options: Any) -> dict[str, Any]:
+    """``data.storage_options`` as plain, mutable containers, nested ones included
+    (``{headers: {...}}``, s3's ``client_kwargs``): fsspec drivers update them in place, which
+    a read-only OmegaConf node refuses ("Cannot change read-only config container") and a
+    shallow ``dict()`` copy would not reach."""
+    if isinstance(options, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(options, resolve=True) or {}  # type: ignore[return-value]
+    return copy.deepcopy(dict(options or {}))
 
 
 def not_utf8(files: Any, exc: UnicodeDecodeError) -> DataError:
@@ -183,7 +205,7 @@ def _normalize(ds: AnyDataset, text_field: str, max_documents: Optional[int]) ->
 
     def fix(batch: dict) -> dict:  # cleaned, empty documents dropped: one batched pass
         texts = (clean_text(t) for t in batch[text_field])
-        return {"text": [t for t in texts if t.strip()]}
+        return {"text": [t for t in texts if t and not t.isspace()]}
 
     # only the text column goes on (a batched map that drops rows must drop the other columns);
     # one map, not map + filter: datasets' streaming batches join their row keys at each
@@ -235,7 +257,7 @@ def load_documents(cfg: Any, seed: int) -> DocumentSplits:
             return _load(builder, data_files, cfg, split, **kwargs)
         try:
             return datasets.load_dataset(builder, split=split, streaming=cfg.streaming,
-                                         storage_options=dict(cfg.storage_options) or None,
+                                         storage_options=plain_options(cfg.storage_options) or None,
                                          **kwargs)
         except Exception as exc:  # hub errors come in many types
             raise DataError(f"data.path: cannot load hub dataset '{builder}' split '{split}': {exc}") from exc
@@ -257,11 +279,17 @@ def load_documents(cfg: Any, seed: int) -> DocumentSplits:
 
 
 def _hold_out(ds: AnyDataset, fraction: float, seed: int) -> tuple[AnyDataset, AnyDataset]:
-    """Hold out ``fraction`` of the documents (at least one) for validation, fixed by ``seed``."""
+    """Hold out ``fraction`` of the documents for validation, fixed by ``seed``: at least one
+    of an in-memory source; of a streaming source, the documents :func:`held_out` picks."""
     if isinstance(ds, datasets.IterableDataset):
-        every = max(2, round(1 / fraction))
-        val = ds.filter(lambda _, i: i % every == 0, with_indices=True)
-        train = ds.filter(lambda _, i: i % every != 0, with_indices=True)
+        # by the document's own identity (its text), never its position: a position in the
+        # stream changes with the loader-worker split and between passes, which trained on
+        # held-out documents; equal documents land on the same side
+        def held(batch: dict) -> list[bool]:
+            return [held_out(t, fraction, seed) for t in batch["text"]]
+
+        val = ds.filter(held, batched=True)
+        train = ds.filter(lambda batch: [not h for h in held(batch)], batched=True)
         return train, val
     if len(ds) < 2:
         raise DataError(
@@ -270,6 +298,16 @@ def _hold_out(ds: AnyDataset, fraction: float, seed: int) -> tuple[AnyDataset, A
         )
     parts = ds.train_test_split(test_size=fraction, seed=seed, shuffle=True)
     return parts["train"], parts["test"]
+
+
+def held_out(text: str, fraction: float, seed: int) -> bool:
+    """Whether a streaming document is held out for validation: the first 8 bytes of
+    ``blake2b(text, salt=seed)`` read as a fraction of 2**64 fall below ``fraction``, so
+    ``fraction`` of distinct documents on average, the same ones in every pass and worker
+    split."""
+    digest = hashlib.blake2b(text.encode("utf-8", errors="replace"), digest_size=8,
+                             salt=seed.to_bytes(16, "little", signed=True)).digest()
+    return int.from_bytes(digest, "little") < fraction * 2 ** 64
 
 
 def read_rows(ds: AnyDataset, files: Any = ()) -> Iterator[dict]:

@@ -3,10 +3,11 @@ with an exact, O(1) resume position.
 
 Each data-parallel rank reads a disjoint part of the documents
 (``datasets.distributed.split_dataset_by_node``) and each DataLoader worker a disjoint set of
-the source's shards (``datasets`` assigns them; a worker beyond the shard count idles). Within
-a worker, documents are read in blocks of ``block_docs``; a block's tokens (with the tail the
-previous block left) are cut into windows of ``seq_len + 1`` tokens and yielded in an order
-permuted by ``(seed, rank, worker, epoch, block)``.
+the source's shards (``datasets`` assigns them; a worker beyond the shard count idles), the
+same set in every pass. Within a worker, documents are read in blocks of ``block_docs``; a
+block's tokens (with the tail the previous block left) are cut into windows of ``seq_len + 1``
+tokens and yielded in an order permuted by ``(seed, rank, worker, epoch, block)``, ``epoch``
+being this worker's own pass number (workers end their passes at different times).
 
 The position (:meth:`StreamingWindows.state_dict`) is ``datasets``' own
 ``IterableDataset.state_dict()`` at the start of the current block, the tail carried into it
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from llmforge.data.packing import encode_packed
 from llmforge.data.sources import read_rows
 from llmforge.errors import DataError
 
@@ -75,16 +77,11 @@ class StreamingWindows(IterableDataset):
 
     def _pack(self, texts: list[str], tail: list[int]) -> tuple[np.ndarray, list[int]]:
         """``(windows[n, seq_len + 1], new tail)`` of ``tail + [BOS] doc [EOS] ...``."""
-        tok, w = self.tokenizer, self.seq_len + 1
-        ids: list[int] = list(tail)
-        for doc in tok.encode_batch(texts):
-            if doc:
-                ids.append(tok.bos_id)
-                ids.extend(doc)
-                ids.append(tok.eos_id)
+        w, int64 = self.seq_len + 1, np.dtype(np.int64)
+        ids = np.concatenate([np.asarray(tail, dtype=int64),
+                              encode_packed(self.tokenizer, texts, int64)])  # long texts in pieces
         n = len(ids) // w
-        arr = np.asarray(ids[:n * w], dtype=np.int64).reshape(n, w)
-        return arr, ids[n * w:]
+        return ids[:n * w].reshape(n, w), ids[n * w:].tolist()
 
     def _order(self, n: int, worker: int, epoch: int, block: int) -> np.ndarray:
         if not self.shuffle:
@@ -100,8 +97,11 @@ class StreamingWindows(IterableDataset):
         self._resume = None
         while True:
             epoch = state["epoch"]
-            self.docs.set_epoch(epoch)
-            # datasets applies a loaded position only to the pass of the epoch it was saved in
+            # the pass number lives in this worker's own state only, never in datasets'
+            # set_epoch: datasets keeps its epoch in memory shared by every loader worker, so
+            # workers in different passes would overwrite each other's (a resume then dropped
+            # its saved position, and two workers read the same file for the rest of a pass).
+            # datasets' epoch stays 0: every pass splits the files between workers the same way
             self.docs.load_state_dict(state["docs"] if state["docs"] is not None else None)
             whole_pass = state["docs"] is None and state["block"] == 0 and state["yielded"] == 0
             produced = 0

@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 from llmforge.checkpoint.dcp import read_json
 from llmforge.checkpoint.run_dir import load_for_inference, resolve_checkpoint
 from llmforge.evaluation.harness import evaluate_harness, import_lm_eval
+from llmforge.generate import use_inference_threads
 from llmforge.loggers.jsonl import JsonlLogger
 
 PREFIX = "eval/harness/"
@@ -26,7 +27,8 @@ def evaluate_run(path: str | Path, tasks: Sequence[str], *, include_path: Sequen
                  limit: Optional[int | float] = None, num_fewshot: Optional[int] = None,
                  batch_size: int = 8, max_gen_toks: int = 256, seed: int = 0,
                  device: str = "cpu", trust_code: bool = False) -> dict[str, Any]:
-    """Evaluate the newest complete checkpoint of a run directory (or the given checkpoint).
+    """Evaluate the newest complete checkpoint of a run directory (or the given checkpoint); on
+    the CPU with the compute threads :func:`llmforge.generate.use_inference_threads` chooses.
 
     Returns ``{"scores": {"<task>/<metric>": value}, "step", "path"}`` (``path``: the
     ``eval_harness.jsonl`` written to).
@@ -43,6 +45,8 @@ def evaluate_run(path: str | Path, tasks: Sequence[str], *, include_path: Sequen
     import_lm_eval()  # say which extra is missing before loading weights
     tasks = [t.strip() for t in tasks if t and t.strip()]
     run_dir, ckpt = resolve_checkpoint(path)
+    if device == "cpu":  # training's thread rule (a busy machine's cores are not all free)
+        use_inference_threads()
     step = int(read_json(ckpt, "meta.json").get("step", 0))
     model, tokenizer, _ = load_for_inference(ckpt, device=device, trust_code=trust_code)
     out = evaluate_harness(model, tokenizer, tasks, include_path=include_path, limit=limit,

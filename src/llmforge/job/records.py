@@ -60,7 +60,7 @@ class RunNotFound(LLMForgeError):
 
 
 class RegistryError(LLMForgeError):
-    """``runs.db`` cannot be used (written by a newer llmforge). Exit code 2."""
+    """``runs.db`` cannot be used (written by a newer llmforge, or damaged). Exit code 2."""
 
     exit_code = 2
 
@@ -156,6 +156,13 @@ class RunRegistry:
             con.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
             con.row_factory = sqlite3.Row
             yield con
+        except sqlite3.DatabaseError as exc:
+            # "file is not a database", "database disk image is malformed": not a busy database
+            # or a bad query (OperationalError, IntegrityError, ... are subclasses)
+            if type(exc) is not sqlite3.DatabaseError and "malformed" not in str(exc):
+                raise
+            raise RegistryError(f"{self.path} is not a readable runs registry ({exc}); move it "
+                                "away (llmforge then starts a new one) or restore a copy") from None
         finally:
             con.close()
 

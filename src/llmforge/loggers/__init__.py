@@ -1,7 +1,7 @@
 """Metric loggers: thin adapters with one stable set of metric names.
 
 A logger entry in YAML is ``{name: NAME_OR_IMPORT_PATH, **kwargs}``; the registered builder is
-called as ``builder(run_dir=Path, run=cfg.run, config=<resolved config, secrets redacted>,
+called as ``builder(run_dir=Path, run=<cfg.run redacted>, config=<resolved config, secrets redacted>,
 **kwargs)`` and returns a Lightning ``Logger``; the trainer then calls ``log_hyperparams(config)``.
 
 Built in: ``jsonl`` (``metrics.jsonl``), ``console``, ``tensorboard``, ``wandb``, ``comet``,

@@ -1,18 +1,21 @@
 """Helpers shared by the tracker adapters: lazy SDK import, API keys, run identity, fallbacks.
 
-Every adapter is built as ``builder(run_dir=Path, run=cfg.run, config=<redacted dict>, **kwargs)``
+Every adapter is built as ``builder(run_dir=Path, run=<redacted run:>, config=<redacted dict>, **kwargs)``
 (see :meth:`llmforge.training.trainer.Trainer.build_loggers`). Building checks the settings and
 imports the SDK but contacts no server; the tracker's run starts on first use (rank zero only).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib
 import os
 import sys
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
+from llmforge.config.redaction import redact_argv
 from llmforge.errors import ConfigError
 
 MODES = ("online", "offline")
@@ -123,3 +126,52 @@ def say(message: str) -> None:
 def numeric_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     """The metrics that are numbers (bools, strings and other objects left out); NaN/inf kept."""
     return {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+@contextlib.contextmanager
+def redacted_argv() -> Iterator[None]:
+    """``sys.argv`` with secrets redacted (:func:`llmforge.config.redaction.redact_argv`) while
+    a tracker SDK starts its run: W&B and Comet record the command line as the run's ``args``
+    (``llmforge train ... variables.api_key=S`` would reach them). Restored afterwards."""
+    saved = list(sys.argv)
+    sys.argv[:] = redact_argv(saved)
+    try:
+        yield
+    finally:
+        sys.argv[:] = saved
+
+
+class MetricNames:
+    """llmforge's metric names -> names one tracker accepts, the same mapping for the whole run.
+
+    ``fix(name)`` returns an accepted spelling (e.g. characters the tracker refuses replaced by
+    ``_``). Two names that ``fix`` maps alike get a short hash of the original appended, so no
+    record overwrites another. Each renamed metric is reported once, in one warning line per
+    record that brings new ones (``data/code+math/tokens_seen`` from a mixture entry named
+    ``code+math`` is ``data/code_math/tokens_seen`` in MLflow).
+    """
+
+    def __init__(self, logger: str, fix: Callable[[str], str]) -> None:
+        self.logger, self.fix = logger, fix
+        self.mapping: dict[str, str] = {}
+        self._taken: dict[str, str] = {}  # accepted name -> the original it stands for
+
+    def name(self, name: str) -> str:
+        """The accepted name of ``name`` (computed once, then reused)."""
+        if name not in self.mapping:
+            fixed = self.fix(name)
+            if self._taken.get(fixed, name) != name:
+                fixed = self.fix(f"{fixed}_{hashlib.sha1(name.encode()).hexdigest()[:6]}")
+            self._taken[fixed] = name
+            self.mapping[name] = fixed
+        return self.mapping[name]
+
+    def __call__(self, values: dict[str, Any]) -> dict[str, Any]:
+        """``values`` with accepted names; warns about names renamed for the first time."""
+        new = [k for k in values if k not in self.mapping]
+        out = {self.name(k): v for k, v in values.items()}
+        renamed = [f"{k} -> {self.mapping[k]}" for k in new if self.mapping[k] != k]
+        if renamed:
+            warnings.warn(f"{self.logger}: logs under other names what it does not accept (or what "
+                          f"would then collide): {', '.join(renamed)}", UserWarning, stacklevel=2)
+        return out

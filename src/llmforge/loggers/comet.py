@@ -35,7 +35,7 @@ from lightning.pytorch.loggers.logger import Logger, rank_zero_experiment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from llmforge.loggers._common import (check_mode, import_sdk, numeric_metrics, require_api_key,
-                                      run_identity, say, unreachable, warn_offline)
+                                      redacted_argv, run_identity, say, unreachable, warn_offline)
 from llmforge.loggers._resume import TrackerState
 
 # comet_ml must not capture stdout, hook into torch or upload code, git state or the environment.
@@ -178,7 +178,8 @@ class CometLogger(Logger):
         """The comet_ml experiment, started on first use (rank zero only)."""
         if self._exp is None:
             self._state.load()
-            self._exp = self._online() if self.mode == "online" else self._offline()
+            with redacted_argv():  # Comet records the command line with the experiment
+                self._exp = self._online() if self.mode == "online" else self._offline()
             if self.mode == "offline":
                 say(f"comet: offline experiment; archive in {self.dir} when the run ends")
             if self.run_name:

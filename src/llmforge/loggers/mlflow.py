@@ -15,16 +15,20 @@ view it with ``mlflow ui --backend-store-uri sqlite:///runs/NAME/mlflow.db``. (M
 its old ``file:`` store in maintenance mode and refuses it by default; SQLite is what MLflow
 recommends for a local store.) Metric names are llmforge's (``train/loss``, ...), one value
 per optimizer step; the resolved config (secrets redacted) is logged as parameters, nested
-keys joined by dots. A resumed run continues the same MLflow run (its id is kept in
-``<run_dir>/mlflow_run_id``), and the steps after the checkpoint are logged again with the
-same step numbers: ``get_metric_history`` then holds both values of such a step, the newest
-last.
+keys joined by dots. A name MLflow refuses (it accepts letters, digits and ``_ - . / space :``;
+e.g. ``data/code+math/tokens_seen`` of a mixture entry named ``code+math``) is logged under
+:func:`mlflow_name`'s spelling, the same for the whole run, with one warning naming it. A
+resumed run continues the same MLflow run (its id is kept in ``<run_dir>/mlflow_run_id``), and
+the steps after the checkpoint are logged again with the same step numbers:
+``get_metric_history`` then holds both values of such a step, the newest last.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -34,9 +38,23 @@ from lightning.pytorch.loggers.logger import Logger, rank_zero_experiment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from llmforge.errors import ConfigError
-from llmforge.loggers._common import import_sdk, numeric_metrics, run_identity
+from llmforge.loggers._common import (MetricNames, import_sdk, numeric_metrics, redacted_argv,
+                                      run_identity)
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit for a parameter value (mlflow.utils.validation)
+MAX_NAME_CHARS = 250  # MLflow's MAX_ENTITY_KEY_LENGTH for metric and parameter names
+_REFUSED = re.compile(r"[^A-Za-z0-9_\-. /:]")  # mlflow.utils.validation, ASCII letters only
+
+
+def mlflow_name(name: str) -> str:
+    """A metric or parameter name MLflow accepts: characters other than letters, digits and
+    ``_ - . / space :`` become ``_``; empty, ``.`` and ``..`` path segments (names must not
+    resolve to other paths, ``mlflow.utils.validation.path_not_unique``) become ``_``; names
+    over 250 characters are cut and end in a hash of the whole name."""
+    fixed = "/".join(p if p not in ("", ".", "..") else "_" for p in _REFUSED.sub("_", name).split("/"))
+    if len(fixed) > MAX_NAME_CHARS:
+        fixed = fixed[:MAX_NAME_CHARS - 9] + "_" + hashlib.sha1(name.encode()).hexdigest()[:8]
+    return fixed
 
 
 def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -99,6 +117,7 @@ class MLflowLogger(Logger):
                              or f"sqlite:///{self.run_dir.resolve() / 'mlflow.db'}")
         self.experiment_name = experiment
         self.run_name, _, self.tags = run_identity(run, run_name, None, None)
+        self.names = MetricNames("mlflow", mlflow_name)
         self._client: Any = None
         self._run_id: Optional[str] = None
         self._params: dict[str, str] = {}
@@ -138,8 +157,9 @@ class MLflowLogger(Logger):
             if run_id:
                 client.update_run(run_id, status="RUNNING")
             else:
-                tags = {f"tag.{t}": "1" for t in self.tags}
-                run_id = client.create_run(exp_id, run_name=self.run_name, tags=tags).info.run_id
+                tags = {mlflow_name(f"tag.{t}"): "1" for t in self.tags}
+                with redacted_argv():
+                    run_id = client.create_run(exp_id, run_name=self.run_name, tags=tags).info.run_id
                 id_file.write_text(run_id + "\n")
                 self._log_params(client, run_id)
             self._client, self._run_id = client, run_id
@@ -148,7 +168,7 @@ class MLflowLogger(Logger):
     def _log_params(self, client: Any, run_id: str) -> None:
         from mlflow.entities import Param
 
-        items = [Param(k, v) for k, v in self._params.items()]
+        items = [Param(k, v) for k, v in self.names(self._params).items()]
         for i in range(0, len(items), 100):  # MLflow's log_batch limit is 100 params
             client.log_batch(run_id, params=items[i:i + 100])
 
@@ -161,7 +181,7 @@ class MLflowLogger(Logger):
     def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
         from mlflow.entities import Metric
 
-        values = numeric_metrics(metrics)
+        values = self.names(numeric_metrics(metrics))
         if not values:
             return
         client = self.experiment

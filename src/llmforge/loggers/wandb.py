@@ -25,7 +25,7 @@ from lightning.pytorch.loggers.logger import Logger, rank_zero_experiment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from llmforge.loggers._common import (check_mode, import_sdk, numeric_metrics, require_api_key,
-                                      run_identity, say, unreachable, warn_offline)
+                                      redacted_argv, run_identity, say, unreachable, warn_offline)
 from llmforge.loggers._resume import TrackerState
 
 
@@ -89,10 +89,11 @@ class WandbLogger(Logger):
         settings = wandb.Settings(init_timeout=self.init_timeout, console="off", quiet=True,
                                   silent=True, x_disable_stats=True)
         resume = dict(id=self._state.id, resume="allow") if self._state.id else {}
-        return wandb.init(project=self.project, entity=self.entity, name=self.run_name,
-                          group=self.group, tags=self.tags or None, notes=self.notes,
-                          config=self._config, dir=str(self.dir), mode=mode, settings=settings,
-                          **resume)
+        with redacted_argv():  # W&B records the command line as the run's args
+            return wandb.init(project=self.project, entity=self.entity, name=self.run_name,
+                              group=self.group, tags=self.tags or None, notes=self.notes,
+                              config=self._config, dir=str(self.dir), mode=mode, settings=settings,
+                              **resume)
 
     @staticmethod
     def _no_analytics() -> None:

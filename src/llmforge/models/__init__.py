@@ -2,7 +2,7 @@
 
 Model families
 --------------
-One folder per family (``llama3/``, ``qwen3/``): its ``model:`` YAML keys and presets, the
+One folder per family (``llama3/``, ``qwen3/``, ``qwen3_moe/``): its ``model:`` YAML keys and presets, the
 model, its tensor-parallel plan and its Hugging Face adapter, bundled by a
 :class:`~llmforge.models.spec.ModelSpec` and registered below by name — adding a family is one
 folder plus one line here (docs/models.md). Third-party packages register specs (or bare
@@ -23,7 +23,15 @@ section and returns an ``nn.Module`` with:
   after it (deterministic given torch's seed);
 * ``flops_per_token(seq_len) -> float``: training FLOPs per token (forward + backward);
 * ``num_params() -> int``: parameter count, shared weights once;
-* attribute ``vocab_size`` (embedding rows; must cover the tokenizer).
+* attribute ``vocab_size`` (embedding rows; must cover the tokenizer);
+* optionally ``aux_losses() -> dict[str, Tensor]``: auxiliary losses of the last forward
+  (scalar tensors, a mean per token with their weight applied, e.g. a router's load-balancing
+  loss). The trainer reads them after every forward into ``state.aux_losses``, adds them to
+  the optimized loss in training (never to ``eval/loss``) and logs ``train/aux_loss`` and
+  ``train/aux/<name>`` (:mod:`llmforge.events`);
+* optionally ``aux_metrics() -> dict[str, Tensor | float]``: monitoring values of the last
+  forward (e.g. ``moe/load_max_mean/layer_0``), logged as means over the step's micro-batches
+  and data-parallel ranks.
 
 The factory must work when called under ``with torch.device("meta"):`` (no data-dependent
 work, no host copies of parameters). This package imports no torch until a model is built
@@ -35,11 +43,13 @@ from __future__ import annotations
 
 from llmforge.models.llama3 import LLAMA3
 from llmforge.models.qwen3 import QWEN3
+from llmforge.models.qwen3_moe import QWEN3_MOE
 from llmforge.models.spec import MemoryShape, ModelSpec, factory_kind, get_spec
 from llmforge.registry import models
 
-__all__ = ["LLAMA3", "QWEN3", "ModelSpec", "MemoryShape", "get_spec"]
+__all__ = ["LLAMA3", "QWEN3", "QWEN3_MOE", "ModelSpec", "MemoryShape", "get_spec"]
 
 models.register("llama3", LLAMA3)
 models.register("qwen3", QWEN3)
+models.register("qwen3_moe", QWEN3_MOE)
 models.expect(factory_kind)  # model.name by import path: checked before it is called

@@ -1,7 +1,8 @@
 """Hugging Face state-dict adapter: the family-specific half of HF import and export.
 
 A family's adapter (``models/<family>/hf.py``) says how its parameter names map to HF's (a
-regex table, the layer index as the only group), which weights HF stores in another layout
+regex table, the layer index as the only group; a parameter HF stores as several keys, one per
+expert, through :meth:`HFAdapter.stacked_keys`), which weights HF stores in another layout
 (Llama's rotary pairs in halves per head), and how ``config.json`` maps to the family's
 ``model:`` keys both ways. The generic half — reading safetensors shard by shard, writing
 shards, tokenizer files, ``generation_config.json`` — is :mod:`llmforge.checkpoint.hf`.
@@ -14,6 +15,8 @@ import re
 from typing import Any, Optional
 
 import torch
+
+from llmforge.errors import ConfigError
 
 __all__ = ["HFAdapter", "invert_table", "map_key"]
 
@@ -37,17 +40,50 @@ def invert_table(table: list[tuple[str, str]]) -> list[tuple[str, str]]:
 
 
 class HFAdapter:
-    """Base adapter. Subclasses set ``family`` (llmforge spec name), ``model_type`` and
-    ``architecture`` (HF's), ``key_table`` (HF regex -> our name) and implement
-    :meth:`config_from_hf` / :meth:`config_to_hf`."""
+    """Base adapter. Subclasses set ``family`` (llmforge spec name), ``model_type``,
+    ``architecture`` and ``config_class`` (HF's), ``key_table`` (HF regex -> our name) and
+    implement :meth:`config_from_hf` / :meth:`config_to_hf` (reading the config through
+    :meth:`with_defaults`)."""
 
     family = ""
     model_type = ""
     architecture = ""
+    config_class = ""  # transformers' config class (``LlamaConfig``): the defaults of absent keys
     key_table: list[tuple[str, str]] = []
+    training_keys: tuple[str, ...] = ()
+    """Keys of :meth:`config_from_hf` that are training settings, not shapes (e.g. a router's
+    loss weight): with ``model.init_from: hf:PATH`` a value set in the YAML wins over them."""
 
     def __init__(self) -> None:
         self.inverse_table = invert_table(self.key_table)
+
+    # -- config.json -----------------------------------------------------------------------
+    def with_defaults(self, hf: dict[str, Any]) -> dict[str, Any]:
+        """``config.json`` as transformers reads it: built into the installed transformers'
+        :attr:`config_class` and returned by its ``to_dict()``, so every absent key has the
+        value transformers uses (Qwen3's ``head_dim`` 128 and ``rope_theta`` 10,000 in
+        transformers 5.x, not a guess), and ``rope_theta``/``rope_scaling`` are folded into
+        ``rope_parameters``. Without transformers, ``hf`` unchanged (the adapter's fallbacks,
+        transformers 5.24's defaults, apply).
+
+        Raises:
+            ConfigError: transformers refuses a value (e.g. ``head_dim: null``).
+        """
+        try:
+            import transformers
+        except ImportError:
+            return hf
+        cls = getattr(transformers, self.config_class, None)
+        if cls is None:
+            return hf
+        given = {k: v for k, v in hf.items()
+                 if k not in ("architectures", "model_type", "transformers_version")}
+        try:
+            return {**cls(**given).to_dict(), "model_type": self.model_type}
+        except Exception as exc:  # transformers' strict dataclass and rope validators
+            cause = exc.__cause__ or exc
+            raise ConfigError(f"config.json: transformers' {self.config_class} refuses it "
+                              f"({type(cause).__name__}: {str(cause).strip().splitlines()[-1][:200]})") from exc
 
     # -- names ----------------------------------------------------------------------------
     def key_from_hf(self, key: str) -> Optional[str]:
@@ -62,6 +98,12 @@ class HFAdapter:
     def tied(self, model: Any) -> bool:
         """Whether ``output.weight`` is the embedding (HF then stores it once)."""
         return bool(getattr(model.args, "tie_embeddings", False))
+
+    def stacked_keys(self, model: Any, name: str) -> Optional[list[str]]:
+        """The HF keys whose tensors, stacked on a new dim 0, make our parameter ``name`` (a
+        mixture of experts' ``[E, ...]`` weights, which HF stores one key per expert); ``None``
+        for a parameter stored under one key (:meth:`key_to_hf`)."""
+        return None
 
     def permuted_heads(self, model: Any, name: str) -> Optional[int]:
         """Number of heads whose rows HF stores permuted for parameter ``name`` (``None``: the

@@ -15,6 +15,8 @@ folder (``models/llama3/``, ``models/qwen3/``) whose spec bundles
 * ``hf_adapter``: optional Hugging Face state-dict adapter
   (:class:`llmforge.models.hf_adapter.HFAdapter`: weights and ``config.json`` both ways);
 * ``flops_per_token``: ``flops_per_token(model, seq_len)`` (default: the model's method);
+* ``active_params``: optional ``active_params(model) -> int``, the parameters one token's forward
+  uses (a mixture of experts: all but the experts it is not routed to; default: all);
 * ``memory_shape``: optional ``memory_shape(model) -> MemoryShape``, the widths the dry run's
   activation estimate needs.
 
@@ -115,6 +117,7 @@ class ModelSpec:
     hf_adapter: Ref = None
     flops_per_token: Ref = None
     memory_shape: Ref = None
+    active_params: Ref = None
     description: str = ""
 
     def __call__(self, cfg: Any, **kwargs: Any) -> Any:
@@ -153,6 +156,14 @@ class ModelSpec:
             return float(fn(model, seq_len))
         method = getattr(model, "flops_per_token", None)
         return float(method(seq_len)) if method is not None else float("nan")
+
+    def num_params(self, model: Any) -> tuple[int, int]:
+        """``(total, active)`` parameters of a built model (tied weights once; ``active`` is
+        the spec's ``active_params`` hook, else ``total``)."""
+        total = int(model.num_params()) if hasattr(model, "num_params") else sum(
+            p.numel() for p in model.parameters())
+        fn = self.get("active_params")
+        return total, (int(fn(model)) if fn is not None else total)
 
     def adapter(self) -> Any:
         """The Hugging Face state-dict adapter (an instance), or ``None``."""

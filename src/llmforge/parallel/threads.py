@@ -1,28 +1,38 @@
-"""Compute threads per training process, chosen from the cores this process may use.
+"""Compute threads per process, chosen from the cores this process may use and what else runs.
 
 torch's default intra-op pool has one thread per *installed* core. On a machine whose cores
-are shared (other processes, data workers, the other ranks of ``--nproc``) that pool
-oversubscribes them: measured on 2 shared cores, the demo ran 10-30x slower than with
-``OMP_NUM_THREADS=1`` (issue 18; ``benchmarks/threads.py`` measures it side by side). PyTorch's
-CPU performance guide gives the same rule: one compute thread per core a process owns.
+are busy (other processes, the other ranks of ``--nproc``) that pool oversubscribes them:
+measured on 2 shared cores, the demo ran 10-30x slower than with ``OMP_NUM_THREADS=1``
+(issue 18) and ``generate`` 3-80x slower (issue 27). On idle cores the same pool is the fastest
+(issue 27: 2 threads gave ~6,700 tokens/s against ~3,800 with 1). PyTorch's CPU performance
+guide gives the rule: one compute thread per core a process has to itself.
 
-:func:`choose_num_threads` takes the cores of ``os.sched_getaffinity`` (what the scheduler,
-taskset or SLURM's cgroup allow), divides them among the ranks of this node and subtracts each
-rank's data workers; ``trainer.num_threads`` overrides it, and so does ``OMP_NUM_THREADS`` when
-it is set (a user's or a launcher's explicit choice). No torch import here: the choice is part
-of the resolved run (:mod:`llmforge.preflight.resolve`) and applied by the Trainer.
+:func:`choose_num_threads` is that rule, in this one place, for training, ``generate`` and
+``eval``: the cores of ``os.sched_getaffinity`` (what the scheduler, taskset or SLURM's cgroup
+allow) divided among the ranks of this node, less the data workers that do real work, and no
+more than the cores other processes leave free right now (:func:`busy_cores`, read only where
+this process may run on every core of the machine: the count is machine-wide).
+``trainer.num_threads`` overrides it, and so does ``OMP_NUM_THREADS`` when it is set (a user's or
+a launcher's explicit choice). ``benchmarks/threads.py`` and ``benchmarks/generate.py
+--burner`` measure it side by side. No torch import here: the choice is part of the resolved
+run (:mod:`llmforge.preflight.resolve`) and applied by the Trainer (and the generate/eval commands).
 """
 
 from __future__ import annotations
 
 import os
+import statistics
+import time
 from typing import Mapping, Optional
 
-__all__ = ["TORCHRUN_SET_OMP", "available_cores", "choose_num_threads"]
+__all__ = ["TORCHRUN_SET_OMP", "MACHINE", "available_cores", "busy_cores", "choose_num_threads"]
 
 # torchrun sets OMP_NUM_THREADS=1 for its workers when it is unset; llmforge's launcher notes
 # that value here, so the workers still choose from their cores (a user's own value wins)
 TORCHRUN_SET_OMP = "LLMFORGE_TORCHRUN_SET_OMP"
+
+MACHINE = "machine"
+"""``busy`` default of :func:`choose_num_threads`: look at the machine (:func:`busy_cores`)."""
 
 
 def available_cores() -> int:
@@ -34,22 +44,56 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def choose_num_threads(override: Optional[int], local_world_size: int, num_workers: int,
-                       cores: Optional[int] = None,
-                       environ: Optional[Mapping[str, str]] = None) -> tuple[int, str]:
-    """Intra-op threads for one training process, and a line that says why.
+def busy_cores(samples: int = 9, interval: float = 0.004) -> Optional[float]:
+    """Cores other processes keep busy now: the median over ``samples`` reads, ``interval``
+    seconds apart (~40 ms in all), of the runnable tasks in ``/proc/loadavg`` (its 4th field,
+    ``running/total``, which counts this process too: less one). Where there is no
+    ``/proc/loadavg`` (macOS), the 1-minute load average; None where neither exists.
 
-    ``cores // local_world_size - num_workers``, at least 1: each rank gets its share of the
-    cores, less one per DataLoader worker of its own (workers run torch with one thread).
+    Why not the load average alone: it trails by a minute, so a run started right after
+    another would see the finished one's load and take too few threads; the median of reads
+    over a few milliseconds ignores one short burst.
+    """
+    counts = []
+    for i in range(samples):
+        try:
+            with open("/proc/loadavg", encoding="ascii") as f:
+                counts.append(int(f.read().split()[3].split("/")[0]) - 1)
+        except (OSError, IndexError, ValueError):
+            break
+        if i + 1 < samples:
+            time.sleep(interval)
+    if counts:
+        return float(max(0, statistics.median(counts)))
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def choose_num_threads(override: Optional[int], local_world_size: int, worker_cores: int,
+                       cores: Optional[int] = None, environ: Optional[Mapping[str, str]] = None,
+                       busy: Optional[float] | str = MACHINE) -> tuple[int, str]:
+    """Intra-op threads for one process, and a line that says why.
+
+    ``min(cores // local_world_size - worker_cores, (cores - busy - (local_world_size - 1))
+    // local_world_size)``, at least 1: each rank gets its share of the cores, less one per data
+    worker that does real work, and no more than its share of the cores nobody else is using.
 
     Args:
         override: ``trainer.num_threads`` (a positive count), or ``None`` for the choice above.
-        local_world_size: training processes on this node (``--nproc``, ``LOCAL_WORLD_SIZE``).
-        num_workers: ``data.num_workers`` of each process.
+        local_world_size: processes on this node (``--nproc``, ``LOCAL_WORLD_SIZE``; 1 for
+            generate and eval).
+        worker_cores: cores the data workers of each process take: ``data.num_workers`` where
+            they tokenize (streaming sources), 0 where they only slice windows already in memory
+            or memory-mapped (measured: such a worker is busy for 0.06-0.16% of a step).
         cores: cores available (default :func:`available_cores`).
         environ: the environment (default ``os.environ``); a positive ``OMP_NUM_THREADS`` wins
             over the choice above (not over ``override``), unless torchrun set it (the value
             is then also in ``LLMFORGE_TORCHRUN_SET_OMP``, see :mod:`llmforge.job.torchrun`).
+        busy: cores other processes keep busy (tasks; this node's other ranks are taken off),
+            None = do not look; default: :func:`busy_cores` when this process may run on every
+            core of the machine, else None (taskset, SLURM: the count is machine-wide).
     """
     cores = available_cores() if cores is None else cores
     env = os.environ if environ is None else environ
@@ -58,9 +102,21 @@ def choose_num_threads(override: Optional[int], local_world_size: int, num_worke
     omp = env.get("OMP_NUM_THREADS", "")
     if omp.isdigit() and int(omp) >= 1 and env.get(TORCHRUN_SET_OMP) != omp:
         return int(omp), f"OMP_NUM_THREADS={omp} ({cores} cores available)"
-    share = cores // max(1, local_world_size)
-    n = max(1, share - num_workers)
-    per = f" / {local_world_size} processes" if local_world_size > 1 else ""
-    workers = f" - {num_workers} data worker{'s' * (num_workers != 1)}" if num_workers else ""
-    floor = ", at least 1" if share - num_workers < 1 else ""
-    return n, f"{cores} cores available{per}{workers}{floor}; set trainer.num_threads to change"
+    local = max(1, local_world_size)
+    if busy == MACHINE:
+        busy = busy_cores() if cores >= (os.cpu_count() or 1) else None
+    share = cores // local
+    n = share - worker_cores
+    per = f" / {local} processes" if local > 1 else ""
+    why = f"{cores} cores available{per}"
+    if worker_cores:
+        why += f" - {worker_cores} data worker{'s' * (worker_cores != 1)}"
+    if busy is not None:
+        others = max(0.0, float(busy) - (local - 1))  # this node's other ranks are not others
+        free = int(cores - others) // local
+        if free < n:
+            n = free
+            why += f", {others:g} busy with other processes"
+    if n < 1:
+        why += ", at least 1"
+    return max(1, n), why + "; set trainer.num_threads to change"

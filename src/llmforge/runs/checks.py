@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from llmforge import registry
+from llmforge.checkpoint.resume_changes import check_resume_changes, resume_changes
 from llmforge.config import config_to_dict, load_config, redact
-from llmforge.config.redaction import _is_secret
+from llmforge.config.redaction import is_secret_key
+from llmforge.preflight.resolve import resolve_run
 from llmforge.errors import ConfigError
 
 
@@ -43,7 +45,7 @@ def inline_keys(cfg: Any) -> list[str]:
     out = []
     for i, entry in enumerate(cfg.loggers or []):
         for key, value in (entry or {}).items():
-            if _is_secret(key) and value not in (None, ""):
+            if is_secret_key(key) and value not in (None, ""):
                 out.append(f"loggers.{i}.{key}")
     return out
 
@@ -125,10 +127,14 @@ def newest_checkpoint_step(folder: Path) -> Optional[int]:
 
 
 def check_restart(run: Any, cfg: Any) -> None:
-    """A restart resumes from the newest checkpoint: it must have steps left to train.
+    """A restart resumes from the newest checkpoint: it must have steps left to train, and the
+    job's own resume check (:func:`llmforge.checkpoint.resume_changes.check_resume_changes`)
+    must pass, so a job that would exit 2 is never submitted.
 
     Raises:
-        ConfigError: the newest checkpoint is at or past ``trainer.max_steps`` (names both).
+        ConfigError: the newest checkpoint is at or past ``trainer.max_steps`` (names both and
+            an override that works), or the overrides change what training computes without
+            ``checkpoint.allow_config_changes=true`` (names each key).
     """
     run_dir = Path(run.run_dir or ".")
     folder = Path(cfg.checkpoint.dir) if cfg.checkpoint.get("dir") else run_dir / "checkpoints"
@@ -137,7 +143,17 @@ def check_restart(run: Any, cfg: Any) -> None:
         step = int(run.last_step)  # the checkpoints live where this machine cannot see them
     limit = int(cfg.trainer.max_steps)
     if step is not None and step >= limit:
+        # a longer cosine/linear schedule changes every later step's learning rate: the job
+        # refuses it unless allowed (docs/resume.md); a constant one does not depend on it
+        allow = "" if cfg.scheduler.name == "constant" else " checkpoint.allow_config_changes=true"
         raise ConfigError(f"run {run.id} is already at step {step} (newest checkpoint in {folder}) and "
                           f"trainer.max_steps={limit}: the restart would train nothing; restart with "
-                          f"trainer.max_steps above {step} (e.g. trainer.max_steps={step + limit}), or launch "
-                          "a new run")
+                          f"trainer.max_steps above {step} (e.g. llmforge runs restart {run.id} "
+                          f"trainer.max_steps={step + limit}{allow}), or launch a new run")
+    if step is not None and (folder / f"step_{step:08d}").is_dir():
+        job_cfg = resolve_run(cfg, check_dir=False, dry_run=True, environ={}).cfg  # as the job resolves it
+        changes = resume_changes(folder / f"step_{step:08d}", redact(config_to_dict(job_cfg)), None)
+        try:
+            check_resume_changes(changes, bool(cfg.checkpoint.allow_config_changes))
+        except ConfigError as exc:
+            raise ConfigError(f"run {run.id}: the restarted job would stop at once: {exc}") from None

@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
-from llmforge.config.redaction import _is_secret
+from llmforge.config.redaction import is_secret_key
 from llmforge.errors import ConfigError
 
 KNOWN: dict[str, str] = {
@@ -38,14 +38,14 @@ _FILES = {  # credentials that live in files (listed, not forwarded: the job's m
     "AWS": "~/.aws/credentials",
     "Weights & Biases": "~/.netrc",
 }
-_SECRET_NAME = re.compile(r"(?i)(API_?KEY|SECRET|PASSWORD|_TOKEN$|^TOKEN$|ACCESS_KEY|CREDENTIALS|CONNECTION_STRING)")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def is_secret_name(name: str) -> bool:
     """A known credential variable, or a name that looks like one (``*_API_KEY``, ``*_TOKEN``,
-    ``*SECRET*``, ``*PASSWORD*``, ...)."""
-    return name in KNOWN or bool(_SECRET_NAME.search(name))
+    ``*SECRET*``, ``*PASSWORD*``, ...): the one rule of
+    :func:`llmforge.config.redaction.is_secret_key`."""
+    return name in KNOWN or is_secret_key(name)
 
 
 def available(env: Optional[Mapping[str, str]] = None) -> list[dict[str, str]]:
@@ -102,6 +102,6 @@ def secret_overrides(overrides: Iterable[str]) -> list[str]:
     bad = []
     for item in overrides:
         key = item.split("=", 1)[0].lstrip("+~")
-        if any(_is_secret(part) for part in key.split(".")):
+        if any(is_secret_key(part) for part in key.split(".")):
             bad.append(key)
     return bad

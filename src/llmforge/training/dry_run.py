@@ -21,6 +21,18 @@ from llmforge.config.validate import BatchPlan
 from llmforge.data.mixture import mixture_report
 from llmforge.models.memory_estimate import GIB, _fmt_count, estimate_activations, estimate_memory
 from llmforge.models.spec import get_spec
+from llmforge.parallel.mesh import ParallelDims
+
+
+def _dp_words(cfg: Any, plan: BatchPlan) -> str:
+    """``dp N``, with HSDP's split: ``dp 64 = 4 replicas x 16 shards (HSDP)``, so the memory
+    line's ``sharded Sx`` (shards x tp) reads against it."""
+    dims = ParallelDims.from_config(cfg, plan.world_size)
+    if dims.dp_replicate > 1 and dims.dp_shard > 1:
+        return (f"dp {plan.dp_size} = {dims.dp_replicate} replicas x {dims.dp_shard} shards "
+                "(HSDP)")
+    return f"dp {plan.dp_size}"
+
 
 def dry_run_report(cfg: Any, plan: BatchPlan, device_memory_gib: Optional[float] = None,
                    algorithms: Optional[list[Any]] = None) -> str:
@@ -35,17 +47,17 @@ def dry_run_report(cfg: Any, plan: BatchPlan, device_memory_gib: Optional[float]
     spec = get_spec(cfg.model.name)
     with torch.device("meta"):
         model = spec(cfg.model)
-    n_params = int(model.num_params()) if hasattr(model, "num_params") else sum(
-        p.numel() for p in model.parameters())
+    n_params, n_active = spec.num_params(model)
     seq = cfg.trainer.seq_len
     flops = spec.flops(model, seq)
     mem = estimate_memory(n_params, cfg.trainer.precision, cfg.strategy, plan.world_size)
     lines = [
         f"model           {cfg.model.name} (preset {cfg.model.preset})",
-        f"parameters      {_fmt_count(n_params)} ({n_params:,})",
+        f"parameters      {_fmt_count(n_params)} ({n_params:,})" + (
+            f", active {_fmt_count(n_active)} ({n_active:,}) per token" if n_active != n_params else ""),
         f"vocab_size      {model.vocab_size:,}",
         f"flops/token     {flops:.4g} (training, at seq_len {seq})",
-        f"world size      {plan.world_size} ({cfg.strategy.name}, dp {plan.dp_size}, tp {cfg.strategy.tp})",
+        f"world size      {plan.world_size} ({cfg.strategy.name}, {_dp_words(cfg, plan)}, tp {cfg.strategy.tp})",
         f"micro batch     {plan.micro_batch_size} sequences x {seq} tokens",
         f"grad accum      {plan.gradient_accumulation_steps} steps",
         f"global batch    {plan.global_batch_size} sequences = {plan.tokens_per_step:,} tokens/step",

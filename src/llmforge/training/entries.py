@@ -14,16 +14,6 @@ from llmforge.errors import ConfigError
 
 __all__ = ["build_callbacks", "module_class"]
 
-def build_callbacks(cfg: DictConfig) -> list[Any]:
-    """``callbacks:`` instantiated (registered names or import paths to Lightning ``Callback``
-    subclasses); what the Trainer adds to its own and what ``llmforge launch`` checks before
-    submitting (:mod:`llmforge.runs.checks`).
-
-    Raises:
-        ConfigError: see :func:`build_entries` (not a class, not a Callback, a wrong keyword).
-    """
-    return build_entries(registry.callbacks, "callbacks", cfg.callbacks or [], base=Callback)
-
 
 def build_callbacks(cfg: DictConfig) -> list[Any]:
     """``callbacks:`` instantiated (registered names or import paths to Lightning ``Callback``

@@ -51,7 +51,7 @@ class Evaluation:
             with self.trainer.precision_plugin.forward_context():
                 s = self.micro_batch_loss(i, inputs.to(self.device), labels.to(self.device),
                                           None if doc_ids is None else doc_ids.to(self.device))
-            st.outputs = None
+            st.outputs, st.aux_losses = None, {}
             loss_sum += s.float()
             count += st.n_targets
         restore_modes(modes)
@@ -62,14 +62,23 @@ class Evaluation:
         self.event(Event.AFTER_EVALUATION)
         return self.last_eval
 
-    def publish_evaluation(self, metrics: dict[str, float]) -> None:
+    def publish_evaluation(self, metrics: dict[str, float], before_training: bool = False) -> None:
         """Hand an evaluation's metrics to Lightning the Lightning way: ``self.log`` (so
         ``trainer.callback_metrics`` holds them) and the callbacks' ``on_validation_end``
         hook, which Lightning's own ``EarlyStopping``/``ModelCheckpoint(monitor=...)`` check.
         llmforge evaluates outside Lightning's validation loop (a fixed set, every
-        ``trainer.eval_every`` steps), so it calls the hook itself."""
-        for key, value in metrics.items():
-            self.log(key, float(value), on_step=True, on_epoch=False, logger=False, sync_dist=False)
+        ``trainer.eval_every`` steps, and step 0), so it calls the hook itself.
+
+        ``before_training``: the step-0 evaluation, from ``on_train_start``, where Lightning
+        allows no step-level ``self.log`` (and an epoch-level value would come back at the
+        epoch's end in place of the last evaluation's): the values go into
+        ``trainer.callback_metrics`` directly, where the next evaluation's ``self.log``
+        replaces them."""
+        if before_training:
+            self.trainer.callback_metrics.update({k: torch.tensor(float(v)) for k, v in metrics.items()})
+        else:
+            for key, value in metrics.items():
+                self.log(key, float(value), on_step=True, on_epoch=False, logger=False, sync_dist=False)
         for cb in self.trainer.callbacks:
             if type(cb).on_validation_end is not Callback.on_validation_end:
                 cb.on_validation_end(self.trainer, self)

@@ -29,6 +29,7 @@ from llmforge.parallel.init import init_parallel_model, seeded_init
 from llmforge.parallel.lightning_private import attached_trainer, optimizer_step_progress, strategy_mesh
 from llmforge.parallel.mesh import ParallelDims
 from llmforge.plugin import ModelContext, run_pipeline
+from llmforge.training.aux_losses import AuxLosses
 from llmforge.training.eval_loop import Evaluation
 from llmforge.training.optim import build_optimizer
 from llmforge.training.schedule import build_scheduler
@@ -46,7 +47,7 @@ def count_optimizer_step(trainer: Any) -> None:
     progress.completed += 1
 
 
-class LLMModule(Evaluation, L.LightningModule):
+class LLMModule(AuxLosses, Evaluation, L.LightningModule):
     """Causal-LM training on a model built by a registered factory.
 
     Args:
@@ -79,6 +80,8 @@ class LLMModule(Evaluation, L.LightningModule):
         self.train_start_time: Optional[float] = None
         self.step_tokens = 0  # tokens (inputs, all ranks) of the last step
         self.state = State(cfg=cfg, module=self)  # what every event handler sees
+        self._aux_sums: dict[str, Any] = {}  # AuxLosses: the step's auxiliary terms
+        self._aux_metric_sums: dict[str, Any] = {}  # AuxLosses: the model's aux_metrics
         self.dispatch: Optional[Dispatcher] = Dispatcher()  # set up at fit start (setup_events)
 
     # ----------------------------------------------------------------- model
@@ -215,11 +218,16 @@ class LLMModule(Evaluation, L.LightningModule):
         st.micro_batch, st.inputs, st.labels, st.doc_ids = index, inputs, labels, doc_ids
         self.event(Event.BEFORE_FORWARD)
         st.outputs = self(st.inputs) if st.doc_ids is None else self(st.inputs, st.doc_ids)
+        st.aux_losses = self.model_aux_losses()
+        if st.training:
+            self.record_aux_metrics()
         self.event(Event.AFTER_FORWARD)
         st.loss, st.n_targets = None, (st.labels != IGNORE_INDEX).sum()
         self.event(Event.BEFORE_LOSS)
         if st.loss is None:  # no plugin computed it (e.g. chunked cross-entropy)
             st.loss, _ = self.compute_loss(st.outputs, st.labels)
+        if st.training and st.aux_losses:
+            st.loss = st.loss + self.aux_loss_sum(st.aux_losses, st.n_targets)
         self.event(Event.AFTER_LOSS)
         self.dispatch.check_loss(st, Event.BEFORE_LOSS, Event.AFTER_LOSS)
         return st.loss
@@ -261,7 +269,7 @@ class LLMModule(Evaluation, L.LightningModule):
                 self.event(Event.BEFORE_BACKWARD)
                 self.backward_loss(st.loss * scale)
                 self.event(Event.AFTER_BACKWARD)
-                st.outputs = None  # the logits [b, T, V] must not outlive their micro-batch
+                st.outputs, st.aux_losses = None, {}  # the logits [b, T, V] must not outlive their micro-batch
             loss_total += st.loss.detach()
         self.step_tokens = int(inputs.numel()) * self.plan.dp_size  # real tokens, all ranks
         return loss_total, total_targets
@@ -290,6 +298,7 @@ class LLMModule(Evaluation, L.LightningModule):
             "train/lr": lr,
             "train/grad_norm": grad_norm,
             "train/tokens_seen": self.tokens_seen + self.step_tokens,
+            **self.aux_step_metrics(total_targets, st.n_micro),
         })
         self.event(Event.BEFORE_OPTIMIZER_STEP)
         if st.skip_step:
@@ -354,6 +363,7 @@ class LLMModule(Evaluation, L.LightningModule):
             metrics = self.evaluate()
             if metrics:
                 self.log_record(0, metrics)
+                self.publish_evaluation(metrics, before_training=True)
 
     def on_train_end(self) -> None:
         self.event(Event.FIT_END)
@@ -363,7 +373,11 @@ class LLMModule(Evaluation, L.LightningModule):
         the event ``STEP_RECORDED`` (the checkpointer saves there, so a checkpoint of step N
         never exists without step N's record in the loggers)."""
         step = self.trainer.global_step
-        if self.is_eval_step(step):
+        # a callback that ends the run after this step (Lightning's Timer, ...) gets the final
+        # evaluation a run that reaches trainer.max_steps gets (one that stops on an
+        # evaluation's result sets should_stop during it, after this check)
+        stopping = bool(self.trainer.should_stop) and step < self.cfg.trainer.max_steps
+        if self.is_eval_step(step) or stopping:
             evaluated = self.evaluate() or {}
             self.step_metrics.update(evaluated)
             if evaluated:

@@ -17,8 +17,7 @@ from llmforge.data.mixture_sources import check_one_tokenizer, open_mixture
 from llmforge.data.prepared import check_tokenizer, open_prepared, PreparedSplits
 from llmforge.data.sft import load_conversations, SFTDataModule
 from llmforge.data.shakespeare import cache_root
-from llmforge.data.sources import DocumentSplits, iter_texts, load_documents
-from llmforge.data.sources import tokenizer_cache_key
+from llmforge.data.sources import DocumentSplits, iter_texts, load_documents, plain_options, tokenizer_cache_key
 from llmforge.data.tokenizers import build_tokenizer, check_vocab, load_saved, Tokenizer
 from llmforge.errors import ConfigError
 from llmforge.training.run_files import check_init_from_tokenizer
@@ -60,8 +59,8 @@ class DataBuilders:
             if not self.cfg.data.path:
                 raise ConfigError("data.source=prepared needs data.path, the folder written by "
                                   "`llmforge data prepare`")
-            return open_prepared(self.cfg.data.path, storage_options=dict(self.cfg.data.storage_options),
-                                 cache_dir=self.cfg.data.cache_dir)
+            return open_prepared(self.cfg.data.path, cache_dir=self.cfg.data.cache_dir,
+                                 storage_options=plain_options(self.cfg.data.storage_options))
         return load_documents(self.cfg.data, self.cfg.run.seed)
 
     def build_tokenizer(self, docs: DocumentSplits) -> Tokenizer:

@@ -10,6 +10,7 @@ Subclass it and override any ``build_*`` method to change one piece; the rest st
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -18,14 +19,17 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import lightning as L
+from lightning.pytorch.callbacks import Timer
+from lightning.pytorch.callbacks import EarlyStopping as LightningEarlyStopping
 from lightning.pytorch.loggers import Logger
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from llmforge import registry
 from llmforge.algorithms.loading import build_algorithms
 from llmforge.callbacks import Checkpointer, GarbageCollection, RichProgress, SpeedMonitor
 from llmforge.checkpoint import list_checkpoints, read_json
+from llmforge.checkpoint.init_from import check_initial_weights
 from llmforge.checkpoint.layout import is_checkpoint_folder
 from llmforge.config import config_to_dict, load_config, redact, save_config
 from llmforge.config.schema import PRECISIONS
@@ -38,6 +42,7 @@ from llmforge.parallel.strategy import LLMParallelStrategy
 from llmforge.parallel.transforms import check_strategy, strategy_transforms
 from llmforge.paths import check_writable_dir
 from llmforge.preflight.resolve import ResolvedRun, resolve_run
+from llmforge.quiet import quiet_libraries
 from llmforge.registry import build_entries
 from llmforge.run_guard import RunLock, clear_run_dir, mark_run_dir
 from llmforge.training.entries import build_callbacks, module_class
@@ -66,6 +71,7 @@ class Trainer(DataBuilders):
     def __init__(self, cfg: DictConfig, *, overwrite: bool = False,
                  run: Optional[ResolvedRun] = None) -> None:
         self.run = run if run is not None else resolve_run(cfg, overwrite=overwrite)
+        quiet_libraries()  # the Python API is as quiet as the CLI (issue 27.7)
         self.cfg = cfg = self.run.cfg
         self.world_size, self.plan, self.dims = self.run.world_size, self.run.plan, self.run.dims
         registry.import_modules(cfg.imports)
@@ -219,13 +225,15 @@ class Trainer(DataBuilders):
 
     def build_loggers(self) -> list[Any]:
         """Loggers from ``loggers:``; each builder is called as
-        ``builder(run_dir=..., run=cfg.run, config=<resolved config, secrets redacted>, **kwargs)``
+        ``builder(run_dir=..., run=<cfg.run, secrets redacted>, config=<resolved config, secrets
+        redacted>, **kwargs)``
         and the config is logged as the run's hyperparameters. Building checks settings (SDK
         installed, API key in the environment) but writes nothing and contacts no server: the
         built-in loggers start with their first record, after the run directory is prepared."""
         config = redact(config_to_dict(self.cfg))
+        # the run section as redacted: a secret interpolated into run.tags or run.name stays out
         built = build_entries(registry.loggers, "loggers", self.cfg.loggers, base=Logger,
-                              run_dir=self.run_dir, run=self.cfg.run, config=config)
+                              run_dir=self.run_dir, run=OmegaConf.create(config["run"]), config=config)
         for logger in built:
             logger.log_hyperparams(config)
         return built
@@ -282,6 +290,10 @@ class Trainer(DataBuilders):
         callbacks, loggers = self.build_callbacks(), self.build_loggers()
         docs = self.build_documents()
         self.tokenizer = self.build_tokenizer(docs)
+        self.module = self.build_module()
+        if self.cfg.model.get("init_from"):  # a source of another shape fails before any write
+            with torch.device("meta"):
+                check_initial_weights(self.module.build_model(), self.cfg.model.init_from)
         self.lock_run_dir()
         try:
             self._setup_run(used, docs, callbacks, loggers)
@@ -298,7 +310,6 @@ class Trainer(DataBuilders):
         if isinstance(docs, PreparedMixture):  # data/<name>/tokens_seen in every logger's records
             callbacks.append(MixtureTokens([e["name"] for e in docs.entries], [e["share"] for e in docs.entries],
                                            self.cfg.run.seed, self.plan.global_batch_size, self.cfg.trainer.seq_len))
-        self.module = self.build_module()
         self.lightning = self.build_lightning_trainer(callbacks, loggers)
         self.announce()
 
@@ -314,14 +325,51 @@ class Trainer(DataBuilders):
             self.run_lock.release()
         return self.summary(time.perf_counter() - start)
 
+    def earlier_eval(self) -> dict[str, Any]:
+        """After a resume: the run's first evaluation record (step 0 of the first attempt) from
+        ``metrics.jsonl``, the closing line's baseline; ``{}`` for a fresh run, without a jsonl
+        logger or when the file cannot be read."""
+        path = self.run_dir / "metrics.jsonl"
+        if self.run.resume_from is None or not path.is_file():
+            return {}
+        try:
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    record = json.loads(line)
+                    if "eval/loss" in record:
+                        return record
+        except (OSError, ValueError):
+            pass
+        return {}
+
+    def stopped_by(self) -> Optional[str]:
+        """What ended the run before ``trainer.max_steps`` (a callback that set
+        ``trainer.should_stop``), in words; ``None`` when it reached them."""
+        if self.lightning.global_step >= self.cfg.trainer.max_steps:
+            return None
+        for cb in self.lightning.callbacks:
+            left = cb.time_remaining("train") if isinstance(cb, Timer) else None  # None: no duration
+            if left is not None and left <= 0.0:
+                return "Lightning's Timer: its duration passed"
+            if getattr(cb, "stopped_step", None) is not None:  # llmforge's early_stopping
+                return f"{type(cb).__name__}: eval/loss stopped improving"
+            if isinstance(cb, LightningEarlyStopping) and cb.wait_count >= cb.patience:
+                return f"Lightning's EarlyStopping: {cb.monitor} stopped improving"
+        return "a callback set trainer.should_stop"
+
     def summary(self, seconds: float) -> dict[str, Any]:
         history = self.module.history
         train = [r for r in history if "train/loss" in r]
         ckpt = next((c.last_path for c in self.lightning.callbacks if isinstance(c, Checkpointer)), None)
         last_eval = self.module.last_eval or {}
-        first_eval = next((r for r in history if "eval/loss" in r), {})  # after a resume: not step 0
+        evals = [r for r in history if "eval/loss" in r]
+        first_eval = self.earlier_eval() or (evals[0] if evals else {})
+        if evals and first_eval.get("step") == evals[-1]["step"]:
+            first_eval = {}  # one evaluation only: nothing to compare it with
         return {
             "steps": self.lightning.global_step,
+            "max_steps": int(self.cfg.trainer.max_steps),
+            "stopped_by": self.stopped_by(),
             "tokens": self.module.tokens_seen,
             "seconds": seconds,
             "final_train_loss": train[-1]["train/loss"] if train else None,

@@ -53,6 +53,7 @@ class LlamaHFAdapter(HFAdapter):
     family = "llama3"
     model_type = "llama"
     architecture = "LlamaForCausalLM"
+    config_class = "LlamaConfig"
     key_table = HF_TO_OURS
 
     def permuted_heads(self, model: Any, name: str) -> int | None:
@@ -69,7 +70,8 @@ class LlamaHFAdapter(HFAdapter):
         return permute_from_hf(t, heads)
 
     def config_from_hf(self, hf: dict[str, Any]) -> dict[str, Any]:
-        """``model:`` fields that reproduce an HF Llama config.
+        """``model:`` fields that reproduce an HF Llama config; absent keys take the installed
+        transformers' ``LlamaConfig`` defaults (:meth:`HFAdapter.with_defaults`).
 
         The SwiGLU width is matched exactly: ``multiple_of = intermediate_size`` and a multiplier
         that keeps the unrounded width in ``(0, intermediate_size]``.
@@ -77,10 +79,11 @@ class LlamaHFAdapter(HFAdapter):
         Raises:
             ConfigError: a rope type other than ``llama3`` or ``default``.
         """
+        hf = self.with_defaults(hf)  # absent keys: transformers' defaults (fallbacks: 5.24's)
         dim, inter = int(hf["hidden_size"]), int(hf["intermediate_size"])
         base = int(2 * (4 * dim) / 3)
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        theta = float(rope.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0)
         rope_type = rope.pop("rope_type", rope.pop("type", "default"))
         if rope_type not in ("llama3", "default"):
             raise ConfigError(f"model.init_from: rope type {rope_type!r} is not supported (llama3 or default)")
@@ -92,7 +95,7 @@ class LlamaHFAdapter(HFAdapter):
             "n_kv_heads": int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
             "vocab_size": int(hf["vocab_size"]), "multiple_of": inter,
             "ffn_dim_multiplier": None if base <= inter else inter / base,
-            "norm_eps": float(hf.get("rms_norm_eps", 1e-5)), "rope_theta": theta,
+            "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "rope_theta": theta,
             "rope_scaling": scaling, "max_seq_len": int(hf.get("max_position_embeddings", 2048)),
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         }

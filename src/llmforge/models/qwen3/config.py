@@ -116,27 +116,30 @@ _INTS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "
 _FIELDS = _INTS + ("norm_eps", "rope_theta", "tie_embeddings", "init_std")
 
 
-def qwen3_args_from_config(cfg: Any) -> Qwen3Args:
+def qwen3_args_from_config(cfg: Any, *, family: str = "qwen3", presets: Optional[Dict[str, Any]] = None,
+                           fields: tuple = (), args_cls: type = Qwen3Args) -> Any:
     """:class:`Qwen3Args` from the ``model:`` section: ``PRESETS[cfg.preset]`` (or, with
     ``preset: null``, the shape fields, all of which must be set) with every non-null field
-    copied over.
+    copied over. A family built on Qwen3 (``qwen3_moe``) passes its ``presets``, its extra
+    ``fields`` (copied when not null, checked by the caller) and its ``args_cls`` (a subclass).
 
     Raises:
         ConfigError: unknown preset, missing or invalid shape field (names the ``model.*`` key).
     """
+    presets = PRESETS if presets is None else presets
     preset = cfg_get(cfg, "preset")
     if preset is not None:
-        if preset not in PRESETS:
-            raise ConfigError(f"model.preset: unknown qwen3 preset '{preset}'. Valid presets: "
-                              f"{', '.join(PRESETS)}; or null with every shape field set.")
-        base: Dict[str, Any] = dataclasses.asdict(PRESETS[preset])
+        if preset not in presets:
+            raise ConfigError(f"model.preset: unknown {family} preset '{preset}'. Valid presets: "
+                              f"{', '.join(presets)}; or null with every shape field set.")
+        base: Dict[str, Any] = dataclasses.asdict(presets[preset])
     else:
         missing = [k for k in _INTS if k != "max_seq_len" and cfg_get(cfg, k) is None]
         if missing:
             raise ConfigError("model.preset is null, so every shape field must be set; missing: "
                               + ", ".join(f"model.{k}" for k in missing))
         base = {}
-    for key in _FIELDS:
+    for key in _FIELDS + tuple(fields):
         value = cfg_get(cfg, key)
         if value is not None:
             base[key] = value
@@ -153,7 +156,7 @@ def qwen3_args_from_config(cfg: Any) -> Qwen3Args:
                           f"model.n_kv_heads ({base['n_kv_heads']})")
     if base["head_dim"] % 2:
         raise ConfigError(f"model.head_dim ({base['head_dim']}) must be even for RoPE")
-    return Qwen3Args(**base)
+    return args_cls(**base)
 
 
 def memory_shape(model: Any) -> MemoryShape:

@@ -21,20 +21,23 @@ class Qwen3HFAdapter(HFAdapter):
     family = "qwen3"
     model_type = "qwen3"
     architecture = "Qwen3ForCausalLM"
+    config_class = "Qwen3Config"
     key_table = HF_TO_OURS + [
         (r"^model\.layers\.(\d+)\.self_attn\.q_norm\.weight$", r"layers.\1.attention.q_norm.weight"),
         (r"^model\.layers\.(\d+)\.self_attn\.k_norm\.weight$", r"layers.\1.attention.k_norm.weight"),
     ]
 
     def config_from_hf(self, hf: dict[str, Any]) -> dict[str, Any]:
-        """``model:`` keys of an HF Qwen3 ``config.json``.
+        """``model:`` keys of an HF Qwen3 ``config.json``; absent keys take the installed
+        transformers' ``Qwen3Config`` defaults (:meth:`HFAdapter.with_defaults`).
 
         Raises:
             ConfigError: sliding-window attention, attention biases or a scaled RoPE, which
                 llmforge's Qwen3 does not implement.
         """
+        hf = self.with_defaults(hf)  # absent keys: transformers' defaults (fallbacks: 5.24's)
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        theta = float(rope.pop("rope_theta", hf.get("rope_theta", 1_000_000.0)))
+        theta = float(rope.pop("rope_theta", None) or hf.get("rope_theta") or 10_000.0)
         rope_type = rope.pop("rope_type", rope.pop("type", "default"))
         unsupported = [f"{k}={hf[k]!r}" for k in ("use_sliding_window", "attention_bias") if hf.get(k)]
         if rope_type != "default":
@@ -46,11 +49,11 @@ class Qwen3HFAdapter(HFAdapter):
         return {
             "name": "qwen3", "preset": None, "dim": int(hf["hidden_size"]),
             "n_layers": int(hf["num_hidden_layers"]), "n_heads": n_heads,
-            "n_kv_heads": int(hf.get("num_key_value_heads") or n_heads),
-            "head_dim": int(hf.get("head_dim") or int(hf["hidden_size"]) // n_heads),
+            "n_kv_heads": int(hf.get("num_key_value_heads") or 32),
+            "head_dim": int(hf.get("head_dim") or 128),
             "hidden_dim": int(hf["intermediate_size"]), "vocab_size": int(hf["vocab_size"]),
             "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "rope_theta": theta,
-            "max_seq_len": int(hf.get("max_position_embeddings", 40960)),
+            "max_seq_len": int(hf.get("max_position_embeddings", 32768)),
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         }
 

@@ -1,0 +1,15 @@
+"""The Qwen3-MoE family (Qwen3-30B-A3B, Qwen3-235B-A22B): ``config.py`` (YAML keys, presets),
+``moe.py`` (router, grouped experts), ``model.py``, ``parallelize.py`` (tensor-parallel
+checks), ``hf.py`` (Hugging Face adapter), bundled by :data:`QWEN3_MOE`. Importing this package
+imports no torch."""
+
+from llmforge.models.qwen3_moe.config import PRESETS, Qwen3MoeConfig, memory_shape
+from llmforge.models.spec import family_spec
+
+__all__ = ["QWEN3_MOE"]
+
+QWEN3_MOE = family_spec("qwen3_moe", __name__, model="Qwen3Moe", build="build_qwen3_moe",
+                        hf_adapter="Qwen3MoeHFAdapter", config_cls=Qwen3MoeConfig, presets=PRESETS,
+                        memory_shape=memory_shape,
+                        active_params="llmforge.models.qwen3_moe.model:active_params",
+                        description="Qwen3-MoE decoder (Qwen3 attention, softmax top-k experts)")

@@ -1,0 +1,143 @@
+"""Qwen3-MoE decoder in plain PyTorch (no ranks, no trainer), numerically the same as
+transformers' ``Qwen3MoeForCausalLM`` (``transformers/models/qwen3_moe/modeling_qwen3_moe.py``).
+
+Qwen3's blocks (:mod:`llmforge.models.qwen3.model`: QK-norm, decoupled head dim, rotate-half
+RoPE) whose feed-forward is the sparse :class:`~llmforge.models.qwen3_moe.moe.MoE` in every
+sparse layer (:func:`~llmforge.models.qwen3_moe.config.is_sparse_layer`) and a dense SwiGLU
+elsewhere::
+
+    layers.{i}.feed_forward.router.weight      [E, D]
+    layers.{i}.feed_forward.experts.w1|w3|w2   [E, I, D], [E, I, D], [E, D, I]
+
+Auxiliary losses (the model factory contract of :mod:`llmforge.models`): after each forward,
+:meth:`Qwen3Moe.aux_losses` gives the weighted router losses of that forward and
+:meth:`Qwen3Moe.aux_metrics` the expert load and dropped assignments; the trainer adds the
+losses to the optimized loss (training only) and logs both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmforge.models.decoder import DecoderLM, PreNormBlock, SwiGLU
+from llmforge.models.qwen3.model import Attention, Qwen3
+from llmforge.models.qwen3_moe.config import Qwen3MoeArgs, is_sparse_layer, qwen3_moe_args_from_config
+from llmforge.models.qwen3_moe.moe import MoE
+from llmforge.models.spec import reject_factory_kwargs
+
+__all__ = ["Qwen3Moe", "build_qwen3_moe", "active_params"]
+
+
+class Qwen3Moe(Qwen3):
+    """Qwen3-MoE decoder: ``forward(tokens [B, T], doc_ids [B, T] | None, cache=None) -> logits
+    [B, T, V]`` (:meth:`~llmforge.models.decoder.DecoderLM.forward`)."""
+
+    def __init__(self, args: Qwen3MoeArgs) -> None:
+        nn.Module.__init__(self)
+
+        def block(i: int) -> PreNormBlock:
+            ffn: nn.Module
+            if is_sparse_layer(args, i):
+                ffn = MoE(args.dim, args.moe_intermediate_size, args.num_experts,
+                          args.num_experts_per_tok, args.norm_topk_prob, args.capacity_factor,
+                          with_z=args.router_z_loss_coef > 0)
+            else:
+                ffn = SwiGLU(args.dim, args.hidden_dim)
+            return PreNormBlock(Attention(args), ffn, args.dim, args.norm_eps)
+
+        DecoderLM._build(self, args, block)
+
+    def moe_layers(self) -> list[tuple[int, MoE]]:
+        """``(layer index, MoE)`` of every sparse layer (found through wrappers such as
+        activation checkpointing or compile)."""
+        out = []
+        for i, layer in enumerate(self.layers):
+            out += [(i, m) for m in layer.modules() if isinstance(m, MoE)]
+        return out
+
+    def aux_losses(self) -> dict[str, torch.Tensor]:
+        """The weighted router losses of the last forward, scalar float32 tensors per token:
+
+        * ``load_balancing``: ``router_aux_loss_coef * E * sum_e f_e P_e``, with ``f_e`` the
+          share of top-k assignments and ``P_e`` the mean routing probability of expert ``e``,
+          both over the tokens of every sparse layer together (Switch Transformer, Fedus et al.
+          2021, eq. 4-6, with top-k counts; exactly transformers' ``load_balancing_loss_func``
+          without an attention mask, so it equals ``router_aux_loss_coef * aux_loss`` of
+          ``Qwen3MoeForCausalLM``);
+        * ``router_z``: ``router_z_loss_coef * mean over layers and tokens of
+          logsumexp(router logits)^2`` (ST-MoE, Zoph et al. 2022, eq. 5), when its weight is > 0.
+
+        Empty before a forward, or with both weights 0.
+        """
+        a = self.args
+        stats = [m.stats for _, m in self.moe_layers() if m.stats is not None]
+        out: dict[str, torch.Tensor] = {}
+        if not stats:
+            return out
+        rows = float(sum(s.tokens for s in stats))
+        if a.router_aux_loss_coef > 0:
+            f = torch.stack([s.counts for s in stats]).sum(0) / rows
+            p = torch.stack([s.prob_sum for s in stats]).sum(0) / rows
+            out["load_balancing"] = a.router_aux_loss_coef * a.num_experts * (f * p).sum()
+        if a.router_z_loss_coef > 0:
+            out["router_z"] = a.router_z_loss_coef * torch.stack([s.z_sum for s in stats]).sum() / rows
+        return out
+
+    @torch.no_grad()
+    def aux_metrics(self) -> dict[str, torch.Tensor]:
+        """Expert load of the last forward: ``moe/load_max_mean/layer_{i}`` (tokens of the
+        busiest expert over the mean, 1.0 = balanced) per sparse layer, and
+        ``moe/dropped_fraction`` (token-expert assignments over capacity, all layers; 0 when
+        dropless)."""
+        out: dict[str, torch.Tensor] = {}
+        dropped, total = 0, 0
+        for i, m in self.moe_layers():
+            s = m.stats
+            if s is None:
+                continue
+            out[f"moe/load_max_mean/layer_{i}"] = s.counts.max() / s.counts.mean().clamp(min=1e-9)
+            dropped = dropped + s.dropped
+            total += s.tokens * m.top_k
+        if total:
+            out["moe/dropped_fraction"] = torch.as_tensor(dropped, dtype=torch.float32) / total
+        return out
+
+    def num_active_params(self) -> int:
+        """Parameters one token's forward uses: all but the ``E - k`` experts it is not routed
+        to in each sparse layer (tied weights once). Global counts for sharded parameters."""
+        unused = 0
+        for _, m in self.moe_layers():
+            per_expert = sum(p.numel() for p in m.experts.parameters()) // m.num_experts
+            unused += (m.num_experts - m.top_k) * per_expert
+        return self.num_params() - unused
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token from the *active* parameters: ``6 * N_active + 12 * L * H *
+        hd * seq_len`` (:meth:`DecoderLM.flops_per_token`'s PaLM formula with ``N`` the active
+        parameters except the input embedding; a tied output projection counted). The
+        router's ``2 D E`` per token is in ``N``; the dispatch (sort, gather, scatter) is not
+        counted."""
+        n = self.num_active_params() - self.tok_embeddings.weight.numel()
+        if self.args.tie_embeddings:
+            n += self.output.weight.numel()
+        a = self.args
+        return float(6 * n + 12 * a.n_layers * a.n_heads * a.head_dim * int(seq_len))
+
+
+def build_qwen3_moe(cfg: Any, **kwargs: Any) -> Qwen3Moe:
+    """The ``model:`` section (``name: qwen3_moe``) -> :class:`Qwen3Moe` on the current default
+    device.
+
+    Raises:
+        ConfigError: invalid shape or MoE settings, or ``model.kwargs``.
+    """
+    reject_factory_kwargs("qwen3_moe", cfg, kwargs)
+    return Qwen3Moe(qwen3_moe_args_from_config(cfg))
+
+
+def active_params(model: Qwen3Moe) -> int:
+    """The spec's ``active_params`` hook: :meth:`Qwen3Moe.num_active_params`."""
+    return model.num_active_params()

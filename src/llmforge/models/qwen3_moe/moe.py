@@ -1,0 +1,186 @@
+"""The sparse mixture-of-experts feed-forward of Qwen3-MoE: softmax top-k router, experts
+computed grouped by expert, optional capacity, and the statistics of the router losses.
+
+Numerically the same as transformers' ``Qwen3MoeSparseMoeBlock`` (``Qwen3MoeTopKRouter`` +
+``Qwen3MoeExperts``): ``p = softmax(x W_r^T)`` in float32, the top-k of ``p`` (renormalized to
+sum 1 when ``norm_topk_prob``), and ``y = sum_k p_k * SwiGLU_{e_k}(x)``. Module names and
+layouts (torchtitan's ``GroupedExperts``)::
+
+    router          nn.Linear(D, E), no bias            HF mlp.gate.weight          [E, D]
+    experts.w1      [E, I, D] gate projection           HF mlp.experts.{e}.gate_proj.weight [I, D]
+    experts.w3      [E, I, D] up projection             HF mlp.experts.{e}.up_proj.weight   [I, D]
+    experts.w2      [E, D, I] down projection           HF mlp.experts.{e}.down_proj.weight [D, I]
+
+Shapes: ``N`` tokens (``B * T``), ``D`` width, ``E`` experts, ``k`` experts per token, ``I`` an
+expert's hidden width. No ranks, no trainer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GroupedExperts", "MoE", "RouterStats", "expert_swiglu", "grouped_mm_ok"]
+
+
+def grouped_mm_ok(x: torch.Tensor, dims: tuple[int, ...]) -> bool:
+    """Whether ``torch._grouped_mm`` can run here: the installed torch has it (2.8+), every row
+    stride is a multiple of 16 bytes (its alignment rule: ``D`` and ``I`` multiples of 8 in
+    bfloat16, 4 in float32), and the dtype is bfloat16, or float32 in eager mode on the CPU
+    (torch 2.13's CPU kernel takes float32, forward and backward, but its meta kernel, which
+    ``torch.compile`` traces, and the CUDA kernel take bfloat16 only)."""
+    if not hasattr(torch, "_grouped_mm") or any(d * x.element_size() % 16 for d in dims):
+        return False
+    return x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and x.device.type == "cpu"
+                                         and not torch.compiler.is_compiling())
+
+
+def expert_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  w3: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """Each expert's SwiGLU ``w2_e(silu(w1_e x) * w3_e x)`` on its own rows.
+
+    Args:
+        x: ``[M, D]`` rows sorted by expert (expert 0's rows first).
+        counts: ``[E]`` int64 rows per expert (sums to ``M``).
+        w1, w3: ``[E, I, D]``; w2: ``[E, D, I]``.
+        impl: ``grouped_mm`` (``torch._grouped_mm``: one kernel per projection for all
+            experts), ``loop`` (one matmul per non-empty expert) or ``auto`` (grouped_mm where
+            :func:`grouped_mm_ok`, else loop).
+
+    Returns:
+        ``[M, D]`` in the row order of ``x``.
+    """
+    if impl == "auto":
+        impl = "grouped_mm" if grouped_mm_ok(x, (w1.shape[-1], w1.shape[-2])) else "loop"
+    if impl == "grouped_mm":
+        offs = torch.cumsum(counts, 0).to(torch.int32)  # end row of each group, on the device
+        h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
+        h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+    out, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            xe = x[start:start + n]
+            out.append(F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e]))
+            start += n
+    return torch.cat(out) if out else x.new_zeros(0, w2.shape[1])
+
+
+class GroupedExperts(nn.Module):
+    """``E`` SwiGLU experts stored as three 3-D parameters (see the module docstring)."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.normal_(self.w1, mean=0.0, std=std)
+        nn.init.normal_(self.w3, mean=0.0, std=std)
+        nn.init.normal_(self.w2, mean=0.0, std=out_std)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+        """``x [M, D]`` sorted by expert, ``counts [E]`` -> ``[M, D]`` (:func:`expert_swiglu`)."""
+        return expert_swiglu(x, counts, self.w1, self.w2, self.w3, impl)
+
+
+@dataclass
+class RouterStats:
+    """What one MoE layer's last forward leaves for the router losses and the metrics.
+
+    ``counts [E]`` float32 top-k assignments per expert (before capacity; no gradient);
+    ``prob_sum [E]`` float32 routing probabilities summed over the tokens (differentiable);
+    ``z_sum`` float32 sum over tokens of ``logsumexp(router logits)^2`` (differentiable; ``None``
+    when the z-loss is off); ``tokens`` N; ``dropped`` token-expert assignments over capacity
+    (int64 scalar tensor)."""
+
+    counts: torch.Tensor
+    prob_sum: torch.Tensor
+    z_sum: Optional[torch.Tensor]
+    tokens: int
+    dropped: torch.Tensor
+
+
+class MoE(nn.Module):
+    """Sparse feed-forward ``x [B, T, D] -> [B, T, D]``: softmax top-k router, experts computed
+    grouped by expert, dropless unless ``capacity_factor`` is set.
+
+    Args:
+        dim, hidden_dim: ``D`` and an expert's ``I``.
+        num_experts, top_k: ``E`` and ``k`` (``1 <= k <= E``).
+        norm_topk_prob: renormalize the k selected probabilities to sum to 1.
+        capacity_factor: ``None`` = dropless; else each expert takes at most
+            ``ceil(capacity_factor * N * k / E)`` of its assignments, earliest tokens first (the
+            Switch Transformer's expert capacity, Fedus et al. 2021, sec. 2.2); the rest add
+            nothing (the token keeps its residual). ``stats.dropped`` counts them.
+        with_z: keep the router z-loss sum in :attr:`stats`.
+
+    Attributes:
+        stats: the :class:`RouterStats` of the last forward (``None`` before one).
+        impl: the expert computation (:func:`expert_swiglu`'s ``impl``).
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int,
+                 norm_topk_prob: bool = True, capacity_factor: Optional[float] = None,
+                 with_z: bool = False) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.capacity_factor, self.with_z, self.impl = capacity_factor, with_z, "auto"
+        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.experts = GroupedExperts(dim, hidden_dim, num_experts)
+        self.stats: Optional[RouterStats] = None
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.normal_(self.router.weight, mean=0.0, std=std)
+        self.experts.init_weights(std, out_std)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [N, D]`` -> ``(logits [N, E], probs [N, E] float32, weights [N, k] in x.dtype,
+        experts [N, k] int64)`` (transformers' ``Qwen3MoeTopKRouter``: softmax in float32,
+        top-k, optional renormalization)."""
+        logits = self.router(x)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        top, idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, probs, top.to(logits.dtype), idx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [B, T, D]`` -> ``[B, T, D]``; sets :attr:`stats`."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        n, k, e = x.shape[0], self.top_k, self.num_experts
+        logits, probs, weights, idx = self.route(x)
+        flat = idx.reshape(-1)  # [N*k] expert of each assignment, token-major
+        # counts without a host sync (histc on float ids; bincount would sync on CUDA)
+        counts_f = torch.histc(flat.float(), bins=e, min=0, max=e)
+        order = torch.argsort(flat, stable=True)  # assignments grouped by expert, tokens in order
+        counts = counts_f.long()
+        dropped = torch.zeros((), dtype=torch.long, device=x.device)
+        if self.capacity_factor is not None:
+            cap = math.ceil(self.capacity_factor * n * k / e)
+            starts = torch.cumsum(counts, 0) - counts
+            sorted_e = flat[order]
+            keep = torch.arange(order.numel(), device=x.device) - starts[sorted_e] < cap
+            order = order[keep]
+            kept = counts.clamp(max=cap)
+            dropped = counts.sum() - kept.sum()
+            counts = kept
+        token = order // k
+        y = self.experts(x[token], counts, self.impl)
+        y = y * weights.reshape(-1)[order, None]
+        out = torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+        z = None
+        if self.with_z:
+            lse = torch.logsumexp(logits.float(), dim=-1)
+            z = (lse * lse).sum()
+        self.stats = RouterStats(counts=counts_f.detach(), prob_sum=probs.sum(0), z_sum=z,
+                                 tokens=n, dropped=dropped)
+        return out.reshape(shape)

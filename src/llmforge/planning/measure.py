@@ -1,0 +1,176 @@
+"""What the simulation measures, beside the memory tracker: collective payloads per mesh dim
+(:class:`ByteCounter`), the step's peak per phase (:class:`PhasePeaks`), the split of a tracker
+snapshot into the five reported categories, and the FLOP formulas of the CPU attention kernel."""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as _c10d
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+# FlopCounterMode has formulas for the GPU attention kernels only: the CPU one does the same work
+CPU_SDPA_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+        lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        lambda g, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(g, q, k, v)}
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+
+# the trackers' reference types -> the five categories of the report
+_CATEGORY_OF = {
+    "Parameter": "parameters", "Sharded Param": "parameters", "Unsharded Param": "parameters",
+    "Buffer": "parameters", "Gradient": "gradients", "Sharded Grad": "gradients",
+    "Unsharded Grad": "gradients", "Optstate": "optimizer", "OptState": "optimizer",
+    "Activation": "activations", "Temp": "temporaries", "All Gather": "temporaries",
+    "Reduce Scatter": "temporaries", "Inputs": "temporaries", "Other": "temporaries",
+}
+
+
+_SHARDED = {"Sharded Param", "Sharded Grad", "OptState", "Optstate", "Parameter", "Gradient"}
+
+
+@dataclass
+class Collective:
+    """Payload of one kind of collective on one mesh dim over one step.
+
+    ``bytes``: summed tensor bytes (the unsharded size for all-gather and reduce-scatter);
+    ``group_size``: ranks in the group."""
+
+    kind: str
+    mesh_dim: str
+    group_size: int
+    count: int = 0
+    bytes: float = 0.0
+
+
+class ByteCounter(TorchDispatchMode):
+    """Counts every collective and sums its payload bytes per process group.
+
+    It sees the same ops as ``CommDebugMode`` (the c10d and functional collectives, after
+    DTensor has turned its redistributions into them) but keeps no module tracker: in torch
+    2.13 CommDebugMode's tracker fails (``IndexError`` in ``ModuleTracker``) when activation
+    checkpointing recomputes a tensor-parallel block in the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.payload: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0])
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor lower itself into collectives first
+        out = func(*args, **(kwargs or {}))
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return out
+        name = func._overloadpacket.__name__
+        kind = next((k for k in ("all_gather", "allgather", "reduce_scatter", "allreduce",
+                                 "all_reduce", "all_to_all", "alltoall", "broadcast") if k in name), None)
+        if kind is None or func.namespace not in ("c10d", "_c10d_functional"):
+            return out
+        kind = {"allgather": "all_gather", "allreduce": "all_reduce", "alltoall": "all_to_all"}.get(kind, kind)
+        group = None
+        for a in list(args) + list((kwargs or {}).values()):
+            if isinstance(a, str):
+                group = a
+            elif isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):  # a c10d op's group
+                group = dist.ProcessGroup.unbox(a).group_name
+        outs = [t for t in _flat(out) if isinstance(t, torch.Tensor)]
+        ins = [t for t in _flat(args) if isinstance(t, torch.Tensor)]
+        # the unsharded size: an all-gather's output, a reduce-scatter's input
+        sizes = [t.numel() * t.element_size() for t in (outs if kind == "all_gather" else ins)]
+        rec = self.payload[(kind, str(group))]
+        rec[0] += 1
+        rec[1] += float(max(sizes)) if sizes else 0.0
+        return out
+
+
+class PhasePeaks:
+    """An event plugin (:mod:`llmforge.events`) that splits the step's peak by phase: at the end
+    of each forward, loss and backward it folds the tracker's peak since the last phase into
+    that phase's maximum and starts a new one. The depth extrapolation is done per phase, since
+    each phase's peak is affine in the block count while the phase holding the overall peak may
+    change with depth. (The tracker's global peak has no public reset in torch 2.13: its two
+    private fields are cleared.)"""
+
+    def __init__(self) -> None:
+        self.tracker: Any = None
+        self.peaks: dict[str, tuple[float, dict[str, float], float]] = {}
+
+    def start(self, tracker: Any) -> None:
+        self.tracker = tracker
+        self._reset()
+
+    def _reset(self) -> None:  # the current state is the new peak
+        t = self.tracker
+        t._peak_mem_snap = copy.deepcopy(t._curr_mem_snap)
+        t._peak_mem = {dev: snap["Total"] for dev, snap in t._curr_mem_snap.items()}
+
+    def record(self, phase: str) -> None:
+        snap = self.tracker.get_tracker_snapshot("peak")
+        summary = summarize(next(iter(snap.values())) if snap else {"Total": 0})
+        if phase not in self.peaks or summary[0] > self.peaks[phase][0]:
+            self.peaks[phase] = summary
+        self._reset()
+
+    def after_forward(self, state: Any) -> None:
+        self.record("forward")
+
+    def after_loss(self, state: Any) -> None:
+        self.record("loss")
+
+    def after_backward(self, state: Any) -> None:
+        self.record("backward")
+
+
+def summarize(snap: dict) -> tuple[float, dict[str, float], float]:
+    """``(total, breakdown by CATEGORIES, sharded state)`` of one tracker snapshot."""
+    breakdown = dict.fromkeys(CATEGORIES, 0.0)
+    sharded = 0.0
+    for ref, nbytes in snap.items():
+        key = getattr(ref, "value", ref)
+        if key != "Total":
+            breakdown[_CATEGORY_OF.get(key, "temporaries")] += float(nbytes)
+        if key in _SHARDED:
+            sharded += float(nbytes)
+    return float(snap.get("Total", 0)), breakdown, sharded
+
+
+def _flat(x: Any) -> list:
+    if isinstance(x, (list, tuple)):
+        return [y for v in x for y in _flat(v)]
+    return [x]
+
+
+def collectives(comm: ByteCounter, mesh: Any) -> list[Collective]:
+    names: dict[str, tuple[str, int]] = {}
+    if mesh is not None:
+        for dim in ("dp_shard", "dp_replicate", "tp", "dp"):  # dims of one rank set share a group:
+            sub = mesh[dim]  # the first name wins (FSDP2's dp_shard before the flattened dp)
+            names.setdefault(sub.get_group().group_name, (dim, sub.size()))
+    out = []
+    for (kind, group), (count, nbytes) in sorted(comm.payload.items()):
+        if group not in names:  # a group DTensor or FSDP made for a concatenation of dims
+            ranks = sorted(dist.get_process_group_ranks(_c10d._resolve_process_group(group)))
+            names[group] = (_dim_of(mesh, ranks), len(ranks))
+        dim, size = names[group]
+        out.append(Collective(kind=kind, mesh_dim=dim, group_size=size, count=count, bytes=nbytes))
+    return out
+
+
+def _dim_of(mesh: Any, ranks: list) -> str:
+    """The mesh dims (joined by ``+``) whose group through rank 0 holds exactly ``ranks``."""
+    dims = [d for d in ("dp_replicate", "dp_shard", "tp") if mesh[d].size() > 1]
+    for n in range(len(dims), 0, -1):
+        for i in range(len(dims) - n + 1):
+            sub = mesh[tuple(dims[i:i + n])] if n > 1 else mesh[dims[i]]
+            if sorted(sub.mesh.flatten().tolist()) == ranks:
+                return "+".join(dims[i:i + n])
+    return "world"

@@ -1,0 +1,302 @@
+"""``llmforge plan``: choose dp_replicate, dp_shard, tp, activation checkpointing and the
+micro-batch size for a GPU count and a GPU kind.
+
+1. Enumerate: ``tp`` among the divisors of the GPUs per node (tensor parallel stays inside a
+   node) that the model allows (heads divisible by ``tp``), every ``dp_replicate x dp_shard`` of
+   the rest, activation checkpointing none / selective (per operator) / full, every
+   micro-batch size dividing the per-rank batch. ``pp`` is 1 (no pipeline parallel yet).
+   Layouts whose data-parallel size does not divide ``global_batch_size`` are dropped.
+2. Measure: one simulation (:func:`llmforge.planning.simulate.simulate_scaled`) per
+   ``(tp, activation checkpointing)`` at the reference layout ``dp_replicate=1``,
+   ``dp_shard = world / tp``, ``micro_batch_size=1``. Every other layout of that group is
+   derived from it: the sharded model state at the peak scales with ``1 / dp_shard``, the
+   activations and temporaries with the micro-batch size (an over-estimate: the all-gather
+   buffers in the temporaries do not grow), the FSDP all-gathers with the number of
+   micro-batches, HSDP's all-reduce over ``dp_replicate`` is the sharded gradient; FLOPs and
+   tensor-parallel bytes per rank are the same for the whole group. The winner (and, when it
+   does not fit after all, the next ones) is then simulated with its own layout.
+3. Keep the layouts whose peak fits in ``(1 - HEADROOM)`` of the GPU memory and rank them by
+   the step-time model: compute at ``EFFICIENCY`` of the dense bf16 peak, FSDP / HSDP traffic
+   overlapped with compute (prefetch), tensor-parallel traffic not overlapped; a collective
+   over ``n`` ranks moves ``(n-1)/n`` of its payload per rank (twice for an all-reduce) at the
+   intra-node bandwidth when its group fits in a node, else the inter-node one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+from llmforge.errors import ConfigError
+from llmforge.models.spec import get_spec
+from llmforge.planning.gpus import GPUKind
+from llmforge.planning.measure import Collective
+from llmforge.planning.simulate import AC_MODES, Layout, StepMeasurement, simulate_scaled
+from llmforge.plugin import meta_model
+
+HEADROOM = 0.10
+"""Share of GPU memory kept free: the CUDA context, NCCL buffers and the caching allocator's
+fragmentation, none of which the simulation sees."""
+
+EFFICIENCY = 0.5
+"""Fraction of the dense bf16 peak that the step's FLOPs are assumed to run at (a well-tuned
+FSDP2 Llama step on H100 reaches 40-55 % MFU: torchtitan's published benchmarks)."""
+
+MAX_CONFIRM = 3
+"""Layouts simulated with their own degrees after the ranking, best first, until one fits."""
+
+
+@dataclass
+class Candidate:
+    """A layout and the planner's verdict. Times in seconds, memory in bytes."""
+
+    layout: Layout
+    status: str = "fits"  # chosen | fits | does not fit | does not divide | refused | not measured | slower
+    reason: str = ""
+    peak_bytes: Optional[float] = None
+    step_seconds: Optional[float] = None
+    tokens_per_second_per_gpu: Optional[float] = None
+    mfu: Optional[float] = None
+    simulated: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        lo = self.layout
+        return {"dp_replicate": lo.dp_replicate, "dp_shard": lo.dp_shard, "tp": lo.tp, "pp": lo.pp,
+                "activation_checkpointing": lo.activation_checkpointing,
+                "micro_batch_size": lo.micro_batch_size, "fits": self.status in ("chosen", "fits", "slower"),
+                "peak_bytes_per_rank": self.peak_bytes, "step_seconds": self.step_seconds,
+                "tokens_per_second_per_gpu": self.tokens_per_second_per_gpu, "mfu": self.mfu,
+                "simulated": self.simulated, "status": self.status, "reason": self.reason}
+
+
+@dataclass
+class Plan:
+    """The planner's answer: the winner (``None`` when nothing fits) and every candidate."""
+
+    world_size: int
+    gpu: GPUKind
+    chosen: Optional[Candidate]
+    candidates: list[Candidate]
+    references: dict[tuple[int, str], StepMeasurement]
+    min_gpus: Optional[int] = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "gpu": self.gpu.name, "headroom": HEADROOM,
+                "efficiency": EFFICIENCY, "compile": "not simulated",
+                "chosen": self.chosen.as_dict() if self.chosen else None,
+                "candidates": [c.as_dict() for c in self.candidates if c is not self.chosen],
+                "simulations": {f"tp{tp}_{ac}": m.as_dict() for (tp, ac), m in self.references.items()},
+                "smallest_fitting_gpus": self.min_gpus}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tp_degrees(cfg: Any, world: int, gpus_per_node: int) -> tuple[list[int], dict[int, str]]:
+    """Tensor-parallel degrees that divide both the node and the world and that the model
+    allows; the refused ones with the reason (from the family's ``check_tp``)."""
+    spec = get_spec(cfg.model.name)
+    model = meta_model(cfg)
+    ok, refused = [], {}
+    for tp in _divisors(math.gcd(world, gpus_per_node)):
+        check = spec.get("check_tp") if tp > 1 else None
+        try:
+            if tp > 1 and spec.tp_plan is None:
+                raise ConfigError(f"model '{cfg.model.name}' has no tensor-parallel plan")
+            if check is not None:
+                check(model, tp)
+        except ConfigError as exc:
+            refused[tp] = str(exc)
+            continue
+        ok.append(tp)
+    return ok, refused
+
+
+def enumerate_layouts(cfg: Any, world: int, gpus_per_node: int) -> tuple[list[Layout], list[Candidate]]:
+    """Every layout of ``world`` GPUs, and the dropped ones (status ``does not divide``).
+
+    Raises:
+        ConfigError: no tensor-parallel degree divides the model and the node (names the key
+            and the nearest world sizes that work).
+    """
+    gbs = int(cfg.trainer.global_batch_size)
+    tps, refused = tp_degrees(cfg, world, gpus_per_node)
+    out, dropped = [], []
+    for tp in tps:
+        dp = world // tp
+        if gbs % dp:
+            dropped.append(Candidate(Layout(1, dp, tp, "none", 1), "does not divide",
+                                     f"trainer.global_batch_size={gbs} is not a multiple of dp={dp}"))
+            continue
+        for rep in _divisors(dp):
+            for ac in AC_MODES:
+                for mbs in _divisors(gbs // dp):
+                    out.append(Layout(rep, dp // rep, tp, ac, mbs))
+    for tp, why in refused.items():
+        dropped.append(Candidate(Layout(1, world // tp if world % tp == 0 else 1, tp, "none", 1),
+                                 "does not divide", why))
+    if not out:
+        near = [n for n in range(max(1, world - 64), world + 65) if n != world
+                and any(gbs % (n // tp) == 0 for tp in _divisors(math.gcd(n, gpus_per_node)) if tp in tps or tp == 1)]
+        nearest = sorted(near, key=lambda n: abs(n - world))[:2]
+        why = "".join(f"; tp={tp} refused: {r}" for tp, r in refused.items())
+        raise ConfigError(f"--gpus {world}: no layout divides trainer.global_batch_size={gbs} "
+                          f"(tp within a node of {gpus_per_node}: {tps or 'none allowed'}{why}); "
+                          f"nearest GPU counts that do: {', '.join(map(str, sorted(nearest)))}")
+    return out, dropped
+
+
+def _seconds(c: Collective, n_ranks: int, world: int, gpu: GPUKind, span: int) -> float:
+    if n_ranks <= 1:
+        return 0.0
+    bw = gpu.intra_node_bw if span <= gpu.gpus_per_node or world <= gpu.gpus_per_node else gpu.inter_node_bw
+    factor = 2.0 if c.kind == "all_reduce" else 1.0
+    return factor * c.bytes * (n_ranks - 1) / n_ranks / bw
+
+
+def derive(ref: StepMeasurement, layout: Layout, gbs: int, gpu: GPUKind, exact: bool = False
+           ) -> tuple[float, float, float]:
+    """``(peak_bytes, step_seconds, flops_per_rank)`` of ``layout`` from the reference
+    measurement of its ``(tp, activation checkpointing)`` group (module docstring, step 2);
+    ``exact``: ``ref`` is the layout's own simulation (no memory scaling)."""
+    lo, r = layout, ref.layout
+    dp = lo.dp_replicate * lo.dp_shard
+    n_micro, n_micro_ref = gbs // dp // lo.micro_batch_size, gbs // dp // r.micro_batch_size
+    if exact:
+        peak = ref.peak_bytes
+    else:
+        rest = ref.peak_bytes - ref.sharded_state
+        peak = ref.sharded_state * r.dp_shard / lo.dp_shard + rest * lo.micro_batch_size / r.micro_batch_size
+    world = lo.world_size
+    overlapped = exposed = 0.0
+    for c in ref.collectives:
+        if c.mesh_dim.startswith("dp_shard"):
+            c2 = c if exact else replace(c, bytes=c.bytes * (n_micro / n_micro_ref if c.kind == "all_gather" else 1))
+            overlapped += _seconds(c2, lo.dp_shard, world, gpu, lo.dp_shard * lo.tp)
+            if not exact and lo.dp_replicate > 1 and c.kind == "reduce_scatter":
+                ar = Collective("all_reduce", "dp_replicate", lo.dp_replicate, 1, c.bytes / lo.dp_shard)
+                overlapped += _seconds(ar, lo.dp_replicate, world, gpu, world)
+        elif c.mesh_dim == "dp_replicate":
+            overlapped += _seconds(c, lo.dp_replicate, world, gpu, world)
+        elif c.mesh_dim == "tp":
+            exposed += _seconds(c, lo.tp, world, gpu, lo.tp)
+    compute = ref.flops / (gpu.bf16_flops * EFFICIENCY)
+    return peak, max(compute, overlapped) + exposed, ref.flops
+
+
+def _score(cand: Candidate, peak: float, step: float, cfg: Any, world: int, gpu: GPUKind,
+           flops_per_token: float) -> None:
+    tokens = int(cfg.trainer.global_batch_size) * int(cfg.trainer.seq_len)
+    cand.peak_bytes, cand.step_seconds = peak, step
+    cand.tokens_per_second_per_gpu = tokens / step / world
+    cand.mfu = flops_per_token * cand.tokens_per_second_per_gpu / gpu.bf16_flops
+
+
+def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scaled) -> Plan:
+    """Plan ``cfg`` on ``world`` GPUs of kind ``gpu`` (module docstring).
+
+    Raises:
+        ConfigError: no layout divides the batch or the model (see :func:`enumerate_layouts`).
+    """
+    layouts, dropped = enumerate_layouts(cfg, world, gpu.gpus_per_node)
+    gbs = int(cfg.trainer.global_batch_size)
+    budget = gpu.memory_bytes * (1 - HEADROOM)
+    spec = get_spec(cfg.model.name)
+    flops_per_token = float(spec.flops(meta_model(cfg), int(cfg.trainer.seq_len)))
+    refs: dict[tuple[int, str], StepMeasurement] = {}
+    skipped: dict[tuple[int, str], Candidate] = {}  # groups not simulated, with the reason
+    for tp in sorted({lo.tp for lo in layouts}):
+        for i, ac in enumerate(AC_MODES):
+            if i and (tp, AC_MODES[i - 1]) in refs and refs[tp, AC_MODES[i - 1]].peak_bytes <= budget:
+                # a lighter mode already fits at this tp: more recomputation is only slower
+                skipped[tp, ac] = Candidate(Layout(1, world // tp, tp, ac, 1), "slower",
+                                            f"not simulated: activation_checkpointing "
+                                            f"{AC_MODES[i - 1]} already fits at tp={tp} and recomputes less")
+                continue
+            if (tp, AC_MODES[max(0, i - 1)]) in skipped and i:
+                skipped[tp, ac] = replace(skipped[tp, AC_MODES[i - 1]], layout=Layout(1, world // tp, tp, ac, 1))
+                continue
+            try:
+                refs[tp, ac] = simulate_fn(cfg, Layout(1, world // tp, tp, ac, 1))
+            except ConfigError as exc:  # e.g. float8's FSDP all-gather without sharding
+                skipped[tp, ac] = Candidate(Layout(1, world // tp, tp, ac, 1), "refused", str(exc))
+            except NotImplementedError as exc:  # MemTracker (no FSDP2: tp = world) and accumulation
+                skipped[tp, ac] = Candidate(Layout(1, world // tp, tp, ac, 1), "not measured",
+                                            f"the memory tracker refuses this step: {exc}")
+    cands = []
+    for lo in layouts:
+        key = (lo.tp, lo.activation_checkpointing)
+        if key not in refs:
+            continue
+        peak, step, _ = derive(refs[key], lo, gbs, gpu)
+        cand = Candidate(lo)
+        _score(cand, peak, step, cfg, world, gpu, flops_per_token)
+        if peak > budget:
+            cand.status, cand.reason = "does not fit", (f"peak {peak / 2**30:.1f} GiB > "
+                                                        f"{budget / 2**30:.1f} GiB usable")
+        cands.append(cand)
+    dropped += list(skipped.values())
+    fitting = sorted((c for c in cands if c.status == "fits"), key=lambda c: c.step_seconds)
+    chosen = None
+    for cand in fitting[:MAX_CONFIRM]:  # the winner's own simulation, not a derived one
+        ref = refs[cand.layout.tp, cand.layout.activation_checkpointing]
+        m = ref if ref.layout == cand.layout else simulate_fn(cfg, cand.layout)
+        peak, step, _ = derive(m, cand.layout, gbs, gpu, exact=True)
+        _score(cand, peak, step, cfg, world, gpu, flops_per_token)
+        cand.simulated = True
+        if peak <= budget:
+            chosen = cand
+            break
+        cand.status, cand.reason = "does not fit", (f"simulated peak {peak / 2**30:.1f} GiB > "
+                                                    f"{budget / 2**30:.1f} GiB usable")
+    if chosen is not None:
+        chosen.status, chosen.reason = "chosen", "fastest layout that fits"
+        for c in cands:
+            if c.status == "fits" and c is not chosen:
+                c.status = "slower"
+                c.reason = f"{c.step_seconds / chosen.step_seconds:.2f}x the winner's step time"
+    ordered = sorted(cands, key=lambda c: (c.status != "chosen", c.status == "does not fit",
+                                           c.step_seconds or 0.0))
+    out = Plan(world, gpu, chosen, ordered + dropped, refs)
+    if chosen is None:
+        out.min_gpus = smallest_fitting(out)
+    return out
+
+
+def smallest_fitting(p: Plan) -> Optional[int]:
+    """The smallest GPU count (whole nodes beyond one node) at which some measured
+    ``(tp, activation checkpointing)`` group fits at ``micro_batch_size=1``, from the
+    references of ``p``: only the sharded model state shrinks with more GPUs (``dp_shard``
+    grows), the rest of the peak stays. Memory only: ``global_batch_size`` may have to grow to
+    divide the larger data-parallel size. ``None``: nothing fits at any size (the unsharded
+    rest alone exceeds the GPU)."""
+    budget = p.gpu.memory_bytes * (1 - HEADROOM)
+    best = None
+    for (tp, _), m in p.references.items():
+        rest = m.peak_bytes - m.sharded_state
+        if rest >= budget:
+            continue
+        shard = max(1, math.ceil(m.sharded_state * m.layout.dp_shard / (budget - rest)))
+        n = shard * tp
+        if n > p.gpu.gpus_per_node:
+            n = math.ceil(n / p.gpu.gpus_per_node) * p.gpu.gpus_per_node
+        best = n if best is None else min(best, n)
+    return best
+
+
+def winner_yaml(cand: Candidate) -> str:
+    """The YAML overrides of a layout (strategy, micro-batch, activation checkpointing)."""
+    lo = cand.layout
+    lines = ["strategy:", "  name: fsdp2", f"  dp_replicate: {lo.dp_replicate}",
+             f"  dp_shard: {lo.dp_shard}", f"  tp: {lo.tp}", "trainer:",
+             f"  micro_batch_size: {lo.micro_batch_size}"]
+    if lo.activation_checkpointing == "none":
+        lines.append("# algorithms: remove the activation_checkpointing entry")
+    else:
+        mode = ("mode: selective\n    selective: op" if lo.activation_checkpointing == "selective"
+                else "mode: full")
+        lines += ["algorithms:  # replace the activation_checkpointing entry",
+                  f"  - name: activation_checkpointing\n    {mode}"]
+    return "\n".join(lines)

@@ -1,0 +1,68 @@
+"""The text report of ``llmforge plan`` and the command's body (:func:`run_plan`)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from llmforge.config import load_config
+from llmforge.errors import ConfigError
+from llmforge.planning.gpus import GPUKind
+from llmforge.planning.planner import EFFICIENCY, HEADROOM, Plan, plan, winner_yaml
+
+GIB = 1024**3
+
+
+def report(p: Plan, config: str, seconds: float, top: int = 8) -> str:
+    """The text report: header, the best ``top`` layouts, the drop reasons, the winner's YAML."""
+    g = p.gpu
+    lines = [f"plan: {config} on {p.world_size} x {g.name} ({(1 - HEADROOM) * g.memory_bytes / GIB:.1f} GiB "
+             f"usable per GPU = {1 - HEADROOM:.0%} of {g.memory_bytes / 1e9:.0f} GB; compute at "
+             f"{EFFICIENCY:.0%} of {g.bf16_flops / 1e12:.0f} TFLOP/s bf16; torch.compile not simulated)",
+             f"simulated {len(p.references)} (tp, activation checkpointing) groups at 2 and 3 layers, "
+             f"scaled to the model's depth, in {seconds:.1f} s (docs/scale.md)",
+             f"{'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'pp':>3} {'AC':>9} {'mbs':>4} {'peak GiB':>9} "
+             f"{'tok/s/GPU':>10} {'MFU':>6}  status"]
+    shown = [c for c in p.candidates if c.peak_bytes is not None][:top]
+    for c in shown:
+        lo = c.layout
+        lines.append(f"{lo.dp_replicate:>6} {lo.dp_shard:>8} {lo.tp:>3} {lo.pp:>3} "
+                     f"{lo.activation_checkpointing:>9} {lo.micro_batch_size:>4} {c.peak_bytes / GIB:>9.1f} "
+                     f"{c.tokens_per_second_per_gpu:>10.0f} {c.mfu:>6.1%}  {c.status}"
+                     f"{' (simulated)' if c.simulated else ''}{': ' + c.reason if c.reason else ''}")
+    counts: dict[str, int] = {}
+    for c in p.candidates:
+        counts[c.status] = counts.get(c.status, 0) + 1
+    lines.append("candidates: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
+    for c in p.candidates:
+        if c.peak_bytes is None:  # a whole group: refused or not simulated
+            lines.append(f"  tp={c.layout.tp} activation_checkpointing={c.layout.activation_checkpointing}: "
+                         f"{c.status}: {c.reason}")
+    if p.chosen is not None:
+        lines += ["winner's YAML overrides:", winner_yaml(p.chosen)]
+    return "\n".join(lines)
+
+
+def run_plan(config: str, overrides: list[str], gpus: int, gpu: GPUKind, *, as_json: bool = False,
+             top: int = 8) -> int:
+    """Load ``config`` with ``overrides``, plan it and print the report (or one JSON object);
+    returns 0.
+
+    Raises:
+        ConfigError: bad config or layout (see :func:`llmforge.planning.planner.plan`), or no
+            layout fits (the message gives the smallest GPU count that would).
+    """
+    cfg = load_config(config, overrides)
+    t0 = time.perf_counter()
+    result = plan(cfg, gpus, gpu)
+    seconds = time.perf_counter() - t0
+    if as_json:
+        print(json.dumps({**result.as_dict(), "seconds": seconds}, indent=1))
+    else:
+        print(report(result, config, seconds, top))
+    if result.chosen is None:
+        where = (f"the smallest GPU count that would fit is {result.min_gpus} (memory only; "
+                 f"trainer.global_batch_size may have to grow to divide it)" if result.min_gpus
+                 else "it fits at no GPU count (the unsharded part of the peak alone is too big)")
+        raise ConfigError(f"{config}: no layout fits in {gpu.name} memory on {gpus} GPUs; {where}")
+    return 0

@@ -1,0 +1,303 @@
+"""One real training step of one rank at the real world size, in one CPU process.
+
+The simulation runs llmforge's own code, not a model of it: the device mesh of
+:func:`llmforge.parallel.mesh.build_mesh`, the model pipeline the Trainer runs (the algorithms'
+transforms -- float8 conversion, activation checkpointing -- and the strategy's tensor parallel
+and FSDP2 / HSDP, :func:`llmforge.parallel.transforms.strategy_transforms`), ``LLMModule``'s
+``configure_model``, ``configure_optimizers``, ``forward_backward`` (every micro-batch with
+gradient accumulation, the loss normalised over the whole window), ``clip_gradients_`` and the
+optimizer step. With ``fake=True`` the process group is torch's fake backend
+(``torch.testing._internal.distributed.fake_pg.FakeStore``: collectives return at once) of the
+real world size and every tensor is a ``FakeTensor`` (shape, dtype and device, no storage), so an
+8B or 405B step costs seconds on a laptop; rank 0 is simulated (FSDP2 / TP ranks are symmetric,
+so it holds the most, with rank 0's extra padding of uneven shards).
+
+What is measured (per rank, the second of two steps: the first creates the optimizer state):
+
+* memory: ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker`` (``MemTracker``
+  without FSDP2): the peak of live tensor bytes, split at the moment of the peak into
+  parameters (sharded, all-gathered, buffers), gradients, optimizer state, activations (saved
+  for backward, recomputed ones included) and temporaries (everything else: gradients of
+  activations, collective buffers, the batch);
+* communication: every collective's payload (the unsharded tensor of an all-gather or
+  reduce-scatter, the tensor of an all-reduce), counted by a dispatch mode that sees what
+  ``torch.distributed.tensor.debug.CommDebugMode`` sees (see :class:`llmforge.planning.measure.ByteCounter`) and attributed to the mesh dim whose
+  process group ran it;
+* FLOPs: ``torch.utils.flop_counter.FlopCounterMode`` (recomputation of activation
+  checkpointing included; it sees tensor-parallel ops at their global shapes, so its count is
+  divided by ``tp``), beside the model spec's formula (:meth:`ModelSpec.flops`).
+
+Not simulated: ``torch.compile`` (the ``compile`` algorithm is left out of the traced step),
+the speed of kernels, the CUDA caching allocator's fragmentation and reserve, NCCL's own
+buffers and the CUDA context. The SDPA kernel is the CPU one (flash-style: it keeps the output
+and the log-sum-exp, as the GPU kernels do).
+
+Scaling by layer count: ``simulate_scaled`` runs the step with 2 and 3 blocks and extrapolates
+every measured quantity linearly to the real block count, the peak phase by phase (forward,
+loss, backward, optimizer). Blocks are identical, so parameters, gradients, optimizer state,
+saved activations, FLOPs and collective bytes are affine in the block count; a phase's peak is
+too while its moment within the phase does not move with depth, which holds for the forward
+and the loss but not always for the backward and the optimizer step (docs/scale.md gives the
+measured error).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import FSDPModule
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils.flop_counter import FlopCounterMode
+
+from llmforge.algorithms.loading import build_algorithms
+from llmforge.config.validate import validate
+from llmforge.models.spec import get_spec
+from llmforge.parallel.mesh import ParallelDims, build_mesh
+from llmforge.parallel.transforms import check_strategy, strategy_transforms
+from llmforge.plugin import meta_model, run_pipeline
+from llmforge.planning.measure import (CATEGORIES, CPU_SDPA_FLOPS, ByteCounter, Collective,
+                                       PhasePeaks, collectives)
+from llmforge.training.module import LLMModule
+
+AC_MODES = ("none", "selective", "full")
+"""Activation checkpointing choices: none, ``selective: op`` (torchtitan's per-operator
+policy), ``full`` (every block)."""
+
+AC_ENTRIES = {"selective": {"name": "activation_checkpointing", "mode": "selective", "selective": "op"},
+              "full": {"name": "activation_checkpointing", "mode": "full"}}
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout: ``dp_replicate * dp_shard * tp * pp`` = world size.
+
+    ``pp`` is always 1 until pipeline parallelism exists (the planner keeps the field).
+    """
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    activation_checkpointing: str
+    micro_batch_size: int
+    pp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    def overrides(self) -> list[str]:
+        """The dotlist overrides that give this layout (activation checkpointing is an entry of
+        ``algorithms:``: see :func:`layout_config`)."""
+        return [f"strategy.dp_replicate={self.dp_replicate}", f"strategy.dp_shard={self.dp_shard}",
+                f"strategy.tp={self.tp}", f"trainer.micro_batch_size={self.micro_batch_size}"]
+
+
+@dataclass
+class StepMeasurement:
+    """What one simulated (or real) step of one rank measured. Bytes, FLOPs per step."""
+
+    layout: Layout
+    world_size: int
+    n_layers: int
+    peak_bytes: float
+    breakdown: dict[str, float]
+    flops: float
+    formula_flops: float
+    collectives: list[Collective] = field(default_factory=list)
+    seconds: float = 0.0
+    phases: dict[str, tuple] = field(default_factory=dict)
+    """``{phase: (peak bytes, breakdown, sharded state bytes)}`` for the phases forward, loss,
+    backward (each over all micro-batches) and optimizer (clipping and the step)."""
+    sharded_state: float = 0.0
+    """Bytes at the peak that shrink with ``dp_shard``: sharded parameters and gradients,
+    optimizer state (all model state without FSDP2)."""
+    simulated_layers: tuple[int, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"peak_bytes_per_rank": self.peak_bytes, "breakdown": self.breakdown,
+                "flops_per_rank": self.flops, "formula_flops_per_rank": self.formula_flops,
+                "n_layers": self.n_layers, "simulated_layers": list(self.simulated_layers),
+                "collectives": [vars(c) for c in self.collectives], "seconds": self.seconds,
+                "sharded_state_bytes": self.sharded_state,
+                "phase_peak_bytes": {name: p[0] for name, p in self.phases.items()}}
+
+
+def layout_config(cfg: Any, layout: Layout, n_layers: Optional[int] = None) -> Any:
+    """A copy of ``cfg`` with ``layout``: strategy degrees (``fsdp2``), micro-batch size, the
+    ``activation_checkpointing`` entry replaced, ``compile`` left out, and ``model.n_layers``
+    when given."""
+    out = copy.deepcopy(cfg)
+    OmegaConf.set_readonly(out, False)
+    s = out.strategy
+    s.name = "fsdp2" if layout.world_size > 1 else s.name
+    s.dp_replicate, s.dp_shard, s.tp = layout.dp_replicate, layout.dp_shard, layout.tp
+    out.trainer.micro_batch_size = layout.micro_batch_size
+    # the world size the checks derive from the trainer (devices x nodes) is the layout's
+    out.trainer.devices, out.trainer.num_nodes = layout.world_size, 1
+    algos = [a for a in OmegaConf.to_container(out.algorithms)
+             if a.get("name") not in ("activation_checkpointing", "compile")]
+    if layout.activation_checkpointing != "none":
+        algos.append(AC_ENTRIES[layout.activation_checkpointing])
+    out.algorithms = algos
+    if n_layers is not None:
+        out.model.n_layers = n_layers
+    return out
+
+
+def model_layers(cfg: Any) -> int:
+    """Number of repeated blocks of the run's model (built on the meta device)."""
+    return len(get_spec(cfg.model.name).model_blocks(meta_model(cfg)))
+
+
+def _fake_group(world_size: int) -> None:
+    if dist.is_initialized():
+        if dist.get_backend() == "fake" and dist.get_world_size() == world_size:
+            return
+        if dist.get_backend() != "fake":
+            raise RuntimeError("a real process group is initialized; simulate(fake=False) uses it")
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+
+
+def _precision_context(cfg: Any) -> Any:
+    # what Lightning's precision plugin does around training_step
+    if cfg.trainer.precision == "bf16-mixed":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def simulate(cfg: Any, layout: Layout, *, n_layers: Optional[int] = None, fake: bool = True,
+             device: str = "cpu") -> StepMeasurement:
+    """Run one training step of rank 0 for ``layout`` and measure it.
+
+    Args:
+        cfg: a loaded run config (:func:`llmforge.config.load_config`).
+        layout: degrees, activation checkpointing and micro-batch size.
+        n_layers: build the model with this many blocks (``None``: the config's).
+        fake: fake process group of ``layout.world_size`` and fake tensors; ``False``: real
+            tensors on the process group already initialized (a gloo job, to check the fake run).
+
+    Returns:
+        the measurement; ``breakdown`` maps :data:`CATEGORIES` to bytes at the peak.
+
+    Raises:
+        ConfigError: the layout does not divide the batch or the model (names the key).
+    """
+    t0 = time.perf_counter()
+    run_cfg = layout_config(cfg, layout, n_layers)
+    world = layout.world_size
+    plan = validate(run_cfg, world)
+    dims = ParallelDims.from_config(run_cfg, world)
+    check_strategy(run_cfg, dims)
+    algorithms = build_algorithms(run_cfg)
+    pipeline = [t for t in (a.transform() for a in algorithms) if t is not None]
+    pipeline += strategy_transforms(run_cfg, dims)
+    # the Trainer's rule (build_strategy): one process without a mesh only for auto / single
+    with_mesh = world > 1 or run_cfg.strategy.name not in ("auto", "single")
+    if fake and with_mesh:
+        _fake_group(world)
+    mesh = build_mesh(dims, device) if with_mesh else None  # outside FakeTensorMode (real ranks)
+    module = LLMModule(run_cfg, plan, pipeline)
+    module.mesh_override = mesh
+    module.setup_events(algorithms)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16 if run_cfg.trainer.precision == "bf16-true" else torch.float32)
+    try:
+        if fake:  # configure_model, with the pipeline on meta outside FakeTensorMode (the mesh
+            # code it runs needs real tensors) and no init of the weights (no values to init)
+            with torch.device("meta"):
+                model = run_pipeline(module.build_model(), pipeline, module.model_context())
+        else:
+            module.configure_model()
+    finally:
+        torch.set_default_dtype(default)
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    with mode:
+        if fake:
+            module.model = model.to_empty(device=device)
+        optimizer = module.configure_optimizers()["optimizer"]
+        rows = plan.micro_batch_size * plan.gradient_accumulation_steps
+        batch = torch.randint(0, int(module.model.vocab_size), (rows, plan.seq_len + 1))
+        model = module.model
+        if isinstance(model, FSDPModule):
+            tracker: MemTracker = FSDPMemTracker(mod=model, optm=optimizer)
+        else:
+            tracker = MemTracker()
+            tracker.track_external(model, optimizer)
+        tracker.track_inputs((batch,)) if isinstance(tracker, FSDPMemTracker) else None
+        comm, flops = ByteCounter(), FlopCounterMode(display=False, custom_mapping=CPU_SDPA_FLOPS)
+        phases = PhasePeaks()
+        with tracker:
+            _step(module, optimizer, batch)  # warm-up: the optimizer state exists from here on
+            tracker.reset_mod_stats()
+            # the steady-state step only: the warm-up's optimizer step creates the AdamW state
+            # through DTensor, which the tracker counts at several times its size for a moment
+            # (e.g. 6.3x the sharded fp32 state on a dim-1024 model over 8 ranks)
+            phases.start(tracker)
+            module.setup_events([*algorithms, phases])
+            with comm, flops:
+                _step(module, optimizer, batch)
+            phases.record("optimizer")
+    total, breakdown, sharded = max(phases.peaks.values(), key=lambda p: p[0])
+    spec = get_spec(run_cfg.model.name)
+    formula = float(spec.flops(model, plan.seq_len)) * rows * plan.seq_len / dims.tp
+    return StepMeasurement(
+        layout=layout, world_size=world, n_layers=len(spec.model_blocks(model)),
+        peak_bytes=total, breakdown=breakdown, phases=dict(phases.peaks),
+        # FlopCounterMode sees DTensor ops at their global shapes (the tp group's work)
+        flops=float(flops.get_total_flops()) / dims.tp, formula_flops=formula,
+        collectives=collectives(comm, mesh), seconds=time.perf_counter() - t0, sharded_state=sharded)
+
+
+def _step(module: LLMModule, optimizer: Any, batch: torch.Tensor) -> None:
+    """The body of ``LLMModule.training_step`` without Lightning (no scheduler, no metrics)."""
+    with _precision_context(module.cfg):
+        module.forward_backward(batch)
+    module.clip_gradients_(optimizer)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def simulate_scaled(cfg: Any, layout: Layout, *, full_depth: Optional[int] = None) -> StepMeasurement:
+    """:func:`simulate` with 2 and 3 blocks, every quantity extrapolated linearly to the real
+    block count ``full_depth`` (default: the config's). Configs of at most 3 blocks are
+    simulated whole."""
+    n = full_depth if full_depth is not None else model_layers(cfg)
+    if n <= 3:
+        m = simulate(cfg, layout)
+        return replace(m, simulated_layers=(n,))
+    a, b = simulate(cfg, layout, n_layers=2), simulate(cfg, layout, n_layers=3)
+    k = n - 2
+
+    def lin(x: float, y: float) -> float:
+        return x + k * (y - x)
+
+    colls = {(c.kind, c.mesh_dim): c for c in a.collectives}
+    scaled = []
+    for c in b.collectives:
+        c0 = colls.get((c.kind, c.mesh_dim), Collective(c.kind, c.mesh_dim, c.group_size))
+        scaled.append(Collective(c.kind, c.mesh_dim, c.group_size, int(round(lin(c0.count, c.count))),
+                                 lin(c0.bytes, c.bytes)))
+    phases = {}
+    for name, (t2, b2, s2) in a.phases.items():
+        t3, b3, s3 = b.phases[name]
+        phases[name] = (lin(t2, t3), {key: lin(b2[key], b3[key]) for key in CATEGORIES}, lin(s2, s3))
+    total, breakdown, sharded = max(phases.values(), key=lambda p: p[0])
+    return StepMeasurement(
+        layout=layout, world_size=a.world_size, n_layers=n, peak_bytes=total, breakdown=breakdown,
+        flops=lin(a.flops, b.flops), formula_flops=lin(a.formula_flops, b.formula_flops),
+        collectives=scaled, seconds=a.seconds + b.seconds, simulated_layers=(2, 3),
+        phases=phases, sharded_state=sharded)
+
+
+__all__ = ["AC_MODES", "CATEGORIES", "Collective", "Layout", "StepMeasurement", "layout_config",
+           "model_layers", "simulate", "simulate_scaled"]

@@ -1,0 +1,176 @@
+"""Muon for the hidden matrices, AdamW for the rest, as one optimizer (``optimizer.name: muon``).
+
+Muon (Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024,
+https://kellerjordan.github.io/posts/muon/) replaces a matrix's momentum by its nearest
+semi-orthogonal matrix, computed with a quintic Newton-Schulz iteration. Following Liu et al.,
+"Muon is Scalable for LLM Training" (Moonlight, 2025, arXiv:2502.16982, section 2.2), the update of
+an ``A x B`` matrix is scaled by ``0.2 * sqrt(max(A, B))`` so that its RMS matches AdamW's (about
+0.2), which lets Muon reuse AdamW's learning rate and weight decay; that is torch's
+``adjust_lr_fn="match_rms_adamw"``.
+
+Which parameters: the 2-D weights inside the model's repeated blocks (``model.blocks()``: attention
+and MLP projections) go to Muon; embeddings, the output projection, norms and biases go to AdamW
+(Moonlight and Keller Jordan do the same: the input/output layers are not "hidden").
+
+Plain tensors (one process, DDP) are stepped by ``torch.optim.Muon`` and ``torch.optim.AdamW``
+themselves. What torch.optim.Muon lacks is sharded parameters: under FSDP2 or tensor parallel a
+matrix is a DTensor whose local shard is not a matrix one can orthogonalize, so
+:meth:`MuonAdamW._sharded_muon_step` gathers the full momentum, orthogonalizes it and keeps the
+local shard. On a one-dimensional mesh the matrices are dealt round-robin over the ranks: each rank
+orthogonalizes only its share and broadcasts the result (the Dion / DistMuon idea; the all-gather
+plus broadcast moves about twice the bytes of a gather-to-owner plus scatter, which a later version
+can save).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+# Keller Jordan's quintic coefficients (torch.optim.Muon's defaults)
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz(g: torch.Tensor, steps: int = 5, coefficients: Sequence[float] = NS_COEFFICIENTS,
+                  eps: float = 1e-7, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Approximate ``U V^T`` of ``g = U S V^T`` by a quintic Newton-Schulz iteration.
+
+    The same arithmetic as torch.optim.Muon (bf16, the wide side last, ``addmm`` in the same
+    order), so a sharded step gives what one process gives. Source: Keller Jordan's Muon
+    (https://github.com/KellerJordan/Muon, ``zeropower_via_newtonschulz5``).
+
+    Args:
+        g: ``(A, B)`` matrix (a plain tensor: gather a DTensor first).
+        steps: iterations (5 in the sources).
+        coefficients: ``(a, b, c)`` of ``X <- a X + (b M + c M^2) X`` with ``M = X X^T``.
+        eps: floor of the Frobenius norm used to scale ``g`` into the iteration's domain.
+        dtype: compute dtype (bf16 as in the sources; float32 for reference checks).
+
+    Returns:
+        ``(A, B)`` tensor in ``dtype`` with singular values near 1 (roughly in [0.7, 1.2]).
+
+    Raises:
+        ValueError: ``g`` is not 2-D.
+    """
+    if g.ndim != 2:
+        raise ValueError(f"newton_schulz needs a 2-D matrix, got shape {tuple(g.shape)}")
+    a, b, c = coefficients
+    x = g.to(dtype)
+    tall = g.size(0) > g.size(1)
+    if tall:  # iterate on the (short x long) side: the Gram matrix is the smaller one
+        x = x.T
+    x = x / x.norm().clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    return x.T if tall else x
+
+
+def match_rms_adamw_scale(shape: Sequence[int]) -> float:
+    """Moonlight's update scale ``0.2 * sqrt(max(A, B))`` for an ``A x B`` matrix (Liu et al. 2025,
+    eq. 4): an orthogonal update has RMS ``1/sqrt(max(A, B))``, AdamW's is about 0.2."""
+    return 0.2 * max(shape[0], shape[1]) ** 0.5
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """One optimizer over two kinds of parameter groups: Muon groups and AdamW groups.
+
+    Each group keeps its own ``lr`` (the schedule scales every group's by the same factor) and
+    ``weight_decay``. The state dict is an ordinary ``torch.optim.Optimizer`` state dict (Muon
+    groups hold ``momentum_buffer``, AdamW groups ``step``, ``exp_avg``, ``exp_avg_sq``), so
+    torch.distributed.checkpoint saves and reshards it like AdamW's.
+
+    Args:
+        muon_groups: param groups (dicts with ``params`` of 2-D tensors, ``lr``, ``weight_decay``, ``name``).
+        adamw_groups: param groups for AdamW.
+        momentum, nesterov, ns_steps: Muon's settings (torch.optim.Muon's meaning).
+        betas, eps: AdamW's settings.
+
+    Raises:
+        ValueError: a Muon parameter is not 2-D, or both group lists are empty.
+    """
+
+    def __init__(self, muon_groups: list[dict[str, Any]], adamw_groups: list[dict[str, Any]], *,
+                 momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> None:
+        if not muon_groups and not adamw_groups:
+            raise ValueError("MuonAdamW: no parameter to optimize")
+        # the inner optimizers own the update rules; this one owns the groups (the same dict
+        # objects, so the schedule's lr changes reach both) and the state
+        self._inner: list[tuple[torch.optim.Optimizer, int]] = []
+        if muon_groups:
+            self._inner.append((torch.optim.Muon(muon_groups, momentum=momentum, nesterov=nesterov,
+                                                 ns_steps=ns_steps, adjust_lr_fn="match_rms_adamw"),
+                                len(muon_groups)))
+        if adamw_groups:
+            self._inner.append((torch.optim.AdamW(adamw_groups, betas=betas, eps=eps), len(adamw_groups)))
+        super().__init__([g for opt, _ in self._inner for g in opt.param_groups], {})
+        self._bind()
+
+    def _bind(self) -> None:
+        """Point the inner optimizers at this one's groups and state (again after a load, which
+        replaces both objects)."""
+        i = 0
+        for opt, n in self._inner:
+            opt.param_groups = self.param_groups[i:i + n]
+            opt.state = self.state
+            i += n
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._bind()
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Optional[torch.Tensor]:
+        """Muon step on the Muon groups, AdamW step on the others; returns ``closure()``'s loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for opt, _ in self._inner:
+            if isinstance(opt, torch.optim.Muon) and any(
+                    isinstance(p, DTensor) for g in opt.param_groups for p in g["params"]):
+                for group in opt.param_groups:
+                    self._sharded_muon_step(group)
+            else:
+                opt.step()
+        return loss
+
+    def _sharded_muon_step(self, group: dict[str, Any]) -> None:
+        """torch.optim.Muon's update for DTensor matrices (FSDP2 and/or TP shards).
+
+        The momentum is elementwise, so it stays on the local shards; the Newton-Schulz input is
+        the full matrix (an all-gather), and each rank keeps its shard of the result. On a 1-D
+        mesh, matrix ``i`` is orthogonalized by mesh rank ``i % size`` and broadcast from it.
+        """
+        lr, wd, mom = group["lr"], group["weight_decay"], group["momentum"]
+        params = [p for p in group["params"] if p.grad is not None]
+        for i, p in enumerate(params):
+            grad = p.grad
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(grad)
+            buf = state["momentum_buffer"]
+            buf.lerp_(grad, 1 - mom)
+            update = grad.lerp(buf, mom) if group["nesterov"] else buf
+            full = update.full_tensor() if isinstance(update, DTensor) else update
+            mesh = p.device_mesh
+            if mesh.ndim == 1 and mesh.size() > 1:
+                owner = i % mesh.size()
+                if mesh.get_local_rank() == owner:  # contiguous: a tall matrix's result is a
+                    # transposed view, and a collective sends the storage as it lies
+                    ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"],
+                                          group["eps"]).contiguous()
+                else:
+                    ortho = torch.empty(full.shape, dtype=torch.bfloat16, device=full.device)
+                pg = mesh.get_group()
+                dist.broadcast(ortho, src=dist.get_global_rank(pg, owner), group=pg)
+            else:  # a multi-dimensional mesh: every rank orthogonalizes every matrix
+                ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"], group["eps"])
+            local = distribute_tensor(ortho, mesh, p.placements, src_data_rank=None)
+            p.mul_(1 - lr * wd)
+            p.add_(local.to(p.dtype), alpha=-lr * match_rms_adamw_scale(p.shape))

@@ -1,0 +1,97 @@
+"""Run under torchrun (gloo): Muon+AdamW on a sharded model against one process.
+
+Each rank trains the same tiny model on the same batches unsharded (torch.optim.Muon's own step),
+under FSDP2 and under tensor parallel over all ranks (DTensor shards: gather, orthogonalize, keep
+the shard, matrices dealt round-robin over the ranks); writes ``<out>/rank<R>.json`` with the loss
+curves and each parameter's largest difference. tests/test_muon.py reads them.
+"""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from llmforge.config.schema import TrainConfig
+from llmforge.config.validate import plan_batch
+from llmforge.parallel.mesh import ParallelDims, build_mesh
+from llmforge.training import muon
+from llmforge.parallel.transforms import strategy_transforms
+from llmforge.training.module import LLMModule
+from llmforge.training.optim import build_optimizer
+
+STEPS = 6
+CALLS = []
+
+
+def counting_newton_schulz(g, *args, _ns=muon.newton_schulz):
+    CALLS.append(tuple(g.shape))
+    return _ns(g, *args)
+
+
+def make_cfg():
+    cfg = OmegaConf.structured(TrainConfig)
+    cfg.model.merge_with({"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 64,
+                          "multiple_of": 16, "max_seq_len": 16})
+    cfg.trainer.merge_with({"micro_batch_size": 2, "global_batch_size": 4, "seq_len": 16})
+    cfg.strategy.name = "fsdp2"
+    # lr high enough that Muon moves the weights visibly in a few steps; eps 1e-6 as in
+    # tests/test_parallel.py (AdamW's 1e-8 amplifies reduction-order noise on rare embedding rows)
+    cfg.optimizer.merge_with({"name": "muon", "lr": 1e-2, "eps": 1e-6})
+    return cfg
+
+
+def full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def train(mod, batches, rows):
+    opt = build_optimizer(mod.model, mod.cfg.optimizer)
+    out = []
+    for tokens, labels in batches:
+        loss, n = mod.forward_backward({"input_ids": tokens[rows], "labels": labels[rows]})
+        loss = loss.detach().clone()
+        if rows != slice(None):
+            dist.all_reduce(loss)  # n is already the count over all ranks
+        out.append((loss / n).item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return out
+
+
+def main(out):
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    batches = [(torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))) for _ in range(STEPS)]
+    cfg = make_cfg()
+    ref = LLMModule(cfg, plan_batch(cfg, 1))
+    ref.configure_model()
+    ref_losses = train(ref, batches, slice(None))
+
+    report = {}
+    muon.newton_schulz = counting_newton_schulz  # count the orthogonalizations this rank does
+    for name, tp in (("fsdp2", 1), ("tp2", world)):
+        cfg = make_cfg()
+        cfg.strategy.tp = tp
+        dims = ParallelDims.from_config(cfg, world)
+        mod = LLMModule(cfg, plan_batch(cfg, world), pipeline=strategy_transforms(cfg, dims))
+        mod.mesh_override = build_mesh(dims, "cpu")
+        mod.configure_model()
+        per = 4 // (world // tp)  # tensor parallel ranks see the same rows
+        rows = slice(None) if tp > 1 else slice(per * rank, per * rank + per)
+        CALLS.clear()
+        losses = train(mod, batches, rows)
+        report[name] = {"losses": losses, "newton_schulz_calls": len(CALLS), "weight_diff": {
+            n: (full(p) - q).abs().max().item()
+            for (n, p), q in zip(mod.model.named_parameters(), ref.model.parameters())}}
+    # the same one-process curve for both
+    report["ref_losses"] = ref_losses
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(report, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,25 @@
+"""Run under torchrun (gloo): one real training step measured by the same code and tracker as the
+simulation (:func:`llmforge.planning.simulate.simulate` with ``fake=False``). Rank 0 writes
+``<out>`` (JSON: peak bytes and breakdown). Arguments: OUT CONFIG DP_SHARD TP AC MBS [key=value ...]."""
+
+import json
+import sys
+
+import torch.distributed as dist
+
+from llmforge.config import load_config
+from llmforge.planning.simulate import Layout, simulate
+
+
+def main(out, config, dp_shard, tp, ac, mbs, *overrides):
+    dist.init_process_group("gloo")
+    cfg = load_config(config, list(overrides))
+    m = simulate(cfg, Layout(1, int(dp_shard), int(tp), ac, int(mbs)), fake=False)
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(m.as_dict(), f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

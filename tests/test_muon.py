@@ -1,0 +1,180 @@
+"""optimizer.name: muon — Newton-Schulz against a reference, the parameter split, the combined step
+against torch's own Muon and AdamW, the state through a DCP checkpoint, a short training run, and
+FSDP2 and tensor parallel on 2 real processes (tests/dist/muon_worker.py) against one process."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import DEMO, REPO, TINY_OVERRIDES
+from llmforge.checkpoint.dcp import load_training_state, save_checkpoint
+from llmforge.cli import main
+from llmforge.models.llama3.model import Llama, LlamaArgs
+from llmforge.training.muon import MuonAdamW, match_rms_adamw_scale, newton_schulz
+from llmforge.training.optim import build_optimizer, muon_param_groups
+
+
+class Cfg:
+    name, lr, betas, eps, weight_decay = "muon", 1e-2, (0.9, 0.95), 1e-8, 0.1
+    muon_lr, muon_momentum, muon_nesterov, muon_ns_steps = 2e-2, 0.95, True, 5
+
+
+def reference_ns(g, steps=5, a=3.4445, b=-4.7750, c=2.0315):
+    """Keller Jordan's zeropower_via_newtonschulz5 (github.com/KellerJordan/Muon), in float32."""
+    x = g.float()
+    if g.size(0) > g.size(1):
+        x = x.T
+    x = x / (x.norm() + 1e-7)
+    for _ in range(steps):
+        m = x @ x.T
+        x = a * x + (b * m + c * m @ m) @ x
+    return x.T if g.size(0) > g.size(1) else x
+
+
+@pytest.mark.parametrize("shape", [(48, 80), (80, 48), (64, 64)])
+def test_newton_schulz_equals_reference(shape):
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    got = newton_schulz(g, dtype=torch.float32)
+    assert (got - reference_ns(g)).abs().max().item() < 1e-5
+    s = torch.linalg.svdvals(got)
+    # the quintic is tuned to push singular values into about [0.7, 1.2] (a random square matrix
+    # keeps its very smallest ones small after 5 steps), never above
+    assert s.max() < 1.3 and 0.7 < s.median() < 1.2
+
+
+def test_bf16_newton_schulz_is_torch_muons_update():
+    g = torch.randn(40, 24, generator=torch.Generator().manual_seed(1))
+    p = torch.nn.Parameter(torch.zeros(40, 24))
+    p.grad = g.clone()
+    torch.optim.Muon([p], lr=1.0, weight_decay=0.0, momentum=0.0, adjust_lr_fn="match_rms_adamw").step()
+    want = -match_rms_adamw_scale((40, 24)) * newton_schulz(g).float()
+    assert torch.equal(p.detach(), want)
+
+
+def tiny(tie=False, seed=0):
+    torch.manual_seed(seed)
+    m = Llama(LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16,
+                        max_seq_len=16, tie_embeddings=tie))
+    m.init_weights()
+    return m
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_hidden_matrices_to_muon_rest_to_adamw(tie):
+    m = tiny(tie)
+    opt = build_optimizer(m, Cfg)
+    names = {id(p): n for n, p in m.named_parameters()}
+    groups = {g["name"]: sorted(names[id(p)] for p in g["params"]) for g in opt.param_groups}
+    assert [g["lr"] for g in opt.param_groups] == [2e-2, 1e-2, 1e-2]
+    assert len(groups["muon"]) == 14 and all(".attention.w" in n or ".feed_forward.w" in n for n in groups["muon"])
+    assert groups["decay"] == (["tok_embeddings.weight"] if tie else ["output.weight", "tok_embeddings.weight"])
+    assert len(groups["no_decay"]) == 5  # 2 norms per block + the final norm
+
+
+def batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g)
+
+
+def step(model, opt, seed):
+    x, y = batch(seed)
+    loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def test_step_is_torch_muon_plus_torch_adamw():
+    a, b = tiny(), tiny()
+    opt = build_optimizer(a, Cfg)
+    (mg,), adamw_groups = [opt.param_groups[0]], opt.param_groups[1:]
+    idx = {id(p): i for i, p in enumerate(a.parameters())}
+    bp = list(b.parameters())
+    muon = torch.optim.Muon([bp[idx[id(p)]] for p in mg["params"]], lr=2e-2, weight_decay=0.1,
+                            adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW([{"params": [bp[idx[id(p)]] for p in g["params"]],
+                                "weight_decay": g["weight_decay"]} for g in adamw_groups],
+                              lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+
+    class Both:
+        def step(self):
+            muon.step(), adamw.step()
+
+        def zero_grad(self, set_to_none):
+            muon.zero_grad(set_to_none), adamw.zero_grad(set_to_none)
+
+    for s in range(3):
+        assert step(a, opt, s) == step(b, Both(), s)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_checkpoint_round_trip_continues_bit_exact(tmp_path):
+    a = tiny()
+    opt = build_optimizer(a, Cfg)
+    for s in range(2):
+        step(a, opt, s)
+    sd = opt.state_dict()["state"]
+    assert set(sd[0]) == {"momentum_buffer"}  # the first group is Muon's
+    assert {"step", "exp_avg", "exp_avg_sq"} <= set(sd[14])
+    save_checkpoint(tmp_path, 2, a, opt, {"step": 2}, {})  # torch.distributed.checkpoint, as training does
+    b = tiny(seed=1)
+    opt_b = build_optimizer(b, Cfg)
+    load_training_state(tmp_path / "step_00000002", b, opt_b)
+    assert [step(a, opt, s) for s in (2, 3)] == [step(b, opt_b, s) for s in (2, 3)]
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_muon_lowers_the_loss():
+    m = tiny()
+    opt = MuonAdamW(*muon_param_groups(m, Cfg))
+    losses = [step(m, opt, 0) for _ in range(15)]  # one batch, memorized
+    assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_bad_muon_key_is_one_error_line(capsys, tmp_path):
+    rc = main(["train", DEMO, *TINY_OVERRIDES, f"run.output_dir={tmp_path}", "optimizer.muon_momentum=1.5"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == ["error: optimizer.muon_momentum must be in [0, 1), e.g. 0.95, got 1.5"]
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.fixture(scope="module")
+def sharded_reports(tmp_path_factory):
+    out = tmp_path_factory.mktemp("muon_sharded")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "tests" / "dist" / "muon_worker.py"), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+                              [str(REPO), os.environ.get("PYTHONPATH", "")])})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_fsdp2_two_processes_give_one_process_losses(sharded_reports):
+    for rep in sharded_reports:
+        got = rep["fsdp2"]
+        assert len(got["losses"]) == 6
+        assert got["losses"] == pytest.approx(rep["ref_losses"], abs=1e-5)
+        assert rep["ref_losses"][-1] != rep["ref_losses"][0]  # the weights did move
+        # 14 block matrices (orthogonalized round-robin: rank i % 2), embeddings, output, norms
+        assert len(got["weight_diff"]) == 21 and max(got["weight_diff"].values()) < 1e-4, got["weight_diff"]
+        assert got["newton_schulz_calls"] == 14 * 6 // 2  # each rank orthogonalizes half the matrices
+
+
+def test_tensor_parallel_two_processes_near_one_process_losses(sharded_reports):
+    # TP splits the matmuls' sums, so gradients differ from one process by ~1e-7; bf16
+    # Newton-Schulz turns such differences into bf16 rounding flips of the update, which grow
+    # to ~3e-5 in the loss over 6 steps at lr 1e-2 (measured). A wrong shard layout would be off
+    # by a whole update (~1e-2) in some matrix.
+    for rep in sharded_reports:
+        got = rep["tp2"]
+        assert got["losses"] == pytest.approx(rep["ref_losses"], abs=1e-4)
+        assert got["newton_schulz_calls"] == 14 * 6 // 2
+        assert max(got["weight_diff"].values()) < 5e-3, got["weight_diff"]

@@ -1,0 +1,250 @@
+"""Qwen3-MoE: the grouped expert computation against a per-token reference, the router against
+transformers' Qwen3MoeForCausalLM (logits, the auxiliary loss, `convert from-hf`/`to-hf`
+bit-exact, transformers reloads the export), the presets' total and active parameter counts,
+the auxiliary losses through the event contract (optimized loss, `eval/loss` pure
+cross-entropy), the dry run and bad MoE keys (exit 2)."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from conftest import REPO  # noqa: E402
+from llmforge.cli import main  # noqa: E402
+from llmforge.models.qwen3_moe.moe import MoE  # noqa: E402
+
+MOE_DEMO = str(REPO / "yamls" / "demo_cpu_qwen3_moe.yaml")
+
+
+def per_token_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """sum_k w_k * SwiGLU_{e_k}(x_t), one token and one expert at a time; ``x [N, D]``."""
+    _, _, weights, idx = moe.route(x)
+    ex = moe.experts
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(moe.top_k):
+            e = int(idx[t, j])
+            h = F.silu(x[t] @ ex.w1[e].T) * (x[t] @ ex.w3[e].T)
+            out[t] += weights[t, j] * (h @ ex.w2[e].T)
+    return out
+
+
+@pytest.mark.parametrize("impl", ["loop", "grouped_mm"])
+def test_grouped_experts_equal_the_per_token_reference(impl):
+    torch.manual_seed(0)
+    moe = MoE(dim=32, hidden_dim=16, num_experts=4, top_k=2)
+    moe.init_weights(0.15, 0.15)
+    moe.impl = impl
+    x = torch.randn(2, 12, 32, requires_grad=True)
+    y = moe(x)
+    ref = per_token_reference(moe, x.detach().reshape(-1, 32)).reshape_as(y)
+    assert 0.2 < ref.abs().max() < 4  # outputs of order 1: 1e-6 is a few float32 ulps
+    assert (y - ref).abs().max().item() < 1e-6
+    assert int(moe.stats.counts.sum()) == 24 * 2 and int(moe.stats.dropped) == 0
+    y.square().sum().backward()  # the grouped path has gradients for every expert weight
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in moe.parameters())
+
+
+def test_capacity_factor_drops_the_overflow_and_counts_it():
+    torch.manual_seed(0)
+    moe = MoE(dim=32, hidden_dim=16, num_experts=4, top_k=1, capacity_factor=1.0)
+    moe.init_weights(0.15, 0.15)
+    with torch.no_grad():  # route every token to expert 0: capacity ceil(1.0 * 8 / 4) = 2
+        moe.router.weight.zero_()
+        moe.router.weight[0] = 1.0
+    x = torch.rand(1, 8, 32) + 0.1
+    y = moe(x)
+    assert int(moe.stats.dropped) == 6 and moe.stats.counts.tolist() == [8.0, 0.0, 0.0, 0.0]
+    full = MoE(dim=32, hidden_dim=16, num_experts=4, top_k=1)
+    full.load_state_dict(moe.state_dict())
+    ref = full(x)
+    torch.testing.assert_close(y[0, :2], ref[0, :2], atol=1e-6, rtol=0)  # the first two kept
+    assert y[0, 2:].abs().max() == 0  # the rest add nothing
+
+
+def tiny_hf(path, norm_topk: bool, tie: bool = False, seed: int = 0, sparse_step: int = 1, vocab: int = 128):
+    cfg = transformers.Qwen3MoeConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=vocab, max_position_embeddings=64,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=tie, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=norm_topk,
+        decoder_sparse_step=sparse_step, router_aux_loss_coef=0.02)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF inits the router to zeros and norms to ones: randomize them
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    return model
+
+
+def safetensors_of(folder):
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+@pytest.mark.parametrize("norm_topk, tie, sparse_step", [(True, False, 1), (False, True, 2)])
+def test_convert_round_trip_matches_transformers(tmp_path, norm_topk, tie, sparse_step):
+    from llmforge.checkpoint.run_dir import load_model
+
+    hf = tiny_hf(tmp_path / "hf", norm_topk, tie, sparse_step=sparse_step)
+    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    assert main(["convert", "from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
+    ours, cfg, _ = load_model(tmp_path / "run")
+    assert cfg.model.name == "qwen3_moe" and cfg.model.norm_topk_prob == norm_topk
+    assert len(ours.moe_layers()) == (2 if sparse_step == 1 else 1)
+    with torch.no_grad():
+        out = hf(tokens, labels=tokens, output_router_logits=True)
+        torch.testing.assert_close(ours(tokens), out.logits, atol=1e-5, rtol=0)
+        aux = ours.aux_losses()["load_balancing"]
+        assert abs(aux.item() - 0.02 * out.aux_loss.item()) < 1e-6  # router_aux_loss_coef x aux_loss
+
+    assert main(["convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "back")]) == 0
+    theirs, mine = safetensors_of(tmp_path / "hf"), safetensors_of(tmp_path / "back")
+    assert sorted(mine) == sorted(theirs)
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)  # bit-exact
+    back = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "back").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens).logits, out.logits, atol=1e-5, rtol=0)
+
+
+def test_preset_parameter_counts_equal_transformers():
+    from omegaconf import OmegaConf
+
+    from llmforge.models import QWEN3_MOE
+
+    published = {"qwen3_30b_a3b": (30_532_122_624, 3_353_032_704),
+                 "qwen3_235b_a22b": (235_093_634_560, 22_190_763_520)}
+    for name, (total, active) in published.items():
+        a = QWEN3_MOE.presets[name]
+        with torch.device("meta"):
+            ours = QWEN3_MOE(OmegaConf.structured(QWEN3_MOE.config_cls(preset=name)))
+            theirs = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+                hidden_size=a.dim, num_hidden_layers=a.n_layers, num_attention_heads=a.n_heads,
+                num_key_value_heads=a.n_kv_heads, head_dim=a.head_dim, intermediate_size=a.hidden_dim,
+                moe_intermediate_size=a.moe_intermediate_size, num_experts=a.num_experts,
+                num_experts_per_tok=a.num_experts_per_tok, vocab_size=a.vocab_size,
+                tie_word_embeddings=a.tie_embeddings))
+        assert QWEN3_MOE.num_params(ours) == (total, active)
+        assert sum(p.numel() for p in theirs.parameters()) == total
+
+
+def test_dry_run_prints_total_and_active_parameters(capsys):
+    assert main(["train", MOE_DEMO, "--dry-run", "model.preset=qwen3_30b_a3b",
+                 "model.vocab_size=151936", "tokenizer.vocab_size=151936"]) == 0
+    out = capsys.readouterr().out
+    assert "30,532,122,624" in out and "active" in out and "3,353,032,704" in out
+    # 6 x active non-embedding parameters + attention at seq_len 256
+    flops = 6 * (3_353_032_704 - 151936 * 2048) + 12 * 48 * 32 * 128 * 256
+    assert f"flops/token     {float(flops):.4g}" in out
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.num_experts_per_tok=9", "model.num_experts_per_tok must be an integer from 1 to model.num_experts (8)"),
+    ("model.capacity_factor=0", "model.capacity_factor must be a number > 0"),
+    ("model.router_aux_loss_coef=-1", "model.router_aux_loss_coef must be a finite number >= 0"),
+    ("model.mlp_only_layers=[7]", "model.mlp_only_layers must be a list of layer indices from 0 to 3"),
+    ("strategy.tp=2 trainer.devices=2 strategy.name=fsdp2", "strategy.tp=2: qwen3_moe has no tensor-parallel plan"),
+])
+def test_bad_moe_keys_exit_2_naming_the_key(tmp_path, capsys, override, message):
+    code = main(["train", MOE_DEMO, "--dry-run", *override.split(), f"run.output_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def moe_module(**model):
+    from llmforge.config import structured_config
+    from llmforge.config.validate import plan_batch
+    from llmforge.training.module import LLMModule
+
+    cfg = structured_config("qwen3_moe")
+    cfg.model.merge_with({"preset": None, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+                          "head_dim": 16, "hidden_dim": 64, "vocab_size": 50, "max_seq_len": 16,
+                          "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                          **model})
+    cfg.trainer.merge_with({"micro_batch_size": 2, "global_batch_size": 2, "seq_len": 8})
+    module = LLMModule(cfg, plan_batch(cfg, 1))
+    module.configure_model()
+    return module
+
+
+def test_aux_losses_through_the_events_in_process():
+    """One micro-batch: the optimized loss and its gradients are those of cross-entropy + the
+    model's aux terms (transformers' loss + coef x aux_loss); evaluation's loss is the pure
+    cross-entropy; a BEFORE_LOSS handler sees state.aux_losses."""
+    torch.manual_seed(0)
+    module = moe_module(router_aux_loss_coef=0.3, router_z_loss_coef=0.01)
+    batch = torch.randint(0, 50, (2, 9))
+    seen = {}
+
+    class Peek:
+        name = "peek"
+
+        def before_loss(self, state):
+            seen.update({k: v.item() for k, v in state.aux_losses.items()})
+
+    module.setup_events([Peek()])
+    loss_sum, n = module.forward_backward(batch)
+    got = {k: p.grad.clone() for k, p in module.model.named_parameters()}
+    module.model.zero_grad()
+    logits = module.model(batch[:, :-1])
+    aux = module.model.aux_losses()
+    ce = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    ref = ce + aux["load_balancing"] + aux["router_z"]
+    ref.backward()
+    # E sum_e f_e P_e is k = 2 for a balanced router and near it for a random one
+    assert set(seen) == {"load_balancing", "router_z"} and 0.3 * 1.5 < seen["load_balancing"] < 0.3 * 4
+    assert abs(loss_sum.item() / n.item() - ref.item()) < 1e-6
+    for k, p in module.model.named_parameters():
+        torch.testing.assert_close(got[k], p.grad, atol=1e-6, rtol=1e-5)
+    assert got["layers.0.feed_forward.router.weight"].abs().sum() > 0
+    metrics = module.aux_step_metrics(n.float(), 1)
+    assert metrics["train/aux_loss"].item() == pytest.approx(seen["load_balancing"] + seen["router_z"], abs=1e-6)
+
+    module.state.training = False  # evaluation: no auxiliary term in the loss
+    with torch.no_grad():
+        ev = module.micro_batch_loss(0, batch[:, :-1], batch[:, 1:], None)
+    assert abs(ev.item() / n.item() - ce.item()) < 1e-6
+
+
+@pytest.mark.slow
+def test_fsdp2_two_processes_from_hf_equal_one_process(tmp_path):
+    """`model.init_from: hf:PATH` into FSDP2-sharded experts (each of 2 gloo processes reads
+    only its 2 of the 4 experts per projection) and 5 steps: the auxiliary terms and the expert
+    load reach the metrics file, and the losses (auxiliary terms included), gradient norms and
+    expert load equal one process's within 1e-5."""
+    from conftest import run_cli
+    from test_parallel import COMMON
+
+    tiny_hf(tmp_path / "hf", norm_topk=True, vocab=1024)
+    common = [o for o in COMMON if not o.startswith("model.")] + [
+        f"model.init_from=hf:{tmp_path / 'hf'}", f"run.output_dir={tmp_path}", "model.router_z_loss_coef=0.001"]
+    assert main(["train", MOE_DEMO, *common, "run.name=one"]) == 0
+    proc = run_cli("train", MOE_DEMO, *common, "run.name=two", "strategy.name=fsdp2", "--nproc", "2",
+                   cwd=REPO, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    one, two = ([json.loads(x) for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()]
+                for n in ("one", "two"))
+    for r in (r for r in one if "train/loss" in r):  # the auxiliary terms and expert load are logged
+        assert r["train/aux_loss"] == pytest.approx(r["train/aux/load_balancing"] + r["train/aux/router_z"], abs=1e-6)
+        assert r["train/aux/router_z"] > 0 and r["moe/dropped_fraction"] == 0.0
+        assert 1.0 <= r["moe/load_max_mean/layer_0"] <= 4.0
+    keys = ("train/loss", "train/aux_loss", "train/grad_norm", "moe/load_max_mean/layer_1")
+    one, two = ([[r[k] for k in keys] for r in rows if "train/loss" in r] for rows in (one, two))
+    assert len(one) == 5 and 0.1 * 1.5 < one[0][1] < 0.1 * 4  # 0.1 x (E sum f P, k = 2 if balanced)
+    from omegaconf import OmegaConf
+
+    model = OmegaConf.load(tmp_path / "one" / "config.yaml").model
+    assert model.router_aux_loss_coef == 0.1 and model.num_experts == 4  # the YAML's weight, HF's shape
+    assert two == [pytest.approx(r, abs=1e-5) for r in one]

@@ -28,7 +28,6 @@ from llmforge.cli.handlers import (cmd_algorithms, cmd_checkpoint, cmd_convert, 
                                    cmd_generate, cmd_runs, cmd_train)
 from llmforge.cli.parser import _parser
 from llmforge.cli.runs_commands import RUN_COMMANDS, TOP_COMMANDS
-from llmforge.config.redaction import redact
 from llmforge.errors import LLMForgeError
 from llmforge.paths import os_error_message
 from llmforge.planning.command import cmd_plan
@@ -37,6 +36,8 @@ from llmforge.quiet import quiet_libraries
 
 def _scrub(message: str) -> str:
     """An error message without URL credentials or the environment's credential values."""
+    from llmforge.config.redaction import redact  # omegaconf: not imported for --help
+
     return redact({"message": message})["message"]
 
 

@@ -12,13 +12,7 @@ import argparse
 import sys
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from llmforge import signals
-from llmforge.config import load_config
-from llmforge.config.overrides import _apply_override
-from llmforge.config.redaction import scrub_url_credentials
-from llmforge.config.schema import TrainConfig
 from llmforge.errors import ConfigError
 
 
@@ -45,8 +39,15 @@ def load_prepare_config(source: str, overrides: list[str]) -> Any:
     Raises:
         ConfigError: as :func:`llmforge.config.load_config`.
     """
+    # the config machinery (omegaconf, yaml) when the command runs: `llmforge --help` stays fast
+    from llmforge.config import load_config
+    from llmforge.config.overrides import _apply_override
+    from llmforge.config.schema import TrainConfig
+
     if source.endswith((".yaml", ".yml")):
         return load_config(source, overrides)
+    from omegaconf import OmegaConf
+
     cfg = OmegaConf.structured(TrainConfig)
     for item in ["data.source=files", f"data.path={source}", *overrides]:
         _apply_override(cfg, item)
@@ -80,6 +81,8 @@ def cmd_data(args: argparse.Namespace) -> int:
     except signals.StoppedBeforeTraining as exc:  # the CLI prints "stopped: ..."
         import signal
 
+        from llmforge.config.redaction import scrub_url_credentials  # omegaconf: after --help
+
         name = signal.Signals(exc.signum).name if exc.signum else "a stop signal"
         out = scrub_url_credentials(str(args.out))
         raise signals.StopRequested(f"received {name}: `data prepare` stopped; the shards finished "
@@ -88,6 +91,7 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 
 def _prepare_command(args: argparse.Namespace) -> int:
+    from llmforge.config.redaction import scrub_url_credentials  # omegaconf: after --help
     from llmforge.data.prepare import prepare  # heavy (datasets, torch): after the config's errors
 
     if args.workers is not None and args.workers < 1:

@@ -11,11 +11,8 @@ import sys
 from typing import Any
 
 from llmforge.cli.runs_commands import RUN_COMMANDS
-from llmforge.config import load_config
 from llmforge.errors import ConfigError, LLMForgeError
-from llmforge.preflight.resolve import resolve_run
 from llmforge.quiet import quiet_libraries
-from llmforge.runs.checks import build_loggers
 from llmforge.runs.plot import plot_runs
 
 
@@ -23,6 +20,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     """Load and resolve the run before the heavy imports (a typo fails in a fraction of a
     second), then build the Trainer: its one start-up sequence serves the dry run, the
     ``--nproc`` launcher's check and training."""
+    # the config machinery (omegaconf, yaml) after argument parsing: `llmforge --help` stays fast
+    from llmforge.config import load_config
+    from llmforge.preflight.resolve import resolve_run
+
     cfg = load_config(args.config, args.overrides)
     if args.nproc is not None:
         if args.nproc < 1:
@@ -36,6 +37,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     trainer = Trainer(cfg, overwrite=args.overwrite, run=run)  # imports, strategy, algorithms
     if args.dry_run:
+        from llmforge.runs.checks import build_loggers  # the launcher's logger check: dry runs only
         from llmforge.training.dry_run import dry_run_report  # heavy (torch): after config errors
         from llmforge.training.preflight import pipeline_line  # heavy (torch, Lightning)
 

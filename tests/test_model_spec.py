@@ -121,7 +121,7 @@ def test_docs_model_in_your_own_package_trains(tmp_path, monkeypatch, capsys):
         assert "done: 1 steps" in capsys.readouterr().out
         # no HF adapter: convert to-hf refuses with exit 2, one line, nothing written (issue 27.7)
         out = tmp_path / "hf"
-        assert main(["convert", "to-hf", str(tmp_path / "runs" / "scaled"), str(out)]) == 2
+        assert main(["convert", "to-hf", str(tmp_path / "runs" / "scaled"), str(out), "--trust-code"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and "model 'scaled_llama' has no Hugging Face adapter" in err
         assert err.count("\n") == 1 and not out.exists()

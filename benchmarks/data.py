@@ -59,7 +59,7 @@ def write_corpus(folder: Path, mb: float, files: int = 4) -> str:
 
 
 def config(source: str, extra: list[str]):
-    from llmforge.data.commands import load_prepare_config
+    from llmforge.cli.data_commands import load_prepare_config
 
     return load_prepare_config(source, ["tokenizer.vocab_size=4096", "tokenizer.train_max_bytes=5000000",
                                         "data.val_fraction=0", *extra])
@@ -70,7 +70,7 @@ def warm_tokenizer(source: str) -> None:
     from llmforge.data.shakespeare import cache_root
     from llmforge.data.sources import iter_texts, load_documents
     from llmforge.data.tokenizers import build_tokenizer
-    from llmforge.training.run_files import tokenizer_cache_key
+    from llmforge.data.sources import tokenizer_cache_key
 
     cfg = config(source, [])
     cfg.data.streaming = True

@@ -171,8 +171,8 @@ def worker_litgpt(overrides: list[str], steps: int, warmup: int, work: Path,
     from litgpt.args import EvalArgs, TrainArgs
     from litgpt.config import Config
     from litgpt.data import DataModule
-    from llmforge.models.llama import ffn_hidden_dim
-    from llmforge.models.presets import llama_args_from_config
+    from llmforge.models.llama3.model import ffn_hidden_dim
+    from llmforge.models.llama3.config import llama_args_from_config
 
     d = prepared(overrides, steps, work)
     cfg, plan, rows = d["cfg"], d["plan"], d["rows"]
@@ -244,8 +244,8 @@ def worker_torchtitan(overrides: list[str], steps: int, warmup: int, work: Path,
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
     from torchtitan.models.llama3.model import Llama3Model
-    from llmforge.models.llama import ffn_hidden_dim
-    from llmforge.models.presets import llama_args_from_config
+    from llmforge.models.llama3.model import ffn_hidden_dim
+    from llmforge.models.llama3.config import llama_args_from_config
 
     text_datasets.DATASETS["llmforge_demo"] = DatasetConfig(
         path=str(text), loader=lambda p: load_dataset("json", data_files=p, split="train"),

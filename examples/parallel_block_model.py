@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from llmforge.models import LLAMA3, Llama, llama_args_from_config
-from llmforge.models.llama import TransformerBlock
+from llmforge.models import LLAMA3
+from llmforge.models.llama3.model import Llama, llama_args_from_config
+from llmforge.models.llama3.model import TransformerBlock
 from llmforge.registry import models
 
 

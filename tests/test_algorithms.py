@@ -9,10 +9,10 @@ from algo_harness import activation_bytes, fingerprint, make_cfg
 from conftest import DEMO, REPO, run_cli
 from llmforge import registry
 from llmforge.algorithms import ActivationCheckpointing, Algorithm, Compile, Float8, Stage
-from llmforge.algorithms.base import ModelContext, run_pipeline
+from llmforge.plugin import ModelContext, run_pipeline
 from llmforge.algorithms.loading import available, build_algorithms
 from llmforge.errors import ConfigError
-from llmforge.models.llama import Llama, LlamaArgs
+from llmforge.models.llama3.model import Llama, LlamaArgs
 
 
 def meta_model(**kw) -> nn.Module:
@@ -48,7 +48,7 @@ def test_import_path_and_bad_keys():
     assert isinstance(algo, Compile) and not algo.per_block
     with pytest.raises(ConfigError, match=r"algorithms\[0\] \(compile\).*per_blok"):
         build_algorithms(make_cfg([{"name": "compile", "per_blok": False}]))
-    with pytest.raises(ConfigError, match="not a subclass of llmforge.algorithms.base.Algorithm"):
+    with pytest.raises(ConfigError, match="not a subclass of llmforge.plugin.Algorithm"):
         build_algorithms(make_cfg([{"name": "llmforge.callbacks.SpeedMonitor"}]))
 
 

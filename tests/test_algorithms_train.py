@@ -116,7 +116,7 @@ def cli_dir(tmp_path_factory):
 
 @pytest.mark.slow
 def test_compile_and_checkpointing_under_fsdp2_same_losses_as_eager(cli_dir):
-    from llmforge.generate import load_for_inference
+    from llmforge.checkpoint.run_dir import load_for_inference
 
     _, ref = cli_run(cli_dir, "eager", save=True)
     algos = ("algorithms=[{name: compile, compile_loss: true}, "
@@ -146,7 +146,7 @@ def test_fp8_all_gather_under_fsdp2_same_losses_and_float8_shards(cli_dir):
         f"callbacks=[{{name: f8probe.Probe, out: '{probe}'}}]", nproc=2, save=True)
     assert losses(gathered) == pytest.approx(losses(plain), abs=1e-4)
     # the checkpoint holds plain tensors: it loads without torchao's classes (weights_only)
-    from llmforge.generate import load_for_inference
+    from llmforge.checkpoint.run_dir import load_for_inference
 
     model = load_for_inference(cli_dir / "fsdp2_fp8_all_gather")[0]
     assert type(model.layers[0].attention.wq.weight.data) is torch.Tensor

@@ -62,7 +62,7 @@ def trained(tmp_path_factory):
 
 def test_adapter_loglikelihood_matches_a_direct_computation(trained):
     from llmforge.evaluation.harness import make_lm
-    from llmforge.generate import load_for_inference
+    from llmforge.checkpoint.run_dir import load_for_inference
 
     model, tok, _ = load_for_inference(trained[0])
     lm = make_lm(model, tok, batch_size=3)

@@ -98,7 +98,7 @@ def test_the_cli_refuses_a_function_as_an_algorithm_in_one_line(tmp_path, tiny_o
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and not marker.exists()
     assert err == ["error: algorithms[0].name: 'os.system' is a builtin_function_or_method, not a "
-                   "class; name an llmforge.algorithms.base.Algorithm subclass"]
+                   "class; name an llmforge.plugin.Algorithm subclass"]
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +144,7 @@ def test_loggers_and_callbacks_by_import_path_must_be_lightning_classes(tmp_path
     from lightning.pytorch.loggers import CSVLogger, Logger
 
     from llmforge import registry
-    from llmforge.training.trainer import build_entries
+    from llmforge.registry import build_entries
 
     with pytest.raises(ConfigError, match=r"loggers\[0\] \(.*KwargsLogger\): KwargsLogger is not a subclass of "
                                           r"lightning.pytorch.loggers.logger.Logger"):
@@ -174,7 +174,7 @@ def test_a_resume_names_the_saved_plugin_states_it_drops(tmp_path):
 
 def test_dry_run_lines_of_ema_and_chunked_cross_entropy_check_the_head():
     from llmforge.algorithms import EMA, ChunkedCrossEntropy
-    from llmforge.algorithms.base import meta_model
+    from llmforge.plugin import meta_model
     from llmforge.config.validate import plan_batch
 
     cfg = make_cfg([])

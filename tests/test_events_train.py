@@ -49,7 +49,7 @@ def series(run_dir: Path, key: str) -> dict[int, float]:
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    from llmforge.generate import load_for_inference
+    from llmforge.checkpoint.run_dir import load_for_inference
 
     # this module's own runs: their algorithms are test classes named by import path
     model, _, _ = load_for_inference(run_dir, trust_code=True)
@@ -131,7 +131,8 @@ def test_spike_guard_skips_exactly_the_injected_step(out):
     assert [a[s] for s in (4, 5)] == [b[s] for s in (4, 5)]  # ... and left no trace
     wa, wb = weights(guarded), weights(never)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    from llmforge.checkpoint.dcp import latest_checkpoint, read_json
+    from llmforge.checkpoint.dcp import read_json
+    from llmforge.checkpoint.layout import latest_checkpoint
 
     assert read_json(latest_checkpoint(guarded / "checkpoints"), "trainer_state.json")["step"] == 5
 

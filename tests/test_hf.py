@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 from llmforge.checkpoint.hf import load_hf_weights, model_overrides_from_hf, read_hf_config, save_hf  # noqa: E402
 from llmforge.models.llama3.config import Llama3Config as ModelConfig  # noqa: E402
-from llmforge.models import build_llama  # noqa: E402
+from llmforge.models.llama3.model import build_llama  # noqa: E402
 
 
 def tiny_hf(tmp_path, tie: bool, inter: int = 96):
@@ -169,7 +169,7 @@ def test_absent_config_keys_take_transformers_defaults(tmp_path, family):
     import json
 
     from llmforge.cli import main
-    from llmforge.generate import load_model
+    from llmforge.checkpoint.run_dir import load_model
 
     cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                       "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[family]

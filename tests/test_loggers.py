@@ -53,7 +53,7 @@ TRACKED = [*TINY_OVERRIDES, "run.name=trackers", f"trainer.max_steps={STEPS}", "
 def tracked_fit(home: Path, out: Path, *extra: str) -> tuple[Path, list[dict]]:
     from llmforge import Trainer
     from llmforge.config import config_to_dict, load_config, redact
-    from llmforge.runs.registry import RunRegistry
+    from llmforge.job.records import RunRegistry
 
     overrides = [*TRACKED, f"run.output_dir={out}", *extra]
     config = str(REPO / "yamls" / "demo_cpu.yaml")

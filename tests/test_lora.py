@@ -230,7 +230,7 @@ def hf_runs(tmp_path_factory):
 @pytest.mark.slow
 def test_cli_checkpoint_holds_adapters_and_the_base_pointer(hf_runs):
     from llmforge.checkpoint.tools import tensor_entries
-    from llmforge.generate import load_model
+    from llmforge.checkpoint.run_dir import load_model
 
     out, hf = hf_runs
     ckpt = out / "straight" / "checkpoints" / "step_00000004"
@@ -280,7 +280,7 @@ def test_cli_checkpoint_holds_adapters_and_the_base_pointer(hf_runs):
 
 @pytest.mark.slow
 def test_cli_resume_from_adapter_checkpoint_is_exact(hf_runs):
-    from llmforge.generate import load_model
+    from llmforge.checkpoint.run_dir import load_model
 
     out, _ = hf_runs
     a, b = losses(out / "straight"), losses(out / "resumed")
@@ -295,7 +295,7 @@ def test_cli_resume_from_adapter_checkpoint_is_exact(hf_runs):
 @pytest.mark.slow
 def test_cli_export_merged_and_peft(hf_runs, tmp_path):
     peft = pytest.importorskip("peft")
-    from llmforge.generate import load_model
+    from llmforge.checkpoint.run_dir import load_model
 
     out, hf = hf_runs
     merged = run_cli("convert", "to-hf", str(out / "straight"), str(tmp_path / "merged"))
@@ -319,7 +319,7 @@ def test_fsdp2_two_processes_with_compile_and_checkpointing(tmp_path):
     """Random-init base (pointer: the seed), FSDP2 over 2 gloo processes with per-block compile
     and activation checkpointing: the same losses and adapters as one eager process."""
     from llmforge.checkpoint.tools import tensor_entries
-    from llmforge.generate import load_model
+    from llmforge.checkpoint.run_dir import load_model
 
     steps = ["trainer.max_steps=3"]
     cli_train(tmp_path, "one", LORA_CLI.replace("dropout: 0.1", "dropout: 0.0"), *steps)
@@ -347,7 +347,7 @@ def test_fsdp2_two_processes_with_compile_and_checkpointing(tmp_path):
 def test_fsdp2_float8_all_gather_on_a_bf16_base(tmp_path):
     """float8 converts the frozen bf16 base (FP8 all-gather, emulated on the CPU), LoRA adds
     fp32 adapters on top: 2 processes train like 1 within the FP8 tolerance of PLATFORM.md."""
-    from llmforge.generate import load_model
+    from llmforge.checkpoint.run_dir import load_model
 
     algos = ("algorithms=[{name: lora, rank: 4, alpha: 8, base_dtype: bfloat16}, "
              "{name: float8, emulate: true%s}]")

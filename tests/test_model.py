@@ -11,8 +11,9 @@ import torch.nn.functional as F
 
 from llmforge.models.llama3.config import Llama3Config as ModelConfig
 from llmforge.errors import ConfigError
-from llmforge.models import PRESETS, Llama, LlamaArgs, build_llama, llama_args_from_config
-from llmforge.models.llama import Attention, ffn_hidden_dim, precompute_rope, rope_frequencies
+from llmforge.models.llama3.config import PRESETS, llama_args_from_config
+from llmforge.models.llama3.model import Llama, LlamaArgs, build_llama
+from llmforge.models.llama3.model import Attention, ffn_hidden_dim, precompute_rope, rope_frequencies
 from llmforge.models.sampling import generate
 from llmforge.registry import models
 

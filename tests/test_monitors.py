@@ -165,7 +165,7 @@ def test_nan_guard_stops_a_diverging_run_and_keeps_the_last_checkpoint(tmp_path)
     steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2]
 
-    from llmforge.generate import load_for_inference
+    from llmforge.checkpoint.run_dir import load_for_inference
 
     model, _, _ = load_for_inference(run_dir)  # the checkpoint loads, and its weights are finite
     assert all(torch.isfinite(p).all() for p in model.parameters())

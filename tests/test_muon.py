@@ -13,7 +13,7 @@ import torch
 from conftest import DEMO, REPO, TINY_OVERRIDES
 from llmforge.checkpoint.dcp import load_training_state, save_checkpoint
 from llmforge.cli import main
-from llmforge.models import Llama, LlamaArgs
+from llmforge.models.llama3.model import Llama, LlamaArgs
 from llmforge.training.muon import MuonAdamW, match_rms_adamw_scale, newton_schulz
 from llmforge.training.optim import build_optimizer, muon_param_groups
 

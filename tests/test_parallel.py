@@ -55,7 +55,7 @@ def grad_norms(run_dir: Path) -> list[float]:
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    from llmforge.generate import load_for_inference
+    from llmforge.checkpoint.run_dir import load_for_inference
 
     model, _, _ = load_for_inference(run_dir, trust_code=True)  # the tests' own runs (examples/ code too)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -204,12 +204,12 @@ def test_prepare_to_a_url_uploads_and_a_run_reads_it(corpus, tmp_path, capsys):
 
 
 def test_an_interrupted_upload_resumes_without_resending_whole_shards(corpus, tmp_path, monkeypatch, capsys):
-    import llmforge.data.remote as remote
+    import llmforge.data.prepare as prepare_module  # prepare_to_store uploads through remote._upload
 
     source, local, _ = corpus
     url = f"memory://{tmp_path.name}/tokens"
     fs = fsspec.filesystem("memory")
-    real, sent, stop = remote._upload, [], [True]
+    real, sent, stop = prepare_module._upload, [], [True]
 
     def flaky(fs_, path, rpath, url_):
         sent.append(rpath.rsplit("/", 2)[-2] + "/" + rpath.rsplit("/", 1)[-1])
@@ -218,7 +218,7 @@ def test_an_interrupted_upload_resumes_without_resending_whole_shards(corpus, tm
             raise KeyboardInterrupt
         return real(fs_, path, rpath, url_)
 
-    monkeypatch.setattr(remote, "_upload", flaky)
+    monkeypatch.setattr(prepare_module, "_upload", flaky)
     assert prepare(source, url) == 130
     assert sent == ["train/shard_00000.bin", "train/shard_00001.bin"]
     assert not fs.exists(f"/{tmp_path.name}/tokens/manifest.json")
@@ -275,7 +275,7 @@ def test_a_missing_driver_or_unknown_protocol_is_a_data_error_naming_the_fix(url
 
 
 def test_the_drivers_credential_options_are_redacted_in_what_a_run_writes():
-    from llmforge.config.loader import redact
+    from llmforge.config import redact
 
     options = {"key": "AKIAEXAMPLE1", "secret": "s3cr3t-value", "token": "session-tok",  # s3fs
                "account_key": "azure-key-1", "sas_token": "sv=2024&sig=x",  # adlfs

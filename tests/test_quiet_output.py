@@ -4,7 +4,9 @@ error, the progress bar and the summary tell the same last loss and the real fir
 import warnings
 from types import SimpleNamespace
 
-from llmforge.cli import _print_summary, _quiet_libraries, main
+from llmforge.cli import main
+from llmforge.cli.handlers import _print_summary
+from llmforge.quiet import quiet_libraries
 
 
 def test_srun_hint_and_dtensor_cpu_rng_warning_are_silenced(tmp_path, monkeypatch):
@@ -23,7 +25,7 @@ def test_srun_hint_and_dtensor_cpu_rng_warning_are_silenced(tmp_path, monkeypatc
         assert {"srun", "DTensor random"} == {w for w in ("srun", "DTensor random")
                                               if any(w in str(x.message) for x in seen)}  # real texts
         seen.clear()
-        _quiet_libraries()
+        quiet_libraries()
         SLURMEnvironment._validate_srun_used()
         is_rng_supported_mesh(SimpleNamespace(device_type="cpu"))
     assert [str(w.message) for w in seen] == []

@@ -46,7 +46,7 @@ def safetensors_of(folder):
 
 @pytest.mark.parametrize("tie, n_kv", [(True, 1), (False, 2), (True, 2), (False, 1)])
 def test_convert_round_trip_matches_transformers(tmp_path, tie, n_kv):
-    from llmforge.generate import load_model
+    from llmforge.checkpoint.run_dir import load_model
 
     hf = tiny_hf(tmp_path / "hf", tie, n_kv)
     tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -174,7 +174,7 @@ def test_lora_adapters_on_qwen3_export_to_peft_and_load_with_peft(tmp_path):
     peft = pytest.importorskip("peft")
     from llmforge.algorithms.lora import LoRA, init_adapters, lora_modules
     from llmforge.algorithms.lora.peft import save_peft
-    from llmforge.generate import load_model
+    from llmforge.checkpoint.run_dir import load_model
     from llmforge.models.spec import get_spec
 
     hf = tiny_hf(tmp_path / "hf", tie=False, n_kv=2)

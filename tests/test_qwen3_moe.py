@@ -95,7 +95,7 @@ def safetensors_of(folder):
 
 @pytest.mark.parametrize("norm_topk, tie, sparse_step", [(True, False, 1), (False, True, 2)])
 def test_convert_round_trip_matches_transformers(tmp_path, norm_topk, tie, sparse_step):
-    from llmforge.generate import load_model
+    from llmforge.checkpoint.run_dir import load_model
 
     hf = tiny_hf(tmp_path / "hf", norm_topk, tie, sparse_step=sparse_step)
     tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))

@@ -10,7 +10,7 @@ from omegaconf.errors import ReadonlyConfigError
 from conftest import REPO, TINY_OVERRIDES
 from llmforge.cli import main
 from llmforge.config import load_config
-from llmforge.config.resolve import resolve_run
+from llmforge.preflight.resolve import resolve_run
 from llmforge.errors import ConfigError
 from llmforge.parallel.threads import TORCHRUN_SET_OMP, choose_num_threads
 
@@ -125,7 +125,7 @@ def test_busy_cores_reads_the_machine():
     (["data.num_workers=1", "data.mixture=[{path: a, weight: 1, source: files}]"], 1),
 ])
 def test_data_workers_that_cost_a_core(overrides, want):
-    from llmforge.config.resolve import worker_cores
+    from llmforge.preflight.resolve import worker_cores
 
     assert worker_cores(load_config(DEMO, overrides).data) == want
 
@@ -143,7 +143,7 @@ def test_launched_workers_choose_their_threads(tmp_path):
     for extra, want in (({}, "4"), ({"OMP_NUM_THREADS": "3"}, "3")):
         out = tmp_path / f"out{len(extra)}"
         out.mkdir()
-        subprocess.run([sys.executable, "-m", "llmforge.runs.torchrun", "--standalone",
+        subprocess.run([sys.executable, "-m", "llmforge.job.torchrun", "--standalone",
                         "--nproc-per-node", "2", str(script)], check=True, timeout=120,
                        env={**env, **extra, "OUT": str(out), "PYTHONPATH": str(REPO / "src")},
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -36,7 +36,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    from llmforge.generate import load_for_inference
+    from llmforge.checkpoint.run_dir import load_for_inference
 
     model, _, _ = load_for_inference(run_dir)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -179,7 +179,7 @@ def test_module_without_super_still_saves_when_due(out):
 
 
 def test_truncate_metrics_drops_later_and_torn_lines(tmp_path):
-    from llmforge.training.trainer import truncate_metrics
+    from llmforge.training.run_files import truncate_metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 0}\n{"step": 1}\n{"step": 2}\n{"step": 3, "train/lo')  # killed mid-line

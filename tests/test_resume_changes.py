@@ -10,7 +10,7 @@ from conftest import REPO, TINY_OVERRIDES
 from llmforge.checkpoint.resume_changes import MAY_CHANGE
 from llmforge.cli import main
 from llmforge.config import config_to_dict, load_config, redact
-from llmforge.config.resolve import resolve_run
+from llmforge.preflight.resolve import resolve_run
 from llmforge.errors import ConfigError
 
 DEMO = str(REPO / "yamls" / "demo_cpu.yaml")

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import DEMO, REPO
 from llmforge.cli import main
-from llmforge.runs.registry import SCHEMA_VERSION, RegistryError, RunRegistry
+from llmforge.job.records import SCHEMA_VERSION, RegistryError, RunRegistry
 
 
 @pytest.fixture
@@ -165,7 +165,7 @@ def test_restart_runs_the_jobs_resume_check_first(home, tmp_path, capsys, monkey
     """A longer cosine schedule is refused before submitting (the job would exit 2, issue 27.4);
     the suggested override, with checkpoint.allow_config_changes=true, is submitted."""
     import llmforge.runs.launch as launch
-    from llmforge.config.loader import config_to_dict, load_config, redact
+    from llmforge.config import config_to_dict, load_config, redact
 
     ckpt = tmp_path / "runs" / "done" / "checkpoints" / "step_00000050"
     ckpt.mkdir(parents=True)
@@ -214,7 +214,7 @@ def test_sagemaker_sdk_message_names_the_installed_version(monkeypatch):
 
 
 def test_sagemaker_channels_become_data_paths():
-    from llmforge.runs.sagemaker_entry import train_argv
+    from llmforge.cli.sagemaker_entry import train_argv
 
     env = {"SM_CHANNEL_TRAIN": "/opt/ml/input/data/train", "SM_CHANNEL_EXTRA": "/opt/ml/input/data/extra"}
     argv = ["--config", "yamls/demo_cpu.yaml", "--overrides", "trainer.max_steps=5 run.name=sm",
@@ -228,7 +228,7 @@ def test_sagemaker_channels_become_data_paths():
 
 
 def test_sagemaker_entry_runs_as_a_script_and_nothing_beside_it_shadows_a_module(tmp_path):
-    from llmforge.runs import sagemaker_entry
+    from llmforge.cli import sagemaker_entry
 
     here = Path(sagemaker_entry.__file__).parent
     shadowing = sorted(p.stem for p in here.glob("*.py") if p.stem in sys.stdlib_module_names)
@@ -257,13 +257,13 @@ def test_the_backend_example_in_docs_runs(home, monkeypatch, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("# 1 CPU processes = 1 node(s) x 1 on mine")
     assert out[1].startswith("lab-submit --queue fast --name demo_cpu-") and out[1].endswith(
-        f"-- python -m llmforge.runs.torchrun --nproc-per-node=1 -m llmforge train {DEMO} "
+        f"-- python -m llmforge.job.torchrun --nproc-per-node=1 -m llmforge train {DEMO} "
         "checkpoint.resume=auto")
 
 
 def test_default_cancel_calls_stop_job_and_scheduler_variables_join_the_environment():
     from llmforge.runs.backend import Backend
-    from llmforge.runs.registry import RunRecord
+    from llmforge.job.records import RunRecord
 
     stopped = []
 

@@ -89,7 +89,7 @@ def test_sbatch_script_for_two_nodes_of_eight_gpus(home, tmp_path):
     assert '--rdzv-endpoint="$HEAD_NODE:29500" --rdzv-id="$SLURM_JOB_ID"' in script
     assert "srun --export=ALL --kill-on-bad-exit=1 --nodes=2 --ntasks-per-node=1" in script
     assert 'if [ "$code" -eq 75 ]; then' in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
-    assert "checkpoint.resume=auto" in script and "\n  python3 -m llmforge.runs.torchrun --nnodes=2" in script
+    assert "checkpoint.resume=auto" in script and "\n  python3 -m llmforge.job.torchrun --nnodes=2" in script
     assert sys.executable not in script  # the nodes' interpreter (after setup), not this machine's path
     assert "#SBATCH --cpus-per-task=16" in script.splitlines()  # 8 processes x (1 + data.num_workers=1)
     export = next(ln for ln in script.splitlines() if ln.startswith("#SBATCH --export="))
@@ -99,7 +99,7 @@ def test_sbatch_script_for_two_nodes_of_eight_gpus(home, tmp_path):
 
 def test_slurm_submit_records_the_job_with_a_fake_sbatch(home, tmp_path, monkeypatch):
     from llmforge.runs.launch import launch
-    from llmforge.runs.registry import RunRegistry
+    from llmforge.job.records import RunRegistry
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -176,7 +176,7 @@ def test_sagemaker_estimator_definition(home):
     assert (d["instance_type"], d["instance_count"]) == ("ml.p5.48xlarge", 2)
     assert d["image_uri"].endswith("llmforge:latest") and d["role"].startswith("arn:aws:iam::")
     assert d["inputs"] == {"train": "s3://my-bucket/shakespeare"}
-    assert d["entry_point"] == "src/llmforge/runs/sagemaker_entry.py" and d["source_dir"] == str(REPO)
+    assert d["entry_point"] == "src/llmforge/cli/sagemaker_entry.py" and d["source_dir"] == str(REPO)
     assert d["hyperparameters"]["config"] == "yamls/demo_cpu.yaml"
     assert set(d["environment"]) == {"LLMFORGE_RUN_ID", "PYTHONUNBUFFERED", "WANDB_API_KEY", "HF_TOKEN"}
     assert d["checkpoint_s3_uri"].startswith("s3://my-bucket/checkpoints/")
@@ -205,7 +205,7 @@ def test_sbatch_uses_the_clusters_python_and_cpus_per_task(home):
     from llmforge.runs.launch import launch
 
     script = launch(DEMO, ["data.num_workers=2"], cluster="own", gpus=2, dry_run=True).definition
-    assert "\n  /shared/envs/llm/bin/python -m llmforge.runs.torchrun --nnodes=1 --nproc-per-node=2" in script
+    assert "\n  /shared/envs/llm/bin/python -m llmforge.job.torchrun --nnodes=1 --nproc-per-node=2" in script
     assert "#SBATCH --cpus-per-task=6" in script.splitlines() and "--gpus-per-node" not in script
     default = launch(DEMO, [*BATCH, "data.num_workers=2"], cluster="big", gpus=8, dry_run=True).definition
     assert "#SBATCH --cpus-per-task=24" in default.splitlines()  # 8 x (1 + 2 workers)
@@ -253,7 +253,7 @@ def test_launch_refuses_what_the_job_would_refuse_before_submitting(home, tmp_pa
     err = capsys.readouterr().err
     assert err.startswith("error: ") and expect in err and "tok-FAKE" not in err, err
     assert not (bin_dir / "submitted").exists() and not (tmp_path / "runs").exists()  # nothing submitted
-    from llmforge.runs.registry import RunRegistry
+    from llmforge.job.records import RunRegistry
 
     assert RunRegistry().list() == []
 
@@ -307,7 +307,7 @@ def test_hostile_names_and_paths_reach_the_job_as_one_argument_in_every_backend(
     nothing the values spell runs."""
     import shlex
 
-    from llmforge.runs.sagemaker_entry import train_argv
+    from llmforge.cli.sagemaker_entry import train_argv
 
     work = tmp_path / "work dir"
     work.mkdir()

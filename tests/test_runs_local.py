@@ -14,8 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import DEMO, REPO, TINY_OVERRIDES, run_cli
+from llmforge.job import torchrun
 from llmforge.runs import local
-from llmforge.runs.registry import RunRegistry
+from llmforge.job.records import RunRegistry
 
 BASE = [*TINY_OVERRIDES, "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_batches=1",
         "data.max_documents=6"]
@@ -206,7 +207,7 @@ def test_stop_before_the_first_step_loses_nothing_and_says_stopped(home, out):
 
     def workers_listening():  # the training process started and owns its stop signals
         workers = [p for p in local.run_pids(run.pgid) if os.getpgid(p) != run.pgid]
-        return workers and all(local.catches(p, signal.SIGTERM) for p in workers)
+        return workers and all(torchrun.catches(p, signal.SIGTERM) for p in workers)
 
     wait(workers_listening, 120, "the training process to start")
     assert not train_losses(run.run_dir)  # still starting up: no step yet

@@ -10,8 +10,8 @@ import pytest
 from conftest import DEMO, REPO
 from llmforge.cli import main
 from llmforge.errors import ConfigError
+from llmforge.job.records import RunNotFound, RunRegistry
 from llmforge.run_guard import mark_run_dir
-from llmforge.runs.registry import RunNotFound, RunRegistry
 
 
 def _writer(db: str, name: str, n: int) -> None:
@@ -166,8 +166,8 @@ def test_secrets_lists_names_and_sources_never_values(home, capsys, monkeypatch)
 
 
 def test_supervisor_decisions_and_torchrun_exit_codes():
-    from llmforge.runs.supervisor import decide
-    from llmforge.runs.torchrun import exit_code
+    from llmforge.job.supervisor import decide
+    from llmforge.job.torchrun import exit_code
 
     assert decide(0, False, 0, 3) == "completed"
     assert decide(75, False, 0, 3) == "stopped"

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import REPO, TINY_OVERRIDES
 from llmforge import signals
-from llmforge.runs.local import catches
+from llmforge.job.torchrun import catches
 
 
 @pytest.fixture
@@ -122,7 +122,7 @@ def test_sigusr1_during_startup_exits_75_and_writes_nothing(tmp_path):
 
 
 def test_torchrun_forwarding_waits_for_a_worker_to_install_its_handler():
-    from llmforge.runs.torchrun import forward
+    from llmforge.job.torchrun import forward
 
     code = ("import signal, sys, time; time.sleep(0.6); "
             "signal.signal(signal.SIGUSR1, lambda *a: sys.exit(75)); time.sleep(30)")
@@ -155,8 +155,8 @@ def test_after_the_command_returned_a_signal_is_ignored_and_a_second_exits_at_on
 
 def test_a_launcher_stopped_by_a_signal_exits_with_the_workers_code():
     """torch's agent passes SIGTERM/SIGINT to llmforge's workers, which save and exit 75/130:
-    the launcher (`--nproc`, `llmforge.runs.torchrun`) says so too, not 143 (a crash: `failed`)."""
-    from llmforge.runs.torchrun import signal_exit_code
+    the launcher (`--nproc`, `llmforge.job.torchrun`) says so too, not 143 (a crash: `failed`)."""
+    from llmforge.job.torchrun import signal_exit_code
 
     assert [signal_exit_code(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)] == \
         [75, 130, 75, 128 + signal.SIGHUP]

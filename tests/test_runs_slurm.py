@@ -13,7 +13,7 @@ import pytest
 
 from conftest import DEMO, REPO, TINY_OVERRIDES, run_cli
 from llmforge.runs.launch import refresh
-from llmforge.runs.registry import RunRegistry
+from llmforge.job.records import RunRegistry
 
 
 HOW = "a one-node cluster from Debian's slurm-wlm (slurmctld + slurmd + munge) runs this test"

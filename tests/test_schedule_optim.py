@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from llmforge.models import Llama, LlamaArgs
+from llmforge.models.llama3.model import Llama, LlamaArgs
 from llmforge.training.optim import build_optimizer, param_groups
 from llmforge.training.schedule import build_scheduler, lr_multiplier
 

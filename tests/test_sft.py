@@ -18,7 +18,7 @@ from llmforge.data.sft import (IGNORE_INDEX, Conversation, SFTDataModule, build_
                                encode_examples, load_conversations, read_jsonl)
 from llmforge.data.tokenizers import TiktokenTokenizer, train_bpe_tokenizer
 from llmforge.errors import ConfigError, DataError
-from llmforge.models.llama import (Llama, LlamaArgs, document_causal_mask, document_positions)
+from llmforge.models.llama3.model import (Llama, LlamaArgs, document_causal_mask, document_positions)
 
 CORPUS = ["What is two plus two? Two plus two is four. Reverse the word apple: elppa. " * 20,
           "Be brief. Answer in one short sentence. The capital letters are HELLO WORLD. " * 20]
@@ -347,7 +347,7 @@ def test_demo_sft_yaml_trains_and_loss_decreases(tmp_path):
     assert len(evals) == 2 and evals[-1] < evals[0] - 1.0, evals
     assert np.mean(train[-5:]) < np.mean(train[:5]) - 1.0, train
     # generate --chat: the prompt as a user turn, the answer alone, stopped at <|eot_id|>
-    from llmforge.generate import load_for_inference
+    from llmforge.checkpoint.run_dir import load_for_inference
     from llmforge.models.sampling import generate
 
     run = tmp_path / "demo_cpu_sft"

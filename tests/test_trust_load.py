@@ -260,7 +260,7 @@ def home(tmp_path, monkeypatch):
 
 
 def test_a_run_record_never_imports_its_backend(home, tmp_path, monkeypatch, capsys):
-    from llmforge.runs.registry import RunRegistry
+    from llmforge.job.records import RunRegistry
 
     marker = tmp_path / "marker"
     (tmp_path / "evil_backend_mod.py").write_text(PAYLOAD.format(marker=str(marker)))
@@ -291,7 +291,7 @@ def test_a_run_record_never_imports_its_backend(home, tmp_path, monkeypatch, cap
     ("{name: speed_monitor, every_n: 3}", "callbacks[0] (speed_monitor): "),
 ])
 def test_launch_checks_callbacks_before_submitting(home, tmp_path, capsys, entry, words):
-    from llmforge.runs.registry import RunRegistry
+    from llmforge.job.records import RunRegistry
 
     marker = tmp_path / "marker"
     cfg = tmp_path / "c.yaml"

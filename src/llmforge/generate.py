@@ -1,4 +1,5 @@
-"""``llmforge generate``: load a trained run (or one checkpoint) and sample text from it."""
+"""``llmforge generate``: sample text from a trained run (or one checkpoint), loaded by
+:mod:`llmforge.checkpoint.run_dir`."""
 
 from __future__ import annotations
 
@@ -7,10 +8,9 @@ from typing import Callable, Optional
 
 import torch
 
-# loading a run is shared with eval and convert; these names were importable from here before
-from llmforge.checkpoint.run_dir import (inference_plugins, load_for_inference, load_model,  # noqa: F401
-                                         resolve_checkpoint)
-from llmforge.models.sampling import generate
+from llmforge.checkpoint.run_dir import load_for_inference
+from llmforge.data.chat import build_chat_template
+from llmforge.models.sampling import generate, supports_kv_cache
 from llmforge.parallel.threads import choose_num_threads
 
 
@@ -51,15 +51,11 @@ def sample_text(path: str | Path, prompt: str, *, max_new_tokens: int = 200,
     """
     import time
 
-    from llmforge.models.sampling import supports_kv_cache
-
     threads = use_inference_threads()
     model, tok, cfg = load_for_inference(path, trust_code=trust_code)
     gen = torch.Generator().manual_seed(seed)
     stop = tok.eos_id
     if chat:
-        from llmforge.data.chat import build_chat_template
-
         template = build_chat_template(cfg.data.get("chat_template") or "llama3", tok)
         ids, stop = template.prompt_ids([{"role": "user", "content": prompt}]), template.stop_id
     else:

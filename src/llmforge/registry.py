@@ -31,6 +31,8 @@ import importlib
 import importlib.metadata
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional
 
+from omegaconf import OmegaConf
+
 from llmforge.errors import ConfigError
 
 # the file whose names are being resolved when it is untrusted (a run directory's config.yaml)
@@ -190,3 +192,55 @@ algorithms = Registry("algorithms", "llmforge.algorithms")
 callbacks = Registry("callbacks", "llmforge.callbacks")
 loggers = Registry("loggers", "llmforge.loggers")
 backends = Registry("backends", "llmforge.runs.backend")
+
+
+def accepted(factory: Any, inject: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``inject`` that ``factory``'s signature accepts (all of them when it takes
+    ``**kwargs``): llmforge's loggers get ``run_dir``/``run``/``config``, Lightning's own (e.g.
+    ``lightning.pytorch.loggers.MLFlowLogger``) only what they declare."""
+    import inspect
+
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: inject nothing
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(inject)
+    return {k: v for k, v in inject.items() if k in params}
+
+
+def build_entries(reg: Registry, section: str, entries: Any, *, base: Any = None,
+                  **inject: Any) -> list[Any]:
+    """Instantiate ``[{name: ..., **kwargs}]`` entries from a registry; ``inject`` (e.g. the run
+    directory) goes to the factories whose signature accepts it (:func:`accepted`), and the
+    entry's own keys win over it.
+
+    An import path must name a class (a subclass of ``base`` when given), checked before it is
+    called: ``{name: os.system, command: ...}`` must not run anything; it gets plain dicts and
+    lists (e.g. Lightning's ``Timer(duration={seconds: 30})``), not OmegaConf nodes.
+
+    Raises:
+        ConfigError: unknown name, an import path that is not such a class, or keyword
+            arguments the class does not accept.
+    """
+    out = []
+    for i, entry in enumerate(entries):
+        kwargs = dict(entry)
+        name = kwargs.pop("name")
+        key = f"{section}[{i}]"
+        factory = reg.get(name, key=f"{key}.name")
+        registered = name in reg.names()
+        if not registered and not isinstance(factory, type):
+            raise ConfigError(f"{key}.name: '{name}' is a {type(factory).__name__}, not a class; "
+                              f"name a class (e.g. 'my_pkg.module.MyClass')")
+        if base is not None and isinstance(factory, type) and not issubclass(factory, base):
+            raise ConfigError(f"{key} ({name}): {factory.__name__} is not a subclass of "
+                              f"{base.__module__}.{base.__name__}; subclass it")
+        if not registered:  # a class by import path (Lightning's Timer) checks for dict, not DictConfig
+            kwargs = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+                      for k, v in kwargs.items()}
+        try:
+            out.append(factory(**{**accepted(factory, inject), **kwargs}))
+        except TypeError as exc:
+            raise ConfigError(f"{key} ({name}): {exc}; check the keys of this entry") from exc
+    return out

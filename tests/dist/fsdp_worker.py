@@ -15,7 +15,7 @@ from llmforge.config.schema import TrainConfig
 from llmforge.config.validate import plan_batch
 from llmforge.parallel.mesh import ParallelDims, build_mesh
 from llmforge.parallel.transforms import strategy_transforms
-from llmforge.training.dry_run import estimate_memory
+from llmforge.models.memory_estimate import estimate_memory
 from llmforge.training.module import LLMModule
 
 

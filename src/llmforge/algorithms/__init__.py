@@ -1,4 +1,4 @@
-"""Algorithm plugins and the model pipeline (see :mod:`llmforge.algorithms.base`), acting on
+"""Algorithm plugins and the model pipeline (see :mod:`llmforge.plugin`), acting on
 the training events of :mod:`llmforge.events`.
 
 Built-ins (registered in :data:`llmforge.registry.algorithms`): ``float8`` (stage convert),
@@ -8,7 +8,6 @@ Built-ins (registered in :data:`llmforge.registry.algorithms`): ``float8`` (stag
 the events and how to write an algorithm: ``docs/algorithms/README.md``.
 """
 
-from llmforge.algorithms.base import Algorithm, ModelContext, Stage, Transform, algorithm_kind, run_pipeline
 from llmforge.algorithms.checkpointing import ActivationCheckpointing
 from llmforge.algorithms.chunked_cross_entropy import ChunkedCrossEntropy
 from llmforge.algorithms.compile import Compile
@@ -18,6 +17,7 @@ from llmforge.algorithms.lora import LoRA
 from llmforge.algorithms.loss_spike_guard import LossSpikeGuard
 from llmforge.algorithms.seq_length_warmup import SeqLengthWarmup
 from llmforge.algorithms.z_loss import ZLoss
+from llmforge.plugin import Algorithm, ModelContext, Stage, Transform, algorithm_kind, run_pipeline
 from llmforge.registry import algorithms as _registry
 
 # the list of built-ins: a new algorithm is one file above plus one line here

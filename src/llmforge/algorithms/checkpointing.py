@@ -35,8 +35,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from llmforge.algorithms.base import Algorithm, ModelContext, Stage
 from llmforge.errors import ConfigError
+from llmforge.plugin import Algorithm, ModelContext, Stage
 
 
 def _ops(*names: str) -> set:

@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmforge.algorithms.base import Algorithm, ModelContext, Stage
 from llmforge.errors import ConfigError
+from llmforge.plugin import Algorithm, meta_model, ModelContext, Stage
 
 IGNORE_INDEX = -100
 
@@ -178,8 +178,6 @@ class ChunkedCrossEntropy(Algorithm):
     def dry_run_lines(self, cfg: Any, plan: Any, device_memory_gib: Optional[float]) -> list[str]:
         """The fp32 logits of one chunk against those of a whole micro-batch (and the ``head``
         checked on the meta model, so a typo fails here, not at the first step)."""
-        from llmforge.algorithms.base import meta_model
-
         vocab = self.find_head(meta_model(cfg)).out_features
         chunk = min(self.chunk_size, plan.micro_batch_size * int(cfg.trainer.seq_len))
         full = plan.micro_batch_size * int(cfg.trainer.seq_len) * vocab * 4

@@ -30,8 +30,8 @@ from typing import Any, Optional, Sequence
 
 from torch import nn
 
-from llmforge.algorithms.base import Algorithm, ModelContext, Stage
 from llmforge.errors import ConfigError
+from llmforge.plugin import Algorithm, ModelContext, Stage
 
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 

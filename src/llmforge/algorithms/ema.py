@@ -30,8 +30,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from llmforge.algorithms.base import Algorithm
+from llmforge.checkpoint.safe_load import load_metadata, safe_load
 from llmforge.errors import ConfigError
+from llmforge.models.memory_estimate import estimate_memory
+from llmforge.plugin import Algorithm, meta_model
 
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
@@ -143,9 +145,6 @@ class EMA(Algorithm):
 
     def dry_run_lines(self, cfg: Any, plan: Any, device_memory_gib: Optional[float]) -> list[str]:
         """The average's memory per device: 4 bytes per trainable weight, sharded like it."""
-        from llmforge.algorithms.base import meta_model
-        from llmforge.training.dry_run import estimate_memory
-
         n = sum(p.numel() for p in meta_model(cfg).parameters() if p.requires_grad)
         mem = estimate_memory(n, "fp32", cfg.strategy, plan.world_size)
         return [f"ema             + {mem.params_bytes / 2**30:.2f} GiB per device (fp32 average of "
@@ -157,8 +156,6 @@ class EMA(Algorithm):
         """With ``use_for_export``: the averaged weights from ``checkpoint`` (``plugins.EMA``)."""
         if not self.use_for_export:
             return model
-        from llmforge.checkpoint.safe_load import safe_load
-
         params = {canonical(n): p for n, p in model.named_parameters()}
         names = _saved_names(checkpoint, self.state_key)
         template = {n: torch.empty(tuple(params[n].shape), dtype=torch.float32) for n in names if n in params}
@@ -174,8 +171,6 @@ class EMA(Algorithm):
 
 def _saved_names(checkpoint: Path, key: str) -> list[str]:
     """Parameter names of the EMA entries (``plugins.<key>.<name>``) in a DCP checkpoint."""
-    from llmforge.checkpoint.safe_load import load_metadata
-
     prefix = f"plugins.{key}."
     keys = load_metadata(Path(checkpoint) / ".metadata").state_dict_metadata
     return [k[len(prefix):] for k in keys if k.startswith(prefix)]

@@ -37,8 +37,9 @@ from typing import Any, Optional, Sequence
 
 from torch import nn
 
-from llmforge.algorithms.base import Algorithm, ModelContext, Stage, meta_model
 from llmforge.errors import ConfigError
+from llmforge.parallel.mesh import ParallelDims
+from llmforge.plugin import Algorithm, ModelContext, Stage, meta_model
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
@@ -46,8 +47,6 @@ RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 def fsdp_shard_degree(cfg: Any) -> int:
     """FSDP2 shard-group size the strategy will use, or 0 when the model is not FSDP2-sharded
     (``strategy.name`` ``single``/``ddp``, or ``auto`` in one process)."""
-    from llmforge.parallel.mesh import ParallelDims
-
     world = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
     name = cfg.strategy.name
     if name == "auto":

@@ -13,8 +13,10 @@ import difflib
 from typing import Any, Sequence
 
 from llmforge import registry
-from llmforge.algorithms.base import Algorithm
 from llmforge.errors import ConfigError
+from llmforge.events import Event
+from llmforge.plugin import Algorithm
+from llmforge.registry import build_entries
 
 
 def build_algorithms(cfg: Any) -> list[Algorithm]:
@@ -27,9 +29,6 @@ def build_algorithms(cfg: Any) -> list[Algorithm]:
         ConfigError: unknown name or key, a class that is not an :class:`Algorithm`, or an
             impossible combination (see :func:`check_algorithms`).
     """
-    import llmforge.algorithms  # noqa: F401  (registers the built-ins)
-    from llmforge.training.entries import build_entries
-
     algos = build_entries(registry.algorithms, "algorithms", cfg.algorithms, base=Algorithm)
     check_algorithms(cfg, algos)
     return algos
@@ -70,7 +69,6 @@ def misspelled_events(cfg: Any, index: int, cls: type) -> None:
     Raises:
         ConfigError: naming the entry, the method and the event it resembles.
     """
-    from llmforge.events import Event
 
     events = [e.value for e in Event]
     known = set(events) | set(dir(Algorithm))
@@ -91,8 +89,6 @@ def pipeline_order(cfg: Any, algos: Sequence[Algorithm], strategy: Sequence[Any]
 
 def available() -> list[tuple[str, str, str]]:
     """``(name, stage, summary)`` of every registered algorithm (entry points loaded)."""
-    import llmforge.algorithms  # noqa: F401
-
     rows = []
     for name in registry.algorithms.names():
         try:

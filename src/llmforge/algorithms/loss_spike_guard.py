@@ -27,8 +27,8 @@ import statistics
 from collections import deque
 from typing import Any
 
-from llmforge.algorithms.base import Algorithm
 from llmforge.errors import ConfigError, LLMForgeError
+from llmforge.plugin import Algorithm
 
 METRICS = ("both", "loss", "grad_norm")
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from llmforge.algorithms.base import Algorithm
 from llmforge.errors import ConfigError
+from llmforge.plugin import Algorithm
 
 
 def _positive_int(value: Any, key: str) -> int:

@@ -21,8 +21,8 @@ from typing import Any, Sequence
 
 import torch
 
-from llmforge.algorithms.base import Algorithm
 from llmforge.errors import ConfigError
+from llmforge.plugin import Algorithm
 
 IGNORE_INDEX = -100
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from llmforge import signals
+from llmforge import __version__, signals
 from llmforge.callbacks._util import say
 from llmforge.checkpoint.dcp import PendingSave, load_training_state, prune_checkpoints, save_checkpoint
 from llmforge.checkpoint.plugins import (check_resume, checkpoint_meta, dropped_states, plain_states,
@@ -32,7 +32,8 @@ from llmforge.checkpoint.plugins import (check_resume, checkpoint_meta, dropped_
 from llmforge.checkpoint.rng import capture_rng, restore_rng
 from llmforge.checkpoint.safe_load import CheckpointShapeError
 from llmforge.errors import ConfigError
-from llmforge.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, StopRequested  # noqa: F401 (re-exported)
+from llmforge.parallel.lightning_private import optimizer_step_progress
+from llmforge.signals import EXIT_PREEMPTED, StopRequested
 
 
 class Preempted(StopRequested):
@@ -42,7 +43,7 @@ class Preempted(StopRequested):
 
 def set_global_step(trainer: Any, step: int) -> None:
     """Make Lightning count ``step`` optimizer steps done (manual optimization)."""
-    progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress.total
+    progress = optimizer_step_progress(trainer)
     progress.ready = progress.completed = step
 
 
@@ -91,8 +92,6 @@ class Checkpointer(Callback):
 
     def save(self, trainer: Any, pl_module: Any) -> Path:
         """Save now (every rank must call it); returns the checkpoint folder."""
-        from llmforge import __version__
-
         start = time.perf_counter()
         self._finish_pending()  # at most one save in flight
         step = trainer.global_step

@@ -29,7 +29,7 @@ from lightning.pytorch.callbacks import Callback
 
 from llmforge.callbacks._util import run_dir, say
 from llmforge.errors import ConfigError
-from llmforge.evaluation.harness import parse_limit
+from llmforge.evaluation.harness import evaluate_harness, import_lm_eval, parse_limit, task_manager
 
 
 def _limit_ok(limit: Any) -> bool:
@@ -82,8 +82,6 @@ class EvalHarness(Callback):
         self.history: list[dict[str, Any]] = []
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        from llmforge.evaluation.harness import import_lm_eval, task_manager
-
         import_lm_eval()
         try:
             task_manager(self.tasks, self.include_path)  # indexed once, reused at each evaluation
@@ -93,8 +91,6 @@ class EvalHarness(Callback):
     def evaluate(self, trainer: Any, pl_module: Any) -> dict[str, float]:
         """Run the tasks now on ``pl_module.model``; returns ``{"eval/harness/<task>/<metric>": v}``
         and adds them to ``pl_module.step_metrics``."""
-        from llmforge.evaluation.harness import evaluate_harness
-
         step = trainer.global_step
         if self._last_step == step:
             return {}

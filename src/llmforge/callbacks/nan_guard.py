@@ -21,6 +21,8 @@ from typing import Any, Optional
 
 from lightning.pytorch.callbacks import Callback
 
+from llmforge.callbacks.checkpointing import Checkpointer
+from llmforge.checkpoint import latest_checkpoint
 from llmforge.errors import ConfigError, TrainingDiverged
 
 
@@ -76,9 +78,6 @@ class NaNGuard(Callback):
 
     @staticmethod
     def _last_checkpoint(trainer: Any) -> Optional[str]:
-        from llmforge.callbacks.checkpointing import Checkpointer
-        from llmforge.checkpoint import latest_checkpoint
-
         for cb in trainer.callbacks:
             if isinstance(cb, Checkpointer):
                 path = latest_checkpoint(cb.dir)

@@ -28,6 +28,7 @@ from lightning.pytorch.callbacks import Callback
 
 from llmforge.callbacks._util import run_dir
 from llmforge.errors import ConfigError
+from llmforge.models.sampling import generate
 
 
 class GenerateSamples(Callback):
@@ -63,8 +64,6 @@ class GenerateSamples(Callback):
 
     def sample(self, trainer: Any, pl_module: Any) -> list[dict[str, Any]]:
         """One sample per prompt from the current model: ``[{"step", "prompt", "sample"}]``."""
-        from llmforge.models.sampling import generate
-
         tokenizer = trainer.datamodule.tokenizer
         device = pl_module.device
         gen = torch.Generator(device=device if device.type == "cuda" else "cpu").manual_seed(self.seed)

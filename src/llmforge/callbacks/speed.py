@@ -33,6 +33,7 @@ from lightning.pytorch.callbacks import Callback
 
 from llmforge.callbacks.peak_flops import PRECISIONS, peak_tflops
 from llmforge.errors import ConfigError
+from llmforge.models.spec import get_spec
 
 IGNORE_INDEX = -100
 
@@ -185,8 +186,6 @@ def _flops_fn(pl_module: Any) -> Any:
     model = pl_module.model
     name = getattr(getattr(getattr(pl_module, "cfg", None), "model", None), "name", None)
     if name:
-        from llmforge.models.spec import get_spec
-
         spec = get_spec(name)
         if spec.flops_per_token is not None:
             return lambda seq_len: spec.flops(model, seq_len)

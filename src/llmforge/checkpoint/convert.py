@@ -7,7 +7,13 @@ from typing import Optional
 
 import torch
 
+from llmforge.checkpoint.dcp import save_checkpoint
+from llmforge.checkpoint.hf import load_hf_weights, model_overrides_from_hf, read_hf_config, save_hf
+from llmforge.checkpoint.run_dir import export_order, load_model
+from llmforge.config import save_config, structured_config
+from llmforge.data.tokenizers import HFTokenizer
 from llmforge.errors import ConfigError, LLMForgeError
+from llmforge.models.spec import get_spec
 from llmforge.paths import all_or_nothing
 from llmforge.run_guard import LOCK, MARK, RunLock, check_run_dir, clear_run_dir
 
@@ -32,10 +38,6 @@ def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
         WriteError: a file could not be written (e.g. a full disk); nothing of ``out`` that this
             call created is left.
     """
-    from llmforge.checkpoint.hf import save_hf
-    from llmforge.checkpoint.run_dir import export_order, load_model
-    from llmforge.models.spec import get_spec
-
     model, cfg, run_dir, plugins, ckpt, meta = load_model(path, with_plugins=True, trust_code=trust_code)
     plugins = export_order(plugins)
     adapter = get_spec(cfg.model.name).adapter()  # by name: a derived research spec may have none
@@ -72,12 +74,6 @@ def from_hf(path: str | Path, out: str | Path, overwrite: bool = False) -> Path:
             ``llmforge train --overwrite`` delete its files; a used run without ``overwrite``.
         RunDirBusy: another process writes the run in ``out``.
     """
-    from llmforge.checkpoint.dcp import save_checkpoint
-    from llmforge.checkpoint.hf import load_hf_weights, model_overrides_from_hf, read_hf_config
-    from llmforge.config import save_config, structured_config
-    from llmforge.data.tokenizers import HFTokenizer
-    from llmforge.models.spec import get_spec
-
     src, out = Path(path), Path(out)
     check_run_dir(out, "OUT")
     fields = model_overrides_from_hf(read_hf_config(src))

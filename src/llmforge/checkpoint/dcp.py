@@ -24,9 +24,9 @@ checkpoint can run code.
 :class:`PendingSave`; the folder becomes visible when :meth:`PendingSave.finish` has run (the
 next save calls it first, so at most one save is in flight; :mod:`llmforge.checkpoint.atomic_save`).
 
-A run whose plugin declares ``adapters_only`` (:class:`llmforge.algorithms.base.Algorithm`)
+A run whose plugin declares ``adapters_only`` (:class:`llmforge.plugin.Algorithm`)
 saves and loads only the adapter tensors (parameters of modules marked with
-:data:`~llmforge.algorithms.base.ADAPTER_CHILDREN`) and their optimizer state: the frozen base is
+:data:`~llmforge.plugin.ADAPTER_CHILDREN`) and their optimizer state: the frozen base is
 rebuilt from its pointer (``model.init_from`` or the seeded init) when the model is built.
 Plugins' own tensors (``Algorithm.sharded_state_dict``) are saved under ``plugins.<key>``.
 """
@@ -46,20 +46,19 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_model_state_dict)
 
-from llmforge.checkpoint.atomic_save import (CheckpointWriteError, PendingSave, _barrier,  # noqa: F401
+from llmforge.checkpoint.atomic_save import (CheckpointWriteError, PendingSave, _barrier,
                                              _crash_point, _is_rank0, _write_failed)
-# layout names, importable from here as before
-from llmforge.checkpoint.layout import COMPLETE, PREFIX, latest_checkpoint, list_checkpoints, step_name  # noqa: F401
-from llmforge.checkpoint.safe_load import CheckpointReadError, check_regular, load_metadata, safe_load
+from llmforge.checkpoint.layout import COMPLETE, list_checkpoints, step_name
+from llmforge.checkpoint.safe_load import CheckpointReadError, SafeReader, check_regular, load_metadata, safe_load
 from llmforge.checkpoint.state_files import check_meta, check_rng, check_trainer_state
+from llmforge.errors import ConfigError
+from llmforge.plugin import adapter_key_filter, has_adapters
 
 
 def _adapter_filter(model: nn.Module, model_sd: dict[str, Any],
                     adapters_only: Optional[bool] = None) -> tuple[dict[str, Any], bool]:
     """``(state dict to save/load, adapters_only)``: only the adapter entries when
     ``adapters_only`` (``None``: when the model has adapters), else ``model_sd`` unchanged."""
-    from llmforge.algorithms.base import adapter_key_filter, has_adapters
-
     if adapters_only is None:
         adapters_only = has_adapters(model)
     if not adapters_only:
@@ -195,8 +194,6 @@ def _saved_plugin_keys(path: Path, templates: dict[str, Any]) -> list[str]:
     the save starts fresh)."""
     if not templates:
         return []
-    from llmforge.checkpoint.safe_load import load_metadata
-
     names = load_metadata(path / ".metadata").state_dict_metadata.keys()
     return [k for k in templates if any(n.startswith(f"plugins.{k}.") for n in names)]
 
@@ -212,8 +209,6 @@ def check_checkpoint(path: str | Path) -> None:
         CheckpointReadError: a file is missing, truncated or corrupt (named in the message).
         UnsafeCheckpointError: the metadata refers to code outside the allow-list.
     """
-    from llmforge.checkpoint.safe_load import SafeReader
-
     path = Path(path)
     read_json(path, "trainer_state.json")
     if (path / "meta.json").exists():
@@ -245,8 +240,6 @@ def load_model_weights(path: str | Path, model: nn.Module, adapters_only: Option
     Raises:
         ConfigError: a full load from a checkpoint that holds only adapters.
     """
-    from llmforge.algorithms.base import adapter_key_filter, has_adapters
-
     path = Path(path)
     sd = full = get_model_state_dict(model)
     is_adapter = adapter_key_filter(model)
@@ -258,8 +251,6 @@ def load_model_weights(path: str | Path, model: nn.Module, adapters_only: Option
     else:
         meta = read_json(path, "meta.json") if (path / "meta.json").exists() else {}
         if meta.get("adapters_only"):
-            from llmforge.errors import ConfigError
-
             raise ConfigError(f"{path} holds only the adapters of "
                               f"{', '.join(meta.get('adapters_by') or ['a plugin'])} (its base is "
                               f"{meta.get('base', {}).get('description', '?')}); "

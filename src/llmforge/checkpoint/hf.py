@@ -21,22 +21,23 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
+from llmforge.data.tokenizers import load_saved
 from llmforge.errors import ConfigError, LLMForgeError
+from llmforge.models.llama3 import hf as llama_hf
+from llmforge.models.llama3.hf import LlamaHFAdapter
+from llmforge.models.spec import _registered_specs, spec_for_hf_type, spec_for_model
+from llmforge.plugin import adapter_key_filter
 
 _LEGACY = ("HF_TO_OURS", "permute_to_hf", "permute_from_hf")
 
 
 def __getattr__(name: str) -> Any:  # PEP 562: Llama's names at their old home (checkpoint/peft.py)
     if name in _LEGACY:
-        from llmforge.models.llama3 import hf as llama_hf
-
         return getattr(llama_hf, name)
     raise AttributeError(f"module 'llmforge.checkpoint.hf' has no attribute {name!r}")
 
 
 def _llama() -> Any:
-    from llmforge.models.llama3.hf import LlamaHFAdapter
-
     return LlamaHFAdapter()
 
 
@@ -56,8 +57,6 @@ def adapter_for_model(model: nn.Module) -> Any:
 
     Raises:
         LLMForgeError: the model's family has no Hugging Face adapter."""
-    from llmforge.models.spec import spec_for_model
-
     spec = spec_for_model(model)
     adapter = spec.adapter() if spec is not None else None
     if adapter is None:
@@ -71,8 +70,6 @@ def adapter_for_hf(hf: dict[str, Any], where: Any = "config.json") -> Any:
 
     Raises:
         ConfigError: no registered family reads that model type."""
-    from llmforge.models.spec import _registered_specs, spec_for_hf_type
-
     spec = spec_for_hf_type(str(hf.get("model_type")))
     if spec is None:
         known = sorted(s.adapter().model_type for s in _registered_specs() if s.hf_adapter)
@@ -217,8 +214,6 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> int:
     tied = adapter.tied(model)
     loaded = 0
     handles: dict[Path, Any] = {}
-    from llmforge.algorithms.base import adapter_key_filter
-
     is_adapter = adapter_key_filter(model)
     try:
         for name, param in model.named_parameters():
@@ -324,8 +319,6 @@ def _token_ids(tokenizer_dir: Optional[Path]) -> dict[str, Optional[int]]:
     """``bos``/``eos``/``pad`` ids of a saved llmforge tokenizer ({} without one)."""
     if tokenizer_dir is None:
         return {}
-    from llmforge.data.tokenizers import load_saved
-
     tok = load_saved(tokenizer_dir)
     return {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id}
 
@@ -344,8 +337,6 @@ def _readable(folder: Path) -> None:
 
 def _export_tokenizer(tokenizer_dir: Path, out: Path) -> None:
     """Copy a saved llmforge tokenizer as HF files (tokenizer.json + tokenizer_config.json)."""
-    from llmforge.data.tokenizers import load_saved
-
     tok = load_saved(tokenizer_dir)
     if (tokenizer_dir / "tokenizer.json").exists():
         from tokenizers import Tokenizer as HFFastTokenizer

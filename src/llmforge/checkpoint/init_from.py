@@ -14,8 +14,11 @@ from typing import Any
 
 from torch import nn
 
+from llmforge.checkpoint.dcp import load_model_weights
+from llmforge.checkpoint.hf import adapter_for_hf, load_hf_weights, model_overrides_from_hf, read_hf_config
 from llmforge.checkpoint.safe_load import CheckpointShapeError, SafeReader, check_shapes
-from llmforge.errors import ConfigError
+from llmforge.checkpoint.tools import resolve
+from llmforge.errors import ConfigError, LLMForgeError
 
 HF_PREFIX = "hf:"
 
@@ -29,8 +32,6 @@ def apply_hf_shape(cfg: Any) -> None:
         ConfigError: the folder's family is not ``model.name``'s (names the one to set)."""
     spec = cfg.model.init_from
     if spec and spec.startswith(HF_PREFIX):
-        from llmforge.checkpoint.hf import adapter_for_hf, model_overrides_from_hf, read_hf_config
-
         hf = read_hf_config(spec[len(HF_PREFIX):])
         fields = model_overrides_from_hf(hf)
         for key in adapter_for_hf(hf).training_keys:  # settings, not shapes: the YAML's win
@@ -52,12 +53,8 @@ def load_initial_weights(model: nn.Module, spec: str) -> str:
         ConfigError: the path holds no usable weights, or a tensor of another shape.
     """
     if spec.startswith(HF_PREFIX):
-        from llmforge.checkpoint.hf import load_hf_weights
-
         n = load_hf_weights(model, spec[len(HF_PREFIX):])
         return f"{n} tensors from Hugging Face folder {spec[len(HF_PREFIX):]}"
-    from llmforge.checkpoint.dcp import load_model_weights
-
     ckpt = _checkpoint(spec)
     try:
         load_model_weights(ckpt, model)
@@ -67,9 +64,6 @@ def load_initial_weights(model: nn.Module, spec: str) -> str:
 
 
 def _checkpoint(spec: str) -> Path:
-    from llmforge.checkpoint.tools import resolve
-    from llmforge.errors import LLMForgeError
-
     try:
         return Path(resolve(spec))
     except LLMForgeError as exc:

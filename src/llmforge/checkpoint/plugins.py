@@ -22,7 +22,10 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from llmforge.checkpoint.dcp import read_json
+from llmforge.checkpoint.safe_load import load_metadata
 from llmforge.errors import ConfigError
+from llmforge.plugin import has_adapters
 
 MAX_PLAIN_TENSOR = 65536
 """Largest tensor (elements) a plain state may hold; bigger ones belong in sharded_state_dict."""
@@ -111,8 +114,6 @@ def dropped_states(checkpoint: Path, callbacks: Iterable[Any], plain: dict[str, 
     since the save, e.g. ``ema``: its average would be dropped silently). ``plain`` is the
     checkpoint's ``callbacks`` entry of ``trainer_state.json``; sharded states are read from
     the DCP metadata (``plugins.<state_key>.*``)."""
-    from llmforge.checkpoint.safe_load import load_metadata
-
     keys = {cb.state_key for cb in callbacks}
     dropped = {k for k in plain if k not in keys}
     md = Path(checkpoint) / ".metadata"
@@ -136,8 +137,6 @@ def base_pointer(cfg: Any) -> dict[str, Any]:
 def adapter_plugins(callbacks: Iterable[Any], model: Any) -> list[str]:
     """Names of the plugins whose checkpoints hold only adapters (``adapters_only``), if
     ``model`` has adapters; else ``[]``."""
-    from llmforge.algorithms.base import has_adapters
-
     names = [str(getattr(cb, "name", type(cb).__name__)) for cb in callbacks
              if getattr(cb, "adapters_only", False)]
     return names if names and model is not None and has_adapters(model) else []
@@ -161,8 +160,6 @@ def checkpoint_meta(callbacks: Iterable[Any], cfg: Any, model: Any) -> dict[str,
 
 def read_meta(checkpoint: Path) -> Optional[dict[str, Any]]:
     """A checkpoint's ``meta.json``, or ``None`` if it has none."""
-    from llmforge.checkpoint.dcp import read_json  # names a corrupt file (exit 2)
-
     return read_json(checkpoint, "meta.json") if (Path(checkpoint) / "meta.json").exists() else None
 
 

@@ -11,7 +11,7 @@ config's ``callbacks:``, ``loggers:`` and ``trainer.module`` are not needed to l
 are never imported here. Finding the checkpoint reads ``checkpoint.dir`` as plain YAML.
 
 The run's algorithms shape loading and export through three hooks
-(:class:`~llmforge.algorithms.base.Algorithm`), called in an order the plugins declare, never
+(:class:`~llmforge.plugin.Algorithm`), called in an order the plugins declare, never
 the YAML list's:
 
 * ``inference_model``: in the training pipeline's order (``stage``, then ``priority``, then the
@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 
 from llmforge import registry
-from llmforge.algorithms.base import Algorithm
+from llmforge.plugin import Algorithm
 from llmforge.checkpoint.dcp import load_model_weights, read_json
 from llmforge.checkpoint.init_from import load_initial_weights
 from llmforge.checkpoint.layout import COMPLETE, latest_checkpoint

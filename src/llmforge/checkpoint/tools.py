@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from llmforge.checkpoint.dcp import COMPLETE, latest_checkpoint, read_json
+from llmforge.checkpoint.dcp import read_json
+from llmforge.checkpoint.layout import COMPLETE, latest_checkpoint
 from llmforge.checkpoint.safe_load import SafeReader, safe_load
 from llmforge.errors import ConfigError
 from llmforge.paths import all_or_nothing

@@ -4,7 +4,8 @@
 ``validate(cfg, world_size)`` checks it and returns the :class:`BatchPlan`.
 """
 
-from llmforge.config.loader import config_to_dict, load_config, redact, save_config, structured_config
+from llmforge.config.loader import load_config, save_config, structured_config
+from llmforge.config.redaction import config_to_dict, redact
 from llmforge.config.schema import TrainConfig
 from llmforge.config.validate import BatchPlan, data_parallel_size, plan_batch, validate
 

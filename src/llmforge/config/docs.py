@@ -12,6 +12,7 @@ import dataclasses
 import inspect
 from typing import Any
 
+from llmforge import registry
 from llmforge.config import schema
 
 SECTIONS = {
@@ -56,14 +57,27 @@ def _fmt(v: Any) -> str:
     return str(v).replace("'", "")
 
 
+def _family_specs() -> list[Any]:
+    """The registered model families that are specs (a name, a ``build`` and a ``config_cls``;
+    bare factories have no keys of their own), found through the registry: the config floor
+    does not import :mod:`llmforge.models`."""
+    out = []
+    for n in registry.models.names():
+        try:
+            obj = registry.models.get(n)
+        except Exception:  # noqa: BLE001 - a broken third-party entry point is not ours to raise
+            continue
+        if all(hasattr(obj, a) for a in ("name", "build", "config_cls")):
+            out.append(obj)
+    return out
+
+
 def _family_rows() -> list[str]:
     """Rows of each built-in family's own ``model.*`` keys (its config dataclass minus the
     generic :class:`~llmforge.config.schema.ModelConfig` keys), labelled with the family."""
-    from llmforge.models.spec import _registered_specs
-
     base = {f.name for f in dataclasses.fields(schema.ModelConfig)} - {"preset"}
     rows = []
-    for spec in _registered_specs():
+    for spec in _family_specs():
         cls, family, build = spec.config_cls, spec.name, spec.build
         where = build if isinstance(build, str) else getattr(build, "__module__", "")
         if cls is None or not where.startswith("llmforge.models."):

@@ -15,8 +15,6 @@ YAML, ``base:`` chains), :mod:`~llmforge.config.keycheck` (schema types),
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import os
 import re
 from pathlib import Path
@@ -28,10 +26,9 @@ from omegaconf.errors import InterpolationKeyError, InterpolationValidationError
 
 from llmforge.config.keycheck import _ROOT, _bad_type, _check, _join, _omega_message, _schema_type
 from llmforge.config.model_typing import _model_class, _root_for
-# _apply_override, _is_secret, scrub_url_credentials: imported from here by older code
-from llmforge.config.overrides import _apply_override  # noqa: F401
-from llmforge.config.redaction import _is_secret, redact, scrub_url_credentials  # noqa: F401
-from llmforge.config.schema import TrainConfig
+from llmforge.config.overrides import _apply_override
+from llmforge.config.redaction import config_to_dict, redact
+from llmforge.config.schema import TrainConfig, model_config_class
 from llmforge.config.yaml_files import _Dumper, _read_chain
 from llmforge.errors import ConfigError
 
@@ -82,8 +79,6 @@ def structured_config(model: Union[str, type, None] = None) -> DictConfig:
     if model is None:
         return cfg
     if isinstance(model, str):
-        from llmforge.models.spec import model_config_class
-
         model_cls = model_config_class(model)
         name = model
     else:
@@ -129,22 +124,6 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
     except OmegaConfBaseException as exc:
         raise ConfigError(f"cannot resolve the config: {_omega_message(exc)}") from None
     return cfg
-
-
-def config_to_dict(cfg: Any) -> Any:
-    """Resolved plain container (dicts and lists) of a config, dataclass or dict.
-
-    Raises:
-        ConfigError: an interpolation cannot be resolved.
-    """
-    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-        cfg = OmegaConf.structured(cfg)
-    if isinstance(cfg, (DictConfig, ListConfig)):
-        try:
-            return OmegaConf.to_container(cfg, resolve=True)
-        except OmegaConfBaseException as exc:
-            raise ConfigError(f"cannot resolve the config: {_omega_message(exc)}") from None
-    return copy.deepcopy(cfg)
 
 
 def save_config(cfg: Any, path: str | Path) -> Path:

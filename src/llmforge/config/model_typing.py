@@ -13,9 +13,10 @@ from typing import Any, Sequence
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from llmforge import registry
 from llmforge.config.keycheck import _fields, _is_interp
 from llmforge.config.overrides import _parse_override
-from llmforge.config.schema import TrainConfig
+from llmforge.config.schema import TrainConfig, model_config_class
 
 @functools.lru_cache(maxsize=None)
 def _root_for(model_cls: type) -> type:
@@ -47,8 +48,6 @@ def _model_class(chain: list, overrides: Sequence[str]) -> type:
     Raises:
         ConfigError: ``model.name`` names no registered model and no importable factory.
     """
-    from llmforge.models.spec import model_config_class
-
     name = _last_set(chain, overrides, "name", "model")
     if _is_interp(name):
         try:  # e.g. name: ${variables.model}
@@ -63,7 +62,5 @@ def _model_class(chain: list, overrides: Sequence[str]) -> type:
         name = "llama3"
     imports = _last_set(chain, overrides, "imports")
     if name != "llama3" and isinstance(imports, list):
-        from llmforge.registry import import_modules
-
-        import_modules([str(m) for m in imports])
+        registry.import_modules([str(m) for m in imports])
     return model_config_class(name)

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from llmforge.config.keycheck import _check, _fields, _kind, _omega_message, _schema_type, _unknown, _unwrap
-from llmforge.config.redaction import _is_secret
+from llmforge.config.redaction import is_secret_key
 from llmforge.config.yaml_files import _Loader, _yaml_error
 from llmforge.errors import ConfigError
 
@@ -38,7 +38,7 @@ def _parse_override(item: str) -> tuple[str, Any]:
 
 def _apply_override(cfg: DictConfig, item: str) -> None:
     key, value = _parse_override(item)
-    secret = any(_is_secret(p) for p in key.split("."))
+    secret = any(is_secret_key(p) for p in key.split("."))
     source = f"override '{key}=***'" if secret else f"override '{item}'"  # never echo a secret
     parts = key.split(".")
     node: Any = cfg

@@ -11,12 +11,17 @@ camelCase spellings (``X-Api-Key``, ``Private-Token``, ``apiKey`` are ``x_api_ke
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from llmforge.config.keycheck import _omega_message
+from llmforge.errors import ConfigError
 
 __all__ = ["is_secret_key", "redact", "redact_argv", "scrub_url_credentials"]
 
@@ -40,7 +45,6 @@ def is_secret_key(key: Any) -> bool:
     return bool(_SECRET.search(key)) and not _NOT_SECRET.search(key)
 
 
-_is_secret = is_secret_key  # the name older modules import
 
 
 _ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
@@ -56,7 +60,7 @@ def _secret_values(container: Any, out: set) -> set:
     """Every non-trivial string held under a secret-looking key, at any depth."""
     if isinstance(container, dict):
         for k, v in container.items():
-            if _is_secret(k) and not _env_names(k, v):
+            if is_secret_key(k) and not _env_names(k, v):
                 for item in (v if isinstance(v, (list, tuple)) else [v]):
                     if isinstance(item, (str, int)) and len(str(item)) >= 6:
                         out.add(str(item))
@@ -71,7 +75,7 @@ def _env_secret_values() -> set:
     """Values of the environment's credential variables (``*_API_KEY``, ``*_TOKEN``, ...)."""
     import os
 
-    return {v for k, v in os.environ.items() if _is_secret(k) and v and len(v) >= 6}
+    return {v for k, v in os.environ.items() if is_secret_key(k) and v and len(v) >= 6}
 
 
 # user:password@ or a bare token@ (https://ghp_xxx@github.com, s3://KEY@bucket), also after the
@@ -97,6 +101,22 @@ def _scrub(container: Any, values: set) -> Any:
     return container
 
 
+def config_to_dict(cfg: Any) -> Any:
+    """Resolved plain container (dicts and lists) of a config, dataclass or dict.
+
+    Raises:
+        ConfigError: an interpolation cannot be resolved.
+    """
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        cfg = OmegaConf.structured(cfg)
+    if isinstance(cfg, (DictConfig, ListConfig)):
+        try:
+            return OmegaConf.to_container(cfg, resolve=True)
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"cannot resolve the config: {_omega_message(exc)}") from None
+    return copy.deepcopy(cfg)
+
+
 def redact(container: Any) -> Any:
     """Return a copy of a (nested) dict/list, or a config, with secret-looking keys' values
     (``api_key``, ``wandb_api_key``, ``secret``, ``password``, ``passwd``, ``access_key``,
@@ -106,8 +126,6 @@ def redact(container: Any) -> Any:
     are also replaced wherever else they appear (e.g. interpolated into ``run.tags``), and so is
     the ``user:password@`` part of URLs (``https://user:pw@host/x`` -> ``https://***@host/x``)."""
     if isinstance(container, (DictConfig, ListConfig)) or dataclasses.is_dataclass(container):
-        from llmforge.config.loader import config_to_dict
-
         container = config_to_dict(container)
     values = _secret_values(container, set()) | _env_secret_values()
     return _scrub(_redact_keys(container), values)
@@ -116,7 +134,7 @@ def redact(container: Any) -> Any:
 def _redact_keys(container: Any) -> Any:
     if isinstance(container, dict):
         return {
-            k: ("***" if _is_secret(k) and v is not None and not _env_names(k, v) else _redact_keys(v))
+            k: ("***" if is_secret_key(k) and v is not None and not _env_names(k, v) else _redact_keys(v))
             for k, v in container.items()
         }
     if isinstance(container, (list, tuple)):
@@ -135,7 +153,7 @@ def redact_argv(argv: list[str]) -> list[str]:
     out = []
     for arg in argv:
         key, eq, value = arg.partition("=")
-        if eq and any(_is_secret(part) for part in key.lstrip("+~").split(".")):
+        if eq and any(is_secret_key(part) for part in key.lstrip("+~").split(".")):
             if len(value) >= 6:
                 values.add(value)
             arg = f"{key}=***"

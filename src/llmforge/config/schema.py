@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from llmforge import registry
+
 # Allowed values, each listed once next to its key; validate.py, the schedule, the tokenizer and
 # SFT loaders and the Trainer import them from here.
 TOKENIZER_TYPES = ("huggingface", "tiktoken", "train_bpe")
@@ -71,10 +73,20 @@ class ModelConfig:
     (weights only)."""
 
 
+def model_config_class(name: str) -> type:
+    """The ``model:`` dataclass of the family ``name``: the ``config_cls`` of its registered
+    :class:`~llmforge.models.spec.ModelSpec` (the generic :class:`ModelConfig` for bare
+    factories). Looked up through :data:`llmforge.registry.models`, which imports the built-in
+    families on first use, so the config floor never imports the models floor.
+
+    Raises:
+        ConfigError: unknown name or import path (the message lists the registered names).
+    """
+    return getattr(registry.models.get(name, key="model.name"), "config_cls", None) or ModelConfig
+
+
 def default_model_config() -> Any:
     """The default ``model:`` section: the ``llama3`` family's config (looked up by name)."""
-    from llmforge.models.spec import model_config_class
-
     return model_config_class("llama3")()
 
 

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from llmforge.config.mixture import mixture_entries
 from llmforge.config.schema import (ACCELERATORS, DATA_SOURCES, DATA_TASKS, OPTIMIZERS, OVERLONG,
                                     PRECISIONS, SCHEDULES, STRATEGIES, TOKENIZER_TYPES)
 from llmforge.errors import ConfigError
@@ -229,8 +230,6 @@ def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
     _one_of("tokenizer.type", cfg.tokenizer.type, TOKENIZER_TYPES)
     _one_of("data.task", cfg.data.task, DATA_TASKS)
     if cfg.data.mixture:
-        from llmforge.data.mixture import mixture_entries
-
         if cfg.data.task != "pretrain":
             raise ConfigError(f"data.mixture mixes pretraining sources: data.task={cfg.data.task} "
                               "reads one source; drop data.mixture or set data.task=pretrain")

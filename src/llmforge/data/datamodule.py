@@ -38,6 +38,7 @@ from llmforge.data.prepared import PreparedSplits, PreparedWindows
 from llmforge.data.sources import DocumentSplits, file_identity
 from llmforge.data.streaming import StreamingWindows
 from llmforge.errors import DataError
+from llmforge.parallel.lightning_private import strategy_mesh
 from llmforge.parallel.mesh import dp_coordinates
 
 
@@ -126,7 +127,7 @@ class LLMDataModule(L.LightningDataModule):
         trainer = getattr(self, "trainer", None)
         if trainer is None:
             return 0, 1
-        return dp_coordinates(getattr(trainer.strategy, "_device_mesh", None))
+        return dp_coordinates(strategy_mesh(trainer.strategy))
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_windows is not None:

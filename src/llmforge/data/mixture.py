@@ -29,6 +29,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import Dataset, Sampler
 
 from llmforge.data.mixture_sources import PreparedMixture, mixture_entries, mixture_report
+from llmforge.data.prepared import PreparedWindows
 from llmforge.data.streaming import StreamingWindows
 from llmforge.errors import DataError
 
@@ -231,8 +232,6 @@ def mixture_windows(docs: PreparedMixture, tokenizer: Any, *, seq_len: int, rank
         DataError: a prepared entry with no window, a streaming entry with fewer shards on this
             rank than ``num_workers`` or one whose whole pass gives no window (names the entry).
     """
-    from llmforge.data.prepared import PreparedWindows
-
     prepared, streams = {}, {}
     for i, (e, part) in enumerate(zip(docs.entries, docs.parts)):
         key = f"data.mixture[{i}]"

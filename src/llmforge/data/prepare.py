@@ -12,8 +12,10 @@ prepare interrupted at any moment (SIGKILL included) and started again keeps the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -21,7 +23,13 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 
 from llmforge.data.packing import encode_packed, token_dtype
-from llmforge.data.prepared import FORMAT, MANIFEST, file_sha256, tokenizer_fingerprint
+from llmforge.data.prepared import tokenizer_fingerprint
+from llmforge.data.prepared_checks import FORMAT, MANIFEST, file_sha256, parse_manifest
+from llmforge.data.remote import _check_store_out, _remote_size, _upload, open_store
+from llmforge.data.shakespeare import cache_root
+from llmforge.data.sources import (_resolve_files, describe_files, iter_texts, load_documents, read_rows,
+                                   tokenizer_cache_key)
+from llmforge.data.tokenizers import build_tokenizer, load_saved
 from llmforge.errors import DataError
 from llmforge.paths import write_failed
 
@@ -34,15 +42,12 @@ def _init_worker(tokenizer_dir: str) -> None:
     global _WORKER_TOK
     import signal
 
-    from llmforge.data.tokenizers import load_saved
-
     # a Ctrl-C or a scheduler's signal reaches the whole process group: the parent alone
     # stops (llmforge.signals, exit 75/130) and ends the pool with SIGTERM, whose default
     # action a worker must keep (the handler inherited at fork would raise in the task)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
     _WORKER_TOK = load_saved(tokenizer_dir)
 
 
@@ -74,8 +79,6 @@ def _pool_shard(args: tuple[list[str], str]) -> dict[str, Any]:
 
 
 def _blocks(ds: Any, size: int, files: Any = ()) -> Iterator[list[str]]:
-    from llmforge.data.sources import read_rows
-
     block: list[str] = []
     for row in read_rows(ds, files):  # an unreadable file: DataError naming it
         block.append(row["text"])
@@ -90,8 +93,6 @@ def source_files(cfg: Any) -> list[dict[str, Any]]:
     """``[{path, bytes, sha256}]`` of a ``files`` source (a hub dataset: its name)."""
     if cfg.data.source != "files":
         return [{"path": f"{cfg.data.source}:{cfg.data.path or ''}:{cfg.data.name or ''}"}]
-    from llmforge.data.sources import _resolve_files, describe_files
-
     return describe_files(_resolve_files(cfg.data))
 
 
@@ -168,7 +169,7 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
         cfg: a resolved run config (:func:`llmforge.config.load_config`).
         out: output folder (new, empty, or an interrupted prepare of the same inputs), or an
             fsspec URL (``s3://bucket/out``: prepared in a local staging folder and uploaded, see
-            :func:`llmforge.data.remote.prepare_to_store`).
+            :func:`prepare_to_store`).
         workers: tokenizing processes; ``None`` = every core; 1 = in this process.
         docs_per_shard: documents per shard file.
         show_progress: draw a rich progress bar (documents, tokens, MB/s, ETA) on stderr.
@@ -184,14 +185,9 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
         WriteError: a shard could not be written (a full disk): its partial file is removed,
             the finished shards are kept and the same command continues from them.
     """
-    from llmforge.data.sources import iter_texts, load_documents, read_rows
-    from llmforge.training.run_files import tokenizer_cache_key
-
     if docs_per_shard < 1:
         raise DataError(f"--docs-per-shard must be >= 1, got {docs_per_shard}")
     if "://" in str(out):
-        from llmforge.data.remote import prepare_to_store
-
         return prepare_to_store(cfg, str(out), workers=workers, docs_per_shard=docs_per_shard,
                                 show_progress=show_progress)
     out = Path(out)
@@ -200,9 +196,6 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
     if next(read_rows(docs.train, docs.files), None) is None:
         raise DataError(f"data: the source ({cfg.data.source} {cfg.data.path or ''}) holds no "
                         f"non-empty document; nothing was written to {out}")
-    from llmforge.data.shakespeare import cache_root
-    from llmforge.data.tokenizers import build_tokenizer
-
     tok = build_tokenizer(cfg.tokenizer, lambda: iter_texts(docs.train, cfg.tokenizer.train_max_bytes, docs.files),
                           cache_dir=cache_root() / "tokenizers", fingerprint=tokenizer_cache_key(cfg, docs))
     sources = source_files(cfg)
@@ -285,4 +278,60 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
     }
     _atomic_json(out / MANIFEST, manifest)
     (out / PROGRESS).unlink(missing_ok=True)
+    return manifest
+
+
+def prepare_to_store(cfg: Any, url: str, **kwargs: Any) -> dict[str, Any]:
+    """``llmforge data prepare SOURCE URL``: prepare into a local staging folder
+    (``$LLMFORGE_CACHE/staging/<hash of URL>``) and upload to ``url`` with fsspec (credentials:
+    ``data.storage_options`` or the environment): each shard when written (then deleted
+    locally), the tokenizer, and the manifest last. Started again after an interruption, the
+    staging folder's ``progress.json`` keeps the finished shards and those already uploaded
+    whole (same size) are not sent again.
+
+    Args:
+        kwargs: as :func:`llmforge.data.prepare.prepare` (``workers``, ``docs_per_shard``,
+            ``show_progress``).
+
+    Returns:
+        The manifest (also at ``url/manifest.json``).
+
+    Raises:
+        DataError: ``url`` already holds a prepared corpus or other files, the driver is
+            missing, the store cannot be written, or as :func:`llmforge.data.prepare.prepare`.
+    """
+    fs, root = open_store(url, cfg.data.storage_options, "OUT")
+    url = url.rstrip("/")
+    _check_store_out(fs, root, url)
+    staging = cache_root() / "staging" / hashlib.sha256(url.encode()).hexdigest()[:16]
+    uploaded: set[str] = set()
+
+    def upload(out: Path, entry: dict[str, Any]) -> None:
+        _upload(fs, out / entry["file"], f"{root}/{entry['file']}", url)
+        uploaded.add(entry["file"])
+        (out / entry["file"]).unlink()  # the staging folder holds only shards in flight
+
+    if (staging / MANIFEST).exists():  # prepared and partly uploaded before an interruption
+        manifest = parse_manifest((staging / MANIFEST).read_bytes(), staging)
+    else:
+        manifest = prepare(cfg, staging, on_shard=upload, **kwargs)
+    itemsize = np.dtype(manifest["dtype"]).itemsize
+    for info in manifest["splits"].values():  # shards finished before an interruption
+        for s in info["shards"]:
+            if s["file"] in uploaded or _remote_size(fs, f"{root}/{s['file']}") == s["tokens"] * itemsize:
+                continue
+            local = staging / s["file"]
+            if not local.exists():
+                raise DataError(f"OUT: {url}/{s['file']} is missing or partial and its local copy is "
+                                f"gone; delete {staging} and run the prepare again")
+            _upload(fs, local, f"{root}/{s['file']}", url)
+    for path in sorted((staging / "tokenizer").rglob("*")):
+        if path.is_file():
+            _upload(fs, path, f"{root}/{path.relative_to(staging).as_posix()}", url)
+    try:
+        fs.pipe_file(f"{root}/{MANIFEST}", (staging / MANIFEST).read_bytes())  # last: marks it whole
+    except OSError as exc:
+        raise DataError(f"OUT: cannot write {url}/{MANIFEST} ({exc}); run the prepare again "
+                        "(the uploaded shards are kept)") from exc
+    shutil.rmtree(staging, ignore_errors=True)
     return manifest

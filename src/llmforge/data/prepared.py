@@ -29,11 +29,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from llmforge.data.prepared_checks import check_manifest, shard_path
+from llmforge.data.prepared_checks import file_sha256, read_manifest, shard_path
+from llmforge.data.remote import fetch_prepared
 from llmforge.errors import DataError
 
-MANIFEST = "manifest.json"
-FORMAT = "llmforge-tokens/1"
 FINGERPRINT_PROBE = ["ROMEO. But, soft! what light through yonder window breaks?",
                      " 0123456789 \u00e9\u00e8 \u4e2d\u6587 \U0001f600\t\n  x", "def f(x):\n    return x ** 2\n"]
 
@@ -44,56 +43,6 @@ def tokenizer_fingerprint(tok: Any) -> str:
     ids = [tok.encode(t) for t in FINGERPRINT_PROBE]
     blob = json.dumps([tok.vocab_size, tok.bos_id, tok.eos_id, ids]).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    """sha256 of a file, read in 4 MiB chunks (no copy of the file in memory)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def read_manifest(root: str | Path) -> dict[str, Any]:
-    """The manifest of a prepared folder.
-
-    Raises:
-        DataError: no manifest (not prepared), an unreadable one, or an interrupted prepare.
-    """
-    root = Path(root)
-    path = root / MANIFEST
-    if not path.exists():
-        raise DataError(f"data.path: {root} has no {MANIFEST}, so it is not a prepared corpus; "
-                        f"create it with `llmforge data prepare CONFIG_OR_SOURCE {root}`")
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise DataError(f"data.path: cannot read {path} ({exc}); check its permissions") from exc
-    return parse_manifest(data, root)
-
-
-def parse_manifest(data: bytes, root: str | Path) -> dict[str, Any]:
-    """Parse and check the bytes of ``root``'s manifest (a folder or a URL).
-
-    Raises:
-        DataError: not JSON, another format, or an interrupted prepare (``complete`` unset).
-    """
-    try:
-        manifest = json.loads(data)
-    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply to parse
-        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-        raise DataError(f"data.path: {root}/{MANIFEST} is not valid JSON ({why}); run `llmforge "
-                        "data prepare` again into an empty folder") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise DataError(f"data.path: {root}/{MANIFEST} has format {got!r}, expected "
-                        f"{FORMAT!r}; prepare the corpus again with this llmforge")
-    if not manifest.get("complete"):
-        raise DataError(f"data.path: {root} is an interrupted `llmforge data prepare`; run the "
-                        "same command again to finish it (finished shards are kept)")
-    check_manifest(f"{root}/{MANIFEST}", manifest)
-    return manifest
 
 
 @dataclass
@@ -140,8 +89,6 @@ def open_prepared(root: str | Path, verify: bool = True, *, storage_options: Opt
             driver or an unreadable store.
     """
     if "://" in str(root):
-        from llmforge.data.remote import fetch_prepared
-
         local, copied = fetch_prepared(str(root), storage_options=storage_options, cache_dir=cache_dir)
         try:  # a fresh copy was hashed on the way in
             return _open_local(local, verify and not copied)

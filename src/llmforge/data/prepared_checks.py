@@ -9,11 +9,15 @@ is refused, so a manifest can never make llmforge read (or stat, or hash) anothe
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from llmforge.errors import DataError
 
+MANIFEST = "manifest.json"
+FORMAT = "llmforge-tokens/1"
 DTYPES = ("uint16", "uint32")  # what ``data prepare`` writes (packing.token_dtype)
 
 
@@ -86,3 +90,53 @@ def shard_path(root: Path, file: str, manifest: str | None = None) -> Path:
                         "refused (a prepared folder only reads its own files): replace the link "
                         "with the file, or run `llmforge data prepare` again")
     return path
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    """sha256 of a file, read in 4 MiB chunks (no copy of the file in memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_manifest(root: str | Path) -> dict[str, Any]:
+    """The manifest of a prepared folder.
+
+    Raises:
+        DataError: no manifest (not prepared), an unreadable one, or an interrupted prepare.
+    """
+    root = Path(root)
+    path = root / MANIFEST
+    if not path.exists():
+        raise DataError(f"data.path: {root} has no {MANIFEST}, so it is not a prepared corpus; "
+                        f"create it with `llmforge data prepare CONFIG_OR_SOURCE {root}`")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"data.path: cannot read {path} ({exc}); check its permissions") from exc
+    return parse_manifest(data, root)
+
+
+def parse_manifest(data: bytes, root: str | Path) -> dict[str, Any]:
+    """Parse and check the bytes of ``root``'s manifest (a folder or a URL).
+
+    Raises:
+        DataError: not JSON, another format, or an interrupted prepare (``complete`` unset).
+    """
+    try:
+        manifest = json.loads(data)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply to parse
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise DataError(f"data.path: {root}/{MANIFEST} is not valid JSON ({why}); run `llmforge "
+                        "data prepare` again into an empty folder") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise DataError(f"data.path: {root}/{MANIFEST} has format {got!r}, expected "
+                        f"{FORMAT!r}; prepare the corpus again with this llmforge")
+    if not manifest.get("complete"):
+        raise DataError(f"data.path: {root} is an interrupted `llmforge data prepare`; run the "
+                        "same command again to finish it (finished shards are kept)")
+    check_manifest(f"{root}/{MANIFEST}", manifest)
+    return manifest

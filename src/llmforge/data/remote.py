@@ -12,7 +12,7 @@ manifest, and the manifest is written last: a killed copy never leaves a shard o
 that looks whole, and the next start copies only the shards still missing. A later start finds
 the manifest and copies nothing.
 
-Writing (:func:`prepare_to_store`): the corpus is prepared into a local staging folder and each
+Writing (:func:`llmforge.data.prepare.prepare_to_store`): the corpus is prepared into a local staging folder and each
 shard is uploaded as soon as it is written (then deleted locally); the tokenizer and the
 manifest follow, the manifest last. A resumed prepare skips the shards already uploaded whole.
 
@@ -35,8 +35,10 @@ from typing import Any, Optional
 
 import numpy as np
 
-from llmforge.data.prepared import MANIFEST, parse_manifest
+from llmforge.config.redaction import scrub_url_credentials
+from llmforge.data.prepared_checks import MANIFEST, parse_manifest
 from llmforge.data.prepared_checks import shard_path
+from llmforge.data.shakespeare import cache_root
 from llmforge.errors import DataError
 
 CHUNK = 1 << 22  # 4 MiB reads: large enough for object-store throughput, small in memory
@@ -79,8 +81,6 @@ def missing_driver(url: str, what: str) -> DataError:
     (``s3fs`` for ``s3://``, ``gcsfs`` for ``gs://``, ...); credentials in ``url`` are hidden."""
     from fsspec.registry import known_implementations
 
-    from llmforge.config.redaction import scrub_url_credentials
-
     proto = url.split("://", 1)[0]
     package = known_implementations.get(proto, {}).get("class", "").split(".")[0]
     return DataError(f"{what}: {scrub_url_credentials(url)} needs the fsspec driver of {proto}://, "
@@ -92,8 +92,6 @@ def cache_folder(cache_dir: Optional[str | os.PathLike]) -> Path:
     (``~/.cache/llmforge/prepared``)."""
     if cache_dir:
         return Path(cache_dir).expanduser()
-    from llmforge.data.shakespeare import cache_root
-
     return cache_root() / "prepared"
 
 
@@ -248,65 +246,6 @@ def _download(fs: Any, src: str, target: Path, where: str, size: Optional[int] =
 
 
 LAYOUT = (MANIFEST, "tokenizer/", "train/", "val/")
-
-
-def prepare_to_store(cfg: Any, url: str, **kwargs: Any) -> dict[str, Any]:
-    """``llmforge data prepare SOURCE URL``: prepare into a local staging folder
-    (``$LLMFORGE_CACHE/staging/<hash of URL>``) and upload to ``url`` with fsspec (credentials:
-    ``data.storage_options`` or the environment): each shard when written (then deleted
-    locally), the tokenizer, and the manifest last. Started again after an interruption, the
-    staging folder's ``progress.json`` keeps the finished shards and those already uploaded
-    whole (same size) are not sent again.
-
-    Args:
-        kwargs: as :func:`llmforge.data.prepare.prepare` (``workers``, ``docs_per_shard``,
-            ``show_progress``).
-
-    Returns:
-        The manifest (also at ``url/manifest.json``).
-
-    Raises:
-        DataError: ``url`` already holds a prepared corpus or other files, the driver is
-            missing, the store cannot be written, or as :func:`llmforge.data.prepare.prepare`.
-    """
-    from llmforge.data.prepare import prepare
-    from llmforge.data.shakespeare import cache_root
-
-    fs, root = open_store(url, cfg.data.storage_options, "OUT")
-    url = url.rstrip("/")
-    _check_store_out(fs, root, url)
-    staging = cache_root() / "staging" / hashlib.sha256(url.encode()).hexdigest()[:16]
-    uploaded: set[str] = set()
-
-    def upload(out: Path, entry: dict[str, Any]) -> None:
-        _upload(fs, out / entry["file"], f"{root}/{entry['file']}", url)
-        uploaded.add(entry["file"])
-        (out / entry["file"]).unlink()  # the staging folder holds only shards in flight
-
-    if (staging / MANIFEST).exists():  # prepared and partly uploaded before an interruption
-        manifest = parse_manifest((staging / MANIFEST).read_bytes(), staging)
-    else:
-        manifest = prepare(cfg, staging, on_shard=upload, **kwargs)
-    itemsize = np.dtype(manifest["dtype"]).itemsize
-    for info in manifest["splits"].values():  # shards finished before an interruption
-        for s in info["shards"]:
-            if s["file"] in uploaded or _remote_size(fs, f"{root}/{s['file']}") == s["tokens"] * itemsize:
-                continue
-            local = staging / s["file"]
-            if not local.exists():
-                raise DataError(f"OUT: {url}/{s['file']} is missing or partial and its local copy is "
-                                f"gone; delete {staging} and run the prepare again")
-            _upload(fs, local, f"{root}/{s['file']}", url)
-    for path in sorted((staging / "tokenizer").rglob("*")):
-        if path.is_file():
-            _upload(fs, path, f"{root}/{path.relative_to(staging).as_posix()}", url)
-    try:
-        fs.pipe_file(f"{root}/{MANIFEST}", (staging / MANIFEST).read_bytes())  # last: marks it whole
-    except OSError as exc:
-        raise DataError(f"OUT: cannot write {url}/{MANIFEST} ({exc}); run the prepare again "
-                        "(the uploaded shards are kept)") from exc
-    shutil.rmtree(staging, ignore_errors=True)
-    return manifest
 
 
 def _check_store_out(fs: Any, root: str, url: str) -> None:

@@ -41,6 +41,7 @@ __all__ = ["Conversation", "ConversationSplits", "SFTStats", "parse_example", "r
 
 IGNORE_INDEX = -100
 from llmforge.config.schema import OVERLONG  # noqa: E402  (listed once, with its key)
+from llmforge.data.packing import token_dtype
 
 
 @dataclass
@@ -132,8 +133,6 @@ def build_rows(examples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_
         label -100, and (packed) a doc id of its own (one past the row's last example), so no
         example attends to it.
     """
-    from llmforge.data.packing import token_dtype
-
     top = max([pad_id] + [int(ids.max()) for ids, _ in examples if len(ids)])
     rows: list[list[tuple[np.ndarray, np.ndarray]]] = []
     used = seq_len + 1  # forces a new row at the first example

@@ -21,6 +21,9 @@ from typing import Any, Iterator, Optional, Union
 import datasets
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from llmforge.config.redaction import scrub_url_credentials
+from llmforge.data.prepared_checks import file_sha256
+from llmforge.data.remote import missing_driver
 from llmforge.data.shakespeare import shakespeare_files
 from llmforge.errors import DataError
 
@@ -93,8 +96,6 @@ def _check_url(url: str) -> None:
     import fsspec
     from fsspec.registry import known_implementations, registry
 
-    from llmforge.config.redaction import scrub_url_credentials
-
     scheme = _URL.match(url).group(1).lower()  # type: ignore[union-attr]
     shown = scrub_url_credentials(url)
     if scheme not in known_implementations and scheme not in registry:
@@ -103,8 +104,6 @@ def _check_url(url: str) -> None:
     try:
         fsspec.get_filesystem_class(scheme)
     except ImportError as exc:  # the message prepared corpora give (remote.open_store)
-        from llmforge.data.remote import missing_driver
-
         raise missing_driver(url, "data.path") from exc
 
 
@@ -112,9 +111,6 @@ def describe_files(files: list[str]) -> list[dict[str, Any]]:
     """``[{path, bytes, sha256}]`` of local files; a URL's files (its glob expanded by fsspec)
     get ``{path, bytes}`` only (hashing would read an object store twice) and their credentials
     (``user:password@``) are never recorded."""
-    from llmforge.config.redaction import scrub_url_credentials
-    from llmforge.data.prepared import file_sha256
-
     out: list[dict[str, Any]] = []
     for f in files:
         if not _URL.match(f):
@@ -356,3 +352,12 @@ def iter_texts(ds: AnyDataset, max_bytes: Optional[int] = None, files: Any = ())
 def hash_str(s: str) -> str:
     """A short stable hex digest of ``s``."""
     return hashlib.sha256(s.encode()).hexdigest()[:16]
+
+
+def tokenizer_cache_key(cfg: Any, docs: Any) -> str:
+    """What determines a trained BPE (the cache key of ``tokenizer.type: train_bpe``): the
+    source, the held-out documents (seed, val_fraction, val_split) and the training-byte budget
+    (the vocabulary size is in the file name)."""
+    d = cfg.data
+    return hash_str(f"{docs.fingerprint}-{cfg.run.seed}-{d.val_fraction}-{d.val_split}-"
+                    f"{d.max_documents}-{cfg.tokenizer.train_max_bytes}")

@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from llmforge.data.packing import encode_packed
+from llmforge.data.sources import read_rows
 from llmforge.errors import DataError
 
 
@@ -88,8 +89,6 @@ class StreamingWindows(IterableDataset):
         return np.random.default_rng([self.seed, self.rank, worker, epoch, block]).permutation(n)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        from llmforge.data.sources import read_rows
-
         info = get_worker_info()
         worker = info.id if info is not None else 0
         if info is not None and worker >= self.docs.num_shards:

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from llmforge.errors import ConfigError, LLMForgeError
+from llmforge.models.sampling import generate
 
 
 def import_lm_eval() -> Any:
@@ -186,8 +187,6 @@ class LLMForgeLMMixin:
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
         """Continue each context (``Instance.args == (context, gen_kwargs)``) until one of
         ``gen_kwargs["until"]``, the EOS token or ``max_gen_toks`` tokens."""
-        from llmforge.models.sampling import generate
-
         out = []
         for req in requests:
             context, kw = req.args

@@ -14,7 +14,11 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from llmforge.checkpoint.dcp import read_json
+from llmforge.checkpoint.run_dir import load_for_inference, resolve_checkpoint
 from llmforge.evaluation.harness import evaluate_harness, import_lm_eval
+from llmforge.generate import use_inference_threads
+from llmforge.loggers.jsonl import JsonlLogger
 from llmforge.run_guard import refuse_file_link
 
 PREFIX = "eval/harness/"
@@ -43,11 +47,6 @@ def evaluate_run(path: str | Path, tasks: Sequence[str], *, include_path: Sequen
     """
     import_lm_eval()  # say which extra is missing before loading weights
     tasks = [t.strip() for t in tasks if t and t.strip()]
-    from llmforge.checkpoint.dcp import read_json
-    from llmforge.checkpoint.run_dir import load_for_inference, resolve_checkpoint
-    from llmforge.generate import use_inference_threads
-    from llmforge.loggers.jsonl import JsonlLogger
-
     run_dir, ckpt = resolve_checkpoint(path)
     for name in ("eval_harness.jsonl", "metrics.jsonl"):  # appended to: never through a link
         refuse_file_link(run_dir / name)

@@ -34,13 +34,12 @@ section and returns an ``nn.Module`` with:
   and data-parallel ranks.
 
 The factory must work when called under ``with torch.device("meta"):`` (no data-dependent
-work, no host copies of parameters). This package imports no torch until a model is built;
-the old names (``Llama``, ``build_llama``, ``PRESETS``, ...) are re-exported lazily.
+work, no host copies of parameters). This package imports no torch until a model is built
+(the Llama 3 model is :mod:`llmforge.models.llama3.model`, its presets
+:mod:`llmforge.models.llama3.config`).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from llmforge.models.llama3 import LLAMA3
 from llmforge.models.qwen3 import QWEN3
@@ -48,22 +47,9 @@ from llmforge.models.qwen3_moe import QWEN3_MOE
 from llmforge.models.spec import MemoryShape, ModelSpec, factory_kind, get_spec
 from llmforge.registry import models
 
-__all__ = ["LLAMA3", "QWEN3", "QWEN3_MOE", "ModelSpec", "MemoryShape", "get_spec", "Llama", "LlamaArgs",
-           "PRESETS", "build_llama", "llama_args_from_config"]
+__all__ = ["LLAMA3", "QWEN3", "QWEN3_MOE", "ModelSpec", "MemoryShape", "get_spec"]
 
 models.register("llama3", LLAMA3)
 models.register("qwen3", QWEN3)
 models.register("qwen3_moe", QWEN3_MOE)
 models.expect(factory_kind)  # model.name by import path: checked before it is called
-
-_LAZY = {"Llama": "llmforge.models.llama3.model", "build_llama": "llmforge.models.llama3.model",
-         "LlamaArgs": "llmforge.models.llama3.config", "PRESETS": "llmforge.models.llama3.config",
-         "llama_args_from_config": "llmforge.models.llama3.config"}
-
-
-def __getattr__(name: str) -> Any:  # PEP 562: the Llama names of before, imported on use
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'llmforge.models' has no attribute {name!r}")

@@ -34,9 +34,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Union
 
+from llmforge import registry
+from llmforge.errors import ConfigError
+
 __all__ = ["ModelSpec", "MemoryShape", "family_spec", "get_spec", "spec_for_model",
-           "model_config_class", "spec_for_hf_type", "cfg_get", "reject_factory_kwargs",
-           "factory_kind"]
+           "spec_for_hf_type", "cfg_get", "reject_factory_kwargs", "factory_kind"]
 
 Ref = Union[str, Callable[..., Any], None]
 
@@ -70,8 +72,6 @@ def reject_factory_kwargs(family: str, cfg: Any, kwargs: Mapping[str, Any]) -> N
     """
     extra = {**dict(cfg_get(cfg, "kwargs") or {}), **kwargs}
     if extra:
-        from llmforge.errors import ConfigError
-
         raise ConfigError(f"model.kwargs: the built-in '{family}' factory takes no extra arguments "
                           f"(got {', '.join(sorted(extra))}); set the model: shape fields instead.")
 
@@ -145,8 +145,6 @@ class ModelSpec:
             return list(model.blocks())
         fn = self.get("blocks")
         if fn is None:
-            from llmforge.errors import ConfigError
-
             raise ConfigError(f"model '{self.name}' has no blocks() and its spec no blocks: FSDP2, "
                               "activation checkpointing and compile need the repeated blocks")
         return list(fn(model))
@@ -220,26 +218,14 @@ def get_spec(name: str, *, key: str = "model.name") -> ModelSpec:
     Raises:
         ConfigError: unknown name or import path (the message lists the registered names).
     """
-    from llmforge.registry import models
-
-    return _as_spec(name, models.get(name, key=key))
-
-
-def model_config_class(name: str) -> type:
-    """The ``model:`` dataclass of the family ``name`` (the generic
-    :class:`~llmforge.config.schema.ModelConfig` for bare factories)."""
-    from llmforge.config.schema import ModelConfig
-
-    return get_spec(name).config_cls or ModelConfig
+    return _as_spec(name, registry.models.get(name, key=key))
 
 
 def _registered_specs() -> list[ModelSpec]:
-    from llmforge.registry import models
-
     out = []
-    for n in models.names():
+    for n in registry.models.names():
         try:
-            obj = models.get(n)
+            obj = registry.models.get(n)
         except Exception:  # noqa: BLE001 - a broken third-party entry point is not ours to raise
             continue
         if isinstance(obj, ModelSpec):

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from llmforge.plugin import has_adapters
 
 DEFAULT_MAX_FULL_INIT_BYTES = 64 * 1024**3
 
@@ -53,8 +54,6 @@ def init_parallel_model(model: nn.Module, build: Callable[[], nn.Module], seed: 
         full = ref.state_dict()
     # a plugin's adapters are not in the plain build's state dict; they are initialized (the
     # same on every rank) by init_weights above, so they are left out of the broadcast
-    from llmforge.algorithms.base import has_adapters
-
     extra = has_adapters(model)
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                                broadcast_from_rank0=True,

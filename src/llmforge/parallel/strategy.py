@@ -13,8 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.strategies.parallel import ParallelStrategy
-
+from llmforge.parallel.lightning_private import setup_strategy_mesh
 from llmforge.parallel.mesh import ParallelDims, build_mesh
 
 
@@ -31,11 +30,9 @@ class LLMParallelStrategy(ModelParallelStrategy):
         self.dims = dims
 
     def setup_environment(self) -> None:
-        ParallelStrategy.setup_environment(self)  # accelerator + cluster env, skip parent's 2-D mesh
-        self._setup_distributed()
-        self._device_mesh = build_mesh(self.dims, self.root_device.type)
-        assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        # accelerator + cluster env and the process group, then our 3-D mesh instead of the
+        # parent's 2-D one (Lightning's private attributes: parallel/lightning_private.py)
+        setup_strategy_mesh(self, lambda: build_mesh(self.dims, self.root_device.type))
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

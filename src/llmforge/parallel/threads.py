@@ -15,7 +15,7 @@ this process may run on every core of the machine: the count is machine-wide).
 ``trainer.num_threads`` overrides it, and so does ``OMP_NUM_THREADS`` when it is set (a user's or
 a launcher's explicit choice). ``benchmarks/threads.py`` and ``benchmarks/generate.py
 --burner`` measure it side by side. No torch import here: the choice is part of the resolved
-run (:mod:`llmforge.config.resolve`) and applied by the Trainer (and the generate/eval commands).
+run (:mod:`llmforge.preflight.resolve`) and applied by the Trainer (and the generate/eval commands).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def choose_num_threads(override: Optional[int], local_world_size: int, worker_co
         cores: cores available (default :func:`available_cores`).
         environ: the environment (default ``os.environ``); a positive ``OMP_NUM_THREADS`` wins
             over the choice above (not over ``override``), unless torchrun set it (the value
-            is then also in ``LLMFORGE_TORCHRUN_SET_OMP``, see :mod:`llmforge.runs.torchrun`).
+            is then also in ``LLMFORGE_TORCHRUN_SET_OMP``, see :mod:`llmforge.job.torchrun`).
         busy: cores other processes keep busy (tasks; this node's other ranks are taken off),
             None = do not look; default: :func:`busy_cores` when this process may run on every
             core of the machine, else None (taskset, SLURM: the count is machine-wide).

@@ -1,7 +1,7 @@
 """How a model is spread over ranks: tensor parallel, FSDP2 / HSDP, DDP.
 
 Each function is a pipeline transform ``fn(model, ctx) -> model`` (see
-:mod:`llmforge.algorithms.base`) applied to the model on the meta device, before it is
+:mod:`llmforge.plugin`) applied to the model on the meta device, before it is
 materialized. The repeated blocks and the tensor-parallel plan come from the family's
 :class:`~llmforge.models.spec.ModelSpec` (``model.name``); this module knows no family.
 """
@@ -13,8 +13,9 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from llmforge.algorithms.base import ModelContext, Stage, Transform
 from llmforge.errors import ConfigError
+from llmforge.models.spec import get_spec
+from llmforge.plugin import ModelContext, Stage, Transform
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -67,8 +68,6 @@ def apply_ddp(model: nn.Module, ctx: ModelContext) -> nn.Module:
 
 
 def _spec(cfg: Any) -> Any:
-    from llmforge.models.spec import get_spec
-
     return get_spec(cfg.model.name)
 
 

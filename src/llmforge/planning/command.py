@@ -30,6 +30,6 @@ def cmd_plan(args: Any) -> int:
         raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
     # torch, Lightning and the model code: imported when the command runs, so that the CLI
     # (imported by every command) starts without them
-    from llmforge.planning.report import run_plan
+    from llmforge.planning.report import run_plan  # heavy (torch): off the CLI's fast path
 
     return run_plan(args.config, list(args.overrides), args.gpus, gpu, as_json=args.json, top=args.top)

@@ -29,11 +29,11 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from llmforge.errors import ConfigError
-from llmforge.algorithms.base import meta_model
 from llmforge.models.spec import get_spec
 from llmforge.planning.gpus import GPUKind
 from llmforge.planning.measure import Collective
 from llmforge.planning.simulate import AC_MODES, Layout, StepMeasurement, simulate_scaled
+from llmforge.plugin import meta_model
 
 HEADROOM = 0.10
 """Share of GPU memory kept free: the CUDA context, NCCL buffers and the caching allocator's

@@ -59,12 +59,12 @@ from torch.distributed.fsdp import FSDPModule
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.flop_counter import FlopCounterMode
 
-from llmforge.algorithms.base import meta_model, run_pipeline
 from llmforge.algorithms.loading import build_algorithms
 from llmforge.config.validate import validate
 from llmforge.models.spec import get_spec
 from llmforge.parallel.mesh import ParallelDims, build_mesh
 from llmforge.parallel.transforms import check_strategy, strategy_transforms
+from llmforge.plugin import meta_model, run_pipeline
 from llmforge.planning.measure import (CATEGORIES, CPU_SDPA_FLOPS, ByteCounter, Collective,
                                        PhasePeaks, collectives)
 from llmforge.training.module import LLMModule

@@ -34,10 +34,10 @@ from typing import Any, ClassVar, Mapping, Optional
 import yaml
 
 from llmforge.errors import ConfigError, LLMForgeError
+from llmforge.job.records import RunRecord
 from llmforge.registry import backends
 from llmforge.run_guard import mark_run_dir
-from llmforge.runs.clusters import Cluster, clusters_file
-from llmforge.runs.registry import RunRecord
+from llmforge.runs.cluster_types import Cluster, clusters_file
 
 BUILTIN = {"local": "llmforge.runs.local:LocalBackend", "slurm": "llmforge.runs.slurm:SlurmBackend",
            "skypilot": "llmforge.runs.skypilot:SkyPilotBackend",

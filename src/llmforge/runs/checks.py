@@ -19,9 +19,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
+from llmforge import registry
 from llmforge.checkpoint.resume_changes import check_resume_changes, resume_changes
-from llmforge.config.loader import config_to_dict, redact
-from llmforge.config.resolve import resolve_run
+from llmforge.config import config_to_dict, load_config, redact
+from llmforge.config.redaction import is_secret_key
+from llmforge.preflight.resolve import resolve_run
 from llmforge.errors import ConfigError
 
 
@@ -40,12 +42,10 @@ def environment(env: Mapping[str, str]) -> Iterator[None]:
 
 def inline_keys(cfg: Any) -> list[str]:
     """``loggers.N.KEY`` of every secret-looking logger setting that holds a value (``api_key``)."""
-    from llmforge.config.loader import _is_secret
-
     out = []
     for i, entry in enumerate(cfg.loggers or []):
         for key, value in (entry or {}).items():
-            if _is_secret(key) and value not in (None, ""):
+            if is_secret_key(key) and value not in (None, ""):
                 out.append(f"loggers.{i}.{key}")
     return out
 
@@ -71,8 +71,7 @@ def check_job(config_path: str, overrides: Sequence[str], cfg: Any, spec: dict[s
         raise ConfigError(f"{', '.join(keys)}: API keys are not read from config files (the job refuses "
                           "them: configs are saved with the run); export the key (e.g. WANDB_API_KEY) and "
                           "forward it by name with --secret NAME or compute.secrets")
-    from llmforge.config import load_config
-    from llmforge.training.entries import build_callbacks
+    from llmforge.training.entries import build_callbacks  # heavy (Lightning): after the config checks
 
     env = backend.job_environment(spec)
     try:
@@ -90,9 +89,11 @@ def check_job(config_path: str, overrides: Sequence[str], cfg: Any, spec: dict[s
                           "setup") from None
     job_cfg = copy.deepcopy(cfg)
     job_cfg.trainer.devices, job_cfg.trainer.num_nodes = int(spec["procs_per_node"]), int(spec["nodes"])
-    from llmforge.cli import _static_checks  # the checks `llmforge train` runs before training
+    # the checks `llmforge train` runs before training; heavy (torch), so imported after the
+    # config's own errors are reported
+    from llmforge.training.preflight import job_checks
 
-    _static_checks(job_cfg, int(spec["gpus"]), dry_run=not local_files)
+    job_checks(job_cfg, int(spec["gpus"]), dry_run=not local_files)
 
 
 def build_loggers(cfg: Any, spec: dict[str, Any], *, strict: bool) -> None:
@@ -106,14 +107,10 @@ def build_loggers(cfg: Any, spec: dict[str, Any], *, strict: bool) -> None:
     Raises:
         ConfigError: what the loggers refuse (a key not in the environment, a bad setting).
     """
-    import llmforge.loggers  # noqa: F401  (registers the built-in loggers)
-    from llmforge import registry
-    from llmforge.config import config_to_dict, redact
-    from llmforge.training.entries import build_entries
-    from lightning.pytorch.loggers import Logger
+    from lightning.pytorch.loggers import Logger  # heavy: only once the config's own errors are out
 
     try:
-        build_entries(registry.loggers, "loggers", cfg.loggers, base=Logger, run_dir=Path(spec["run_dir"]),
+        registry.build_entries(registry.loggers, "loggers", cfg.loggers, base=Logger, run_dir=Path(spec["run_dir"]),
                       run=cfg.run, config=redact(config_to_dict(cfg)))
     except ConfigError as exc:
         if strict or not isinstance(exc.__cause__, ImportError):

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from llmforge.config.validate import BatchPlan, validate
 from llmforge.errors import ConfigError
-from llmforge.runs.clusters import Cluster
+from llmforge.runs.cluster_types import Cluster
 
 
 @dataclass

@@ -16,13 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from llmforge.config import config_to_dict, load_config, redact
 from llmforge.errors import ConfigError, LLMForgeError
+from llmforge.job.records import llmforge_home, new_run_id, RunRecord, RunRegistry
 from llmforge.run_guard import check_run_dir
 from llmforge.runs.backend import Backend, backend_for, backend_of
+from llmforge.runs.checks import check_job, check_restart
 from llmforge.runs.clusters import Cluster, get_cluster
 from llmforge.runs.compute import ComputePlan, check_scheduling, plan_compute
 from llmforge.runs.credentials import check_names, secret_overrides
-from llmforge.runs.registry import RunRecord, RunRegistry, llmforge_home
 
 
 @dataclass
@@ -52,9 +54,6 @@ def prepare(config_path: str, overrides: Sequence[str] = (), *, cluster: Optiona
             invalid cluster, a size that does not fit, a named secret that is not set, or
             anything the job would refuse at its start (:func:`llmforge.runs.checks.check_job`).
     """
-    from llmforge.config import load_config
-    from llmforge.runs.checks import check_job
-
     bad = secret_overrides(overrides)
     if bad:
         raise ConfigError(f"{', '.join(bad)}: do not put secret values on the command line (they would "
@@ -124,9 +123,6 @@ def launch(config_path: str, overrides: Sequence[str] = (), *, cluster: Optional
         ConfigError: see :func:`prepare`; also a run directory that already holds a run.
         LLMForgeError: the backend refused the job.
     """
-    from llmforge.config import config_to_dict, redact
-    from llmforge.runs.registry import new_run_id
-
     cfg, target, plan, spec = prepare(config_path, overrides, cluster=cluster, gpus=gpus, nodes=nodes,
                                       secrets=secrets)
     if dry_run:
@@ -195,9 +191,6 @@ def restart(ref: str, overrides: Sequence[str] = (), *, registry: Optional[RunRe
         train (the newest checkpoint is at or past ``trainer.max_steps``). LLMForgeError: the
         backend refused.
     """
-    from llmforge.config import load_config
-    from llmforge.runs.checks import check_restart
-
     registry = registry or RunRegistry()
     refresh(registry)
     run = registry.resolve(ref)

@@ -1,8 +1,8 @@
 """The ``local`` backend: a detached supervisor process group on this machine.
 
-``llmforge launch --cluster local`` starts ``python -m llmforge.runs.supervisor RUN_ID`` in a new
+``llmforge launch --cluster local`` starts ``python -m llmforge.job.supervisor RUN_ID`` in a new
 session (its process group id is the supervisor's pid, recorded as the run's ``pgid``); the
-supervisor runs torchrun (:mod:`llmforge.runs.torchrun`) with the output in
+supervisor runs torchrun (:mod:`llmforge.job.torchrun`) with the output in
 ``<run_dir>/logs/resumption-<k>.log`` and updates the registry. torch's launcher starts each
 worker in a session of its own, so "the run's processes" are the supervisor's process group and
 every descendant of it (found through /proc).
@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from llmforge.errors import LLMForgeError
+from llmforge.job.records import RunRecord
+from llmforge.job.supervisor import torchrun_command
+from llmforge.job.torchrun import proc_table as _proc_table
 from llmforge.run_guard import mark_run_dir
 from llmforge.runs.backend import Backend
-from llmforge.runs.clusters import LocalCluster
-from llmforge.runs.registry import RunRecord
-from llmforge.runs.torchrun import catches  # noqa: F401  (re-exported: tests, callers)
-from llmforge.runs.torchrun import proc_table as _proc_table
+from llmforge.runs.cluster_types import LocalCluster
+from llmforge.runs.credentials import job_environment
 
 
 def run_pids(pgid: int) -> list[int]:
@@ -66,7 +67,7 @@ def start_supervisor(run: RunRecord, env: Mapping[str, str], workdir: str) -> in
     mark_run_dir(logs.parent)
     logs.mkdir(exist_ok=True)
     with open(logs / "supervisor.log", "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "llmforge.runs.supervisor", run.id], cwd=workdir,
+        proc = subprocess.Popen([sys.executable, "-m", "llmforge.job.supervisor", run.id], cwd=workdir,
                                 env=dict(env), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     return proc.pid
@@ -127,7 +128,7 @@ def _reachable(send: Any, target: int) -> bool:
 
 
 class LocalBackend(Backend):
-    """``local``: a detached supervisor (:mod:`llmforge.runs.supervisor`) running torchrun here."""
+    """``local``: a detached supervisor (:mod:`llmforge.job.supervisor`) running torchrun here."""
 
     type = "local"
     cluster_class = LocalCluster
@@ -135,8 +136,6 @@ class LocalBackend(Backend):
     runs_here = True
 
     def render(self, run_id: str, name: str, spec: dict[str, Any], resumption: int = 0) -> str:
-        from llmforge.runs.supervisor import torchrun_command
-
         cmd = torchrun_command(spec, resume=resumption > 0)
         env = ", ".join(spec["secrets"]) or "none"
         log = shlex.quote(f"{spec['run_dir']}/logs/resumption-{resumption}.log")
@@ -146,8 +145,6 @@ class LocalBackend(Backend):
                 f"{log}; secrets forwarded: {env}):\n" + shlex.join(cmd) + "\n")
 
     def job_environment(self, spec: dict[str, Any], env: Optional[Mapping[str, str]] = None) -> dict[str, str]:
-        from llmforge.runs.credentials import job_environment
-
         out = job_environment(spec["secrets"], env)
         out.update(LLMFORGE_RUN_ID="<run id>", LLMFORGE_HOME=spec["home"], PYTHONUNBUFFERED="1")
         return out

@@ -42,7 +42,7 @@ def series(run: str | Path, metric: str, x: str = "step") -> tuple[list[float], 
         x: ``step`` (optimizer steps) or ``tokens`` (``train/tokens_seen``; a record without
             it, such as the evaluation at step 0, takes that of its step, 0 at step 0).
     """
-    from llmforge.loggers.jsonl import read_metrics
+    from llmforge.loggers.jsonl import read_metrics  # heavy (torch via Lightning): off the fast path
 
     records = read_metrics(metrics_file(run))
     tokens_at = {0: 0, **{r["step"]: r["train/tokens_seen"] for r in records if "train/tokens_seen" in r}}

@@ -4,7 +4,7 @@
 the training image (``image_uri``, built from ``docker/Dockerfile``), ``instance_type`` and
 ``instance_count`` (= nodes), ``distribution={"torch_distributed": {"enabled": True}}``
 (SageMaker runs torchrun on every instance), the project folder as ``source_dir`` with
-``src/llmforge/runs/sagemaker_entry.py`` as the entry point, and the data channels. The run
+``src/llmforge/cli/sagemaker_entry.py`` as the entry point, and the data channels. The run
 directory is ``/opt/ml/checkpoints/<run.name>``, synced to ``checkpoint_s3_uri``. Secret values
 are added to ``environment`` in memory at submit time only; the definition printed or written
 lists their names. Each data channel SageMaker mounts (``SM_CHANNEL_<NAME>``) becomes the config
@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from llmforge.errors import ConfigError, LLMForgeError
+from llmforge.job.records import RunRecord
 from llmforge.runs.backend import Backend
-from llmforge.runs.clusters import Cluster
-from llmforge.runs.registry import RunRecord
+from llmforge.runs.cluster_types import Cluster
 
-ENTRY = Path(__file__).with_name("sagemaker_entry.py")
+ENTRY = Path(__file__).parents[1] / "cli" / "sagemaker_entry.py"  # a script file, not imported
 SECRET_PLACEHOLDER = "<from the submitting environment>"
 SDK = "sagemaker>=2.200,<3"  # the pyproject extra; 3.x removed sagemaker.pytorch.PyTorch
 SAGEMAKER_GPUS = {  # instance type -> (GPUs, GPU type)

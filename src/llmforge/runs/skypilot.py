@@ -1,7 +1,7 @@
 """The ``skypilot`` backend: a SkyPilot task YAML, submitted through SkyPilot's Python API.
 
 The task runs on ``num_nodes`` nodes with ``resources.accelerators: <GPU>:<per node>``; its
-``run`` starts torchrun (:mod:`llmforge.runs.torchrun`) on every node with SkyPilot's variables
+``run`` starts torchrun (:mod:`llmforge.job.torchrun`) on every node with SkyPilot's variables
 ``SKYPILOT_NODE_RANK``, ``SKYPILOT_NODE_IPS`` (first line = the rendezvous host),
 ``SKYPILOT_NUM_NODES`` and ``SKYPILOT_NUM_GPUS_PER_NODE``, and always
 ``checkpoint.resume=auto`` (a recovered spot job continues). ``workdir`` (the folder of the
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from llmforge.errors import LLMForgeError
+from llmforge.job.records import RunRecord
 from llmforge.runs.backend import Backend, train_args
-from llmforge.runs.clusters import Cluster, ClusterError
-from llmforge.runs.registry import RunRecord
+from llmforge.runs.cluster_types import Cluster, ClusterError
 
 # Task fields SkyPilot documents (docs: "SkyPilot YAML"); tests check the task uses only these.
 TASK_FIELDS = {"name", "workdir", "num_nodes", "resources", "envs", "secrets", "file_mounts", "setup",
@@ -69,7 +69,7 @@ def task_dict(run_id: str, spec: dict[str, Any], cluster: SkyPilotCluster) -> di
         resources["accelerators"] = f"{cluster.accelerator}:{spec['procs_per_node']}"
     if cluster.spot:
         resources["use_spot"] = True
-    torchrun = ("python -m llmforge.runs.torchrun --nnodes=\"$SKYPILOT_NUM_NODES\" "
+    torchrun = ("python -m llmforge.job.torchrun --nnodes=\"$SKYPILOT_NUM_NODES\" "
                 "--node-rank=\"$SKYPILOT_NODE_RANK\" --nproc-per-node=\"$NPROC\" "
                 f"--master-addr=\"$HEAD_IP\" --master-port={PORT} \\\n  "
                 + " ".join(shlex.quote(a) for a in train_args(spec)))

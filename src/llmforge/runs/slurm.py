@@ -1,6 +1,6 @@
 """The ``slurm`` backend: an sbatch script, submitted with ``sbatch``.
 
-One srun task per node runs torchrun (:mod:`llmforge.runs.torchrun`, torchrun's arguments)
+One srun task per node runs torchrun (:mod:`llmforge.job.torchrun`, torchrun's arguments)
 with a c10d rendezvous on the first node's hostname. ``#SBATCH --signal=USR1@<s>`` makes SLURM
 send SIGUSR1 ``s`` seconds before the time limit: llmforge saves a checkpoint and exits 75, on
 which the script requeues the job (``--requeue``) and the next start continues with
@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any, List, Mapping, Optional
 
 from llmforge.errors import LLMForgeError
+from llmforge.job.records import RunRecord
 from llmforge.paths import check_printable
 from llmforge.runs.backend import JOB_VARIABLES, Backend, train_args
-from llmforge.runs.clusters import Cluster, ClusterError
-from llmforge.runs.registry import RunRecord
+from llmforge.runs.cluster_types import Cluster, ClusterError
 
 # Non-secret variables a job needs from the submitting environment (exported by name if set).
 # sbatch passes only these (and the named secrets); srun inside uses --export=ALL so that the
@@ -126,7 +126,7 @@ def sbatch_script(run_id: str, name: str, spec: dict[str, Any], cluster: SlurmCl
               f"#SBATCH --export={','.join(export_names(spec)) or 'NONE'}"]
     lines += [f"#SBATCH {opt}" for opt in cluster.sbatch]
     python = cluster.python or "python3"  # the node's, after setup: not this machine's path
-    torchrun = [python, "-m", "llmforge.runs.torchrun", f"--nnodes={nodes}",
+    torchrun = [python, "-m", "llmforge.job.torchrun", f"--nnodes={nodes}",
                 f"--nproc-per-node={per_node}", "--rdzv-backend=c10d"]
     command = " ".join(q(a) for a in torchrun)
     command += f' --rdzv-endpoint="$HEAD_NODE:{int(cluster.port)}" --rdzv-id="$SLURM_JOB_ID" \\\n    '

@@ -23,9 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmforge import registry
-from llmforge.algorithms.base import ModelContext, run_pipeline
+from llmforge.checkpoint.init_from import load_initial_weights
 from llmforge.events import Dispatcher, Event, State
 from llmforge.parallel.init import init_parallel_model, seeded_init
+from llmforge.parallel.lightning_private import attached_trainer, optimizer_step_progress, strategy_mesh
+from llmforge.parallel.mesh import ParallelDims
+from llmforge.plugin import ModelContext, run_pipeline
 from llmforge.training.aux_losses import AuxLosses
 from llmforge.training.eval_loop import Evaluation
 from llmforge.training.optim import build_optimizer
@@ -39,7 +42,7 @@ def count_optimizer_step(trainer: Any) -> None:
     ``global_step``, the data position and ``max_steps`` stay in steps of batches."""
     if trainer is None:
         return
-    progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress.total
+    progress = optimizer_step_progress(trainer)
     progress.ready += 1
     progress.completed += 1
 
@@ -91,20 +94,18 @@ class LLMModule(AuxLosses, Evaluation, L.LightningModule):
     def mesh(self) -> Any:
         """The strategy's device mesh (dims dp_replicate, dp_shard, tp; flattened dp), or None.
         Without a Lightning trainer (tests, Fabric) it is whatever ``mesh_override`` holds."""
-        if self.mesh_override is not None or self._trainer is None:
+        if self.mesh_override is not None or attached_trainer(self) is None:
             return self.mesh_override
-        return getattr(self.trainer.strategy, "_device_mesh", None)
+        return strategy_mesh(self.trainer.strategy)
 
     def model_context(self) -> ModelContext:
-        from llmforge.parallel.mesh import ParallelDims
-
         mesh = self.mesh
         if mesh is None:
             dims = ParallelDims(1, 1, 1, 1)
         else:
             sizes = [mesh[d].size() for d in ("dp_replicate", "dp_shard", "tp")]
             dims = ParallelDims(*sizes, world_size=sizes[0] * sizes[1] * sizes[2])
-        device = self.trainer.strategy.root_device if self._trainer is not None else self.device
+        device = self.trainer.strategy.root_device if attached_trainer(self) is not None else self.device
         return ModelContext(cfg=self.cfg, mesh=self.mesh, dims=dims, device=device)
 
     def configure_model(self) -> None:
@@ -118,8 +119,6 @@ class LLMModule(AuxLosses, Evaluation, L.LightningModule):
         model = run_pipeline(model, self.pipeline, ctx)
         model.to_empty(device=ctx.device)
         if self.cfg.model.get("init_from"):
-            from llmforge.checkpoint.init_from import load_initial_weights
-
             # buffers and parameters the source lacks (e.g. a plugin's adapters) by the seeded init of
             # each rank's shards; no full copy of the model on rank 0 (the weights come next)
             seeded_init(model, self.cfg.run.seed)
@@ -177,7 +176,7 @@ class LLMModule(AuxLosses, Evaluation, L.LightningModule):
     # -------------------------------------------------------------- training
     def backward_loss(self, loss: torch.Tensor) -> None:
         """Backward through Lightning (precision, strategy hooks), or plain without a trainer."""
-        if self._trainer is not None:
+        if attached_trainer(self) is not None:
             self.manual_backward(loss)
         else:
             loss.backward()
@@ -202,9 +201,9 @@ class LLMModule(AuxLosses, Evaluation, L.LightningModule):
         callbacks, which include the algorithms) in their documented order
         (:mod:`llmforge.events`)."""
         if plugins is None:
-            plugins = list(self.trainer.callbacks) if self._trainer is not None else []
+            plugins = list(self.trainer.callbacks) if attached_trainer(self) is not None else []
         self.dispatch = Dispatcher(plugins)
-        self.state.trainer = self._trainer
+        self.state.trainer = attached_trainer(self)
 
     def event(self, event: Event) -> None:
         """Run every handler of ``event`` on :attr:`state`."""

@@ -10,15 +10,17 @@ import torch
 
 from llmforge import registry
 from llmforge.checkpoint import read_json
+from llmforge.data.chat import build_chat_template
 from llmforge.data.datamodule import LLMDataModule
 from llmforge.data.mixture import PreparedMixture
-from llmforge.data.mixture_sources import check_one_tokenizer
-from llmforge.data.prepared import PreparedSplits, check_tokenizer
+from llmforge.data.mixture_sources import check_one_tokenizer, open_mixture
+from llmforge.data.prepared import check_tokenizer, open_prepared, PreparedSplits
+from llmforge.data.sft import load_conversations, SFTDataModule
 from llmforge.data.shakespeare import cache_root
-from llmforge.data.sources import DocumentSplits, iter_texts, load_documents, plain_options
-from llmforge.data.tokenizers import Tokenizer, build_tokenizer, check_vocab
+from llmforge.data.sources import DocumentSplits, iter_texts, load_documents, plain_options, tokenizer_cache_key
+from llmforge.data.tokenizers import build_tokenizer, check_vocab, load_saved, Tokenizer
 from llmforge.errors import ConfigError
-from llmforge.training.run_files import check_init_from_tokenizer, tokenizer_cache_key
+from llmforge.training.run_files import check_init_from_tokenizer
 
 __all__ = ["DataBuilders"]
 
@@ -50,16 +52,10 @@ class DataBuilders:
         """Documents (:class:`DocumentSplits`), or conversations for ``data.task: sft``
         (:class:`llmforge.data.sft.ConversationSplits`)."""
         if self.cfg.data.task == "sft":
-            from llmforge.data.sft import load_conversations
-
             return load_conversations(self.cfg.data, self.cfg.run.seed)
         if self.cfg.data.mixture:  # prepared and streaming entries
-            from llmforge.data.mixture_sources import open_mixture
-
             return open_mixture(self.cfg)
         if self.cfg.data.source == "prepared":
-            from llmforge.data.prepared import open_prepared
-
             if not self.cfg.data.path:
                 raise ConfigError("data.source=prepared needs data.path, the folder written by "
                                   "`llmforge data prepare`")
@@ -99,8 +95,6 @@ class DataBuilders:
         Raises:
             DataError: the fingerprints differ (the shards would be read with other ids).
         """
-        from llmforge.data.tokenizers import load_saved
-
         if self.cfg.tokenizer.type == "train_bpe":
             tok = load_saved(docs.root / "tokenizer")
         else:
@@ -121,9 +115,6 @@ class DataBuilders:
                       seed=self.cfg.run.seed, num_workers=self.cfg.data.num_workers)
         d = self.cfg.data
         if d.task == "sft":
-            from llmforge.data.chat import build_chat_template
-            from llmforge.data.sft import SFTDataModule
-
             return SFTDataModule(docs, tokenizer, template=build_chat_template(d.chat_template, tokenizer),
                                  packed=d.packed, overlong=d.overlong,
                                  train_on_input=d.train_on_input, pad_id=d.pad_id, **common)

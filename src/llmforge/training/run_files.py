@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from llmforge.checkpoint.dcp import check_checkpoint
+from llmforge.checkpoint.run_dir import resolve_checkpoint
 from llmforge.checkpoint.safe_load import CheckpointReadError
-from llmforge.data.sources import hash_str
-from llmforge.data.tokenizers import Tokenizer
+from llmforge.data.tokenizers import load_saved, Tokenizer
 from llmforge.errors import ConfigError, LLMForgeError
 
-__all__ = ["check_init_from_tokenizer", "check_resumable", "tokenizer_cache_key", "truncate_metrics"]
+__all__ = ["check_init_from_tokenizer", "check_resumable", "truncate_metrics"]
 
 
 def _inside(path: Path, parent: Path) -> bool:
@@ -49,15 +49,6 @@ def truncate_metrics(path: Path, step: int) -> int:
     return len(lines) - len(keep)
 
 
-def tokenizer_cache_key(cfg: Any, docs: Any) -> str:
-    """What determines a trained BPE (the cache key of ``tokenizer.type: train_bpe``): the
-    source, the held-out documents (seed, val_fraction, val_split) and the training-byte budget
-    (the vocabulary size is in the file name)."""
-    d = cfg.data
-    return hash_str(f"{docs.fingerprint}-{cfg.run.seed}-{d.val_fraction}-{d.val_split}-"
-                    f"{d.max_documents}-{cfg.tokenizer.train_max_bytes}")
-
-
 TOKENIZER_PROBE = "ROMEO. But, soft! what light through yonder window breaks? 0123456789 \u00e9\n"
 
 
@@ -74,9 +65,6 @@ def check_init_from_tokenizer(tok: Tokenizer, init_from: Optional[str]) -> None:
     """
     if not init_from or init_from.startswith("hf:"):
         return
-    from llmforge.data.tokenizers import load_saved
-    from llmforge.checkpoint.run_dir import resolve_checkpoint
-
     try:
         run_dir, _ = resolve_checkpoint(init_from)
     except LLMForgeError:

@@ -19,38 +19,38 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback, Timer
+from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.callbacks import EarlyStopping as LightningEarlyStopping
 from lightning.pytorch.loggers import Logger
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from llmforge import registry
+from llmforge.algorithms.loading import build_algorithms
 from llmforge.callbacks import Checkpointer, GarbageCollection, RichProgress, SpeedMonitor
 from llmforge.checkpoint import list_checkpoints, read_json
 from llmforge.checkpoint.init_from import check_initial_weights
 from llmforge.checkpoint.layout import is_checkpoint_folder
 from llmforge.config import config_to_dict, load_config, redact, save_config
-from llmforge.config.resolve import ResolvedRun, check_run_name, resolve_run
 from llmforge.config.schema import PRECISIONS
-from llmforge.paths import check_writable_dir
-from llmforge.quiet import quiet_libraries
-from llmforge.run_guard import RunLock, clear_run_dir, mark_run_dir
 from llmforge.data.datamodule import LLMDataModule
 from llmforge.data.mixture import MixtureTokens, PreparedMixture
 from llmforge.data.tokenizers import Tokenizer
 from llmforge.errors import ConfigError
+from llmforge.job.tracker import RunTracker
 from llmforge.parallel.strategy import LLMParallelStrategy
 from llmforge.parallel.transforms import check_strategy, strategy_transforms
+from llmforge.paths import check_writable_dir
+from llmforge.preflight.resolve import ResolvedRun, resolve_run
+from llmforge.quiet import quiet_libraries
+from llmforge.registry import build_entries
+from llmforge.run_guard import RunLock, clear_run_dir, mark_run_dir
+from llmforge.training.entries import build_callbacks, module_class
 from llmforge.training.host_malloc import tune_host_malloc
 from llmforge.training.run_data import DataBuilders
+from llmforge.training.run_files import _inside, check_resumable, truncate_metrics
 
-from llmforge.training.entries import (accepted, build_callbacks, build_entries,  # noqa: F401 (re-exported)
-                                      module_class)
-from llmforge.training.run_files import (_inside, check_resumable,  # noqa: F401 (re-exported)
-                                         tokenizer_cache_key, truncate_metrics)
-
-__all__ = ["Trainer", "build_entries", "check_run_name", "truncate_metrics"]
+__all__ = ["Trainer"]
 
 
 class Trainer(DataBuilders):
@@ -60,7 +60,7 @@ class Trainer(DataBuilders):
         cfg: a config from :func:`llmforge.config.load_config` (not changed; ``self.cfg`` is
             the read-only resolved copy, :attr:`ResolvedRun.cfg`).
         overwrite: delete an existing run directory of the same name first.
-        run: the run already resolved from ``cfg`` (:func:`llmforge.config.resolve.resolve_run`;
+        run: the run already resolved from ``cfg`` (:func:`llmforge.preflight.resolve.resolve_run`;
             the CLI resolves it before the heavy imports); default: resolved here.
 
     Raises:
@@ -220,8 +220,6 @@ class Trainer(DataBuilders):
                                 resume_from=self.resume_path, config=redact(config_to_dict(self.cfg)),
                                 on_resumed=self.finish_resume))
         if os.environ.get("LLMFORGE_RUN_ID") and self.is_rank_zero():  # started by `llmforge launch`
-            from llmforge.runs.tracker import RunTracker
-
             cbs.append(RunTracker(os.environ["LLMFORGE_RUN_ID"]))
         return list(self.algorithms) + cbs + extra  # algorithms are Lightning callbacks too
 
@@ -232,8 +230,6 @@ class Trainer(DataBuilders):
         and the config is logged as the run's hyperparameters. Building checks settings (SDK
         installed, API key in the environment) but writes nothing and contacts no server: the
         built-in loggers start with their first record, after the run directory is prepared."""
-        import llmforge.loggers  # noqa: F401  (registers the built-in loggers)
-
         config = redact(config_to_dict(self.cfg))
         # the run section as redacted: a secret interpolated into run.tags or run.name stays out
         built = build_entries(registry.loggers, "loggers", self.cfg.loggers, base=Logger,
@@ -257,8 +253,6 @@ class Trainer(DataBuilders):
     def build_algorithms(self) -> list[Any]:
         """``algorithms:`` instantiated (registered names, entry points or import paths) and
         checked together (:func:`llmforge.algorithms.loading.build_algorithms`)."""
-        from llmforge.algorithms.loading import build_algorithms
-
         return build_algorithms(self.cfg)
 
     def build_pipeline(self) -> list[Any]:

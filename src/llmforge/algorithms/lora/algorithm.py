@@ -26,7 +26,7 @@ precision) on top, whatever the YAML order. FSDP2 shards base and adapters per b
 activation checkpointing and compile wrap the converted blocks. Tensor parallelism is not
 supported (``strategy.tp > 1`` is a ConfigError): the adapters would need their own plan.
 
-Everything else goes through the plugin hooks of :class:`llmforge.algorithms.base.Algorithm`,
+Everything else goes through the plugin hooks of :class:`llmforge.plugin.Algorithm`,
 so no core file knows LoRA: ``adapters_only`` checkpoints (the adapters and their optimizer
 state; the base is rebuilt from its pointer), the settings in ``meta.json``
 (:meth:`LoRA.checkpoint_meta`) that a resume must match (:meth:`LoRA.check_resume`), the
@@ -44,10 +44,13 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-from llmforge.algorithms.base import Algorithm, ModelContext, Stage
 from llmforge.algorithms.lora.layers import (LoRAMixin, init_adapters, is_adapter_key, lora_class,
                                              lora_modules, merge_lora)
+from llmforge.algorithms.lora.memory import lora_lines, parameter_counts
+from llmforge.algorithms.lora.peft import save_peft
 from llmforge.errors import ConfigError
+from llmforge.models.spec import get_spec
+from llmforge.plugin import Algorithm, ModelContext, Stage, meta_model
 
 DEFAULT_TARGETS = ("wq", "wk", "wv", "wo")
 BASE_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
@@ -132,8 +135,6 @@ class LoRA(Algorithm):
         Raises:
             ConfigError: see the class docstring.
         """
-        from llmforge.algorithms.base import meta_model
-
         if int(cfg.strategy.tp) > 1:
             raise ConfigError(f"algorithms: lora does not support strategy.tp={cfg.strategy.tp} "
                               "(tensor parallelism would shard the adapters' rank dimension); "
@@ -232,12 +233,8 @@ class LoRA(Algorithm):
     def export_adapters(self, model: nn.Module, out: Path, cfg: Any, meta: dict[str, Any],
                         dtype: Any = None) -> Optional[Path]:
         """PEFT's adapter folder (:func:`llmforge.algorithms.lora.peft.save_peft`)."""
-        from llmforge.algorithms.lora.peft import save_peft
-
         if not any(True for _ in lora_modules(model)):
             return None
-        from llmforge.models.spec import get_spec
-
         adapter = get_spec(cfg.model.name).adapter()
         if adapter is None:
             raise ConfigError(f"model '{cfg.model.name}' has no Hugging Face adapter "
@@ -250,22 +247,4 @@ class LoRA(Algorithm):
     def dry_run_lines(self, cfg: Any, plan: Any, device_memory_gib: Optional[float]) -> list[str]:
         """Rank, trainable/frozen counts and the per-device memory of a LoRA run
         (:func:`llmforge.algorithms.lora.memory.lora_lines`)."""
-        from llmforge.algorithms.lora.memory import lora_lines
-
         return lora_lines(self, cfg, plan, device_memory_gib)
-
-
-def parameter_counts(model: nn.Module) -> tuple[int, int]:
-    """``(trainable, frozen)`` parameter counts (global for sharded parameters; a tied
-    parameter once)."""
-    seen: set[int] = set()
-    trainable = frozen = 0
-    for p in model.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        if p.requires_grad:
-            trainable += p.numel()
-        else:
-            frozen += p.numel()
-    return trainable, frozen

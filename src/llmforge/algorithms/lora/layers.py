@@ -20,6 +20,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from llmforge.checkpoint.hf import _local_box as box
 
 ADAPTERS = ("lora_A", "lora_B")
 
@@ -33,7 +34,7 @@ def is_adapter_key(name: str) -> bool:
 class LoRAMixin:
     """Adds ``lora_A``/``lora_B``/``lora_dropout`` to a Linear-like module (class swap: the base
     module keeps its type's behaviour through ``super().forward``). ``adapter_children`` tells
-    core code (:func:`llmforge.algorithms.base.adapter_names`) which children are adapters."""
+    core code (:func:`llmforge.plugin.adapter_names`) which children are adapters."""
 
     adapter_children = ADAPTERS
     lora_rank: int
@@ -107,8 +108,6 @@ def adapter_seed(seed: int, fqn: str) -> int:
 
 def _local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(offsets, shape)`` of this rank's part of a (possibly DTensor) parameter."""
-    from llmforge.checkpoint.hf import _local_box as box
-
     return box(param)
 
 

@@ -6,9 +6,11 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+from torch import nn
 
-from llmforge.training.dry_run import (GIB, USABLE_FRACTION, _fmt_count, estimate_activations,
-                                       estimate_memory)
+from llmforge.models.memory_estimate import (GIB, USABLE_FRACTION, _fmt_count, estimate_activations,
+                                             estimate_memory)
+from llmforge.plugin import meta_model
 
 
 @dataclass
@@ -75,9 +77,6 @@ def lora_lines(lora: Any, cfg: Any, plan: Any, device_memory_gib: Optional[float
     Args:
         device_memory_gib: memory of one device, GiB, for the fit verdict (``None``: 80 and 192).
     """
-    from llmforge.algorithms.base import meta_model
-    from llmforge.algorithms.lora.algorithm import parameter_counts
-
     model = lora.convert(meta_model(cfg), cfg.run.seed)
     trainable, frozen = parameter_counts(model)
     m = lora_memory(cfg, plan, model, trainable, frozen, lora.base_dtype)
@@ -102,3 +101,19 @@ def lora_lines(lora: Any, cfg: Any, plan: Any, device_memory_gib: Optional[float
         lines.append(f"device memory   {verdict} in {size:g} GiB per device ({usable:.0f} GiB usable, "
                      f"{USABLE_FRACTION:.0%}){hint}")
     return lines
+
+
+def parameter_counts(model: nn.Module) -> tuple[int, int]:
+    """``(trainable, frozen)`` parameter counts (global for sharded parameters; a tied
+    parameter once)."""
+    seen: set[int] = set()
+    trainable = frozen = 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.requires_grad:
+            trainable += p.numel()
+        else:
+            frozen += p.numel()
+    return trainable, frozen

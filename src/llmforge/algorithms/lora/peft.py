@@ -23,7 +23,9 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from llmforge.algorithms.lora.layers import lora_modules
 from llmforge.errors import LLMForgeError
+from llmforge.models.llama3.hf import LlamaHFAdapter
 
 
 def peft_state_dict(model: nn.Module, adapter: Any = None) -> dict[str, torch.Tensor]:
@@ -37,11 +39,7 @@ def peft_state_dict(model: nn.Module, adapter: Any = None) -> dict[str, torch.Te
     Raises:
         LLMForgeError: a LoRA layer has no Hugging Face name.
     """
-    from llmforge.algorithms.lora.layers import lora_modules
-
     if adapter is None:
-        from llmforge.models.llama3.hf import LlamaHFAdapter
-
         adapter = LlamaHFAdapter()
     out: dict[str, torch.Tensor] = {}
     for fqn, m in lora_modules(model):
@@ -63,8 +61,6 @@ def peft_state_dict(model: nn.Module, adapter: Any = None) -> dict[str, torch.Te
 def peft_config(model: nn.Module, options: dict[str, Any], base: Optional[str],
                 adapter: Any = None) -> dict[str, Any]:
     """``adapter_config.json`` for PEFT's ``LoraConfig``."""
-    from llmforge.algorithms.lora.layers import lora_modules
-
     targets = sorted({k.rsplit(".", 3)[-3] for k in peft_state_dict(model, adapter)
                       if k.endswith("lora_A.weight")})
     ranks = {m.lora_rank for _, m in lora_modules(model)}

@@ -25,7 +25,7 @@ from typing import Any, Dict, Mapping, Optional
 
 from llmforge.config.schema import ModelConfig
 from llmforge.errors import ConfigError
-from llmforge.models.spec import cfg_get as _get
+from llmforge.models.spec import cfg_get as _get, MemoryShape
 
 __all__ = ["Llama3Config", "LlamaArgs", "PRESETS", "llama_args_from_config", "OVERRIDABLE_FIELDS",
            "ROPE_SCALING_KEYS", "ffn_hidden_dim"]
@@ -244,8 +244,6 @@ def llama_args_from_config(cfg: Any) -> LlamaArgs:
 
 def memory_shape(model: Any) -> Any:
     """The widths of a Llama block for the dry run's activation estimate."""
-    from llmforge.models.spec import MemoryShape
-
     a = model.args
     return MemoryShape(dim=a.dim, n_layers=a.n_layers, q_dim=a.n_heads * a.head_dim,
                        kv_dim=a.n_kv_heads * a.head_dim,

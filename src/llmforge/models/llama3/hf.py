@@ -14,6 +14,7 @@ import torch
 
 from llmforge.errors import ConfigError
 from llmforge.models.hf_adapter import HFAdapter
+from llmforge.models.llama3.config import ffn_hidden_dim
 
 __all__ = ["HF_TO_OURS", "LlamaHFAdapter", "permute_to_hf", "permute_from_hf"]
 
@@ -101,8 +102,6 @@ class LlamaHFAdapter(HFAdapter):
 
     def config_to_hf(self, model: Any) -> dict[str, Any]:
         """A ``LlamaForCausalLM`` config.json for an llmforge Llama."""
-        from llmforge.models.llama3.config import ffn_hidden_dim
-
         a = model.args
         cfg: dict[str, Any] = {
             "architectures": [self.architecture], "model_type": self.model_type, "hidden_act": "silu",

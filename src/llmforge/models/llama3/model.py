@@ -33,8 +33,10 @@ import torch
 from torch import nn
 
 from llmforge.models.decoder import DecoderLM, GQAttention, PreNormBlock, SwiGLU
-from llmforge.models.llama3.config import ROPE_SCALING_KEYS, LlamaArgs, ffn_hidden_dim
+from llmforge.models.llama3.config import (ffn_hidden_dim, llama_args_from_config, LlamaArgs,
+                                           ROPE_SCALING_KEYS)
 from llmforge.models.masks import document_causal_mask, document_positions, document_runs
+from llmforge.models.spec import reject_factory_kwargs
 
 __all__ = [
     "build_llama",
@@ -184,8 +186,5 @@ def build_llama(cfg: Any, **kwargs: Any) -> Llama:
         ConfigError: invalid shape, or extra keyword arguments (``model.kwargs``), which the
             built-in factory does not take.
     """
-    from llmforge.models.llama3.config import llama_args_from_config
-    from llmforge.models.spec import reject_factory_kwargs
-
     reject_factory_kwargs("llama3", cfg, kwargs)
     return Llama(llama_args_from_config(cfg))

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from llmforge.models.decoder import DecoderLM, GQAttention, PreNormBlock, SwiGLU
-from llmforge.models.qwen3.config import Qwen3Args
+from llmforge.models.qwen3.config import qwen3_args_from_config, Qwen3Args
+from llmforge.models.spec import reject_factory_kwargs
 
 __all__ = ["Qwen3", "build_qwen3", "rope_cos_sin", "apply_rope"]
 
@@ -101,8 +102,5 @@ def build_qwen3(cfg: Any, **kwargs: Any) -> Qwen3:
     Raises:
         ConfigError: invalid shape, or ``model.kwargs`` (the built-in factory takes none).
     """
-    from llmforge.models.qwen3.config import qwen3_args_from_config
-    from llmforge.models.spec import reject_factory_kwargs
-
     reject_factory_kwargs("qwen3", cfg, kwargs)
     return Qwen3(qwen3_args_from_config(cfg))

@@ -15,17 +15,19 @@ import sys
 import uuid
 from typing import Sequence
 
+from llmforge import signals
 from llmforge.errors import LLMForgeError
+from llmforge.job.torchrun import _forward_usr1, exit_code, signal_exit_code
 
 
 def launch_local(nproc: int, argv: Sequence[str]) -> int:
     """Run ``python -m llmforge *argv`` in ``nproc`` processes; returns the exit code.
 
     A failed worker's own message has already been printed by the worker; the exit code is
-    :func:`llmforge.runs.torchrun.exit_code`'s (75 when a worker saved on a stop signal, 2 for
+    :func:`llmforge.job.torchrun.exit_code`'s (75 when a worker saved on a stop signal, 2 for
     configuration errors, else the first failed rank's); when this process got SIGTERM/SIGINT
     (torch's agent has passed it on to the workers; SIGUSR1 is forwarded), the workers' code:
-    :func:`llmforge.runs.torchrun.signal_exit_code`.
+    :func:`llmforge.job.torchrun.signal_exit_code`.
     """
     import signal
 
@@ -33,11 +35,8 @@ def launch_local(nproc: int, argv: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from llmforge import signals
-    from llmforge.runs.torchrun import _forward_usr1
-
     # the workers own the stop signals from here: torch's agent forwards SIGTERM/SIGINT to them,
-    # and SIGUSR1 (SLURM's warning) is forwarded as llmforge.runs.torchrun does
+    # and SIGUSR1 (SLURM's warning) is forwarded as llmforge.job.torchrun does
     signals.uninstall()
     signal.signal(signal.SIGUSR1, _forward_usr1)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
@@ -46,12 +45,8 @@ def launch_local(nproc: int, argv: Sequence[str]) -> int:
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "llmforge", *argv)
     except ChildFailedError as exc:
-        from llmforge.runs.torchrun import exit_code
-
         return exit_code(exc.failures)  # 75 when a worker saved on a stop signal, else 2, else the first
     except SignalException as exc:  # the agent got SIGTERM/SIGINT and stopped the workers
-        from llmforge.runs.torchrun import signal_exit_code
-
         return signal_exit_code(int(exc.sigval))
     except Exception as exc:  # rendezvous or agent failure
         raise LLMForgeError(f"--nproc {nproc}: the local launcher failed: {exc}") from exc

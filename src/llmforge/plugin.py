@@ -23,6 +23,8 @@ from typing import Any, Callable, Optional, Sequence
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
+from llmforge import registry
+
 
 class Stage(IntEnum):
     """Pipeline stages, in the order they run."""
@@ -78,8 +80,6 @@ def meta_model(cfg: Any) -> nn.Module:
     """The run's model built on the meta device (no memory; for checks and dry-run lines)."""
     import torch
 
-    from llmforge import registry
-
     factory = registry.models.get(cfg.model.name, key="model.name")
     with torch.device("meta"):
         return factory(cfg.model)
@@ -115,9 +115,9 @@ def algorithm_kind(obj: Any) -> str:
     if isinstance(obj, type) and issubclass(obj, Algorithm):
         return ""
     if isinstance(obj, type):
-        return (f"a class, but {obj.__name__} is not a subclass of llmforge.algorithms.base.Algorithm; "
+        return (f"a class, but {obj.__name__} is not a subclass of llmforge.plugin.Algorithm; "
                 "subclass it (plain callbacks go under callbacks:)")
-    return f"a {type(obj).__name__}, not a class; name an llmforge.algorithms.base.Algorithm subclass"
+    return f"a {type(obj).__name__}, not a class; name an llmforge.plugin.Algorithm subclass"
 
 
 class Algorithm(Callback):

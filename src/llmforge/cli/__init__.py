@@ -10,7 +10,7 @@
     llmforge algorithms          # the algorithm plugins: name, pipeline stage, summary
     llmforge runs plot RUN_DIR... [--metric train/loss] [--out FILE.png] [--x step|tokens]
     llmforge launch CONFIG.yaml [--cluster NAME] [--gpus N] [--nodes M] [--dry-run] [key=value ...]
-    llmforge clusters | secrets | runs list|describe|logs|stop|delete|restart   (llmforge.runs.commands)
+    llmforge clusters | secrets | runs list|describe|logs|stop|delete|restart   (llmforge.cli.runs_commands)
 
 Errors in the input print one line ``error: ...`` and exit non-zero (2 for configuration and
 data errors) without a traceback; ``--debug`` shows the traceback.
@@ -22,19 +22,21 @@ import os
 import sys
 from typing import Optional, Sequence
 
-# the parser and handlers, importable from here as before (tests patch cli.cmd_train)
-from llmforge.cli_commands import (RUNS_COMMANDS, _pipeline_line, _print_summary,  # noqa: F401
-                                   _quiet_libraries, _static_checks, cmd_algorithms, cmd_checkpoint,
-                                   cmd_convert, cmd_eval, cmd_generate, cmd_runs, cmd_runs_plot,
-                                   cmd_train)
-from llmforge.cli_parser import _parser
+from llmforge import signals
+from llmforge.cli.data_commands import cmd_data
+from llmforge.cli.handlers import (cmd_algorithms, cmd_checkpoint, cmd_convert, cmd_eval,
+                                   cmd_generate, cmd_runs, cmd_train)
+from llmforge.cli.parser import _parser
+from llmforge.cli.runs_commands import RUN_COMMANDS, TOP_COMMANDS
 from llmforge.errors import LLMForgeError
+from llmforge.paths import os_error_message
 from llmforge.planning.command import cmd_plan
+from llmforge.quiet import quiet_libraries
 
 
 def _scrub(message: str) -> str:
     """An error message without URL credentials or the environment's credential values."""
-    from llmforge.config.loader import redact
+    from llmforge.config.redaction import redact  # omegaconf: not imported for --help
 
     return redact({"message": message})["message"]
 
@@ -48,22 +50,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = list(args.overrides) + extra
-    from llmforge import signals
-    from llmforge.runs.commands import RUN_COMMANDS, TOP_COMMANDS
-
     # before the heavy imports: a stop during startup loses nothing (see llmforge.signals)
     owns_signals = args.command in ("train", "data") and signals.install()
     handlers = {"train": cmd_train, "generate": cmd_generate, "algorithms": cmd_algorithms,
                 "runs": cmd_runs, "checkpoint": cmd_checkpoint, "convert": cmd_convert, "eval": cmd_eval,
                 "plan": cmd_plan}
     handlers.update(TOP_COMMANDS)  # launch, clusters, secrets
-    from llmforge.data.commands import cmd_data
-
     handlers["data"] = cmd_data
     try:
         light = args.command in TOP_COMMANDS or getattr(args, "runs_command", None) in RUN_COMMANDS
         if not light and args.command != "train":  # train quiets them after its config checks
-            _quiet_libraries()  # run management imports neither datasets nor (mostly) torch
+            quiet_libraries()  # run management imports neither datasets nor (mostly) torch
         return handlers[args.command](args)
     except LLMForgeError as exc:
         if args.debug:
@@ -87,8 +84,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.debug:
             raise
         if isinstance(exc, OSError) and exc.filename is not None:  # a read/write error: exit 2
-            from llmforge.paths import os_error_message
-
             print(f"error: {_scrub(os_error_message(exc))}", file=sys.stderr)
             return 2
         print(f"error: {type(exc).__name__}: {_scrub(str(exc))} (run again with --debug for the "

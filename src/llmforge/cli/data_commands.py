@@ -12,6 +12,9 @@ import argparse
 import sys
 from typing import Any
 
+from llmforge import signals
+from llmforge.errors import ConfigError
+
 
 def add_parser(sub: Any) -> None:
     """Add ``data prepare`` to the top-level subparsers ``sub``."""
@@ -36,14 +39,14 @@ def load_prepare_config(source: str, overrides: list[str]) -> Any:
     Raises:
         ConfigError: as :func:`llmforge.config.load_config`.
     """
+    # the config machinery (omegaconf, yaml) when the command runs: `llmforge --help` stays fast
     from llmforge.config import load_config
+    from llmforge.config.overrides import _apply_override
+    from llmforge.config.schema import TrainConfig
 
     if source.endswith((".yaml", ".yml")):
         return load_config(source, overrides)
     from omegaconf import OmegaConf
-
-    from llmforge.config.loader import _apply_override
-    from llmforge.config.schema import TrainConfig
 
     cfg = OmegaConf.structured(TrainConfig)
     for item in ["data.source=files", f"data.path={source}", *overrides]:
@@ -58,8 +61,6 @@ def _check_preparable(cfg: Any) -> None:
     Raises:
         ConfigError: a mixture, an already prepared source or an SFT config (names the key).
     """
-    from llmforge.errors import ConfigError
-
     if cfg.data.get("mixture"):
         raise ConfigError("data.mixture: `data prepare` prepares one source; prepare each entry into "
                           "its own folder (llmforge data prepare ENTRY_PATH OUT) and list the folders "
@@ -75,13 +76,12 @@ def _check_preparable(cfg: Any) -> None:
 def cmd_data(args: argparse.Namespace) -> int:
     """``data prepare``; a stop signal at any moment (llmforge.signals) says the command stopped
     and that running it again continues (exit 75 for SIGTERM/SIGUSR1, 130 for SIGINT)."""
-    from llmforge import signals
-    from llmforge.config.redaction import scrub_url_credentials
-
     try:
         return _prepare_command(args)
     except signals.StoppedBeforeTraining as exc:  # the CLI prints "stopped: ..."
         import signal
+
+        from llmforge.config.redaction import scrub_url_credentials  # omegaconf: after --help
 
         name = signal.Signals(exc.signum).name if exc.signum else "a stop signal"
         out = scrub_url_credentials(str(args.out))
@@ -91,9 +91,8 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 
 def _prepare_command(args: argparse.Namespace) -> int:
-    from llmforge.config.redaction import scrub_url_credentials
-    from llmforge.data.prepare import prepare
-    from llmforge.errors import ConfigError
+    from llmforge.config.redaction import scrub_url_credentials  # omegaconf: after --help
+    from llmforge.data.prepare import prepare  # heavy (datasets, torch): after the config's errors
 
     if args.workers is not None and args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")

@@ -1,6 +1,6 @@
 """The ``llmforge`` command line's argument parser (``train``, ``generate``, ``eval``,
 ``convert``, ``checkpoint``, ``algorithms``, ``runs plot``; ``data`` and run management add
-their own subparsers). The handlers are in :mod:`llmforge.cli_commands`, dispatch in
+their own subparsers). The handlers are in :mod:`llmforge.cli.handlers`, dispatch in
 :mod:`llmforge.cli`."""
 
 from __future__ import annotations
@@ -8,14 +8,12 @@ from __future__ import annotations
 import argparse
 
 from llmforge import __version__
+from llmforge.cli.common_args import add_debug
+from llmforge.cli.data_commands import add_parser as add_data_parser  # data prepare
+from llmforge.cli.runs_commands import add_parsers  # launch, clusters, secrets, runs list/stop/...
 from llmforge.planning.command import add_parser as add_plan_parser
 
-__all__ = ["_parser", "add_debug"]
-
-
-def add_debug(p: argparse.ArgumentParser) -> None:
-    """``--debug``: show tracebacks instead of one ``error:`` line (every command has it)."""
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
+__all__ = ["_parser"]
 
 
 def add_trust_code(p: argparse.ArgumentParser) -> None:
@@ -123,11 +121,7 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("--height", type=int, default=600, help="image height in pixels")
     rp.add_argument("--log-y", action="store_true", help="logarithmic y axis")
     add_debug(rp)
-    from llmforge.data.commands import add_parser as add_data_parser  # data prepare
-
     add_data_parser(sub)
     add_plan_parser(sub)  # plan
-    from llmforge.runs.commands import add_parsers  # launch, clusters, secrets, runs list/stop/...
-
     add_parsers(sub, runs_sub)
     return p

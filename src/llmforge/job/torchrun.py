@@ -1,4 +1,4 @@
-"""``python -m llmforge.runs.torchrun ARGS``: torchrun (same arguments) that keeps the exit code.
+"""``python -m llmforge.job.torchrun ARGS``: torchrun (same arguments) that keeps the exit code.
 
 Plain ``torchrun`` exits 1 whenever a worker fails, so a scheduler cannot tell a clean
 preemption (llmforge exits 75 after saving) from a crash. This runs torch's own launcher
@@ -27,6 +27,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Optional, Sequence
+from llmforge.parallel.threads import TORCHRUN_SET_OMP
+from llmforge.signals import exit_code_for, STOP_SIGNALS
 
 FORWARD_WAIT_S = 60.0
 
@@ -103,8 +105,6 @@ def signal_exit_code(sigval: int) -> int:
     """The exit code of a launcher stopped by signal ``sigval`` after torch's agent passed it on:
     the workers' own (75 for SIGTERM/SIGUSR1, 130 for SIGINT; :mod:`llmforge.signals`), not
     128 + N, which reads as a crash (status ``failed``, automatic retries) although they saved."""
-    from llmforge.signals import STOP_SIGNALS, exit_code_for
-
     return exit_code_for(sigval) if sigval in STOP_SIGNALS else 128 + int(sigval)
 
 
@@ -117,8 +117,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     signal.signal(signal.SIGUSR1, _forward_usr1)
     args = torchrun.parse_args(list(sys.argv[1:] if argv is None else argv))
     if "OMP_NUM_THREADS" not in os.environ:  # torchrun will set 1: let the workers choose
-        from llmforge.parallel.threads import TORCHRUN_SET_OMP
-
         os.environ[TORCHRUN_SET_OMP] = "1"
     try:
         torchrun.run(args)

@@ -3,7 +3,7 @@
 Every run that ``llmforge launch`` starts has a row: id, name, cluster, status, times, the
 resolved config (secrets redacted), run directory, process group or scheduler job id, last step
 and loss, resumptions, and a timeline of events. ``launch``, the local supervisor, the
-in-training :class:`~llmforge.runs.tracker.RunTracker` and ``llmforge runs ...`` write it at the
+in-training :class:`~llmforge.job.tracker.RunTracker` and ``llmforge runs ...`` write it at the
 same time: the database is in WAL mode with a busy timeout, and every read-modify-write is one
 ``BEGIN IMMEDIATE`` transaction, so concurrent writers wait for each other instead of losing
 updates. Times are Unix seconds (float). The schema is versioned (SQLite's ``user_version``):

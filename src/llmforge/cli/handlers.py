@@ -10,17 +10,19 @@ import os
 import sys
 from typing import Any
 
-from llmforge.errors import LLMForgeError
-from llmforge.quiet import quiet_libraries as _quiet_libraries  # noqa: F401  (cli imports it from here)
+from llmforge.cli.runs_commands import RUN_COMMANDS
+from llmforge.errors import ConfigError, LLMForgeError
+from llmforge.quiet import quiet_libraries
+from llmforge.runs.plot import plot_runs
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Load and resolve the run before the heavy imports (a typo fails in a fraction of a
     second), then build the Trainer: its one start-up sequence serves the dry run, the
     ``--nproc`` launcher's check and training."""
+    # the config machinery (omegaconf, yaml) after argument parsing: `llmforge --help` stays fast
     from llmforge.config import load_config
-    from llmforge.config.resolve import resolve_run
-    from llmforge.errors import ConfigError
+    from llmforge.preflight.resolve import resolve_run
 
     cfg = load_config(args.config, args.overrides)
     if args.nproc is not None:
@@ -30,13 +32,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     launcher = bool(args.nproc and args.nproc > 1 and not os.environ.get("WORLD_SIZE"))
     run = resolve_run(cfg, overwrite=args.overwrite, check_dir=not args.dry_run,
                       dry_run=args.dry_run)
-    _quiet_libraries()
-    from llmforge.training.trainer import Trainer
+    quiet_libraries()
+    from llmforge.training.trainer import Trainer  # heavy (torch, Lightning): after the config errors
 
     trainer = Trainer(cfg, overwrite=args.overwrite, run=run)  # imports, strategy, algorithms
     if args.dry_run:
-        from llmforge.runs.checks import build_loggers
-        from llmforge.training.dry_run import dry_run_report
+        from llmforge.runs.checks import build_loggers  # the launcher's logger check: dry runs only
+        from llmforge.training.dry_run import dry_run_report  # heavy (torch): after config errors
+        from llmforge.training.preflight import pipeline_line  # heavy (torch, Lightning)
 
         try:  # a tracker SDK missing here fails the real run here: say it now (an API key may
             # be set only where the run goes, so a missing one is left to it)
@@ -48,10 +51,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         for note in run.notes:
             print(f"note            {note}")
         print(dry_run_report(trainer.cfg, run.plan, device_memory_gib=args.device_memory_gib))
-        print(_pipeline_line(trainer))
+        print(pipeline_line(trainer))
         return 0
     if launcher:
-        from llmforge.parallel.launch import launch_local
+        from llmforge.job.nproc import launch_local  # after the config errors, like the Trainer
 
         argv = ["train", args.config, *args.overrides, f"trainer.devices={args.nproc}"]
         argv += ["--overwrite"] * args.overwrite + ["--debug"] * args.debug
@@ -66,35 +69,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _static_checks(cfg: Any, world_size: int, dry_run: bool = False) -> tuple[Any, str]:
-    """The checks ``llmforge train`` runs before training, for a job of ``world_size``
-    processes (``trainer.devices`` per node) that runs elsewhere (``llmforge launch``): the same
-    resolution and Trainer start-up, without looking at the run directory. ``dry_run``: files
-    the config names (an HF folder, a tokenizer) may be missing here. Returns (plan, pipeline
-    line).
-
-    Raises:
-        ConfigError: what the job would exit 2 with.
-    """
-    from llmforge.config.resolve import resolve_run
-    from llmforge.training.trainer import Trainer
-
-    env = {"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(cfg.trainer.devices)}
-    run = resolve_run(cfg, check_dir=False, dry_run=dry_run, environ=env)
-    return run.plan, _pipeline_line(Trainer(cfg, run=run))
-
-
-def _pipeline_line(trainer: Any) -> str:
-    """The model-transform order a run would apply (algorithms and the strategy's stages)."""
-    from llmforge.algorithms.loading import pipeline_order
-    from llmforge.parallel.transforms import strategy_transforms
-
-    order = pipeline_order(trainer.cfg, trainer.algorithms, strategy_transforms(trainer.cfg, trainer.dims))
-    return f"pipeline        build (meta) -> {' -> '.join(order + ['materialize'])}"
-
-
 def cmd_algorithms(args: argparse.Namespace) -> int:
-    from llmforge.algorithms.loading import available
+    from llmforge.algorithms.loading import available  # heavy (torch): off the CLI's fast path
 
     rows = available()
     width = max(len(r[0]) for r in rows)
@@ -105,8 +81,6 @@ def cmd_algorithms(args: argparse.Namespace) -> int:
 
 
 def cmd_runs_plot(args: argparse.Namespace) -> int:
-    from llmforge.runs.plot import plot_runs
-
     metrics = args.metric or ["train/loss"]
     out = args.out or metrics[0].replace("/", "_") + ".png"
     path = plot_runs(args.run_dirs, metrics, out, x=args.x, width=args.width, height=args.height,
@@ -120,8 +94,6 @@ RUNS_COMMANDS = {"plot": cmd_runs_plot}
 
 def cmd_runs(args: argparse.Namespace) -> int:
     """``llmforge runs SUBCOMMAND``: dispatch on :data:`RUNS_COMMANDS` (and run management's)."""
-    from llmforge.runs.commands import RUN_COMMANDS
-
     return {**RUN_COMMANDS, **RUNS_COMMANDS}[args.runs_command](args)
 
 
@@ -148,8 +120,7 @@ def _print_summary(s: dict[str, Any]) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from llmforge.errors import ConfigError
-    from llmforge.generate import sample_text
+    from llmforge.generate import sample_text  # heavy (torch): off the CLI's fast path
 
     checks = [(args.max_new_tokens >= 0, "--max-new-tokens must be >= 0"),
               (args.temperature >= 0 and args.temperature != float("inf"),
@@ -189,9 +160,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from torch import device as torch_device
     from torch.cuda import is_available as cuda_available
 
-    from llmforge.errors import ConfigError
-    from llmforge.evaluation.harness import parse_limit
-    from llmforge.evaluation.run import evaluate_run
+    from llmforge.evaluation.harness import parse_limit  # heavy (torch): off the CLI's fast path
+    from llmforge.evaluation.run import evaluate_run  # heavy (torch, lm-eval)
 
     try:
         limit = parse_limit(args.limit)
@@ -221,8 +191,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from llmforge.checkpoint.convert import from_hf, to_hf
-    from llmforge.errors import ConfigError
+    from llmforge.checkpoint.convert import from_hf, to_hf  # heavy (torch): off the CLI's fast path
 
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
@@ -239,7 +208,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
-    from llmforge.checkpoint.tools import consolidate, inspect_checkpoint
+    from llmforge.checkpoint.tools import consolidate, inspect_checkpoint  # heavy (torch): off the fast path
 
     if args.checkpoint_command == "inspect":
         print(inspect_checkpoint(args.path))

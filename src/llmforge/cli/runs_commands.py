@@ -1,4 +1,4 @@
-"""Command-line parts of run management (registered into ``llmforge``'s parser by cli.py)::
+"""Command-line parts of run management (registered into ``llmforge``'s parser by :mod:`llmforge.cli`)::
 
     llmforge launch CONFIG.yaml [--cluster NAME] [--gpus N] [--nodes M] [--secret NAME]... [--dry-run] [key=value ...]
     llmforge clusters
@@ -13,6 +13,10 @@
 RUN is a run id, a unique prefix of one, or a run name (its newest run). Errors in what is
 asked (an unknown run, a run in the wrong state, a restart with nothing to train) exit 2 like
 the other input errors; a scheduler that refuses exits 1.
+
+Each handler imports the launcher side (:mod:`llmforge.runs`, :mod:`llmforge.job.records`:
+sqlite3, the backends) when it runs: this module is imported by every ``llmforge`` command to
+build the parser, and ``llmforge train``'s config errors must not pay for them.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from llmforge.cli_parser import add_debug as _debug
+from llmforge.cli.common_args import add_debug as _debug
 from llmforge.errors import ConfigError, LLMForgeError
 from llmforge.run_guard import MARK, is_run_dir
 
@@ -97,7 +101,7 @@ def _duration(run: Any) -> str:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from llmforge.runs.launch import launch
+    from llmforge.runs.launch import launch  # lazy: see the module doc
 
     res = launch(args.config, args.overrides, cluster=args.cluster, gpus=args.gpus, nodes=args.nodes,
                  dry_run=args.dry_run, secrets=args.secret)
@@ -118,7 +122,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 def cmd_clusters(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from llmforge.runs.clusters import clusters_file, describe, load_clusters
+    from llmforge.runs.clusters import clusters_file, describe, load_clusters  # lazy: see the module doc
 
     table = Table(title=f"clusters ({clusters_file()})")
     for col in ("name", "type", "GPU type", "GPUs/node", "where"):
@@ -133,7 +137,7 @@ def cmd_clusters(args: argparse.Namespace) -> int:
 def cmd_secrets(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from llmforge.runs.credentials import available
+    from llmforge.runs.credentials import available  # lazy: see the module doc
 
     rows = available()
     table = Table(title="credentials in this environment (values never shown)")
@@ -151,9 +155,9 @@ def cmd_secrets(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from llmforge.runs.backend import record_backend_allowed
-    from llmforge.runs.launch import refresh
-    from llmforge.runs.registry import RunRegistry
+    from llmforge.job.records import RunRegistry  # lazy: see the module doc
+    from llmforge.runs.backend import record_backend_allowed  # lazy: see the module doc
+    from llmforge.runs.launch import refresh  # lazy: see the module doc
 
     registry = RunRegistry()
     refresh(registry)
@@ -195,9 +199,9 @@ def _last_metrics(run_dir: Optional[str]) -> dict[str, Any]:
 def cmd_describe(args: argparse.Namespace) -> int:
     import yaml
 
-    from llmforge.runs.backend import backend_of
-    from llmforge.runs.launch import refresh
-    from llmforge.runs.registry import RunRegistry
+    from llmforge.runs.backend import backend_of  # lazy: see the module doc
+    from llmforge.runs.launch import refresh  # lazy: see the module doc
+    from llmforge.job.records import RunRegistry  # lazy: see the module doc
 
     registry = RunRegistry()
     refresh(registry)
@@ -233,9 +237,9 @@ def cmd_describe(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    from llmforge.runs.backend import backend_of
-    from llmforge.runs.launch import refresh
-    from llmforge.runs.registry import RunRegistry
+    from llmforge.runs.backend import backend_of  # lazy: see the module doc
+    from llmforge.runs.launch import refresh  # lazy: see the module doc
+    from llmforge.job.records import RunRegistry  # lazy: see the module doc
 
     registry = RunRegistry()
     r = registry.resolve(args.run)
@@ -268,7 +272,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from llmforge.runs.launch import stop
+    from llmforge.runs.launch import stop  # lazy: see the module doc
 
     r = stop(args.run, wait=not args.no_wait, timeout=args.timeout)
     print(f"{r.id}: {r.status}" + (f" (exit code {r.exit_code})" if r.exit_code is not None else ""))
@@ -276,8 +280,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
-    from llmforge.runs.launch import refresh, stop
-    from llmforge.runs.registry import RunRegistry
+    from llmforge.runs.launch import refresh, stop  # lazy: see the module doc
+    from llmforge.job.records import RunRegistry  # lazy: see the module doc
 
     registry = RunRegistry()
     refresh(registry)
@@ -308,7 +312,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
 
 
 def cmd_restart(args: argparse.Namespace) -> int:
-    from llmforge.runs.launch import restart
+    from llmforge.runs.launch import restart  # lazy: see the module doc
 
     r = restart(args.run, args.overrides)
     print(f"restarted {r.id} as resumption {r.resumptions} (checkpoint.resume=auto) on {r.cluster}")

@@ -21,7 +21,9 @@ from typing import Any, Mapping, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from llmforge.config.redaction import redact
+from llmforge.checkpoint.layout import COMPLETE, latest_checkpoint, list_checkpoints
+from llmforge.checkpoint.resume_changes import check_resume_changes, resume_changes
+from llmforge.config.redaction import config_to_dict, redact
 from llmforge.config.validate import BatchPlan, validate
 from llmforge.errors import ConfigError
 from llmforge.parallel.mesh import ParallelDims
@@ -161,7 +163,7 @@ def _hf_shape(cfg: DictConfig, dry_run: bool) -> tuple[str, ...]:
     if dry_run and not os.path.exists(os.path.join(spec[3:], "config.json")):
         return (f"model.init_from {spec}: no config.json on this machine; the YAML's model "
                 "fields are used for the sizes",)
-    from llmforge.checkpoint.init_from import apply_hf_shape
+    from llmforge.checkpoint.init_from import apply_hf_shape  # heavy (torch, safetensors): hf: only
 
     apply_hf_shape(cfg)
     return ()
@@ -180,10 +182,6 @@ def _run_dir_state(cfg: DictConfig, run_dir: Path, ckpt_dir: Path, overwrite: bo
                    world_size: int) -> tuple[Optional[Path], bool, Optional[str]]:
     """``(resume_from, used, resume line)``; refuses a used directory without resume or
     overwrite, an incomplete resume path, and a resume whose changes break exactness."""
-    from llmforge.checkpoint.layout import COMPLETE, latest_checkpoint, list_checkpoints
-    from llmforge.checkpoint.resume_changes import check_resume_changes, resume_changes
-    from llmforge.config.loader import config_to_dict, redact
-
     ck = cfg.checkpoint
     check_run_dir(run_dir, "run.name")
     if ck.dir:  # llmforge's checkpoints in it, and nothing else, are what --overwrite deletes

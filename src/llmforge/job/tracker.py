@@ -16,7 +16,8 @@ from typing import Any, Optional
 
 from lightning.pytorch.callbacks import Callback
 
-from llmforge.runs.registry import RunRegistry
+from llmforge.job.records import RunRegistry
+from llmforge.signals import StopRequested
 
 
 class RunTracker(Callback):
@@ -82,8 +83,6 @@ class RunTracker(Callback):
                    f"training finished at step {trainer.global_step}", **fields)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        from llmforge.signals import StopRequested
-
         fields = {**self._progress(pl_module), "last_step": int(trainer.global_step)}  # steps done
         if isinstance(exception, StopRequested):  # saved and exits 75, or stopped before training
             self._safe(self.registry.set_status, self.run_id, "stopped", str(exception)[:500], **fields)

@@ -1,7 +1,7 @@
-"""``python -m llmforge.runs.supervisor RUN_ID``: runs a local job, records it, restarts it.
+"""``python -m llmforge.job.supervisor RUN_ID``: runs a local job, records it, restarts it.
 
 Started detached by ``llmforge launch``/``llmforge runs restart`` (the leader of the run's
-process group). For each resumption ``k`` it runs torchrun (:mod:`llmforge.runs.torchrun`)
+process group). For each resumption ``k`` it runs torchrun (:mod:`llmforge.job.torchrun`)
 with the output in ``<run_dir>/logs/resumption-<k>.log`` and ``checkpoint.resume=auto`` from
 the first restart on, waits, and records the outcome:
 
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from llmforge.runs.registry import RunNotFound, RunRecord, RunRegistry
+from llmforge.job.records import RunNotFound, RunRecord, RunRegistry
 from llmforge.signals import EXIT_PREEMPTED
 
 EXIT_CONFIG = 2
@@ -38,7 +38,7 @@ SHUTDOWN_TIMEOUT_S = 300
 
 def torchrun_command(spec: dict[str, Any], resume: bool, python: str = sys.executable) -> list[str]:
     """The local training command: torchrun on one node with ``spec['procs_per_node']`` workers."""
-    cmd = [python, "-m", "llmforge.runs.torchrun", "--standalone",
+    cmd = [python, "-m", "llmforge.job.torchrun", "--standalone",
            f"--nproc-per-node={spec['procs_per_node']}", f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}",
            "-m", "llmforge", "train", spec["config_path"], *spec.get("overrides", [])]
     if resume:
@@ -128,7 +128,7 @@ class Supervisor:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
-        print("usage: python -m llmforge.runs.supervisor RUN_ID", file=sys.stderr)
+        print("usage: python -m llmforge.job.supervisor RUN_ID", file=sys.stderr)
         return 2
     try:
         return Supervisor(args[0]).supervise()

@@ -64,7 +64,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "--print-command" in argv:
         print(shlex.join(["llmforge", *command]))
         return 0
-    from llmforge.cli import main as cli
+    from llmforge.cli import main as cli  # after the sys.path set-up above (run as a script)
 
     return cli(command)
 

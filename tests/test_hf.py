@@ -207,7 +207,7 @@ def test_from_hf_overwrite_replaces_a_run_instead_of_mixing_with_it(tmp_path, ca
     """`convert from-hf HF RUN --overwrite` onto a trained run left its step_1 beside the new
     step_0, so generate loaded the old checkpoint: the old run is deleted, as train --overwrite does."""
     from llmforge.cli import main
-    from llmforge.generate import load_model
+    from llmforge.checkpoint.run_dir import load_model
 
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(

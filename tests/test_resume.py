@@ -168,7 +168,7 @@ def test_async_save_trains_identically_and_tools_read_it(out, reference, tmp_pat
         assert torch.equal(tensors[k], ref[k]), k
 
     bad = run_cli("checkpoint", "inspect", str(tmp_path))
-    assert bad.returncode == 1 and "not a checkpoint" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "not a checkpoint" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_module_without_super_still_saves_when_due(out):

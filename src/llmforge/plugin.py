@@ -3,7 +3,7 @@
 A model is built on the meta device and passes through one ordered pipeline of transforms
 before it is materialized (the order torchtitan uses and documents)::
 
-    CONVERT (lora, float8: swap module types)
+    CONVERT (adapters, float8: swap module types)
       -> TENSOR_PARALLEL -> ACTIVATION_CHECKPOINTING -> COMPILE
       -> DATA_PARALLEL (FSDP2 per block, then root; or DDP)
       -> materialize + initialize (LLMModule.configure_model)
@@ -57,8 +57,8 @@ class ModelContext:
 @dataclass
 class Transform:
     """One pipeline step: ``fn(model, ctx) -> model`` at ``stage``; within a stage, lower
-    ``priority`` runs first (``lora`` has 1, so ``float8`` converts the base layers before LoRA
-    adds its adapters)."""
+    ``priority`` runs first (an adapter algorithm has 1, so ``float8`` converts the base layers
+    before the adapters are added)."""
 
     stage: Stage
     name: str
@@ -87,7 +87,7 @@ def meta_model(cfg: Any) -> nn.Module:
 
 ADAPTER_CHILDREN = "adapter_children"
 """Attribute of an ``nn.Module``: names of its child modules whose parameters a plugin added
-(adapters, e.g. ``("lora_A", "lora_B")``). Base-model weights (a plain build, a Hugging Face
+(adapters, e.g. an adapter algorithm's two low-rank factors). Base-model weights (a plain build, a Hugging Face
 folder, a full checkpoint) do not have them: core code skips them when it loads or broadcasts
 base weights, and saves only them for a plugin with ``adapters_only``."""
 

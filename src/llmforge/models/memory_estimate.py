@@ -2,7 +2,7 @@
 activations of one micro-batch from the spec's :class:`~llmforge.models.spec.MemoryShape`.
 
 Used by ``--dry-run`` (:mod:`llmforge.training.dry_run`) and by plugins' own fit verdicts
-(``Algorithm.dry_run_lines``: EMA, LoRA). FLOPs per token come from the spec
+(``Algorithm.dry_run_lines``: EMA, adapters). FLOPs per token come from the spec
 (:meth:`llmforge.models.spec.ModelSpec.flops`).
 """
 

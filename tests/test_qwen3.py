@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import REPO, TINY_OVERRIDES  # noqa: E402
 from llmforge.cli import main  # noqa: E402
+from helpers.hf_files import safetensors_of  # noqa: E402
 
 QWEN_DEMO = str(REPO / "yamls" / "demo_cpu_qwen3.yaml")
 # TINY_OVERRIDES without Llama's shape keys, plus a tiny Qwen3 (head dim decoupled: 4 x 32 != 48)
@@ -33,15 +34,6 @@ def tiny_hf(path, tie: bool, n_kv: int, vocab: int = 128, seed: int = 0):
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     return model
-
-
-def safetensors_of(folder):
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
 
 
 @pytest.mark.parametrize("tie, n_kv", [(True, 1), (False, 2), (True, 2), (False, 1)])

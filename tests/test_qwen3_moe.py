@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 from conftest import REPO  # noqa: E402
 from llmforge.cli import main  # noqa: E402
 from llmforge.models.qwen3_moe.moe import MoE  # noqa: E402
+from helpers.hf_files import safetensors_of  # noqa: E402
 
 MOE_DEMO = str(REPO / "yamls" / "demo_cpu_qwen3_moe.yaml")
 
@@ -82,15 +83,6 @@ def tiny_hf(path, norm_topk: bool, tie: bool = False, seed: int = 0, sparse_step
                 p.normal_(0.0, 0.5)
     model.save_pretrained(path)
     return model
-
-
-def safetensors_of(folder):
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
 
 
 @pytest.mark.parametrize("norm_topk, tie, sparse_step", [(True, False, 1), (False, True, 2)])

@@ -7,7 +7,14 @@ from omegaconf import OmegaConf
 
 transformers = pytest.importorskip("transformers")
 
-from llmforge.checkpoint.hf import load_hf_weights, model_overrides_from_hf, read_hf_config, save_hf  # noqa: E402
+from helpers.dist import torchrun, worker  # noqa: E402
+
+from llmforge.checkpoint.hf import (  # noqa: E402
+    load_hf_weights,
+    model_overrides_from_hf,
+    read_hf_config,
+    save_hf,
+)
 from llmforge.models.llama3.config import Llama3Config as ModelConfig  # noqa: E402
 from llmforge.models.llama3.model import build_llama  # noqa: E402
 
@@ -123,11 +130,6 @@ def test_rank_local_import_keeps_each_process_below_the_checkpoint_size(tmp_path
     memory grows by less than the checkpoint's size (it holds its shard plus one slice at a
     time, never the whole state dict; rank 0 does not build a full model either)."""
     import json
-    import os
-    import subprocess
-    import sys
-
-    from conftest import REPO
 
     cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), {
         "dim": 1024, "n_layers": 6, "n_heads": 16, "n_kv_heads": 4, "vocab_size": 16384,
@@ -142,10 +144,7 @@ def test_rank_local_import_keeps_each_process_below_the_checkpoint_size(tmp_path
     assert ckpt_bytes > 350 * 2**20
     out = tmp_path / "out"
     out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(REPO / "tests" / "dist" / "hf_import_worker.py"), str(path), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    proc = torchrun(worker("hf_import_worker.py"), str(path), str(out), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in range(2):
         r = json.loads((out / f"rank{rank}.json").read_text())
@@ -168,8 +167,8 @@ def test_absent_config_keys_take_transformers_defaults(tmp_path, family):
     installed transformers' defaults, so the logits equal transformers' within 1e-5."""
     import json
 
-    from llmforge.cli import main
     from llmforge.checkpoint.run_dir import load_model
+    from llmforge.cli import main
 
     cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                       "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[family]
@@ -206,8 +205,8 @@ def test_from_hf_overwrite_never_marks_a_folder_llmforge_did_not_make(tmp_path, 
 def test_from_hf_overwrite_replaces_a_run_instead_of_mixing_with_it(tmp_path, capsys):
     """`convert from-hf HF RUN --overwrite` onto a trained run left its step_1 beside the new
     step_0, so generate loaded the old checkpoint: the old run is deleted, as train --overwrite does."""
-    from llmforge.cli import main
     from llmforge.checkpoint.run_dir import load_model
+    from llmforge.cli import main
 
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(

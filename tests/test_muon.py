@@ -3,14 +3,12 @@ against torch's own Muon and AdamW, the state through a DCP checkpoint, a short 
 FSDP2 and tensor parallel on 2 real processes (tests/dist/muon_worker.py) against one process."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from conftest import DEMO, TINY_OVERRIDES
+from helpers.dist import torchrun, worker
 
-from conftest import DEMO, REPO, TINY_OVERRIDES
 from llmforge.checkpoint.dcp import load_training_state, save_checkpoint
 from llmforge.cli import main
 from llmforge.models.llama3.model import Llama, LlamaArgs
@@ -148,11 +146,7 @@ def test_bad_muon_key_is_one_error_line(capsys, tmp_path):
 @pytest.fixture(scope="module")
 def sharded_reports(tmp_path_factory):
     out = tmp_path_factory.mktemp("muon_sharded")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(REPO / "tests" / "dist" / "muon_worker.py"), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-                              [str(REPO), os.environ.get("PYTHONPATH", "")])})
+    proc = torchrun(worker("muon_worker.py"), str(out))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 

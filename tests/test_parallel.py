@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from conftest import DEMO, REPO, TINY_OVERRIDES, run_cli
+from conftest import DEMO, TINY_OVERRIDES, run_cli
+from helpers.dist import torchrun
 
 COMMON = [*TINY_OVERRIDES, "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
           "trainer.max_steps=5", "trainer.log_every=1", "trainer.eval_every=0",
@@ -87,15 +87,10 @@ def test_wrong_mesh_fails_fast_with_exit_2(tmp_path):
 
 @pytest.mark.slow
 def test_wrong_mesh_under_torchrun_errors_on_every_rank(tmp_path):
-    import subprocess
-    import sys
 
     # torchrun stops the other workers as soon as it sees one fail (it polls every 0.1 s): give
     # the slower rank time to print its own error, which is what this test looks for
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--monitor-interval", "5", "-m", "llmforge", "train", DEMO, *COMMON, "strategy.name=fsdp2", "strategy.dp_shard=3",
-           f"run.output_dir={tmp_path}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    proc = torchrun("-m", "llmforge", "train", DEMO, *COMMON, "strategy.name=fsdp2", "strategy.dp_shard=3",
+                    f"run.output_dir={tmp_path}", timeout=120, launcher_args=("--monitor-interval", "5"))
     assert proc.returncode != 0
     assert proc.stderr.count("error: strategy.dp_replicate (1) x strategy.dp_shard (3)") == 2

@@ -2,22 +2,15 @@
 gradient norm, clipping, tied embeddings, shard sizes. The worker is tests/dist/fsdp_worker.py."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-
-from conftest import REPO
+from helpers.dist import torchrun, worker
 
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp_math")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(REPO / "tests" / "dist" / "fsdp_worker.py"), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    proc = torchrun(worker("fsdp_worker.py"), str(out))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 

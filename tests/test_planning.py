@@ -2,14 +2,12 @@
 world size, and ``llmforge plan``'s bad input. See docs/scale.md."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch.distributed as dist
-
 from conftest import REPO
+from helpers.dist import torchrun, worker
+
 from llmforge import cli
 from llmforge.config import load_config
 from llmforge.planning.simulate import Layout, simulate, simulate_scaled
@@ -31,10 +29,7 @@ def test_simulated_peak_within_5_percent_of_real_gloo_fsdp2(tmp_path):
     """2 real processes (gloo, FSDP2, 2 micro-batches of accumulation) measured by the tracker,
     against the simulation of rank 0 on a fake process group with fake tensors."""
     out = tmp_path / "real.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(REPO / "tests" / "dist" / "simulate_worker.py"), str(out), DEMO, "2", "1", "none", "2", *TINY]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"})
+    proc = torchrun(worker("simulate_worker.py"), str(out), DEMO, "2", "1", "none", "2", *TINY)
     assert proc.returncode == 0, proc.stderr[-4000:]
     real = json.loads(out.read_text())
     sim = simulate(load_config(DEMO, TINY), Layout(1, 2, 1, "none", 2))

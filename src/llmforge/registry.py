@@ -160,6 +160,20 @@ class Registry:
         self._load_entry_points()
         return sorted(self._items)
 
+    def matching(self, predicate: Callable[[Any], bool]) -> list[Any]:
+        """The registered objects (entry points loaded) for which ``predicate`` is true, in name
+        order; an entry point that fails to load is skipped (a broken third-party package is not
+        ours to raise)."""
+        out = []
+        for n in self.names():
+            try:
+                obj = self.get(n)
+            except Exception:  # noqa: BLE001 - see the docstring
+                continue
+            if predicate(obj):
+                out.append(obj)
+        return out
+
     def get(self, name: str, *, key: str = "", registered_only: bool = False) -> Any:
         """Return the object registered as ``name``, or import it when ``name`` is a path
         (checked by :meth:`expect`'s function before it is returned). ``registered_only``: the

@@ -61,15 +61,7 @@ def _family_specs() -> list[Any]:
     """The registered model families that are specs (a name, a ``build`` and a ``config_cls``;
     bare factories have no keys of their own), found through the registry: the config floor
     does not import :mod:`llmforge.models`."""
-    out = []
-    for n in registry.models.names():
-        try:
-            obj = registry.models.get(n)
-        except Exception:  # noqa: BLE001 - a broken third-party entry point is not ours to raise
-            continue
-        if all(hasattr(obj, a) for a in ("name", "build", "config_cls")):
-            out.append(obj)
-    return out
+    return registry.models.matching(lambda o: all(hasattr(o, a) for a in ("name", "build", "config_cls")))
 
 
 def _family_rows() -> list[str]:

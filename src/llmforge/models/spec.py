@@ -222,15 +222,7 @@ def get_spec(name: str, *, key: str = "model.name") -> ModelSpec:
 
 
 def _registered_specs() -> list[ModelSpec]:
-    out = []
-    for n in registry.models.names():
-        try:
-            obj = registry.models.get(n)
-        except Exception:  # noqa: BLE001 - a broken third-party entry point is not ours to raise
-            continue
-        if isinstance(obj, ModelSpec):
-            out.append(obj)
-    return out
+    return registry.models.matching(lambda o: isinstance(o, ModelSpec))
 
 
 def spec_for_model(model: Any) -> Optional[ModelSpec]:

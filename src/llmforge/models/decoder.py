@@ -279,7 +279,7 @@ class DecoderLM:
         tensor. Global counts for DTensor (sharded) parameters.
         """
         n = sum(p.numel() for p in self.parameters())
-        if exclude_embeddings:
+        if exclude_embeddings and self.tok_embeddings is not None:
             n -= self.tok_embeddings.weight.numel()
         return n
 
@@ -296,7 +296,7 @@ class DecoderLM:
         still a matmul); for untied models the result equals torchtitan's.
         """
         n = self.num_params(exclude_embeddings=True)
-        if self.args.tie_embeddings:
+        if self.args.tie_embeddings and self.output is not None:
             n += self.output.weight.numel()
         a = self.args
         return float(6 * n + 12 * a.n_layers * a.n_heads * a.head_dim * int(seq_len))

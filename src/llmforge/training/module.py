@@ -136,8 +136,12 @@ class LLMModule(AuxLosses, Evaluation, PipelineSteps, L.LightningModule):
             self.pp_layout = layout = pipeline_layout(self.cfg, ctx.dims)
             stages = layout.stages_of_rank(ctx.mesh["pp"].get_local_rank())
             self.pp_stages = (0 in stages, layout.num_stages - 1 in stages)
+            spec = get_spec(self.cfg.model.name)
             self.pp_schedule = build_schedule(model, layout, ctx.mesh["pp"], ctx.device, self.pipeline_loss,
-                                              get_spec(self.cfg.model.name).stage_ends)
+                                              spec.stage_ends)
+            with torch.device("meta"):
+                whole = self.build_model()  # the whole model's FLOPs for MFU (no memory)
+            self.model_flops_per_token = lambda seq_len: spec.flops(whole, seq_len)
 
     def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``tokens: LongTensor[B, T] -> logits: FloatTensor[B, T, vocab_size]``.

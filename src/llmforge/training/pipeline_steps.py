@@ -39,6 +39,9 @@ class PipelineSteps:
     pp_schedule: Any = None
     pp_stages: tuple[bool, bool] = (True, True)
     """Whether this rank holds the first and the last stage."""
+    model_flops_per_token: Any = None
+    """``seq_len -> training FLOPs per token`` of the whole model when ``model`` is a part of
+    it (the speed monitor's MFU); ``None`` otherwise."""
 
     def pp_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the pipeline ranks (a value only the last stage has reaches all)."""

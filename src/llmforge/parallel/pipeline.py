@@ -31,7 +31,7 @@ from torch.distributed.pipelining import PipelineStage
 from llmforge.errors import ConfigError
 
 __all__ = ["SCHEDULE_CLASSES", "PipelineLayout", "bubble_fraction", "split_blocks", "resolve_layout",
-           "prune_model", "stage_view", "apply_pipeline_split", "build_schedule"]
+           "prune_model", "stage_view", "stage_params", "apply_pipeline_split", "build_schedule"]
 
 SCHEDULE_CLASSES = {"1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
                     "gpipe": "ScheduleGPipe", "zbv": "ScheduleZBVZeroBubble",
@@ -83,7 +83,8 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def split_blocks(n_blocks: int, n_stages: int, split: Any, stages_per_rank: int = 1) -> list[list[int]]:
+def split_blocks(n_blocks: int, n_stages: int, split: Any, stages_per_rank: int = 1,
+                 world_size: Optional[int] = None) -> list[list[int]]:
     """Block indices of each of ``n_stages`` stages (stage order = model order).
 
     Args:
@@ -91,7 +92,8 @@ def split_blocks(n_blocks: int, n_stages: int, split: Any, stages_per_rank: int 
             the last stage one block fewer: the embedding and the output layer count as one
             block each, so ``n_blocks + 2`` is divided evenly) or an explicit list of block-index
             lists, one per stage, together ``0 .. n_blocks - 1`` in order.
-        stages_per_rank: only for the message (the pp degrees that would work).
+        stages_per_rank, world_size: only for the message (the pp degrees that would work:
+            those that also divide ``world_size``).
 
     Raises:
         ConfigError: the stages do not divide the blocks (the message names the numbers and the
@@ -101,7 +103,8 @@ def split_blocks(n_blocks: int, n_stages: int, split: Any, stages_per_rank: int 
     v = max(1, int(stages_per_rank))
 
     def fits(total: int) -> str:
-        ok = [d // v for d in _divisors(total) if d % v == 0]
+        ok = [d // v for d in _divisors(total) if d % v == 0
+              and (world_size is None or world_size % (d // v) == 0)]
         return ", ".join(map(str, ok)) or "none"
 
     if isinstance(split, str):
@@ -167,13 +170,14 @@ class PipelineLayout:
 
 def resolve_layout(schedule: str, pp: int, n_blocks: int, local_batch_size: int,
                    microbatches: Optional[int], stages_per_rank: Optional[int], split: Any,
-                   default_microbatches: int) -> PipelineLayout:
+                   default_microbatches: int, world_size: Optional[int] = None) -> PipelineLayout:
     """Check the pipeline settings against the model and the batch; return the layout.
 
     Args:
         local_batch_size: sequences per optimizer step on one data-parallel rank.
         default_microbatches: ``pipeline.microbatches`` when ``microbatches`` is None (the
             gradient-accumulation micro-batches).
+        world_size: the job's processes (the pp degrees a message suggests divide it).
 
     Raises:
         ConfigError: a schedule the installed torch lacks, stages per rank the schedule cannot
@@ -199,7 +203,7 @@ def resolve_layout(schedule: str, pp: int, n_blocks: int, local_batch_size: int,
     if schedule in ("1f1b", "gpipe") and v != 1:
         raise ConfigError(f"pipeline.stages_per_rank={v}: pipeline.schedule={schedule} runs one stage "
                           "per rank; set pipeline.stages_per_rank=1, or pipeline.schedule=interleaved_1f1b")
-    stages = split_blocks(n_blocks, pp * v, split, v)
+    stages = split_blocks(n_blocks, pp * v, split, v, world_size)
     m = default_microbatches if microbatches is None else int(microbatches)
     if m < 1 or local_batch_size % m:
         ok = ", ".join(map(str, _divisors(local_batch_size)))
@@ -265,6 +269,19 @@ def stage_view(model: nn.Module, keep: Sequence[int], first: bool, last: bool,
     for attr in ([] if first else list(ends[0])) + ([] if last else list(ends[1])):
         view._modules[attr] = None
     return view
+
+
+def stage_params(model: nn.Module, layout: PipelineLayout, ends: tuple[Sequence[str], Sequence[str]],
+                 blocks: Sequence[nn.Module]) -> list[int]:
+    """Parameters of each stage of the whole ``model`` (e.g. on meta): its blocks, plus the
+    modules of ``ends[0]`` on the first stage and of ``ends[1]`` on the last."""
+    def count(mods: Sequence[Optional[nn.Module]]) -> int:
+        return sum(p.numel() for m in mods if m is not None for p in m.parameters())
+
+    out = [count([blocks[i] for i in split]) for split in layout.split]
+    out[0] += count([getattr(model, n, None) for n in ends[0]])
+    out[-1] += count([getattr(model, n, None) for n in ends[1]])
+    return out
 
 
 def apply_pipeline_split(model: nn.Module, ctx: Any, layout: PipelineLayout,

@@ -150,7 +150,7 @@ def pipeline_layout(cfg: Any, dims: Any, model: Optional[nn.Module] = None) -> P
     p = cfg.pipeline
     return resolve_layout(p.schedule, dims.pp, len(_spec(cfg).model_blocks(model)),
                           plan.local_batch_size, p.microbatches, p.stages_per_rank, p.split,
-                          plan.gradient_accumulation_steps)
+                          plan.gradient_accumulation_steps, dims.world_size)
 
 
 def apply_pp(model: nn.Module, ctx: ModelContext) -> nn.Module:
@@ -165,7 +165,7 @@ def strategy_transforms(cfg: Any, dims: Any) -> list[Transform]:
     ``dp_replicate > 1``; FSDP2 when ``dp > 1``, or on one device when named explicitly)."""
     out: list[Transform] = []
     if dims.pp > 1:
-        out.append(Transform(Stage.PIPELINE, "pipeline", apply_pp))
+        out.append(Transform(Stage.PIPELINE, "pipeline_stages", apply_pp))
     if dims.tp > 1:
         out.append(Transform(Stage.TENSOR_PARALLEL, "tensor_parallel", apply_tp))
     if cfg.strategy.name == "ddp":

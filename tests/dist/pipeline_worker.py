@@ -28,6 +28,7 @@ LAYOUTS = {
         "interleaved_1f1b": {"strategy.pp": 2, "pipeline.schedule": "interleaved_1f1b",
                              "pipeline.stages_per_rank": 2},
         "zbv": {"strategy.pp": 2, "pipeline.schedule": "zbv"},
+        "dualpipev": {"strategy.pp": 2, "pipeline.schedule": "dualpipev"},
         "lighter_ends_m2": {"strategy.pp": 2, "pipeline.split": "lighter_ends", "pipeline.microbatches": 2}},
     4: {"pp4_1f1b": {"strategy.pp": 4},
         "pp4_interleaved": {"strategy.pp": 4, "pipeline.schedule": "interleaved_1f1b"},

@@ -320,9 +320,10 @@ class PipelineConfig:
     ``zbv`` and ``dualpipev`` (the V schedules need exactly 2)."""
     split: Any = "balanced"
     """How the blocks are divided among the ``pp x stages_per_rank`` stages: ``balanced`` (equal
-    counts, the first stages take one more when it does not divide), ``lighter_ends`` (the first
-    and last stage take one block fewer, as they also hold the embedding and the output layer),
-    or an explicit list of block-index lists, one per stage, e.g. ``[[0, 1], [2, 3]]``."""
+    counts; the stages must divide the blocks), ``lighter_ends`` (the first and last stage take
+    one block fewer, as they also hold the embedding and the output layer: the stages must
+    divide blocks + 2), or an explicit list of block-index lists, one per stage, e.g.
+    ``[[0, 1], [2, 3]]``."""
 
 
 @dataclass

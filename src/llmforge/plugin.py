@@ -4,7 +4,7 @@ A model is built on the meta device and passes through one ordered pipeline of t
 before it is materialized (the order torchtitan uses and documents)::
 
     CONVERT (adapters, float8: swap module types)
-      -> TENSOR_PARALLEL -> ACTIVATION_CHECKPOINTING -> COMPILE
+      -> PIPELINE (keep this rank's pipeline stages) -> TENSOR_PARALLEL -> ACTIVATION_CHECKPOINTING -> COMPILE
       -> DATA_PARALLEL (FSDP2 per block, then root; or DDP)
       -> materialize + initialize (LLMModule.configure_model)
 
@@ -30,6 +30,7 @@ class Stage(IntEnum):
     """Pipeline stages, in the order they run."""
 
     CONVERT = 10
+    PIPELINE = 15
     TENSOR_PARALLEL = 20
     ACTIVATION_CHECKPOINTING = 30
     COMPILE = 40

@@ -183,6 +183,9 @@ class SpeedMonitor(Callback):
 def _flops_fn(pl_module: Any) -> Any:
     """``seq_len -> FLOPs per token``: the family spec's ``flops_per_token`` when it has one
     (docs/models.md), else the model's own method (or ``None``)."""
+    whole = getattr(pl_module, "model_flops_per_token", None)
+    if whole is not None:  # a pipeline stage's model is a part of the model
+        return whole
     model = pl_module.model
     name = getattr(getattr(getattr(pl_module, "cfg", None), "model", None), "name", None)
     if name:

@@ -20,6 +20,7 @@ SECTIONS = {
     "data": schema.DataConfig, "trainer": schema.TrainerSettings,
     "optimizer": schema.OptimizerConfig, "scheduler": schema.SchedulerConfig,
     "strategy": schema.StrategyConfig, "strategy.mixed_precision": schema.MixedPrecisionConfig,
+    "pipeline": schema.PipelineConfig,
     "checkpoint": schema.CheckpointConfig,
     "compute": schema.ComputeConfig, "scheduling": schema.SchedulingConfig,
 }

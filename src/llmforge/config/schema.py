@@ -35,6 +35,11 @@ OPTIMIZERS = ("adamw", "muon")
 """``optimizer.name`` values (built in llmforge.training.optim)."""
 STRATEGIES = ("auto", "single", "ddp", "fsdp2")
 """``strategy.name`` values."""
+PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "zbv", "dualpipev")
+"""``pipeline.schedule`` values (the torch.distributed.pipelining class of each: see
+llmforge.parallel.pipeline.SCHEDULE_CLASSES)."""
+PIPELINE_SPLITS = ("balanced", "lighter_ends")
+"""``pipeline.split`` names (an explicit list of block-index lists is the other form)."""
 
 
 @dataclass
@@ -286,12 +291,39 @@ class StrategyConfig:
     """FSDP shard group size; -1 = the rest of the world."""
     tp: int = 1
     """Tensor-parallel degree."""
+    pp: int = 1
+    """Pipeline-parallel degree: the model's repeated blocks are split into ``pp`` groups of
+    ranks (outermost mesh dim; ``pp x dp_replicate x dp_shard x tp`` = world size). See the
+    ``pipeline:`` keys and docs/parallelism.md."""
     reshard_after_forward: bool = True
     """FSDP2: free unsharded parameters after forward (ZeRO-3) or keep them (ZeRO-2)."""
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     """FSDP2 mixed-precision policy."""
     cpu_offload: bool = False
     """FSDP2: keep sharded parameters and optimizer state in CPU memory."""
+
+
+@dataclass
+class PipelineConfig:
+    """``pipeline:`` — how the model is cut into stages when ``strategy.pp > 1`` (ignored at
+    ``pp=1``); see docs/parallelism.md."""
+
+    schedule: str = "1f1b"
+    """``1f1b``, ``interleaved_1f1b`` (several stages per rank), ``gpipe`` (all forwards, then
+    all backwards), ``zbv`` (zero-bubble V schedule, 2 stages per rank) or ``dualpipev``
+    (DeepSeek's DualPipe-V, 2 stages per rank); the torch.distributed.pipelining schedules."""
+    microbatches: Optional[int] = None
+    """Micro-batches the pipeline splits each rank's batch into; null = the gradient-accumulation
+    micro-batches (global_batch_size / (micro_batch_size x dp)). Must divide the rank's batch."""
+    stages_per_rank: Optional[int] = None
+    """Virtual stages per rank; null = 1 for ``1f1b``/``gpipe``, 2 for ``interleaved_1f1b``,
+    ``zbv`` and ``dualpipev`` (the V schedules need exactly 2)."""
+    split: Any = "balanced"
+    """How the blocks are divided among the ``pp x stages_per_rank`` stages: ``balanced`` (equal
+    counts; the stages must divide the blocks), ``lighter_ends`` (the first and last stage take
+    one block fewer, as they also hold the embedding and the output layer: the stages must
+    divide blocks + 2), or an explicit list of block-index lists, one per stage, e.g.
+    ``[[0, 1], [2, 3]]``."""
 
 
 @dataclass
@@ -358,6 +390,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     compute: ComputeConfig = field(default_factory=ComputeConfig)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)

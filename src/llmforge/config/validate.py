@@ -56,15 +56,24 @@ def _resolve_world(cfg: Any, world_size: Optional[int]) -> int:
 def data_parallel_size(cfg: Any, world_size: Optional[int] = 1) -> int:
     """Data-parallel size ``dp_replicate * dp_shard`` from ``cfg.strategy`` for ``world_size``
     processes (None: ``trainer.devices * trainer.num_nodes``); ``dp_shard=-1`` takes the rest,
-    ``world_size // (dp_replicate * tp)``.
+    ``world_size // (pp * dp_replicate * tp)``. With ``strategy.pp > 1`` the sizes below are
+    those of one pipeline stage (``world_size // pp`` ranks).
 
     Raises:
-        ConfigError: tp, dp_replicate or dp_shard is not positive (dp_shard may be -1), tp does
-            not divide the world size, or dp_replicate x dp_shard x tp != world size; the message
+        ConfigError: pp, tp, dp_replicate or dp_shard is not positive (dp_shard may be -1), pp
+            or tp does not divide the world size, or dp_replicate x dp_shard x tp != world size; the message
             names the sizes and a setting that works.
     """
     world = _resolve_world(cfg, world_size)
     s = cfg.strategy
+    pp = int(s.get("pp", 1))
+    if pp < 1:
+        raise ConfigError(f"strategy.pp must be >= 1, got {pp}")
+    if world % pp:
+        options = ", ".join(map(str, _divisors(world)))
+        raise ConfigError(f"strategy.pp={pp} does not divide the world size {world}; use one of "
+                          f"{options} (e.g. strategy.pp=1)")
+    world //= pp  # the ranks of one pipeline stage; the other dims multiply to this
     tp, rep, shard = int(s.tp), int(s.dp_replicate), int(s.dp_shard)
     if tp < 1:
         raise ConfigError(f"strategy.tp must be >= 1, got {tp}")

@@ -201,11 +201,13 @@ class DecoderLM:
         # computed on CPU (or meta) so the table is identical whatever the device
         dev = buf.device if buf.device.type == "meta" else torch.device("cpu")
         self.register_buffer("rope_cache", self.rope_table(dev).to(buf.device), persistent=False)
-        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
-        for layer in self.layers:
+        if self.tok_embeddings is not None:  # None: a pipeline stage without the embedding
+            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
+        for layer in self.blocks():
             layer.init_weights(std, out_std)
-        self.norm.reset_parameters()
-        if not self.args.tie_embeddings:
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if not self.args.tie_embeddings and self.output is not None:
             nn.init.normal_(self.output.weight, mean=0.0, std=std)
 
     def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
@@ -230,7 +232,9 @@ class DecoderLM:
         start = cache.length if cache is not None else 0
         if start + seqlen > self.max_seq_len:
             raise ValueError(f"sequence length {start + seqlen} exceeds max_seq_len={self.max_seq_len}")
-        h = self.tok_embeddings(tokens)
+        # a pipeline stage (llmforge.parallel.pipeline) may lack the embedding (it then gets the
+        # hidden states [B, T, D] of the stage before), the norm and the output
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         mask = None
         if doc_ids is None:
             rope = self.rope_cache[start:start + seqlen]
@@ -239,16 +243,19 @@ class DecoderLM:
                 raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} differs from tokens shape "
                                  f"{tuple(tokens.shape)}")
             rope, mask = self.rope_cache[document_positions(doc_ids)], document_causal_mask(doc_ids)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.blocks()):
             if cache is not None:
                 h = layer(h, rope, mask=mask, cache=cache.layer(i))
             else:  # the plain call when nothing else is passed (what compile and AC wrap)
                 h = layer(h, rope) if mask is None else layer(h, rope, mask=mask)
         if cache is not None:
             cache.advance(seqlen)
-        return self.output(self.norm(h))
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
 
     def _tie(self) -> None:
+        if self.tok_embeddings is None or self.output is None:
+            return  # a pipeline stage holds at most one of the two (llmforge.parallel.pipeline)
         if self.args.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight
 
@@ -258,8 +265,11 @@ class DecoderLM:
         return out
 
     def blocks(self) -> list[nn.Module]:
-        """The repeated transformer blocks (units for FSDP2, activation checkpointing, compile)."""
-        return list(self.layers)
+        """The repeated transformer blocks (units for FSDP2, activation checkpointing, compile).
+        ``layers`` is an ``nn.ModuleList``, or in a pipeline stage an ``nn.ModuleDict`` keyed by
+        the blocks' indices in the whole model (so parameter names stay the model's own)."""
+        layers = self.layers
+        return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters, each shared Parameter counted once (tied weights once).
@@ -269,7 +279,7 @@ class DecoderLM:
         tensor. Global counts for DTensor (sharded) parameters.
         """
         n = sum(p.numel() for p in self.parameters())
-        if exclude_embeddings:
+        if exclude_embeddings and self.tok_embeddings is not None:
             n -= self.tok_embeddings.weight.numel()
         return n
 
@@ -286,7 +296,7 @@ class DecoderLM:
         still a matmul); for untied models the result equals torchtitan's.
         """
         n = self.num_params(exclude_embeddings=True)
-        if self.args.tie_embeddings:
+        if self.args.tie_embeddings and self.output is not None:
             n += self.output.weight.numel()
         a = self.args
         return float(6 * n + 12 * a.n_layers * a.n_heads * a.head_dim * int(seq_len))

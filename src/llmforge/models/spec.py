@@ -18,7 +18,11 @@ folder (``models/llama3/``, ``models/qwen3/``) whose spec bundles
 * ``active_params``: optional ``active_params(model) -> int``, the parameters one token's forward
   uses (a mixture of experts: all but the experts it is not routed to; default: all);
 * ``memory_shape``: optional ``memory_shape(model) -> MemoryShape``, the widths the dry run's
-  activation estimate needs.
+  activation estimate needs;
+* ``stage_ends``: ``(first, last)`` names of the top-level modules the first pipeline stage
+  keeps before the blocks (the embedding) and the last keeps after them (final norm, output);
+  the other stages set them to ``None`` and the model's forward skips them
+  (:mod:`llmforge.parallel.pipeline`).
 
 Heavy members may be given as import paths (``"llmforge.models.qwen3.model:build_qwen3"``) and
 are imported on first use, so loading and checking a config imports no torch. This module
@@ -118,6 +122,7 @@ class ModelSpec:
     flops_per_token: Ref = None
     memory_shape: Ref = None
     active_params: Ref = None
+    stage_ends: tuple = (("tok_embeddings",), ("norm", "output"))
     description: str = ""
 
     def __call__(self, cfg: Any, **kwargs: Any) -> Any:

@@ -29,7 +29,8 @@ def seeded_init(model: nn.Module, seed: int) -> None:
 
 
 def init_parallel_model(model: nn.Module, build: Callable[[], nn.Module], seed: int,
-                        max_full_init_bytes: int = DEFAULT_MAX_FULL_INIT_BYTES) -> str:
+                        max_full_init_bytes: int = DEFAULT_MAX_FULL_INIT_BYTES,
+                        every_rank_builds: bool = False) -> str:
     """Initialize a materialized (possibly sharded) ``model``; returns the method used.
 
     Args:
@@ -37,6 +38,10 @@ def init_parallel_model(model: nn.Module, build: Callable[[], nn.Module], seed: 
         build: builds the same model unsharded on the current device (called on rank 0 under
             ``torch.device("cpu")``).
         seed: ``run.seed``.
+        every_rank_builds: a pipeline stage (``model`` holds a part of the whole model's
+            parameters, different on each stage): every rank builds the whole model on the CPU
+            and takes its own parameters from it (``"full-local"``), as rank 0's broadcast
+            covers only rank 0's own names.
     """
     seeded_init(model, seed)  # buffers (RoPE tables) and a valid init whatever happens next
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -47,6 +52,15 @@ def init_parallel_model(model: nn.Module, build: Callable[[], nn.Module], seed: 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     full: dict[str, Any] = {}
+    if every_rank_builds:
+        with torch.device("cpu"):
+            ref = build()
+        seeded_init(ref, seed)
+        own = set(model.state_dict())
+        full = {k: v for k, v in ref.state_dict().items() if k in own}
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
+                                                                   strict=not has_adapters(model)))
+        return "full-local"
     if dist.get_rank() == 0:
         with torch.device("cpu"):
             ref = build()

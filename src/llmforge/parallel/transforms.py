@@ -1,4 +1,4 @@
-"""How a model is spread over ranks: tensor parallel, FSDP2 / HSDP, DDP.
+"""How a model is spread over ranks: pipeline stages, tensor parallel, FSDP2 / HSDP, DDP.
 
 Each function is a pipeline transform ``fn(model, ctx) -> model`` (see
 :mod:`llmforge.plugin`) applied to the model on the meta device, before it is
@@ -13,8 +13,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from llmforge.config.validate import plan_batch
 from llmforge.errors import ConfigError
 from llmforge.models.spec import get_spec
+from llmforge.parallel.pipeline import PipelineLayout, apply_pipeline_split, resolve_layout
 from llmforge.plugin import ModelContext, Stage, Transform
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -54,6 +56,14 @@ def apply_fsdp(model: nn.Module, ctx: ModelContext) -> nn.Module:
                   offload_policy=CPUOffloadPolicy() if s.cpu_offload else OffloadPolicy())
     for block in _spec(ctx.cfg).model_blocks(model):
         fully_shard(block, reshard_after_forward=s.reshard_after_forward, **kwargs)
+    if dims.pp > 1:
+        # pipeline stages call the blocks and the end modules (embedding, norm, output) directly,
+        # never the whole model's forward: those are the FSDP units, there is no root
+        for child in model.children():
+            if child is not None and not isinstance(child, (nn.ModuleList, nn.ModuleDict)) \
+                    and any(True for _ in child.parameters()):
+                fully_shard(child, reshard_after_forward=False, **kwargs)
+        return model
     fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
 
@@ -94,6 +104,8 @@ def check_strategy(cfg: Any, dims: Any) -> None:
         raise ConfigError(f"strategy.name=single runs one process, but the world size is "
                           f"{dims.world_size}; use strategy.name=ddp or fsdp2")
     strategy_transforms(cfg, dims)
+    if dims.pp > 1:
+        pipeline_layout(cfg, dims)
     if dims.tp > 1:
         with torch.device("meta"):
             model = _spec(cfg)(cfg.model)
@@ -112,10 +124,48 @@ def _check_tp(model: nn.Module, ctx: ModelContext) -> None:
         check(model, ctx.dims.tp)
 
 
+def pipeline_layout(cfg: Any, dims: Any, model: Optional[nn.Module] = None) -> PipelineLayout:
+    """The pipeline layout of ``strategy.pp`` and ``pipeline:`` for this model and batch
+    (``model``: built on meta when not given).
+
+    Raises:
+        ConfigError: see :func:`llmforge.parallel.pipeline.resolve_layout`; also tied
+            embeddings, a model with auxiliary losses (mixture of experts) or packed SFT rows
+            (``doc_ids``), which the stages do not pass on yet.
+    """
+    if model is None:
+        with torch.device("meta"):
+            model = _spec(cfg)(cfg.model)
+    if getattr(getattr(model, "args", None), "tie_embeddings", False):
+        raise ConfigError("strategy.pp > 1 needs untied embeddings (the first and the last stage "
+                          "would share one weight); set model.tie_embeddings=false or strategy.pp=1")
+    if callable(getattr(model, "aux_losses", None)):
+        raise ConfigError(f"strategy.pp > 1: model '{cfg.model.name}' returns auxiliary losses "
+                          "(mixture of experts), which pipeline stages do not carry yet; use "
+                          "strategy.pp=1")
+    if cfg.data.task == "sft" and cfg.data.packed:
+        raise ConfigError("strategy.pp > 1 does not pass packed SFT rows' document ids between "
+                          "stages; set data.packed=false or strategy.pp=1")
+    plan = plan_batch(cfg, dims.world_size)
+    p = cfg.pipeline
+    return resolve_layout(p.schedule, dims.pp, len(_spec(cfg).model_blocks(model)),
+                          plan.local_batch_size, p.microbatches, p.stages_per_rank, p.split,
+                          plan.gradient_accumulation_steps, dims.world_size)
+
+
+def apply_pp(model: nn.Module, ctx: ModelContext) -> nn.Module:
+    """Keep this rank's pipeline stages of ``model`` (:mod:`llmforge.parallel.pipeline`)."""
+    spec = _spec(ctx.cfg)
+    layout = pipeline_layout(ctx.cfg, ctx.dims, model)
+    return apply_pipeline_split(model, ctx, layout, spec.stage_ends, spec.model_blocks(model))
+
+
 def strategy_transforms(cfg: Any, dims: Any) -> list[Transform]:
-    """The strategy's pipeline steps: tensor parallel (tp > 1) and data parallel (DDP when
+    """The strategy's pipeline steps: pipeline stages (pp > 1), tensor parallel (tp > 1) and data parallel (DDP when
     ``dp_replicate > 1``; FSDP2 when ``dp > 1``, or on one device when named explicitly)."""
     out: list[Transform] = []
+    if dims.pp > 1:
+        out.append(Transform(Stage.PIPELINE, "pipeline_stages", apply_pp))
     if dims.tp > 1:
         out.append(Transform(Stage.TENSOR_PARALLEL, "tensor_parallel", apply_tp))
     if cfg.strategy.name == "ddp":

@@ -8,6 +8,10 @@ Each algorithm may add lines (``Algorithm.dry_run_lines``): e.g. an adapter plug
 trainable vs frozen parameters and a per-device budget compared with the device memory
 (``--device-memory-gib``; default: 80 and 192 GiB, an H100/H200-class and a
 B200/MI300X-class accelerator).
+
+With ``strategy.pp > 1`` the memory line counts the busiest pipeline rank's parameters, and two
+lines give the stages (blocks and parameters of each) and the schedule's bubble fraction
+(:func:`llmforge.parallel.pipeline.bubble_fraction`, with its sources).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from llmforge.data.mixture import mixture_report
 from llmforge.models.memory_estimate import GIB, _fmt_count, estimate_activations, estimate_memory
 from llmforge.models.spec import get_spec
 from llmforge.parallel.mesh import ParallelDims
+from llmforge.parallel.pipeline import stage_params
+from llmforge.parallel.transforms import pipeline_layout
 
 
 def _dp_words(cfg: Any, plan: BatchPlan) -> str:
@@ -32,6 +38,37 @@ def _dp_words(cfg: Any, plan: BatchPlan) -> str:
         return (f"dp {plan.dp_size} = {dims.dp_replicate} replicas x {dims.dp_shard} shards "
                 "(HSDP)")
     return f"dp {plan.dp_size}"
+
+
+_BUBBLE_SOURCES = {
+    "1f1b": "(p-1)/(m+p-1), Narayanan et al. 2021 sec. 2.2.1",
+    "gpipe": "(p-1)/(m+p-1), Narayanan et al. 2021 sec. 2.2.1",
+    "interleaved_1f1b": "(p-1)/(v*m+p-1), Narayanan et al. 2021 sec. 2.2.2",
+    "zbv": "0 for m >= 2p with equal F/B/W times, Qi et al. 2023 (arXiv:2401.10241) sec. 6",
+    "dualpipev": "0 for m >= 2p with equal F/B/W times, as ZB-V (Qi et al. 2023, arXiv:2401.10241)",
+}
+
+
+def _pipeline_lines(cfg: Any, dims: ParallelDims, model: Any, spec: Any) -> tuple[list[str], int]:
+    """The ``pp stages`` and ``pp schedule`` lines, and the parameters of the busiest pp rank."""
+    layout = pipeline_layout(cfg, dims, model)
+    per_stage = stage_params(model, layout, spec.stage_ends, spec.model_blocks(model))
+    per_rank = [sum(per_stage[s] for s in layout.stages_of_rank(r)) for r in range(layout.pp)]
+    first, last = spec.stage_ends
+
+    def words(s: int) -> str:
+        b = layout.split[s]
+        ends = (["+ " + ", ".join(first)] if s == 0 else []) + (
+            ["+ " + ", ".join(last)] if s == layout.num_stages - 1 else [])
+        return " ".join([f"{s}: blocks {b[0]}-{b[-1]}", *ends, f"({_fmt_count(per_stage[s])})"])
+
+    stages = "; ".join(words(s) for s in range(layout.num_stages))
+    m, p, v = layout.microbatches, layout.pp, layout.stages_per_rank
+    return [
+        f"pp stages       {stages}; busiest rank {_fmt_count(max(per_rank))} parameters",
+        f"pp schedule     {layout.schedule}, {p} ranks x {v} stage(s), {m} micro-batches: bubble "
+        f"{layout.bubble():.1%} of the step ({_BUBBLE_SOURCES[layout.schedule]})",
+    ], max(per_rank)
 
 
 def dry_run_report(cfg: Any, plan: BatchPlan, device_memory_gib: Optional[float] = None,
@@ -50,14 +87,18 @@ def dry_run_report(cfg: Any, plan: BatchPlan, device_memory_gib: Optional[float]
     n_params, n_active = spec.num_params(model)
     seq = cfg.trainer.seq_len
     flops = spec.flops(model, seq)
-    mem = estimate_memory(n_params, cfg.trainer.precision, cfg.strategy, plan.world_size)
+    dims = ParallelDims.from_config(cfg, plan.world_size)
+    pp_lines, device_params = _pipeline_lines(cfg, dims, model, spec) if dims.pp > 1 else ([], n_params)
+    mem = estimate_memory(device_params, cfg.trainer.precision, cfg.strategy, plan.world_size // dims.pp)
     lines = [
         f"model           {cfg.model.name} (preset {cfg.model.preset})",
         f"parameters      {_fmt_count(n_params)} ({n_params:,})" + (
             f", active {_fmt_count(n_active)} ({n_active:,}) per token" if n_active != n_params else ""),
         f"vocab_size      {model.vocab_size:,}",
         f"flops/token     {flops:.4g} (training, at seq_len {seq})",
-        f"world size      {plan.world_size} ({cfg.strategy.name}, {_dp_words(cfg, plan)}, tp {cfg.strategy.tp})",
+        f"world size      {plan.world_size} ({cfg.strategy.name}, {_dp_words(cfg, plan)}, tp {cfg.strategy.tp}"
+        + (f", pp {dims.pp})" if dims.pp > 1 else ")"),
+        *pp_lines,
         f"micro batch     {plan.micro_batch_size} sequences x {seq} tokens",
         f"grad accum      {plan.gradient_accumulation_steps} steps",
         f"global batch    {plan.global_batch_size} sequences = {plan.tokens_per_step:,} tokens/step",

@@ -19,7 +19,8 @@ __all__ = ["Evaluation"]
 
 class Evaluation:
     """Needs the module's ``cfg``, ``model``, ``state``, ``event``, ``split_batch``,
-    ``doc_ids``, ``micro_batch_loss`` and ``dp_all_reduce``."""
+    ``doc_ids``, ``micro_batch_loss``, ``dp_all_reduce``, ``pp_schedule`` and
+    ``pipeline_evaluate``."""
 
     last_eval: Optional[dict[str, float]]
 
@@ -40,6 +41,8 @@ class Evaluation:
         st = self.state
         st.training = False
         self.event(Event.BEFORE_EVALUATION)
+        if self.pp_schedule is not None:  # pipeline stages: the schedule's forward-only pass
+            return self._finish_evaluation(self.pipeline_evaluate(loader))
         modes = eval_mode(self.model)  # restore_modes gives each submodule its own mode back
         loss_sum = torch.zeros((), device=self.device)
         count = torch.zeros((), device=self.device)
@@ -57,7 +60,11 @@ class Evaluation:
         restore_modes(modes)
         st.training = True
         loss = (self.dp_all_reduce(loss_sum) / self.dp_all_reduce(count.float()).clamp(min=1)).item()
-        self.last_eval = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 80.0))}
+        return self._finish_evaluation({"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 80.0))})
+
+    def _finish_evaluation(self, metrics: dict[str, float]) -> dict[str, float]:
+        st = self.state
+        self.last_eval = metrics
         st.eval_metrics = dict(self.last_eval)
         self.event(Event.AFTER_EVALUATION)
         return self.last_eval

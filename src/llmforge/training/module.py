@@ -27,11 +27,15 @@ from llmforge.checkpoint.init_from import load_initial_weights
 from llmforge.events import Dispatcher, Event, State
 from llmforge.parallel.init import init_parallel_model, seeded_init
 from llmforge.parallel.lightning_private import attached_trainer, optimizer_step_progress, strategy_mesh
-from llmforge.parallel.mesh import ParallelDims
+from llmforge.models.spec import get_spec
+from llmforge.parallel.mesh import ParallelDims, pp_size
+from llmforge.parallel.pipeline import build_schedule
+from llmforge.parallel.transforms import pipeline_layout
 from llmforge.plugin import ModelContext, run_pipeline
 from llmforge.training.aux_losses import AuxLosses
 from llmforge.training.eval_loop import Evaluation
 from llmforge.training.optim import build_optimizer
+from llmforge.training.pipeline_steps import PipelineSteps
 from llmforge.training.schedule import build_scheduler
 
 IGNORE_INDEX = -100
@@ -47,7 +51,7 @@ def count_optimizer_step(trainer: Any) -> None:
     progress.completed += 1
 
 
-class LLMModule(AuxLosses, Evaluation, L.LightningModule):
+class LLMModule(AuxLosses, Evaluation, PipelineSteps, L.LightningModule):
     """Causal-LM training on a model built by a registered factory.
 
     Args:
@@ -104,7 +108,8 @@ class LLMModule(AuxLosses, Evaluation, L.LightningModule):
             dims = ParallelDims(1, 1, 1, 1)
         else:
             sizes = [mesh[d].size() for d in ("dp_replicate", "dp_shard", "tp")]
-            dims = ParallelDims(*sizes, world_size=sizes[0] * sizes[1] * sizes[2])
+            pp = pp_size(mesh)
+            dims = ParallelDims(*sizes, world_size=sizes[0] * sizes[1] * sizes[2] * pp, pp=pp)
         device = self.trainer.strategy.root_device if attached_trainer(self) is not None else self.device
         return ModelContext(cfg=self.cfg, mesh=self.mesh, dims=dims, device=device)
 
@@ -124,8 +129,19 @@ class LLMModule(AuxLosses, Evaluation, L.LightningModule):
             seeded_init(model, self.cfg.run.seed)
             self.init_method = load_initial_weights(model, self.cfg.model.init_from)
         else:
-            self.init_method = init_parallel_model(model, self.build_model, self.cfg.run.seed)
+            self.init_method = init_parallel_model(model, self.build_model, self.cfg.run.seed,
+                                                   every_rank_builds=ctx.dims.pp > 1)
         self.model = model
+        if ctx.dims.pp > 1:  # the rank's stages of the pruned model, run by a schedule
+            self.pp_layout = layout = pipeline_layout(self.cfg, ctx.dims)
+            stages = layout.stages_of_rank(ctx.mesh["pp"].get_local_rank())
+            self.pp_stages = (0 in stages, layout.num_stages - 1 in stages)
+            spec = get_spec(self.cfg.model.name)
+            self.pp_schedule = build_schedule(model, layout, ctx.mesh["pp"], ctx.device, self.pipeline_loss,
+                                              spec.stage_ends)
+            with torch.device("meta"):
+                whole = self.build_model()  # the whole model's FLOPs for MFU (no memory)
+            self.model_flops_per_token = lambda seq_len: spec.flops(whole, seq_len)
 
     def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``tokens: LongTensor[B, T] -> logits: FloatTensor[B, T, vocab_size]``.
@@ -222,6 +238,13 @@ class LLMModule(AuxLosses, Evaluation, L.LightningModule):
         if st.training:
             self.record_aux_metrics()
         self.event(Event.AFTER_FORWARD)
+        return self.outputs_loss()
+
+    def outputs_loss(self) -> torch.Tensor:
+        """The loss events ``BEFORE_LOSS`` .. ``AFTER_LOSS`` on ``state.outputs`` and
+        ``state.labels``; returns ``state.loss`` (summed over the target tokens, plus the
+        model's auxiliary losses in training)."""
+        st = self.state
         st.loss, st.n_targets = None, (st.labels != IGNORE_INDEX).sum()
         self.event(Event.BEFORE_LOSS)
         if st.loss is None:  # no plugin computed it (e.g. chunked cross-entropy)
@@ -250,6 +273,8 @@ class LLMModule(AuxLosses, Evaluation, L.LightningModule):
         Returns:
             ``(loss_sum, n_targets)`` over this rank's micro-batches and over all ranks.
         """
+        if self.pp_schedule is not None:
+            return self.pipeline_forward_backward(batch)
         st = self.state
         st.training, st.batch = True, batch
         self.event(Event.BATCH_START)
@@ -313,9 +338,17 @@ class LLMModule(AuxLosses, Evaluation, L.LightningModule):
 
     def clip_gradients_(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """Clip the global L2 norm of all gradients to ``trainer.gradient_clip_val`` (once per
-        optimizer step) and return the norm before clipping (a scalar tensor)."""
+        optimizer step) and return the norm before clipping (a scalar tensor). With pipeline
+        stages the norm is over all stages (reduced across the ``pp`` ranks)."""
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         max_norm = self.cfg.trainer.gradient_clip_val
+        if self.pp_schedule is not None:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            full = getattr(norm, "full_tensor", None)
+            norm = self.pp_total_norm(full() if full is not None else norm)
+            if max_norm is not None:
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+            return norm
         if max_norm is None:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         else:

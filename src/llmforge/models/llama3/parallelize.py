@@ -25,18 +25,30 @@ def apply_decoder_tp(model: nn.Module, mesh: Any, extra_block_plan: Optional[dic
     so one DTensor serves both."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                                   RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
+                                                   PrepareModuleOutput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
 
-    parallelize_module(model, mesh, {
+    ends = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(),
                                   use_local_output=True),
-    })
+    }
+    # a pipeline stage lacks some ends (llmforge.parallel.pipeline); between stages the hidden
+    # states travel whole ([B, T, D], replicated over tp): a stage without the embedding cuts
+    # them to its sequence shard, one without the output gathers its last block's shards
+    parallelize_module(model, mesh, {k: v for k, v in ends.items() if getattr(model, k, None) is not None})
+    blocks = model.blocks()
+    if blocks and getattr(model, "tok_embeddings", True) is None:
+        parallelize_module(blocks[0], mesh, PrepareModuleInput(
+            input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None),
+            use_local_output=True))
+    if blocks and getattr(model, "output", True) is None:
+        parallelize_module(blocks[-1], mesh, PrepareModuleOutput(
+            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True))
     if getattr(getattr(model, "args", None), "tie_embeddings", False):
         model.output.weight = model.tok_embeddings.weight
-    for block in model.blocks():
+    for block in blocks:
         parallelize_module(block, mesh, {
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None),

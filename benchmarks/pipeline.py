@@ -1,0 +1,135 @@
+"""Pipeline parallelism on the CPU: time per optimizer step of ``strategy.pp=2`` on 2 processes
+against the same model and batch in 1 process, beside the schedule's predicted bubble.
+
+Both sides train the same Llama (default dim 256, 4 blocks, vocab 2048, seq 256, fp32) with
+AdamW and clipping on random tokens, one compute thread per process, warm-up steps excluded;
+each prints the median seconds per step. With ``p`` stages and an idle share ``b`` of the step
+(``llmforge.parallel.pipeline.bubble_fraction``), a perfect pipeline takes ``1 / (p (1 - b))`` of
+one process's time. CPU numbers are a proxy: two processes share the machine's cores, gloo
+carries the activations, and nothing overlaps communication with compute as NCCL streams do.
+
+    python benchmarks/pipeline.py [--schedule 1f1b] [--steps 8] [--microbatches 8]
+    python benchmarks/pipeline.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--smoke", action="store_true", help="a tiny model, 2 steps (keeps the script runnable)")
+    ap.add_argument("--worker", choices=("single", "pp"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.steps, args.warmup, args.dim, args.layers, args.seq, args.microbatches = 2, 1, 32, 4, 16, 4
+    return args
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from llmforge.config.schema import TrainConfig
+    from llmforge.config.validate import plan_batch
+    from llmforge.parallel.mesh import ParallelDims, build_mesh
+    from llmforge.parallel.transforms import strategy_transforms
+    from llmforge.training.module import LLMModule
+    from llmforge.training.optim import build_optimizer
+
+    torch.set_num_threads(1)
+    cfg = OmegaConf.structured(TrainConfig)
+    cfg.model.merge_with({"dim": args.dim, "n_layers": args.layers, "n_heads": 8, "n_kv_heads": 4,
+                          "vocab_size": 2048, "multiple_of": 32, "max_seq_len": args.seq})
+    cfg.trainer.merge_with({"micro_batch_size": 2, "global_batch_size": 2 * args.microbatches,
+                            "seq_len": args.seq})
+    cfg.pipeline.schedule = args.schedule
+    world = 1
+    if args.worker == "pp":
+        dist.init_process_group("gloo")
+        world = dist.get_world_size()
+        cfg.strategy.pp = world
+    dims = ParallelDims.from_config(cfg, world)
+    mod = LLMModule(cfg, plan_batch(cfg, world), pipeline=strategy_transforms(cfg, dims))
+    if world > 1:
+        mod.mesh_override = build_mesh(dims, "cpu")
+    mod.configure_model()
+    opt = build_optimizer(mod.model, cfg.optimizer)
+    torch.manual_seed(0)
+    times, losses = [], []
+    for step in range(args.warmup + args.steps):
+        batch = torch.randint(0, 2048, (2 * args.microbatches, args.seq + 1))
+        start = time.perf_counter()
+        loss, n = mod.forward_backward(batch)
+        mod.clip_gradients_(opt)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if world > 1:
+            dist.barrier()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+        losses.append(float(loss / n))
+    bubble = mod.pp_layout.bubble() if world > 1 else 0.0
+    if world == 1 or dist.get_rank() == 0:
+        print(json.dumps({"seconds_per_step": statistics.median(times), "losses": losses,
+                          "bubble": bubble, "stages": world}), flush=True)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def launch(kind: str, argv: list[str]) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    me = str(Path(__file__).resolve())
+    if kind == "pp":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               me, "--worker", "pp", *argv]
+    else:
+        cmd = [sys.executable, me, "--worker", "single", *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[:6])} failed:\n{proc.stderr[-3000:]}")
+    return json.loads([x for x in proc.stdout.splitlines() if x.startswith("{")][-1])
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    single = launch("single", argv)
+    pp = launch("pp", argv)
+    b, p = pp["bubble"], pp["stages"]
+    predicted = 1 / (p * (1 - b))
+    measured = pp["seconds_per_step"] / single["seconds_per_step"]
+    same = max(abs(x - y) for x, y in zip(single["losses"], pp["losses"]))
+    print(f"model: dim {args.dim}, {args.layers} blocks, seq {args.seq}, {args.microbatches} micro-batches "
+          f"of 2, schedule {args.schedule}; median of {args.steps} steps after {args.warmup} warm-up")
+    print(f"1 process      {single['seconds_per_step']:.3f} s/step")
+    print(f"pp=2 (2 procs) {pp['seconds_per_step']:.3f} s/step")
+    print(f"ratio pp/1     measured {measured:.2f}, predicted {predicted:.2f} = 1 / (p (1 - bubble)), "
+          f"bubble {b:.1%}")
+    print(f"losses         max difference {same:.2e} (same model, same batches)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

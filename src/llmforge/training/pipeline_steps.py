@@ -1,0 +1,141 @@
+"""The training and evaluation steps of :class:`llmforge.training.module.LLMModule` when the model
+is cut into pipeline stages (``strategy.pp > 1``; :mod:`llmforge.parallel.pipeline`). A mixin of
+the module.
+
+One optimizer step runs the schedule once over the rank's batch, split into
+``pipeline.microbatches`` micro-batches. Every rank of a pipeline reads the same batch; the first
+stage feeds the inputs, the last computes the loss. The event contract keeps its meaning where it
+can: ``BATCH_START`` on every rank; ``AFTER_FORWARD``, ``BEFORE_LOSS`` and ``AFTER_LOSS`` once per
+micro-batch, in micro-batch order, on the ranks that hold the last stage, where the logits are
+(``state.inputs`` is ``None`` there: the tokens are on the first stage); ``BEFORE_BACKWARD`` and
+``AFTER_BACKWARD`` once per step around the schedule (its forwards and backwards interleave).
+``BEFORE_FORWARD`` does not fire: a handler could not change inputs already sent.
+``state.loss`` of each micro-batch is summed like gradient accumulation's, and the step's sum is
+sent from the last stage to every stage (a sum over the ``pp`` group, zero elsewhere), so every
+rank's ``train/loss`` (and every logger) sees the same value.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from llmforge.events import Event
+from llmforge.training.modes import eval_mode, restore_modes
+
+__all__ = ["PipelineSteps"]
+
+IGNORE_INDEX = -100
+
+
+class PipelineSteps:
+    """Needs the module's ``cfg``, ``plan``, ``state``, ``event``, ``dispatch``, ``mesh``,
+    ``split_batch``, ``doc_ids``, ``outputs_loss`` and ``dp_all_reduce``; ``pp_schedule`` is set by
+    ``configure_model`` (``None`` without pipeline parallelism)."""
+
+    pp_schedule: Any = None
+    pp_stages: tuple[bool, bool] = (True, True)
+    """Whether this rank holds the first and the last stage."""
+    model_flops_per_token: Any = None
+    """``seq_len -> training FLOPs per token`` of the whole model when ``model`` is a part of
+    it (the speed monitor's MFU); ``None`` otherwise."""
+
+    def pp_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the pipeline ranks (a value only the last stage has reaches all)."""
+        t = t.detach().clone()
+        dist.all_reduce(t, group=self.mesh["pp"].get_group())
+        return t
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function (last stage, one call per micro-batch): the loss events
+        on ``output`` (logits ``[b, T, V]``) and ``target`` (``LongTensor[b, T]``); returns the
+        micro-batch's summed loss scaled for the backward (``dp_size / total targets``)."""
+        st = self.state
+        st.micro_batch, self._pp_micro = self._pp_micro, self._pp_micro + 1
+        st.inputs, st.labels, st.doc_ids, st.outputs, st.aux_losses = None, target, None, output, {}
+        self.event(Event.AFTER_FORWARD)
+        loss = self.outputs_loss()
+        self._pp_loss = self._pp_loss + loss.detach().float()
+        self._pp_targets = self._pp_targets + st.n_targets
+        st.outputs = None  # the logits must not outlive their micro-batch
+        return loss * self._pp_scale if st.training else loss
+
+    def _run_schedule(self, inputs: torch.Tensor, labels: torch.Tensor, train: bool) -> None:
+        first, last = self.pp_stages
+        self._pp_micro = 0
+        self._pp_loss = torch.zeros((), device=inputs.device)
+        self._pp_targets = torch.zeros((), device=inputs.device)
+        args = (inputs,) if first else ()
+        target = labels if last else None
+        if train:
+            self.pp_schedule.step(*args, target=target, return_outputs=False)
+        else:
+            self.pp_schedule.eval(*args, target=target)
+
+    def pipeline_forward_backward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`LLMModule.forward_backward` through the pipeline schedule (same returns:
+        ``(loss_sum, n_targets)``, the loss sum of this data-parallel rank's batch, the same on
+        every stage)."""
+        st = self.state
+        st.training, st.batch = True, batch
+        self.event(Event.BATCH_START)
+        inputs, labels = self.split_batch(st.batch)
+        if self.doc_ids(st.batch) is not None:
+            raise ValueError("strategy.pp > 1 does not pass document ids between stages")
+        total_targets = self.dp_all_reduce((labels != IGNORE_INDEX).sum().float()).clamp(min=1)
+        st.total_targets, st.n_micro = total_targets, self.pp_layout.microbatches
+        self._pp_scale = self.plan.dp_size / total_targets
+        self.event(Event.BEFORE_BACKWARD)
+        self._run_schedule(inputs, labels, train=True)
+        self.event(Event.AFTER_BACKWARD)
+        self.step_tokens = int(inputs.numel()) * self.plan.dp_size
+        return self.pp_all_reduce(self._pp_loss), total_targets
+
+    @torch.no_grad()
+    def pipeline_evaluate(self, loader: Any) -> dict[str, float]:
+        """Mean loss per target token over ``trainer.eval_batches`` batches of ``loader``, through
+        the schedule's forward-only ``eval``: the batches go through in groups of
+        ``pipeline.microbatches``; a last, smaller group is filled up with rows without targets
+        (labels -100), which change neither the sum nor the count."""
+        st = self.state
+        m = self.pp_layout.microbatches
+        loss_sum = torch.zeros((), device=self.device)
+        count = torch.zeros((), device=self.device)
+        group: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def flush() -> None:
+            nonlocal loss_sum, count
+            while len(group) < m:
+                group.append((group[0][0], torch.full_like(group[0][1], IGNORE_INDEX)))
+            inputs = torch.cat([g[0] for g in group]).to(self.device)
+            labels = torch.cat([g[1] for g in group]).to(self.device)
+            with self.trainer.precision_plugin.forward_context():
+                self._run_schedule(inputs, labels, train=False)
+            loss_sum += self._pp_loss
+            count += self._pp_targets
+            group.clear()
+
+        modes = eval_mode(self.model)
+        for i, batch in enumerate(loader):
+            if i >= self.cfg.trainer.eval_batches:
+                break
+            group.append(self.split_batch(batch))
+            if len(group) == m:
+                flush()
+        if group:
+            flush()
+        restore_modes(modes)
+        st.training = True
+        loss_sum, count = self.pp_all_reduce(loss_sum), self.pp_all_reduce(count.float())
+        loss = (self.dp_all_reduce(loss_sum) / self.dp_all_reduce(count).clamp(min=1)).item()
+        return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 80.0))}
+
+    def pp_total_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        """The L2 norm over all stages from this rank's stages' ``norm`` (sum of squares over
+        the ``pp`` group), or ``norm`` itself without pipeline parallelism."""
+        if self.pp_schedule is None:
+            return norm
+        return self.pp_all_reduce(norm.float() ** 2).sqrt()

@@ -35,11 +35,6 @@ OPTIMIZERS = ("adamw", "muon")
 """``optimizer.name`` values (built in llmforge.training.optim)."""
 STRATEGIES = ("auto", "single", "ddp", "fsdp2")
 """``strategy.name`` values."""
-PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "zbv", "dualpipev")
-"""``pipeline.schedule`` values (the torch.distributed.pipelining class of each: see
-llmforge.parallel.pipeline.SCHEDULE_CLASSES)."""
-PIPELINE_SPLITS = ("balanced", "lighter_ends")
-"""``pipeline.split`` names (an explicit list of block-index lists is the other form)."""
 
 
 @dataclass
@@ -311,7 +306,8 @@ class PipelineConfig:
     schedule: str = "1f1b"
     """``1f1b``, ``interleaved_1f1b`` (several stages per rank), ``gpipe`` (all forwards, then
     all backwards), ``zbv`` (zero-bubble V schedule, 2 stages per rank) or ``dualpipev``
-    (DeepSeek's DualPipe-V, 2 stages per rank); the torch.distributed.pipelining schedules."""
+    (DeepSeek's DualPipe-V, 2 stages per rank); the torch.distributed.pipelining schedules
+    (llmforge.parallel.pipeline.SCHEDULE_CLASSES checks the name)."""
     microbatches: Optional[int] = None
     """Micro-batches the pipeline splits each rank's batch into; null = the gradient-accumulation
     micro-batches (global_batch_size / (micro_batch_size x dp)). Must divide the rank's batch."""

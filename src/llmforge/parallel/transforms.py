@@ -161,8 +161,9 @@ def apply_pp(model: nn.Module, ctx: ModelContext) -> nn.Module:
 
 
 def strategy_transforms(cfg: Any, dims: Any) -> list[Transform]:
-    """The strategy's pipeline steps: pipeline stages (pp > 1), tensor parallel (tp > 1) and data parallel (DDP when
-    ``dp_replicate > 1``; FSDP2 when ``dp > 1``, or on one device when named explicitly)."""
+    """The strategy's pipeline steps: pipeline stages (pp > 1), tensor parallel (tp > 1) and
+    data parallel (DDP when ``dp_replicate > 1``; FSDP2 when ``dp > 1``, or on one device when
+    named explicitly)."""
     out: list[Transform] = []
     if dims.pp > 1:
         out.append(Transform(Stage.PIPELINE, "pipeline_stages", apply_pp))

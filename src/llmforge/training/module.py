@@ -25,9 +25,9 @@ from torch import nn
 from llmforge import registry
 from llmforge.checkpoint.init_from import load_initial_weights
 from llmforge.events import Dispatcher, Event, State
+from llmforge.models.spec import get_spec
 from llmforge.parallel.init import init_parallel_model, seeded_init
 from llmforge.parallel.lightning_private import attached_trainer, optimizer_step_progress, strategy_mesh
-from llmforge.models.spec import get_spec
 from llmforge.parallel.mesh import ParallelDims, pp_size
 from llmforge.parallel.pipeline import build_schedule
 from llmforge.parallel.transforms import pipeline_layout

@@ -286,6 +286,12 @@ class StrategyConfig:
     """FSDP shard group size; -1 = the rest of the world."""
     tp: int = 1
     """Tensor-parallel degree."""
+    ep: int = 1
+    """Expert-parallel degree: the experts of each MoE layer are split over ``ep`` ranks and
+    tokens are sent to them (all-to-all). Borrows ranks from dp_shard, as torchtitan does:
+    dp_shard x tp must be divisible by ep (and tp = 1 for now); the expert weights are
+    FSDP2-sharded over the remaining dp_shard / ep ranks. ``ep`` must divide the model's
+    ``num_experts``; a model without experts takes only 1."""
     reshard_after_forward: bool = True
     """FSDP2: free unsharded parameters after forward (ZeRO-3) or keep them (ZeRO-2)."""
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)

@@ -18,7 +18,13 @@ folder (``models/llama3/``, ``models/qwen3/``) whose spec bundles
 * ``active_params``: optional ``active_params(model) -> int``, the parameters one token's forward
   uses (a mixture of experts: all but the experts it is not routed to; default: all);
 * ``memory_shape``: optional ``memory_shape(model) -> MemoryShape``, the widths the dry run's
-  activation estimate needs.
+  activation estimate needs;
+* ``experts``: optional ``experts(model) -> list[nn.Module]``, the expert layers: what expert
+  parallelism (``strategy.ep``, :mod:`llmforge.parallel.expert`) splits. Each has an int
+  ``num_experts`` ``E``, parameters stacked by expert on dim 0 (``[E, ...]``) and
+  ``forward(x [M, D] rows sorted by expert, counts [E] int64, *rest) -> [M, D]``; with a
+  parameter sharded on dim 0 it computes with its local experts (``counts`` then has
+  ``E / ep`` entries).
 
 Heavy members may be given as import paths (``"llmforge.models.qwen3.model:build_qwen3"``) and
 are imported on first use, so loading and checking a config imports no torch. This module
@@ -118,6 +124,7 @@ class ModelSpec:
     flops_per_token: Ref = None
     memory_shape: Ref = None
     active_params: Ref = None
+    experts: Ref = None
     description: str = ""
 
     def __call__(self, cfg: Any, **kwargs: Any) -> Any:
@@ -148,6 +155,12 @@ class ModelSpec:
             raise ConfigError(f"model '{self.name}' has no blocks() and its spec no blocks: FSDP2, "
                               "activation checkpointing and compile need the repeated blocks")
         return list(fn(model))
+
+    def expert_modules(self, model: Any) -> list:
+        """The expert layers of a built model (what ``strategy.ep`` splits); ``[]`` for a
+        dense family."""
+        fn = self.get("experts")
+        return list(fn(model)) if fn is not None else []
 
     def flops(self, model: Any, seq_len: int) -> float:
         """Training FLOPs per token at ``seq_len`` (forward + backward); nan if unknown."""

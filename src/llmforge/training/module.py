@@ -27,6 +27,7 @@ from llmforge.checkpoint.init_from import load_initial_weights
 from llmforge.events import Dispatcher, Event, State
 from llmforge.parallel.init import init_parallel_model, seeded_init
 from llmforge.parallel.lightning_private import attached_trainer, optimizer_step_progress, strategy_mesh
+from llmforge.parallel.expert import clip_grad_norm_
 from llmforge.parallel.mesh import ParallelDims
 from llmforge.plugin import ModelContext, run_pipeline
 from llmforge.training.aux_losses import AuxLosses
@@ -104,7 +105,8 @@ class LLMModule(AuxLosses, Evaluation, L.LightningModule):
             dims = ParallelDims(1, 1, 1, 1)
         else:
             sizes = [mesh[d].size() for d in ("dp_replicate", "dp_shard", "tp")]
-            dims = ParallelDims(*sizes, world_size=sizes[0] * sizes[1] * sizes[2])
+            ep = mesh["ep"].size() if "ep" in (mesh.mesh_dim_names or ()) else 1
+            dims = ParallelDims(*sizes, world_size=sizes[0] * sizes[1] * sizes[2], ep=ep)
         device = self.trainer.strategy.root_device if attached_trainer(self) is not None else self.device
         return ModelContext(cfg=self.cfg, mesh=self.mesh, dims=dims, device=device)
 
@@ -315,13 +317,7 @@ class LLMModule(AuxLosses, Evaluation, L.LightningModule):
         """Clip the global L2 norm of all gradients to ``trainer.gradient_clip_val`` (once per
         optimizer step) and return the norm before clipping (a scalar tensor)."""
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        max_norm = self.cfg.trainer.gradient_clip_val
-        if max_norm is None:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        else:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        full = getattr(norm, "full_tensor", None)
-        return full() if full is not None else norm
+        return clip_grad_norm_(params, self.cfg.trainer.gradient_clip_val)
 
     def configure_optimizers(self) -> Any:
         assert self.model is not None

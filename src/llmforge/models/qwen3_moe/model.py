@@ -28,7 +28,7 @@ from llmforge.models.qwen3_moe.config import Qwen3MoeArgs, is_sparse_layer, qwen
 from llmforge.models.qwen3_moe.moe import MoE
 from llmforge.models.spec import reject_factory_kwargs
 
-__all__ = ["Qwen3Moe", "build_qwen3_moe", "active_params"]
+__all__ = ["Qwen3Moe", "build_qwen3_moe", "active_params", "expert_modules"]
 
 
 class Qwen3Moe(Qwen3):
@@ -141,3 +141,9 @@ def build_qwen3_moe(cfg: Any, **kwargs: Any) -> Qwen3Moe:
 def active_params(model: Qwen3Moe) -> int:
     """The spec's ``active_params`` hook: :meth:`Qwen3Moe.num_active_params`."""
     return model.num_active_params()
+
+
+def expert_modules(model: Qwen3Moe) -> list[nn.Module]:
+    """The spec's ``experts`` hook: the :class:`~llmforge.models.qwen3_moe.moe.GroupedExperts`
+    of every sparse layer (what expert parallelism splits)."""
+    return [m.experts for _, m in model.moe_layers()]

@@ -87,8 +87,17 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w2, mean=0.0, std=out_std)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, impl: str = "auto") -> torch.Tensor:
-        """``x [M, D]`` sorted by expert, ``counts [E]`` -> ``[M, D]`` (:func:`expert_swiglu`)."""
-        return expert_swiglu(x, counts, self.w1, self.w2, self.w3, impl)
+        """``x [M, D]`` sorted by expert, ``counts [E]`` -> ``[M, D]`` (:func:`expert_swiglu`).
+
+        Weights split by expert parallelism (DTensors sharded on dim 0) compute with this
+        rank's experts: the dispatch then hands in their rows and ``counts [E / ep]``."""
+        return expert_swiglu(x, counts, _local(self.w1), _local(self.w2), _local(self.w3), impl)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    # a DTensor's own shard (this rank's experts); a plain tensor as it is
+    to_local = getattr(w, "to_local", None)
+    return to_local() if to_local is not None else w
 
 
 @dataclass

@@ -79,3 +79,22 @@ def test_bad_ep_exits_2_naming_the_key(tmp_path, capsys, config, args, message):
     assert code == 2 and message in err and "Traceback" not in err
     assert err.count("error:") == 1
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_dry_run_shows_experts_per_device_and_gathered_block(capsys):
+    assert main(["train", MOE_DEMO, "--dry-run", "model.preset=qwen3_30b_a3b", "model.vocab_size=151936",
+                 "tokenizer.vocab_size=151936", "trainer.devices=8", "trainer.micro_batch_size=1",
+                 "trainer.precision=bf16-true", "strategy.ep=8"]) == 0
+    out = capsys.readouterr().out
+    assert "world size      8 (fsdp2, dp 8, tp 1, ep 8)" in out
+    # a layer's experts: 128 x 3 x 2048 x 768 bf16 = 1.125 GiB, 1/8 of them on each device;
+    # attention and router 0.035 GiB; model state sharded 8x as without ep
+    assert ("experts         128 per layer, ep 8: 16 per device; one block's all-gathered weights "
+            "0.18 GiB (experts 0.14 GiB; 1.16 GiB at ep 1)") in out
+    assert "sharded 8x" in out and "expert_parallel -> fsdp2" in out
+
+
+def test_plan_refuses_ep_for_now(capsys):
+    assert main(["plan", MOE_DEMO, "strategy.ep=2", "--gpus", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "strategy.ep=2: llmforge plan and the simulation lay out dp and tp only" in err

@@ -99,5 +99,9 @@ def _expert_lines(cfg: Any, model: Any, spec: Any) -> list[str]:
     at_ep1 = gathered_block_bytes(model, spec, width, tp, 1)
     assert at_ep1 is not None
     return [f"experts         {per_device * ep} per layer, ep {ep}: {per_device} per device; one block's "
-            f"all-gathered weights {block / GIB:.2f} GiB (experts {experts / GIB:.2f} GiB"
-            + (f"; {at_ep1[0] / GIB:.2f} GiB at ep 1)" if ep > 1 else ")")]
+            f"all-gathered weights {_size(block)} (experts {_size(experts)}"
+            + (f"; {_size(at_ep1[0])} at ep 1)" if ep > 1 else ")")]
+
+
+def _size(n_bytes: float) -> str:
+    return f"{n_bytes / GIB:.2f} GiB" if n_bytes >= 0.1 * GIB else f"{n_bytes / 1024**2:.2f} MiB"

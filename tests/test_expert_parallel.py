@@ -1,7 +1,8 @@
 """Expert parallelism (``strategy.ep``) on 4 real processes (gloo) against one process: FSDP2 x EP
-(efsdp 2 x ep 2), ep=4, HSDP x EP (dp_replicate 2 x ep 2) train the tiny Qwen3-MoE to the same
-losses, auxiliary losses and weights; a checkpoint saved at ep=2 loads into a one-process ep=1
-model. One launch of tests/dist/ep_worker.py. Bad ``strategy.ep`` values exit 2 in-process."""
+(efsdp 2 x ep 2), ep=4, HSDP x EP (dp_replicate 2 x ep 2) and TP x EP (tp 2 x ep 2, Qwen3-MoE's
+TP plan) train the tiny Qwen3-MoE to the same losses, auxiliary losses and weights; a checkpoint
+saved at ep=2 loads into a one-process ep=1 model. One launch of tests/dist/ep_worker.py. Bad
+``strategy.ep`` values exit 2 in-process; the dry run and ``llmforge plan`` with ep."""
 
 import json
 
@@ -13,8 +14,8 @@ from llmforge.cli import main
 
 MOE_DEMO = str(REPO / "yamls" / "demo_cpu_qwen3_moe.yaml")
 DENSE_DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
-# dp_replicate,dp_shard,ep -> (dp_replicate, efsdp, ep)
-CONFIGS = {"1,4,2": [1, 2, 2], "1,4,4": [1, 1, 4], "2,2,2": [2, 1, 2]}
+# dp_replicate,dp_shard,ep[,tp] -> (dp_replicate, efsdp, ep)
+CONFIGS = {"1,4,2": [1, 2, 2], "1,4,4": [1, 1, 4], "2,2,2": [2, 1, 2], "1,2,2,2": [1, 1, 2]}
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +40,8 @@ def test_ep_trains_like_one_process(reports, config):
             assert ref["train/aux/load_balancing"] > 0.05  # coef 0.05 x about 2 (top-2)
             for k in ref:
                 assert aux[k] == pytest.approx(ref[k], abs=1e-6), k
-        for norm, ref in zip(r["norms"], r["ref_norms"]):  # clipped at 0.5 from ~2: every step
-            assert norm == pytest.approx(ref, abs=1e-5)
+        for norm, ref in zip(r["norms"], r["ref_norms"]):  # clipped at 0.5 from 2-5: every step
+            assert norm == pytest.approx(ref, rel=1e-5)
         assert r["param_max_diff"] <= 1e-4
 
 
@@ -62,13 +63,14 @@ def test_checkpoint_saved_at_ep2_loads_at_ep1(reports):
 
 @pytest.mark.parametrize("config, args, message", [
     (MOE_DEMO, "trainer.devices=4 strategy.ep=3",
-     "strategy.ep=3 must divide strategy.dp_shard (4) x strategy.tp (1) = 4"),
+     "strategy.ep=3 must divide strategy.dp_shard (4): expert parallelism borrows those ranks"),
     (MOE_DEMO, "trainer.devices=4 strategy.ep=4 model.num_experts=6",
      "strategy.ep=4 must divide model.num_experts (6); use strategy.ep in [1, 2, 3, 6]"),
     (MOE_DEMO, "trainer.devices=2 strategy.name=ddp strategy.ep=2",
-     "strategy.ep=2 must divide strategy.dp_shard (1) x strategy.tp (1) = 1"),
-    (MOE_DEMO, "trainer.devices=4 strategy.tp=2 strategy.ep=2",
-     "strategy.ep=2 with strategy.tp=2: experts have no tensor-parallel plan yet"),
+     "strategy.ep=2 must divide strategy.dp_shard (1)"),
+    (MOE_DEMO, "trainer.devices=4 strategy.tp=2 strategy.ep=4",
+     "strategy.ep=4 must divide strategy.dp_shard (2): expert parallelism borrows those ranks (not "
+     "tp's: strategy.tp=2 computes the experts whole on each tp rank); use one of [1, 2]"),
     (DENSE_DEMO, "trainer.devices=2 strategy.ep=2",
      "strategy.ep=2: model 'llama3' has no expert layers"),
 ])

@@ -146,7 +146,7 @@ def test_dry_run_prints_total_and_active_parameters(capsys):
     ("model.capacity_factor=0", "model.capacity_factor must be a number > 0"),
     ("model.router_aux_loss_coef=-1", "model.router_aux_loss_coef must be a finite number >= 0"),
     ("model.mlp_only_layers=[7]", "model.mlp_only_layers must be a list of layer indices from 0 to 3"),
-    ("strategy.tp=2 trainer.devices=2 strategy.name=fsdp2", "strategy.tp=2: qwen3_moe has no tensor-parallel plan"),
+    ("strategy.tp=3 trainer.devices=3 strategy.name=fsdp2", "strategy.tp=3 must divide model.n_heads (8)"),
 ])
 def test_bad_moe_keys_exit_2_naming_the_key(tmp_path, capsys, override, message):
     code = main(["train", MOE_DEMO, "--dry-run", *override.split(), f"run.output_dir={tmp_path}"])

@@ -1,7 +1,7 @@
 """Run under torchrun (gloo): expert parallelism against a one-process reference.
 
-``ep_worker.py OUT CONFIG...`` where each CONFIG is ``dp_replicate,dp_shard,ep`` (their product
-is the world size). For each, every rank trains the tiny Qwen3-MoE (fp32, dim 32, 8 experts,
+``ep_worker.py OUT CONFIG...`` where each CONFIG is ``dp_replicate,dp_shard,ep[,tp]``
+(dp_replicate x dp_shard x tp is the world size). For each, every rank trains the tiny Qwen3-MoE (fp32, dim 32, 8 experts,
 top-2, dropless) for STEPS optimizer steps at that layout and, in the same process, one process's
 reference with the same global batch (one micro-batch per data-parallel rank, so each
 micro-batch's auxiliary loss sees the same tokens). After the first config, the sharded model
@@ -30,7 +30,7 @@ STEPS = 6
 VOCAB, SEQ = 64, 8
 
 
-def make_cfg(rep: int, shard: int, ep: int, world: int):
+def make_cfg(rep: int, shard: int, ep: int, world: int, tp: int = 1):
     cfg = OmegaConf.structured(TrainConfig)
     cfg.model = OmegaConf.merge(OmegaConf.structured(model_config_class("qwen3_moe")), {
         "name": "qwen3_moe", "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8,
@@ -40,7 +40,7 @@ def make_cfg(rep: int, shard: int, ep: int, world: int):
     cfg.trainer.merge_with({"micro_batch_size": 1, "global_batch_size": world, "seq_len": SEQ,
                             "gradient_clip_val": 0.5})
     cfg.optimizer.lr = 1e-2
-    cfg.strategy.merge_with({"name": "fsdp2", "dp_replicate": rep, "dp_shard": shard, "ep": ep})
+    cfg.strategy.merge_with({"name": "fsdp2", "dp_replicate": rep, "dp_shard": shard, "ep": ep, "tp": tp})
     return cfg
 
 
@@ -65,14 +65,15 @@ def main(out, configs):
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    batches = [torch.randint(0, VOCAB, (world, SEQ + 1)) for _ in range(STEPS)]
+    batches = [torch.randint(0, VOCAB, (world, SEQ + 1)) for _ in range(STEPS)]  # rows >= dp
     report = {}
     for i, spec in enumerate(configs):
-        rep, shard, ep = map(int, spec.split(","))
-        cfg, ref_cfg = make_cfg(rep, shard, ep, world), make_cfg(1, 1, 1, world)
+        rep, shard, ep, tp = (list(map(int, spec.split(","))) + [1])[:4]
+        dp = rep * shard
+        cfg, ref_cfg = make_cfg(rep, shard, ep, dp, tp), make_cfg(1, 1, 1, dp)
         ref = LLMModule(ref_cfg, plan_batch(ref_cfg, 1))
         ref.configure_model()
-        ref_losses, ref_aux, ref_norms, _ = train(ref, batches, slice(None))
+        ref_losses, ref_aux, ref_norms, _ = train(ref, batches, slice(0, dp))
 
         dims = ParallelDims.from_config(cfg, world)
         check_strategy(cfg, dims)

@@ -6,8 +6,10 @@ HSDP), ``dp_shard`` (FSDP2 sharding) and ``tp`` (tensor parallel), with a flatte
 data-parallel coordinate is its index in ``dp``; ranks of one tp group read the same data.
 
 Expert parallelism (``ep > 1``) borrows its ranks from ``dp_shard``, as torchtitan's
-``expert_parallel_degree`` does (``dp_shard x cp x tp = efsdp x ep``; llmforge has no cp, and
-experts are not tensor-parallel yet, so ``tp = 1`` with ``ep > 1``): ``dp_shard`` is split into
+``expert_parallel_degree`` does (torchtitan: ``dp_shard x cp x tp = efsdp x ep``, where ``ep``
+may also take tp ranks when experts are not tensor-parallel; llmforge has no cp and computes the
+experts whole on each tp rank, so here ``dp_shard = efsdp x ep``, ``ep`` divides ``dp_shard``
+and the tp ranks hold the same experts): ``dp_shard`` is split into
 an outer ``efsdp`` (``dp_shard / ep``: the FSDP2 group of the expert weights) and an inner
 ``ep`` (the ranks that share out the experts and exchange tokens), and ``dp_shard`` and ``dp``
 become flattened dims over them, so data placement and the non-expert FSDP2 group do not change
@@ -50,7 +52,7 @@ class ParallelDims:
         Raises:
             ConfigError: the degrees do not multiply to the world size (see
                 :func:`llmforge.config.validate.data_parallel_size`), or ``strategy.ep`` is not a
-                positive divisor of ``dp_shard x tp`` (the message lists the valid values).
+                positive divisor of ``dp_shard`` (the message lists the valid values).
         """
         dp = data_parallel_size(cfg, world_size)
         s = cfg.strategy
@@ -64,14 +66,13 @@ class ParallelDims:
 
 
 def _expert_degree(s: Any, dp_shard: int, tp: int) -> int:
-    """``strategy.ep`` checked against torchtitan's rule: ``ep`` divides ``dp_shard x tp``."""
+    """``strategy.ep`` checked: it divides ``dp_shard`` (the ranks it borrows; module docs)."""
     ep = getattr(s, "ep", 1)
-    room = dp_shard * tp
-    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or room % ep:
-        ok = [d for d in range(1, room + 1) if room % d == 0]
-        raise ConfigError(f"strategy.ep={ep!r} must divide strategy.dp_shard ({dp_shard}) x "
-                          f"strategy.tp ({tp}) = {room} (expert parallelism borrows those ranks); "
-                          f"use one of {ok}")
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or dp_shard % ep:
+        ok = [d for d in range(1, dp_shard + 1) if dp_shard % d == 0]
+        raise ConfigError(f"strategy.ep={ep!r} must divide strategy.dp_shard ({dp_shard}): expert "
+                          f"parallelism borrows those ranks (not tp's: strategy.tp={tp} computes "
+                          f"the experts whole on each tp rank); use one of {ok}")
     return ep
 
 

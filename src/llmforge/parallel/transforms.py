@@ -102,16 +102,13 @@ def check_strategy(cfg: Any, dims: Any) -> None:
     Raises:
         ConfigError: ``single`` with several processes, ``ddp`` with sharding, a
             tensor-parallel degree the model's heads (or tied embeddings) do not allow, or an
-            expert-parallel degree with ``tp > 1``, on a model without experts or not dividing
-            its ``num_experts``.
+            expert-parallel degree on a model without experts or not dividing its
+            ``num_experts``.
     """
     if cfg.strategy.name == "single" and dims.world_size > 1:
         raise ConfigError(f"strategy.name=single runs one process, but the world size is "
                           f"{dims.world_size}; use strategy.name=ddp or fsdp2")
     strategy_transforms(cfg, dims)
-    if dims.ep > 1 and dims.tp > 1:
-        raise ConfigError(f"strategy.ep={dims.ep} with strategy.tp={dims.tp}: experts have no "
-                          "tensor-parallel plan yet; use strategy.tp=1 with expert parallelism")
     if dims.tp > 1 or dims.ep > 1:
         with torch.device("meta"):
             model = _spec(cfg)(cfg.model)

@@ -287,11 +287,10 @@ class StrategyConfig:
     tp: int = 1
     """Tensor-parallel degree."""
     ep: int = 1
-    """Expert-parallel degree: the experts of each MoE layer are split over ``ep`` ranks and
-    tokens are sent to them (all-to-all). Borrows ranks from dp_shard, as torchtitan does:
-    dp_shard x tp must be divisible by ep (and tp = 1 for now); the expert weights are
-    FSDP2-sharded over the remaining dp_shard / ep ranks. ``ep`` must divide the model's
-    ``num_experts``; a model without experts takes only 1."""
+    """Expert-parallel degree: each MoE layer's experts are split over ep ranks, tokens sent to
+    them by all-to-all. Borrows ranks from dp_shard (torchtitan's rule; here not from tp): ep
+    must divide dp_shard and the model's num_experts; expert weights are FSDP2-sharded over the
+    other dp_shard / ep ranks. 1 for a model without experts."""
     reshard_after_forward: bool = True
     """FSDP2: free unsharded parameters after forward (ZeRO-3) or keep them (ZeRO-2)."""
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)

@@ -43,6 +43,9 @@ def test_ep_trains_like_one_process(reports, config):
         for norm, ref in zip(r["norms"], r["ref_norms"]):  # clipped at 0.5 from 2-5: every step
             assert norm == pytest.approx(ref, rel=1e-5)
         assert r["param_max_diff"] <= 1e-4
+        # loss-free balancing: the bias moved by the load of all data-parallel ranks, as in one
+        # process (multiples of the rate 0.01: exactly equal)
+        assert r["bias"] == r["ref_bias"] and any(b != 0 for b in r["bias"])
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -59,6 +62,7 @@ def test_checkpoint_saved_at_ep2_loads_at_ep1(reports):
     r = reports[0]["1,4,2"]
     assert r["ckpt_keys_equal"] is True  # the model's own FQNs, no wrapper prefixes
     assert r["ckpt_max_diff"] == 0.0  # every full tensor, experts included
+    assert r["ckpt_bias"] == r["bias"]  # the balancing bias (a buffer) is in the checkpoint
 
 
 @pytest.mark.parametrize("config, args, message", [

@@ -2,7 +2,7 @@
 
 ``ep_worker.py OUT CONFIG...`` where each CONFIG is ``dp_replicate,dp_shard,ep[,tp]``
 (dp_replicate x dp_shard x tp is the world size). For each, every rank trains the tiny Qwen3-MoE (fp32, dim 32, 8 experts,
-top-2, dropless) for STEPS optimizer steps at that layout and, in the same process, one process's
+top-2, dropless, DeepSeek-V3 loss-free balancing on) for STEPS optimizer steps at that layout and, in the same process, one process's
 reference with the same global batch (one micro-batch per data-parallel rank, so each
 micro-batch's auxiliary loss sees the same tokens). After the first config, the sharded model
 and optimizer are saved with the llmforge checkpoint writer and the model part loaded back into
@@ -36,7 +36,7 @@ def make_cfg(rep: int, shard: int, ep: int, world: int, tp: int = 1):
         "name": "qwen3_moe", "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8,
         "hidden_dim": 64, "vocab_size": VOCAB, "max_seq_len": 16, "num_experts": 8,
         "num_experts_per_tok": 2, "moe_intermediate_size": 16, "router_aux_loss_coef": 0.05,
-        "router_z_loss_coef": 0.001, "mlp_only_layers": [1]})
+        "router_z_loss_coef": 0.001, "mlp_only_layers": [1], "router_bias_update_rate": 0.01})
     cfg.trainer.merge_with({"micro_batch_size": 1, "global_batch_size": world, "seq_len": SEQ,
                             "gradient_clip_val": 0.5})
     cfg.optimizer.lr = 1e-2
@@ -56,6 +56,7 @@ def train(mod, batches, rows):
         norms.append(mod.clip_gradients_(opt).item())
         opt.step()
         opt.zero_grad()
+        mod.model_after_optimizer_step()  # loss-free balancing: the bias moves by the step's load
         losses.append((mod.dp_all_reduce(loss) / n).item())
         aux.append({k: v.item() for k, v in mod.aux_step_metrics(n, mod.state.n_micro).items()})
     return losses, aux, norms, opt
@@ -89,6 +90,8 @@ def main(out, configs):
                  "dims": [dims.dp_replicate, dims.efsdp, dims.ep], "losses": losses,
                  "ref_losses": ref_losses, "aux": aux, "ref_aux": ref_aux, "norms": norms,
                  "ref_norms": ref_norms, "w1_local_shape": list(w1.to_local().shape),
+                 "bias": mod.model.layers[0].feed_forward.expert_bias.tolist(),
+                 "ref_bias": ref.model.layers[0].feed_forward.expert_bias.tolist(),
                  "w1_placements": [str(p) for p in w1.placements]}
         if i == 0:  # checkpoint written at this layout, read by a one-process ep=1 model
             path = f"{out}/ckpt"
@@ -96,6 +99,7 @@ def main(out, configs):
             ref1 = LLMModule(ref_cfg, plan_batch(ref_cfg, 1))
             ref1.configure_model()
             load_model_weights(latest_checkpoint(path), ref1.model)
+            entry["ckpt_bias"] = ref1.model.layers[0].feed_forward.expert_bias.tolist()
             sd = dict(ref1.model.named_parameters())
             entry["ckpt_max_diff"] = max((full(p) - sd[n]).abs().max().item()
                                          for n, p in mod.model.named_parameters())

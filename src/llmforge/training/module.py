@@ -310,8 +310,16 @@ class LLMModule(AuxLosses, Evaluation, L.LightningModule):
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
+            self.model_after_optimizer_step()
         self.tokens_seen += self.step_tokens
         self.event(Event.AFTER_OPTIMIZER_STEP)
+
+    def model_after_optimizer_step(self) -> None:
+        """The model's optional ``after_optimizer_step(all_reduce)`` (the model factory contract
+        of :mod:`llmforge.models`) with :meth:`dp_all_reduce`."""
+        fn = getattr(self.model, "after_optimizer_step", None)
+        if fn is not None:
+            fn(self.dp_all_reduce)
 
     def clip_gradients_(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """Clip the global L2 norm of all gradients to ``trainer.gradient_clip_val`` (once per

@@ -9,11 +9,10 @@ Expert parallelism (``ep > 1``) borrows its ranks from ``dp_shard``, as torchtit
 ``expert_parallel_degree`` does (torchtitan: ``dp_shard x cp x tp = efsdp x ep``, where ``ep``
 may also take tp ranks when experts are not tensor-parallel; llmforge has no cp and computes the
 experts whole on each tp rank, so here ``dp_shard = efsdp x ep``, ``ep`` divides ``dp_shard``
-and the tp ranks hold the same experts): ``dp_shard`` is split into
-an outer ``efsdp`` (``dp_shard / ep``: the FSDP2 group of the expert weights) and an inner
-``ep`` (the ranks that share out the experts and exchange tokens), and ``dp_shard`` and ``dp``
-become flattened dims over them, so data placement and the non-expert FSDP2 group do not change
-with ``ep``.
+and the tp ranks hold the same experts): ``dp_shard`` is split into an outer ``efsdp``
+(``dp_shard / ep``: the FSDP2 group of the expert weights) and an inner ``ep`` (the ranks that
+share out the experts and exchange tokens), and ``dp_shard`` and ``dp`` become flattened dims
+over them, so data placement and the non-expert FSDP2 group do not change with ``ep``.
 """
 
 from __future__ import annotations

@@ -130,8 +130,9 @@ def _check_tp(model: nn.Module, ctx: ModelContext) -> None:
 
 
 def strategy_transforms(cfg: Any, dims: Any) -> list[Transform]:
-    """The strategy's pipeline steps: tensor parallel (tp > 1), expert parallel (ep > 1) and data parallel (DDP when
-    ``dp_replicate > 1``; FSDP2 when ``dp > 1``, or on one device when named explicitly)."""
+    """The strategy's pipeline steps: tensor parallel (tp > 1), expert parallel (ep > 1, after
+    TP in the same stage) and data parallel (DDP when ``dp_replicate > 1``; FSDP2 when
+    ``dp > 1``, or on one device when named explicitly)."""
     out: list[Transform] = []
     if dims.tp > 1:
         out.append(Transform(Stage.TENSOR_PARALLEL, "tensor_parallel", apply_tp))

@@ -66,6 +66,30 @@ def test_capacity_factor_drops_the_overflow_and_counts_it():
     assert y[0, 2:].abs().max() == 0  # the rest add nothing
 
 
+def test_loss_free_balancing_chooses_with_the_bias_and_weighs_without_it():
+    """DeepSeek-V3's rule: top-k by probs + bias, weights the unbiased probs; the bias moves by
+    rate x sign(mean load - load) after a step, and a load counted twice moves it the same."""
+    torch.manual_seed(0)
+    moe = MoE(dim=32, hidden_dim=16, num_experts=4, top_k=1, norm_topk_prob=False, bias_update_rate=0.25)
+    moe.init_weights(0.15, 0.15)
+    with torch.no_grad():  # every token prefers expert 0
+        moe.router.weight.zero_()
+        moe.router.weight[0] = 0.02
+    x = torch.rand(1, 8, 32) + 0.1
+    moe(x)
+    moe(x)  # e.g. an activation-checkpointing recompute: the same load counted again
+    assert moe.load.tolist() == [16.0, 0.0, 0.0, 0.0]
+    moe.update_bias(moe.load.clone())  # one process: the summed load is its own
+    assert moe.expert_bias.tolist() == [-0.25, 0.25, 0.25, 0.25] and moe.load.sum() == 0
+    _, probs, weights, idx = moe.route(x.reshape(-1, 32))
+    assert (idx != 0).all()  # chosen by the bias ...
+    torch.testing.assert_close(weights, probs.gather(-1, idx))  # ... weighed without it
+    moe.eval()
+    moe(x)
+    assert moe.load.sum() == 0  # evaluation forwards do not count
+    assert "expert_bias" in moe.state_dict() and "load" not in moe.state_dict()  # checkpointed
+
+
 def tiny_hf(path, norm_topk: bool, tie: bool = False, seed: int = 0, sparse_step: int = 1, vocab: int = 128):
     cfg = transformers.Qwen3MoeConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -145,8 +169,9 @@ def test_dry_run_prints_total_and_active_parameters(capsys):
     ("model.num_experts_per_tok=9", "model.num_experts_per_tok must be an integer from 1 to model.num_experts (8)"),
     ("model.capacity_factor=0", "model.capacity_factor must be a number > 0"),
     ("model.router_aux_loss_coef=-1", "model.router_aux_loss_coef must be a finite number >= 0"),
+    ("model.router_bias_update_rate=-0.1", "model.router_bias_update_rate must be a finite number >= 0"),
     ("model.mlp_only_layers=[7]", "model.mlp_only_layers must be a list of layer indices from 0 to 3"),
-    ("strategy.tp=2 trainer.devices=2 strategy.name=fsdp2", "strategy.tp=2: qwen3_moe has no tensor-parallel plan"),
+    ("strategy.tp=3 trainer.devices=3 strategy.name=fsdp2", "strategy.tp=3 must divide model.n_heads (8)"),
 ])
 def test_bad_moe_keys_exit_2_naming_the_key(tmp_path, capsys, override, message):
     code = main(["train", MOE_DEMO, "--dry-run", *override.split(), f"run.output_dir={tmp_path}"])
@@ -213,15 +238,17 @@ def test_aux_losses_through_the_events_in_process():
 @pytest.mark.slow
 def test_fsdp2_two_processes_from_hf_equal_one_process(tmp_path):
     """`model.init_from: hf:PATH` into FSDP2-sharded experts (each of 2 gloo processes reads
-    only its 2 of the 4 experts per projection) and 5 steps: the auxiliary terms and the expert
-    load reach the metrics file, and the losses (auxiliary terms included), gradient norms and
-    expert load equal one process's within 1e-5."""
+    only its 2 of the 4 experts per projection) and 5 steps with loss-free balancing on (its bias
+    starts at 0: HF has none): the auxiliary terms and the expert load reach the metrics file, and
+    the losses (auxiliary terms included), gradient norms and expert load equal one process's
+    within 1e-5."""
     from conftest import run_cli
     from test_parallel import COMMON
 
     tiny_hf(tmp_path / "hf", norm_topk=True, vocab=1024)
     common = [o for o in COMMON if not o.startswith("model.")] + [
-        f"model.init_from=hf:{tmp_path / 'hf'}", f"run.output_dir={tmp_path}", "model.router_z_loss_coef=0.001"]
+        f"model.init_from=hf:{tmp_path / 'hf'}", f"run.output_dir={tmp_path}", "model.router_z_loss_coef=0.001",
+        "model.router_bias_update_rate=0.01"]  # loss-free balancing too: its bias alike on 1 and 2
     assert main(["train", MOE_DEMO, *common, "run.name=one"]) == 0
     proc = run_cli("train", MOE_DEMO, *common, "run.name=two", "strategy.name=fsdp2", "--nproc", "2",
                    cwd=REPO, timeout=900)
@@ -240,3 +267,6 @@ def test_fsdp2_two_processes_from_hf_equal_one_process(tmp_path):
     model = OmegaConf.load(tmp_path / "one" / "config.yaml").model
     assert model.router_aux_loss_coef == 0.1 and model.num_experts == 4  # the YAML's weight, HF's shape
     assert two == [pytest.approx(r, abs=1e-5) for r in one]
+    # the routing bias has no place in Qwen3MoeForCausalLM: the export says so, writes nothing
+    assert main(["convert", "to-hf", str(tmp_path / "one"), str(tmp_path / "hf_out")]) == 2
+    assert not (tmp_path / "hf_out").exists()

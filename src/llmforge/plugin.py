@@ -43,8 +43,9 @@ class ModelContext:
 
     Attributes:
         cfg: the resolved run config.
-        mesh: the ``DeviceMesh`` (dims ``dp_replicate``, ``dp_shard``, ``tp``) or ``None`` in one
-            process.
+        mesh: the ``DeviceMesh`` (dims ``dp_replicate``, ``dp_shard``, ``tp``; with expert
+            parallelism ``dp_replicate``, ``efsdp``, ``ep``, ``tp``, ``dp_shard`` flattened) or
+            ``None`` in one process.
         dims: :class:`llmforge.parallel.mesh.ParallelDims`.
         device: the device the model will be materialized on.
     """

@@ -279,10 +279,14 @@ def save_hf(model: nn.Module, out: str | Path, tokenizer_dir: Optional[Path] = N
     ``*ForCausalLM``) and ``AutoTokenizer`` load; ``generate`` then stops at the tokenizer's EOS.
 
     Raises:
-        LLMForgeError: the model's family has no Hugging Face adapter."""
+        LLMForgeError: the model's family has no Hugging Face adapter.
+        ConfigError: the adapter refuses the model's config (nothing is written)."""
     from safetensors.torch import save_file
 
     adapter = adapter or adapter_for_model(model)  # refuse before anything is written
+    dt = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
+    ids = _token_ids(tokenizer_dir)
+    config = hf_config_from_model(model, dt, ids, adapter)  # the adapter may refuse the model too
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -304,9 +308,7 @@ def save_hf(model: nn.Module, out: str | Path, tokenizer_dir: Optional[Path] = N
         total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
         (out / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    dt = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
-    ids = _token_ids(tokenizer_dir)
-    (out / "config.json").write_text(json.dumps(hf_config_from_model(model, dt, ids, adapter), indent=1))
+    (out / "config.json").write_text(json.dumps(config, indent=1))
     gen = {"_from_model_config": True, **{f"{k}_token_id": v for k, v in ids.items() if v is not None}}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=1))
     if tokenizer_dir is not None:

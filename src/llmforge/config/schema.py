@@ -290,6 +290,11 @@ class StrategyConfig:
     """Pipeline-parallel degree: the model's repeated blocks are split into ``pp`` groups of
     ranks (outermost mesh dim; ``pp x dp_replicate x dp_shard x tp`` = world size). See the
     ``pipeline:`` keys and docs/parallelism.md."""
+    ep: int = 1
+    """Expert-parallel degree: each MoE layer's experts are split over ep ranks, tokens sent to
+    them by all-to-all. Borrows ranks from dp_shard (torchtitan's rule; here not from tp): ep
+    must divide dp_shard and the model's num_experts; expert weights are FSDP2-sharded over the
+    other dp_shard / ep ranks. 1 for a model without experts."""
     reshard_after_forward: bool = True
     """FSDP2: free unsharded parameters after forward (ZeRO-3) or keep them (ZeRO-2)."""
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)

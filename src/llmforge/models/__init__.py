@@ -32,6 +32,9 @@ section and returns an ``nn.Module`` with:
 * optionally ``aux_metrics() -> dict[str, Tensor | float]``: monitoring values of the last
   forward (e.g. ``moe/load_max_mean/layer_0``), logged as means over the step's micro-batches
   and data-parallel ranks.
+* optionally ``after_optimizer_step(all_reduce)``: called on every rank after each optimizer
+  step that was taken, with a function summing a tensor over the data-parallel ranks (e.g. a
+  router's loss-free balancing bias, moved by the step's expert load).
 
 The factory must work when called under ``with torch.device("meta"):`` (no data-dependent
 work, no host copies of parameters). This package imports no torch until a model is built

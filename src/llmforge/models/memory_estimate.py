@@ -37,7 +37,10 @@ def estimate_memory(n_params: int, precision: str, strategy: Any, world_size: in
 
     Bytes per parameter: ``fp32`` and ``bf16-mixed`` keep fp32 weights and gradients (4 + 4)
     and two fp32 Adam moments (8); ``bf16-true`` keeps everything in bf16 (2 + 2 + 4). FSDP2
-    divides model state by ``dp_shard * tp``; DDP and one process by ``tp`` only.
+    divides model state by ``dp_shard * tp``; DDP and one process by ``tp`` only. Expert
+    parallelism does not change it: the expert weights are split over ``ep`` and FSDP2-sharded
+    over the other ``dp_shard / ep`` ranks, ``dp_shard`` shards in all like every other weight
+    (what ``ep`` saves is in :func:`gathered_block_bytes`).
     """
     trainable = n_params if n_trainable is None else n_trainable
     width = 2 if precision == "bf16-true" else 4
@@ -80,6 +83,26 @@ def estimate_activations(model: Any, micro_batch_size: int, seq_len: int, precis
     no_ac = m.n_layers * per_layer + logits
     full_ac = m.n_layers * tokens * m.dim * width / tp + per_layer + logits
     return no_ac, full_ac
+
+
+def gathered_block_bytes(model: Any, spec: Any, width: int, tp: int = 1,
+                         ep: int = 1) -> Optional[tuple[float, float, int]]:
+    """The weights of the largest repeated block as FSDP2 all-gathers them for its forward and
+    backward (one block at a time, plus the next one prefetched), bytes per device:
+    ``(block, of which experts, experts per device)``. Expert layers (``ModelSpec.experts``)
+    count ``1 / ep`` of their experts (a rank gathers only its own), the other weights
+    ``1 / tp``; ``width`` bytes per element (4 fp32, 2 bf16). ``None`` for a model without
+    expert layers."""
+    experts = spec.expert_modules(model)
+    if not experts:
+        return None
+    expert_ids = {id(p) for m in experts for p in m.parameters()}
+    best = (0.0, 0.0)
+    for block in spec.model_blocks(model):
+        ex = sum(p.numel() for p in block.parameters() if id(p) in expert_ids) / ep
+        rest = sum(p.numel() for p in block.parameters() if id(p) not in expert_ids) / tp
+        best = max(best, ((ex + rest) * width, ex * width))
+    return best[0], best[1], max(int(m.num_experts) for m in experts) // ep
 
 
 def _fmt_count(n: float) -> str:

@@ -23,6 +23,12 @@ folder (``models/llama3/``, ``models/qwen3/``) whose spec bundles
   keeps before the blocks (the embedding) and the last keeps after them (final norm, output);
   the other stages set them to ``None`` and the model's forward skips them
   (:mod:`llmforge.parallel.pipeline`).
+* ``experts``: optional ``experts(model) -> list[nn.Module]``, the expert layers: what expert
+  parallelism (``strategy.ep``, :mod:`llmforge.parallel.expert`) splits. Each has an int
+  ``num_experts`` ``E``, parameters stacked by expert on dim 0 (``[E, ...]``) and
+  ``forward(x [M, D] rows sorted by expert, counts [E] int64, *rest) -> [M, D]``; with a
+  parameter sharded on dim 0 it computes with its local experts (``counts`` then has
+  ``E / ep`` entries).
 
 Heavy members may be given as import paths (``"llmforge.models.qwen3.model:build_qwen3"``) and
 are imported on first use, so loading and checking a config imports no torch. This module
@@ -123,6 +129,7 @@ class ModelSpec:
     memory_shape: Ref = None
     active_params: Ref = None
     stage_ends: tuple = (("tok_embeddings",), ("norm", "output"))
+    experts: Ref = None
     description: str = ""
 
     def __call__(self, cfg: Any, **kwargs: Any) -> Any:
@@ -153,6 +160,12 @@ class ModelSpec:
             raise ConfigError(f"model '{self.name}' has no blocks() and its spec no blocks: FSDP2, "
                               "activation checkpointing and compile need the repeated blocks")
         return list(fn(model))
+
+    def expert_modules(self, model: Any) -> list:
+        """The expert layers of a built model (what ``strategy.ep`` splits); ``[]`` for a
+        dense family."""
+        fn = self.get("experts")
+        return list(fn(model)) if fn is not None else []
 
     def flops(self, model: Any, seq_len: int) -> float:
         """Training FLOPs per token at ``seq_len`` (forward + backward); nan if unknown."""

@@ -6,6 +6,15 @@ HSDP), ``dp_shard`` (FSDP2 sharding) and ``tp`` (tensor parallel), with a flatte
 data-parallel coordinate is its index in ``dp``; ranks of one tp group read the same data.
 With ``pp > 1`` a ``pp`` dim (pipeline stages) comes first, outermost as in torchtitan: the
 ranks of one pipeline read the same data too.
+
+Expert parallelism (``ep > 1``) borrows its ranks from ``dp_shard``, as torchtitan's
+``expert_parallel_degree`` does (torchtitan: ``dp_shard x cp x tp = efsdp x ep``, where ``ep``
+may also take tp ranks when experts are not tensor-parallel; llmforge has no cp and computes the
+experts whole on each tp rank, so here ``dp_shard = efsdp x ep``, ``ep`` divides ``dp_shard``
+and the tp ranks hold the same experts): ``dp_shard`` is split into an outer ``efsdp``
+(``dp_shard / ep``: the FSDP2 group of the expert weights) and an inner ``ep`` (the ranks that
+share out the experts and exchange tokens), and ``dp_shard`` and ``dp`` become flattened dims
+over them, so data placement and the non-expert FSDP2 group do not change with ``ep``.
 """
 
 from __future__ import annotations
@@ -14,17 +23,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmforge.config.validate import data_parallel_size
+from llmforge.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Resolved degrees: ``pp * dp_replicate * dp_shard * tp == world_size``."""
+    """Resolved degrees: ``pp * dp_replicate * dp_shard * tp == world_size``; ``ep`` divides
+    ``dp_shard`` (expert parallelism borrows data-parallel shard ranks)."""
 
     dp_replicate: int
     dp_shard: int
     tp: int
     world_size: int
     pp: int = 1
+    ep: int = 1
+
+    @property
+    def efsdp(self) -> int:
+        """The FSDP2 degree of the expert weights: ``dp_shard / ep``."""
+        return self.dp_shard // self.ep
 
     @property
     def dp(self) -> int:
@@ -36,7 +53,8 @@ class ParallelDims:
 
         Raises:
             ConfigError: the degrees do not multiply to the world size (see
-                :func:`llmforge.config.validate.data_parallel_size`).
+                :func:`llmforge.config.validate.data_parallel_size`), or ``strategy.ep`` is not a
+                positive divisor of ``dp_shard`` (the message lists the valid values).
         """
         dp = data_parallel_size(cfg, world_size)
         s = cfg.strategy
@@ -44,20 +62,41 @@ class ParallelDims:
         rep, tp, pp = int(s.dp_replicate), int(s.tp), int(s.get("pp", 1))
         if name == "ddp" and world_size > 1 and s.dp_shard in (-1, 1) and rep == 1:
             rep = dp  # plain DDP: every data-parallel rank is a replica
-        return cls(dp_replicate=rep, dp_shard=dp // rep, tp=tp, world_size=world_size, pp=pp)
+        shard = dp // rep
+        return cls(dp_replicate=rep, dp_shard=shard, tp=tp, world_size=world_size, pp=pp,
+                   ep=_expert_degree(s, shard, tp))
+
+
+def _expert_degree(s: Any, dp_shard: int, tp: int) -> int:
+    """``strategy.ep`` checked: it divides ``dp_shard`` (the ranks it borrows; module docs)."""
+    ep = getattr(s, "ep", 1)
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or dp_shard % ep:
+        ok = [d for d in range(1, dp_shard + 1) if dp_shard % d == 0]
+        raise ConfigError(f"strategy.ep={ep!r} must divide strategy.dp_shard ({dp_shard}): expert "
+                          f"parallelism borrows those ranks (not tp's: strategy.tp={tp} computes "
+                          f"the experts whole on each tp rank); use one of {ok}")
+    return ep
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> Any:
     """``init_device_mesh`` with dims (dp_replicate, dp_shard, tp), preceded by ``pp`` when
-    ``dims.pp > 1``, and a flattened ``dp``.
+    ``dims.pp > 1``, and a flattened ``dp``; with ``ep > 1`` dims (dp_replicate, efsdp, ep, tp)
+    and flattened ``dp_shard`` (efsdp x ep) and ``dp``.
 
     Needs an initialized process group (every rank calls it).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
     pp = (dims.pp,) if dims.pp > 1 else ()
+    pp_name = ("pp",) * len(pp)
+    if dims.ep > 1:
+        mesh = init_device_mesh(device_type, (*pp, dims.dp_replicate, dims.efsdp, dims.ep, dims.tp),
+                                mesh_dim_names=(*pp_name, "dp_replicate", "efsdp", "ep", "tp"))
+        mesh["efsdp", "ep"]._flatten("dp_shard")
+        mesh["dp_replicate", "efsdp", "ep"]._flatten("dp")
+        return mesh
     mesh = init_device_mesh(device_type, (*pp, dims.dp_replicate, dims.dp_shard, dims.tp),
-                            mesh_dim_names=(*("pp",) * len(pp), "dp_replicate", "dp_shard", "tp"))
+                            mesh_dim_names=(*pp_name, "dp_replicate", "dp_shard", "tp"))
     mesh["dp_replicate", "dp_shard"]._flatten("dp")
     return mesh
 

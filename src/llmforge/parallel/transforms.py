@@ -1,4 +1,5 @@
-"""How a model is spread over ranks: pipeline stages, tensor parallel, FSDP2 / HSDP, DDP.
+"""How a model is spread over ranks: pipeline stages, tensor parallel, expert parallel, FSDP2 /
+HSDP, DDP.
 
 Each function is a pipeline transform ``fn(model, ctx) -> model`` (see
 :mod:`llmforge.plugin`) applied to the model on the meta device, before it is
@@ -16,6 +17,7 @@ from torch import nn
 from llmforge.config.validate import plan_batch
 from llmforge.errors import ConfigError
 from llmforge.models.spec import get_spec
+from llmforge.parallel.expert import apply_expert_parallel, check_expert_parallel, shard_experts
 from llmforge.parallel.pipeline import PipelineLayout, apply_pipeline_split, resolve_layout
 from llmforge.plugin import ModelContext, Stage, Transform
 
@@ -54,6 +56,11 @@ def apply_fsdp(model: nn.Module, ctx: ModelContext) -> nn.Module:
     mesh = ctx.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else ctx.mesh["dp_shard"]
     kwargs = dict(mesh=mesh, mp_policy=mixed_precision_policy(ctx.cfg),
                   offload_policy=CPUOffloadPolicy() if s.cpu_offload else OffloadPolicy())
+    if dims.ep > 1:  # expert weights first, over the dp_shard ranks that ep leaves (efsdp)
+        emesh = ctx.mesh["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else ctx.mesh["efsdp"]
+        shard_experts(_spec(ctx.cfg).expert_modules(model), emesh, dims.dp,
+                      reshard_after_forward=s.reshard_after_forward,
+                      mp_policy=kwargs["mp_policy"], offload_policy=kwargs["offload_policy"])
     for block in _spec(ctx.cfg).model_blocks(model):
         fully_shard(block, reshard_after_forward=s.reshard_after_forward, **kwargs)
     if dims.pp > 1:
@@ -93,12 +100,21 @@ def apply_tp(model: nn.Module, ctx: ModelContext) -> nn.Module:
     return _spec(ctx.cfg).get("tp_plan")(model, ctx.mesh["tp"])
 
 
+def apply_ep(model: nn.Module, ctx: ModelContext) -> nn.Module:
+    """Expert parallelism on the ``ep`` mesh over the expert layers the family declares
+    (``ModelSpec.experts``; :mod:`llmforge.parallel.expert`)."""
+    apply_expert_parallel(_spec(ctx.cfg).expert_modules(model), ctx.mesh["ep"])
+    return model
+
+
 def check_strategy(cfg: Any, dims: Any) -> None:
     """Reject strategy settings that cannot work, before any process or weight exists.
 
     Raises:
-        ConfigError: ``single`` with several processes, ``ddp`` with sharding, or a
-            tensor-parallel degree the model's heads (or tied embeddings) do not allow.
+        ConfigError: ``single`` with several processes, ``ddp`` with sharding, a
+            tensor-parallel degree the model's heads (or tied embeddings) do not allow, or an
+            expert-parallel degree on a model without experts or not dividing its
+            ``num_experts``.
     """
     if cfg.strategy.name == "single" and dims.world_size > 1:
         raise ConfigError(f"strategy.name=single runs one process, but the world size is "
@@ -106,11 +122,13 @@ def check_strategy(cfg: Any, dims: Any) -> None:
     strategy_transforms(cfg, dims)
     if dims.pp > 1:
         pipeline_layout(cfg, dims)
-    if dims.tp > 1:
+    if dims.tp > 1 or dims.ep > 1:
         with torch.device("meta"):
             model = _spec(cfg)(cfg.model)
         ctx = ModelContext(cfg=cfg, mesh=None, dims=dims, device=torch.device("meta"))
-        _check_tp(model, ctx)
+        if dims.tp > 1:
+            _check_tp(model, ctx)
+        check_expert_parallel(_spec(cfg).expert_modules(model), dims.ep, cfg.model.name)
 
 
 def _check_tp(model: nn.Module, ctx: ModelContext) -> None:
@@ -161,14 +179,16 @@ def apply_pp(model: nn.Module, ctx: ModelContext) -> nn.Module:
 
 
 def strategy_transforms(cfg: Any, dims: Any) -> list[Transform]:
-    """The strategy's pipeline steps: pipeline stages (pp > 1), tensor parallel (tp > 1) and
-    data parallel (DDP when ``dp_replicate > 1``; FSDP2 when ``dp > 1``, or on one device when
-    named explicitly)."""
+    """The strategy's pipeline steps: pipeline stages (pp > 1), tensor parallel (tp > 1), expert
+    parallel (ep > 1, after TP in the same stage) and data parallel (DDP when
+    ``dp_replicate > 1``; FSDP2 when ``dp > 1``, or on one device when named explicitly)."""
     out: list[Transform] = []
     if dims.pp > 1:
         out.append(Transform(Stage.PIPELINE, "pipeline_stages", apply_pp))
     if dims.tp > 1:
         out.append(Transform(Stage.TENSOR_PARALLEL, "tensor_parallel", apply_tp))
+    if dims.ep > 1:
+        out.append(Transform(Stage.TENSOR_PARALLEL, "expert_parallel", apply_ep, priority=1))
     if cfg.strategy.name == "ddp":
         if dims.dp_shard > 1:
             raise ConfigError(f"strategy.name=ddp replicates the model on every data-parallel rank; "

@@ -32,7 +32,7 @@ from llmforge.errors import ConfigError
 from llmforge.models.spec import get_spec
 from llmforge.planning.gpus import GPUKind
 from llmforge.planning.measure import Collective
-from llmforge.planning.simulate import AC_MODES, Layout, StepMeasurement, simulate_scaled
+from llmforge.planning.simulate import AC_MODES, Layout, StepMeasurement, refuse_ep, simulate_scaled
 from llmforge.plugin import meta_model
 
 HEADROOM = 0.10
@@ -198,8 +198,10 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
     """Plan ``cfg`` on ``world`` GPUs of kind ``gpu`` (module docstring).
 
     Raises:
-        ConfigError: no layout divides the batch or the model (see :func:`enumerate_layouts`).
+        ConfigError: no layout divides the batch or the model (see :func:`enumerate_layouts`),
+            or ``strategy.ep > 1`` (not planned yet: :func:`~llmforge.planning.simulate.refuse_ep`).
     """
+    refuse_ep(cfg)
     layouts, dropped = enumerate_layouts(cfg, world, gpu.gpus_per_node)
     gbs = int(cfg.trainer.global_batch_size)
     budget = gpu.memory_bytes * (1 - HEADROOM)

@@ -61,6 +61,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from llmforge.algorithms.loading import build_algorithms
 from llmforge.config.validate import validate
+from llmforge.errors import ConfigError
 from llmforge.models.spec import get_spec
 from llmforge.parallel.mesh import ParallelDims, build_mesh
 from llmforge.parallel.transforms import check_strategy, strategy_transforms
@@ -131,10 +132,25 @@ class StepMeasurement:
                 "phase_peak_bytes": {name: p[0] for name, p in self.phases.items()}}
 
 
+def refuse_ep(cfg: Any) -> None:
+    """Raises ConfigError: ``strategy.ep > 1``, which the simulation and the planner do not lay
+    out yet (the fake process group's all-to-all carries no token counts to dispatch by)."""
+    ep = getattr(cfg.strategy, "ep", 1)
+    if ep != 1:
+        raise ConfigError(f"strategy.ep={ep}: llmforge plan and the simulation lay out dp and tp "
+                          "only, not expert parallelism yet; plan with strategy.ep=1 and set ep "
+                          "afterwards (it borrows dp_shard ranks: the same world size)")
+
+
 def layout_config(cfg: Any, layout: Layout, n_layers: Optional[int] = None) -> Any:
     """A copy of ``cfg`` with ``layout``: strategy degrees (``fsdp2``), micro-batch size, the
     ``activation_checkpointing`` entry replaced, ``compile`` left out, and ``model.n_layers``
-    when given."""
+    when given.
+
+    Raises:
+        ConfigError: ``strategy.ep > 1`` (:func:`refuse_ep`).
+    """
+    refuse_ep(cfg)
     out = copy.deepcopy(cfg)
     OmegaConf.set_readonly(out, False)
     s = out.strategy

@@ -23,7 +23,8 @@ import torch
 from llmforge.algorithms.loading import build_algorithms
 from llmforge.config.validate import BatchPlan
 from llmforge.data.mixture import mixture_report
-from llmforge.models.memory_estimate import GIB, _fmt_count, estimate_activations, estimate_memory
+from llmforge.models.memory_estimate import (GIB, _fmt_count, estimate_activations, estimate_memory,
+                                             gathered_block_bytes)
 from llmforge.models.spec import get_spec
 from llmforge.parallel.mesh import ParallelDims
 from llmforge.parallel.pipeline import stage_params
@@ -97,7 +98,8 @@ def dry_run_report(cfg: Any, plan: BatchPlan, device_memory_gib: Optional[float]
         f"vocab_size      {model.vocab_size:,}",
         f"flops/token     {flops:.4g} (training, at seq_len {seq})",
         f"world size      {plan.world_size} ({cfg.strategy.name}, {_dp_words(cfg, plan)}, tp {cfg.strategy.tp}"
-        + (f", pp {dims.pp})" if dims.pp > 1 else ")"),
+        + (f", pp {dims.pp}" if dims.pp > 1 else "")
+        + (f", ep {cfg.strategy.ep})" if cfg.strategy.ep > 1 else ")"),
         *pp_lines,
         f"micro batch     {plan.micro_batch_size} sequences x {seq} tokens",
         f"grad accum      {plan.gradient_accumulation_steps} steps",
@@ -116,9 +118,31 @@ def dry_run_report(cfg: Any, plan: BatchPlan, device_memory_gib: Optional[float]
         lines = [x for x in lines if not x.startswith("memory/device")]
         return "\n".join(lines + [x for _, lines_ in extra for x in lines_])
     lines += [x for _, lines_ in extra for x in lines_]
+    lines += _expert_lines(cfg, model, spec)
     act = estimate_activations(model, plan.micro_batch_size, seq, cfg.trainer.precision,
                                max(1, cfg.strategy.tp), spec=spec)
     if act is not None:
         lines.append(f"activations     {act[0] / GIB:.2f} GiB per micro-batch without activation "
                      f"checkpointing, {act[1] / GIB:.2f} GiB with full checkpointing (estimate)")
     return "\n".join(lines)
+
+
+def _expert_lines(cfg: Any, model: Any, spec: Any) -> list[str]:
+    """A mixture of experts: experts per device under ``strategy.ep`` and one block's
+    all-gathered weights (:func:`~llmforge.models.memory_estimate.gathered_block_bytes`)."""
+    ep, tp = int(cfg.strategy.ep), max(1, int(cfg.strategy.tp))
+    width = 2 if cfg.trainer.precision == "bf16-true" or str(
+        cfg.strategy.mixed_precision.param_dtype) in ("bfloat16", "bf16", "float16", "fp16") else 4
+    got = gathered_block_bytes(model, spec, width, tp, ep)
+    if got is None:
+        return []
+    block, experts, per_device = got
+    at_ep1 = gathered_block_bytes(model, spec, width, tp, 1)
+    assert at_ep1 is not None
+    return [f"experts         {per_device * ep} per layer, ep {ep}: {per_device} per device; one block's "
+            f"all-gathered weights {_size(block)} (experts {_size(experts)}"
+            + (f"; {_size(at_ep1[0])} at ep 1)" if ep > 1 else ")")]
+
+
+def _size(n_bytes: float) -> str:
+    return f"{n_bytes / GIB:.2f} GiB" if n_bytes >= 0.1 * GIB else f"{n_bytes / 1024**2:.2f} MiB"

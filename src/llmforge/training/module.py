@@ -28,6 +28,7 @@ from llmforge.events import Dispatcher, Event, State
 from llmforge.models.spec import get_spec
 from llmforge.parallel.init import init_parallel_model, seeded_init
 from llmforge.parallel.lightning_private import attached_trainer, optimizer_step_progress, strategy_mesh
+from llmforge.parallel.expert import clip_grad_norm_
 from llmforge.parallel.mesh import ParallelDims, pp_size
 from llmforge.parallel.pipeline import build_schedule
 from llmforge.parallel.transforms import pipeline_layout
@@ -109,7 +110,8 @@ class LLMModule(AuxLosses, Evaluation, PipelineSteps, L.LightningModule):
         else:
             sizes = [mesh[d].size() for d in ("dp_replicate", "dp_shard", "tp")]
             pp = pp_size(mesh)
-            dims = ParallelDims(*sizes, world_size=sizes[0] * sizes[1] * sizes[2] * pp, pp=pp)
+            ep = mesh["ep"].size() if "ep" in (mesh.mesh_dim_names or ()) else 1
+            dims = ParallelDims(*sizes, world_size=sizes[0] * sizes[1] * sizes[2] * pp, pp=pp, ep=ep)
         device = self.trainer.strategy.root_device if attached_trainer(self) is not None else self.device
         return ModelContext(cfg=self.cfg, mesh=self.mesh, dims=dims, device=device)
 
@@ -333,28 +335,24 @@ class LLMModule(AuxLosses, Evaluation, PipelineSteps, L.LightningModule):
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
+            self.model_after_optimizer_step()
         self.tokens_seen += self.step_tokens
         self.event(Event.AFTER_OPTIMIZER_STEP)
+
+    def model_after_optimizer_step(self) -> None:
+        """The model's optional ``after_optimizer_step(all_reduce)`` (the model factory contract
+        of :mod:`llmforge.models`) with :meth:`dp_all_reduce`."""
+        fn = getattr(self.model, "after_optimizer_step", None)
+        if fn is not None:
+            fn(self.dp_all_reduce)
 
     def clip_gradients_(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """Clip the global L2 norm of all gradients to ``trainer.gradient_clip_val`` (once per
         optimizer step) and return the norm before clipping (a scalar tensor). With pipeline
         stages the norm is over all stages (reduced across the ``pp`` ranks)."""
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        max_norm = self.cfg.trainer.gradient_clip_val
-        if self.pp_schedule is not None:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-            full = getattr(norm, "full_tensor", None)
-            norm = self.pp_total_norm(full() if full is not None else norm)
-            if max_norm is not None:
-                torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-            return norm
-        if max_norm is None:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        else:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        full = getattr(norm, "full_tensor", None)
-        return full() if full is not None else norm
+        combine = self.pp_total_norm if self.pp_schedule is not None else None
+        return clip_grad_norm_(params, self.cfg.trainer.gradient_clip_val, combine)
 
     def configure_optimizers(self) -> Any:
         assert self.model is not None

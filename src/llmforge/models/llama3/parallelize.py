@@ -9,20 +9,34 @@ loss is computed as in one process. Attention runs on the local heads (``view(..
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from torch import nn
 
 from llmforge.errors import ConfigError
 
-__all__ = ["apply_decoder_tp", "apply_tp", "check_decoder_tp", "check_tp"]
+__all__ = ["apply_decoder_tp", "apply_tp", "check_decoder_tp", "check_tp", "swiglu_plan"]
 
 
-def apply_decoder_tp(model: nn.Module, mesh: Any, extra_block_plan: Optional[dict] = None) -> nn.Module:
+def swiglu_plan(block: nn.Module) -> dict:
+    """The feed-forward entries of a block's plan: SwiGLU ``w1``/``w3`` column-wise, ``w2``
+    row-wise to the sequence-sharded residual."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+    return {"feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel()}
+
+
+def apply_decoder_tp(model: nn.Module, mesh: Any, extra_block_plan: Optional[dict] = None,
+                     ffn_plan: Callable[[nn.Module], dict] = swiglu_plan) -> nn.Module:
     """The plan above on ``mesh`` (1-D tp mesh); ``extra_block_plan`` adds module styles per
-    block (e.g. Qwen3's per-head QK-norms). A tied output projection is re-tied afterwards: the
-    embedding (row-wise) and the output (column-wise) both shard the ``[V, D]`` weight on dim 0,
-    so one DTensor serves both."""
+    block (e.g. Qwen3's per-head QK-norms); ``ffn_plan(block)`` gives the feed-forward entries
+    (default :func:`swiglu_plan`; a mixture of experts has its own). A tied output projection is
+    re-tied afterwards: the embedding (row-wise) and the output (column-wise) both shard the
+    ``[V, D]`` weight on dim 0, so one DTensor serves both."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                    PrepareModuleOutput, RowwiseParallel,
@@ -58,11 +72,7 @@ def apply_decoder_tp(model: nn.Module, mesh: Any, extra_block_plan: Optional[dic
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                               desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
+            **ffn_plan(block),
             **(extra_block_plan or {}),
         })
     return model

@@ -17,16 +17,20 @@ from torch import nn
 
 from llmforge.models.llama3.parallelize import apply_decoder_tp, check_decoder_tp
 
-__all__ = ["apply_tp", "check_tp"]
+__all__ = ["apply_tp", "check_tp", "qk_norm_plan"]
+
+
+def qk_norm_plan() -> dict:
+    """The per-head QK-norms' entries of a block's plan (module docstring)."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    return {"attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
 
 
 def apply_tp(model: nn.Module, mesh: Any) -> nn.Module:
     """Apply the plan on the tp mesh; a tied output stays tied (see ``apply_decoder_tp``)."""
-    from torch.distributed.tensor.parallel import SequenceParallel
-
-    qk = {"attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-          "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
-    return apply_decoder_tp(model, mesh, extra_block_plan=qk)
+    return apply_decoder_tp(model, mesh, extra_block_plan=qk_norm_plan())
 
 
 check_tp = check_decoder_tp  # Qwen3 keeps tied embeddings tied under TP: only the head counts

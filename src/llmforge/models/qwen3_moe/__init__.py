@@ -12,4 +12,5 @@ QWEN3_MOE = family_spec("qwen3_moe", __name__, model="Qwen3Moe", build="build_qw
                         hf_adapter="Qwen3MoeHFAdapter", config_cls=Qwen3MoeConfig, presets=PRESETS,
                         memory_shape=memory_shape,
                         active_params="llmforge.models.qwen3_moe.model:active_params",
+                        experts="llmforge.models.qwen3_moe.model:expert_modules",
                         description="Qwen3-MoE decoder (Qwen3 attention, softmax top-k experts)")

@@ -56,6 +56,9 @@ class Qwen3MoeArgs(Qwen3Args):
     """Weight of the router z-loss (ST-MoE); 0 = off."""
     capacity_factor: Optional[float] = None
     """Tokens an expert takes per batch, as a multiple of an even share; None = dropless."""
+    router_bias_update_rate: float = 0.0
+    """DeepSeek-V3's auxiliary-loss-free balancing: update speed of the per-expert routing
+    bias after each optimizer step; 0 = off."""
 
 
 def is_sparse_layer(a: Qwen3MoeArgs, i: int) -> bool:
@@ -103,11 +106,13 @@ class Qwen3MoeConfig(Qwen3Config):
     """Router z-loss weight (ST-MoE, e.g. 0.001; default 0 = off)."""
     capacity_factor: Optional[float] = None
     """Expert capacity as a multiple of an even share of the tokens (e.g. 1.25); null = dropless."""
+    router_bias_update_rate: Optional[float] = None
+    """DeepSeek-V3 auxiliary-loss-free balancing: per-expert routing bias moved by this much after each step (e.g. 0.001); default 0 = off."""
 
 
 _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef",
-               "router_z_loss_coef", "capacity_factor")
+               "router_z_loss_coef", "capacity_factor", "router_bias_update_rate")
 
 
 def _positive_int(key: str, v: Any) -> None:
@@ -134,7 +139,7 @@ def qwen3_moe_args_from_config(cfg: Any) -> Qwen3MoeArgs:
                           f"({a.num_experts}); got {k!r}")
     if not isinstance(a.norm_topk_prob, bool):
         raise ConfigError(f"model.norm_topk_prob must be true or false; got {a.norm_topk_prob!r}")
-    for key in ("router_aux_loss_coef", "router_z_loss_coef"):
+    for key in ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate"):
         v = getattr(a, key)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0):
             raise ConfigError(f"model.{key} must be a finite number >= 0 (0 = off); got {v!r}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any, Optional
 
+from llmforge.errors import ConfigError
 from llmforge.models.qwen3.hf import Qwen3HFAdapter
 
 __all__ = ["Qwen3MoeHFAdapter"]
@@ -62,8 +63,17 @@ class Qwen3MoeHFAdapter(Qwen3HFAdapter):
         return out
 
     def config_to_hf(self, model: Any) -> dict[str, Any]:
-        """A ``Qwen3MoeForCausalLM`` config.json for an llmforge Qwen3-MoE."""
+        """A ``Qwen3MoeForCausalLM`` config.json for an llmforge Qwen3-MoE.
+
+        Raises:
+            ConfigError: the model routes with a loss-free balancing bias
+                (``router_bias_update_rate > 0``), which ``Qwen3MoeForCausalLM`` has no place for.
+        """
         a = model.args
+        if a.router_bias_update_rate > 0:
+            raise ConfigError("model.router_bias_update_rate > 0: the routing bias of loss-free "
+                              "balancing has no place in Qwen3MoeForCausalLM, whose router would "
+                              "choose other experts; export a run trained without it")
         return {
             **super().config_to_hf(model),
             "architectures": [self.architecture], "model_type": self.model_type,

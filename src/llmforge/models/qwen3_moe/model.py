@@ -17,7 +17,7 @@ losses to the optimized loss (training only) and logs both.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ from llmforge.models.qwen3_moe.config import Qwen3MoeArgs, is_sparse_layer, qwen
 from llmforge.models.qwen3_moe.moe import MoE
 from llmforge.models.spec import reject_factory_kwargs
 
-__all__ = ["Qwen3Moe", "build_qwen3_moe", "active_params"]
+__all__ = ["Qwen3Moe", "build_qwen3_moe", "active_params", "expert_modules"]
 
 
 class Qwen3Moe(Qwen3):
@@ -43,7 +43,8 @@ class Qwen3Moe(Qwen3):
             if is_sparse_layer(args, i):
                 ffn = MoE(args.dim, args.moe_intermediate_size, args.num_experts,
                           args.num_experts_per_tok, args.norm_topk_prob, args.capacity_factor,
-                          with_z=args.router_z_loss_coef > 0)
+                          with_z=args.router_z_loss_coef > 0,
+                          bias_update_rate=args.router_bias_update_rate)
             else:
                 ffn = SwiGLU(args.dim, args.hidden_dim)
             return PreNormBlock(Attention(args), ffn, args.dim, args.norm_eps)
@@ -85,6 +86,17 @@ class Qwen3Moe(Qwen3):
         if a.router_z_loss_coef > 0:
             out["router_z"] = a.router_z_loss_coef * torch.stack([s.z_sum for s in stats]).sum() / rows
         return out
+
+    def after_optimizer_step(self, all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """DeepSeek-V3's loss-free balancing (``router_bias_update_rate > 0``): every sparse
+        layer's bias moves by the load counted since the last step, summed over the
+        data-parallel ranks by ``all_reduce`` (one call for all layers). No-op when off."""
+        layers = [m for _, m in self.moe_layers() if m.load is not None]
+        if not layers:
+            return
+        loads = all_reduce(torch.stack([m.load for m in layers]))
+        for m, load in zip(layers, loads):
+            m.update_bias(load)
 
     @torch.no_grad()
     def aux_metrics(self) -> dict[str, torch.Tensor]:
@@ -141,3 +153,9 @@ def build_qwen3_moe(cfg: Any, **kwargs: Any) -> Qwen3Moe:
 def active_params(model: Qwen3Moe) -> int:
     """The spec's ``active_params`` hook: :meth:`Qwen3Moe.num_active_params`."""
     return model.num_active_params()
+
+
+def expert_modules(model: Qwen3Moe) -> list[nn.Module]:
+    """The spec's ``experts`` hook: the :class:`~llmforge.models.qwen3_moe.moe.GroupedExperts`
+    of every sparse layer (what expert parallelism splits)."""
+    return [m.experts for _, m in model.moe_layers()]

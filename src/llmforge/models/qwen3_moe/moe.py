@@ -87,8 +87,17 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w2, mean=0.0, std=out_std)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, impl: str = "auto") -> torch.Tensor:
-        """``x [M, D]`` sorted by expert, ``counts [E]`` -> ``[M, D]`` (:func:`expert_swiglu`)."""
-        return expert_swiglu(x, counts, self.w1, self.w2, self.w3, impl)
+        """``x [M, D]`` sorted by expert, ``counts [E]`` -> ``[M, D]`` (:func:`expert_swiglu`).
+
+        Weights split by expert parallelism (DTensors sharded on dim 0) compute with this
+        rank's experts: the dispatch then hands in their rows and ``counts [E / ep]``."""
+        return expert_swiglu(x, counts, _local(self.w1), _local(self.w2), _local(self.w3), impl)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    # a DTensor's own shard (this rank's experts); a plain tensor as it is
+    to_local = getattr(w, "to_local", None)
+    return to_local() if to_local is not None else w
 
 
 @dataclass
@@ -121,25 +130,54 @@ class MoE(nn.Module):
             Switch Transformer's expert capacity, Fedus et al. 2021, sec. 2.2); the rest add
             nothing (the token keeps its residual). ``stats.dropped`` counts them.
         with_z: keep the router z-loss sum in :attr:`stats`.
+        bias_update_rate: > 0: DeepSeek-V3's auxiliary-loss-free balancing (DeepSeek-AI 2024,
+            "DeepSeek-V3 Technical Report", sec. 2.1.2): the top-k experts are chosen by
+            ``probs + expert_bias`` while the weights stay the unbiased probabilities, and
+            :meth:`update_bias` moves ``expert_bias`` by ``bias_update_rate`` towards the
+            under-loaded experts after each optimizer step.
 
     Attributes:
         stats: the :class:`RouterStats` of the last forward (``None`` before one).
         impl: the expert computation (:func:`expert_swiglu`'s ``impl``).
+        expert_bias: ``[E]`` float32 buffer (saved in checkpoints) when balancing, else ``None``.
+        load: ``[E]`` float32 assignments counted in training forwards since the last
+            :meth:`update_bias` (not saved), when balancing.
     """
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int,
                  norm_topk_prob: bool = True, capacity_factor: Optional[float] = None,
-                 with_z: bool = False) -> None:
+                 with_z: bool = False, bias_update_rate: float = 0.0) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.capacity_factor, self.with_z, self.impl = capacity_factor, with_z, "auto"
         self.router = nn.Linear(dim, num_experts, bias=False)
         self.experts = GroupedExperts(dim, hidden_dim, num_experts)
         self.stats: Optional[RouterStats] = None
+        self.bias_update_rate = bias_update_rate
+        self.expert_bias: Optional[torch.Tensor]
+        self.load: Optional[torch.Tensor]
+        if bias_update_rate > 0:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+            self.register_buffer("load", torch.zeros(num_experts, dtype=torch.float32), persistent=False)
+        else:
+            self.expert_bias = self.load = None
 
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.normal_(self.router.weight, mean=0.0, std=std)
         self.experts.init_weights(std, out_std)
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+            self.load.zero_()
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor) -> None:
+        """``expert_bias += rate * sign(mean(load) - load)`` (DeepSeek-V3 eq. 16's rule) and the
+        counted load reset; ``load [E]`` is this layer's :attr:`load` summed over the
+        data-parallel ranks, so every rank moves its bias alike. Only the sign of each expert's
+        deviation counts, so a forward counted twice (activation-checkpointing recompute) changes
+        nothing."""
+        self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+        self.load.zero_()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [N, D]`` -> ``(logits [N, E], probs [N, E] float32, weights [N, k] in x.dtype,
@@ -147,7 +185,11 @@ class MoE(nn.Module):
         top-k, optional renormalization)."""
         logits = self.router(x)
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-        top, idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.expert_bias is not None:  # choose with the balancing bias, weigh without it
+            idx = torch.topk(probs + self.expert_bias, self.top_k, dim=-1).indices
+            top = probs.gather(-1, idx)
+        else:
+            top, idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
         return logits, probs, top.to(logits.dtype), idx
@@ -161,6 +203,8 @@ class MoE(nn.Module):
         flat = idx.reshape(-1)  # [N*k] expert of each assignment, token-major
         # counts without a host sync (histc on float ids; bincount would sync on CUDA)
         counts_f = torch.histc(flat.float(), bins=e, min=0, max=e)
+        if self.load is not None and self.training:
+            self.load += counts_f.detach()
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert, tokens in order
         counts = counts_f.long()
         dropped = torch.zeros((), dtype=torch.long, device=x.device)

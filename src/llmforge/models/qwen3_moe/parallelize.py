@@ -1,7 +1,15 @@
-"""Qwen3-MoE under tensor parallelism: not yet. Its attention could take Qwen3's plan
-(:mod:`llmforge.models.qwen3.parallelize`), but the experts have no plan (they would be split
-by expert parallelism, not by TP), so :func:`check_tp` refuses ``strategy.tp > 1`` before
-anything is built or written."""
+"""Qwen3-MoE's tensor-parallel plan: Qwen3's attention plan (:mod:`llmforge.models.qwen3.parallelize`:
+Megatron-style with sequence parallelism and per-head QK-norms) and, in the sparse layers, the
+mixture of experts computed whole on every rank of the tp group.
+
+The MoE's input is all-gathered from the sequence-sharded residual (``Shard(1)`` ->
+``Replicate``), the router and the experts run on all tokens with unsplit weights, and each rank
+keeps its sequence slice of the output (``Replicate`` -> ``Shard(1)``: no communication). The
+ranks of a tp group therefore compute the same expert gradients (nothing to reduce over tp) and
+the same router statistics. This is torchtitan's layout for MoE layers without expert tensor
+parallelism, minus its token split over tp; expert parallelism (``strategy.ep``) splits the
+experts over ``dp_shard`` ranks instead. Dense layers (``mlp_only_layers``) take the SwiGLU plan.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +17,29 @@ from typing import Any
 
 from torch import nn
 
-from llmforge.errors import ConfigError
-from llmforge.models.qwen3.parallelize import apply_tp  # the spec's tp_plan; reached at tp=1 only
+from llmforge.models.llama3.parallelize import apply_decoder_tp, check_decoder_tp, swiglu_plan
+from llmforge.models.qwen3.parallelize import qk_norm_plan
+from llmforge.models.qwen3_moe.moe import MoE
 
 __all__ = ["apply_tp", "check_tp"]
 
 
-def check_tp(model: nn.Module, tp: int) -> None:
-    """Raises ConfigError: ``tp > 1`` (no tensor-parallel plan for the experts yet)."""
-    if tp > 1:
-        raise ConfigError(f"strategy.tp={tp}: qwen3_moe has no tensor-parallel plan for its experts "
-                          "yet; use strategy.tp=1 (fsdp2 or ddp shard the experts' weights)")
+def moe_plan(block: nn.Module) -> dict:
+    """The feed-forward entries of a block: the MoE whole on every tp rank (module docstring),
+    or the SwiGLU plan of a dense layer."""
+    if not isinstance(block.feed_forward, MoE):
+        return swiglu_plan(block)
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
+    return {"feed_forward": PrepareModuleInputOutput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)}
+
+
+def apply_tp(model: nn.Module, mesh: Any) -> nn.Module:
+    """Apply the plan on the tp mesh; a tied output stays tied (see ``apply_decoder_tp``)."""
+    return apply_decoder_tp(model, mesh, extra_block_plan=qk_norm_plan(), ffn_plan=moe_plan)
+
+
+check_tp = check_decoder_tp  # tied embeddings stay tied under TP (as Qwen3): only the head counts

@@ -1,0 +1,114 @@
+"""Run under torchrun (gloo): expert parallelism against a one-process reference.
+
+``ep_worker.py OUT CONFIG...`` where each CONFIG is ``dp_replicate,dp_shard,ep[,tp]``
+(dp_replicate x dp_shard x tp is the world size). For each, every rank trains the tiny Qwen3-MoE (fp32, dim 32, 8 experts,
+top-2, dropless, DeepSeek-V3 loss-free balancing on) for STEPS optimizer steps at that layout and, in the same process, one process's
+reference with the same global batch (one micro-batch per data-parallel rank, so each
+micro-batch's auxiliary loss sees the same tokens). After the first config, the sharded model
+and optimizer are saved with the llmforge checkpoint writer and the model part loaded back into
+a plain one-process (ep=1) model. Writes ``OUT/rank<R>.json``; tests/test_expert_parallel.py
+reads it.
+"""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from llmforge.checkpoint.dcp import load_model_weights, save_checkpoint
+from llmforge.checkpoint.layout import latest_checkpoint
+from llmforge.config.schema import TrainConfig, model_config_class
+from llmforge.config.validate import plan_batch
+from llmforge.parallel.mesh import ParallelDims, build_mesh
+from llmforge.parallel.transforms import check_strategy, strategy_transforms
+from llmforge.training.module import LLMModule
+from llmforge.training.optim import build_optimizer
+
+STEPS = 6
+VOCAB, SEQ = 64, 8
+
+
+def make_cfg(rep: int, shard: int, ep: int, world: int, tp: int = 1):
+    cfg = OmegaConf.structured(TrainConfig)
+    cfg.model = OmegaConf.merge(OmegaConf.structured(model_config_class("qwen3_moe")), {
+        "name": "qwen3_moe", "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8,
+        "hidden_dim": 64, "vocab_size": VOCAB, "max_seq_len": 16, "num_experts": 8,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 16, "router_aux_loss_coef": 0.05,
+        "router_z_loss_coef": 0.001, "mlp_only_layers": [1], "router_bias_update_rate": 0.01})
+    cfg.trainer.merge_with({"micro_batch_size": 1, "global_batch_size": world, "seq_len": SEQ,
+                            "gradient_clip_val": 0.5})
+    cfg.optimizer.lr = 1e-2
+    cfg.strategy.merge_with({"name": "fsdp2", "dp_replicate": rep, "dp_shard": shard, "ep": ep, "tp": tp})
+    return cfg
+
+
+def full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def train(mod, batches, rows):
+    opt = build_optimizer(mod.model, mod.cfg.optimizer)
+    losses, aux, norms = [], [], []
+    for b in batches:
+        loss, n = mod.forward_backward(b[rows])
+        norms.append(mod.clip_gradients_(opt).item())
+        opt.step()
+        opt.zero_grad()
+        mod.model_after_optimizer_step()  # loss-free balancing: the bias moves by the step's load
+        losses.append((mod.dp_all_reduce(loss) / n).item())
+        aux.append({k: v.item() for k, v in mod.aux_step_metrics(n, mod.state.n_micro).items()})
+    return losses, aux, norms, opt
+
+
+def main(out, configs):
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    batches = [torch.randint(0, VOCAB, (world, SEQ + 1)) for _ in range(STEPS)]  # rows >= dp
+    report = {}
+    for i, spec in enumerate(configs):
+        rep, shard, ep, tp = (list(map(int, spec.split(","))) + [1])[:4]
+        dp = rep * shard
+        cfg, ref_cfg = make_cfg(rep, shard, ep, dp, tp), make_cfg(1, 1, 1, dp)
+        ref = LLMModule(ref_cfg, plan_batch(ref_cfg, 1))
+        ref.configure_model()
+        ref_losses, ref_aux, ref_norms, _ = train(ref, batches, slice(0, dp))
+
+        dims = ParallelDims.from_config(cfg, world)
+        check_strategy(cfg, dims)
+        mod = LLMModule(cfg, plan_batch(cfg, world), pipeline=strategy_transforms(cfg, dims))
+        mod.mesh_override = build_mesh(dims, "cpu")
+        mod.configure_model()
+        dp_rank = mod.mesh["dp"].get_local_rank()
+        w1 = mod.model.layers[0].feed_forward.experts.w1
+        losses, aux, norms, opt = train(mod, batches, slice(dp_rank, dp_rank + 1))
+        ref_params = dict(ref.model.named_parameters())
+        entry = {"param_max_diff": max((full(p) - ref_params[n]).abs().max().item()
+                                       for n, p in mod.model.named_parameters()),
+                 "dims": [dims.dp_replicate, dims.efsdp, dims.ep], "losses": losses,
+                 "ref_losses": ref_losses, "aux": aux, "ref_aux": ref_aux, "norms": norms,
+                 "ref_norms": ref_norms, "w1_local_shape": list(w1.to_local().shape),
+                 "bias": mod.model.layers[0].feed_forward.expert_bias.tolist(),
+                 "ref_bias": ref.model.layers[0].feed_forward.expert_bias.tolist(),
+                 "w1_placements": [str(p) for p in w1.placements]}
+        if i == 0:  # checkpoint written at this layout, read by a one-process ep=1 model
+            path = f"{out}/ckpt"
+            save_checkpoint(path, STEPS, mod.model, opt, {}, {})
+            ref1 = LLMModule(ref_cfg, plan_batch(ref_cfg, 1))
+            ref1.configure_model()
+            load_model_weights(latest_checkpoint(path), ref1.model)
+            entry["ckpt_bias"] = ref1.model.layers[0].feed_forward.expert_bias.tolist()
+            sd = dict(ref1.model.named_parameters())
+            entry["ckpt_max_diff"] = max((full(p) - sd[n]).abs().max().item()
+                                         for n, p in mod.model.named_parameters())
+            entry["ckpt_keys_equal"] = sorted(sd) == sorted(n for n, _ in mod.model.named_parameters())
+        report[spec] = entry
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(report, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

@@ -1,0 +1,106 @@
+"""Expert parallelism (``strategy.ep``) on 4 real processes (gloo) against one process: FSDP2 x EP
+(efsdp 2 x ep 2), ep=4, HSDP x EP (dp_replicate 2 x ep 2) and TP x EP (tp 2 x ep 2, Qwen3-MoE's
+TP plan) train the tiny Qwen3-MoE to the same losses, auxiliary losses and weights; a checkpoint
+saved at ep=2 loads into a one-process ep=1 model. One launch of tests/dist/ep_worker.py. Bad
+``strategy.ep`` values exit 2 in-process; the dry run and ``llmforge plan`` with ep."""
+
+import json
+
+import pytest
+from conftest import REPO
+from helpers.dist import torchrun, worker
+
+from llmforge.cli import main
+
+MOE_DEMO = str(REPO / "yamls" / "demo_cpu_qwen3_moe.yaml")
+DENSE_DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
+# dp_replicate,dp_shard,ep[,tp] -> (dp_replicate, efsdp, ep)
+CONFIGS = {"1,4,2": [1, 2, 2], "1,4,4": [1, 1, 4], "2,2,2": [2, 1, 2], "1,2,2,2": [1, 1, 2]}
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ep")
+    proc = torchrun(worker("ep_worker.py"), str(out), *CONFIGS, nproc=4)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_ep_trains_like_one_process(reports, config):
+    for report in reports:
+        r = report[config]
+        assert r["dims"] == CONFIGS[config]
+        assert len(r["losses"]) == 6 and len(set(r["losses"])) > 1  # it trained
+        for loss, ref in zip(r["losses"], r["ref_losses"]):
+            assert loss == pytest.approx(ref, abs=1e-5)
+        for aux, ref in zip(r["aux"], r["ref_aux"]):
+            assert set(aux) == set(ref) >= {"train/aux_loss", "train/aux/load_balancing",
+                                            "train/aux/router_z", "moe/load_max_mean/layer_0"}
+            assert ref["train/aux/load_balancing"] > 0.05  # coef 0.05 x about 2 (top-2)
+            for k in ref:
+                assert aux[k] == pytest.approx(ref[k], abs=1e-6), k
+        for norm, ref in zip(r["norms"], r["ref_norms"]):  # clipped at 0.5 from 2-5: every step
+            assert norm == pytest.approx(ref, rel=1e-5)
+        assert r["param_max_diff"] <= 1e-4
+        # loss-free balancing: the bias moved by the load of all data-parallel ranks, as in one
+        # process (multiples of the rate 0.01: exactly equal)
+        assert r["bias"] == r["ref_bias"] and any(b != 0 for b in r["bias"])
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_experts_are_split_over_ep_and_efsdp(reports, config):
+    rep, efsdp, ep = CONFIGS[config]
+    for report in reports:
+        r = report[config]
+        assert r["w1_local_shape"] == [8 // (ep * efsdp), 16, 32]  # [E, I, D] with E = 8
+        assert r["w1_placements"][-1] == "S(0)"  # the experts on the ep dim
+        assert len(r["w1_placements"]) == (3 if rep > 1 else 2)
+
+
+def test_checkpoint_saved_at_ep2_loads_at_ep1(reports):
+    r = reports[0]["1,4,2"]
+    assert r["ckpt_keys_equal"] is True  # the model's own FQNs, no wrapper prefixes
+    assert r["ckpt_max_diff"] == 0.0  # every full tensor, experts included
+    assert r["ckpt_bias"] == r["bias"]  # the balancing bias (a buffer) is in the checkpoint
+
+
+@pytest.mark.parametrize("config, args, message", [
+    (MOE_DEMO, "trainer.devices=4 strategy.ep=3",
+     "strategy.ep=3 must divide strategy.dp_shard (4): expert parallelism borrows those ranks"),
+    (MOE_DEMO, "trainer.devices=4 strategy.ep=4 model.num_experts=6",
+     "strategy.ep=4 must divide model.num_experts (6); use strategy.ep in [1, 2, 3, 6]"),
+    (MOE_DEMO, "trainer.devices=2 strategy.name=ddp strategy.ep=2",
+     "strategy.ep=2 must divide strategy.dp_shard (1)"),
+    (MOE_DEMO, "trainer.devices=4 strategy.tp=2 strategy.ep=4",
+     ("strategy.ep=4 must divide strategy.dp_shard (2): expert parallelism borrows those ranks (not "
+      "tp's: strategy.tp=2 computes the experts whole on each tp rank); use one of [1, 2]")),
+    (DENSE_DEMO, "trainer.devices=2 strategy.ep=2",
+     "strategy.ep=2: model 'llama3' has no expert layers"),
+])
+def test_bad_ep_exits_2_naming_the_key(tmp_path, capsys, config, args, message):
+    code = main(["train", config, "--dry-run", *args.split(), "trainer.micro_batch_size=2",
+                 f"run.output_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
+    assert err.count("error:") == 1
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_dry_run_shows_experts_per_device_and_gathered_block(capsys):
+    assert main(["train", MOE_DEMO, "--dry-run", "model.preset=qwen3_30b_a3b", "model.vocab_size=151936",
+                 "tokenizer.vocab_size=151936", "trainer.devices=8", "trainer.micro_batch_size=1",
+                 "trainer.precision=bf16-true", "strategy.ep=8"]) == 0
+    out = capsys.readouterr().out
+    assert "world size      8 (fsdp2, dp 8, tp 1, ep 8)" in out
+    # a layer's experts: 128 x 3 x 2048 x 768 bf16 = 1.125 GiB, 1/8 of them on each device;
+    # attention and router 0.035 GiB; model state sharded 8x as without ep
+    assert ("experts         128 per layer, ep 8: 16 per device; one block's all-gathered weights "
+            "0.18 GiB (experts 0.14 GiB; 1.16 GiB at ep 1)") in out
+    assert "sharded 8x" in out and "expert_parallel -> fsdp2" in out
+
+
+def test_plan_refuses_ep_for_now(capsys):
+    assert main(["plan", MOE_DEMO, "strategy.ep=2", "--gpus", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "strategy.ep=2: llmforge plan and the simulation lay out dp and tp only" in err

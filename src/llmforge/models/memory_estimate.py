@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 
 from llmforge.models.spec import spec_for_model
+from llmforge.plugin import meta_model
 
 GIB = 1024**3
 
@@ -80,6 +81,77 @@ def estimate_activations(model: Any, micro_batch_size: int, seq_len: int, precis
     no_ac = m.n_layers * per_layer + logits
     full_ac = m.n_layers * tokens * m.dim * width / tp + per_layer + logits
     return no_ac, full_ac
+
+
+def ac_mode(algorithms: Any) -> tuple[str, int]:
+    """``(mode, every)`` of the run's ``activation_checkpointing`` entry: ``none``, ``full``,
+    ``selective`` (per operator) or ``layer`` (full on every ``every``-th block)."""
+    for entry in algorithms or []:
+        if entry.get("name") == "activation_checkpointing":
+            mode = entry.get("mode", "full")
+            if mode == "selective" and entry.get("selective", "op") != "op":
+                return "layer", int(entry.get("every", 2))
+            return mode, 1
+    return "none", 1
+
+
+def analytic_peak(cfg: Any, plan: Any, dims: Any) -> dict[str, float]:
+    """The analytic peak per rank of one training step, bytes, split as the simulation splits
+    it (:mod:`llmforge.planning.simulate`) plus ``total``.
+
+    * parameters: the sharded weights (:func:`estimate_memory`) plus, under FSDP2 with
+      ``dp_shard > 1``, the all-gathered ones in use: two blocks (the current one and the
+      prefetched next) and the root's own (embedding, output, final norm; the root is not
+      resharded after the forward), in ``strategy.mixed_precision.param_dtype`` (else the
+      weights' dtype), divided by ``tp``;
+    * gradients, optimizer: :func:`estimate_memory`; with gradient accumulation under FSDP2 the
+      gradients stay unsharded (in the parameters' dtype, divided by ``tp``) until the last
+      micro-batch, since the reduce-scatter is skipped (``set_requires_gradient_sync(False)``);
+    * activations: :func:`estimate_activations` of one micro-batch for the run's activation
+      checkpointing (``selective`` per operator: the no-checkpointing figure less the SwiGLU's
+      recomputed elementwise tensors, see below; ``layer``: full on every ``every``-th block);
+    * temporaries: the fp32 logits and their gradient (``2 x 4 V`` bytes per token).
+    """
+    model = meta_model(cfg)
+    spec = spec_for_model(model)
+    n = sum(p.numel() for p in model.parameters())
+    precision = cfg.trainer.precision
+    mem = estimate_memory(n, precision, cfg.strategy, plan.world_size)
+    tp = max(1, int(dims.tp))
+    width = 2 if precision == "bf16-true" else 4
+    gathered = 0.0
+    if cfg.strategy.name == "fsdp2" and dims.dp_shard > 1:
+        mp = cfg.strategy.mixed_precision.param_dtype
+        comp_w = 2 if mp in ("bfloat16", "bf16", "float16", "fp16") else width
+        blocks = model.blocks() if hasattr(model, "blocks") else []
+        block = sum(p.numel() for p in blocks[0].parameters()) if blocks else 0
+        gathered = (2 * block + n - block * len(blocks)) * comp_w / tp
+    grads = mem.grads_bytes
+    if cfg.strategy.name == "fsdp2" and plan.gradient_accumulation_steps > 1 and dims.dp_shard > 1:
+        grads = n * width / tp
+    out = {"parameters": mem.params_bytes + gathered, "gradients": grads,
+           "optimizer": mem.optimizer_bytes, "activations": 0.0, "temporaries": 0.0}
+    act = estimate_activations(model, plan.micro_batch_size, cfg.trainer.seq_len, precision, tp, spec)
+    if act is not None:
+        m = spec.get("memory_shape")(model)
+        tokens = plan.micro_batch_size * cfg.trainer.seq_len
+        logits = tokens * m.vocab_size * 4 * 2 / tp
+        no_ac, full_ac = act[0] - logits, act[1] - logits
+        mode, every = ac_mode(cfg.algorithms)
+        if mode == "full":
+            activations = full_ac
+        elif mode == "layer":
+            k = m.n_layers // every
+            activations = no_ac - k * (no_ac - full_ac) / m.n_layers
+        elif mode == "selective":  # the policy keeps matmul and attention outputs and recomputes
+            # the SwiGLU's elementwise products (2 F per token per layer)
+            act_w = 4 if precision == "fp32" else 2
+            activations = no_ac - m.n_layers * tokens * 2 * m.ffn_dim * act_w / tp
+        else:
+            activations = no_ac
+        out["activations"], out["temporaries"] = activations, logits
+    out["total"] = sum(out.values())
+    return out
 
 
 def _fmt_count(n: float) -> str:

@@ -6,7 +6,9 @@ checks the job would run at its start (:func:`llmforge.runs.checks.check_job`), 
 record (config redacted) and starts the job through the cluster's backend
 (:mod:`llmforge.runs.backend`: ``local``, ``slurm``, ``skypilot``, ``sagemaker`` or a registered
 one). Generated files go to ``<run_dir>/launch/``. ``dry_run`` returns the definition the
-backend would submit without writing or submitting anything.
+backend would submit without writing or submitting anything. With ``strategy.name: auto`` on a
+GPU cluster, the planner (:func:`llmforge.runs.auto_layout.auto_overrides`) chooses the layout
+for the cluster's GPU kind and its overrides are added to the job's.
 """
 
 from __future__ import annotations
@@ -62,6 +64,16 @@ def prepare(config_path: str, overrides: Sequence[str] = (), *, cluster: Optiona
     target = get_cluster(cluster or cfg.compute.cluster)
     backend = backend_for(target)
     plan = plan_compute(cfg, target, gpus, nodes)
+    if cfg.strategy.name == "auto" and plan.world_size > 1 and target.gpus_per_node:
+        # heavy (torch: the simulation): only a GPU job with strategy auto plans its layout
+        from llmforge.runs.auto_layout import auto_overrides
+
+        planned = auto_overrides(cfg, target, plan.world_size)
+        if planned is not None:  # the job runs with the winner's overrides: its config.yaml says it
+            overrides = [*overrides, *planned[0]]
+            cfg = load_config(config_path, list(overrides))
+            plan = plan_compute(cfg, target, gpus, nodes)
+            plan.layout_note = planned[1]
     max_retries = check_scheduling(cfg)
     names = check_names([*cfg.compute.secrets, *secrets])
     workdir = Path.cwd()

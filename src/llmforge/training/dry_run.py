@@ -19,7 +19,8 @@ import torch
 from llmforge.algorithms.loading import build_algorithms
 from llmforge.config.validate import BatchPlan
 from llmforge.data.mixture import mixture_report
-from llmforge.models.memory_estimate import GIB, _fmt_count, estimate_activations, estimate_memory
+from llmforge.models.memory_estimate import (GIB, _fmt_count, bf16_param_dtype, estimate_activations,
+                                             estimate_memory)
 from llmforge.models.spec import get_spec
 from llmforge.parallel.mesh import ParallelDims
 
@@ -76,7 +77,7 @@ def dry_run_report(cfg: Any, plan: BatchPlan, device_memory_gib: Optional[float]
         return "\n".join(lines + [x for _, lines_ in extra for x in lines_])
     lines += [x for _, lines_ in extra for x in lines_]
     act = estimate_activations(model, plan.micro_batch_size, seq, cfg.trainer.precision,
-                               max(1, cfg.strategy.tp), spec=spec)
+                               max(1, cfg.strategy.tp), spec=spec, bf16_weights=bf16_param_dtype(cfg))
     if act is not None:
         lines.append(f"activations     {act[0] / GIB:.2f} GiB per micro-batch without activation "
                      f"checkpointing, {act[1] / GIB:.2f} GiB with full checkpointing (estimate)")

@@ -1,6 +1,7 @@
 """The planner on the launcher side: a cluster's GPU type selects the GPU row
 (:func:`cluster_gpu`), ``llmforge plan --cluster NAME`` (:func:`plan_command`), and
-``strategy.name: auto`` at ``llmforge launch`` (:func:`auto_overrides`): the planner's winner
+``strategy.name: auto`` set by the config at ``llmforge launch`` (:func:`auto_overrides`; the
+unset default does not plan): the planner's winner
 becomes the job's overrides, so the run's config.yaml records the chosen layout.
 
 Imports torch (the simulation) when imported: :mod:`llmforge.runs.launch` and the ``plan``

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import yaml
+
 from llmforge.config import config_to_dict, load_config, redact
 from llmforge.errors import ConfigError, LLMForgeError
 from llmforge.job.records import llmforge_home, new_run_id, RunRecord, RunRegistry
@@ -64,7 +66,7 @@ def prepare(config_path: str, overrides: Sequence[str] = (), *, cluster: Optiona
     target = get_cluster(cluster or cfg.compute.cluster)
     backend = backend_for(target)
     plan = plan_compute(cfg, target, gpus, nodes)
-    if cfg.strategy.name == "auto" and plan.world_size > 1 and target.gpus_per_node:
+    if plan.world_size > 1 and target.gpus_per_node and _asks_for_auto(config_path, overrides):
         # heavy (torch: the simulation): only a GPU job with strategy auto plans its layout
         from llmforge.runs.auto_layout import auto_overrides
 
@@ -90,6 +92,20 @@ def prepare(config_path: str, overrides: Sequence[str] = (), *, cluster: Optiona
     }
     check_job(config_path, overrides, cfg, spec, backend, local_files=backend.runs_here)
     return cfg, target, plan, spec
+
+
+def _asks_for_auto(config_path: str, overrides: Sequence[str]) -> bool:
+    """Whether the YAML or an override sets ``strategy.name: auto`` itself (the default, unset,
+    keeps auto's rule without planning: a launch plans only when asked to)."""
+    for o in reversed(list(overrides)):
+        if o.split("=", 1)[0].strip() == "strategy.name":
+            return o.split("=", 1)[1].strip() == "auto"
+    try:
+        data = yaml.safe_load(Path(config_path).read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError):
+        return False
+    strategy = data.get("strategy") if isinstance(data, dict) else None
+    return isinstance(strategy, dict) and strategy.get("name") == "auto"
 
 
 def definition(run_id: str, name: str, spec: dict[str, Any], cluster: Cluster, resumption: int = 0) -> str:

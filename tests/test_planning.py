@@ -88,3 +88,65 @@ def test_layout_that_fits_nowhere_gives_smallest_gpu_count(capsys):
     assert out["chosen"] is None and out["smallest_fitting_gpus"] == 2
     assert "the smallest GPU count that would fit is 2" in captured.err
     assert all(c["status"] in ("does not fit", "does not divide") for c in out["candidates"])
+
+
+def test_cluster_gpu_type_selects_the_row_and_unknown_exits_2(tmp_path, monkeypatch, capsys):
+    """The GPU type a clusters file names (SLURM gres, SkyPilot accelerator, SageMaker instance,
+    a torch.cuda device name) selects the planner's GPU row; an unknown one exits 2 listing
+    the known rows, before anything is simulated."""
+    from llmforge.planning.gpus import gpu_kind_of_type
+    from llmforge.runs.auto_layout import cluster_gpu
+    from llmforge.runs.clusters import get_cluster
+
+    assert gpu_kind_of_type("h100", "k").name == "H100-SXM-80GB"
+    assert gpu_kind_of_type("NVIDIA H200", "k").name == "H200-141GB"
+    assert gpu_kind_of_type("A100-80GB", "k").name == "A100-SXM-80GB"
+    assert gpu_kind_of_type("AMD Instinct MI300X", "k").name == "MI300X-192GB"
+    (tmp_path / "clusters.yaml").write_text(
+        "lab: {type: slurm, partition: gpu, gpus_per_node: 4, gpu_type: h200}\n"
+        "p5: {type: sagemaker, instance_type: ml.p5.48xlarge, image_uri: x, role: y}\n"
+        "old: {type: slurm, partition: gpu, gpus_per_node: 8, gpu_type: v100}\n")
+    monkeypatch.setenv("LLMFORGE_HOME", str(tmp_path))
+    lab = cluster_gpu(get_cluster("lab"))
+    assert (lab.name, lab.gpus_per_node, lab.memory_bytes) == ("H200-141GB", 4, 141e9)
+    assert cluster_gpu(get_cluster("p5")).name == "H100-SXM-80GB"
+    assert cli.main(["plan", DEMO, *TINY, "--gpus", "8", "--cluster", "old"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cluster 'old' gpu_type: unknown GPU kind 'v100'; known: H100-SXM-80GB")
+    assert "MI300X-192GB" in err and "Traceback" not in err
+
+
+def test_strategy_auto_launch_uses_the_planners_winner(tmp_path, monkeypatch):
+    """``strategy.name: auto`` launched on 2 GPUs of an H100 cluster: the planner's winner
+    becomes the job's overrides (so the run's config.yaml records the layout) and the summary
+    says so; one key/value head leaves tp 1 only (one simulated group)."""
+    from llmforge.runs.launch import prepare
+
+    (tmp_path / "clusters.yaml").write_text(
+        "gpu8: {type: slurm, partition: gpu, gpus_per_node: 8, gpu_type: h100}\n")
+    monkeypatch.setenv("LLMFORGE_HOME", str(tmp_path))
+    over = [*TINY, "model.n_kv_heads=1", "strategy.name=auto", "run.output_dir=" + str(tmp_path)]
+    cfg, _, plan, spec = prepare(DEMO, over, cluster="gpu8", gpus=2)
+    assert spec["overrides"][:len(over)] == over
+    added = spec["overrides"][len(over):]
+    # a 2-block model: replicating it (one all-reduce of the gradients) beats sharding it
+    assert added[:4] == ["strategy.name=fsdp2", "strategy.dp_replicate=2", "strategy.dp_shard=1", "strategy.tp=1"]
+    assert "strategy auto: planned dp_replicate 2 x dp_shard 1 x tp 1" in plan.summary()
+    again = load_config(DEMO, spec["overrides"])  # what the job loads and writes to config.yaml
+    assert (again.strategy.name, again.strategy.dp_replicate, again.strategy.tp) == ("fsdp2", 2, 1)
+    assert again.trainer.micro_batch_size == cfg.trainer.micro_batch_size == plan.batch.micro_batch_size
+
+
+def test_dry_run_simulate_reports_rank_0_beside_the_estimate(capsys):
+    """``train --dry-run --simulate``: the simulated peak per rank with its split, the analytic
+    estimate with its error, FLOPs against the formula; one process, 2 micro-batches."""
+    assert cli.main(["train", DEMO, *TINY, "--dry-run", "--simulate"]) == 0
+    out = capsys.readouterr().out
+    assert "simulation      rank 0 of 1: one training step" in out and "torch.compile not simulated" in out
+    peak = next(line for line in out.splitlines() if line.startswith("peak/rank"))
+    assert "parameters" in peak and "activations" in peak
+    analytic = next(line for line in out.splitlines() if line.startswith("analytic"))
+    err = float(analytic.rsplit("(", 1)[1].split("%")[0])
+    assert abs(err) <= 10.0, analytic
+    assert "x the spec's formula" in out
+    assert cli.main(["train", DEMO, *TINY, "--simulate"]) == 2

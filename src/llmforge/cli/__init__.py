@@ -1,12 +1,12 @@
 """The ``llmforge`` command line.
 
-    llmforge train CONFIG.yaml [key=value ...] [--nproc N] [--dry-run [--device-memory-gib G]]
+    llmforge train CONFIG.yaml [key=value ...] [--nproc N] [--dry-run [--simulate] [--device-memory-gib G]]
                    [--overwrite] [--debug]
     llmforge generate RUN_DIR_OR_CHECKPOINT --prompt TEXT [--max-new-tokens N] [--temperature T]
                       [--top-k K] [--seed S] [--chat] [--trust-code] [--debug]
     llmforge eval RUN_DIR_OR_CHECKPOINT --tasks T1,T2 [--include-path DIR] [--limit N]
                   [--num-fewshot K] [--batch-size B] [--device D] [--trust-code]
-    llmforge plan CONFIG.yaml [key=value ...] --gpus N [--gpu NAME] [--json]   # layout for N GPUs
+    llmforge plan CONFIG.yaml [key=value ...] --gpus N [--gpu NAME|--cluster NAME] [--json]   # layout
     llmforge algorithms          # the algorithm plugins: name, pipeline stage, summary
     llmforge runs plot RUN_DIR... [--metric train/loss] [--out FILE.png] [--x step|tokens]
     llmforge launch CONFIG.yaml [--cluster NAME] [--gpus N] [--nodes M] [--dry-run] [key=value ...]
@@ -25,12 +25,11 @@ from typing import Optional, Sequence
 from llmforge import signals
 from llmforge.cli.data_commands import cmd_data
 from llmforge.cli.handlers import (cmd_algorithms, cmd_checkpoint, cmd_convert, cmd_eval,
-                                   cmd_generate, cmd_runs, cmd_train)
+                                   cmd_generate, cmd_plan, cmd_runs, cmd_train)
 from llmforge.cli.parser import _parser
 from llmforge.cli.runs_commands import RUN_COMMANDS, TOP_COMMANDS
 from llmforge.errors import LLMForgeError
 from llmforge.paths import os_error_message
-from llmforge.planning.command import cmd_plan
 from llmforge.quiet import quiet_libraries
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from llmforge.cli.runs_commands import RUN_COMMANDS
 from llmforge.errors import ConfigError, LLMForgeError
+from llmforge.planning.gpus import gpu_kind
 from llmforge.quiet import quiet_libraries
 from llmforge.runs.plot import plot_runs
 
@@ -29,6 +30,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.nproc < 1:
             raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
         cfg.trainer.devices = args.nproc  # the command line's input, like an override
+    if args.simulate and not args.dry_run:
+        raise ConfigError("--simulate goes with --dry-run (llmforge train CONFIG --dry-run --simulate)")
     launcher = bool(args.nproc and args.nproc > 1 and not os.environ.get("WORLD_SIZE"))
     run = resolve_run(cfg, overwrite=args.overwrite, check_dir=not args.dry_run,
                       dry_run=args.dry_run)
@@ -37,9 +40,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     trainer = Trainer(cfg, overwrite=args.overwrite, run=run)  # imports, strategy, algorithms
     if args.dry_run:
+        from llmforge.planning.dry_run import dry_run_text  # heavy (torch, Lightning): after config errors
         from llmforge.runs.checks import build_loggers  # the launcher's logger check: dry runs only
-        from llmforge.training.dry_run import dry_run_report  # heavy (torch): after config errors
-        from llmforge.training.preflight import pipeline_line  # heavy (torch, Lightning)
 
         try:  # a tracker SDK missing here fails the real run here: say it now (an API key may
             # be set only where the run goes, so a missing one is left to it)
@@ -50,8 +52,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         for note in run.notes:
             print(f"note            {note}")
-        print(dry_run_report(trainer.cfg, run.plan, device_memory_gib=args.device_memory_gib))
-        print(pipeline_line(trainer))
+        print(dry_run_text(trainer, run, args.device_memory_gib, simulate=args.simulate))
         return 0
     if launcher:
         from llmforge.job.nproc import launch_local  # after the config errors, like the Trainer
@@ -67,6 +68,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     if trainer.is_rank_zero():
         _print_summary(summary)
     return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``llmforge plan``: a bad ``--gpu`` fails before the heavy imports."""
+    if args.gpu:
+        gpu_kind(args.gpu)
+    from llmforge.runs.auto_layout import plan_command  # heavy (torch): off the CLI's fast path
+
+    return plan_command(args)
 
 
 def cmd_algorithms(args: argparse.Namespace) -> int:

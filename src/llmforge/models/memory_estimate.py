@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 
 from llmforge.models.spec import spec_for_model
+from llmforge.plugin import meta_model
 
 GIB = 1024**3
 
@@ -55,7 +56,8 @@ def estimate_memory(n_params: int, precision: str, strategy: Any, world_size: in
 
 
 def estimate_activations(model: Any, micro_batch_size: int, seq_len: int, precision: str,
-                         tp: int = 1, spec: Any = None) -> Optional[tuple[float, float]]:
+                         tp: int = 1, spec: Any = None, bf16_weights: bool = False
+                         ) -> Optional[tuple[float, float]]:
     """Activation bytes per device for one micro-batch: ``(no checkpointing, full checkpointing)``.
 
     Counts the tensors a decoder block saves for backward, per token (method of Korthikanti et
@@ -66,8 +68,18 @@ def estimate_activations(model: Any, micro_batch_size: int, seq_len: int, precis
     family, e.g. QK-norm outputs; for Llama ``q = D`` and this is ``8 D + 3 kv + 4 F``), in the
     activation dtype (2 bytes for bf16 precisions, 4 for fp32), divided by ``tp`` (sequence
     parallel). Full activation checkpointing keeps only each block's input (``D`` per token per
-    layer) plus one block recomputed at a time. The fp32 logits and their gradient (``2 x 4 V``
-    bytes per token) come on top in both cases. The widths come from the family's
+    layer) plus one block recomputed at a time. The loss comes on top in both cases: the logits
+    in the activation dtype, the fp32 log-softmax the cross-entropy saves, and two fp32 gradients
+    in its backward (``(3 x 4 + width) V`` bytes per token; measured by the simulation, where
+    ``2 x 4 V`` was 14-16 % low on the demo configs).
+
+    ``bf16-mixed`` (autocast) depends on the weights' dtype in the forward, as the simulation
+    measured (demo shape, per block and token: 20,136 bytes with fp32 weights, 13,096 with
+    FSDP2's bf16 ``param_dtype``, against 10,496 for the formula at 2 bytes): with fp32 weights
+    (``bf16_weights=False``) the residual stream, the norms and the rotary embedding stay in
+    fp32 and autocast saves bf16 copies beside them, which the formula at 4 bytes matches
+    within 5 %; with bf16 weights the formula at 2 bytes plus the two RMSNorms' fp32 upcasts
+    (``2 x 4 D`` bytes) does. The widths come from the family's
     ``ModelSpec.memory_shape`` (``spec``, or the registered spec of the model's class);
     ``None`` for models without one.
     """
@@ -77,9 +89,12 @@ def estimate_activations(model: Any, micro_batch_size: int, seq_len: int, precis
         return None
     m = fn(model)
     width = 4 if precision == "fp32" else 2
+    layer_width = 4 if precision == "bf16-mixed" and not bf16_weights else width
     tokens = micro_batch_size * seq_len
-    per_layer = tokens * (5 * m.dim + 3 * m.q_dim + 3 * m.kv_dim + 4 * m.ffn_dim + m.extra) * width / tp
-    logits = tokens * m.vocab_size * 4 * 2 / tp
+    upcast = 2 * m.dim * 4 if precision == "bf16-mixed" and bf16_weights else 0
+    per_layer = tokens * ((5 * m.dim + 3 * m.q_dim + 3 * m.kv_dim + 4 * m.ffn_dim + m.extra)
+                          * layer_width + upcast) / tp
+    logits = tokens * m.vocab_size * (3 * 4 + width) / tp
     no_ac = m.n_layers * per_layer + logits
     full_ac = m.n_layers * tokens * m.dim * width / tp + per_layer + logits
     return no_ac, full_ac
@@ -103,6 +118,88 @@ def gathered_block_bytes(model: Any, spec: Any, width: int, tp: int = 1,
         rest = sum(p.numel() for p in block.parameters() if id(p) not in expert_ids) / tp
         best = max(best, ((ex + rest) * width, ex * width))
     return best[0], best[1], max(int(m.num_experts) for m in experts) // ep
+def ac_mode(algorithms: Any) -> tuple[str, int]:
+    """``(mode, every)`` of the run's ``activation_checkpointing`` entry: ``none``, ``full``,
+    ``selective`` (per operator) or ``layer`` (full on every ``every``-th block)."""
+    for entry in algorithms or []:
+        if entry.get("name") == "activation_checkpointing":
+            mode = entry.get("mode", "full")
+            if mode == "selective" and entry.get("selective", "op") != "op":
+                return "layer", int(entry.get("every", 2))
+            return mode, 1
+    return "none", 1
+
+
+def bf16_param_dtype(cfg: Any) -> bool:
+    """Whether the forward sees bf16 weights: FSDP2 with a bf16 ``param_dtype``, or
+    ``bf16-true``."""
+    mp = cfg.strategy.mixed_precision.param_dtype
+    return cfg.trainer.precision == "bf16-true" or (
+        cfg.strategy.name == "fsdp2" and mp in ("bfloat16", "bf16"))
+
+
+def analytic_peak(cfg: Any, plan: Any, dims: Any) -> dict[str, float]:
+    """The analytic peak per rank of one training step, bytes, split as the simulation splits
+    it (:mod:`llmforge.planning.simulate`) plus ``total``.
+
+    * parameters: the sharded weights (:func:`estimate_memory`) plus, under FSDP2 with
+      ``dp_shard > 1``, the all-gathered ones in use: two blocks (the current one and the
+      prefetched next) and the root's own (embedding, output, final norm; the root is not
+      resharded after the forward), in ``strategy.mixed_precision.param_dtype`` (else the
+      weights' dtype), divided by ``tp``;
+    * gradients, optimizer: :func:`estimate_memory`; with gradient accumulation under FSDP2 the
+      gradients stay unsharded (in the parameters' dtype, divided by ``tp``) until the last
+      micro-batch, since the reduce-scatter is skipped (``set_requires_gradient_sync(False)``);
+    * activations: :func:`estimate_activations` of one micro-batch for the run's activation
+      checkpointing (``selective`` per operator: the no-checkpointing figure less the SwiGLU's
+      recomputed elementwise tensors, see below; ``layer``: full on every ``every``-th block);
+    * temporaries: the loss's logits, fp32 log-softmax and gradients (:func:`estimate_activations`).
+    """
+    model = meta_model(cfg)
+    spec = spec_for_model(model)
+    n = sum(p.numel() for p in model.parameters())
+    precision = cfg.trainer.precision
+    mem = estimate_memory(n, precision, cfg.strategy, plan.world_size)
+    tp = max(1, int(dims.tp))
+    width = 2 if precision == "bf16-true" else 4
+    gathered = 0.0
+    if cfg.strategy.name == "fsdp2" and dims.dp_shard > 1:
+        mp = cfg.strategy.mixed_precision.param_dtype
+        comp_w = 2 if mp in ("bfloat16", "bf16", "float16", "fp16") else width
+        blocks = model.blocks() if hasattr(model, "blocks") else []
+        block = sum(p.numel() for p in blocks[0].parameters()) if blocks else 0
+        gathered = (2 * block + n - block * len(blocks)) * comp_w / tp
+    grads = mem.grads_bytes
+    if cfg.strategy.name == "fsdp2" and plan.gradient_accumulation_steps > 1 and dims.dp_shard > 1:
+        grads = n * width / tp
+    out = {"parameters": mem.params_bytes + gathered, "gradients": grads,
+           "optimizer": mem.optimizer_bytes, "activations": 0.0, "temporaries": 0.0}
+    bf16_weights = bf16_param_dtype(cfg)
+    act = estimate_activations(model, plan.micro_batch_size, cfg.trainer.seq_len, precision, tp, spec,
+                               bf16_weights=bf16_weights)
+    if act is not None:
+        m = spec.get("memory_shape")(model)
+        tokens = plan.micro_batch_size * cfg.trainer.seq_len
+        logits = tokens * m.vocab_size * (3 * 4 + (4 if precision == "fp32" else 2)) / tp
+        no_ac, full_ac = act[0] - logits, act[1] - logits
+        mode, every = ac_mode(cfg.algorithms)
+        if mode == "full":
+            activations = full_ac
+        elif mode == "layer":
+            k = m.n_layers // every
+            activations = no_ac - k * (no_ac - full_ac) / m.n_layers
+        elif mode == "selective":  # the policy keeps matmul and attention outputs and recomputes
+            # the SwiGLU's elementwise products (2 F per token per layer)
+            act_w = 4 if precision == "fp32" else 2
+            activations = no_ac - m.n_layers * tokens * 2 * m.ffn_dim * act_w / tp
+        else:
+            activations = no_ac
+        if precision == "bf16-mixed" and not bf16_weights:  # autocast's bf16 copies of the fp32
+            # weights, cached for the whole forward (counted with the activations)
+            activations += n * 2 / tp
+        out["activations"], out["temporaries"] = activations, logits
+    out["total"] = sum(out.values())
+    return out
 
 
 def _fmt_count(n: float) -> str:

@@ -86,3 +86,27 @@ def gpu_kind(name: str, key: str = "--gpu") -> GPUKind:
         return GPU_KINDS[ALIASES[low]]
     raise ConfigError(f"{key}: unknown GPU kind '{name}'; known: {', '.join(GPU_KINDS)} "
                       f"(or {', '.join(ALIASES)})")
+
+
+# words in a cluster's gpu type -> the row; the memory size tells the 40 GB A100 apart
+_TYPE_WORDS = (("mi300x", "MI300X-192GB"), ("b200", "B200"), ("h200", "H200-141GB"),
+               ("h100", "H100-SXM-80GB"), ("a100", "A100-SXM-80GB"))
+
+
+def gpu_kind_of_type(gpu_type: str, key: str) -> GPUKind:
+    """The row of a cluster's GPU type as clusters spell it: ``h100`` (SLURM gres), ``H100``,
+    ``A100-80GB`` (SkyPilot accelerator, SageMaker instance table), ``NVIDIA H100 80GB HBM3``
+    (``torch.cuda.get_device_name``), or a table name.
+
+    Raises:
+        ConfigError: a type that names no known row (``key`` names where it came from, e.g.
+            ``cluster 'big'.gpu_type``); the message lists the known ones.
+    """
+    low = gpu_type.lower().replace(" ", "").replace("_", "-")
+    if gpu_type in GPU_KINDS or low in ALIASES:
+        return gpu_kind(gpu_type, key)
+    for word, row in _TYPE_WORDS:
+        if word in low and not (word == "a100" and "40g" in low):
+            return GPU_KINDS[row]
+    raise ConfigError(f"{key}: unknown GPU kind '{gpu_type}'; known: {', '.join(GPU_KINDS)} "
+                      f"(or {', '.join(ALIASES)}); pass --gpu NAME to plan for one of them")

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as _c10d
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
@@ -100,12 +101,13 @@ class PhasePeaks:
     change with depth. (The tracker's global peak has no public reset in torch 2.13: its two
     private fields are cleared.)"""
 
-    def __init__(self) -> None:
-        self.tracker: Any = None
+    def __init__(self, tracker: Any) -> None:
+        self.tracker = tracker
+        self.active = False  # set by start(): the warm-up step is not recorded
         self.peaks: dict[str, tuple[float, dict[str, float], float]] = {}
 
-    def start(self, tracker: Any) -> None:
-        self.tracker = tracker
+    def start(self) -> None:
+        self.active = True
         self._reset()
 
     def _reset(self) -> None:  # the current state is the new peak
@@ -114,6 +116,8 @@ class PhasePeaks:
         t._peak_mem = {dev: snap["Total"] for dev, snap in t._curr_mem_snap.items()}
 
     def record(self, phase: str) -> None:
+        if not self.active:
+            return
         snap = self.tracker.get_tracker_snapshot("peak")
         summary = summarize(next(iter(snap.values())) if snap else {"Total": 0})
         if phase not in self.peaks or summary[0] > self.peaks[phase][0]:
@@ -128,6 +132,10 @@ class PhasePeaks:
 
     def after_backward(self, state: Any) -> None:
         self.record("backward")
+        if type(self.tracker) is MemTracker:  # without FSDP2: torch's MemTracker refuses a second
+            # call of the root module in one step; its module stats (not the memory it counts)
+            # start again with each micro-batch
+            self.tracker.reset_mod_stats()
 
 
 def summarize(snap: dict) -> tuple[float, dict[str, float], float]:

@@ -74,6 +74,10 @@ AC_MODES = ("none", "selective", "full")
 """Activation checkpointing choices: none, ``selective: op`` (torchtitan's per-operator
 policy), ``full`` (every block)."""
 
+KEEP_AC = "config"
+"""``Layout.activation_checkpointing`` value that keeps the config's own entry (the dry run's
+``--simulate``: e.g. ``selective: layer`` with ``every``)."""
+
 AC_ENTRIES = {"selective": {"name": "activation_checkpointing", "mode": "selective", "selective": "op"},
               "full": {"name": "activation_checkpointing", "mode": "full"}}
 
@@ -144,8 +148,8 @@ def refuse_ep(cfg: Any) -> None:
 
 def layout_config(cfg: Any, layout: Layout, n_layers: Optional[int] = None) -> Any:
     """A copy of ``cfg`` with ``layout``: strategy degrees (``fsdp2``), micro-batch size, the
-    ``activation_checkpointing`` entry replaced, ``compile`` left out, and ``model.n_layers``
-    when given.
+    ``activation_checkpointing`` entry replaced (kept with :data:`KEEP_AC`), ``compile`` left
+    out, and ``model.n_layers`` when given.
 
     Raises:
         ConfigError: ``strategy.ep > 1`` (:func:`refuse_ep`).
@@ -159,9 +163,9 @@ def layout_config(cfg: Any, layout: Layout, n_layers: Optional[int] = None) -> A
     out.trainer.micro_batch_size = layout.micro_batch_size
     # the world size the checks derive from the trainer (devices x nodes) is the layout's
     out.trainer.devices, out.trainer.num_nodes = layout.world_size, 1
-    algos = [a for a in OmegaConf.to_container(out.algorithms)
-             if a.get("name") not in ("activation_checkpointing", "compile")]
-    if layout.activation_checkpointing != "none":
+    drop = ("compile",) if layout.activation_checkpointing == KEEP_AC else ("activation_checkpointing", "compile")
+    algos = [a for a in OmegaConf.to_container(out.algorithms) if a.get("name") not in drop]
+    if layout.activation_checkpointing not in ("none", KEEP_AC):
         algos.append(AC_ENTRIES[layout.activation_checkpointing])
     out.algorithms = algos
     if n_layers is not None:
@@ -251,15 +255,15 @@ def simulate(cfg: Any, layout: Layout, *, n_layers: Optional[int] = None, fake: 
             tracker.track_external(model, optimizer)
         tracker.track_inputs((batch,)) if isinstance(tracker, FSDPMemTracker) else None
         comm, flops = ByteCounter(), FlopCounterMode(display=False, custom_mapping=CPU_SDPA_FLOPS)
-        phases = PhasePeaks()
+        phases = PhasePeaks(tracker)
+        module.setup_events([*algorithms, phases])
         with tracker:
             _step(module, optimizer, batch)  # warm-up: the optimizer state exists from here on
             tracker.reset_mod_stats()
             # the steady-state step only: the warm-up's optimizer step creates the AdamW state
             # through DTensor, which the tracker counts at several times its size for a moment
             # (e.g. 6.3x the sharded fp32 state on a dim-1024 model over 8 ranks)
-            phases.start(tracker)
-            module.setup_events([*algorithms, phases])
+            phases.start()
             with comm, flops:
                 _step(module, optimizer, batch)
             phases.record("optimizer")
@@ -315,5 +319,5 @@ def simulate_scaled(cfg: Any, layout: Layout, *, full_depth: Optional[int] = Non
         phases=phases, sharded_state=sharded)
 
 
-__all__ = ["AC_MODES", "CATEGORIES", "Collective", "Layout", "StepMeasurement", "layout_config",
+__all__ = ["AC_MODES", "CATEGORIES", "KEEP_AC", "Collective", "Layout", "StepMeasurement", "layout_config",
            "model_layers", "simulate", "simulate_scaled"]

@@ -32,13 +32,16 @@ class ComputePlan:
     """Processes (GPUs) per node: torchrun's ``--nproc-per-node``."""
     batch: BatchPlan
     """The batch arithmetic at this world size."""
+    layout_note: str = ""
+    """``strategy.name: auto`` on GPUs: the layout the planner chose (``llmforge launch``)."""
 
     def summary(self) -> str:
         b = self.batch
         unit = "GPUs" if self.device == "gpu" else "CPU processes"
         return (f"{self.world_size} {unit} = {self.nodes} node(s) x {self.procs_per_node} on "
                 f"{self.cluster}; global batch {b.global_batch_size} = micro {b.micro_batch_size} x "
-                f"data-parallel {b.dp_size} x accumulation {b.gradient_accumulation_steps}")
+                f"data-parallel {b.dp_size} x accumulation {b.gradient_accumulation_steps}"
+                + (f"; {self.layout_note}" if self.layout_note else ""))
 
 
 def _layout(gpus: int, nodes: Optional[int], cluster: Cluster) -> tuple[int, int]:

@@ -6,7 +6,9 @@ checks the job would run at its start (:func:`llmforge.runs.checks.check_job`), 
 record (config redacted) and starts the job through the cluster's backend
 (:mod:`llmforge.runs.backend`: ``local``, ``slurm``, ``skypilot``, ``sagemaker`` or a registered
 one). Generated files go to ``<run_dir>/launch/``. ``dry_run`` returns the definition the
-backend would submit without writing or submitting anything.
+backend would submit without writing or submitting anything. With ``strategy.name: auto`` on a
+GPU cluster, the planner (:func:`llmforge.runs.auto_layout.auto_overrides`) chooses the layout
+for the cluster's GPU kind and its overrides are added to the job's.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
+import yaml
 
 from llmforge.config import config_to_dict, load_config, redact
 from llmforge.errors import ConfigError, LLMForgeError
@@ -62,6 +66,16 @@ def prepare(config_path: str, overrides: Sequence[str] = (), *, cluster: Optiona
     target = get_cluster(cluster or cfg.compute.cluster)
     backend = backend_for(target)
     plan = plan_compute(cfg, target, gpus, nodes)
+    if plan.world_size > 1 and target.gpus_per_node and _asks_for_auto(config_path, overrides):
+        # heavy (torch: the simulation): only a GPU job with strategy auto plans its layout
+        from llmforge.runs.auto_layout import auto_overrides
+
+        planned = auto_overrides(cfg, target, plan.world_size)
+        if planned is not None:  # the job runs with the winner's overrides: its config.yaml says it
+            overrides = [*overrides, *planned[0]]
+            cfg = load_config(config_path, list(overrides))
+            plan = plan_compute(cfg, target, gpus, nodes)
+            plan.layout_note = planned[1]
     max_retries = check_scheduling(cfg)
     names = check_names([*cfg.compute.secrets, *secrets])
     workdir = Path.cwd()
@@ -78,6 +92,20 @@ def prepare(config_path: str, overrides: Sequence[str] = (), *, cluster: Optiona
     }
     check_job(config_path, overrides, cfg, spec, backend, local_files=backend.runs_here)
     return cfg, target, plan, spec
+
+
+def _asks_for_auto(config_path: str, overrides: Sequence[str]) -> bool:
+    """Whether the YAML or an override sets ``strategy.name: auto`` itself (the default, unset,
+    keeps auto's rule without planning: a launch plans only when asked to)."""
+    for o in reversed(list(overrides)):
+        if o.split("=", 1)[0].strip() == "strategy.name":
+            return o.split("=", 1)[1].strip() == "auto"
+    try:
+        data = yaml.safe_load(Path(config_path).read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError):
+        return False
+    strategy = data.get("strategy") if isinstance(data, dict) else None
+    return isinstance(strategy, dict) and strategy.get("name") == "auto"
 
 
 def definition(run_id: str, name: str, spec: dict[str, Any], cluster: Cluster, resumption: int = 0) -> str:

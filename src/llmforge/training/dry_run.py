@@ -23,8 +23,8 @@ import torch
 from llmforge.algorithms.loading import build_algorithms
 from llmforge.config.validate import BatchPlan
 from llmforge.data.mixture import mixture_report
-from llmforge.models.memory_estimate import (GIB, _fmt_count, estimate_activations, estimate_memory,
-                                             gathered_block_bytes)
+from llmforge.models.memory_estimate import (GIB, _fmt_count, bf16_param_dtype, estimate_activations,
+                                             estimate_memory, gathered_block_bytes)
 from llmforge.models.spec import get_spec
 from llmforge.parallel.mesh import ParallelDims
 from llmforge.parallel.pipeline import stage_params
@@ -120,7 +120,7 @@ def dry_run_report(cfg: Any, plan: BatchPlan, device_memory_gib: Optional[float]
     lines += [x for _, lines_ in extra for x in lines_]
     lines += _expert_lines(cfg, model, spec)
     act = estimate_activations(model, plan.micro_batch_size, seq, cfg.trainer.precision,
-                               max(1, cfg.strategy.tp), spec=spec)
+                               max(1, cfg.strategy.tp), spec=spec, bf16_weights=bf16_param_dtype(cfg))
     if act is not None:
         lines.append(f"activations     {act[0] / GIB:.2f} GiB per micro-batch without activation "
                      f"checkpointing, {act[1] / GIB:.2f} GiB with full checkpointing (estimate)")

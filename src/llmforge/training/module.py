@@ -295,8 +295,11 @@ class LLMModule(AuxLosses, Evaluation, PipelineSteps, L.LightningModule):
                 self.micro_batch_loss(i, inputs[sl], labels[sl], None if doc_ids is None else doc_ids[sl])
                 self.event(Event.BEFORE_BACKWARD)
                 self.backward_loss(st.loss * scale)
+                # the logits [b, T, V] must not outlive their micro-batch, nor the graph they and
+                # the loss hold: its nodes that backward skipped (frozen weights' branches, e.g.
+                # under activation checkpointing) keep their saved tensors until it goes
+                st.outputs, st.aux_losses, st.loss = None, {}, st.loss.detach()
                 self.event(Event.AFTER_BACKWARD)
-                st.outputs, st.aux_losses = None, {}  # the logits [b, T, V] must not outlive their micro-batch
             loss_total += st.loss.detach()
         self.step_tokens = int(inputs.numel()) * self.plan.dp_size  # real tokens, all ranks
         return loss_total, total_targets

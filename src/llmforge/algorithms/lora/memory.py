@@ -8,8 +8,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from llmforge.models.memory_estimate import (GIB, USABLE_FRACTION, _fmt_count, estimate_activations,
-                                             estimate_memory)
+from llmforge.models.memory_estimate import (GIB, USABLE_FRACTION, _fmt_count, bf16_param_dtype,
+                                             estimate_activations, estimate_memory)
 from llmforge.plugin import meta_model
 
 
@@ -62,7 +62,8 @@ def lora_memory(cfg: Any, plan: Any, model: Any, trainable: int, frozen: int,
         root = sum(p.numel() for p in model.parameters()) - block * len(blocks)
         gathered = (2 * block + root) * comp_w
     act = estimate_activations(model, plan.micro_batch_size, cfg.trainer.seq_len,
-                               cfg.trainer.precision, max(1, cfg.strategy.tp))
+                               cfg.trainer.precision, max(1, cfg.strategy.tp),
+                               bf16_weights=bf16_param_dtype(cfg))
     full_ac = any(e.get("name") == "activation_checkpointing" and e.get("mode", "full") == "full"
                   for e in cfg.algorithms or [])
     activations = 0.0 if act is None else (act[1] if full_ac else act[0])

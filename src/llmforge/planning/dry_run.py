@@ -1,0 +1,69 @@
+"""``llmforge train CONFIG --dry-run [--simulate]``: the dry run's text.
+
+Without ``--simulate``: the analytic report (:func:`llmforge.training.dry_run.dry_run_report`,
+formulas on a meta-device model) and the model pipeline's order. With it, one training step of
+rank 0 at the run's own layout and world size is simulated
+(:func:`llmforge.planning.simulate.simulate_scaled`: fake process group, fake tensors, 2 and 3
+blocks scaled to the model's depth) and reported beside the analytic estimate.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from llmforge.models.memory_estimate import GIB, analytic_peak
+from llmforge.planning.simulate import KEEP_AC, Layout, StepMeasurement, simulate_scaled
+from llmforge.training.dry_run import dry_run_report
+from llmforge.training.preflight import pipeline_line
+
+
+def dry_run_text(trainer: Any, run: Any, device_memory_gib: Optional[float] = None,
+                 simulate: bool = False) -> str:
+    """The dry run's report for a built ``trainer`` of the resolved ``run``; with ``simulate``
+    the simulation's lines (:func:`simulation_lines`) follow."""
+    text = [dry_run_report(trainer.cfg, run.plan, device_memory_gib=device_memory_gib),
+            pipeline_line(trainer)]
+    if simulate:
+        text += simulation_lines(trainer.cfg, run, trainer.algorithms)
+    return "\n".join(text)
+
+
+def run_layout(run: Any) -> Layout:
+    """The resolved run's own layout, its activation checkpointing entry kept as configured."""
+    d = run.dims
+    return Layout(d.dp_replicate, d.dp_shard, d.tp, KEEP_AC, run.plan.micro_batch_size)
+
+
+def simulation_lines(cfg: Any, run: Any, algorithms: list[Any]) -> list[str]:
+    """Simulate rank 0 of ``run`` and describe it: the peak and its split, the analytic estimate
+    beside it, the collectives per mesh dim and the FLOPs against the spec's formula."""
+    m = simulate_scaled(cfg, run_layout(run))
+    own = any(getattr(a, "replaces_memory_estimate", False) for a in algorithms)
+    return format_simulation(m, None if own else analytic_peak(cfg, run.plan, run.dims))
+
+
+def format_simulation(m: StepMeasurement, analytic: Optional[dict[str, float]]) -> list[str]:
+    """The lines of one measurement; ``analytic``: :func:`analytic_peak` (``None``: a plugin
+    gives its own estimate above)."""
+    depth = (f"simulated {' and '.join(map(str, m.simulated_layers))} blocks, scaled to {m.n_layers}"
+             if len(m.simulated_layers) > 1 else f"all {m.n_layers} blocks simulated")
+    b = m.breakdown
+    lines = [f"simulation      rank 0 of {m.world_size}: one training step on a fake process group "
+             f"with fake tensors ({depth}; torch.compile not simulated; {m.seconds:.1f} s)",
+             f"peak/rank       {m.peak_bytes / GIB:.2f} GiB = " + " + ".join(
+                 f"{k} {b[k] / GIB:.2f}" for k in b) + " (measured by FSDPMemTracker at the peak)"]
+    if analytic is not None:
+        err = (analytic["total"] - m.peak_bytes) / m.peak_bytes if m.peak_bytes else 0.0
+        lines.append(f"analytic        {analytic['total'] / GIB:.2f} GiB = " + " + ".join(
+            f"{k} {v / GIB:.2f}" for k, v in analytic.items() if k != "total")
+            + f" ({err:+.1%} against the simulation)")
+    for c in m.collectives:
+        lines.append(f"collective      {c.kind} over {c.mesh_dim} ({c.group_size} ranks): {c.count} "
+                     f"calls, {c.bytes / GIB:.3f} GiB per step")
+    if m.formula_flops:
+        lines.append(f"flops/rank      {m.flops:.4g} per step measured (FlopCounterMode, recompute "
+                     f"included) = {m.flops / m.formula_flops:.3f} x the spec's formula {m.formula_flops:.4g}")
+    return lines
+
+
+__all__ = ["dry_run_text", "format_simulation", "run_layout", "simulation_lines"]

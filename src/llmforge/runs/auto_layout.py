@@ -1,0 +1,106 @@
+"""The planner on the launcher side: a cluster's GPU type selects the GPU row
+(:func:`cluster_gpu`), ``llmforge plan --cluster NAME`` (:func:`plan_command`), and
+``strategy.name: auto`` set by the config at ``llmforge launch`` (:func:`auto_overrides`; the
+unset default does not plan): the planner's winner
+becomes the job's overrides, so the run's config.yaml records the chosen layout.
+
+Imports torch (the simulation) when imported: :mod:`llmforge.runs.launch` and the ``plan``
+handler import this module only when they need it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+from llmforge.errors import ConfigError
+from llmforge.planning.gpus import GPUKind, gpu_kind, gpu_kind_of_type
+from llmforge.planning.planner import Candidate, plan
+from llmforge.planning.report import run_plan
+from llmforge.planning.simulate import AC_ENTRIES
+from llmforge.runs.cluster_types import Cluster
+from llmforge.runs.clusters import get_cluster
+
+
+def cluster_gpu(cluster: Cluster) -> GPUKind:
+    """The GPU row of ``cluster`` (its ``gpu_type``; SageMaker and SkyPilot clusters derive it
+    from ``instance_type`` / ``accelerator``), with the cluster's own ``gpus_per_node``.
+
+    Raises:
+        ConfigError: a CPU-only cluster, or a GPU type that names no row (the message lists the
+            known ones).
+    """
+    if not cluster.gpus_per_node:
+        raise ConfigError(f"cluster {cluster.name!r} has no GPUs (gpus_per_node: 0); "
+                          "pass --gpu NAME to plan for a GPU kind")
+    if not cluster.gpu_type:
+        raise ConfigError(f"cluster {cluster.name!r} sets no gpu_type; set it in the clusters file "
+                          "or pass --gpu NAME")
+    row = gpu_kind_of_type(cluster.gpu_type, f"cluster {cluster.name!r} gpu_type")
+    return replace(row, gpus_per_node=int(cluster.gpus_per_node))
+
+
+def plan_command(args: Any) -> int:
+    """``llmforge plan``: the GPU row from ``--gpu`` (default H100), else from ``--cluster``."""
+    if args.gpus < 1:
+        raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
+    if args.cluster and args.gpu:
+        raise ConfigError("--gpu and --cluster both name the GPU kind; pass one of them")
+    gpu = cluster_gpu(get_cluster(args.cluster)) if args.cluster else gpu_kind(args.gpu or "H100-SXM-80GB")
+    return run_plan(args.config, list(args.overrides), args.gpus, gpu, as_json=args.json, top=args.top)
+
+
+def layout_overrides(cand: Candidate, algorithms: list[dict]) -> list[str]:
+    """Dotlist overrides that give the layout of ``cand``: ``strategy.name=fsdp2``, the degrees,
+    the micro-batch size and the ``algorithms`` list with its activation checkpointing entry
+    replaced (the other entries, ``compile`` included, as they were)."""
+    lo = cand.layout
+    algos = [a for a in algorithms if a.get("name") != "activation_checkpointing"]
+    if lo.activation_checkpointing != "none":
+        algos.append(AC_ENTRIES[lo.activation_checkpointing])
+
+    def flow(v: Any) -> str:  # one YAML flow value (omegaconf's dotlist parses it as YAML)
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k}: {flow(x)}" for k, x in v.items()) + "}"
+        if isinstance(v, list):
+            return "[" + ", ".join(flow(x) for x in v) + "]"
+        if v is None:
+            return "null"
+        return str(v).lower() if isinstance(v, bool) else str(v)
+
+    return ["strategy.name=fsdp2", f"strategy.dp_replicate={lo.dp_replicate}",
+            f"strategy.dp_shard={lo.dp_shard}", f"strategy.tp={lo.tp}",
+            f"trainer.micro_batch_size={lo.micro_batch_size}", f"algorithms={flow(algos)}"]
+
+
+def auto_overrides(cfg: Any, cluster: Cluster, world: int) -> Optional[tuple[list[str], str]]:
+    """``strategy.name: auto`` on a GPU cluster with more than one GPU: plan ``cfg`` on
+    ``world`` GPUs of the cluster's kind and return ``(overrides of the winner, one summary
+    line)``; ``None`` where there is nothing to plan (another strategy, one process, CPU
+    processes: ``auto`` then keeps its rule, one process alone and FSDP2 over all of them).
+
+    Raises:
+        ConfigError: an unknown GPU type, or no layout fits (the smallest GPU count that would).
+    """
+    if cfg.strategy.name != "auto" or world <= 1 or not cluster.gpus_per_node:
+        return None
+    gpu = cluster_gpu(cluster)
+    result = plan(cfg, world, gpu)
+    if result.chosen is None:
+        where = (f"the smallest GPU count that would fit is {result.min_gpus}" if result.min_gpus
+                 else "it fits at no GPU count")
+        raise ConfigError(f"strategy.name=auto: no layout fits in {gpu.name} memory on {world} GPUs; "
+                          f"{where} (llmforge plan shows why)")
+    c = result.chosen
+    algorithms = OmegaConf.to_container(cfg.algorithms, resolve=False)
+    lo = c.layout
+    line = (f"strategy auto: planned dp_replicate {lo.dp_replicate} x dp_shard {lo.dp_shard} x tp "
+            f"{lo.tp}, activation_checkpointing {lo.activation_checkpointing}, micro_batch_size "
+            f"{lo.micro_batch_size} on {world} x {gpu.name} (peak {c.peak_bytes / 2**30:.1f} GiB per "
+            f"GPU, {c.tokens_per_second_per_gpu:.0f} tokens/s per GPU by the step model)")
+    return layout_overrides(c, algorithms), line
+
+
+__all__ = ["auto_overrides", "cluster_gpu", "layout_overrides", "plan_command"]

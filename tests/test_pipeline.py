@@ -42,6 +42,8 @@ def test_layout_stage_order_loop_and_v():
     assert loop.stages_of_rank(0) == [0, 2] and loop.stages_of_rank(1) == [1, 3]
     v = resolve_layout("zbv", 2, 4, 8, None, None, "balanced", 4)
     assert v.stages_of_rank(0) == [0, 3] and v.stages_of_rank(1) == [1, 2]
+    # where the loss (and the plugins' metrics every logger gets) is computed
+    assert loop.last_stage_rank() == 1 and v.last_stage_rank() == 0
 
 
 # ------------------------------------------------------------------------------ bad input

@@ -1,6 +1,7 @@
 """Pipeline parallelism (``strategy.pp``, ``pipeline:``): the split and bubble arithmetic, bad
 input (exit 2, one ``error:`` line), the dry run's stage lines, every schedule and the 3-D
-compositions against one process on real gloo processes, and a pp=2 checkpoint resumed at pp=1.
+compositions against one process on real gloo processes, a SIGKILLed pp=2
+run resumed bit-exact at pp=2 and at pp=1, with a last-stage plugin metric (z_loss) in the logs.
 """
 
 import json
@@ -41,6 +42,8 @@ def test_layout_stage_order_loop_and_v():
     assert loop.stages_of_rank(0) == [0, 2] and loop.stages_of_rank(1) == [1, 3]
     v = resolve_layout("zbv", 2, 4, 8, None, None, "balanced", 4)
     assert v.stages_of_rank(0) == [0, 3] and v.stages_of_rank(1) == [1, 2]
+    # where the loss (and the plugins' metrics every logger gets) is computed
+    assert loop.last_stage_rank() == 1 and v.last_stage_rank() == 0
 
 
 # ------------------------------------------------------------------------------ bad input
@@ -89,7 +92,8 @@ def _max_diff(a, b):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc, layouts", [
-    (2, ["1f1b", "gpipe", "interleaved_1f1b", "zbv", "dualpipev", "lighter_ends_m2"]),
+    (2, ["1f1b", "gpipe", "interleaved_1f1b", "zbv", "dualpipev", "lighter_ends_m2", "ac_full",
+         "compile_aot_eager"]),
     (4, ["pp4_1f1b", "pp4_interleaved", "fsdp2_x_pp2", "tp2_x_pp2"]),
 ])
 def test_every_schedule_and_layout_equals_one_process(tmp_path, nproc, layouts):
@@ -114,30 +118,48 @@ def test_every_schedule_and_layout_equals_one_process(tmp_path, nproc, layouts):
         assert not set(r0) & set(r1)
 
 
-def _train_losses(run_dir):
+def _records(run_dir):
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["train/loss"] for r in recs if "train/loss" in r}
+    return {r["step"]: r for r in recs if "train/loss" in r}
+
+
+KILL_AT_6 = "callbacks=[{name: tests.helpers.killers.KillAt, step: 6, sig: SIGKILL}]"
 
 
 @pytest.mark.slow
-def test_pp2_checkpoint_resumes_at_pp1(tmp_path):
-    """A real `llmforge train ... strategy.pp=2` on 2 processes saves at step 2 (DCP, the model's
-    own parameter names); the same run resumed from there with pp=1 in one process recomputes
-    steps 3-4 with the losses of the uninterrupted pp=2 run."""
+def test_pp2_sigkill_resumes_bit_exact_and_at_pp1(tmp_path):
+    """A real `llmforge train ... strategy.pp=2 --nproc 2` with z_loss saves at step 3 and is
+    SIGKILLed at the start of step 6 (steps 1-5 done, uninterrupted). `checkpoint.resume=auto` at
+    pp=2 recomputes steps 4-5 with bit-identical losses and finishes step 6; that checkpoint
+    resumed with pp=1 in one process recomputes steps 4-6 within 1e-5 (DCP keys are the model's
+    own names). `train/z_loss`, summed on the last stage, reaches the logger (rank 0, the first
+    stage) with pp=1's value within 1e-6."""
     args = ["train", DEMO, *TINY_OVERRIDES, "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
-            "trainer.max_steps=4", "trainer.log_every=1", "trainer.eval_every=0",
-            "trainer.eval_batches=2", "checkpoint.save_every=2", f"run.output_dir={tmp_path}",
-            "run.name=pp"]
-    first = run_cli(*args, "strategy.pp=2", "--nproc", "2", timeout=400)
-    assert first.returncode == 0, first.stderr[-4000:]
+            "trainer.max_steps=6", "trainer.log_every=1", "trainer.eval_every=0",
+            "trainer.eval_batches=2", "checkpoint.save_every=3", f"run.output_dir={tmp_path}",
+            "run.name=pp", "algorithms=[{name: z_loss}]"]
+    pp2 = [*args, "strategy.pp=2", "--nproc", "2"]
+    killed = run_cli(*pp2, KILL_AT_6, timeout=400)
+    assert killed.returncode != 0, killed.stderr[-4000:]
     run_dir = tmp_path / "pp"
-    uninterrupted = _train_losses(run_dir)
-    assert sorted(uninterrupted) == [1, 2, 3, 4]
-    shutil.rmtree(run_dir / "checkpoints" / "step_00000004")  # as if it stopped after step 2
-    resumed = run_cli(*args, "checkpoint.resume=auto", timeout=400)
+    uninterrupted = _records(run_dir)
+    assert sorted(uninterrupted) == [1, 2, 3, 4, 5]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000003"]
+    resumed = run_cli(*pp2, "checkpoint.resume=auto", timeout=400)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    again = _train_losses(run_dir)
-    assert sorted(again) == [1, 2, 3, 4]
-    for step in (3, 4):
-        assert again[step] == pytest.approx(uninterrupted[step], abs=1e-5), step
-    assert (run_dir / "checkpoints" / "step_00000004" / "COMPLETE").exists()
+    pp2_records = _records(run_dir)
+    assert sorted(pp2_records) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5):
+        for key in ("train/loss", "train/z_loss", "train/grad_norm"):
+            assert pp2_records[step][key] == uninterrupted[step][key], (step, key)
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000006")  # as if it stopped after step 3
+    one = run_cli(*args, "checkpoint.resume=auto", timeout=400)
+    assert one.returncode == 0, one.stderr[-4000:]
+    pp1_records = _records(run_dir)
+    assert sorted(pp1_records) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5, 6):
+        pp1, pp2_ = pp1_records[step], pp2_records[step]
+        assert pp2_["train/loss"] == pytest.approx(pp1["train/loss"], abs=1e-5), step
+        assert pp1["train/z_loss"] > 1e-3, pp1  # coef 1e-4 x logsumexp^2 (~ln(1024)^2)
+        assert pp2_["train/z_loss"] == pytest.approx(pp1["train/z_loss"], abs=1e-6), step
+    assert (run_dir / "checkpoints" / "step_00000006" / "COMPLETE").exists()

@@ -2,7 +2,8 @@
 
 Every rank trains the same tiny fp32 Llama (dim 32, 4 blocks (8 on 4 ranks), vocab 64, seq 16) for STEPS AdamW
 steps, with gradient clipping, once in one process (the reference, computed on every rank) and
-once per layout in ``LAYOUTS[world size]`` over all ranks; writes ``<out>/rank<R>.json`` with
+once per layout in ``LAYOUTS[world size]`` over all ranks (with the layout's algorithms'
+model transforms, e.g. activation checkpointing, compile); writes ``<out>/rank<R>.json`` with
 each layout's losses, gradient norms and the reference's. tests/test_pipeline.py reads them.
 """
 
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from llmforge.algorithms.loading import build_algorithms
 from llmforge.config.schema import TrainConfig
 from llmforge.config.validate import plan_batch
 from llmforge.parallel.mesh import ParallelDims, build_mesh
@@ -29,7 +31,11 @@ LAYOUTS = {
                              "pipeline.stages_per_rank": 2},
         "zbv": {"strategy.pp": 2, "pipeline.schedule": "zbv"},
         "dualpipev": {"strategy.pp": 2, "pipeline.schedule": "dualpipev"},
-        "lighter_ends_m2": {"strategy.pp": 2, "pipeline.split": "lighter_ends", "pipeline.microbatches": 2}},
+        "lighter_ends_m2": {"strategy.pp": 2, "pipeline.split": "lighter_ends", "pipeline.microbatches": 2},
+        # per-stage model transforms: activation checkpointing and compile of each block
+        # (aot_eager: dynamo + AOTAutograd without inductor's minute of C++ compiling)
+        "ac_full": {"strategy.pp": 2, "algorithms": [{"name": "activation_checkpointing"}]},
+        "compile_aot_eager": {"strategy.pp": 2, "algorithms": [{"name": "compile", "backend": "aot_eager"}]}},
     4: {"pp4_1f1b": {"strategy.pp": 4},
         "pp4_interleaved": {"strategy.pp": 4, "pipeline.schedule": "interleaved_1f1b"},
         "fsdp2_x_pp2": {"strategy.pp": 2, "strategy.name": "fsdp2"},
@@ -76,7 +82,9 @@ def main(out):
         start = time.perf_counter()
         cfg = make_cfg(overrides, n_layers)
         dims = ParallelDims.from_config(cfg, world)
-        mod = LLMModule(cfg, plan_batch(cfg, world), pipeline=strategy_transforms(cfg, dims))
+        cfg.trainer.devices = world  # the algorithms' checks read the world size here
+        algos = [t for t in (a.transform() for a in build_algorithms(cfg)) if t is not None]
+        mod = LLMModule(cfg, plan_batch(cfg, world), pipeline=algos + strategy_transforms(cfg, dims))
         mod.mesh_override = build_mesh(dims, "cpu")
         mod.configure_model()
         dp = mod.mesh["dp"]

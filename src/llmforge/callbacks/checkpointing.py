@@ -115,7 +115,9 @@ class Checkpointer(Callback):
                                        rng=capture_rng(), async_save=self.async_save,
                                        adapters_only=bool(meta.get("adapters_only")),
                                        plugin_state=sharded_states(trainer.callbacks),
-                                       rank_state={"data": data_state})
+                                       rank_state={"data": data_state},
+                                       # stages hold different parameters: per-parameter groups
+                                       flatten_optimizer=dims.pp > 1)
         self.last_saved_step = step
         self._last_save_time = time.monotonic()
         if not self.async_save:

@@ -72,7 +72,8 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module,
                     meta: dict[str, Any], rng: Optional[dict[str, Any]] = None,
                     async_save: bool = False, adapters_only: Optional[bool] = None,
                     plugin_state: Optional[dict[str, Any]] = None,
-                    rank_state: Optional[dict[str, dict]] = None) -> PendingSave:
+                    rank_state: Optional[dict[str, dict]] = None,
+                    flatten_optimizer: bool = False) -> PendingSave:
     """Save model (and optimizer) state sharded by DCP, plus JSON state, atomically.
 
     Every rank must call it (with its own ``rng`` and ``rank_state``). Returns a
@@ -84,6 +85,11 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module,
             ``plugins`` (sharded like the weights).
         rank_state: ``{name: dict}`` of this rank's JSON state (e.g. ``data``: the data
             module's position), written as ``<name>/rank<R>.json``; empty dicts are skipped.
+        flatten_optimizer: key the optimizer's hyperparameters per parameter
+            (``optim.param_groups.<fqn>.lr``) instead of per group index: needed when ranks
+            hold different parameters (pipeline stages), as DCP keeps one rank's copy of each
+            group's ``params`` list (torchtitan flattens for the same reason). The load
+            detects which form a checkpoint holds.
 
     Raises:
         CheckpointWriteError: a file could not be written (e.g. the disk is full); the
@@ -93,7 +99,7 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module,
     final, tmp = root / step_name(step), root / f".tmp-{step_name(step)}"
     try:
         return _save(root, tmp, final, step, model, optimizer, trainer_state, meta, rng, async_save,
-                     adapters_only, plugin_state, rank_state)
+                     adapters_only, plugin_state, rank_state, flatten_optimizer)
     except (OSError, RuntimeError, CheckpointException) as exc:  # DCP wraps each rank's error
         error = _write_failed(exc, tmp, root)
         if error is None:
@@ -105,7 +111,7 @@ def _save(root: Path, tmp: Path, final: Path, step: int, model: nn.Module,
           optimizer: Optional[torch.optim.Optimizer], trainer_state: dict[str, Any],
           meta: dict[str, Any], rng: Optional[dict[str, Any]], async_save: bool,
           adapters_only: Optional[bool], plugin_state: Optional[dict[str, Any]],
-          rank_state: Optional[dict[str, dict]]) -> PendingSave:
+          rank_state: Optional[dict[str, dict]], flatten_optimizer: bool) -> PendingSave:
     if _is_rank0():
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
@@ -118,7 +124,8 @@ def _save(root: Path, tmp: Path, final: Path, step: int, model: nn.Module,
             (tmp / name).mkdir(exist_ok=True)
             (tmp / name / f"rank{rank}.json").write_text(json.dumps(value))
     if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(
+            model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flatten_optimizer))
         model_sd, adapters_only = _adapter_filter(model, model_sd, adapters_only)
         state = {"model": model_sd, "optim": optim_sd}
     else:
@@ -160,7 +167,9 @@ def load_training_state(path: str | Path, model: nn.Module,
     if not (path / COMPLETE).exists():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
     if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        flat = _saved_flat_optimizer(path)
+        model_sd, optim_sd = get_state_dict(
+            model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat))
         model_sd, adapters_only = _adapter_filter(model, model_sd, _saved_adapters_only(path))
         state = {"model": model_sd, "optim": optim_sd}
         found = _saved_plugin_keys(path, plugin_state or {})
@@ -169,7 +178,8 @@ def load_training_state(path: str | Path, model: nn.Module,
         safe_load(state, str(path))
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"],
-                       options=StateDictOptions(strict=not adapters_only))
+                       options=StateDictOptions(strict=not adapters_only,
+                                                flatten_optimizer_state_dict=flat))
     else:
         load_model_weights(path, model, adapters_only=None)
     out = read_json(path, "trainer_state.json")
@@ -187,6 +197,14 @@ def _saved_adapters_only(path: Path) -> Optional[bool]:
     if not (path / "meta.json").exists():
         return None
     return bool(read_json(path, "meta.json").get("adapters_only"))
+
+
+def _saved_flat_optimizer(path: Path) -> bool:
+    """Whether the checkpoint's optimizer state is keyed per parameter (``save_checkpoint(...,
+    flatten_optimizer=True)``): it then has no ``optim.param_groups.<i>.params`` lists."""
+    names = load_metadata(path / ".metadata").state_dict_metadata.keys()
+    groups = [n for n in names if n.startswith("optim.param_groups.")]
+    return bool(groups) and not any(n.endswith(".params") for n in groups)
 
 
 def _saved_plugin_keys(path: Path, templates: dict[str, Any]) -> list[str]:

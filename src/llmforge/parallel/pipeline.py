@@ -163,6 +163,11 @@ class PipelineLayout:
             return [rank, 2 * self.pp - 1 - rank]
         return [rank + k * self.pp for k in range(self.stages_per_rank)]
 
+    def last_stage_rank(self) -> int:
+        """The ``pp`` rank that holds the last stage (where the loss is): ``pp - 1``, or ``0``
+        for the V schedules."""
+        return next(r for r in range(self.pp) if self.num_stages - 1 in self.stages_of_rank(r))
+
     def bubble(self) -> float:
         """:func:`bubble_fraction` of this layout."""
         return bubble_fraction(self.schedule, self.pp, self.microbatches, self.stages_per_rank)

@@ -138,6 +138,7 @@ class LLMModule(AuxLosses, Evaluation, PipelineSteps, L.LightningModule):
             self.pp_layout = layout = pipeline_layout(self.cfg, ctx.dims)
             stages = layout.stages_of_rank(ctx.mesh["pp"].get_local_rank())
             self.pp_stages = (0 in stages, layout.num_stages - 1 in stages)
+            self.pp_last_rank = layout.last_stage_rank()
             spec = get_spec(self.cfg.model.name)
             self.pp_schedule = build_schedule(model, layout, ctx.mesh["pp"], ctx.device, self.pipeline_loss,
                                               spec.stage_ends)
@@ -330,7 +331,10 @@ class LLMModule(AuxLosses, Evaluation, PipelineSteps, L.LightningModule):
             "train/tokens_seen": self.tokens_seen + self.step_tokens,
             **self.aux_step_metrics(total_targets, st.n_micro),
         })
+        computed = set(st.metrics)
         self.event(Event.BEFORE_OPTIMIZER_STEP)
+        if self.pp_schedule is not None:  # the plugins' metrics, from the loss events' stage
+            self.pp_last_stage_metrics(st.metrics, set(st.metrics) - computed)
         if st.skip_step:
             opt.zero_grad(set_to_none=True)
             count_optimizer_step(self.trainer)  # the batch is consumed: step numbers stay aligned

@@ -12,7 +12,9 @@ micro-batch, in micro-batch order, on the ranks that hold the last stage, where 
 ``BEFORE_FORWARD`` does not fire: a handler could not change inputs already sent.
 ``state.loss`` of each micro-batch is summed like gradient accumulation's, and the step's sum is
 sent from the last stage to every stage (a sum over the ``pp`` group, zero elsewhere), so every
-rank's ``train/loss`` (and every logger) sees the same value.
+rank's ``train/loss`` (and every logger) sees the same value. The metrics plugins add at
+``BEFORE_OPTIMIZER_STEP`` (e.g. ``train/z_loss``, summed from the loss events) are the last
+stage's on every rank once the event is over (:meth:`PipelineSteps.pp_last_stage_metrics`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class PipelineSteps:
     pp_schedule: Any = None
     pp_stages: tuple[bool, bool] = (True, True)
     """Whether this rank holds the first and the last stage."""
+    pp_last_rank: int = 0
+    """The ``pp`` rank that holds the last stage."""
     model_flops_per_token: Any = None
     """``seq_len -> training FLOPs per token`` of the whole model when ``model`` is a part of
     it (the speed monitor's MFU); ``None`` otherwise."""
@@ -48,6 +52,17 @@ class PipelineSteps:
         t = t.detach().clone()
         dist.all_reduce(t, group=self.mesh["pp"].get_group())
         return t
+
+    def pp_last_stage_metrics(self, metrics: dict[str, Any], keys: set[str]) -> None:
+        """Set ``metrics[k]`` for the last stage's ``k in keys`` to the last stage's value on
+        every ``pp`` rank (tensors become floats). A plugin's metric summed from the loss events
+        (``state.dp_sum`` at ``BEFORE_OPTIMIZER_STEP``) exists only where the loss is; loggers
+        write from rank 0, the first stage. One small object broadcast over the ``pp`` group
+        per step (the key sets may differ between stages, so no tensor collective)."""
+        mine = {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in metrics.items() if k in keys}
+        box = [mine]
+        dist.broadcast_object_list(box, group=self.mesh["pp"].get_group(), group_src=self.pp_last_rank)
+        metrics.update(box[0])
 
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss function (last stage, one call per micro-batch): the loss events

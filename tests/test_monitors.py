@@ -221,7 +221,7 @@ def test_memory_snapshot_dump_logic_on_the_cpu(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ms.torch.cuda.memory, "_dump_snapshot", lambda p: Path(p).write_bytes(b"x"))
     cb = ms.MemorySnapshot(at_steps=[2])
-    cb.active = True  # what on_train_start does on a CUDA device
+    cb.active = True  # what fit_start does on a CUDA device
     trainer = SimpleNamespace(default_root_dir=str(tmp_path), global_step=0, global_rank=0,
                               is_global_zero=True)
     monkeypatch.setattr(ms.torch.cuda.memory, "_record_memory_history", lambda **kw: None)

@@ -361,8 +361,9 @@ class LLMModule(AuxLosses, Evaluation, L.LightningModule):
         fresh run only)."""
         self.train_start_time = time.perf_counter()
         if self.state.trainer is None:  # a subclass's on_fit_start skipped super()
-            self.on_fit_start()
-            put_first(self.trainer, self).on_train_start(self.trainer, self)
+            bridge = put_first(self.trainer, self)
+            self.setup_events()
+            bridge.on_train_start(self.trainer, self)  # Lightning's loop over the callbacks is past
         self.state.step = self.trainer.global_step
         if self.trainer.global_step == 0:
             metrics = self.evaluate()

@@ -6,9 +6,10 @@ Named in YAML by its import path (see ``examples/custom_callback.yaml``)::
       - name: examples.callbacks.LossEMA
         beta: 0.9
 
-The pattern for any metric of your own: compute it in a Lightning hook and put it into
-``pl_module.step_metrics`` in ``on_train_batch_end`` of a logging step; the module writes that
-dict to every logger (metrics.jsonl, W&B, TensorBoard, ...) right after the callbacks ran.
+The pattern for any metric of your own: handle an llmforge event (``after_optimizer_step``:
+the step is done, its record not yet written) and put the metric into ``state.metrics`` on a
+logging step; the module writes that dict to every logger (metrics.jsonl, W&B, TensorBoard,
+...) after the step's events (docs/algorithms/README.md, "One bus").
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ class LossEMA(Callback):
         self.ema: Optional[float] = None
         self.spikes = 0
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        loss = float(pl_module.step_metrics["train/loss"])
+    def after_optimizer_step(self, state: Any) -> None:
+        loss = float(state.metrics["train/loss"])
         if self.ema is not None and loss > self.ema * (1 + self.spike_ratio):
             self.spikes += 1
         self.ema = loss if self.ema is None else self.beta * self.ema + (1 - self.beta) * loss
-        if pl_module.is_log_step(trainer.global_step):
-            pl_module.step_metrics.update({"train/loss_ema": self.ema, "train/loss_spikes": self.spikes})
+        if state.module.is_log_step(state.step):
+            state.metrics.update({"train/loss_ema": self.ema, "train/loss_spikes": self.spikes})

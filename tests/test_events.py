@@ -20,6 +20,7 @@ from algo_harness import batches, make_module
 from conftest import REPO
 from llmforge.errors import ConfigError
 from llmforge.events import Dispatcher, Event, State
+from llmforge.plugin import CheckContext
 
 
 # ------------------------------------------------------------------ dispatch
@@ -117,7 +118,7 @@ def test_sequence_length_of_every_step_of_a_warmup():
     w.batch_start(st)
     assert all(v.shape == (2, 16) for v in st.batch.values())
     with pytest.raises(ConfigError, match="min_seq_len=16 exceeds trainer.seq_len=8"):
-        w.check(SimpleNamespace(trainer=SimpleNamespace(seq_len=8)), [])
+        w.check(CheckContext(SimpleNamespace(cfg=SimpleNamespace(trainer=SimpleNamespace(seq_len=8))), []))
 
 
 # ----------------------------------------------------------------------- ema
@@ -220,7 +221,7 @@ def test_chunked_cross_entropy_inside_the_module_equals_the_plain_step():
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
     assert chunked.model(batch[:, :-1]).shape[-1] == 256  # without labels: plain logits
     with pytest.raises(ConfigError, match="strategy.tp=2"):
-        algo.check(SimpleNamespace(strategy=SimpleNamespace(tp=2)), [])
+        algo.check(CheckContext(SimpleNamespace(dims=SimpleNamespace(tp=2)), []))
 
 
 # ------------------------------------------------------------ LoRA is a plugin
@@ -230,3 +231,27 @@ def test_no_source_file_outside_the_lora_plugin_names_lora():
     offenders = [f for f in files if f.endswith(".py") and "/algorithms/" not in f
                  and re.search("lora", (REPO / f).read_text(encoding="utf-8"), re.IGNORECASE)]
     assert offenders == []
+
+
+def test_built_in_plugins_act_on_events_not_on_lightning_hooks():
+    """One bus: no built-in algorithm or callback overrides a Lightning hook (the bridge,
+    llmforge.training.bridge, turns Lightning's loop into events), except the one documented
+    in docs/algorithms/README.md: the checkpointer's ``setup`` (Lightning installs its SIGTERM
+    handler during fit, before any event)."""
+    from lightning.pytorch.callbacks import Callback
+
+    import llmforge.callbacks as callbacks
+    from llmforge import registry
+    from llmforge.data.mixture import MixtureTokens
+    from llmforge.job.tracker import RunTracker
+
+    hooks = {n for n in vars(Callback) if n.startswith("on_") or n in ("setup", "teardown")}
+    classes = [getattr(callbacks, n) for n in callbacks.__all__] + [MixtureTokens, RunTracker]
+    classes += [registry.algorithms.get(n) for n in registry.algorithms.names()]
+    overridden = {}
+    for cls in classes:
+        own = {n for c in cls.__mro__ if c.__module__.startswith("llmforge.") for n in vars(c)} & hooks
+        if own:
+            overridden[cls.__name__] = sorted(own)
+    assert overridden == {"Checkpointer": ["setup"]}
+    assert len(classes) > 20

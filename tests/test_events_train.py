@@ -187,3 +187,22 @@ def test_timer_stop_step0_validation_end_and_the_closing_line_after_resume(out, 
     assert sorted(evals) == [0, 1, 4]
     closing = capsys.readouterr().out
     assert "done: 4 steps" in closing and f"eval/loss {evals[4]:.4f} (step 0: {evals[0]:.4f})" in closing
+
+
+def test_a_lightning_callback_and_an_algorithm_act_in_the_documented_order(out):
+    """The one bridge (docs/algorithms/README.md, "One bus"): at each Lightning hook llmforge's
+    events come first, the step's events run inside training_step, the record and
+    STEP_RECORDED after the Lightning callbacks' on_train_batch_end."""
+    from tests.helpers.order import SEEN
+
+    SEEN.clear()
+    train_in_process(out, "order", "trainer.max_steps=2", "trainer.eval_every=2",
+                     "algorithms=[{name: tests.helpers.order.EventOrder}]",
+                     "callbacks=[{name: tests.helpers.order.LightningHooks}]")
+    step = ["L.on_train_batch_start", "A.batch_start", "A.before_optimizer_step", "L.on_before_optimizer_step",
+            "A.after_optimizer_step", "L.on_train_batch_end"]
+    evaluation = ["A.before_evaluation", "A.after_evaluation", "L.on_validation_end"]
+    assert SEEN == ["L.on_fit_start", "A.before_load", "A.fit_start", "L.on_train_start", *evaluation,
+                    *step, "A.step_recorded",
+                    *step, *evaluation, "A.step_recorded",
+                    "A.fit_end", "L.on_train_end"]

@@ -15,6 +15,7 @@ from llmforge.callbacks import speed as speed_mod
 from llmforge.callbacks.peak_flops import peak_tflops
 from llmforge.callbacks.speed import SpeedMonitor
 from llmforge.errors import ConfigError, TrainingDiverged
+from llmforge.events import State
 
 
 # ------------------------------------------------------------------------ speed and MFU
@@ -43,12 +44,13 @@ def run_window(monkeypatch, batches, seconds_per_step, model=None, peak=None, wo
     mon = SpeedMonitor(peak_tflops=peak)
     module = FakeModule(model)
     trainer = SimpleNamespace(global_step=0, world_size=world_size, is_global_zero=False)
-    mon.on_train_start(trainer, module)
+    state = State(module=module, trainer=trainer, metrics=module.step_metrics)
+    mon.fit_start(state)
     for batch in batches:
-        mon.on_train_batch_start(trainer, module, batch, 0)
+        state.step, state.batch = state.step + 1, batch
+        mon.batch_start(state)
         now["t"] += seconds_per_step
-        trainer.global_step += 1
-        mon.on_train_batch_end(trainer, module, None, batch, 0)
+        mon.after_optimizer_step(state)
     return module.step_metrics
 
 
@@ -219,17 +221,23 @@ def test_memory_snapshot_dump_logic_on_the_cpu(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ms.torch.cuda.memory, "_dump_snapshot", lambda p: Path(p).write_bytes(b"x"))
     cb = ms.MemorySnapshot(at_steps=[2])
-    cb.active = True  # what on_train_start does on a CUDA device
+    cb.active = True  # what fit_start does on a CUDA device
     trainer = SimpleNamespace(default_root_dir=str(tmp_path), global_step=0, global_rank=0,
                               is_global_zero=True)
+    monkeypatch.setattr(ms.torch.cuda.memory, "_record_memory_history", lambda **kw: None)
+    state = State(trainer=trainer)
     for step in (1, 2, 3):
-        trainer.global_step = step
+        trainer.global_step = state.step = step
         if step == 3:
             (tmp_path / ms.REQUEST_FILE).touch()
-        cb.on_train_batch_end(trainer, None, None, None, 0)
+        cb.after_optimizer_step(state)
     assert not (tmp_path / ms.REQUEST_FILE).exists()
-    cb.on_exception(trainer, None, ValueError("not an OOM"))
-    cb.on_exception(trainer, None, torch.OutOfMemoryError("CUDA out of memory"))
+    state.exception = ValueError("not an OOM")
+    cb.fit_exception(state)
+    cb.active = True  # fit_exception stopped the recording
+    state.exception = torch.OutOfMemoryError("CUDA out of memory")
+    cb.fit_exception(state)
+    assert not cb.active
     names = sorted(p.name for p in (tmp_path / "memory_snapshots").iterdir())
     assert names == ["rank0_step2.pickle", "rank0_step3.pickle", "rank0_step3_oom.pickle"]
 
@@ -258,13 +266,14 @@ def test_garbage_collection_is_scheduled_during_training(monkeypatch):
     calls = []
     monkeypatch.setattr(gc_mod.gc, "collect", lambda gen=2: calls.append(gen))
     cb = gc_mod.GarbageCollection(every=2)
-    trainer = SimpleNamespace(global_step=0)
+    state = State()
     assert gc.isenabled()
-    cb.on_train_start(trainer, None)
+    cb.fit_start(state)
     assert not gc.isenabled() and calls == [2]
     for step in (1, 2, 3, 4):
-        trainer.global_step = step
-        cb.on_train_batch_end(trainer, None, None, None, 0)
+        state.step = step
+        cb.step_recorded(state)
     assert calls == [2, 1, 1]  # the young generation, every 2 steps
-    cb.on_exception(trainer, None, RuntimeError("x"))
+    state.exception = RuntimeError("x")
+    cb.fit_exception(state)
     assert gc.isenabled()

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 from llmforge.cli import main
 from llmforge.cli.handlers import _print_summary
+from llmforge.events import State
 from llmforge.quiet import quiet_libraries
 
 
@@ -63,11 +64,12 @@ def test_progress_bar_last_frame_shows_the_last_steps_loss():
     bar = RichProgress(console=console)
     trainer = SimpleNamespace(is_global_zero=True, max_steps=20, global_step=10)
     module = SimpleNamespace(history=[{"step": 10, "train/loss": 4.0}])
-    bar.on_train_start(trainer, module)
-    bar.on_train_batch_end(trainer, module, None, None, 0)
-    trainer.global_step = 20  # the last step's record arrives after its on_train_batch_end
+    state = State(trainer=trainer, module=module, step=10)
+    bar.fit_start(state)
+    bar.step_recorded(state)
+    trainer.global_step = 20  # a record written after the last step_recorded (eval_harness's)
     module.history.append({"step": 20, "train/loss": 1.2345})
-    bar.on_train_end(trainer, module)
+    bar.fit_end(state)
     frames = console.export_text()
     assert "20/20" in frames and "loss 1.2345" in frames.split("20/20")[-1]
 

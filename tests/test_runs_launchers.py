@@ -198,13 +198,17 @@ def test_compute_section_drives_the_launch_and_cli_dry_run(home, tmp_path, capsy
         assert subprocess.run(["bash", "-n"], input=out, text=True).returncode == 0
 
 
-def test_sbatch_uses_the_clusters_python_and_cpus_per_task(home):
+def test_sbatch_uses_the_clusters_python_and_cpus_per_task(home, monkeypatch):
     with open(home / "clusters.yaml", "a") as f:
         f.write("own:\n  type: slurm\n  gpus_per_node: 0\n  processes_per_node: 2\n  cpus_per_task: 6\n"
                 "  python: /shared/envs/llm/bin/python\n")
+    from llmforge.config import loader
     from llmforge.runs.launch import launch
 
+    reads = []  # launch reads the YAML once, and resolves it here and in the job's environment
+    monkeypatch.setattr(loader, "_read_chain", lambda *a, _read=loader._read_chain: reads.append(a[1]) or _read(*a))
     script = launch(DEMO, ["data.num_workers=2"], cluster="own", gpus=2, dry_run=True).definition
+    assert reads == [DEMO]
     assert "\n  /shared/envs/llm/bin/python -m llmforge.job.torchrun --nnodes=1 --nproc-per-node=2" in script
     assert "#SBATCH --cpus-per-task=6" in script.splitlines() and "--gpus-per-node" not in script
     default = launch(DEMO, [*BATCH, "data.num_workers=2"], cluster="big", gpus=8, dry_run=True).definition

@@ -10,11 +10,13 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from conftest import REPO, TINY_OVERRIDES
 from llmforge import signals
+from llmforge.events import State
 from llmforge.job.torchrun import catches
 
 
@@ -63,7 +65,7 @@ def test_a_signal_swallowed_during_startup_stops_at_training_start(owned):
     except Exception:  # library code with a broad except on the way
         pass
     with pytest.raises(signals.StoppedBeforeTraining, match="SIGTERM"):
-        Checkpointer("unused").on_train_start(None, None)  # where training starts
+        Checkpointer("unused").fit_start(State())  # where training starts
 
 
 def test_uninstall_gives_the_handlers_back():
@@ -78,6 +80,8 @@ def test_lightning_fit_keeps_llmforge_handler_and_never_sees_sigterm(owned):
     from lightning.pytorch.demos.boring_classes import BoringModel
 
     from llmforge.callbacks.checkpointing import Checkpointer
+    from llmforge.events import Dispatcher
+    from llmforge.training.bridge import EventBridge
 
     seen = {}
 
@@ -90,7 +94,10 @@ def test_lightning_fit_keeps_llmforge_handler_and_never_sees_sigterm(owned):
             trainer.should_stop = True
 
     ckpt = Checkpointer(REPO / "nonexistent-never-written", save_final=False)
-    trainer = L.Trainer(max_steps=1, callbacks=[ckpt, Probe()], logger=False, enable_checkpointing=False,
+    # the checkpointer acts on llmforge's events; an LLMModule puts the bridge first itself
+    state, bus = State(), Dispatcher([ckpt])
+    bridge = EventBridge(SimpleNamespace(state=state, event=lambda event: bus(event, state)))
+    trainer = L.Trainer(max_steps=1, callbacks=[bridge, ckpt, Probe()], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1)
     trainer.fit(BoringModel())
     assert seen == {"handler": signals._handler, "received": signal.SIGTERM, "lightning": False}

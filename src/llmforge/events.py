@@ -22,8 +22,11 @@ micro-batch)::
     STEP_RECORDED               the step's record is written (loggers); last event of a step;
                                 the checkpointer saves here
 
-plus ``FIT_START`` (model materialized, optimizer built, a resumed checkpoint loaded) and
-``FIT_END``. Evaluation runs ``BEFORE_FORWARD`` to ``AFTER_LOSS`` too, with
+plus ``BEFORE_LOAD`` (model materialized, optimizer built, before a resume checkpoint loads:
+create the state it restores into), ``FIT_START`` (a resumed checkpoint loaded: the
+checkpointer loads it as the first handler of this event), ``FIT_END`` (training is over) and
+``FIT_EXCEPTION`` (training stopped on ``state.exception``, a preemption too: release what
+``FIT_START`` took; ``FIT_END`` does not follow). Evaluation runs ``BEFORE_FORWARD`` to ``AFTER_LOSS`` too, with
 ``state.training = False`` (an extra loss term such as z-loss stays out of ``eval/loss``).
 
 A plugin handles an event by defining the method of the event's name
@@ -52,6 +55,7 @@ from llmforge.errors import LLMForgeError
 class Event(str, Enum):
     """The points of a run at which plugins act; the value is the handler method's name."""
 
+    BEFORE_LOAD = "before_load"
     FIT_START = "fit_start"
     BATCH_START = "batch_start"
     BEFORE_FORWARD = "before_forward"
@@ -66,6 +70,7 @@ class Event(str, Enum):
     AFTER_EVALUATION = "after_evaluation"
     STEP_RECORDED = "step_recorded"
     FIT_END = "fit_end"
+    FIT_EXCEPTION = "fit_exception"
 
 
 @dataclass
@@ -102,6 +107,7 @@ class State:
         skip_step: set ``True`` in ``BEFORE_OPTIMIZER_STEP`` to drop this batch's update.
         metrics: the step's record (``train/loss``, ...); plugins add ``"name": value``.
         eval_metrics: the last evaluation's metrics (``AFTER_EVALUATION``).
+        exception: what stopped training (``FIT_EXCEPTION``), else ``None``.
     """
 
     cfg: Any = None
@@ -124,6 +130,7 @@ class State:
     skip_step: bool = False
     metrics: dict[str, Any] = field(default_factory=dict)
     eval_metrics: dict[str, float] = field(default_factory=dict)
+    exception: Optional[BaseException] = None
 
     @property
     def model(self) -> Any:

@@ -15,7 +15,7 @@ changes the result.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -87,6 +87,58 @@ def meta_model(cfg: Any) -> nn.Module:
         return factory(cfg.model)
 
 
+@dataclass
+class CheckContext:
+    """What :meth:`Algorithm.check` receives: the run as resolved once
+    (:func:`llmforge.preflight.resolve.resolve_run`) and the model on the meta device, built
+    once for every check, so no plugin derives the world size, the strategy, the batch plan or
+    the model's shape again.
+
+    Attributes:
+        run: the :class:`~llmforge.preflight.resolve.ResolvedRun` (or, outside a run, e.g. a
+            unit test, an object with the same ``cfg``, ``world_size``, ``dims``, ``plan`` and
+            ``strategy``: :func:`llmforge.algorithms.loading.unresolved_run`).
+        algorithms: every configured algorithm (instances, YAML order).
+    """
+
+    run: Any
+    algorithms: Sequence["Algorithm"]
+    _model: Any = field(default=None, repr=False)
+
+    @property
+    def cfg(self) -> Any:
+        """The resolved config (``strategy.name`` ``auto`` is ``fsdp2`` with several processes)."""
+        return self.run.cfg
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the job."""
+        return int(self.run.world_size)
+
+    @property
+    def dims(self) -> Any:
+        """:class:`~llmforge.parallel.mesh.ParallelDims`: dp_replicate x dp_shard x tp."""
+        return self.run.dims
+
+    @property
+    def plan(self) -> Any:
+        """The :class:`~llmforge.config.validate.BatchPlan` (``None`` outside a resolved run)."""
+        return self.run.plan
+
+    @property
+    def strategy(self) -> str:
+        """The strategy name after resolution (``auto`` only for one process)."""
+        return str(self.run.strategy)
+
+    @property
+    def model(self) -> nn.Module:
+        """The run's model on the meta device (:func:`meta_model`), built at the first use and
+        shared by every check: read it, do not change it."""
+        if self._model is None:
+            self._model = meta_model(self.cfg)
+        return self._model
+
+
 ADAPTER_CHILDREN = "adapter_children"
 """Attribute of an ``nn.Module``: names of its child modules whose parameters a plugin added
 (adapters, e.g. an adapter algorithm's two low-rank factors). Base-model weights (a plain build, a Hugging Face
@@ -128,9 +180,11 @@ class Algorithm(Callback):
 
     Subclasses set ``stage`` and override :meth:`apply`; handle an event by defining the method
     of its name (``after_loss(self, state)``, ...; several plugins on one event run by
-    ``order``, then ``name``); they may also override any Lightning hook and :meth:`check`,
-    which sees every configured algorithm before any weight is allocated and raises
-    :class:`llmforge.errors.ConfigError` for combinations that cannot work.
+    ``order``, then ``name``; the events are the one bus of every built-in, see
+    :mod:`llmforge.training.bridge` for Lightning's hooks beside them) and override
+    :meth:`check`, which sees the resolved run and every configured algorithm before any weight
+    is allocated and raises :class:`llmforge.errors.ConfigError` for combinations that cannot
+    work.
 
     Checkpoints: ``state_dict()``/``load_state_dict()`` (plain values) and
     :meth:`sharded_state_dict`/:meth:`load_sharded_state_dict` (tensors, sharded like the
@@ -158,8 +212,11 @@ class Algorithm(Callback):
         """Transform the (meta-device) model; return it (or a wrapper)."""
         return model
 
-    def check(self, cfg: Any, algorithms: Sequence["Algorithm"]) -> None:
-        """Reject impossible combinations before anything is allocated."""
+    def check(self, run: CheckContext) -> None:
+        """Reject impossible combinations before anything is allocated: ``run`` holds the
+        resolved run (``cfg``, ``world_size``, ``dims``, ``plan``, ``strategy``), every configured
+        algorithm and the meta model (:class:`CheckContext`). (A subclass may still define the
+        older ``check(self, cfg, algorithms)``: it is called that way.)"""
 
     def transform(self) -> Optional[Transform]:
         """This algorithm's pipeline step, or ``None`` if it only acts on training events."""

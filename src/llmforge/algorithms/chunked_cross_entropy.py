@@ -32,14 +32,14 @@ layer is column-sharded over the vocabulary and would need a loss-parallel reduc
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from llmforge.errors import ConfigError
-from llmforge.plugin import Algorithm, meta_model, ModelContext, Stage
+from llmforge.plugin import Algorithm, CheckContext, meta_model, ModelContext, Stage
 
 IGNORE_INDEX = -100
 
@@ -148,12 +148,12 @@ class ChunkedCrossEntropy(Algorithm):
         self.chunk_size, self.head_name = int(chunk_size), str(head)
         self.head: Optional[ChunkedLossHead] = None
 
-    def check(self, cfg: Any, algorithms: Sequence[Algorithm]) -> None:
-        if int(cfg.strategy.tp) > 1:
+    def check(self, run: CheckContext) -> None:
+        if run.dims.tp > 1:
             raise ConfigError(f"algorithms: chunked_cross_entropy does not support strategy.tp="
-                              f"{cfg.strategy.tp}: the tensor-parallel output layer is sharded over "
+                              f"{run.dims.tp}: the tensor-parallel output layer is sharded over "
                               "the vocabulary (a loss-parallel reduction); use strategy.tp=1")
-        for a in algorithms:
+        for a in run.algorithms:
             targets = getattr(a, "targets", None) or []
             if getattr(a, "adapters_only", False) and self.head_name in targets:
                 raise ConfigError(f"algorithms: chunked_cross_entropy computes {self.head_name} "

@@ -26,12 +26,12 @@ Source: torch.compile tutorial and torchtitan ``apply_compile``
 from __future__ import annotations
 
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from torch import nn
 
 from llmforge.errors import ConfigError
-from llmforge.plugin import Algorithm, ModelContext, Stage
+from llmforge.plugin import Algorithm, CheckContext, ModelContext, Stage
 
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -78,7 +78,7 @@ class Compile(Algorithm):
             kw["mode"] = self.mode
         return kw
 
-    def check(self, cfg: Any, algorithms: Sequence[Algorithm]) -> None:
+    def check(self, run: CheckContext) -> None:
         """A whole-model ``fullgraph`` compile cannot trace through the data-parallel hooks
         that FSDP2 / replicate put on every block (they are ``torch._dynamo.disable``-d).
 
@@ -86,13 +86,12 @@ class Compile(Algorithm):
             ConfigError: ``per_block: false`` and ``fullgraph: true`` under FSDP2 or DDP (names
                 ``compile.per_block``, ``compile.fullgraph`` and ``strategy.name``).
         """
-        world = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
-        data_parallel = world > 1 or cfg.strategy.name == "fsdp2"
+        data_parallel = run.world_size > 1 or run.strategy == "fsdp2"
         if not self.per_block and self.fullgraph and data_parallel:
             raise ConfigError(
                 f"algorithms: compile.per_block=false with compile.fullgraph=true cannot trace "
-                f"through the hooks that data parallelism (strategy.name={cfg.strategy.name}, "
-                f"{world} process(es)) puts on every block; use compile.per_block=true "
+                f"through the hooks that data parallelism (strategy.name={run.strategy}, "
+                f"{run.world_size} process(es)) puts on every block; use compile.per_block=true "
                 "(torchtitan's choice) or compile.fullgraph=false (a graph break per block)")
 
     def apply(self, model: nn.Module, ctx: ModelContext) -> nn.Module:
@@ -110,7 +109,8 @@ class Compile(Algorithm):
         return model
 
     # ------------------------------------------------------------------ training events
-    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+    def fit_start(self, state: Any) -> None:
+        pl_module = state.module
         if self.compile_loss and not getattr(pl_module, "_llmforge_loss_compiled", False):
             import torch
 
@@ -118,11 +118,11 @@ class Compile(Algorithm):
                                                    **self.compile_kwargs(fullgraph=False))
             pl_module._llmforge_loss_compiled = True
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    def batch_start(self, state: Any) -> None:
         self._t0 = time.perf_counter()
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def after_optimizer_step(self, state: Any) -> None:
+        trainer, pl_module = state.trainer, state.module
         if len(self._durations) < 2:
             self._durations.append(time.perf_counter() - self._t0)
             if len(self._durations) == 2:
@@ -134,9 +134,6 @@ class Compile(Algorithm):
                     print(f"compile: {self.compile_seconds:.1f} s of compilation in the first step "
                           f"(torch.compile of {what}, {self.backend}; first step {first:.1f} s, "
                           f"second {second:.2f} s)", flush=True)
-        if self._pending:
-            step = trainer.global_step
-            is_log = getattr(pl_module, "is_log_step", lambda s: True)
-            if is_log(step) and isinstance(getattr(pl_module, "step_metrics", None), dict):
-                pl_module.step_metrics["time/compile_seconds"] = self.compile_seconds
-                self._pending = False
+        if self._pending and pl_module.is_log_step(state.step):
+            state.metrics["time/compile_seconds"] = self.compile_seconds
+            self._pending = False

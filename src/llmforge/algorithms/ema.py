@@ -84,9 +84,9 @@ class EMA(Algorithm):
         self.params = {canonical(n): p for n, p in model.named_parameters() if p.requires_grad}
         self.shadow = {n: p.detach().to(torch.float32, copy=True) for n, p in self.params.items()}
 
-    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        # before the checkpointer's resume (on_train_start), which loads into these tensors
-        self.attach(pl_module.model)
+    def before_load(self, state: Any) -> None:
+        # before the checkpointer's resume (FIT_START), which loads into these tensors
+        self.attach(state.model)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         return dict(self.shadow)

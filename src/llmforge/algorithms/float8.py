@@ -38,22 +38,9 @@ from typing import Any, Optional, Sequence
 from torch import nn
 
 from llmforge.errors import ConfigError
-from llmforge.parallel.mesh import ParallelDims
-from llmforge.plugin import Algorithm, ModelContext, Stage, meta_model
+from llmforge.plugin import Algorithm, CheckContext, ModelContext, Stage, meta_model
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-
-
-def fsdp_shard_degree(cfg: Any) -> int:
-    """FSDP2 shard-group size the strategy will use, or 0 when the model is not FSDP2-sharded
-    (``strategy.name`` ``single``/``ddp``, or ``auto`` in one process)."""
-    world = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
-    name = cfg.strategy.name
-    if name == "auto":
-        name = "fsdp2" if world > 1 else "single"
-    if name != "fsdp2":
-        return 0
-    return ParallelDims.from_config(cfg, world).dp_shard
 
 
 def import_float8() -> Any:
@@ -221,7 +208,7 @@ class Float8(Algorithm):
                                    emulate=self.emulate)
 
     # -------------------------------------------------------------------- pipeline
-    def check(self, cfg: Any, algorithms: Sequence[Algorithm]) -> None:
+    def check(self, run: CheckContext) -> None:
         """torchao installed; FP8 all-gather only under FSDP2 sharding; ``modules`` dims.
 
         Raises:
@@ -231,17 +218,17 @@ class Float8(Algorithm):
             raise ConfigError("algorithms: float8 needs torchao: pip install 'llmforge[fp8]' "
                               "(torchao>=0.18, tested with 0.18.0 and torch 2.13)")
         if self.all_gather:
-            shard = fsdp_shard_degree(cfg)
+            # the FSDP2 shard group of the resolved run (none unless strategy fsdp2)
+            shard = run.dims.dp_shard if run.strategy == "fsdp2" else 1
             if shard <= 1:
-                s = cfg.strategy
                 raise ConfigError(
                     "algorithms: float8.enable_fsdp_float8_all_gather=true needs FSDP2 sharding "
                     f"(strategy.name=fsdp2 with strategy.dp_shard > 1), but strategy.name="
-                    f"{s.name} on {int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)} "
-                    f"process(es) shards over {max(shard, 1)}; set "
+                    f"{run.cfg.strategy.name} on {run.world_size} "
+                    f"process(es) shards over {shard}; set "
                     "float8.enable_fsdp_float8_all_gather=false or train with FSDP2 on several devices")
         if self.explicit_filter or self.modules is not None:
-            model = meta_model(cfg)
+            model = run.model
             if self.explicit_filter:
                 check_entries("filter_fqns", self.filter_fqns, model)
             if self.modules is not None:
@@ -269,16 +256,15 @@ class Float8(Algorithm):
         return model
 
     # -------------------------------------------------------------------- training
-    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        if trainer.is_global_zero:
+    def fit_start(self, state: Any) -> None:
+        if state.trainer.is_global_zero:
             ag = ", FP8 all-gather" if self.all_gather else ""
             print(f"float8: {len(self.converted)} Linear layers in FP8 ({self.recipe}{ag}"
                   f"{', emulated' if self.emulate else ''}), {len(self.kept)} kept in high "
                   f"precision ({', '.join(self.kept[:4])}{' ...' if len(self.kept) > 4 else ''})",
                   flush=True)
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def after_optimizer_step(self, state: Any) -> None:
         """After the optimizer step: the next all-gather's weight scales, one all-reduce."""
         if self.precompute:
-            import_float8().precompute_float8_dynamic_scale_for_fsdp(pl_module.model)
+            import_float8().precompute_float8_dynamic_scale_for_fsdp(state.model)

@@ -10,38 +10,56 @@ arguments.
 from __future__ import annotations
 
 import difflib
-from typing import Any, Sequence
+import inspect
+from types import SimpleNamespace
+from typing import Any, Optional, Sequence
 
 from llmforge import registry
 from llmforge.errors import ConfigError
 from llmforge.events import Event
-from llmforge.plugin import Algorithm
+from llmforge.parallel.mesh import ParallelDims
+from llmforge.plugin import Algorithm, CheckContext
 from llmforge.registry import build_entries
 
 
-def build_algorithms(cfg: Any) -> list[Algorithm]:
+def build_algorithms(cfg: Any, run: Optional[Any] = None) -> list[Algorithm]:
     """Instantiate ``cfg.algorithms`` and run :func:`check_algorithms` (nothing is allocated).
 
-    ``cfg.trainer.devices``/``num_nodes`` must already reflect the world size (the Trainer's
-    ``detect_world_size`` sets them under a launcher).
+    Args:
+        cfg: the config (the resolved one, ``run.cfg``, when ``run`` is given).
+        run: the :class:`~llmforge.preflight.resolve.ResolvedRun` the checks see; default
+            :func:`unresolved_run` (tests, the planner's candidates).
 
     Raises:
         ConfigError: unknown name or key, a class that is not an :class:`Algorithm`, or an
             impossible combination (see :func:`check_algorithms`).
     """
     algos = build_entries(registry.algorithms, "algorithms", cfg.algorithms, base=Algorithm)
-    check_algorithms(cfg, algos)
+    check_algorithms(cfg, algos, run)
     return algos
+
+
+def unresolved_run(cfg: Any) -> Any:
+    """What :class:`~llmforge.plugin.CheckContext` needs of a run, from a config that was not
+    resolved (``trainer.devices x num_nodes`` processes, ``auto`` = ``fsdp2`` with several of
+    them, no batch plan): :func:`llmforge.preflight.resolve.resolve_run` sits above this
+    floor."""
+    world = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
+    name = str(cfg.strategy.name)
+    strategy = ("fsdp2" if world > 1 else "auto") if name == "auto" else name
+    return SimpleNamespace(cfg=cfg, world_size=world, dims=ParallelDims.from_config(cfg, world), plan=None,
+                           strategy=strategy)
 
 
 def entry_label(cfg: Any, index: int) -> str:
     return f"algorithms[{index}] ({cfg.algorithms[index]['name']})"
 
 
-def check_algorithms(cfg: Any, algos: Sequence[Any]) -> None:
+def check_algorithms(cfg: Any, algos: Sequence[Any], run: Optional[Any] = None) -> None:
     """Every entry is an :class:`Algorithm`, none is listed twice (unless its class sets
     ``allow_multiple = True``) nor has a misspelled event method (:func:`misspelled_events`),
-    then each algorithm's own :meth:`Algorithm.check`.
+    then each algorithm's own :meth:`Algorithm.check` with one :class:`CheckContext` (``run``,
+    default :func:`unresolved_run`; the meta model is built once for all of them).
 
     Raises:
         ConfigError: naming the entries (``algorithms[i] (name)``) or keys involved.
@@ -58,8 +76,12 @@ def check_algorithms(cfg: Any, algos: Sequence[Any]) -> None:
                               f"same algorithm; list it once with all its keys")
         seen[cls] = i
         misspelled_events(cfg, i, cls)
+    ctx = CheckContext(run if run is not None else unresolved_run(cfg), list(algos))
     for algo in algos:
-        algo.check(cfg, algos)
+        if len(inspect.signature(algo.check).parameters) >= 2:
+            algo.check(ctx.cfg, ctx.algorithms)  # the signature before the resolved run (issue 22)
+        else:
+            algo.check(ctx)
 
 
 def misspelled_events(cfg: Any, index: int, cls: type) -> None:

@@ -27,10 +27,10 @@ bounds how many).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 from llmforge.errors import ConfigError
-from llmforge.plugin import Algorithm
+from llmforge.plugin import Algorithm, CheckContext
 
 
 def _positive_int(value: Any, key: str) -> int:
@@ -61,7 +61,8 @@ class SeqLengthWarmup(Algorithm):
         self.min_seq_len = _positive_int(min_seq_len, "min_seq_len")
         self.step_size = _positive_int(step_size, "step_size")
 
-    def check(self, cfg: Any, algorithms: Sequence[Algorithm]) -> None:
+    def check(self, run: CheckContext) -> None:
+        cfg = run.cfg
         if self.min_seq_len > int(cfg.trainer.seq_len):
             raise ConfigError(f"algorithms: seq_length_warmup.min_seq_len={self.min_seq_len} exceeds "
                               f"trainer.seq_len={cfg.trainer.seq_len}; lower it")

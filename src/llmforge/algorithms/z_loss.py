@@ -17,12 +17,12 @@ target token (``coef * mean(log(Z)^2)``), so ``train/loss - train/z_loss`` is th
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from llmforge.errors import ConfigError
-from llmforge.plugin import Algorithm
+from llmforge.plugin import Algorithm, CheckContext
 
 IGNORE_INDEX = -100
 
@@ -60,8 +60,8 @@ class ZLoss(Algorithm):
         self.coef = float(coef)
         self._sum: Any = 0.0
 
-    def check(self, cfg: Any, algorithms: Sequence[Algorithm]) -> None:
-        if any(a.name == "chunked_cross_entropy" for a in algorithms):
+    def check(self, run: CheckContext) -> None:
+        if any(a.name == "chunked_cross_entropy" for a in run.algorithms):
             raise ConfigError("algorithms: z_loss needs the logits, which chunked_cross_entropy never "
                               "materializes; drop one of them")
 

@@ -50,6 +50,11 @@ def set_global_step(trainer: Any, step: int) -> None:
 class Checkpointer(Callback):
     """Writes ``<dir>/step_NNNNNNNN`` checkpoints and resumes from one.
 
+    Acts on llmforge's events (:mod:`llmforge.events`): loads the resume checkpoint as the
+    first handler of ``FIT_START`` (``order`` -1000), saves at ``STEP_RECORDED`` and
+    ``FIT_END``. One Lightning hook stays: ``setup``, because Lightning installs its own SIGTERM
+    handler during ``fit`` before any llmforge event (:func:`llmforge.signals.own`).
+
     Args:
         dir: checkpoint root folder.
         save_every: steps between saves; ``None`` = none.
@@ -61,6 +66,8 @@ class Checkpointer(Callback):
         config: the resolved config, secrets redacted (into ``meta.json`` with its hash; a
             resume compares it, see :mod:`llmforge.checkpoint.resume_changes`).
     """
+
+    order = -1000  # first at FIT_START: the others see the resumed state
 
     def __init__(self, dir: str | Path, save_every: Optional[int] = None,
                  save_every_minutes: Optional[float] = None, save_final: bool = True,
@@ -129,7 +136,10 @@ class Checkpointer(Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         signals.own(trainer)  # before fit installs Lightning's SIGTERM handler
 
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+    def fit_start(self, state: Any) -> None:
+        """Event ``FIT_START`` (first): install the stop-signal handlers, load the resume
+        checkpoint."""
+        trainer, pl_module = state.trainer, state.module
         self._install_signal_handlers()
         if self.resume_from is None:
             return
@@ -192,11 +202,8 @@ class Checkpointer(Callback):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops at the same step
         return bool(flag.item())
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if callable(getattr(pl_module, "event", None)):
-            self._awaiting_record = trainer.global_step  # LLMModule's STEP_RECORDED comes next
-        else:
-            self.end_of_step(trainer, pl_module)
+    def after_optimizer_step(self, state: Any) -> None:
+        self._awaiting_record = state.step  # the step's STEP_RECORDED comes next
 
     def step_recorded(self, state: Any) -> None:
         """The last event of a step (``STEP_RECORDED``): save after the step's evaluation and
@@ -204,11 +211,11 @@ class Checkpointer(Callback):
         self._awaiting_record = None
         self.end_of_step(state.trainer, state.module)
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    def batch_start(self, state: Any) -> None:
         # a module subclass whose on_train_batch_end skipped super(): save the last step now
         if self._awaiting_record is not None:
             self._awaiting_record = None
-            self.end_of_step(trainer, pl_module)
+            self.end_of_step(state.trainer, state.module)
 
     def end_of_step(self, trainer: Any, pl_module: Any) -> None:
         """Save when due, or when a stop signal arrived (then raise :class:`Preempted`)."""
@@ -233,7 +240,8 @@ class Checkpointer(Callback):
         if due:
             self.save(trainer, pl_module)
 
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+    def fit_end(self, state: Any) -> None:
+        trainer, pl_module = state.trainer, state.module
         if self._awaiting_record is not None:
             self._awaiting_record = None
             self.end_of_step(trainer, pl_module)
@@ -242,5 +250,5 @@ class Checkpointer(Callback):
         self._finish_pending()
         self._restore_signal_handlers()
 
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+    def fit_exception(self, state: Any) -> None:
         self._restore_signal_handlers()

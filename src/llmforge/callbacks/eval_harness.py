@@ -81,7 +81,7 @@ class EvalHarness(Callback):
         self._last_step: Optional[int] = None
         self.history: list[dict[str, Any]] = []
 
-    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+    def fit_start(self, state: Any) -> None:
         import_lm_eval()
         try:
             task_manager(self.tasks, self.include_path)  # indexed once, reused at each evaluation
@@ -113,12 +113,12 @@ class EvalHarness(Callback):
             f"{k} {v:.4f}" for k, v in sorted(out["scores"].items())) + f" ({seconds:.1f} s)")
         return metrics
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        if trainer.global_step % self.every == 0:
-            self.evaluate(trainer, pl_module)
+    def after_optimizer_step(self, state: Any) -> None:
+        if state.step % self.every == 0:
+            self.evaluate(state.trainer, state.module)
 
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+    def fit_end(self, state: Any) -> None:
+        trainer, pl_module = state.trainer, state.module
         metrics = self.evaluate(trainer, pl_module)
         if metrics:  # after the last record was written: log these on their own
             pl_module.log_record(trainer.global_step, metrics)

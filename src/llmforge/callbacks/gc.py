@@ -29,20 +29,20 @@ class GarbageCollection(Callback):
         self.every = int(every)
         self._was_enabled = True
 
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+    def fit_start(self, state: Any) -> None:
         self._was_enabled = gc.isenabled()
         gc.collect()  # start clean: setup left garbage behind
         gc.disable()
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        if trainer.global_step % self.every == 0:
+    def step_recorded(self, state: Any) -> None:
+        """Event ``STEP_RECORDED``: the step is over (record written, checkpoint saved)."""
+        if state.step % self.every == 0:
             gc.collect(1)
 
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+    def fit_end(self, state: Any) -> None:
         self._restore()
 
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+    def fit_exception(self, state: Any) -> None:
         self._restore()
 
     def _restore(self) -> None:

@@ -28,19 +28,18 @@ class LearningRateMonitor(Callback):
 
     def __init__(self, log_momentum: bool = False) -> None:
         self.log_momentum = bool(log_momentum)
-        self._values: dict[str, float] = {}
 
-    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+    def before_optimizer_step(self, state: Any) -> None:
+        """Event ``BEFORE_OPTIMIZER_STEP``: the values the step's update uses, into the record
+        of a logging step."""
+        if not state.module.is_log_step(state.step):
+            return
         values = {}
-        for i, group in enumerate(optimizer.param_groups):
+        for i, group in enumerate(state.optimizer.param_groups):
             name = str(group.get("name", i))
             values[f"train/lr/{name}"] = float(group["lr"])
             if self.log_momentum:
                 beta = group["betas"][0] if "betas" in group else group.get("momentum")
                 if beta is not None:
                     values[f"train/beta1/{name}"] = float(beta)
-        self._values = values
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if pl_module.is_log_step(trainer.global_step):
-            pl_module.step_metrics.update(self._values)
+        state.metrics.update(values)

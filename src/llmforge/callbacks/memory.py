@@ -54,13 +54,14 @@ class MemoryMonitor(Callback):
     def __init__(self, reset_peak: bool = False) -> None:
         self.reset_peak = bool(reset_peak)
 
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if pl_module.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(pl_module.device)
+    def fit_start(self, state: Any) -> None:
+        if state.module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(state.module.device)
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if not pl_module.is_log_step(trainer.global_step):
+    def after_optimizer_step(self, state: Any) -> None:
+        pl_module = state.module
+        if not pl_module.is_log_step(state.step):
             return
-        pl_module.step_metrics.update(memory_metrics(pl_module.device))
+        state.metrics.update(memory_metrics(pl_module.device))
         if self.reset_peak and pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)

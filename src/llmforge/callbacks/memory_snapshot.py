@@ -47,9 +47,9 @@ class MemorySnapshot(Callback):
         self.active = False
         self.written: list[Path] = []
 
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if pl_module.device.type != "cuda":
-            say(trainer, "memory_snapshot: training runs on the CPU, which has no CUDA memory "
+    def fit_start(self, state: Any) -> None:
+        if state.module.device.type != "cuda":
+            say(state.trainer, "memory_snapshot: training runs on the CPU, which has no CUDA memory "
                          "history to record; this callback does nothing")
             return
         torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
@@ -67,21 +67,22 @@ class MemorySnapshot(Callback):
         say(trainer, f"memory_snapshot: wrote {path}")
         return path
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def after_optimizer_step(self, state: Any) -> None:
         if not self.active:
             return
-        step = trainer.global_step
+        trainer, step = state.trainer, state.step
         request = run_dir(trainer) / REQUEST_FILE
         if step in self.at_steps or request.exists():
             self.dump(trainer, f"step{step}")
             if trainer.is_global_zero:
                 request.unlink(missing_ok=True)
 
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        if self.active and self.on_oom and isinstance(exception, torch.OutOfMemoryError):
-            self.dump(trainer, f"step{trainer.global_step}_oom")
+    def fit_exception(self, state: Any) -> None:
+        if self.active and self.on_oom and isinstance(state.exception, torch.OutOfMemoryError):
+            self.dump(state.trainer, f"step{state.trainer.global_step}_oom")
+        self.fit_end(state)
 
-    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+    def fit_end(self, state: Any) -> None:
         if self.active:
             torch.cuda.memory._record_memory_history(enabled=None)
             self.active = False

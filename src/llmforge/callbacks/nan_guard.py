@@ -7,8 +7,10 @@ YAML::
         check_grad_norm: true   # also stop on a non-finite train/grad_norm
         max_loss: null          # also stop when train/loss exceeds this (nats per token)
 
-The module fills ``step_metrics`` (``train/loss``, ``train/grad_norm``) before
-``optimizer.step()``; this callback checks them in ``on_before_optimizer_step`` and raises
+The module fills ``state.metrics`` (``train/loss``, ``train/grad_norm``) before
+``optimizer.step()``; this callback checks them at the event ``BEFORE_OPTIMIZER_STEP``, as its
+last handler (a step another handler skipped, e.g. by ``loss_spike_guard``, is not
+checked: it changes nothing), and raises
 :class:`llmforge.errors.TrainingDiverged` (``llmforge train`` exits with code 3). The bad
 update is never applied and no checkpoint is written from that state: the last complete
 checkpoint stays as it was.
@@ -45,6 +47,8 @@ class NaNGuard(Callback):
         TrainingDiverged: during training, at the first bad step (exit code 3).
     """
 
+    order = 200  # after loss_spike_guard (100), which may skip the step instead
+
     def __init__(self, check_grad_norm: bool = True, max_loss: Optional[float] = None) -> None:
         if max_loss is not None and not float(max_loss) > 0:
             raise ConfigError(f"callbacks: nan_guard: max_loss must be > 0; got {max_loss!r}")
@@ -64,11 +68,11 @@ class NaNGuard(Callback):
             out.append(f"train/grad_norm = {norm}")
         return out
 
-    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        bad = self.problems(getattr(pl_module, "step_metrics", {}) or {})
+    def before_optimizer_step(self, state: Any) -> None:
+        bad = [] if state.skip_step else self.problems(state.metrics)
         if not bad:
             return
-        step = trainer.global_step + 1
+        trainer, step = state.trainer, state.step
         ckpt = self._last_checkpoint(trainer)
         where = f"the last complete checkpoint, {ckpt}, is intact" if ckpt else "no checkpoint was written before it"
         raise TrainingDiverged(

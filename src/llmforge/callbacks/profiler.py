@@ -54,25 +54,25 @@ class Profiler(Callback):
         self._first: Optional[int] = None
         self.trace_path: Optional[Any] = None
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        step = trainer.global_step + 1  # the step about to run
+    def batch_start(self, state: Any) -> None:
+        step = state.step  # the step about to run
         if self._prof is None and self.trace_path is None and step >= self.start_step:
             activities = [torch.profiler.ProfilerActivity.CPU]
-            if pl_module.device.type == "cuda":
+            if state.module.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._prof = torch.profiler.profile(activities=activities, **self.options)
             self._prof.__enter__()
             self._first = step
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def after_optimizer_step(self, state: Any) -> None:
         if self._prof is not None:
             self._prof.step()
-            if trainer.global_step >= self.start_step + self.steps - 1:
-                self._finish(trainer)
+            if state.step >= self.start_step + self.steps - 1:
+                self._finish(state.trainer)
 
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+    def fit_end(self, state: Any) -> None:
         if self._prof is not None:  # the run ended inside the window
-            self._finish(trainer)
+            self._finish(state.trainer)
 
     def _finish(self, trainer: Any) -> None:
         assert self._prof is not None

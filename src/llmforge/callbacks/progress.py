@@ -30,7 +30,11 @@ def format_record(record: dict[str, Any]) -> str:
 
 
 class RichProgress(ProgressBar):
-    """Lightning progress bar drawn with rich (one bar for the optimizer steps)."""
+    """A progress bar drawn with rich (one bar for the optimizer steps), on llmforge's events.
+
+    It is a Lightning ``ProgressBar`` only so that Lightning, told ``enable_progress_bar``,
+    adds no bar of its own; it overrides none of Lightning's hooks.
+    """
 
     def __init__(self, console: Optional[Console] = None) -> None:
         super().__init__()
@@ -53,7 +57,8 @@ class RichProgress(ProgressBar):
     def _live(self) -> bool:
         return self._progress is not None and self._progress.console.is_terminal
 
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+    def fit_start(self, state: Any) -> None:
+        trainer, pl_module = state.trainer, state.module
         if not (self._enabled and trainer.is_global_zero):
             return
         console = self._console or Console(file=sys.stderr)
@@ -73,32 +78,30 @@ class RichProgress(ProgressBar):
                 self._progress.console.print(format_record(record), highlight=False, soft_wrap=True)
         self._printed = len(pl_module.history)
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def step_recorded(self, state: Any) -> None:
+        """Event ``STEP_RECORDED``: print the new records, move the bar to this step."""
         if self._progress is None:
             return
-        self._print_new(pl_module)  # records of earlier steps (the module logs after callbacks)
-        last = pl_module.history[-1] if pl_module.history else {}
-        summary = format_record({k: v for k, v in last.items() if not k.startswith("eval/")})
-        self._progress.update(self._task, completed=trainer.global_step,
-                              metrics=summary.split(" | ", 1)[-1] if "|" in summary else "")
+        self._print_new(state.module)
+        self._update(state.module, state.step)
 
-    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        pass
+    def _update(self, pl_module: Any, step: int) -> None:
+        assert self._progress is not None
+        last = next((r for r in reversed(pl_module.history) if "train/loss" in r), {})
+        summary = format_record({k: v for k, v in last.items() if not k.startswith("eval/")})
+        self._progress.update(self._task, completed=step,
+                              metrics=summary.split(" | ", 1)[-1] if "|" in summary else "")
 
     def _stop(self) -> None:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
 
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+    def fit_end(self, state: Any) -> None:
         if self._progress is not None:
-            self._print_new(pl_module)
-            # the last frame: the last step's record came after its on_train_batch_end
-            last = next((r for r in reversed(pl_module.history) if "train/loss" in r), {})
-            summary = format_record({k: v for k, v in last.items() if not k.startswith("eval/")})
-            self._progress.update(self._task, completed=trainer.global_step,
-                                  metrics=summary.split(" | ", 1)[-1] if "|" in summary else "")
+            self._print_new(state.module)  # e.g. a record eval_harness wrote at the end
+            self._update(state.module, state.trainer.global_step)
         self._stop()
 
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+    def fit_exception(self, state: Any) -> None:
         self._stop()

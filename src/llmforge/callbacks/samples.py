@@ -91,9 +91,9 @@ class GenerateSamples(Callback):
             if callable(getattr(logger, "log_text", None)):
                 logger.log_text(key="samples", columns=["step", "prompt", "sample"], data=data, step=step)
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.global_step % self.every == 0:
-            self.write(trainer, pl_module)
+    def after_optimizer_step(self, state: Any) -> None:
+        if state.step % self.every == 0:
+            self.write(state.trainer, state.module)
 
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self.write(trainer, pl_module)  # the final model (no-op if this step was just sampled)
+    def fit_end(self, state: Any) -> None:
+        self.write(state.trainer, state.module)  # the final model (no-op if this step was just sampled)

@@ -31,6 +31,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from llmforge.callbacks._util import say
 from llmforge.callbacks.peak_flops import PRECISIONS, peak_tflops
 from llmforge.errors import ConfigError
 from llmforge.models.spec import get_spec
@@ -46,11 +47,10 @@ def uses_float8(model: Any) -> bool:
 
 
 def count_targets(pl_module: Any, batch: Any) -> torch.Tensor:
-    """Target tokens of one local batch (labels != -100), as a tensor on the batch's device:
-    the batch the step really trained on (``state.batch``, after ``BATCH_START`` handlers such
-    as ``seq_length_warmup`` replaced it) when the module has one."""
-    trained = getattr(getattr(pl_module, "state", None), "batch", None)
-    _, labels = pl_module.split_batch(batch if trained is None else trained)
+    """Target tokens of one local batch (labels != -100), as a tensor on the batch's device;
+    ``batch``: the one the step really trained on (``state.batch``, after ``BATCH_START``
+    handlers such as ``seq_length_warmup`` replaced it)."""
+    _, labels = pl_module.split_batch(batch)
     return (labels != IGNORE_INDEX).sum()
 
 
@@ -109,25 +109,26 @@ class SpeedMonitor(Callback):
         return (f"speed_monitor: MFU against {self.peak:g} TFLOPs per device, {self.peak_source}; "
                 f"precision for MFU: {precision}")
 
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        line = self.resolve_peak(pl_module)
-        if trainer.is_global_zero and line:
-            import sys
-
-            print(line, file=sys.stderr, flush=True)
+    def fit_start(self, state: Any) -> None:
+        line = self.resolve_peak(state.module)
+        if line:
+            say(state.trainer, line)
         self._last_end = self._window_start = time.perf_counter()
         self._window_steps, self._window_data, self._window_tokens = 0, 0.0, 0
 
     # ------------------------------------------------------------------ steps
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    def batch_start(self, state: Any) -> None:
         now = time.perf_counter()
         if self._last_end is not None:
             self._window_data += now - self._last_end
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def after_optimizer_step(self, state: Any) -> None:
+        """Event ``AFTER_OPTIMIZER_STEP``: count the step; on a logging step add the window's
+        metrics to the step's record."""
+        pl_module, trainer = state.module, state.trainer
         self._window_steps += 1
-        self._window_tokens = self._window_tokens + count_targets(pl_module, batch)  # no sync
-        if not pl_module.is_log_step(trainer.global_step):
+        self._window_tokens = self._window_tokens + count_targets(pl_module, state.batch)  # no sync
+        if not pl_module.is_log_step(state.step):
             self._last_end = time.perf_counter()
             return
         if pl_module.device.type == "cuda":
@@ -138,7 +139,7 @@ class SpeedMonitor(Callback):
         tokens = self._window_tokens
         if isinstance(tokens, torch.Tensor):
             tokens = float(pl_module.dp_all_reduce(tokens.float()).item())
-        pl_module.step_metrics.update(self.window_metrics(
+        state.metrics.update(self.window_metrics(
             float(tokens), elapsed, self._window_steps, self._window_data, max(1, trainer.world_size),
             _flops_fn(pl_module), pl_module.plan.seq_len))
         self._window_start = self._last_end = time.perf_counter()

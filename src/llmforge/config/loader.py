@@ -15,6 +15,7 @@ YAML, ``base:`` chains), :mod:`~llmforge.config.keycheck` (schema types),
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 from pathlib import Path
@@ -32,7 +33,7 @@ from llmforge.config.schema import TrainConfig, model_config_class
 from llmforge.config.yaml_files import _Dumper, _read_chain
 from llmforge.errors import ConfigError
 
-__all__ = ["load_config", "save_config", "redact", "config_to_dict", "structured_config"]
+__all__ = ["load_config", "read_config", "resolve_config", "save_config", "redact", "config_to_dict", "structured_config"]
 
 
 # ------------------------------------------------------------------------------- interpolation
@@ -90,16 +91,14 @@ def structured_config(model: Union[str, type, None] = None) -> DictConfig:
     return cfg
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
-    """Load ``path`` (following ``base:`` chains), apply ``key=value`` overrides, and return a
-    resolved structured :class:`TrainConfig` ``DictConfig``.
+def read_config(path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
+    """Read ``path`` (following ``base:`` chains) and apply ``key=value`` overrides, checked
+    like :func:`load_config` (interpolations are checked to resolve here) but not resolved:
+    :func:`resolve_config` resolves a copy, so one read serves several environments
+    (``llmforge launch`` resolves it here and in the job's environment).
 
     Raises:
-        ConfigError: missing or unreadable file (naming the file that referred to it for a
-            ``base:``), malformed YAML (file, line, column), a file whose top is not a mapping,
-            a ``base:`` cycle, an unknown key (with the closest valid key), a value of the
-            wrong type, an override without ``=`` or with a list index out of range, or an
-            interpolation to a missing key.
+        ConfigError: as :func:`load_config`.
     """
     if isinstance(overrides, str):
         overrides = [overrides]
@@ -119,11 +118,43 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
         _check_interpolations(cfg, cfg)
     finally:
         _ROOT.reset(token)
+    return cfg
+
+
+def resolve_config(cfg: DictConfig, *, in_place: bool = False) -> DictConfig:
+    """``cfg`` from :func:`read_config` with every interpolation resolved in the current
+    environment (``${oc.env:NAME}`` reads ``os.environ`` now): a deep copy, or ``cfg`` itself
+    with ``in_place`` (then the interpolations were just checked by :func:`read_config`).
+
+    Raises:
+        ConfigError: an interpolation that does not resolve here (names the key).
+    """
+    if not in_place:
+        cfg = copy.deepcopy(cfg)
+        token = _ROOT.set(_root_for(OmegaConf.get_type(cfg.model)))
+        try:
+            _check_interpolations(cfg, cfg)
+        finally:
+            _ROOT.reset(token)
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"cannot resolve the config: {_omega_message(exc)}") from None
     return cfg
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
+    """Load ``path`` (following ``base:`` chains), apply ``key=value`` overrides, and return a
+    resolved structured :class:`TrainConfig` ``DictConfig``.
+
+    Raises:
+        ConfigError: missing or unreadable file (naming the file that referred to it for a
+            ``base:``), malformed YAML (file, line, column), a file whose top is not a mapping,
+            a ``base:`` cycle, an unknown key (with the closest valid key), a value of the
+            wrong type, an override without ``=`` or with a list index out of range, or an
+            interpolation to a missing key.
+    """
+    return resolve_config(read_config(path, overrides), in_place=True)
 
 
 def save_config(cfg: Any, path: str | Path) -> Path:

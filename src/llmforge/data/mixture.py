@@ -305,8 +305,11 @@ class MixtureTokens(Callback):
             self.tokens = np.asarray(list(state["tokens"].values()), dtype=np.int64)
             self.step = int(state["step"])
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        step, g = trainer.global_step, self.sampler.global_batch
+    def after_optimizer_step(self, state: Any) -> None:
+        """Event ``AFTER_OPTIMIZER_STEP``: count the step's tokens per source; into the record
+        of a logging step."""
+        pl_module = state.module
+        step, g = state.step, self.sampler.global_batch
         if self.tokens is None or self.step != step - 1:  # a resume without saved counts
             self.tokens = self.sampler.counts_before((step - 1) * g).astype(np.int64) * self.seq_len
         per_window = pl_module.step_tokens // g  # this step's trained tokens of one window
@@ -314,5 +317,5 @@ class MixtureTokens(Callback):
                                    minlength=len(self.names)) * per_window
         self.step = step
         if pl_module.is_log_step(step):
-            pl_module.step_metrics.update({f"data/{n}/tokens_seen": int(c)
+            state.metrics.update({f"data/{n}/tokens_seen": int(c)
                                            for n, c in zip(self.names, self.tokens)})

@@ -53,8 +53,8 @@ class RunTracker(Callback):
                 out["last_loss"] = float(record["train/loss"])
         return out
 
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self._safe(self._start, trainer)
+    def fit_start(self, state: Any) -> None:
+        self._safe(self._start, state.trainer)
 
     def _start(self, trainer: Any) -> None:
         fields: dict[str, Any] = {"last_step": int(trainer.global_step)}
@@ -72,18 +72,20 @@ class RunTracker(Callback):
         else:
             self.registry.update(self.run_id, **fields)
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        fields = self._progress(pl_module)  # records up to the previous logged step
+    def step_recorded(self, state: Any) -> None:
+        fields = self._progress(state.module)  # records up to this step's
         if fields:
             self._safe(self.registry.update, self.run_id, **fields)
 
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        fields = {**self._progress(pl_module), "last_step": int(trainer.global_step)}
+    def fit_end(self, state: Any) -> None:
+        trainer = state.trainer
+        fields = {**self._progress(state.module), "last_step": int(trainer.global_step)}
         self._safe(self.registry.set_status, self.run_id, "completed",
                    f"training finished at step {trainer.global_step}", **fields)
 
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        fields = {**self._progress(pl_module), "last_step": int(trainer.global_step)}  # steps done
+    def fit_exception(self, state: Any) -> None:
+        trainer, exception = state.trainer, state.exception
+        fields = {**self._progress(state.module), "last_step": int(trainer.global_step)}  # steps done
         if isinstance(exception, StopRequested):  # saved and exits 75, or stopped before training
             self._safe(self.registry.set_status, self.run_id, "stopped", str(exception)[:500], **fields)
         else:

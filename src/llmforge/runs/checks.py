@@ -1,7 +1,7 @@
 """What a launched job checks when it starts, checked by ``llmforge launch`` before it submits.
 
-A job that would stop at once with exit 2 should never be queued: :func:`check_job` loads the
-config again in the environment the job will have (:meth:`Backend.job_environment`: an
+A job that would stop at once with exit 2 should never be queued: :func:`check_job` resolves the
+config (read once by ``launch``) again in the environment the job will have (:meth:`Backend.job_environment`: an
 ``${oc.env:NAME}`` whose variable is not forwarded fails here) and builds its loggers there (an
 online tracker whose key is not forwarded fails) and its callbacks (a non-class, a wrong
 keyword), refuses API keys written in the config (every logger refuses them), and runs the
@@ -17,11 +17,12 @@ import os
 import re
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional
 
 from llmforge import registry
 from llmforge.checkpoint.resume_changes import check_resume_changes, resume_changes
-from llmforge.config import config_to_dict, load_config, redact
+from llmforge.config import config_to_dict, redact
+from llmforge.config.loader import resolve_config
 from llmforge.config.redaction import is_secret_key
 from llmforge.preflight.resolve import resolve_run
 from llmforge.errors import ConfigError
@@ -50,14 +51,13 @@ def inline_keys(cfg: Any) -> list[str]:
     return out
 
 
-def check_job(config_path: str, overrides: Sequence[str], cfg: Any, spec: dict[str, Any], backend: Any,
-              *, local_files: bool = True) -> None:
+def check_job(raw: Any, cfg: Any, spec: dict[str, Any], backend: Any, *, local_files: bool = True) -> None:
     """Run the job's start-up checks here (see the module doc); nothing is written.
 
     Args:
-        config_path: the YAML as this machine finds it.
-        overrides: the job's dotlist overrides.
-        cfg: the config loaded here (not changed).
+        raw: the job's YAML with its overrides, read once and not resolved
+            (:func:`llmforge.config.loader.read_config`; not changed).
+        cfg: ``raw`` resolved here (not changed).
         spec: the launch spec (secrets, world size, nodes, procs per node).
         backend: the cluster's :class:`~llmforge.runs.backend.Backend`.
         local_files: the job reads this machine's files (``model.init_from`` folders are
@@ -76,7 +76,7 @@ def check_job(config_path: str, overrides: Sequence[str], cfg: Any, spec: dict[s
     env = backend.job_environment(spec)
     try:
         with environment(env):
-            loaded = load_config(config_path, list(overrides))
+            loaded = resolve_config(raw)  # ${oc.env:...} as the job will resolve it
             build_loggers(loaded, spec, strict=local_files)
             build_callbacks(loaded)  # a non-class, a wrong keyword: as the job would refuse it
     except ConfigError as exc:

@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence
 import yaml
 
 from llmforge.config import config_to_dict, load_config, redact
+from llmforge.config.loader import read_config, resolve_config
 from llmforge.errors import ConfigError, LLMForgeError
 from llmforge.job.records import llmforge_home, new_run_id, RunRecord, RunRegistry
 from llmforge.run_guard import check_run_dir
@@ -62,7 +63,8 @@ def prepare(config_path: str, overrides: Sequence[str] = (), *, cluster: Optiona
     if bad:
         raise ConfigError(f"{', '.join(bad)}: do not put secret values on the command line (they would "
                           "be recorded); export them and forward them by name with --secret NAME")
-    cfg = load_config(config_path, list(overrides))
+    raw = read_config(config_path, list(overrides))  # read once: resolved here and in the job's environment
+    cfg = resolve_config(raw)
     target = get_cluster(cluster or cfg.compute.cluster)
     backend = backend_for(target)
     plan = plan_compute(cfg, target, gpus, nodes)
@@ -90,7 +92,7 @@ def prepare(config_path: str, overrides: Sequence[str] = (), *, cluster: Optiona
         "max_retries": max_retries, "summary": plan.summary(), "cluster_type": target.type,
         "data_workers": int(cfg.data.num_workers),
     }
-    check_job(config_path, overrides, cfg, spec, backend, local_files=backend.runs_here)
+    check_job(raw, cfg, spec, backend, local_files=backend.runs_here)
     return cfg, target, plan, spec
 
 

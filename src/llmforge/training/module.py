@@ -34,6 +34,7 @@ from llmforge.parallel.pipeline import build_schedule
 from llmforge.parallel.transforms import pipeline_layout
 from llmforge.plugin import ModelContext, run_pipeline
 from llmforge.training.aux_losses import AuxLosses
+from llmforge.training.bridge import put_first
 from llmforge.training.eval_loop import Evaluation
 from llmforge.training.optim import build_optimizer
 from llmforge.training.pipeline_steps import PipelineSteps
@@ -387,24 +388,26 @@ class LLMModule(AuxLosses, Evaluation, PipelineSteps, L.LightningModule):
         return step == self.cfg.trainer.max_steps or (every > 0 and step % every == 0)
 
     def on_fit_start(self) -> None:
+        """Put the :class:`~llmforge.training.bridge.EventBridge` first in the trainer's
+        callbacks and collect the event handlers (:mod:`llmforge.training.bridge`)."""
+        put_first(self.trainer, self)
         self.setup_events()
 
     def on_train_start(self) -> None:
-        """After the callbacks' ``on_train_start`` (a resumed checkpoint is loaded): the event
-        ``FIT_START``, then the evaluation before training (step 0, a fresh run only)."""
+        """After ``FIT_START`` (the bridge ran it, a resumed checkpoint is loaded) and the
+        Lightning callbacks' ``on_train_start``: the evaluation before training (step 0, a
+        fresh run only)."""
         self.train_start_time = time.perf_counter()
-        if self.dispatch is None or self.state.trainer is None:
+        if self.state.trainer is None:  # a subclass's on_fit_start skipped super()
+            bridge = put_first(self.trainer, self)
             self.setup_events()
+            bridge.on_train_start(self.trainer, self)  # Lightning's loop over the callbacks is past
         self.state.step = self.trainer.global_step
-        self.event(Event.FIT_START)
         if self.trainer.global_step == 0:
             metrics = self.evaluate()
             if metrics:
                 self.log_record(0, metrics)
                 self.publish_evaluation(metrics, before_training=True)
-
-    def on_train_end(self) -> None:
-        self.event(Event.FIT_END)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Runs after every callback's ``on_train_batch_end``: evaluate, write the record, then

@@ -252,8 +252,9 @@ class Trainer(DataBuilders):
 
     def build_algorithms(self) -> list[Any]:
         """``algorithms:`` instantiated (registered names, entry points or import paths) and
-        checked together (:func:`llmforge.algorithms.loading.build_algorithms`)."""
-        return build_algorithms(self.cfg)
+        checked together against the resolved run
+        (:func:`llmforge.algorithms.loading.build_algorithms`)."""
+        return build_algorithms(self.cfg, self.run)
 
     def build_pipeline(self) -> list[Any]:
         """Model transforms: the algorithms' and the strategy's parallel stages (the module's

@@ -50,7 +50,7 @@ from llmforge.algorithms.lora.memory import lora_lines, parameter_counts
 from llmforge.algorithms.lora.peft import save_peft
 from llmforge.errors import ConfigError
 from llmforge.models.spec import get_spec
-from llmforge.plugin import Algorithm, ModelContext, Stage, meta_model
+from llmforge.plugin import Algorithm, CheckContext, ModelContext, Stage
 
 DEFAULT_TARGETS = ("wq", "wk", "wv", "wo")
 BASE_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
@@ -129,17 +129,18 @@ class LoRA(Algorithm):
                 "targets": list(self.targets), "base_dtype": self.base_dtype_name}
 
     # -------------------------------------------------------------------- checks
-    def check(self, cfg: Any, algorithms: Sequence[Algorithm]) -> None:
+    def check(self, run: CheckContext) -> None:
         """Targets match, no tensor parallelism, no LoRA on a tied output projection.
 
         Raises:
             ConfigError: see the class docstring.
         """
-        if int(cfg.strategy.tp) > 1:
-            raise ConfigError(f"algorithms: lora does not support strategy.tp={cfg.strategy.tp} "
+        cfg = run.cfg
+        if run.dims.tp > 1:
+            raise ConfigError(f"algorithms: lora does not support strategy.tp={run.dims.tp} "
                               "(tensor parallelism would shard the adapters' rank dimension); "
                               "use strategy.tp=1 with FSDP2 (strategy.name=fsdp2)")
-        model = meta_model(cfg)
+        model = run.model
         for t, fqns in match_targets(model, self.targets).items():
             if not fqns:
                 names = sorted({f.rsplit(".", 1)[-1] for f, m in model.named_modules()
@@ -183,9 +184,9 @@ class LoRA(Algorithm):
     def apply(self, model: nn.Module, ctx: ModelContext) -> nn.Module:
         return self.convert(model, ctx.cfg.run.seed)
 
-    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        if trainer.is_global_zero:
-            counts = parameter_counts(pl_module.model)
+    def fit_start(self, state: Any) -> None:
+        if state.trainer.is_global_zero:
+            counts = parameter_counts(state.model)
             print(f"lora: {len(self.converted)} Linear layers with rank-{self.rank} adapters "
                   f"(alpha {self.alpha:g}, scale {self.scaling:g}); trainable "
                   f"{counts[0]:,} / frozen {counts[1]:,} parameters (base in "

@@ -147,9 +147,8 @@ def analytic_peak(cfg: Any, plan: Any, dims: Any) -> dict[str, float]:
       prefetched next) and the root's own (embedding, output, final norm; the root is not
       resharded after the forward), in ``strategy.mixed_precision.param_dtype`` (else the
       weights' dtype), divided by ``tp``;
-    * gradients, optimizer: :func:`estimate_memory`; with gradient accumulation under FSDP2 the
-      gradients stay unsharded (in the parameters' dtype, divided by ``tp``) until the last
-      micro-batch, since the reduce-scatter is skipped (``set_requires_gradient_sync(False)``);
+    * gradients, optimizer: :func:`estimate_memory` (sharded: FSDP2 reduce-scatters every
+      micro-batch of gradient accumulation, :meth:`llmforge.training.module.LLMModule.no_sync`);
     * activations: :func:`estimate_activations` of one micro-batch for the run's activation
       checkpointing (``selective`` per operator: the no-checkpointing figure less the SwiGLU's
       recomputed elementwise tensors, see below; ``layer``: full on every ``every``-th block);
@@ -170,8 +169,6 @@ def analytic_peak(cfg: Any, plan: Any, dims: Any) -> dict[str, float]:
         block = sum(p.numel() for p in blocks[0].parameters()) if blocks else 0
         gathered = (2 * block + n - block * len(blocks)) * comp_w / tp
     grads = mem.grads_bytes
-    if cfg.strategy.name == "fsdp2" and plan.gradient_accumulation_steps > 1 and dims.dp_shard > 1:
-        grads = n * width / tp
     out = {"parameters": mem.params_bytes + gathered, "gradients": grads,
            "optimizer": mem.optimizer_bytes, "activations": 0.0, "temporaries": 0.0}
     bf16_weights = bf16_param_dtype(cfg)

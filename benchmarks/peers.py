@@ -64,7 +64,9 @@ def prepared(overrides: list[str], steps: int, work: Path, text: bool = False) -
     seq_len + 1]`` int64, in the order llmforge's loader (and overhead.py's bare loop) consumes
     them; with ``text``, also the tokenizer and the training documents. Built before any timed
     step. The rows are kept in ``$PEERS_ROWS_CACHE`` (a folder the parent makes for one
-    benchmark run), so only the first run of a benchmark tokenizes the corpus for them."""
+    benchmark run), built for ``$PEERS_ROWS_STEPS`` steps (the most any round runs), so only the
+    first run of the warm-up round tokenizes the corpus for them: a measured run whose peak RSS
+    held the tokenizing would not be the same work as its rounds' others."""
     import hashlib
 
     import torch
@@ -79,7 +81,8 @@ def prepared(overrides: list[str], steps: int, work: Path, text: bool = False) -
     cfg = config(overrides, steps, work)
     plan = validate(cfg, 1)
     out = {"cfg": cfg, "plan": plan}
-    key = hashlib.sha256(json.dumps([overrides, steps]).encode()).hexdigest()[:16]
+    built = max(steps, int(os.environ.get("PEERS_ROWS_STEPS") or 0))
+    key = hashlib.sha256(json.dumps([overrides, built]).encode()).hexdigest()[:16]
     cached = Path(os.environ.get("PEERS_ROWS_CACHE") or work) / f"rows-{key}.pt"
     if text or not cached.is_file():
         docs = load_documents(cfg.data, cfg.run.seed)
@@ -95,10 +98,11 @@ def prepared(overrides: list[str], steps: int, work: Path, text: bool = False) -
         order = iter(ShardedSampler(len(windows), seed=cfg.run.seed,
                                     local_batch=plan.local_batch_size))
         out["rows"] = torch.stack([windows[next(order)]
-                                   for _ in range(steps * plan.local_batch_size)])
+                                   for _ in range(built * plan.local_batch_size)])
         part = cached.with_suffix(f".{os.getpid()}.part")  # runs may be side by side (smoke)
         torch.save(out["rows"], part)
         os.replace(part, cached)
+    out["rows"] = out["rows"][:steps * plan.local_batch_size]
     torch.manual_seed(cfg.run.seed)
     return out
 
@@ -397,6 +401,7 @@ def main() -> int:
 
     cache = tempfile.TemporaryDirectory(prefix="peers-rows-")
     os.environ["PEERS_ROWS_CACHE"] = cache.name
+    os.environ["PEERS_ROWS_STEPS"] = str(args.steps)  # the warm-up round builds the measured rows
     results: dict[tuple[str, str], list[dict]] = {v: [] for v in variants}
     errors: dict[tuple[str, str], str] = {}
     rounds = args.pairs + (0 if args.smoke else 1)  # the first round warms caches, runs short

@@ -36,6 +36,7 @@ from llmforge.plugin import ModelContext, run_pipeline
 from llmforge.training.aux_losses import AuxLosses
 from llmforge.training.bridge import put_first
 from llmforge.training.eval_loop import Evaluation
+from llmforge.training.host_malloc import release_free_heap, tune_host_malloc
 from llmforge.training.optim import build_optimizer
 from llmforge.training.pipeline_steps import PipelineSteps
 from llmforge.training.schedule import build_scheduler
@@ -393,6 +394,16 @@ class LLMModule(AuxLosses, Evaluation, PipelineSteps, L.LightningModule):
     def is_eval_step(self, step: int) -> bool:
         every = self.cfg.trainer.eval_every
         return step == self.cfg.trainer.max_steps or (every > 0 and step % every == 0)
+
+    def setup(self, stage: str) -> None:
+        """Lightning calls it after the data module's ``setup`` (the corpus is tokenized) and
+        before :meth:`configure_model`: the heap the data path freed goes back to the kernel,
+        then the allocator is tuned for the steps (``trainer.malloc_tuning``;
+        :mod:`llmforge.training.host_malloc`). Tuned first, the freed heap stayed resident under
+        the run's peak."""
+        release_free_heap()
+        if self.cfg.trainer.malloc_tuning:
+            tune_host_malloc()
 
     def on_fit_start(self) -> None:
         """Put the :class:`~llmforge.training.bridge.EventBridge` first in the trainer's

@@ -46,7 +46,6 @@ from llmforge.quiet import quiet_libraries
 from llmforge.registry import build_entries
 from llmforge.run_guard import RunLock, clear_run_dir, mark_run_dir
 from llmforge.training.entries import build_callbacks, module_class
-from llmforge.training.host_malloc import tune_host_malloc
 from llmforge.training.run_data import DataBuilders
 from llmforge.training.run_files import _inside, check_resumable, truncate_metrics
 
@@ -281,9 +280,7 @@ class Trainer(DataBuilders):
     def setup(self) -> None:
         """Build everything that ``fit`` needs (tokenizer, data, module, Lightning trainer)."""
         L.seed_everything(self.cfg.run.seed, workers=True, verbose=False)
-        self.apply_threads()
-        if self.cfg.trainer.malloc_tuning:
-            tune_host_malloc()
+        self.apply_threads()  # the host allocator is tuned after the data's setup (LLMModule.setup)
         self.resume_path = self.resolve_resume()
         used = self.check_run_dir()
         # everything that can fail on bad input runs before an old run is deleted (--overwrite)

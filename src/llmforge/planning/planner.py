@@ -11,8 +11,9 @@ micro-batch size for a GPU count and a GPU kind.
    ``dp_shard = world / tp``, ``micro_batch_size=1``. Every other layout of that group is
    derived from it: the sharded model state at the peak scales with ``1 / dp_shard``, the
    activations and temporaries with the micro-batch size (an over-estimate: the all-gather
-   buffers in the temporaries do not grow), the FSDP all-gathers with the number of
-   micro-batches, HSDP's all-reduce over ``dp_replicate`` is the sharded gradient; FLOPs and
+   buffers in the temporaries do not grow), the FSDP all-gathers and reduce-scatters with the
+   number of micro-batches, HSDP's all-reduce over ``dp_replicate`` is the sharded gradient
+   (every micro-batch; once per step for replicated weights, ``dp_shard=1``); FLOPs and
    tensor-parallel bytes per rank are the same for the whole group. The winner (and, when it
    does not fit after all, the next ones) is then simulated with its own layout.
 3. Keep the layouts whose peak fits in ``(1 - HEADROOM)`` of the GPU memory and rank them by
@@ -173,10 +174,14 @@ def derive(ref: StepMeasurement, layout: Layout, gbs: int, gpu: GPUKind, exact: 
     overlapped = exposed = 0.0
     for c in ref.collectives:
         if c.mesh_dim.startswith("dp_shard"):
-            c2 = c if exact else replace(c, bytes=c.bytes * (n_micro / n_micro_ref if c.kind == "all_gather" else 1))
+            # FSDP2 all-gathers and reduce-scatters every micro-batch (LLMModule.no_sync);
+            # replicated weights (dp_shard 1) all-reduce once, after the last micro-batch
+            c2 = c if exact else replace(c, bytes=c.bytes * n_micro / n_micro_ref)
             overlapped += _seconds(c2, lo.dp_shard, world, gpu, lo.dp_shard * lo.tp)
             if not exact and lo.dp_replicate > 1 and c.kind == "reduce_scatter":
-                ar = Collective("all_reduce", "dp_replicate", lo.dp_replicate, 1, c.bytes / lo.dp_shard)
+                syncs = n_micro if lo.dp_shard > 1 else 1
+                ar = Collective("all_reduce", "dp_replicate", lo.dp_replicate, 1,
+                                c.bytes / n_micro_ref * syncs / lo.dp_shard)
                 overlapped += _seconds(ar, lo.dp_replicate, world, gpu, world)
         elif c.mesh_dim == "dp_replicate":
             overlapped += _seconds(c, lo.dp_replicate, world, gpu, world)

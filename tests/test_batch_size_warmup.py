@@ -1,24 +1,31 @@
 """``batch_size_warmup``: the batch of every step of a ramp equals the hand computation, a real
-run trains exactly those sequences with the learning rate on tokens, and a resume in the middle
-of the ramp is bit-exact (both runs in-process)."""
+run trains exactly those sequences with the learning rate on tokens, and a run killed (SIGKILL)
+in the middle of the ramp resumes with ``checkpoint.resume=auto`` bit-exact. The runs use
+``optimizer.name=muon``, so the kill and resume also show Muon's state is restored exactly
+(issue 25). The reference and the resumed run go in-process; the killed run is a real process."""
 
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import DEMO, TINY_OVERRIDES
+from conftest import DEMO, REPO, TINY_OVERRIDES, run_cli
+from llmforge.algorithms.batch_size_warmup import BatchSizeWarmup
+from llmforge.checkpoint.run_dir import load_for_inference
+from llmforge.cli import main
 from llmforge.errors import ConfigError
 from llmforge.events import State
+from llmforge.training.schedule import lr_multiplier
 
 # global batch 16 = 8 micro-batches of 2; the ramp 4 -> 16 over 40 sequences of 64 tokens
 BASE = [*TINY_OVERRIDES, "trainer.global_batch_size=16", "trainer.micro_batch_size=2",
         "trainer.max_steps=8", "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_batches=1",
-        "scheduler.warmup_steps=2", "optimizer.lr=3e-3", "checkpoint.save_every=3"]
+        "scheduler.warmup_steps=2", "optimizer.lr=3e-3", "checkpoint.save_every=3", "optimizer.name=muon"]
 RAMP = ("algorithms=[{name: batch_size_warmup, start_global_batch_size: 4, "
         f"duration_tokens: {40 * 64}}}]")
 # B(s) by hand: T = sequences before s; B = 4 + 12 * T / 40 rounded down to a multiple of 2
@@ -28,8 +35,6 @@ HAND = [4, 4, 6, 8, 10, 12, 16, 16]
 
 
 def warmup(**kw):
-    from llmforge.algorithms.batch_size_warmup import BatchSizeWarmup
-
     w = BatchSizeWarmup(**kw)
     w.configure(micro_batch_size=2, dp_size=1, global_batch_size=16, seq_len=64)
     return w
@@ -62,8 +67,6 @@ def test_batch_and_accumulation_of_every_step_equal_the_hand_computation():
 
 
 def test_bad_settings_name_the_key():
-    from llmforge.algorithms.batch_size_warmup import BatchSizeWarmup
-
     with pytest.raises(ConfigError, match="batch_size_warmup.ramp='cubic'"):
         BatchSizeWarmup(ramp="cubic")
     with pytest.raises(ConfigError, match="batch_size_warmup.duration_tokens=0"):
@@ -74,8 +77,6 @@ def test_bad_settings_name_the_key():
 
 
 def train(out: Path, name: str, *extra: str) -> Path:
-    from llmforge.cli import main
-
     assert main(["train", DEMO, *BASE, RAMP, f"run.output_dir={out}", f"run.name={name}", *extra]) == 0
     return out / name
 
@@ -91,9 +92,6 @@ def ramp_run(tmp_path_factory):
 
 
 def test_a_run_trains_the_ramp_with_tokens_and_lr_on_tokens(ramp_run):
-    from llmforge.algorithms.batch_size_warmup import BatchSizeWarmup
-    from llmforge.training.schedule import lr_multiplier
-
     assert [series(ramp_run, "train/global_batch_size")[s] for s in range(1, 9)] == HAND
     tokens = series(ramp_run, "train/tokens_seen")  # counted by the module from the trained inputs
     assert [tokens[s] for s in range(1, 9)] == [64 * sum(HAND[:s]) for s in range(1, 9)]
@@ -107,16 +105,16 @@ def test_a_run_trains_the_ramp_with_tokens_and_lr_on_tokens(ramp_run):
                                                        min_lr_ratio=0.1))  # not the step schedule
 
 
-def test_resume_in_the_middle_of_the_ramp_is_bit_exact(ramp_run):
-    ckpt = ramp_run / "checkpoints" / "step_00000003"
-    resumed = train(ramp_run.parent, "resumed", f"checkpoint.resume={ckpt}")
-    for key in ("train/loss", "train/lr", "train/global_batch_size", "train/grad_norm"):
+def test_sigkill_in_the_middle_of_the_ramp_then_resume_auto_is_bit_exact(ramp_run):
+    out = ramp_run.parent
+    killed = run_cli("train", DEMO, *BASE, RAMP, f"run.output_dir={out}", "run.name=killed",
+                     "callbacks=[{name: tests.helpers.killers.KillAt, step: 5}]", cwd=REPO)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert sorted(p.name for p in (out / "killed" / "checkpoints").iterdir()) == ["step_00000003"]
+    resumed = train(out, "killed", "checkpoint.resume=auto")
+    for key in ("train/loss", "train/lr", "train/global_batch_size", "train/grad_norm", "train/tokens_seen"):
         a, b = series(ramp_run, key), series(resumed, key)
-        assert sorted(b) == list(range(4, 9)), key
-        assert all(a[s] == b[s] for s in b), (key, a, b)
-    assert series(resumed, "train/tokens_seen")[8] == series(ramp_run, "train/tokens_seen")[8]
-    from llmforge.checkpoint.run_dir import load_for_inference
-
+        assert sorted(b) == list(range(1, 9)) and a == b, (key, a, b)
     wa = load_for_inference(ramp_run)[0].state_dict()
     wb = load_for_inference(resumed)[0].state_dict()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -198,7 +199,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     load_after = Path("/proc/loadavg").read_text().strip()
 
     base = demo.reached(target)
-    lines = [f"target: the demo's final eval/loss {target:.4f} (step {demo.evals[-1][0]}); evaluation every "
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
+    lines = [f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit}, {os.cpu_count()} CPUs",
+             f"target: the demo's final eval/loss {target:.4f} (step {demo.evals[-1][0]}); evaluation every "
              f"{args.eval_every} steps on the same windows; interleaved slices of {args.slice:g} s; "
              f"trainer.num_threads={args.threads}",
              f"load average before: {load_before}", f"load average after:  {load_after}", "",
@@ -220,6 +224,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d-%H%M")
     name = "speedrun-smoke.md" if args.smoke else f"speedrun-{stamp}.md"
     (args.out / name).write_text(f"# benchmarks/speedrun.py {' '.join(argv or sys.argv[1:])}\n\n{report}\n")
+    shutil.rmtree(work, ignore_errors=True)
     hit = recipe.reached(target)
     if hit is None:
         # the ratio at the best loss the recipe reached: the demo's first evaluation at or below it

@@ -131,10 +131,12 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     z_sum = torch.zeros((), dtype=torch.float32, device=h.device)
     for start in range(0, flat_h.shape[0], chunk_size):
         logits = F.linear(flat_h[start:start + chunk_size], weight, bias).float()
-        part, z, _ = _chunk_grads(logits, flat_labels[start:start + chunk_size], z_coef)
-        loss += part
-        z_sum += z
-    return loss, z_sum
+        labels_c = flat_labels[start:start + chunk_size]
+        loss += F.cross_entropy(logits, labels_c, ignore_index=IGNORE_INDEX, reduction="sum")
+        if z_coef:
+            lse = torch.logsumexp(logits, dim=-1)[labels_c != IGNORE_INDEX]
+            z_sum += (lse * lse).sum()
+    return loss + z_coef * z_sum, z_sum
 
 
 class ChunkedLossHead(nn.Linear):

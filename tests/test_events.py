@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from algo_harness import batches, make_module
+from llmforge.algorithms.loading import build_algorithms
 from conftest import REPO
 from llmforge.errors import ConfigError
 from llmforge.events import Dispatcher, Event, State
@@ -194,13 +195,66 @@ def test_chunked_cross_entropy_equals_the_full_loss_and_gradients(chunk):
                            reduction="sum")
     scale = 1 / 12  # what the step multiplies by: 1 / target tokens
     gh, gw = torch.autograd.grad(scale * full, (h, w))
-    ours = linear_cross_entropy(h, w, None, labels, chunk)
+    ours, _ = linear_cross_entropy(h, w, None, labels, chunk)
     ch, cw = torch.autograd.grad(scale * ours, (h, w))
     torch.testing.assert_close(ours, full, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(ch, gh, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(cw, gw, rtol=1e-6, atol=1e-6)
     with torch.no_grad():
-        torch.testing.assert_close(linear_cross_entropy(h, w, None, labels, chunk), full.detach())
+        torch.testing.assert_close(linear_cross_entropy(h, w, None, labels, chunk)[0], full.detach())
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_z_loss_inside_chunked_cross_entropy_equals_z_loss_on_the_full_logits(chunk):
+    from llmforge.algorithms.chunked_cross_entropy import linear_cross_entropy
+    from llmforge.algorithms.z_loss import z_loss_sum
+
+    g = torch.Generator().manual_seed(1)
+    h = (2.0 * torch.randn(2, 7, 16, generator=g)).requires_grad_()  # lse far from 0: a real z term
+    w = (0.5 * torch.randn(50, 16, generator=g)).requires_grad_()
+    b = (0.5 * torch.randn(50, generator=g)).requires_grad_()
+    labels = torch.randint(0, 50, (2, 7), generator=g)
+    labels[0, 2] = labels[1, 6] = -100
+    coef, scale = 0.05, 1 / 12
+    logits = h @ w.t() + b
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+    z_full = z_loss_sum(logits, labels)
+    full = ce + coef * z_full
+    grads = torch.autograd.grad(scale * full, (h, w, b))
+    ours, z = linear_cross_entropy(h, w, b, labels, chunk, z_coef=coef)
+    assert (coef * z_full / ce).item() > 0.05  # the term is not negligible
+    torch.testing.assert_close(ours, full, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(z, z_full.detach(), rtol=1e-6, atol=1e-6)
+    for got, want in zip(torch.autograd.grad(scale * ours, (h, w, b)), grads):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(linear_cross_entropy(h, w, b, labels, chunk, coef)[0], full.detach())
+
+
+def test_z_loss_with_chunked_cross_entropy_in_the_module_equals_z_loss_alone():
+    z = {"name": "z_loss", "coef": 0.01}
+    plain = make_module([z])
+    chunked = make_module([z, {"name": "chunked_cross_entropy", "chunk_size": 24}])
+    chunked.model.load_state_dict(plain.model.state_dict())
+    metrics = []
+    for m in (plain, chunked):
+        m.setup_events([a for a in build_algorithms(m.cfg)])
+        m.event(Event.FIT_START)
+        loss, n = m.forward_backward(batches(1, m.cfg.trainer.seq_len)[0])
+        m.event(Event.BEFORE_OPTIMIZER_STEP)
+        metrics.append((loss / n, m.state.metrics["train/z_loss"]))
+    (la, za), (lb, zb) = metrics
+    assert za.item() > 1e-3  # the term is there
+    torch.testing.assert_close(lb, la, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(zb, za, rtol=1e-6, atol=1e-6)
+    for (name, p), q in zip(plain.model.named_parameters(), chunked.model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    chunked.state.training = False  # evaluation: the pure cross-entropy, no z term
+    with torch.no_grad():
+        ev = chunked.micro_batch_loss(0, *chunked.split_batch(batches(1, 32)[0][:2]), None)
+        plain.state.training = False
+        ref = plain.micro_batch_loss(0, *plain.split_batch(batches(1, 32)[0][:2]), None)
+    torch.testing.assert_close(ev, ref, rtol=1e-6, atol=1e-5)
 
 
 def test_chunked_cross_entropy_inside_the_module_equals_the_plain_step():

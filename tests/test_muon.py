@@ -1,7 +1,9 @@
 """optimizer.name: muon — Newton-Schulz against a reference, the parameter split, the combined step
 against torch's own Muon and AdamW, the state through a DCP checkpoint, a short training run, and
-FSDP2 and tensor parallel on 2 real processes (tests/dist/muon_worker.py) against one process."""
+FSDP2 and tensor parallel on 2 real processes (tests/dist/muon_worker.py) against one process,
+and the 2-process FSDP2 checkpoint resumed in one process."""
 
+import importlib.util
 import json
 
 import pytest
@@ -11,9 +13,22 @@ from helpers.dist import torchrun, worker
 
 from llmforge.checkpoint.dcp import load_training_state, save_checkpoint
 from llmforge.cli import main
+from llmforge.config.validate import plan_batch
+from llmforge.training.module import LLMModule
 from llmforge.models.llama3.model import Llama, LlamaArgs
 from llmforge.training.muon import MuonAdamW, match_rms_adamw_scale, newton_schulz
 from llmforge.training.optim import build_optimizer, muon_param_groups
+
+
+
+def _load(path: str):
+    spec = importlib.util.spec_from_file_location("muon_worker", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+W = _load(worker("muon_worker.py"))  # its config and batches, for the 2 -> 1 process resume
 
 
 class Cfg:
@@ -148,7 +163,10 @@ def sharded_reports(tmp_path_factory):
     out = tmp_path_factory.mktemp("muon_sharded")
     proc = torchrun(worker("muon_worker.py"), str(out))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for rep in reports:
+        rep["ckpt"] = str(out / "ckpt")
+    return reports
 
 
 def test_fsdp2_two_processes_give_one_process_losses(sharded_reports):
@@ -160,6 +178,20 @@ def test_fsdp2_two_processes_give_one_process_losses(sharded_reports):
         # 14 block matrices (orthogonalized round-robin: rank i % 2), embeddings, output, norms
         assert len(got["weight_diff"]) == 21 and max(got["weight_diff"].values()) < 1e-4, got["weight_diff"]
         assert got["newton_schulz_calls"] == 14 * 6 // 2  # each rank orthogonalizes half the matrices
+
+
+def test_a_two_process_fsdp2_checkpoint_resumes_on_one_process(sharded_reports, tmp_path_factory):
+    cfg = W.make_cfg()
+    cfg.strategy.name = "auto"
+    mod = LLMModule(cfg, plan_batch(cfg, 1))
+    mod.configure_model()
+    opt = build_optimizer(mod.model, cfg.optimizer)
+    load_training_state(sharded_reports[0]["ckpt"] + "/step_00000006", mod.model, opt)
+    for (tokens, labels), want in zip(W.make_batches()[W.STEPS:], sharded_reports[0]["ref_more"]):
+        loss, n = mod.forward_backward({"input_ids": tokens, "labels": labels})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert (loss / n).item() == pytest.approx(want, abs=1e-5)
 
 
 def test_tensor_parallel_two_processes_near_one_process_losses(sharded_reports):

@@ -3,7 +3,9 @@
 Each rank trains the same tiny model on the same batches unsharded (torch.optim.Muon's own step),
 under FSDP2 and under tensor parallel over all ranks (DTensor shards: gather, orthogonalize, keep
 the shard, matrices dealt round-robin over the ranks); writes ``<out>/rank<R>.json`` with the loss
-curves and each parameter's largest difference. tests/test_muon.py reads them.
+curves and each parameter's largest difference. The FSDP2 run's model and optimizer are saved
+with DCP after ``STEPS`` steps (``<out>/ckpt``); tests/test_muon.py reads the reports and resumes
+that checkpoint in one process against the reference's steps ``STEPS + 1 ..``.
 """
 
 import json
@@ -13,6 +15,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from llmforge.checkpoint.dcp import save_checkpoint
 from llmforge.config.schema import TrainConfig
 from llmforge.config.validate import plan_batch
 from llmforge.parallel.mesh import ParallelDims, build_mesh
@@ -22,6 +25,7 @@ from llmforge.training.module import LLMModule
 from llmforge.training.optim import build_optimizer
 
 STEPS = 6
+MORE = 2  # steps the reference trains past STEPS (the 1-process resume of the 2-process checkpoint)
 CALLS = []
 
 
@@ -46,8 +50,14 @@ def full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def train(mod, batches, rows):
-    opt = build_optimizer(mod.model, mod.cfg.optimizer)
+def make_batches():
+    """The batches of every run: ``STEPS + MORE`` pairs of ``LongTensor[4, 16]`` (tokens, labels)."""
+    torch.manual_seed(0)
+    return [(torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))) for _ in range(STEPS + MORE)]
+
+
+def train(mod, batches, rows, opt=None):
+    opt = opt or build_optimizer(mod.model, mod.cfg.optimizer)
     out = []
     for tokens, labels in batches:
         loss, n = mod.forward_backward({"input_ids": tokens[rows], "labels": labels[rows]})
@@ -57,18 +67,18 @@ def train(mod, batches, rows):
         out.append((loss / n).item())
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return out
+    return out, opt
 
 
 def main(out):
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    batches = [(torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))) for _ in range(STEPS)]
+    all_batches = make_batches()
+    batches = all_batches[:STEPS]
     cfg = make_cfg()
     ref = LLMModule(cfg, plan_batch(cfg, 1))
     ref.configure_model()
-    ref_losses = train(ref, batches, slice(None))
+    ref_losses, ref_opt = train(ref, batches, slice(None))
 
     report = {}
     muon.newton_schulz = counting_newton_schulz  # count the orthogonalizations this rank does
@@ -82,12 +92,15 @@ def main(out):
         per = 4 // (world // tp)  # tensor parallel ranks see the same rows
         rows = slice(None) if tp > 1 else slice(per * rank, per * rank + per)
         CALLS.clear()
-        losses = train(mod, batches, rows)
+        losses, opt = train(mod, batches, rows)
+        if name == "fsdp2":  # every rank writes its shards
+            save_checkpoint(f"{out}/ckpt", STEPS, mod.model, opt, {"step": STEPS}, {})
         report[name] = {"losses": losses, "newton_schulz_calls": len(CALLS), "weight_diff": {
             n: (full(p) - q).abs().max().item()
             for (n, p), q in zip(mod.model.named_parameters(), ref.model.parameters())}}
     # the same one-process curve for both
     report["ref_losses"] = ref_losses
+    report["ref_more"] = train(ref, all_batches[STEPS:], slice(None), ref_opt)[0]
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(report, f)
     dist.destroy_process_group()

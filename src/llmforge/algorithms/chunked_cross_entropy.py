@@ -44,17 +44,31 @@ from llmforge.plugin import Algorithm, CheckContext, meta_model, ModelContext, S
 IGNORE_INDEX = -100
 
 
-def _chunk_grads(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(summed loss, dloss/dlogits)`` of one chunk; ``logits`` float32 ``[c, V]``, labels
-    ``[c]``. The same operations as autograd's cross-entropy (log-softmax, then
-    ``exp(log_softmax) - onehot``), so the values agree to the last bits."""
+def _chunk_grads(logits: torch.Tensor, labels: torch.Tensor,
+                 z_coef: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(summed loss, summed z, dloss/dlogits)`` of one chunk; ``logits`` float32 ``[c, V]``,
+    labels ``[c]``. The same operations as autograd's cross-entropy (log-softmax, then
+    ``exp(log_softmax) - onehot``), so the values agree to the last bits.
+
+    With ``z_coef > 0`` the loss gains PaLM's z-loss, ``z_coef * sum(lse^2)`` over the target
+    tokens (``lse = logsumexp(logits)``, the log-normalizer, at hand per chunk), whose gradient
+    is ``2 z_coef lse softmax`` (:mod:`llmforge.algorithms.z_loss`); ``summed z`` is
+    ``sum(lse^2)`` (0 without)."""
     valid = labels != IGNORE_INDEX
     logp = F.log_softmax(logits, dim=-1)
     loss = F.nll_loss(logp, labels, ignore_index=IGNORE_INDEX, reduction="sum")
     grad = torch.exp(logp)
+    z = torch.zeros((), dtype=torch.float32, device=logits.device)
+    if z_coef:
+        lse = torch.logsumexp(logits, dim=-1) * valid
+        z = (lse * lse).sum()
+        loss = loss + z_coef * z
+        grad_z = grad * (2 * z_coef * lse[:, None])
     grad.scatter_add_(1, labels.clamp(min=0)[:, None], -torch.ones_like(logp[:, :1]))
+    if z_coef:
+        grad += grad_z
     grad *= valid[:, None]
-    return loss, grad
+    return loss, z, grad
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -62,16 +76,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                labels: torch.Tensor, chunk: int) -> torch.Tensor:
+                labels: torch.Tensor, chunk: int, z_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
         grad_h = torch.empty_like(h)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         grad_b = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        z_sum = torch.zeros((), dtype=torch.float32, device=h.device)
         for start in range(0, h.shape[0], chunk):
             hc = h[start:start + chunk]
             logits = F.linear(hc, weight, bias).float()
-            part, grad = _chunk_grads(logits, labels[start:start + chunk])
+            part, z, grad = _chunk_grads(logits, labels[start:start + chunk], z_coef)
             loss += part
+            z_sum += z
             g = grad.to(h.dtype)
             grad_h[start:start + chunk] = g @ weight.to(h.dtype)
             grad_w += (g.t() @ hc).float()
@@ -79,50 +95,71 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_b += grad.sum(0)
         ctx.save_for_backward(grad_h, grad_w, *(() if grad_b is None else (grad_b,)))
         ctx.weight_dtype, ctx.has_bias = weight.dtype, bias is not None
-        return loss
+        ctx.mark_non_differentiable(z_sum)
+        return loss, z_sum
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
+    def backward(ctx: Any, grad_out: torch.Tensor, _grad_z: Any = None) -> Any:
         saved = ctx.saved_tensors
         grad_h, grad_w = saved[0], saved[1]
         grad_b = (saved[2] * grad_out).to(ctx.weight_dtype) if ctx.has_bias else None
         return (grad_h * grad_out.to(grad_h.dtype), (grad_w * grad_out).to(ctx.weight_dtype),
-                grad_b, None, None)
+                grad_b, None, None, None)
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                         labels: torch.Tensor, chunk_size: int) -> torch.Tensor:
+                         labels: torch.Tensor, chunk_size: int,
+                         z_coef: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy (nats, float32 scalar) of the logits ``h W^T + b`` without
-    materializing them beyond one chunk.
+    materializing them beyond one chunk, plus ``z_coef`` x the z-loss.
 
     Args:
         h: hidden states ``[..., D]``; weight: ``[V, D]``; bias: ``[V]`` or ``None``.
         labels: ``[...]`` (the leading dims of ``h``); -100 = no target.
         chunk_size: tokens per chunk.
+        z_coef: weight of PaLM's z-loss ``sum(logsumexp(logits)^2)`` over target tokens
+            (0 = none).
+
+    Returns:
+        ``(loss, z_sum)``: the summed cross-entropy plus ``z_coef * z_sum`` (differentiable),
+        and ``z_sum`` (detached; 0 when ``z_coef`` is 0).
     """
     flat_h, flat_labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropy.apply(flat_h, weight, bias, flat_labels, int(chunk_size))
+        return _LinearCrossEntropy.apply(flat_h, weight, bias, flat_labels, int(chunk_size), float(z_coef))
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
+    z_sum = torch.zeros((), dtype=torch.float32, device=h.device)
     for start in range(0, flat_h.shape[0], chunk_size):
         logits = F.linear(flat_h[start:start + chunk_size], weight, bias).float()
-        loss += F.cross_entropy(logits, flat_labels[start:start + chunk_size],
-                                ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss
+        labels_c = flat_labels[start:start + chunk_size]
+        loss += F.cross_entropy(logits, labels_c, ignore_index=IGNORE_INDEX, reduction="sum")
+        if z_coef:
+            lse = torch.logsumexp(logits, dim=-1)[labels_c != IGNORE_INDEX]
+            z_sum += (lse * lse).sum()
+    return loss + z_coef * z_sum, z_sum
 
 
 class ChunkedLossHead(nn.Linear):
     """``nn.Linear`` that, when handed labels (:attr:`pending_labels`), returns the summed
-    cross-entropy of its output (a scalar) instead of the logits."""
+    cross-entropy of its output (a scalar) instead of the logits.
+
+    ``pending_z_coef`` (set with the labels, by ``z_loss`` in training) adds that weight x the
+    z-loss to the returned loss; ``last_z_sum`` is then ``sum(logsumexp(logits)^2)`` over the
+    target tokens of that forward (detached)."""
 
     pending_labels: Optional[torch.Tensor] = None
+    pending_z_coef: float = 0.0
+    last_z_sum: Optional[torch.Tensor] = None
     chunk_size: int = 1024
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         labels, self.pending_labels = self.pending_labels, None
+        z_coef, self.pending_z_coef = self.pending_z_coef, 0.0
         if labels is None:
             return super().forward(x)
-        return linear_cross_entropy(x, self.weight, self.bias, labels, self.chunk_size)
+        loss, self.last_z_sum = linear_cross_entropy(x, self.weight, self.bias, labels,
+                                                     self.chunk_size, z_coef)
+        return loss
 
 
 class ChunkedCrossEntropy(Algorithm):

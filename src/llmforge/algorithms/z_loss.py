@@ -12,17 +12,25 @@ Scaling Language Modeling with Pathways", arXiv:2204.02311, sec. 5 "Training ins
 It acts at ``AFTER_LOSS`` of training micro-batches only: ``eval/loss`` stays the pure
 cross-entropy. ``train/loss`` is the optimized total; ``train/z_loss`` is the added term per
 target token (``coef * mean(log(Z)^2)``), so ``train/loss - train/z_loss`` is the cross-entropy.
+
+With ``chunked_cross_entropy`` the logits never exist whole: ``log(Z)`` is at hand per chunk, so
+the chunked head adds the term and its gradient itself (``2 coef log(Z) softmax``, as Liger's
+fused linear cross-entropy does with its ``lse_square_scale``); at ``BEFORE_FORWARD`` of a
+training micro-batch this plugin hands the head ``coef``, and ``state.loss`` from
+``BEFORE_LOSS`` on already holds the term. Loss and gradients equal the unchunked ones within
+1e-6 (float32).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
+from llmforge.algorithms.chunked_cross_entropy import ChunkedLossHead
 from llmforge.errors import ConfigError
-from llmforge.plugin import Algorithm, CheckContext
+from llmforge.plugin import Algorithm
 
 IGNORE_INDEX = -100
 
@@ -46,8 +54,7 @@ class ZLoss(Algorithm):
         coef: weight of the term, finite and >= 0 (PaLM: 1e-4).
 
     Raises:
-        ConfigError: a bad ``coef``, or combined with ``chunked_cross_entropy`` (which never
-            materializes the logits this term needs).
+        ConfigError: a bad ``coef``.
     """
 
     name = "z_loss"
@@ -59,20 +66,28 @@ class ZLoss(Algorithm):
             raise ConfigError(f"algorithms: z_loss.coef={coef!r} must be a finite number >= 0 (e.g. 1e-4)")
         self.coef = float(coef)
         self._sum: Any = 0.0
+        self.head: Optional[ChunkedLossHead] = None  # chunked_cross_entropy's head, if any
 
-    def check(self, run: CheckContext) -> None:
-        if any(a.name == "chunked_cross_entropy" for a in run.algorithms):
-            raise ConfigError("algorithms: z_loss needs the logits, which chunked_cross_entropy never "
-                              "materializes; drop one of them")
+    def fit_start(self, state: Any) -> None:
+        model = state.model
+        self.head = None if model is None else next(
+            (m for m in model.modules() if isinstance(m, ChunkedLossHead)), None)
 
     def batch_start(self, state: Any) -> None:
         self._sum = 0.0
 
+    def before_forward(self, state: Any) -> None:
+        if self.head is not None and state.training:
+            self.head.pending_z_coef = self.coef  # the head adds the term chunk by chunk
+
     def after_loss(self, state: Any) -> None:
         if not state.training:
             return
-        z = z_loss_sum(state.outputs, state.labels)
-        state.loss = state.loss + self.coef * z
+        if self.head is not None and state.outputs.dim() == 0:  # already in the chunked loss
+            z = self.head.last_z_sum
+        else:
+            z = z_loss_sum(state.outputs, state.labels)
+            state.loss = state.loss + self.coef * z
         self._sum = self._sum + z.detach()
 
     def before_optimizer_step(self, state: Any) -> None:

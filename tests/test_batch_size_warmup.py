@@ -20,6 +20,7 @@ from llmforge.checkpoint.run_dir import load_for_inference
 from llmforge.cli import main
 from llmforge.errors import ConfigError
 from llmforge.events import State
+from llmforge.plugin import CheckContext
 from llmforge.training.schedule import lr_multiplier
 
 # global batch 16 = 8 micro-batches of 2; the ramp 4 -> 16 over 40 sequences of 64 tokens
@@ -73,7 +74,7 @@ def test_bad_settings_name_the_key():
         BatchSizeWarmup(duration_tokens=0)
     cfg = SimpleNamespace(trainer=SimpleNamespace(global_batch_size=8), data=SimpleNamespace(mixture=[]))
     with pytest.raises(ConfigError, match="start_global_batch_size=32 exceeds trainer.global_batch_size=8"):
-        BatchSizeWarmup(start_global_batch_size=32).check(cfg, [])
+        BatchSizeWarmup(start_global_batch_size=32).check(CheckContext(SimpleNamespace(cfg=cfg), []))
 
 
 def train(out: Path, name: str, *extra: str) -> Path:

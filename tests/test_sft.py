@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from conftest import REPO, TINY_OVERRIDES, run_cli
+from llmforge.cli import main
 from llmforge.config.schema import DataConfig
 from llmforge.data.chat import Llama3ChatTemplate, build_chat_template, render_llama3
 from llmforge.data.sft import (IGNORE_INDEX, Conversation, SFTDataModule, build_rows,
@@ -363,27 +364,26 @@ def test_demo_sft_yaml_trains_and_loss_decreases(tmp_path):
     assert "<|eot_id|>" not in gen.stdout
 
 
-def test_sft_from_a_pretrained_run_and_bad_line_exit_2(tmp_path):
+def test_sft_from_a_pretrained_run_and_bad_line_exit_2(tmp_path, capsys):
     """A pretraining run's checkpoint and tokenizer start an SFT run (model.init_from); a bad
     jsonl line stops the CLI with exit 2, one error line naming file:line."""
     data = make_instructions(tmp_path / "instructions.jsonl", 60)
     text = tmp_path / "text.txt"  # pretraining text: other instructions of the same kinds, plain
     other = make_instructions(tmp_path / "other.jsonl", 400)
     text.write_text("\n".join(c.text for c in read_jsonl(str(other), data_cfg())))
-    pre = run_cli("train", str(REPO / "yamls" / "demo_cpu.yaml"), *TINY_OVERRIDES,
-                  f"run.output_dir={tmp_path}", "run.name=pre", "data.source=files",
-                  f"data.path={text}", "data.val_fraction=0", "trainer.max_steps=30",
-                  "trainer.eval_every=0", "trainer.log_every=10", "scheduler.warmup_steps=3",
-                  "optimizer.lr=3e-3")
-    assert pre.returncode == 0, pre.stderr[-3000:]
+    # every run in this process (main): no interpreter start per run
+    assert main(["train", str(REPO / "yamls" / "demo_cpu.yaml"), *TINY_OVERRIDES,
+                 f"run.output_dir={tmp_path}", "run.name=pre", "data.source=files",
+                 f"data.path={text}", "data.val_fraction=0", "trainer.max_steps=30",
+                 "trainer.eval_every=0", "trainer.log_every=10", "scheduler.warmup_steps=3",
+                 "optimizer.lr=3e-3"]) == 0
     tok = tmp_path / "pre" / "tokenizer" / "tokenizer.json"
     common = [*sft_args(tmp_path, data), "tokenizer.type=huggingface", f"tokenizer.path={tok}",
               "trainer.max_steps=2", "scheduler.warmup_steps=0"]
     step0 = {}
     for name, extra in [("fresh", []), ("init", [f"model.init_from={tmp_path / 'pre'}"])]:
-        proc = run_cli("train", str(REPO / "yamls" / "demo_cpu_sft.yaml"), *common,
-                       f"run.name={name}", *extra)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert main(["train", str(REPO / "yamls" / "demo_cpu_sft.yaml"), *common,
+                     f"run.name={name}", *extra]) == 0, name
         first = records(tmp_path / name)[0]
         assert first["step"] == 0
         step0[name] = first["eval/loss"]
@@ -393,10 +393,11 @@ def test_sft_from_a_pretrained_run_and_bad_line_exit_2(tmp_path):
 
     with open(data, "a") as f:
         f.write('{"prompt": "no response here"}\n')
-    bad = run_cli("train", str(REPO / "yamls" / "demo_cpu_sft.yaml"), *common, "run.name=bad")
-    assert bad.returncode == 2, bad.stderr[-3000:]
-    assert "Traceback" not in bad.stderr
-    errors = [x for x in bad.stderr.splitlines() if x.startswith("error:")]
+    capsys.readouterr()
+    assert main(["train", str(REPO / "yamls" / "demo_cpu_sft.yaml"), *common, "run.name=bad"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    errors = [x for x in err.splitlines() if x.startswith("error:")]
     assert len(errors) == 1 and f"{data}:61: missing field 'response'" in errors[0], errors
 
 

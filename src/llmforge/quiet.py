@@ -30,6 +30,10 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*_get_slice_mesh_layout.*|.*_rng_tracker.*")
     warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
     warnings.filterwarnings("ignore", message=".*Found a non-scalar tensor with numel=1 and ndim!=0.*")
+    # FSDP2's note on a view output and DTensor's redistribution hints: about torch's internals
+    # (the planner's simulated step prints them), nothing a user changes in a config
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     import datasets
 
     datasets.disable_progress_bars()

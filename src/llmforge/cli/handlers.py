@@ -76,6 +76,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         gpu_kind(args.gpu)
     from llmforge.runs.auto_layout import plan_command  # heavy (torch): off the CLI's fast path
 
+    quiet_libraries()
     return plan_command(args)
 
 

@@ -83,3 +83,13 @@ def check_lightning_private() -> None:
     if missing:
         raise RuntimeError(f"lightning {L.__version__} changed private attributes llmforge uses "
                            f"(llmforge/parallel/lightning_private.py): {'; '.join(missing)}")
+
+
+def count_optimizer_step(trainer: Any) -> None:
+    """Make Lightning count one more optimizer step without one (a skipped update), so
+    ``global_step``, the data position and ``max_steps`` stay in steps of batches."""
+    if trainer is None:
+        return
+    progress = optimizer_step_progress(trainer)
+    progress.ready += 1
+    progress.completed += 1

@@ -14,7 +14,6 @@ Research code subclasses it and overrides :meth:`build_model`, :meth:`compute_lo
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from typing import Any, Optional, Sequence
 
 import lightning as L
@@ -27,8 +26,7 @@ from llmforge.checkpoint.init_from import load_initial_weights
 from llmforge.events import Dispatcher, Event, State
 from llmforge.models.spec import get_spec
 from llmforge.parallel.init import init_parallel_model, seeded_init
-from llmforge.parallel.lightning_private import attached_trainer, optimizer_step_progress, strategy_mesh
-from llmforge.parallel.expert import clip_grad_norm_
+from llmforge.parallel.lightning_private import attached_trainer, count_optimizer_step, strategy_mesh
 from llmforge.parallel.mesh import ParallelDims, pp_size
 from llmforge.parallel.pipeline import build_schedule
 from llmforge.parallel.transforms import pipeline_layout
@@ -36,6 +34,7 @@ from llmforge.plugin import ModelContext, run_pipeline
 from llmforge.training.aux_losses import AuxLosses
 from llmforge.training.bridge import put_first
 from llmforge.training.eval_loop import Evaluation
+from llmforge.training.gradients import GradientSteps
 from llmforge.training.host_malloc import release_free_heap, tune_host_malloc
 from llmforge.training.optim import build_optimizer
 from llmforge.training.pipeline_steps import PipelineSteps
@@ -44,17 +43,7 @@ from llmforge.training.schedule import build_scheduler
 IGNORE_INDEX = -100
 
 
-def count_optimizer_step(trainer: Any) -> None:
-    """Make Lightning count one more optimizer step without one (a skipped update), so
-    ``global_step``, the data position and ``max_steps`` stay in steps of batches."""
-    if trainer is None:
-        return
-    progress = optimizer_step_progress(trainer)
-    progress.ready += 1
-    progress.completed += 1
-
-
-class LLMModule(AuxLosses, Evaluation, PipelineSteps, L.LightningModule):
+class LLMModule(AuxLosses, Evaluation, GradientSteps, PipelineSteps, L.LightningModule):
     """Causal-LM training on a model built by a registered factory.
 
     Args:
@@ -175,31 +164,6 @@ class LLMModule(AuxLosses, Evaluation, PipelineSteps, L.LightningModule):
         loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                                    ignore_index=IGNORE_INDEX, reduction="sum")
         return loss_sum, (labels != IGNORE_INDEX).sum()
-
-    # ------------------------------------------------------------- reductions
-    def dp_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum ``t`` over the data-parallel ranks (the mesh's ``dp`` dim); identity in one
-        process. Ranks of one tensor-parallel group hold the same data and are not summed."""
-        mesh = self.mesh
-        if mesh is None or mesh["dp"].size() == 1:
-            return t
-        t = t.detach().clone()
-        torch.distributed.all_reduce(t, group=mesh["dp"].get_group())
-        return t
-
-    def no_sync(self, last_micro_batch: bool) -> Any:
-        """Skip the gradient reduction for all but the last micro-batch where that costs no
-        memory: replicated weights (DDP) keep whole gradients anyway. Sharded weights (FSDP2 /
-        HSDP, ``dp_shard > 1``) reduce-scatter every micro-batch, as torchtitan does: skipping
-        it would keep every gradient unsharded until the last micro-batch (32.6 GiB per GPU
-        for the 70B yaml, docs/scale.md)."""
-        setter = getattr(self.model, "set_requires_gradient_sync", None)
-        if setter is not None:
-            mesh = self.mesh
-            sharded = mesh is not None and "dp_shard" in (mesh.mesh_dim_names or ()) \
-                and mesh["dp_shard"].size() > 1
-            setter(last_micro_batch or sharded)
-        return nullcontext()
 
     # -------------------------------------------------------------- training
     def backward_loss(self, loss: torch.Tensor) -> None:
@@ -354,21 +318,6 @@ class LLMModule(AuxLosses, Evaluation, PipelineSteps, L.LightningModule):
             self.model_after_optimizer_step()
         self.tokens_seen += self.step_tokens
         self.event(Event.AFTER_OPTIMIZER_STEP)
-
-    def model_after_optimizer_step(self) -> None:
-        """The model's optional ``after_optimizer_step(all_reduce)`` (the model factory contract
-        of :mod:`llmforge.models`) with :meth:`dp_all_reduce`."""
-        fn = getattr(self.model, "after_optimizer_step", None)
-        if fn is not None:
-            fn(self.dp_all_reduce)
-
-    def clip_gradients_(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """Clip the global L2 norm of all gradients to ``trainer.gradient_clip_val`` (once per
-        optimizer step) and return the norm before clipping (a scalar tensor). With pipeline
-        stages the norm is over all stages (reduced across the ``pp`` ranks)."""
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        combine = self.pp_total_norm if self.pp_schedule is not None else None
-        return clip_grad_norm_(params, self.cfg.trainer.gradient_clip_val, combine)
 
     def configure_optimizers(self) -> Any:
         assert self.model is not None

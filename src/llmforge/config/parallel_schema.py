@@ -1,0 +1,74 @@
+"""The parallel-layout keys of the schema (:mod:`llmforge.config.schema`): ``strategy:`` (the
+mesh degrees and FSDP2 settings) and ``pipeline:`` (how ``strategy.pp`` cuts the model into
+stages). Kept apart from the rest of the schema because the layout is its own subject (and
+``llmforge plan`` / ``strategy: auto`` choose it); :class:`~llmforge.config.schema.TrainConfig`
+holds them as ``strategy`` and ``pipeline``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class MixedPrecisionConfig:
+    """``strategy.mixed_precision:`` — FSDP2 parameter and reduction dtypes."""
+
+    param_dtype: Optional[str] = None
+    """dtype of unsharded parameters in forward/backward (e.g. bfloat16); null = unchanged."""
+    reduce_dtype: Optional[str] = None
+    """dtype of gradient reduce-scatter (e.g. float32)."""
+
+
+@dataclass
+class StrategyConfig:
+    """``strategy:`` — how the model is spread over processes."""
+
+    name: str = "auto"
+    """``auto``, ``single``, ``ddp`` or ``fsdp2`` (HSDP = fsdp2 with dp_replicate > 1)."""
+    dp_replicate: int = 1
+    """Data-parallel replicas (DDP, or the replicate dim of HSDP)."""
+    dp_shard: int = -1
+    """FSDP shard group size; -1 = the rest of the world."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    pp: int = 1
+    """Pipeline-parallel degree: the model's repeated blocks are split into ``pp`` groups of
+    ranks (outermost mesh dim; ``pp x dp_replicate x dp_shard x tp`` = world size). See the
+    ``pipeline:`` keys and docs/parallelism.md."""
+    ep: int = 1
+    """Expert-parallel degree: each MoE layer's experts are split over ep ranks, tokens sent to
+    them by all-to-all. Borrows ranks from dp_shard (torchtitan's rule; here not from tp): ep
+    must divide dp_shard and the model's num_experts; expert weights are FSDP2-sharded over the
+    other dp_shard / ep ranks. 1 for a model without experts."""
+    reshard_after_forward: bool = True
+    """FSDP2: free unsharded parameters after forward (ZeRO-3) or keep them (ZeRO-2)."""
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    """FSDP2 mixed-precision policy."""
+    cpu_offload: bool = False
+    """FSDP2: keep sharded parameters and optimizer state in CPU memory."""
+
+
+@dataclass
+class PipelineConfig:
+    """``pipeline:`` — how the model is cut into stages when ``strategy.pp > 1`` (ignored at
+    ``pp=1``); see docs/parallelism.md."""
+
+    schedule: str = "1f1b"
+    """``1f1b``, ``interleaved_1f1b`` (several stages per rank), ``gpipe`` (all forwards, then
+    all backwards), ``zbv`` (zero-bubble V schedule, 2 stages per rank) or ``dualpipev``
+    (DeepSeek's DualPipe-V, 2 stages per rank); the torch.distributed.pipelining schedules
+    (llmforge.parallel.pipeline.SCHEDULE_CLASSES checks the name)."""
+    microbatches: Optional[int] = None
+    """Micro-batches the pipeline splits each rank's batch into; null = the gradient-accumulation
+    micro-batches (global_batch_size / (micro_batch_size x dp)). Must divide the rank's batch."""
+    stages_per_rank: Optional[int] = None
+    """Virtual stages per rank; null = 1 for ``1f1b``/``gpipe``, 2 for ``interleaved_1f1b``,
+    ``zbv`` and ``dualpipev`` (the V schedules need exactly 2)."""
+    split: Any = "balanced"
+    """How the blocks are divided among the ``pp x stages_per_rank`` stages: ``balanced`` (equal
+    counts; the stages must divide the blocks), ``lighter_ends`` (the first and last stage take
+    one block fewer, as they also hold the embedding and the output layer: the stages must
+    divide blocks + 2), or an explicit list of block-index lists, one per stage, e.g.
+    ``[[0, 1], [2, 3]]``."""

@@ -10,15 +10,20 @@ from llmforge.events import State
 from llmforge.quiet import quiet_libraries
 
 
-def test_srun_hint_and_dtensor_cpu_rng_warning_are_silenced(tmp_path, monkeypatch):
-    from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
-    from torch.distributed.tensor._random import is_rng_supported_mesh
-
+def fake_srun(tmp_path, monkeypatch) -> None:
+    """An ``srun`` on PATH outside SLURM: what makes Lightning print its srun hint."""
     srun = tmp_path / "srun"
     srun.write_text("#!/bin/sh\nexit 0\n")
     srun.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
     monkeypatch.delenv("SLURM_NTASKS", raising=False)
+
+
+def test_srun_hint_and_dtensor_cpu_rng_warning_are_silenced(tmp_path, monkeypatch):
+    from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
+    from torch.distributed.tensor._random import is_rng_supported_mesh
+
+    fake_srun(tmp_path, monkeypatch)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         SLURMEnvironment._validate_srun_used()
@@ -82,11 +87,7 @@ def test_python_api_is_as_quiet_as_the_cli(tmp_path, monkeypatch):
     from conftest import DEMO, TINY_OVERRIDES
     from llmforge import Trainer, load_config
 
-    srun = tmp_path / "srun"
-    srun.write_text("#!/bin/sh\nexit 0\n")
-    srun.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
-    monkeypatch.delenv("SLURM_NTASKS", raising=False)
+    fake_srun(tmp_path, monkeypatch)
     with warnings.catch_warnings(record=True) as seen:
         warnings.resetwarnings()
         warnings.simplefilter("always")

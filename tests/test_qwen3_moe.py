@@ -235,38 +235,64 @@ def test_aux_losses_through_the_events_in_process():
     assert abs(ev.item() / n.item() - ce.item()) < 1e-6
 
 
+def _records(run_dir):
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "train/loss" in r}
+
+
 @pytest.mark.slow
-def test_fsdp2_two_processes_from_hf_equal_one_process(tmp_path):
-    """`model.init_from: hf:PATH` into FSDP2-sharded experts (each of 2 gloo processes reads
-    only its 2 of the 4 experts per projection) and 5 steps with loss-free balancing on (its bias
-    starts at 0: HF has none): the auxiliary terms and the expert load reach the metrics file, and
-    the losses (auxiliary terms included), gradient norms and expert load equal one process's
-    within 1e-5."""
+def test_ep2_from_hf_equals_one_process_and_resumes_after_sigkill(tmp_path):
+    """`model.init_from: hf:PATH` into expert-parallel experts (FSDP2 x ep=2 on 2 gloo processes:
+    each reads only its 2 of the 4 experts per projection), 6 steps with loss-free balancing on
+    (its bias starts at 0: HF has none): the auxiliary terms and the expert load reach the
+    metrics file and equal one process's within 1e-5. The ep=2 run saves at step 3 and is
+    SIGKILLed at the start of step 6; `checkpoint.resume=auto` at ep=2 recomputes steps 4-5
+    bit-identically (losses, auxiliary terms, gradient norm, expert load: the balancing bias and
+    the sharded optimizer state come back whole); its step-3 checkpoint resumed at ep=1 in one
+    process trains steps 4-6 within 1e-5 of the ep=2 run."""
     from conftest import run_cli
     from test_parallel import COMMON
 
     tiny_hf(tmp_path / "hf", norm_topk=True, vocab=1024)
     common = [o for o in COMMON if not o.startswith("model.")] + [
         f"model.init_from=hf:{tmp_path / 'hf'}", f"run.output_dir={tmp_path}", "model.router_z_loss_coef=0.001",
-        "model.router_bias_update_rate=0.01"]  # loss-free balancing too: its bias alike on 1 and 2
+        "model.router_bias_update_rate=0.01",  # loss-free balancing too: its bias alike on 1 and 2
+        "trainer.max_steps=6", "checkpoint.save_every=3"]
     assert main(["train", MOE_DEMO, *common, "run.name=one"]) == 0
-    proc = run_cli("train", MOE_DEMO, *common, "run.name=two", "strategy.name=fsdp2", "--nproc", "2",
-                   cwd=REPO, timeout=900)
+    ep2 = ["train", MOE_DEMO, *common, "run.name=two", "strategy.name=fsdp2", "strategy.ep=2", "--nproc", "2"]
+    kill = "callbacks=[{name: tests.helpers.killers.KillAt, step: 6, sig: SIGKILL}]"
+    killed = run_cli(*ep2, kill, cwd=REPO, timeout=900)
+    assert killed.returncode != 0, killed.stderr[-4000:]
+    uninterrupted = _records(tmp_path / "two")
+    assert sorted(uninterrupted) == [1, 2, 3, 4, 5]
+    proc = run_cli(*ep2, "checkpoint.resume=auto", cwd=REPO, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    one, two = ([json.loads(x) for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()]
-                for n in ("one", "two"))
-    for r in (r for r in one if "train/loss" in r):  # the auxiliary terms and expert load are logged
+    one, two = _records(tmp_path / "one"), _records(tmp_path / "two")
+    keys = ("train/loss", "train/aux_loss", "train/aux/router_z", "train/grad_norm",
+            "moe/load_max_mean/layer_0", "moe/load_max_mean/layer_1")
+    for step in (4, 5):  # recomputed after the SIGKILL: bit-identical
+        assert [two[step][k] for k in keys] == [uninterrupted[step][k] for k in keys], step
+    for r in one.values():  # the auxiliary terms and expert load are logged
         assert r["train/aux_loss"] == pytest.approx(r["train/aux/load_balancing"] + r["train/aux/router_z"], abs=1e-6)
         assert r["train/aux/router_z"] > 0 and r["moe/dropped_fraction"] == 0.0
         assert 1.0 <= r["moe/load_max_mean/layer_0"] <= 4.0
-    keys = ("train/loss", "train/aux_loss", "train/grad_norm", "moe/load_max_mean/layer_1")
-    one, two = ([[r[k] for k in keys] for r in rows if "train/loss" in r] for rows in (one, two))
-    assert len(one) == 5 and 0.1 * 1.5 < one[0][1] < 0.1 * 4  # 0.1 x (E sum f P, k = 2 if balanced)
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4, 5, 6]
+    assert 0.1 * 1.5 < one[1]["train/aux_loss"] < 0.1 * 4  # 0.1 x (E sum f P, k = 2 if balanced)
+    for step in one:
+        assert [two[step][k] for k in keys] == [pytest.approx(one[step][k], abs=1e-5) for k in keys], step
+    # the ep=2 checkpoint of step 3 resumed by one process at ep=1
+    import shutil
+
+    shutil.rmtree(tmp_path / "two" / "checkpoints" / "step_00000006")
+    assert main(["train", MOE_DEMO, *common, "run.name=two", "checkpoint.resume=auto"]) == 0
+    ep1 = _records(tmp_path / "two")
+    assert sorted(ep1) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5, 6):
+        assert [ep1[step][k] for k in keys] == [pytest.approx(two[step][k], abs=1e-5) for k in keys], step
     from omegaconf import OmegaConf
 
     model = OmegaConf.load(tmp_path / "one" / "config.yaml").model
     assert model.router_aux_loss_coef == 0.1 and model.num_experts == 4  # the YAML's weight, HF's shape
-    assert two == [pytest.approx(r, abs=1e-5) for r in one]
     # the routing bias has no place in Qwen3MoeForCausalLM: the export says so, writes nothing
     assert main(["convert", "to-hf", str(tmp_path / "one"), str(tmp_path / "hf_out")]) == 2
     assert not (tmp_path / "hf_out").exists()

@@ -67,14 +67,16 @@ def main(out, configs):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     batches = [torch.randint(0, VOCAB, (world, SEQ + 1)) for _ in range(STEPS)]  # rows >= dp
-    report = {}
+    report, refs = {}, {}
     for i, spec in enumerate(configs):
         rep, shard, ep, tp = (list(map(int, spec.split(","))) + [1])[:4]
         dp = rep * shard
         cfg, ref_cfg = make_cfg(rep, shard, ep, dp, tp), make_cfg(1, 1, 1, dp)
-        ref = LLMModule(ref_cfg, plan_batch(ref_cfg, 1))
-        ref.configure_model()
-        ref_losses, ref_aux, ref_norms, _ = train(ref, batches, slice(0, dp))
+        if dp not in refs:  # one reference per global batch, shared by the layouts with that dp
+            ref = LLMModule(ref_cfg, plan_batch(ref_cfg, 1))
+            ref.configure_model()
+            refs[dp] = (ref, *train(ref, batches, slice(0, dp))[:3])
+        ref, ref_losses, ref_aux, ref_norms = refs[dp]
 
         dims = ParallelDims.from_config(cfg, world)
         check_strategy(cfg, dims)

@@ -1,6 +1,7 @@
 """Expert parallelism (``strategy.ep``) on 4 real processes (gloo) against one process: FSDP2 x EP
 (efsdp 2 x ep 2), ep=4, HSDP x EP (dp_replicate 2 x ep 2) and TP x EP (tp 2 x ep 2, Qwen3-MoE's
-TP plan) train the tiny Qwen3-MoE to the same losses, auxiliary losses and weights; a checkpoint
+TP plan) and FSDP2 x EP with LoRA on attention and experts train the tiny Qwen3-MoE to the same
+losses, auxiliary losses and weights; a checkpoint
 saved at ep=2 loads into a one-process ep=1 model. One launch of tests/dist/ep_worker.py. Bad
 ``strategy.ep`` values exit 2 in-process; the dry run and ``llmforge plan`` with ep."""
 
@@ -14,8 +15,9 @@ from llmforge.cli import main
 
 MOE_DEMO = str(REPO / "yamls" / "demo_cpu_qwen3_moe.yaml")
 DENSE_DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
-# dp_replicate,dp_shard,ep[,tp] -> (dp_replicate, efsdp, ep)
-CONFIGS = {"1,4,2": [1, 2, 2], "1,4,4": [1, 1, 4], "2,2,2": [2, 1, 2], "1,2,2,2": [1, 1, 2]}
+# dp_replicate,dp_shard,ep[,tp[,lora]] -> (dp_replicate, efsdp, ep)
+CONFIGS = {"1,4,2": [1, 2, 2], "1,4,4": [1, 1, 4], "2,2,2": [2, 1, 2], "1,2,2,2": [1, 1, 2],
+           "1,4,2,1,lora": [1, 2, 2]}
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +58,14 @@ def test_experts_are_split_over_ep_and_efsdp(reports, config):
         assert r["w1_local_shape"] == [8 // (ep * efsdp), 16, 32]  # [E, I, D] with E = 8
         assert r["w1_placements"][-1] == "S(0)"  # the experts on the ep dim
         assert len(r["w1_placements"]) == (3 if rep > 1 else 2)
+
+
+def test_lora_expert_adapters_are_split_like_the_experts(reports):
+    for report in reports:
+        r = report["1,4,2,1,lora"]
+        assert r["lora_w1_local_shape"] == [8 // 4, 2, 32]  # A [E, r, D]: E over ep 2 x efsdp 2
+        assert r["lora_w1_placements"] == r["w1_placements"]
+        assert r["lora_b_nonzero"] and r["w1_requires_grad"] is False
 
 
 def test_checkpoint_saved_at_ep2_loads_at_ep1(reports):

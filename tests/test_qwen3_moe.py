@@ -296,3 +296,87 @@ def test_ep2_from_hf_equals_one_process_and_resumes_after_sigkill(tmp_path):
     # the routing bias has no place in Qwen3MoeForCausalLM: the export says so, writes nothing
     assert main(["convert", "to-hf", str(tmp_path / "one"), str(tmp_path / "hf_out")]) == 2
     assert not (tmp_path / "hf_out").exists()
+
+
+def test_lora_on_experts_exports_to_peft_with_equal_logits(tmp_path):
+    """LoRA on attention (wq, wv) and the experts (w1 w2 w3: one adapter pair per expert, stacked
+    on dim 0 like the experts) of a tiny Qwen3-MoE from HF: B = 0 gives the base logits; only
+    adapters get gradients; with random B the PEFT folder (expert adapters as
+    `target_parameters`, gate and up fused into gate_up_proj at rank 2r) loaded by PeftModel on
+    transformers' Qwen3MoeForCausalLM gives our logits within 1e-5, and so does the merged
+    model. A dense layer's w1 (gate_proj, which PEFT reads as the experts' in a qwen3_moe
+    model) is refused with a ConfigError (exit 2 in `convert`)."""
+    peft = pytest.importorskip("peft")
+    from omegaconf import OmegaConf
+    from safetensors import safe_open
+
+    from llmforge.algorithms.float8 import build_model_on_meta
+    from llmforge.algorithms.lora import LoRA, merge_lora
+    from llmforge.algorithms.lora.peft import save_peft
+    from llmforge.checkpoint.hf import load_hf_weights, model_overrides_from_hf, read_hf_config
+    from llmforge.config.schema import TrainConfig, model_config_class
+    from llmforge.errors import ConfigError
+    from llmforge.models.qwen3_moe.hf import Qwen3MoeHFAdapter
+    from llmforge.parallel.init import seeded_init
+
+    entry = {"rank": 2, "alpha": 6, "targets": ["wq", "wv", "w1", "w2", "w3"], "base_dtype": "float32"}
+
+    def ours_from(path):
+        cfg = OmegaConf.structured(TrainConfig)
+        cfg.model = OmegaConf.merge(OmegaConf.structured(model_config_class("qwen3_moe")),
+                                    model_overrides_from_hf(read_hf_config(path)))
+        model = LoRA(**entry).convert(build_model_on_meta(cfg), 0)
+        model.to_empty(device="cpu")
+        seeded_init(model, 0)
+        load_hf_weights(model, path)
+        return model
+
+    tiny_hf(tmp_path / "dense0", norm_topk=True, sparse_step=2)  # layer 0 dense, layer 1 experts
+    mixed = ours_from(tmp_path / "dense0")
+    assert mixed.layers[0].feed_forward.w1.lora_A.weight.shape == (2, 32)  # the dense layer's Linear
+    with pytest.raises(ConfigError, match=r"layers.0.feed_forward.w1 \(gate_proj\) cannot be exported to PEFT"):
+        save_peft(mixed, tmp_path / "refused", LoRA(**entry).options(), adapter=Qwen3MoeHFAdapter())
+    assert not (tmp_path / "refused").exists()
+    hf = tiny_hf(tmp_path / "hf", norm_topk=True)
+    ours = ours_from(tmp_path / "hf")
+    experts = ours.layers[1].feed_forward.experts
+    assert experts.lora_A["w1"].shape == (4, 2, 32) and experts.lora_B["w2"].shape == (4, 32, 2)
+    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        base = hf(tokens).logits
+    torch.testing.assert_close(ours(tokens), base, atol=1e-5, rtol=0)  # B = 0: the base model
+    ours(tokens).sum().backward()
+    assert experts.w1.grad is None and experts.lora_A["w1"].grad is not None
+    assert experts.lora_B["w3"].grad.abs().sum() > 0
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        want = ours(tokens)
+    assert (want - base).abs().max() > 1e-3
+    out = save_peft(ours, tmp_path / "adapters", LoRA(**entry).options(), base=str(tmp_path / "hf"),
+                    adapter=Qwen3MoeHFAdapter())
+    conf = json.loads((out / "adapter_config.json").read_text())
+    assert conf["target_parameters"] == ["experts.down_proj", "experts.gate_up_proj"]
+    assert conf["rank_pattern"] == {"gate_up_proj": 4} and conf["alpha_pattern"] == {"gate_up_proj": 12}
+    assert sorted(conf["target_modules"]) == ["q_proj", "v_proj"]
+    with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    layer1 = "base_model.model.model.layers.1.mlp.experts."
+    assert shapes[layer1 + "base_layer.lora_A.weight"] == (4 * 4, 32)  # gate_up: E x 2r rows
+    assert shapes[layer1 + "lora_B.weight"] == (32, 2 * 4)  # down_proj: [D, r x E]
+    with torch.no_grad():
+        got = peft.PeftModel.from_pretrained(hf, str(out)).eval()(tokens).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(merge_lora(ours)(tokens), want, atol=1e-5, rtol=0)
+    assert not hasattr(experts, "lora_A") and type(experts).__name__ == "GroupedExperts"
+
+
+def test_lora_dropout_on_experts_exits_2(capsys):
+    assert main(["train", MOE_DEMO, "--dry-run", "model.preset=debug",
+                 "algorithms=[{name: lora, dropout: 0.1, targets: [wq, w1]}]"]) == 2
+    err = capsys.readouterr().err
+    assert ("lora.dropout=0.1 must be 0 when lora.targets entry 'w1' names expert weights" in err
+            and "Traceback" not in err)

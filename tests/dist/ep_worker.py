@@ -1,7 +1,8 @@
 """Run under torchrun (gloo): expert parallelism against a one-process reference.
 
-``ep_worker.py OUT CONFIG...`` where each CONFIG is ``dp_replicate,dp_shard,ep[,tp]``
-(dp_replicate x dp_shard x tp is the world size). For each, every rank trains the tiny Qwen3-MoE (fp32, dim 32, 8 experts,
+``ep_worker.py OUT CONFIG...`` where each CONFIG is ``dp_replicate,dp_shard,ep[,tp[,lora]]``
+(dp_replicate x dp_shard x tp is the world size; ``lora``: rank-2 LoRA on wq, wv and the
+experts' w1 w2 w3, base frozen, in both the layout and its reference). For each, every rank trains the tiny Qwen3-MoE (fp32, dim 32, 8 experts,
 top-2, dropless, DeepSeek-V3 loss-free balancing on) for STEPS optimizer steps at that layout and, in the same process, one process's
 reference with the same global batch (one micro-batch per data-parallel rank, so each
 micro-batch's auxiliary loss sees the same tokens). After the first config, the sharded model
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from llmforge.algorithms.lora import LoRA
 from llmforge.checkpoint.dcp import load_model_weights, save_checkpoint
 from llmforge.checkpoint.layout import latest_checkpoint
 from llmforge.config.schema import TrainConfig, model_config_class
@@ -69,18 +71,22 @@ def main(out, configs):
     batches = [torch.randint(0, VOCAB, (world, SEQ + 1)) for _ in range(STEPS)]  # rows >= dp
     report, refs = {}, {}
     for i, spec in enumerate(configs):
-        rep, shard, ep, tp = (list(map(int, spec.split(","))) + [1])[:4]
+        fields = spec.split(",")
+        lora = fields[-1] == "lora"
+        rep, shard, ep, tp = (list(map(int, fields[:4 if not lora else -1])) + [1])[:4]
         dp = rep * shard
         cfg, ref_cfg = make_cfg(rep, shard, ep, dp, tp), make_cfg(1, 1, 1, dp)
-        if dp not in refs:  # one reference per global batch, shared by the layouts with that dp
-            ref = LLMModule(ref_cfg, plan_batch(ref_cfg, 1))
+        algos = [LoRA(rank=2, alpha=4, targets=["wq", "wv", "w1", "w2", "w3"], base_dtype="float32").transform()
+                 ] if lora else []
+        if (dp, lora) not in refs:  # one reference per global batch, shared by the layouts with that dp
+            ref = LLMModule(ref_cfg, plan_batch(ref_cfg, 1), pipeline=list(algos))
             ref.configure_model()
-            refs[dp] = (ref, *train(ref, batches, slice(0, dp))[:3])
-        ref, ref_losses, ref_aux, ref_norms = refs[dp]
+            refs[dp, lora] = (ref, *train(ref, batches, slice(0, dp))[:3])
+        ref, ref_losses, ref_aux, ref_norms = refs[dp, lora]
 
         dims = ParallelDims.from_config(cfg, world)
         check_strategy(cfg, dims)
-        mod = LLMModule(cfg, plan_batch(cfg, world), pipeline=strategy_transforms(cfg, dims))
+        mod = LLMModule(cfg, plan_batch(cfg, world), pipeline=[*algos, *strategy_transforms(cfg, dims)])
         mod.mesh_override = build_mesh(dims, "cpu")
         mod.configure_model()
         dp_rank = mod.mesh["dp"].get_local_rank()
@@ -95,6 +101,12 @@ def main(out, configs):
                  "bias": mod.model.layers[0].feed_forward.expert_bias.tolist(),
                  "ref_bias": ref.model.layers[0].feed_forward.expert_bias.tolist(),
                  "w1_placements": [str(p) for p in w1.placements]}
+        if lora:  # the experts' adapters sharded like the experts; they trained, the base did not
+            a = mod.model.layers[0].feed_forward.experts.lora_A["w1"]
+            entry.update({"lora_w1_local_shape": list(a.to_local().shape),
+                          "lora_w1_placements": [str(p) for p in a.placements],
+                          "lora_b_nonzero": bool(full(mod.model.layers[0].feed_forward.experts.lora_B["w2"]).abs().sum() > 0),
+                          "w1_requires_grad": w1.requires_grad})
         if i == 0:  # checkpoint written at this layout, read by a one-process ep=1 model
             path = f"{out}/ckpt"
             save_checkpoint(path, STEPS, mod.model, opt, {}, {})

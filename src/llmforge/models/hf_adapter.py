@@ -105,6 +105,25 @@ class HFAdapter:
         for a parameter stored under one key (:meth:`key_to_hf`)."""
         return None
 
+    v4_expert_modules: tuple[str, ...] = ()
+    """HF module names of one expert's projections in transformers 4 (one module per expert:
+    ``gate_proj up_proj down_proj`` for Qwen3-MoE). PEFT (0.19+) reads these names in a model of
+    this ``model_type`` as the experts' and moves them to the fused parameters, so a dense
+    layer's Linear of such a name cannot be addressed by an adapter file."""
+
+    runtime_expert_params: tuple[str, ...] = ()
+    """Names of the 3-D expert parameters of transformers' runtime expert module, in the order
+    it registers them (``("gate_up_proj", "down_proj")`` for Qwen3-MoE); adapter formats that
+    wrap them one by one (PEFT's ``target_parameters``) nest in this order."""
+
+    def runtime_expert_param(self, name: str) -> Optional[tuple[str, str, int, int]]:
+        """Where our expert weight ``name`` (``layers.0.feed_forward.experts.w1``, ``[E, out,
+        in]``) lives in transformers' runtime model, which may fuse several of ours on dim 1:
+        ``(module path, parameter name, part, parts)``, the parameter being ``[E, parts * out,
+        in]`` with ours at rows ``part * out .. (part + 1) * out``; ``None`` when HF has no
+        such parameter."""
+        return None
+
     def permuted_heads(self, model: Any, name: str) -> Optional[int]:
         """Number of heads whose rows HF stores permuted for parameter ``name`` (``None``: the
         same layout). The reader then reads whole heads and applies :meth:`from_hf_rows`."""

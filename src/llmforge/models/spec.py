@@ -28,7 +28,9 @@ folder (``models/llama3/``, ``models/qwen3/``) whose spec bundles
   ``num_experts`` ``E``, parameters stacked by expert on dim 0 (``[E, ...]``) and
   ``forward(x [M, D] rows sorted by expert, counts [E] int64, *rest) -> [M, D]``; with a
   parameter sharded on dim 0 it computes with its local experts (``counts`` then has
-  ``E / ep`` entries).
+  ``E / ep`` entries). Its weights ``[E, out, in]`` (the forward computes ``x W_e^T``) are
+  read by its forward through ``local_weight(name) -> [E_local, out, in]``, which an adapter
+  plugin may override (low-rank adapters on experts).
 
 Heavy members may be given as import paths (``"llmforge.models.qwen3.model:build_qwen3"``) and
 are imported on first use, so loading and checking a config imports no torch. This module

@@ -7,7 +7,7 @@ YAML::
         rank: 16                 # r: inner dimension of the adapters
         alpha: 32                # scaling alpha / r of the adapter output
         dropout: 0.0             # dropout on the adapter input (training only)
-        targets: [wq, wk, wv, wo]   # Linear layers by module-name suffix (default: attention)
+        targets: [wq, wk, wv, wo]   # Linear layers or expert weights by name suffix (default: attention)
         base_dtype: bfloat16     # storage dtype of every frozen parameter (bfloat16 | float32)
 
 The layers and their math: :mod:`llmforge.algorithms.lora.layers`. Every other parameter
@@ -25,6 +25,13 @@ matmuls, weights stored in ``base_dtype``); LoRA then adds its adapters (kept in
 precision) on top, whatever the YAML order. FSDP2 shards base and adapters per block;
 activation checkpointing and compile wrap the converted blocks. Tensor parallelism is not
 supported (``strategy.tp > 1`` is a ConfigError): the adapters would need their own plan.
+
+Experts: a target also names the weights of a family's expert layers (``ModelSpec.experts``;
+Qwen3-MoE's ``w1 w2 w3`` are its experts' gate, down and up projections, and its dense layers'
+Linear layers of the same names): each expert gets its own adapter pair, stacked by expert on
+dim 0 (:class:`~llmforge.algorithms.lora.layers.LoRAExpertsMixin`), so ``strategy.ep`` and
+FSDP2 shard them with the experts. ``dropout`` must be 0 then (the expert adapters act on the
+weights, where dropout has no meaning).
 
 Everything else goes through the plugin hooks of :class:`llmforge.plugin.Algorithm`,
 so no core file knows LoRA: ``adapters_only`` checkpoints (the adapters and their optimizer
@@ -44,12 +51,13 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-from llmforge.algorithms.lora.layers import (LoRAMixin, init_adapters, is_adapter_key, lora_class,
-                                             lora_modules, merge_lora)
+from llmforge.algorithms.lora.layers import (LoRAMixin, has_adapters, init_adapters, is_adapter_key,
+                                             lora_class, lora_experts_class,
+                                             merge_lora)
 from llmforge.algorithms.lora.memory import lora_lines, parameter_counts
 from llmforge.algorithms.lora.peft import save_peft
 from llmforge.errors import ConfigError
-from llmforge.models.spec import get_spec
+from llmforge.models.spec import get_spec, spec_for_model
 from llmforge.plugin import Algorithm, CheckContext, ModelContext, Stage
 
 DEFAULT_TARGETS = ("wq", "wk", "wv", "wo")
@@ -76,6 +84,24 @@ def match_targets(model: nn.Module, targets: Sequence[str]) -> dict[str, list[st
     return out
 
 
+def expert_weights(model: nn.Module) -> list[tuple[str, str]]:
+    """``(expert layer fqn, weight name)`` of every 3-D weight ``[E, out, in]`` of the model's
+    expert layers (its spec's ``experts`` hook; none for a dense family)."""
+    spec = spec_for_model(model)
+    experts = {id(m) for m in spec.expert_modules(model)} if spec is not None else set()
+    return [(fqn, pname) for fqn, m in model.named_modules() if id(m) in experts
+            for pname, p in m.named_parameters(recurse=False) if p.ndim == 3]
+
+
+def match_expert_targets(model: nn.Module, targets: Sequence[str]) -> dict[str, list[tuple[str, str]]]:
+    """``{target: [(expert layer fqn, weight name), ...]}``: the :func:`expert_weights` whose
+    full name is ``target`` or ends with ``"." + target`` (``w1`` matches
+    ``layers.0.feed_forward.experts.w1``)."""
+    found = expert_weights(model)
+    return {t: [(f, p) for f, p in found if f"{f}.{p}" == t or f"{f}.{p}".endswith("." + t)]
+            for t in targets}
+
+
 class LoRA(Algorithm):
     """Low-rank adapters on the ``targets`` Linear layers; everything else frozen.
 
@@ -83,13 +109,15 @@ class LoRA(Algorithm):
         rank: adapter inner dimension ``r`` (>= 1).
         alpha: the adapter output is scaled by ``alpha / rank`` (> 0).
         dropout: dropout probability on the adapter input, in ``[0, 1)``.
-        targets: Linear module-name suffixes (``wq wk wv wo w1 w2 w3 output`` for Llama).
+        targets: Linear module-name suffixes (``wq wk wv wo w1 w2 w3 output`` for Llama), or
+            expert weight names (``w1 w2 w3`` for Qwen3-MoE's experts).
         base_dtype: storage dtype of the frozen parameters: ``bfloat16`` (default; half the
             memory of float32) or ``float32`` (exact comparisons; needed for tests on the CPU).
 
     Raises:
-        ConfigError: a bad value (naming ``lora.<key>``), a target matching no Linear layer,
-            ``strategy.tp > 1``, or ``output`` targeted with tied embeddings.
+        ConfigError: a bad value (naming ``lora.<key>``), a target matching no Linear layer
+            and no expert weight, ``strategy.tp > 1``, ``output`` targeted with tied
+            embeddings, or ``dropout > 0`` with expert weights targeted.
     """
 
     name = "lora"
@@ -118,6 +146,7 @@ class LoRA(Algorithm):
         self.base_dtype = parse_dtype(self.base_dtype_name, "algorithms: lora.base_dtype")
         self.seed = 0
         self.converted: list[str] = []
+        self.converted_experts: dict[str, list[str]] = {}
 
     @property
     def scaling(self) -> float:
@@ -141,13 +170,20 @@ class LoRA(Algorithm):
                               "(tensor parallelism would shard the adapters' rank dimension); "
                               "use strategy.tp=1 with FSDP2 (strategy.name=fsdp2)")
         model = run.model
+        experts = match_expert_targets(model, self.targets)
         for t, fqns in match_targets(model, self.targets).items():
-            if not fqns:
+            if not fqns and not experts[t]:
                 names = sorted({f.rsplit(".", 1)[-1] for f, m in model.named_modules()
                                 if isinstance(m, nn.Linear)})
+                weights = sorted({p for _, p in expert_weights(model)})
                 raise ConfigError(f"algorithms: lora.targets entry '{t}' matches no Linear layer "
                                   f"of model '{cfg.model.name}'; its Linear layers are named "
-                                  f"{', '.join(names)}")
+                                  f"{', '.join(names)}"
+                                  + (f" and its expert weights {', '.join(weights)}" if weights else ""))
+            if experts[t] and self.dropout > 0:
+                raise ConfigError(f"algorithms: lora.dropout={self.dropout:g} must be 0 when "
+                                  f"lora.targets entry '{t}' names expert weights (their "
+                                  "adapters act on the weights, where dropout has no meaning)")
             if getattr(getattr(model, "args", None), "tie_embeddings", False) and "output" in fqns:
                 raise ConfigError("algorithms: lora.targets includes 'output', but "
                                   "model.tie_embeddings=true shares it with the embedding; "
@@ -164,6 +200,14 @@ class LoRA(Algorithm):
             m = model.get_submodule(fqn)
             m.__class__ = lora_class(type(m))
             m.add_adapters(self.rank, self.alpha, self.dropout, fqn)
+        self.converted_experts = {}
+        for found in match_expert_targets(model, self.targets).values():
+            for fqn, pname in found:
+                self.converted_experts.setdefault(fqn, []).append(pname)
+        for fqn, names in sorted(self.converted_experts.items()):
+            m = model.get_submodule(fqn)
+            m.__class__ = lora_experts_class(type(m))
+            m.add_expert_adapters(sorted(set(names)), self.rank, self.alpha, fqn)
         for name, p in model.named_parameters():
             if is_adapter_key(name):
                 p.requires_grad_(True)
@@ -187,7 +231,9 @@ class LoRA(Algorithm):
     def fit_start(self, state: Any) -> None:
         if state.trainer.is_global_zero:
             counts = parameter_counts(state.model)
-            print(f"lora: {len(self.converted)} Linear layers with rank-{self.rank} adapters "
+            experts = (f" and {len(self.converted_experts)} expert layers"
+                       if self.converted_experts else "")
+            print(f"lora: {len(self.converted)} Linear layers{experts} with rank-{self.rank} adapters "
                   f"(alpha {self.alpha:g}, scale {self.scaling:g}); trainable "
                   f"{counts[0]:,} / frozen {counts[1]:,} parameters (base in "
                   f"{self.base_dtype_name})", flush=True)
@@ -229,12 +275,12 @@ class LoRA(Algorithm):
     def export_model(self, model: nn.Module, checkpoint: Path) -> nn.Module:
         """Merged: ``W + (alpha / r) B A`` in float32 (a bf16 base would round small adapter
         updates away; ``convert --dtype`` casts afterwards)."""
-        return merge_lora(model.float()) if any(True for _ in lora_modules(model)) else model
+        return merge_lora(model.float()) if has_adapters(model) else model
 
     def export_adapters(self, model: nn.Module, out: Path, cfg: Any, meta: dict[str, Any],
                         dtype: Any = None) -> Optional[Path]:
         """PEFT's adapter folder (:func:`llmforge.algorithms.lora.peft.save_peft`)."""
-        if not any(True for _ in lora_modules(model)):
+        if not has_adapters(model):
             return None
         adapter = get_spec(cfg.model.name).adapter()
         if adapter is None:

@@ -82,9 +82,10 @@ def lora_lines(lora: Any, cfg: Any, plan: Any, device_memory_gib: Optional[float
     trainable, frozen = parameter_counts(model)
     m = lora_memory(cfg, plan, model, trainable, frozen, lora.base_dtype)
     where = "on the CPU (strategy.cpu_offload)" if m.offload else f"sharded {m.shards}x"
+    experts = f" and {len(lora.converted_experts)} expert layers" if lora.converted_experts else ""
     lines = [
         f"lora            rank {lora.rank}, alpha {lora.alpha:g} on {len(lora.converted)} Linear "
-        f"layers ({', '.join(lora.targets)})",
+        f"layers{experts} ({', '.join(lora.targets)})",
         f"trainable       {_fmt_count(trainable)} ({trainable:,}) = "
         f"{100 * trainable / max(1, trainable + frozen):.3f}% of all parameters",
         f"frozen          {_fmt_count(frozen)} ({frozen:,}), base in {lora.base_dtype_name}",

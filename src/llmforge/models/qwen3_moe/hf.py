@@ -43,6 +43,21 @@ class Qwen3MoeHFAdapter(Qwen3HFAdapter):
         return [f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
                 for e in range(model.args.num_experts)]
 
+    v4_expert_modules = ("gate_proj", "up_proj", "down_proj")
+    runtime_expert_params = ("gate_up_proj", "down_proj")  # Qwen3MoeExperts' registration order
+    _RUNTIME = {"w1": ("gate_up_proj", 0, 2), "w3": ("gate_up_proj", 1, 2), "w2": ("down_proj", 0, 1)}
+
+    def runtime_expert_param(self, name: str) -> Optional[tuple[str, str, int, int]]:
+        """``layers.{i}.feed_forward.experts.w1`` -> ``("model.layers.{i}.mlp.experts",
+        "gate_up_proj", 0, 2)``: transformers 5's ``Qwen3MoeExperts`` fuses gate (w1) and up
+        (w3) as ``gate_up_proj [E, 2I, D]`` (gate rows first: its forward ``chunk(2)``s the
+        product), and keeps ``down_proj [E, D, I]`` (w2)."""
+        m = _EXPERT.match(name)
+        if m is None:
+            return None
+        param, part, parts = self._RUNTIME[m.group(2)]
+        return f"model.layers.{m.group(1)}.mlp.experts", param, part, parts
+
     def config_from_hf(self, hf: dict[str, Any]) -> dict[str, Any]:
         """``model:`` keys of an HF Qwen3-MoE ``config.json`` (Qwen3's, plus the experts').
 

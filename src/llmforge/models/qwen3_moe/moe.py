@@ -90,8 +90,16 @@ class GroupedExperts(nn.Module):
         """``x [M, D]`` sorted by expert, ``counts [E]`` -> ``[M, D]`` (:func:`expert_swiglu`).
 
         Weights split by expert parallelism (DTensors sharded on dim 0) compute with this
-        rank's experts: the dispatch then hands in their rows and ``counts [E / ep]``."""
-        return expert_swiglu(x, counts, _local(self.w1), _local(self.w2), _local(self.w3), impl)
+        rank's experts: the dispatch then hands in their rows and ``counts [E / ep]``. The
+        weights come through :meth:`local_weight` in the dtype of ``x``."""
+        w1, w2, w3 = (self.local_weight(n).to(x.dtype) for n in ("w1", "w2", "w3"))
+        return expert_swiglu(x, counts, w1, w2, w3, impl)
+
+    def local_weight(self, name: str) -> torch.Tensor:
+        """This rank's experts of weight ``name`` (``w1``, ``w2``, ``w3``): ``[E_local, out, in]``,
+        what the forward computes with (an adapter plugin overrides it: the spec's ``experts``
+        contract)."""
+        return _local(getattr(self, name))
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:

@@ -110,7 +110,54 @@ def test_dry_run_shows_experts_per_device_and_gathered_block(capsys):
     assert "sharded 8x" in out and "expert_parallel -> fsdp2" in out
 
 
-def test_plan_refuses_ep_for_now(capsys):
-    assert main(["plan", MOE_DEMO, "strategy.ep=2", "--gpus", "8"]) == 2
+def test_plan_lays_out_ep_for_qwen3_30b_a3b(capsys):
+    """`llmforge plan` on the Qwen3-30B-A3B preset enumerates ep (divisors of dp_shard and of the
+    128 experts) and derives it from the ep=1 step (a stand-in simulation here: the real one is
+    tested in test_planning.py): the two gathered blocks' experts shrink to 1/ep, four
+    all-to-alls per sparse layer are added, FLOPs are the active-parameter formula's."""
+    from llmforge.config import load_config
+    from llmforge.planning.gpus import gpu_kind
+    from llmforge.planning.measure import Collective
+    from llmforge.planning.planner import ExpertShape, plan, winner_yaml
+    from llmforge.planning.simulate import StepMeasurement
+
+    gib = 2**30
+
+    def stand_in(cfg, layout):
+        assert layout.ep == 1  # the simulation runs ep=1 only
+        return StepMeasurement(layout=layout, world_size=layout.world_size, n_layers=48,
+                               peak_bytes=40 * gib, breakdown={}, flops=1e15, formula_flops=2e15,
+                               collectives=[Collective("all_gather", "dp_shard", layout.dp_shard, 96, 120e9)],
+                               sharded_state=30 * gib)
+
+    cfg = load_config(MOE_DEMO, ["model.preset=qwen3_30b_a3b", "model.vocab_size=151936",
+                                 "tokenizer.vocab_size=151936", "trainer.precision=bf16-true",
+                                 "trainer.global_batch_size=64", "variables.seq_len=4096"])
+    shape = ExpertShape.of(cfg)
+    assert (shape.num_experts, shape.sparse_layers, shape.top_k, shape.dim) == (128, 48, 8, 2048)
+    assert shape.gathered_experts == 128 * 3 * 2048 * 768  # one block's experts, elements
+    result = plan(cfg, 16, gpu_kind("h100"), simulate_fn=stand_in)
+    by = {(c.layout.dp_shard, c.layout.tp, c.layout.ep): c for c in result.candidates
+          if c.peak_bytes is not None and c.layout.activation_checkpointing == "none"
+          and c.layout.micro_batch_size == 1 and c.layout.dp_replicate == 1}
+    assert {ep for (shard, tp, ep) in by if (shard, tp) == (16, 1)} == {1, 2, 4, 8, 16}
+    assert {ep for (shard, tp, ep) in by if (shard, tp) == (4, 4)} == {1, 2, 4}
+    one, eight = by[16, 1, 1], by[16, 1, 8]
+    # 2 blocks in flight x 1.125 GiB of bf16 experts x (1 - 1/8)
+    assert (one.peak_bytes - eight.peak_bytes) / gib == pytest.approx(2 * 1.125 * 7 / 8)
+    assert eight.step_seconds > one.step_seconds  # the all-to-alls are not overlapped
+    # compute-bound on the active-parameter formula's 2e15 FLOPs per rank (not the counter's 1e15)
+    assert one.step_seconds == pytest.approx(2e15 / (0.5 * gpu_kind("h100").bf16_flops))
+    assert "  ep: 8" in winner_yaml(eight) and "ep" not in winner_yaml(one).split("trainer")[0].split("tp:")[1]
+    assert main(["plan", MOE_DEMO, "strategy.ep=2", "--gpus", "8", "--json", "model.n_layers=1",
+                 "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=16",
+                 "model.moe_intermediate_size=32", "model.hidden_dim=64", "variables.seq_len=32"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {c["ep"] for c in report["candidates"]} == {1, 2, 4, 8}  # a real simulation, ep derived
+
+
+def test_dry_run_simulate_refuses_ep(capsys):
+    assert main(["train", MOE_DEMO, "--dry-run", "--simulate", "trainer.devices=2",
+                 "trainer.micro_batch_size=4", "strategy.name=fsdp2", "strategy.ep=2"]) == 2
     err = capsys.readouterr().err
-    assert "strategy.ep=2: llmforge plan and the simulation lay out dp and tp only" in err
+    assert "strategy.ep=2: the simulation (--dry-run --simulate) runs strategy.ep=1 only" in err

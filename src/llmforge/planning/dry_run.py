@@ -31,7 +31,7 @@ def dry_run_text(trainer: Any, run: Any, device_memory_gib: Optional[float] = No
 def run_layout(run: Any) -> Layout:
     """The resolved run's own layout, its activation checkpointing entry kept as configured."""
     d = run.dims
-    return Layout(d.dp_replicate, d.dp_shard, d.tp, KEEP_AC, run.plan.micro_batch_size)
+    return Layout(d.dp_replicate, d.dp_shard, d.tp, KEEP_AC, run.plan.micro_batch_size, ep=d.ep)
 
 
 def simulation_lines(cfg: Any, run: Any, algorithms: list[Any]) -> list[str]:

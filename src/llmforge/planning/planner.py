@@ -5,7 +5,9 @@ micro-batch size for a GPU count and a GPU kind.
    node) that the model allows (heads divisible by ``tp``), every ``dp_replicate x dp_shard`` of
    the rest, activation checkpointing none / selective (per operator) / full, every
    micro-batch size dividing the per-rank batch. ``pp`` is 1 (no pipeline parallel yet).
-   Layouts whose data-parallel size does not divide ``global_batch_size`` are dropped.
+   A mixture of experts (``ModelSpec.experts``) also gets every ``ep`` that divides
+   ``dp_shard`` and the number of experts. Layouts whose data-parallel size does not divide
+   ``global_batch_size`` are dropped.
 2. Measure: one simulation (:func:`llmforge.planning.simulate.simulate_scaled`) per
    ``(tp, activation checkpointing)`` at the reference layout ``dp_replicate=1``,
    ``dp_shard = world / tp``, ``micro_batch_size=1``. Every other layout of that group is
@@ -21,6 +23,15 @@ micro-batch size for a GPU count and a GPU kind.
    overlapped with compute (prefetch), tensor-parallel traffic not overlapped; a collective
    over ``n`` ranks moves ``(n-1)/n`` of its payload per rank (twice for an all-reduce) at the
    intra-node bandwidth when its group fits in a node, else the inter-node one.
+4. Expert parallelism is derived from the ``ep=1`` layout with the same ``dp_shard`` (the
+   simulation cannot dispatch tokens on a fake process group; :class:`ExpertShape`): the
+   sharded state is the same (the experts stay sharded over ``efsdp x ep = dp_shard`` ranks),
+   the all-gathered experts of the two blocks in flight (current and prefetched) shrink to
+   ``1 / ep``, the expert part of the FSDP traffic too, and four all-to-alls per sparse layer
+   and micro-batch (dispatch and combine, forward and backward; six with full activation
+   checkpointing) of ``tokens x top_k x dim`` activations move ``(ep - 1) / ep`` of their rows,
+   not overlapped. FLOPs of a mixture of experts come from the active parameters (the spec's
+   formula: the step's FlopCounterMode does not count ``torch._grouped_mm``).
 """
 
 from __future__ import annotations
@@ -30,10 +41,11 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from llmforge.errors import ConfigError
+from llmforge.models.memory_estimate import gathered_block_bytes
 from llmforge.models.spec import get_spec
 from llmforge.planning.gpus import GPUKind
 from llmforge.planning.measure import Collective
-from llmforge.planning.simulate import AC_MODES, Layout, StepMeasurement, refuse_ep, simulate_scaled
+from llmforge.planning.simulate import AC_MODES, Layout, StepMeasurement, simulate_scaled
 from llmforge.plugin import meta_model
 
 HEADROOM = 0.10
@@ -64,6 +76,7 @@ class Candidate:
     def as_dict(self) -> dict[str, Any]:
         lo = self.layout
         return {"dp_replicate": lo.dp_replicate, "dp_shard": lo.dp_shard, "tp": lo.tp, "pp": lo.pp,
+                "ep": lo.ep,
                 "activation_checkpointing": lo.activation_checkpointing,
                 "micro_batch_size": lo.micro_batch_size, "fits": self.status in ("chosen", "fits", "slower"),
                 "peak_bytes_per_rank": self.peak_bytes, "step_seconds": self.step_seconds,
@@ -95,6 +108,57 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+@dataclass(frozen=True)
+class ExpertShape:
+    """What the ep estimate needs of a mixture of experts (module docstring, step 4).
+
+    Attributes:
+        num_experts: experts per sparse layer (the ``ep`` degrees divide it).
+        sparse_layers: layers with experts.
+        top_k: experts per token, from the parameter counts: ``E - (total - active) /
+            (parameters of one expert x sparse_layers)``.
+        dim: the width of the rows the all-to-all moves (the expert layers' input).
+        expert_fraction: expert parameters / all parameters (the share of the FSDP traffic
+            that ``ep`` divides).
+        gathered_experts: parameters (elements) of the experts of the largest block, all
+            experts (``ep=1``): times the compute width, what FSDP2 gathers for it.
+    """
+
+    num_experts: int
+    sparse_layers: int
+    top_k: int
+    dim: int
+    expert_fraction: float
+    gathered_experts: float
+
+    @staticmethod
+    def of(cfg: Any) -> Optional["ExpertShape"]:
+        """The shape of ``cfg``'s model (built on the meta device); ``None`` without experts."""
+        spec = get_spec(cfg.model.name)
+        model = meta_model(cfg)
+        experts = spec.expert_modules(model)
+        if not experts:
+            return None
+        e = int(experts[0].num_experts)
+        total, active = spec.num_params(model)
+        expert_params = sum(p.numel() for m in experts for p in m.parameters())
+        per_expert = expert_params / (e * len(experts))
+        top_k = round(e - (total - active) / (per_expert * len(experts)))
+        dim = int(min(p.shape[-1] for p in experts[0].parameters() if p.ndim == 3))
+        dim = int(getattr(getattr(model, "args", None), "dim", dim))
+        gathered = gathered_block_bytes(model, spec, 1)
+        return ExpertShape(e, len(experts), top_k, dim, expert_params / max(1, total),
+                           gathered[1] if gathered else 0.0)
+
+
+def ep_degrees(shape: Optional[ExpertShape], dp_shard: int) -> list[int]:
+    """``[1]`` for a dense model; else every divisor of ``dp_shard`` that divides the number
+    of experts."""
+    if shape is None:
+        return [1]
+    return [d for d in _divisors(dp_shard) if shape.num_experts % d == 0]
+
+
 def tp_degrees(cfg: Any, world: int, gpus_per_node: int) -> tuple[list[int], dict[int, str]]:
     """Tensor-parallel degrees that divide both the node and the world and that the model
     allows; the refused ones with the reason (from the family's ``check_tp``)."""
@@ -115,8 +179,10 @@ def tp_degrees(cfg: Any, world: int, gpus_per_node: int) -> tuple[list[int], dic
     return ok, refused
 
 
-def enumerate_layouts(cfg: Any, world: int, gpus_per_node: int) -> tuple[list[Layout], list[Candidate]]:
-    """Every layout of ``world`` GPUs, and the dropped ones (status ``does not divide``).
+def enumerate_layouts(cfg: Any, world: int, gpus_per_node: int,
+                      experts: Optional[ExpertShape] = None) -> tuple[list[Layout], list[Candidate]]:
+    """Every layout of ``world`` GPUs (with ``experts``: every ``ep`` too), and the dropped
+    ones (status ``does not divide``).
 
     Raises:
         ConfigError: no tensor-parallel degree divides the model and the node (names the key
@@ -132,9 +198,10 @@ def enumerate_layouts(cfg: Any, world: int, gpus_per_node: int) -> tuple[list[La
                                      f"trainer.global_batch_size={gbs} is not a multiple of dp={dp}"))
             continue
         for rep in _divisors(dp):
-            for ac in AC_MODES:
-                for mbs in _divisors(gbs // dp):
-                    out.append(Layout(rep, dp // rep, tp, ac, mbs))
+            for ep in ep_degrees(experts, dp // rep):
+                for ac in AC_MODES:
+                    for mbs in _divisors(gbs // dp):
+                        out.append(Layout(rep, dp // rep, tp, ac, mbs, ep=ep))
     for tp, why in refused.items():
         dropped.append(Candidate(Layout(1, world // tp if world % tp == 0 else 1, tp, "none", 1),
                                  "does not divide", why))
@@ -157,11 +224,15 @@ def _seconds(c: Collective, n_ranks: int, world: int, gpu: GPUKind, span: int) -
     return factor * c.bytes * (n_ranks - 1) / n_ranks / bw
 
 
-def derive(ref: StepMeasurement, layout: Layout, gbs: int, gpu: GPUKind, exact: bool = False
+def derive(ref: StepMeasurement, layout: Layout, gbs: int, gpu: GPUKind, exact: bool = False,
+           experts: Optional[ExpertShape] = None, seq_len: int = 0, width: int = 2
            ) -> tuple[float, float, float]:
     """``(peak_bytes, step_seconds, flops_per_rank)`` of ``layout`` from the reference
     measurement of its ``(tp, activation checkpointing)`` group (module docstring, step 2);
-    ``exact``: ``ref`` is the layout's own simulation (no memory scaling)."""
+    ``exact``: ``ref`` is the layout's own simulation (at ``ep=1``: no memory scaling). With
+    ``experts`` (a mixture of experts): FLOPs from the active parameters and, for ``ep > 1``,
+    step 4 of the module docstring (``seq_len`` tokens per sequence, ``width`` bytes per
+    activation and gathered weight element)."""
     lo, r = layout, ref.layout
     dp = lo.dp_replicate * lo.dp_shard
     n_micro, n_micro_ref = gbs // dp // lo.micro_batch_size, gbs // dp // r.micro_batch_size
@@ -171,24 +242,33 @@ def derive(ref: StepMeasurement, layout: Layout, gbs: int, gpu: GPUKind, exact: 
         rest = ref.peak_bytes - ref.sharded_state
         peak = ref.sharded_state * r.dp_shard / lo.dp_shard + rest * lo.micro_batch_size / r.micro_batch_size
     world = lo.world_size
-    overlapped = exposed = 0.0
+    fsdp = replicas = exposed = 0.0
     for c in ref.collectives:
         if c.mesh_dim.startswith("dp_shard"):
             # FSDP2 all-gathers and reduce-scatters every micro-batch (LLMModule.no_sync);
             # replicated weights (dp_shard 1) all-reduce once, after the last micro-batch
             c2 = c if exact else replace(c, bytes=c.bytes * n_micro / n_micro_ref)
-            overlapped += _seconds(c2, lo.dp_shard, world, gpu, lo.dp_shard * lo.tp)
+            fsdp += _seconds(c2, lo.dp_shard, world, gpu, lo.dp_shard * lo.tp)
             if not exact and lo.dp_replicate > 1 and c.kind == "reduce_scatter":
                 syncs = n_micro if lo.dp_shard > 1 else 1
                 ar = Collective("all_reduce", "dp_replicate", lo.dp_replicate, 1,
                                 c.bytes / n_micro_ref * syncs / lo.dp_shard)
-                overlapped += _seconds(ar, lo.dp_replicate, world, gpu, world)
+                replicas += _seconds(ar, lo.dp_replicate, world, gpu, world)
         elif c.mesh_dim == "dp_replicate":
-            overlapped += _seconds(c, lo.dp_replicate, world, gpu, world)
+            replicas += _seconds(c, lo.dp_replicate, world, gpu, world)
         elif c.mesh_dim == "tp":
             exposed += _seconds(c, lo.tp, world, gpu, lo.tp)
-    compute = ref.flops / (gpu.bf16_flops * EFFICIENCY)
-    return peak, max(compute, overlapped) + exposed, ref.flops
+    flops = ref.flops if experts is None else ref.formula_flops
+    if experts is not None and lo.ep > 1:
+        ep = lo.ep
+        peak -= 2 * experts.gathered_experts * width * (1 - 1 / ep)
+        fsdp *= 1 - experts.expert_fraction * (1 - 1 / ep)  # a rank gathers its E / ep experts
+        exchanges = (6 if lo.activation_checkpointing == "full" else 4) * experts.sparse_layers * n_micro
+        rows = lo.micro_batch_size * seq_len * experts.top_k
+        a2a = Collective("all_to_all", "ep", ep, exchanges, exchanges * rows * experts.dim * width)
+        exposed += _seconds(a2a, ep, world, gpu, ep * lo.tp)  # sends (ep - 1) / ep of the rows
+    compute = flops / (gpu.bf16_flops * EFFICIENCY)
+    return peak, max(compute, fsdp + replicas) + exposed, flops
 
 
 def _score(cand: Candidate, peak: float, step: float, cfg: Any, world: int, gpu: GPUKind,
@@ -203,11 +283,12 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
     """Plan ``cfg`` on ``world`` GPUs of kind ``gpu`` (module docstring).
 
     Raises:
-        ConfigError: no layout divides the batch or the model (see :func:`enumerate_layouts`),
-            or ``strategy.ep > 1`` (not planned yet: :func:`~llmforge.planning.simulate.refuse_ep`).
+        ConfigError: no layout divides the batch or the model (see :func:`enumerate_layouts`).
     """
-    refuse_ep(cfg)
-    layouts, dropped = enumerate_layouts(cfg, world, gpu.gpus_per_node)
+    experts = ExpertShape.of(cfg)
+    layouts, dropped = enumerate_layouts(cfg, world, gpu.gpus_per_node, experts)
+    width = 4 if str(cfg.trainer.precision).startswith("32") else 2
+    moe = {"experts": experts, "seq_len": int(cfg.trainer.seq_len), "width": width}
     gbs = int(cfg.trainer.global_batch_size)
     budget = gpu.memory_bytes * (1 - HEADROOM)
     spec = get_spec(cfg.model.name)
@@ -237,7 +318,7 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
         key = (lo.tp, lo.activation_checkpointing)
         if key not in refs:
             continue
-        peak, step, _ = derive(refs[key], lo, gbs, gpu)
+        peak, step, _ = derive(refs[key], lo, gbs, gpu, **moe)
         cand = Candidate(lo)
         _score(cand, peak, step, cfg, world, gpu, flops_per_token)
         if peak > budget:
@@ -249,8 +330,9 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
     chosen = None
     for cand in fitting[:MAX_CONFIRM]:  # the winner's own simulation, not a derived one
         ref = refs[cand.layout.tp, cand.layout.activation_checkpointing]
-        m = ref if ref.layout == cand.layout else simulate_fn(cfg, cand.layout)
-        peak, step, _ = derive(m, cand.layout, gbs, gpu, exact=True)
+        own = replace(cand.layout, ep=1)  # ep > 1: derived from its ep=1 layout's simulation
+        m = ref if ref.layout == own else simulate_fn(cfg, own)
+        peak, step, _ = derive(m, cand.layout, gbs, gpu, exact=True, **moe)
         _score(cand, peak, step, cfg, world, gpu, flops_per_token)
         cand.simulated = True
         if peak <= budget:
@@ -297,7 +379,8 @@ def winner_yaml(cand: Candidate) -> str:
     """The YAML overrides of a layout (strategy, micro-batch, activation checkpointing)."""
     lo = cand.layout
     lines = ["strategy:", "  name: fsdp2", f"  dp_replicate: {lo.dp_replicate}",
-             f"  dp_shard: {lo.dp_shard}", f"  tp: {lo.tp}", "trainer:",
+             f"  dp_shard: {lo.dp_shard}", f"  tp: {lo.tp}", *([f"  ep: {lo.ep}"] if lo.ep > 1 else []),
+             "trainer:",
              f"  micro_batch_size: {lo.micro_batch_size}"]
     if lo.activation_checkpointing == "none":
         lines.append("# algorithms: remove the activation_checkpointing entry")

@@ -21,12 +21,12 @@ def report(p: Plan, config: str, seconds: float, top: int = 8) -> str:
              f"{EFFICIENCY:.0%} of {g.bf16_flops / 1e12:.0f} TFLOP/s bf16; torch.compile not simulated)",
              f"simulated {len(p.references)} (tp, activation checkpointing) groups at 2 and 3 layers, "
              f"scaled to the model's depth, in {seconds:.1f} s (docs/scale.md)",
-             f"{'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'pp':>3} {'AC':>9} {'mbs':>4} {'peak GiB':>9} "
+             f"{'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'pp':>3} {'ep':>3} {'AC':>9} {'mbs':>4} {'peak GiB':>9} "
              f"{'tok/s/GPU':>10} {'MFU':>6}  status"]
     shown = [c for c in p.candidates if c.peak_bytes is not None][:top]
     for c in shown:
         lo = c.layout
-        lines.append(f"{lo.dp_replicate:>6} {lo.dp_shard:>8} {lo.tp:>3} {lo.pp:>3} "
+        lines.append(f"{lo.dp_replicate:>6} {lo.dp_shard:>8} {lo.tp:>3} {lo.pp:>3} {lo.ep:>3} "
                      f"{lo.activation_checkpointing:>9} {lo.micro_batch_size:>4} {c.peak_bytes / GIB:>9.1f} "
                      f"{c.tokens_per_second_per_gpu:>10.0f} {c.mfu:>6.1%}  {c.status}"
                      f"{' (simulated)' if c.simulated else ''}{': ' + c.reason if c.reason else ''}")

@@ -86,6 +86,8 @@ class Layout:
     """A parallel layout: ``dp_replicate * dp_shard * tp * pp`` = world size.
 
     ``pp`` is always 1 until pipeline parallelism exists (the planner keeps the field).
+    ``ep`` (expert parallelism) borrows ``dp_shard`` ranks: it divides ``dp_shard`` and leaves
+    the world size alone. The simulation runs ``ep=1`` only; the planner derives ``ep > 1``.
     """
 
     dp_replicate: int
@@ -94,6 +96,7 @@ class Layout:
     activation_checkpointing: str
     micro_batch_size: int
     pp: int = 1
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
@@ -103,7 +106,8 @@ class Layout:
         """The dotlist overrides that give this layout (activation checkpointing is an entry of
         ``algorithms:``: see :func:`layout_config`)."""
         return [f"strategy.dp_replicate={self.dp_replicate}", f"strategy.dp_shard={self.dp_shard}",
-                f"strategy.tp={self.tp}", f"trainer.micro_batch_size={self.micro_batch_size}"]
+                f"strategy.tp={self.tp}", f"strategy.ep={self.ep}",
+                f"trainer.micro_batch_size={self.micro_batch_size}"]
 
 
 @dataclass
@@ -136,14 +140,14 @@ class StepMeasurement:
                 "phase_peak_bytes": {name: p[0] for name, p in self.phases.items()}}
 
 
-def refuse_ep(cfg: Any) -> None:
-    """Raises ConfigError: ``strategy.ep > 1``, which the simulation and the planner do not lay
-    out yet (the fake process group's all-to-all carries no token counts to dispatch by)."""
-    ep = getattr(cfg.strategy, "ep", 1)
-    if ep != 1:
-        raise ConfigError(f"strategy.ep={ep}: llmforge plan and the simulation lay out dp and tp "
-                          "only, not expert parallelism yet; plan with strategy.ep=1 and set ep "
-                          "afterwards (it borrows dp_shard ranks: the same world size)")
+def refuse_ep(layout: Layout) -> None:
+    """Raises ConfigError: ``layout.ep > 1``, which the simulation cannot run (the fake process
+    group's all-to-all carries no token counts to dispatch by); ``llmforge plan`` derives ep
+    layouts from the ep=1 simulation instead."""
+    if layout.ep != 1:
+        raise ConfigError(f"strategy.ep={layout.ep}: the simulation (--dry-run --simulate) runs "
+                          "strategy.ep=1 only (a fake process group carries no token counts to "
+                          "dispatch by); `llmforge plan` estimates ep from the ep=1 step")
 
 
 def layout_config(cfg: Any, layout: Layout, n_layers: Optional[int] = None) -> Any:
@@ -152,14 +156,14 @@ def layout_config(cfg: Any, layout: Layout, n_layers: Optional[int] = None) -> A
     out, and ``model.n_layers`` when given.
 
     Raises:
-        ConfigError: ``strategy.ep > 1`` (:func:`refuse_ep`).
+        ConfigError: ``layout.ep > 1`` (:func:`refuse_ep`).
     """
-    refuse_ep(cfg)
+    refuse_ep(layout)
     out = copy.deepcopy(cfg)
     OmegaConf.set_readonly(out, False)
     s = out.strategy
     s.name = "fsdp2" if layout.world_size > 1 else s.name
-    s.dp_replicate, s.dp_shard, s.tp = layout.dp_replicate, layout.dp_shard, layout.tp
+    s.dp_replicate, s.dp_shard, s.tp, s.ep = layout.dp_replicate, layout.dp_shard, layout.tp, layout.ep
     out.trainer.micro_batch_size = layout.micro_batch_size
     # the world size the checks derive from the trainer (devices x nodes) is the layout's
     out.trainer.devices, out.trainer.num_nodes = layout.world_size, 1

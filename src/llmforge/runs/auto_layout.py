@@ -71,7 +71,7 @@ def layout_overrides(cand: Candidate, algorithms: list[dict]) -> list[str]:
         return str(v).lower() if isinstance(v, bool) else str(v)
 
     return ["strategy.name=fsdp2", f"strategy.dp_replicate={lo.dp_replicate}",
-            f"strategy.dp_shard={lo.dp_shard}", f"strategy.tp={lo.tp}",
+            f"strategy.dp_shard={lo.dp_shard}", f"strategy.tp={lo.tp}", f"strategy.ep={lo.ep}",
             f"trainer.micro_batch_size={lo.micro_batch_size}", f"algorithms={flow(algos)}"]
 
 
@@ -97,7 +97,7 @@ def auto_overrides(cfg: Any, cluster: Cluster, world: int) -> Optional[tuple[lis
     algorithms = OmegaConf.to_container(cfg.algorithms, resolve=False)
     lo = c.layout
     line = (f"strategy auto: planned dp_replicate {lo.dp_replicate} x dp_shard {lo.dp_shard} x tp "
-            f"{lo.tp}, activation_checkpointing {lo.activation_checkpointing}, micro_batch_size "
+            f"{lo.tp}{f' (ep {lo.ep})' if lo.ep > 1 else ''}, activation_checkpointing {lo.activation_checkpointing}, micro_batch_size "
             f"{lo.micro_batch_size} on {world} x {gpu.name} (peak {c.peak_bytes / 2**30:.1f} GiB per "
             f"GPU, {c.tokens_per_second_per_gpu:.0f} tokens/s per GPU by the step model)")
     return layout_overrides(c, algorithms), line

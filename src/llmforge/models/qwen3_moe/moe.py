@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 __all__ = ["GroupedExperts", "MoE", "RouterStats", "expert_swiglu", "grouped_mm_ok"]
 
@@ -33,11 +34,11 @@ def grouped_mm_ok(x: torch.Tensor, dims: tuple[int, ...]) -> bool:
     stride is a multiple of 16 bytes (its alignment rule: ``D`` and ``I`` multiples of 8 in
     bfloat16, 4 in float32), and the dtype is bfloat16, or float32 in eager mode on the CPU
     (torch 2.13's CPU kernel takes float32, forward and backward, but its meta kernel, which
-    ``torch.compile`` traces, and the CUDA kernel take bfloat16 only)."""
+    ``torch.compile`` traces, and the CUDA kernel take bfloat16 only; so do fake tensors)."""
     if not hasattr(torch, "_grouped_mm") or any(d * x.element_size() % 16 for d in dims):
         return False
     return x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and x.device.type == "cpu"
-                                         and not torch.compiler.is_compiling())
+                                         and not torch.compiler.is_compiling() and not is_fake(x))
 
 
 def expert_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -55,6 +56,11 @@ def expert_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: t
     Returns:
         ``[M, D]`` in the row order of ``x``.
     """
+    if is_fake(x) and x.dtype != torch.bfloat16 and impl != "grouped_mm":
+        # the planner's simulation (fake tensors: no counts to loop over): the meta kernel of
+        # _grouped_mm takes bfloat16 only; same shapes and FLOPs, bfloat16 temporaries
+        w1, w2, w3 = (w.bfloat16() for w in (w1, w2, w3))
+        return expert_swiglu(x.bfloat16(), counts, w1, w2, w3, "grouped_mm").to(x.dtype)
     if impl == "auto":
         impl = "grouped_mm" if grouped_mm_ok(x, (w1.shape[-1], w1.shape[-2])) else "loop"
     if impl == "grouped_mm":

@@ -36,7 +36,7 @@ def write_corpus(folder: Path, files: int, docs: int) -> str:
 
 
 def stream(path: str, *, num_workers: int, tokenizer=None, block_docs: int = 8, seq_len: int = 15,
-           batch: int = 4, val_fraction: float = 0):
+           batch: int = 4, val_fraction: float = 0, rank: int = 0, world: int = 1):
     from omegaconf import OmegaConf
 
     from llmforge.config.schema import DataConfig
@@ -47,7 +47,7 @@ def stream(path: str, *, num_workers: int, tokenizer=None, block_docs: int = 8, 
                                          val_fraction=val_fraction))
     dm = LLMDataModule(load_documents(cfg, 0), tokenizer or ByteTokenizer(), seq_len=seq_len,
                        local_batch_size=batch, micro_batch_size=batch, eval_batches=1, seed=3,
-                       num_workers=num_workers, dp_rank=0, dp_size=1)
+                       num_workers=num_workers, dp_rank=rank, dp_size=world)
     dm.setup()
     dm.train_windows.block_docs = block_docs
     return dm
@@ -170,48 +170,66 @@ def who(state: dict) -> tuple[int, int]:
     return w, snap["_worker_snapshots"][f"worker_{w}"]["dataset_state"]["epoch"]
 
 
-@pytest.mark.parametrize("num_workers", [0, 2, 3])
-def test_later_passes_resume_exactly_hold_out_and_keep_workers_disjoint(tmp_path, num_workers):
-    from torchdata.stateful_dataloader import StatefulDataLoader
-
-    from llmforge.data.loader import PositionedLoader
-
-    path = write_tagged(tmp_path / "c", 3, 5)  # about 9 windows of 16 tokens per file and pass
-    dm = stream(path, num_workers=num_workers, block_docs=2, batch=2, val_fraction=0.25)
-    held = {t for row in dm.docs.val for t in tags([b + 2 for b in row["text"].encode()])}
-    assert 1 <= len(held) < 15, held
+def passes(path: str, *, num_workers: int, rank: int = 0, world: int = 1):
+    """Rank ``rank``'s training batches until every loader worker is in its fourth pass, the
+    loader state after each and ``(worker, pass)`` of each; and its datamodule."""
+    dm = stream(path, num_workers=num_workers, block_docs=2, batch=2, val_fraction=0.25, rank=rank,
+                world=world)
     loader = dm.train_dataloader()
     it = iter(loader)
-    straight, states, where = [], [], []
+    batches, states, where = [], [], []
     reached = dict.fromkeys(range(max(1, num_workers)), 0)
-    while min(reached.values()) < 3:  # every worker into its fourth pass
-        straight.append(next(it))
+    while min(reached.values()) < 3:
+        batches.append(next(it))
         states.append(loader.loader.state_dict())  # the position after this batch
         where.append(who(states[-1]))
         reached[where[-1][0]] = where[-1][1]
     loader.close()
-    # no held-out document in any training window, in any pass of any worker
-    assert not held & {t for batch in straight for window in batch for t in tags(window)}
-    # every pass: each worker reads its own files, and the workers' files are disjoint
-    files: dict[tuple[int, int], set[int]] = {}
-    for batch, (w, p) in zip(straight, where):
-        files.setdefault((p, w), set()).update(f for window in batch for f, _ in tags(window))
-    passes = sorted({p for p, _ in files})
-    for p in passes:
-        ws = [files[(p, w)] for w in range(max(1, num_workers)) if (p, w) in files]
-        assert sum(len(f) for f in ws) == len(set().union(*ws)), (p, ws)
-    # resume inside the second and the third pass of a worker: the same batches follow
-    targets = [next(n for n, (_, p) in enumerate(where, 1) if p == k and n > 2) for k in (1, 2)]
-    for n in targets:
-        saved = json.loads(json.dumps(states[n - 1]))  # through JSON, as in a checkpoint
-        again = stream(path, num_workers=num_workers, block_docs=2, batch=2, val_fraction=0.25)
-        resumed = StatefulDataLoader(again.train_windows, batch_size=2, num_workers=num_workers)
-        resumed.load_state_dict(saved)
-        positioned = PositionedLoader(resumed, saved)
-        rest = [b for _, b in zip(range(6), positioned)]
-        positioned.close()
-        for i, b in enumerate(rest):
-            assert torch.equal(b, straight[n + i]), (n, i)
+    return dm, batches, states, where
+
+
+@pytest.mark.parametrize("num_workers,world", [(0, 1), (2, 1), (3, 1), (2, 2)])
+def test_later_passes_resume_exactly_hold_out_and_keep_workers_disjoint(tmp_path, num_workers, world):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from llmforge.data.loader import PositionedLoader
+
+    files = 3 if world == 1 else 4  # about 9 windows of 16 tokens per file and pass
+    path = write_tagged(tmp_path / "c", files, 5)
+    trained = []
+    for rank in range(world):
+        dm, straight, states, where = passes(path, num_workers=num_workers, rank=rank, world=world)
+        held = {t for row in dm.docs.val for t in tags([b + 2 for b in row["text"].encode()])}
+        assert 1 <= len(held) < 5 * files, held
+        trained.append({t for batch in straight for window in batch for t in tags(window)})
+        # no held-out document in any training window, in any pass of any worker
+        assert not held & trained[-1]
+        # every pass: each worker reads its own files, and the workers' files are disjoint
+        read: dict[tuple[int, int], set[int]] = {}
+        for batch, (w, p) in zip(straight, where):
+            read.setdefault((p, w), set()).update(f for window in batch for f, _ in tags(window))
+        for p in sorted({p for p, _ in read}):
+            ws = [read[(p, w)] for w in range(max(1, num_workers)) if (p, w) in read]
+            assert sum(len(f) for f in ws) == len(set().union(*ws)), (p, ws)
+        # resume in the middle of a worker's second and third pass: every later batch is equal
+        for k in (1, 2):
+            inside = [n for n, (_, p) in enumerate(where, 1) if p == k]
+            n = inside[len(inside) // 2]
+            saved = json.loads(json.dumps(states[n - 1]))  # through JSON, as in a checkpoint
+            again = stream(path, num_workers=num_workers, block_docs=2, batch=2, val_fraction=0.25,
+                           rank=rank, world=world)
+            resumed = StatefulDataLoader(again.train_windows, batch_size=2, num_workers=num_workers)
+            resumed.load_state_dict(saved)
+            positioned = PositionedLoader(resumed, saved)
+            rest = [b for _, b in zip(range(len(straight) - n), positioned)]
+            positioned.close()
+            assert len(rest) == len(straight) - n
+            for i, b in enumerate(rest):
+                assert torch.equal(b, straight[n + i]), (rank, k, n, i)
+    # every document not held out is trained on, by one data-parallel rank only
+    everything = {(f, d) for f in range(files) for d in range(5)}
+    assert set().union(*trained) == everything - held
+    assert sum(map(len, trained)) == len(everything - held)
 
 
 # ------------------------------------------------------------ end to end, after SIGKILL
@@ -226,27 +244,32 @@ def losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("stream-corpus"), 4, 120)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,num_workers", [(1, 3), (2, 2)])
-def test_sigkill_then_resume_is_bit_exact(tmp_path, corpus, nproc, num_workers):
-    extra = [f"data.path={corpus}", f"data.num_workers={num_workers}",
-             f"run.output_dir={tmp_path}"] + (["--nproc", "2", "strategy.name=fsdp2"] if nproc > 1 else [])
-    ref = run_cli("train", DEMO, *BASE, *extra, "run.name=ref", cwd=REPO)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+def test_sigkill_then_resume_is_bit_exact_and_a_rewritten_file_exits_2(tmp_path, capsys):
+    """One process with 3 loader workers through the CLI (two data-parallel ranks: the test
+    above, at the loader level); the reference and the resumed run in-process."""
+    from llmforge.cli import main
+
+    corpus = write_corpus(tmp_path / "corpus", 4, 120)
+    common = ["train", DEMO, *BASE, f"data.path={corpus}", "data.num_workers=3",
+              f"run.output_dir={tmp_path}"]
+    assert main([*common, "run.name=ref"]) == 0, capsys.readouterr().err
     kill = "callbacks=[{name: tests.helpers.killers.KillAt, step: 5, sig: SIGKILL}]"
-    killed = run_cli("train", DEMO, *BASE, *extra, "run.name=k", kill, cwd=REPO)
-    assert killed.returncode != 0
-    if nproc == 1:
-        assert killed.returncode == -signal.SIGKILL
-    saved = tmp_path / "k" / "checkpoints" / "step_00000003" / "data"
-    assert sorted(p.name for p in saved.iterdir()) == [f"rank{r}.json" for r in range(nproc)]
-    resumed = run_cli("train", DEMO, *BASE, *extra, "run.name=k", "checkpoint.resume=auto", cwd=REPO)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    killed = run_cli(*common, "run.name=k", kill, cwd=REPO)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    saved = tmp_path / "k" / "checkpoints" / "step_00000003"
+    assert sorted(p.name for p in (saved / "data").iterdir()) == ["rank0.json"]
+    assert main([*common, "run.name=k", "checkpoint.resume=auto"]) == 0, capsys.readouterr().err
     a, b = losses(tmp_path / "ref"), losses(tmp_path / "k")
     assert sorted(b) == list(range(1, 7))
     assert [a[s] for s in range(1, 7)] == [b[s] for s in range(1, 7)]
+    # a file rewritten under its name since that checkpoint: exit 2 naming it, nothing saved
+    part = tmp_path / "corpus" / "part1.jsonl"
+    old = part.read_text()
+    part.write_text(old + old)
+    capsys.readouterr()
+    assert main([*common, "run.name=changed", f"checkpoint.resume={saved}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: data: a streaming file changed since {saved / 'data' / 'rank0.json'} "
+                              f"was saved (data: part1.jsonl ({len(old):,} -> {2 * len(old):,} bytes))"), err
+    assert not list((tmp_path / "changed").glob("checkpoints/step_*"))

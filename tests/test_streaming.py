@@ -232,6 +232,56 @@ def test_later_passes_resume_exactly_hold_out_and_keep_workers_disjoint(tmp_path
     assert sum(map(len, trained)) == len(everything - held)
 
 
+# ------------------------------------------------- nested data.storage_options (issue 26.6)
+def test_nested_storage_options_reach_the_server_and_the_driver(tmp_path):
+    """A read-only config's ``{headers: {...}}`` over http (datasets adds a header of its own
+    to the nested dict: a shallow copy failed with "Cannot change read-only config
+    container"), and a driver that updates its nested options, as ``data prepare ... URL`` opens."""
+    import http.server
+    import threading
+
+    import fsspec
+    from omegaconf import OmegaConf
+
+    from llmforge.config.schema import DataConfig
+    from llmforge.data.remote import open_store
+    from llmforge.data.sources import load_documents, read_rows
+    from test_prepared_remote import HeadersFile
+
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+    got = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(tmp_path), **kwargs)
+
+        def log_message(self, *args):
+            pass
+
+        def send_head(self):
+            got.append(self.headers.get("X-Test"))
+            return super().send_head()
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)  # loopback only
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    options = {"headers": {"X-Test": "nested"}, "client_kwargs": {"trust_env": False}}
+    cfg = OmegaConf.structured(DataConfig(source="files", streaming=True, val_fraction=0,
+                                         storage_options=options,
+                                         path=f"http://127.0.0.1:{server.server_port}/a.jsonl"))
+    OmegaConf.set_readonly(cfg, True)
+    try:
+        docs = load_documents(cfg, 0)
+        assert [row["text"] for row in read_rows(docs.train)] == ["one", "two"]
+    finally:
+        server.shutdown()
+    assert got and set(got) == {"nested"}
+    fsspec.register_implementation("headersfile", HeadersFile, clobber=True)
+    HeadersFile.seen.clear()
+    open_store(f"headersfile://{tmp_path}", cfg.storage_options, "OUT")
+    assert HeadersFile.seen == [(dict, {"X-Test": "nested", "User-Agent": "llmforge-test"}, dict)]
+    assert dict(cfg.storage_options.headers) == {"X-Test": "nested"}  # the config is untouched
+
+
 # ------------------------------------------------------------ end to end, after SIGKILL
 BASE = [*TINY_OVERRIDES, "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
         "trainer.max_steps=6", "trainer.log_every=1", "trainer.eval_every=0",

@@ -9,7 +9,6 @@ documents are dropped.
 
 from __future__ import annotations
 
-import copy
 import glob
 import hashlib
 import os
@@ -19,11 +18,10 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
 import datasets
-from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from llmforge.config.redaction import scrub_url_credentials
 from llmforge.data.prepared_checks import file_sha256
-from llmforge.data.remote import missing_driver
+from llmforge.data.remote import missing_driver, plain_options
 from llmforge.data.shakespeare import shakespeare_files
 from llmforge.errors import DataError
 
@@ -161,16 +159,6 @@ def _load(builder: str, data_files: Any, cfg: Any, split: str, **kwargs: Any) ->
         if isinstance(cause, UnicodeDecodeError):
             raise not_utf8(data_files, cause) from exc
         raise DataError(f"data: cannot read {data_files!r} as {builder}: {cause}") from exc
-
-
-def plain_options(options: Any) -> dict[str, Any]:
-    """``data.storage_options`` as plain, mutable containers, nested ones included
-    (``{headers: {...}}``, s3's ``client_kwargs``): fsspec drivers update them in place, which
-    a read-only OmegaConf node refuses ("Cannot change read-only config container") and a
-    shallow ``dict()`` copy would not reach."""
-    if isinstance(options, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(options, resolve=True) or {}  # type: ignore[return-value]
-    return copy.deepcopy(dict(options or {}))
 
 
 def not_utf8(files: Any, exc: UnicodeDecodeError) -> DataError:

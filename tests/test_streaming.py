@@ -142,6 +142,47 @@ def test_a_file_rewritten_under_its_name_is_refused_at_resume(tmp_path, capsys, 
     assert stream(path, num_workers=0)._same_files(saved, tmp_path, 0)
 
 
+def test_objects_behind_a_url_glob_that_changed_are_refused_at_resume(tmp_path):
+    """A URL glob is one name in ``files``: the objects it lists are recorded with the size and
+    version (ETag or modification time) the store lists, so an added or rewritten object is
+    noticed (memory:// lists its objects' creation time)."""
+    import fsspec
+
+    from llmforge.errors import DataError
+
+    mem, root = fsspec.filesystem("memory"), f"/stream-{tmp_path.name}"
+    docs = "".join(json.dumps({"text": f"document {d} " + "word " * 9}) + "\n" for d in range(20))
+
+    def put(name: str, text: str) -> None:
+        with mem.open(f"{root}/{name}", "w") as fh:
+            fh.write(text)
+
+    put("part0.jsonl", docs)
+    put("part1.jsonl", docs)
+    url = f"memory:/{root}/*.jsonl"
+    try:
+        dm = stream(url, num_workers=0)
+        stats = dm._stream_stats()
+        assert [e[:2] for e in stats["data"]] == [["part0.jsonl", len(docs)], ["part1.jsonl", len(docs)]]
+        assert all(e[2] for e in stats["data"]) and dm._stream_files() == {"data": ["*.jsonl"]}
+        saved = {"dp_rank": 0, "dp_size": 1, "num_workers": 0, "step": 3, "files": dm._stream_files(),
+                 "file_stats": json.loads(json.dumps(stats)), "loader": {"saved": True}}
+        ckpt = tmp_path / "rank0.json"
+        assert stream(url, num_workers=0)._same_files(saved, ckpt, 0)  # unchanged: resumes
+        put("part2.jsonl", docs)  # one more object under the glob
+        with pytest.raises(DataError, match=r"^data: the streaming files differ from those .*rank0.json "
+                                            r"was saved with \(data: 2 -> 3 files\)"):
+            stream(url, num_workers=0)._same_files(saved, ckpt, 0)
+        mem.rm(f"{root}/part2.jsonl")
+        put("part1.jsonl", docs.replace("document", "Document"))  # rewritten, the same size
+        with pytest.raises(DataError, match=rf"^data: a streaming file changed since .*rank0.json was "
+                                            rf"saved \(data: part1.jsonl \({len(docs):,} -> {len(docs):,} "
+                                            r"bytes, other content\)\)"):
+            stream(url, num_workers=0)._same_files(saved, ckpt, 0)
+    finally:
+        mem.rm(root, recursive=True)
+
+
 # ------------------------------------------------- past the first pass (issue 26.1)
 def write_tagged(folder: Path, files: int, docs: int) -> str:
     """Documents ``<f.d>`` repeated: every window names the file and document it came from."""

@@ -58,6 +58,7 @@ class DocumentSplits:
     val: Optional[AnyDataset]
     fingerprint: str
     files: tuple[str, ...] = ()  # the local or remote files read (named by a read error)
+    storage_options: Optional[dict] = None  # fsspec options of remote files (file_identities)
 
 
 def _resolve_files(cfg: Any) -> list[str]:
@@ -128,6 +129,43 @@ def file_identity(path: str, head: int = 1 << 16) -> tuple[int, str]:
     reading 64 KiB whatever its size. Unlike the modification time, it survives a copy."""
     with open(path, "rb") as fh:
         return os.fstat(fh.fileno()).st_size, hashlib.sha256(fh.read(head)).hexdigest()
+
+
+# what an object store reports of an object's version, first found wins: s3/gcs/azure ETag
+# (changes with the content), gcs md5Hash, then modification times (file://, azure, gcs, memory)
+_VERSION_KEYS = ("ETag", "etag", "md5Hash", "mtime", "LastModified", "last_modified", "updated",
+                 "created")
+
+
+def file_identities(files: Any, storage_options: Optional[dict] = None) -> list[list]:
+    """``[name, bytes, version]`` of every file a streaming source reads, in its order.
+
+    A local file's ``version`` is the sha256 of its first 64 KiB (:func:`file_identity`). A URL
+    is expanded by fsspec (a glob in sorted order) and each object's ``version`` is what the
+    store lists (:data:`_VERSION_KEYS`: its ETag, else its modification time; ``""`` when it
+    lists neither), one listing per URL, no object read. ``name`` is the base name (a copy of
+    a local corpus elsewhere keeps its positions).
+
+    Raises:
+        OSError: a store that cannot be listed (callers decide whether that is an error).
+    """
+    import fsspec
+
+    out: list[list] = []
+    for f in map(str, files):
+        if not _URL.match(f):
+            if os.path.isfile(f):
+                out.append([os.path.basename(f), *file_identity(f)])
+            continue
+        fs, path = fsspec.core.url_to_fs(f, **plain_options(storage_options))
+        infos = fs.glob(path, detail=True) if glob.has_magic(path) else {path: fs.info(path)}
+        for name in sorted(infos):
+            info = infos[name]
+            if info.get("type", "file") != "file":
+                continue
+            version = next((str(info[k]) for k in _VERSION_KEYS if info.get(k) is not None), "")
+            out.append([name.rstrip("/").rsplit("/", 1)[-1], int(info.get("size") or 0), version])
+    return out
 
 
 def _file_format(cfg: Any, files: list[str]) -> str:
@@ -263,7 +301,8 @@ def load_documents(cfg: Any, seed: int) -> DocumentSplits:
     elif cfg.val_fraction > 0:
         train, val = _hold_out(train, cfg.val_fraction, seed)
     return DocumentSplits(train=train, val=val, fingerprint=hash_str(f"{fingerprint}-{cfg.split}"),
-                          files=tuple(data_files or ()))
+                          files=tuple(data_files or ()),
+                          storage_options=plain_options(cfg.storage_options) or None)
 
 
 def _hold_out(ds: AnyDataset, fraction: float, seed: int) -> tuple[AnyDataset, AnyDataset]:

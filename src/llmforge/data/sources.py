@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
 import datasets
+import fsspec
 
 from llmforge.config.redaction import scrub_url_credentials
 from llmforge.data.prepared_checks import file_sha256
@@ -149,8 +150,6 @@ def file_identities(files: Any, storage_options: Optional[dict] = None) -> list[
     Raises:
         OSError: a store that cannot be listed (callers decide whether that is an error).
     """
-    import fsspec
-
     out: list[list] = []
     for f in map(str, files):
         if not _URL.match(f):

@@ -163,7 +163,8 @@ def test_objects_behind_a_url_glob_that_changed_are_refused_at_resume(tmp_path):
     try:
         dm = stream(url, num_workers=0)
         stats = dm._stream_stats()
-        assert [e[:2] for e in stats["data"]] == [["part0.jsonl", len(docs)], ["part1.jsonl", len(docs)]]
+        assert [e[:2] for e in stats["data"]] == [[f"memory://{root}/part{i}.jsonl", len(docs)]
+                                                  for i in (0, 1)]
         assert all(e[2] for e in stats["data"]) and dm._stream_files() == {"data": ["*.jsonl"]}
         saved = {"dp_rank": 0, "dp_size": 1, "num_workers": 0, "step": 3, "files": dm._stream_files(),
                  "file_stats": json.loads(json.dumps(stats)), "loader": {"saved": True}}
@@ -175,9 +176,10 @@ def test_objects_behind_a_url_glob_that_changed_are_refused_at_resume(tmp_path):
             stream(url, num_workers=0)._same_files(saved, ckpt, 0)
         mem.rm(f"{root}/part2.jsonl")
         put("part1.jsonl", docs.replace("document", "Document"))  # rewritten, the same size
+        size = f"{len(docs):,}"
         with pytest.raises(DataError, match=rf"^data: a streaming file changed since .*rank0.json was "
-                                            rf"saved \(data: part1.jsonl \({len(docs):,} -> {len(docs):,} "
-                                            r"bytes, other content\)\)"):
+                                            rf"saved \(data: memory://{root}/part1.jsonl \({size} -> "
+                                            rf"{size} bytes, other content\)\)"):
             stream(url, num_workers=0)._same_files(saved, ckpt, 0)
     finally:
         mem.rm(root, recursive=True)

@@ -144,8 +144,9 @@ def file_identities(files: Any, storage_options: Optional[dict] = None) -> list[
     A local file's ``version`` is the sha256 of its first 64 KiB (:func:`file_identity`). A URL
     is expanded by fsspec (a glob in sorted order) and each object's ``version`` is what the
     store lists (:data:`_VERSION_KEYS`: its ETag, else its modification time; ``""`` when it
-    lists neither), one listing per URL, no object read. ``name`` is the base name (a copy of
-    a local corpus elsewhere keeps its positions).
+    lists neither), one listing per URL, no object read. ``name`` is a local file's base name
+    (a copy of the corpus elsewhere keeps its positions), an object's URL (without
+    ``user:password@``).
 
     Raises:
         OSError: a store that cannot be listed (callers decide whether that is an error).
@@ -163,7 +164,8 @@ def file_identities(files: Any, storage_options: Optional[dict] = None) -> list[
             if info.get("type", "file") != "file":
                 continue
             version = next((str(info[k]) for k in _VERSION_KEYS if info.get(k) is not None), "")
-            out.append([name.rstrip("/").rsplit("/", 1)[-1], int(info.get("size") or 0), version])
+            out.append([scrub_url_credentials(fs.unstrip_protocol(name)), int(info.get("size") or 0),
+                        version])
     return out
 
 

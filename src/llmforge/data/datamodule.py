@@ -290,7 +290,7 @@ class LLMDataModule(L.LightningDataModule):
                 try:
                     self._stats[k] = file_identities(getattr(d, "files", ()),
                                                      getattr(d, "storage_options", None))
-                except OSError as exc:  # a checkpoint must not fail on a listing
+                except Exception as exc:  # any driver's error: a checkpoint must not fail on a listing
                     print(f"data: cannot list the files of {k} ({type(exc).__name__}); a resume "
                           "will not check them for changes", file=sys.stderr, flush=True)
                     self._stats[k] = None

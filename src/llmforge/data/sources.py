@@ -149,7 +149,8 @@ def file_identities(files: Any, storage_options: Optional[dict] = None) -> list[
     ``user:password@``).
 
     Raises:
-        OSError: a store that cannot be listed (callers decide whether that is an error).
+        OSError (or a driver's own error): a store that cannot be listed; callers decide
+            whether that is an error.
     """
     out: list[list] = []
     for f in map(str, files):

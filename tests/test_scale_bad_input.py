@@ -100,3 +100,21 @@ def test_cli_one_error_line_exit_2(tmp_path, capsys):
     assert code == 2
     assert len(err) == 1 and err[0].startswith("error: pipeline.split:"), err
     assert not runs.exists()
+
+
+def test_plan_refuses_pp_and_names_a_refusal():
+    """``llmforge plan`` / ``strategy: auto`` with ``strategy.pp=2`` said "no layout fits ... at
+    no GPU count" (and ``--simulate`` "pp=2 does not divide the world size 1"); a layout every
+    simulation refuses is a config error, not a memory verdict."""
+    from llmforge.planning.gpus import gpu_kind
+    from llmforge.planning.planner import plan
+
+    gpu = gpu_kind("H100-SXM-80GB")
+    with pytest.raises(ConfigError, match=r"strategy.pp=2: llmforge plan, strategy.name=auto and --simulate"):
+        plan(load_config(DEMO, ["strategy.pp=2"]), 2, gpu)
+
+    def refuse(cfg, layout):
+        raise ConfigError("algorithms[0]: refused at this layout")
+
+    with pytest.raises(ConfigError, match=r"^algorithms\[0\]: refused at this layout$"):
+        plan(load_config(DEMO, []), 2, gpu, simulate_fn=refuse)

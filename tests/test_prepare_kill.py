@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -30,21 +31,21 @@ import llmforge.data.prepare as prep  # here, not in each child: its imports (da
 from helpers.prepared import TOK, write_corpus
 from llmforge.cli import data_commands, main
 
-ARGS = [*TOK, "data.val_fraction=0.2", "--workers", "1", "--docs-per-shard", "3", "--no-progress"]
+ARGS = [*TOK, "data.val_fraction=0.2", "--docs-per-shard", "3", "--no-progress"]
 
 
 def _hooks(out: Path, kill: Optional[tuple[str, int, int]], renames: list[str]):
     """``(os.replace, build_tokenizer)`` wrappers that list the renames into OUT and, with
     ``kill = (when, k, signal)``, send ``signal`` to this process before/after the k-th rename
     (``when`` "before"/"after") or before the tokenizer is built (``"start"``: OUT not created)."""
-    real_replace, real_build = os.replace, prep.build_tokenizer
+    real_replace, real_build, me = os.replace, prep.build_tokenizer, os.getpid()
 
     def at(when: str) -> None:
         if kill is not None and kill[:2] == (when, len(renames)):
             os.kill(os.getpid(), kill[2])
 
     def replace(src, dst, *a, **kw):
-        if not str(dst).startswith(str(out)):
+        if os.getpid() != me or not str(dst).startswith(str(out)):  # a tokenizing worker's
             return real_replace(src, dst, *a, **kw)
         renames.append(os.path.relpath(dst, out))
         at("before")  # the temporary file is whole, not renamed yet
@@ -58,15 +59,24 @@ def _hooks(out: Path, kill: Optional[tuple[str, int, int]], renames: list[str]):
     return replace, build
 
 
-def _child(source: str, out: Path, err: Path, kill: Optional[tuple[str, int, int]]) -> int:
-    """In the forked child: ``data prepare SOURCE OUT`` with stderr into ``err``, killed at ``kill``."""
+def _child(source: str, out: Path, err: Path, kill: Optional[tuple[str, int, int]], workers: int) -> int:
+    """In the forked child: ``data prepare SOURCE OUT`` with stderr into ``err``, killed at
+    ``kill``; the pids of its tokenizing workers (``workers`` > 1) go to ``OUT.pids``."""
     sys.stdout = open(os.devnull, "w")
     sys.stderr = open(err, "w", buffering=1)
     os.replace, prep.build_tokenizer = _hooks(out, kill, [])
-    return main(["data", "prepare", source, str(out), *ARGS])
+    real_init = prep._init_worker
+
+    def init(*a):
+        with open(out.with_name(out.name + ".pids"), "a") as f:
+            f.write(f"{os.getpid()}\n")
+        real_init(*a)
+
+    prep._init_worker = init
+    return main(["data", "prepare", source, str(out), *ARGS, "--workers", str(workers)])
 
 
-def run(source: str, out: Path, kill: Optional[tuple[str, int, int]] = None) -> tuple[int, str]:
+def run(source: str, out: Path, kill: Optional[tuple[str, int, int]] = None, workers: int = 1) -> tuple[int, str]:
     """``data prepare`` in a fork of this process: ``(exit code or -signal, its stderr)``."""
     err = out.with_name(out.name + ".err")
     sys.stdout.flush(), sys.stderr.flush()
@@ -74,7 +84,7 @@ def run(source: str, out: Path, kill: Optional[tuple[str, int, int]] = None) -> 
     if pid == 0:  # never return into pytest
         code = 99
         try:
-            code = _child(source, out, err, kill)
+            code = _child(source, out, err, kill, workers)
         finally:
             os._exit(code)
     deadline = time.monotonic() + 120
@@ -95,8 +105,9 @@ def state(out: Path) -> dict[str, object]:
     for p in sorted(out.rglob("*")) if out.exists() else ():
         if p.name in ("manifest.json", "manifest.tmp"):
             files[p.name] = {k: v for k, v in json.loads(p.read_text()).items() if k != "seconds"}
-        elif p.is_file():
-            files[str(p.relative_to(out))] = hashlib.sha256(p.read_bytes()).hexdigest()
+        elif p.is_file():  # a shard's temporary file is named after the writing process
+            name = re.sub(r"\.\d+\.tmp$", ".PID.tmp", str(p.relative_to(out)))
+            files[name] = hashlib.sha256(p.read_bytes()).hexdigest()
     return files
 
 
@@ -118,7 +129,7 @@ def corpus(tmp_path_factory):
         replace, build = _hooks(root / "ref", None, renames)
         hooked.setattr(os, "replace", replace)
         hooked.setattr(prep, "build_tokenizer", build)
-        assert main(["data", "prepare", source, str(root / "ref"), *ARGS]) == 0
+        assert main(["data", "prepare", source, str(root / "ref"), *ARGS, "--workers", "1"]) == 0
     yield source, root, renames
     mp.undo()
 
@@ -171,3 +182,30 @@ def test_prepare_killed_at_ten_moments_by_three_signals_reruns_to_identical_shar
     before = (out / "manifest.json").read_bytes()
     assert run(source, out, ("before", 1, signal.SIGKILL)) == (0, "")  # not one rename
     assert (out / "manifest.json").read_bytes() == before and digests(out) == want
+
+
+def test_prepare_with_workers_killed_reruns_and_leaves_no_worker_behind(corpus, tmp_path):
+    """SIGKILL to the parent alone (the OOM killer's way) while 2 tokenizing workers hold tasks:
+    the workers end (the pool's queue closes) and the same command, started at once beside
+    any worker still finishing its shard (each writes its own temporary file), gives the same
+    shards."""
+    source, root, renames = corpus
+    listed_one = 1 + sum(r.startswith("tokenizer/") for r in renames) + 1  # first shard listed
+    out = tmp_path / "pool"
+    assert run(source, out, ("after", listed_one, signal.SIGKILL), workers=2) == (-signal.SIGKILL, "")
+    assert run(source, out, workers=2) == (0, "")
+    assert digests(out) == digests(root / "ref") and not list(out.rglob("*.tmp"))
+    pids = [int(p) for p in out.with_name("pool.pids").read_text().split()]
+    assert len(pids) == 4  # two per run
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.01)
+    assert not any(_alive(p) for p in pids)
+
+
+def _alive(pid: int) -> bool:
+    """A process that runs (a zombie, reparented and not yet reaped, has ended)."""
+    try:
+        return "\tZ" not in Path(f"/proc/{pid}/status").read_text().split("State:")[1][:4]
+    except (FileNotFoundError, IndexError):
+        return False

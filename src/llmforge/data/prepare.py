@@ -64,7 +64,9 @@ def write_shard(tok: Any, texts: list[str], path: Path, max_chars: int = PIECE_C
     Returns:
         ``{"file", "tokens", "sha256", "documents", "bytes"}`` (bytes: UTF-8 text read).
     """
-    tmp = path.with_suffix(".tmp")
+    # this process's own name: a tokenizing worker whose parent was killed (SIGKILL, the OOM
+    # killer) finishes its shard before it sees the pool gone, beside a rerun writing the same one
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
     digest, tokens = hashlib.sha256(), 0
     try:
         with open(tmp, "wb") as f:
@@ -251,6 +253,8 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
             if ds is None:
                 continue
             (out / split).mkdir(exist_ok=True)
+            for stale in (out / split).glob("shard_*.tmp"):  # of a killed run: rewritten below
+                stale.unlink(missing_ok=True)
             finished = len(splits[split])
             pending: list = []
             for k, texts in enumerate(_blocks(ds, docs_per_shard, docs.files)):

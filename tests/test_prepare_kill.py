@@ -10,7 +10,10 @@ built once. The killed child sends the signal to itself at its moment, so the mo
 rather than a time that a loaded machine stretches. ``benchmarks/prepare_interrupt.py`` does the
 same with real processes, signals to the process group at wall-clock moments and 2 workers.
 Forking is safe here: conftest sets ``TOKENIZERS_PARALLELISM=false`` (the ``tokenizers`` thread
-pool is never started in the parent) and one tokenizing worker keeps each child one process.
+pool is never started in the parent), the reference prepare runs in this process first (so a
+child imports nothing: ``datasets`` imports scipy lazily, 2 s a child otherwise), and the ten
+moments use one tokenizing worker (each child one process); one more case uses a pool of 2.
+Cost: about 3.5 CPU seconds for 41 forked runs (measured on the loaded 2-core machine).
 """
 
 from __future__ import annotations

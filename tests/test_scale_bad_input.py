@@ -40,6 +40,8 @@ CASES = [
     # strategy.ep <= 0 said "must divide strategy.dp_shard"
     (["strategy.ep=0", "trainer.devices=2"], "strategy.ep must be an integer >= 1"),
     (["strategy.ep=-1", "trainer.devices=2"], "strategy.ep must be an integer >= 1"),
+    # ep under ddp said "strategy.ep=2 must divide strategy.dp_shard (1)"
+    (["strategy.name=ddp", "strategy.ep=2", "trainer.devices=2"], "which strategy.name=ddp does not have"),
     # {name:lora} (no space) is one key 'name:lora' to OmegaConf: said "needs a string 'name'"
     (["algorithms=[{name:lora}]"], "write a space after the colon, e.g. 'algorithms=[{name: lora}]'"),
     # already right; kept so they stay right

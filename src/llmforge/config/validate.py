@@ -273,6 +273,9 @@ def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
     _one_of("strategy.name", cfg.strategy.name, STRATEGIES)
     if cfg.get("pipeline") is not None:
         _check_pipeline(cfg.pipeline)
+    if cfg.strategy.name == "ddp" and cfg.strategy.get("ep", 1) != 1:
+        raise ConfigError(f"strategy.ep={cfg.strategy.ep} borrows ranks of the FSDP2 shard group, "
+                          "which strategy.name=ddp does not have; set strategy.name=fsdp2 (or auto)")
     _one_of("data.source", cfg.data.source, DATA_SOURCES)
     vf = cfg.data.val_fraction
     _require(0 <= vf < 1, "data.val_fraction", "in [0, 1)", vf)

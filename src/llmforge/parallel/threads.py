@@ -25,7 +25,8 @@ import statistics
 import time
 from typing import Mapping, Optional
 
-__all__ = ["TORCHRUN_SET_OMP", "MACHINE", "available_cores", "busy_cores", "choose_num_threads"]
+__all__ = ["TORCHRUN_SET_OMP", "MACHINE", "available_cores", "busy_cores", "choose_num_threads",
+           "explicit_threads", "machine_wide", "settle"]
 
 # torchrun sets OMP_NUM_THREADS=1 for its workers when it is unset; llmforge's launcher notes
 # that value here, so the workers still choose from their cores (a user's own value wins)
@@ -71,6 +72,37 @@ def busy_cores(samples: int = 9, interval: float = 0.004) -> Optional[float]:
         return None
 
 
+def machine_wide(cores: int) -> bool:
+    """Whether ``cores`` (this process's) are every core of the machine, so that the machine-wide
+    count of :func:`busy_cores` applies (not under taskset or a SLURM cgroup)."""
+    return cores >= (os.cpu_count() or 1)
+
+
+def explicit_threads(override: Optional[int], environ: Mapping[str, str]) -> Optional[tuple[int, str]]:
+    """The user's own count and where it came from (``trainer.num_threads``, else a positive
+    ``OMP_NUM_THREADS`` that torchrun did not set), or None: llmforge chooses."""
+    if override is not None:
+        return int(override), f"trainer.num_threads={override}"
+    omp = environ.get("OMP_NUM_THREADS", "")
+    if omp.isdigit() and int(omp) >= 1 and environ.get(TORCHRUN_SET_OMP) != omp:
+        return int(omp), f"OMP_NUM_THREADS={omp}"
+    return None
+
+
+def settle(current: int, pending: Optional[int], choice: int) -> tuple[int, Optional[int]]:
+    """One re-check of the threads during a run: ``(threads to use, choice pending)``.
+
+    A new ``choice`` is taken only when the check before chose it too (``pending``), so one
+    reading that lands in another process's short burst changes nothing; a choice equal to
+    ``current`` clears what was pending.
+    """
+    if choice == current:
+        return current, None
+    if choice == pending:
+        return choice, None
+    return current, choice
+
+
 def choose_num_threads(override: Optional[int], local_world_size: int, worker_cores: int,
                        cores: Optional[int] = None, environ: Optional[Mapping[str, str]] = None,
                        busy: Optional[float] | str = MACHINE) -> tuple[int, str]:
@@ -97,14 +129,12 @@ def choose_num_threads(override: Optional[int], local_world_size: int, worker_co
     """
     cores = available_cores() if cores is None else cores
     env = os.environ if environ is None else environ
-    if override is not None:
-        return int(override), f"trainer.num_threads={override} ({cores} cores available)"
-    omp = env.get("OMP_NUM_THREADS", "")
-    if omp.isdigit() and int(omp) >= 1 and env.get(TORCHRUN_SET_OMP) != omp:
-        return int(omp), f"OMP_NUM_THREADS={omp} ({cores} cores available)"
+    own = explicit_threads(override, env)
+    if own is not None:
+        return own[0], f"{own[1]} ({cores} cores available)"
     local = max(1, local_world_size)
     if busy == MACHINE:
-        busy = busy_cores() if cores >= (os.cpu_count() or 1) else None
+        busy = busy_cores() if machine_wide(cores) else None
     share = cores // local
     n = share - worker_cores
     per = f" / {local} processes" if local > 1 else ""

@@ -80,3 +80,30 @@ def test_trainer_watches_only_its_own_choice(overrides, env, want, tmp_path, mon
     trainer = Trainer(cfg)
     assert trainer.watch_threads() is want
     assert any(isinstance(c, ThreadWatch) for c in trainer.build_callbacks()) is want
+
+
+def test_own_compute_threads_are_not_other_processes():
+    """While this process's torch threads compute (a matmul loop in a Python thread, which
+    releases the GIL), they are counted as its own, never as busy cores of others."""
+    import threading
+
+    from llmforge.parallel.threads import own_running_threads
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    a = torch.randn(256, 256)
+    stop = threading.Event()
+
+    def compute():
+        while not stop.is_set():
+            a @ a
+
+    worker = threading.Thread(target=compute)
+    worker.start()
+    try:
+        seen = [own_running_threads() for _ in range(20)]
+    finally:
+        stop.set()
+        worker.join()
+        torch.set_num_threads(before)
+    assert max(seen) >= 1 and min(seen) >= 0

@@ -13,7 +13,8 @@ allow) divided among the ranks of this node, less the data workers that do real 
 more than the cores other processes leave free right now (:func:`busy_cores`, read only where
 this process may run on every core of the machine: the count is machine-wide).
 ``trainer.num_threads`` overrides it, and so does ``OMP_NUM_THREADS`` when it is set (a user's or
-a launcher's explicit choice). ``benchmarks/threads.py`` and ``benchmarks/generate.py
+a launcher's explicit choice). A single process repeats the choice every 15 s while it trains
+(:class:`llmforge.callbacks.threads.ThreadWatch`, with :func:`settle`). ``benchmarks/threads.py`` and ``benchmarks/generate.py
 --burner`` measure it side by side. No torch import here: the choice is part of the resolved
 run (:mod:`llmforge.preflight.resolve`) and applied by the Trainer (and the generate/eval commands).
 """

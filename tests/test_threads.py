@@ -107,3 +107,21 @@ def test_own_compute_threads_are_not_other_processes():
         worker.join()
         torch.set_num_threads(before)
     assert max(seen) >= 1 and min(seen) >= 0
+
+
+@pytest.mark.parametrize("others, want", [(0.0, "all"), ("all but one", 1)])
+def test_generate_and_eval_take_trainings_choice(others, want, monkeypatch):
+    """``generate`` and ``eval`` (use_inference_threads) take the cores others leave free."""
+    from llmforge.generate import use_inference_threads
+    from llmforge.parallel import threads
+
+    cores = threads.available_cores()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "machine_wide", lambda n: True)
+    monkeypatch.setattr(threads, "busy_cores",
+                        lambda: float(cores - 1) if others == "all but one" else others)
+    before = torch.get_num_threads()
+    try:
+        assert use_inference_threads() == torch.get_num_threads() == (cores if want == "all" else 1)
+    finally:
+        torch.set_num_threads(before)

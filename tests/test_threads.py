@@ -34,7 +34,7 @@ def test_explicit_threads(override, env, want):
     assert explicit_threads(override, env) == want
 
 
-def test_watch_follows_other_processes():
+def test_watch_follows_other_processes(capsys):
     """On 2 cores: idle -> 2 threads; a burner appears -> 1 after two checks 15 s apart; one
     short burst changes nothing; reads only every 15 s of wall time."""
     now = [0.0]
@@ -45,7 +45,7 @@ def test_watch_follows_other_processes():
         reads.append(now[0])
         return next(busy)
 
-    watch = ThreadWatch(0, read_busy=read, clock=lambda: now[0], cores=2)
+    watch = ThreadWatch(0, read_busy=read, clock=lambda: now[0], cores=2, announce=True)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -61,6 +61,9 @@ def test_watch_follows_other_processes():
     assert reads == [15.0, 30.0, 45.0, 60.0, 75.0, 90.0]
     # busy 1, 1 -> 1 thread at step 4; 0 then 1 (a burst) keeps 1; 0, 0 -> 2 at step 12
     assert watch.changes == [(4, 2, 1), (12, 1, 2)]
+    assert capsys.readouterr().err.splitlines() == [
+        "threads: 2 -> 1 compute thread at step 4 (2 cores available, 1 busy with other processes)",
+        "threads: 1 -> 2 compute threads at step 12 (2 cores available)"]
 
 
 @pytest.mark.parametrize("overrides, env, want", [

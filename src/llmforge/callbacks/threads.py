@@ -14,6 +14,7 @@ core of the machine available (the count is machine-wide).
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any, Callable, Optional
 
@@ -35,6 +36,7 @@ class ThreadWatch(Callback):
         every_seconds: seconds between two checks (each reads ``/proc/loadavg`` for ~40 ms).
         read_busy: cores other processes keep busy now (default :func:`busy_cores`).
         cores: cores available (default :func:`llmforge.parallel.threads.available_cores`).
+        announce: print each change on stderr (rank 0 of the job).
         clock: monotonic seconds (default :func:`time.monotonic`).
 
     ``changes`` lists ``(step, threads before, threads after)`` for each change made.
@@ -42,12 +44,14 @@ class ThreadWatch(Callback):
 
     def __init__(self, worker_cores: int, every_seconds: float = EVERY_SECONDS,
                  read_busy: Callable[[], Optional[float]] = busy_cores,
-                 clock: Callable[[], float] = time.monotonic, cores: Optional[int] = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, cores: Optional[int] = None,
+                 announce: bool = False) -> None:
         self.worker_cores = int(worker_cores)
         self.every_seconds = float(every_seconds)
         self.read_busy = read_busy
         self.clock = clock
         self.cores = cores
+        self.announce = announce
         self.changes: list[tuple[int, int, int]] = []
         self._pending: Optional[int] = None
         self._next = 0.0
@@ -60,11 +64,14 @@ class ThreadWatch(Callback):
         now = self.clock()
         if now < self._next:
             return
-        choice, _ = choose_num_threads(None, 1, self.worker_cores, cores=self.cores, environ={},
+        choice, why = choose_num_threads(None, 1, self.worker_cores, cores=self.cores, environ={},
                                        busy=self.read_busy())
         current = torch.get_num_threads()
         threads, self._pending = settle(current, self._pending, choice)
         if threads != current:
             torch.set_num_threads(threads)
             self.changes.append((state.step, current, threads))
+            if self.announce:  # rich's live bar, where there is one, prints it above itself
+                print(f"threads: {current} -> {threads} compute thread{'s' * (threads != 1)} at "
+                      f"step {state.step} ({why.split(';')[0]})", file=sys.stderr, flush=True)
         self._next = self.clock() + self.every_seconds  # the reads' own ~40 ms not counted

@@ -223,7 +223,7 @@ class Trainer(DataBuilders):
         if self.cfg.trainer.gc_every > 0:
             cbs.append(GarbageCollection(self.cfg.trainer.gc_every))
         if self.watch_threads():
-            cbs.append(ThreadWatch(worker_cores(self.cfg.data)))
+            cbs.append(ThreadWatch(worker_cores(self.cfg.data), announce=self.is_rank_zero()))
         if self.cfg.trainer.progress_bar:
             cbs.append(RichProgress())
         cbs.append(Checkpointer(self.checkpoint_dir, save_every=ck.save_every,

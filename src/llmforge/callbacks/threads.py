@@ -5,9 +5,9 @@ processes keep busy when the run starts. On a shared machine that count changes 
 minutes (on this project's 2-core machine the load average went from 1 to 16 in ten minutes),
 and a run that started on idle cores with 2 threads then oversubscribes them: measured 2x
 (issue 27) to 10-30x (issue 18) slower than 1 thread. :class:`ThreadWatch` repeats the choice
-every ``every_seconds`` between two steps (the run's own compute threads are idle then, so the
-count is of other processes) and takes a new count once two checks in a row agree
-(:func:`llmforge.parallel.threads.settle`). The Trainer adds it only where llmforge chose the
+every ``every_seconds`` between two steps (the count leaves out this process's own threads,
+:func:`llmforge.parallel.threads.own_running_threads`, which still spin there) and takes a new
+count once two checks in a row agree (:func:`llmforge.parallel.threads.settle`). The Trainer adds it only where llmforge chose the
 threads: one process per node, no ``trainer.num_threads`` or ``OMP_NUM_THREADS``, and every
 core of the machine available (the count is machine-wide).
 """

@@ -14,9 +14,10 @@ more than the cores other processes leave free right now (:func:`busy_cores`, re
 this process may run on every core of the machine: the count is machine-wide).
 ``trainer.num_threads`` overrides it, and so does ``OMP_NUM_THREADS`` when it is set (a user's or
 a launcher's explicit choice). A single process repeats the choice every 15 s while it trains
-(:class:`llmforge.callbacks.threads.ThreadWatch`, with :func:`settle`). ``benchmarks/threads.py`` and ``benchmarks/generate.py
---burner`` measure it side by side. No torch import here: the choice is part of the resolved
-run (:mod:`llmforge.preflight.resolve`) and applied by the Trainer (and the generate/eval commands).
+(:class:`llmforge.callbacks.threads.ThreadWatch`, with :func:`settle`).
+``benchmarks/threads.py`` and ``benchmarks/generate.py --burner`` measure it side by side. No
+torch import here: the choice is part of the resolved run (:mod:`llmforge.preflight.resolve`)
+and applied by the Trainer (and the generate/eval commands).
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ def machine_wide(cores: int) -> bool:
     return cores >= (os.cpu_count() or 1)
 
 
-def explicit_threads(override: Optional[int], environ: Mapping[str, str]) -> Optional[tuple[int, str]]:
+def explicit_threads(override: Optional[int],
+                     environ: Mapping[str, str]) -> Optional[tuple[int, str]]:
     """The user's own count and where it came from (``trainer.num_threads``, else a positive
     ``OMP_NUM_THREADS`` that torchrun did not set), or None: llmforge chooses."""
     if override is not None:

@@ -7,9 +7,9 @@ and a run that started on idle cores with 2 threads then oversubscribes them: me
 (issue 27) to 10-30x (issue 18) slower than 1 thread. :class:`ThreadWatch` repeats the choice
 every ``every_seconds`` between two steps (the count leaves out this process's own threads,
 :func:`llmforge.parallel.threads.own_running_threads`, which still spin there) and takes a new
-count once two checks in a row agree (:func:`llmforge.parallel.threads.settle`). The Trainer adds it only where llmforge chose the
-threads: one process per node, no ``trainer.num_threads`` or ``OMP_NUM_THREADS``, and every
-core of the machine available (the count is machine-wide).
+count once two checks in a row agree (:func:`llmforge.parallel.threads.settle`). The Trainer
+adds it only where llmforge chose the threads: one process per node, no ``trainer.num_threads``
+or ``OMP_NUM_THREADS``, and every core of the machine available (the count is machine-wide).
 """
 
 from __future__ import annotations

@@ -45,7 +45,8 @@ from llmforge.models.memory_estimate import gathered_block_bytes
 from llmforge.models.spec import get_spec
 from llmforge.planning.gpus import GPUKind
 from llmforge.planning.measure import Collective
-from llmforge.planning.simulate import AC_MODES, Layout, StepMeasurement, simulate_scaled
+from llmforge.planning.simulate import (AC_MODES, Layout, StepMeasurement, refuse_pp,
+                                       simulate_scaled)
 from llmforge.plugin import meta_model
 
 HEADROOM = 0.10
@@ -283,8 +284,11 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
     """Plan ``cfg`` on ``world`` GPUs of kind ``gpu`` (module docstring).
 
     Raises:
-        ConfigError: no layout divides the batch or the model (see :func:`enumerate_layouts`).
+        ConfigError: no layout divides the batch or the model (see :func:`enumerate_layouts`),
+            ``strategy.pp > 1`` (not planned yet: ``refuse_pp``), or every layout refused by
+            the config's own checks (the first refusal).
     """
+    refuse_pp(cfg)
     experts = ExpertShape.of(cfg)
     layouts, dropped = enumerate_layouts(cfg, world, gpu.gpus_per_node, experts)
     width = 4 if str(cfg.trainer.precision).startswith("32") else 2
@@ -313,6 +317,11 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
             except NotImplementedError as exc:  # MemTracker (no FSDP2: tp = world) and accumulation
                 skipped[tp, ac] = Candidate(Layout(1, world // tp, tp, ac, 1), "not measured",
                                             f"the memory tracker refuses this step: {exc}")
+    if not refs and skipped:
+        # nothing measured: a config error, not memory ("fits at no GPU count" would mislead)
+        first = next(iter(skipped.values()))
+        if first.status == "refused":
+            raise ConfigError(first.reason)
     cands = []
     for lo in layouts:
         key = (lo.tp, lo.activation_checkpointing)

@@ -21,7 +21,7 @@ def dry_run_text(trainer: Any, run: Any, device_memory_gib: Optional[float] = No
                  simulate: bool = False) -> str:
     """The dry run's report for a built ``trainer`` of the resolved ``run``; with ``simulate``
     the simulation's lines (:func:`simulation_lines`) follow."""
-    text = [dry_run_report(trainer.cfg, run.plan, device_memory_gib=device_memory_gib),
+    text = [dry_run_report(run, trainer.algorithms, device_memory_gib=device_memory_gib),
             pipeline_line(trainer)]
     if simulate:
         text += simulation_lines(trainer.cfg, run, trainer.algorithms)

@@ -23,7 +23,7 @@ from torch import nn
 
 from llmforge import registry
 from llmforge.checkpoint.init_from import load_initial_weights
-from llmforge.events import Dispatcher, Event, State
+from llmforge.events import IGNORE_INDEX, Dispatcher, Event, State
 from llmforge.models.spec import get_spec
 from llmforge.parallel.init import init_parallel_model, seeded_init
 from llmforge.parallel.lightning_private import attached_trainer, count_optimizer_step, strategy_mesh
@@ -39,8 +39,6 @@ from llmforge.training.host_malloc import release_free_heap, tune_host_malloc
 from llmforge.training.optim import build_optimizer
 from llmforge.training.pipeline_steps import PipelineSteps
 from llmforge.training.schedule import build_scheduler
-
-IGNORE_INDEX = -100
 
 
 class LLMModule(AuxLosses, Evaluation, GradientSteps, PipelineSteps, L.LightningModule):

@@ -25,12 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from llmforge.events import Event
+from llmforge.events import IGNORE_INDEX, Event
 from llmforge.training.modes import eval_mode, restore_modes
 
 __all__ = ["PipelineSteps"]
-
-IGNORE_INDEX = -100
 
 
 class PipelineSteps:

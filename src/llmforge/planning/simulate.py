@@ -99,12 +99,6 @@ class Layout:
     def world_size(self) -> int:
         return self.dp_replicate * self.dp_shard * self.tp * self.pp
 
-    def overrides(self) -> list[str]:
-        """The dotlist overrides that give this layout (activation checkpointing is an entry of
-        ``algorithms:``: see :func:`layout_config`)."""
-        return [f"strategy.dp_replicate={self.dp_replicate}", f"strategy.dp_shard={self.dp_shard}",
-                f"strategy.tp={self.tp}", f"trainer.micro_batch_size={self.micro_batch_size}"]
-
 
 @dataclass
 class StepMeasurement:

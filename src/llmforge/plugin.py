@@ -95,7 +95,7 @@ def build_meta_model(cfg: Any) -> nn.Module:
         return factory(cfg.model)
 
 
-_SHARED: "OrderedDict[tuple[Any, str], nn.Module]" = OrderedDict()
+_SHARED: "OrderedDict[tuple[int, str], tuple[Any, nn.Module]]" = OrderedDict()
 _SHARED_MAX = 4  # a run has one model; the planner and tests a few
 
 
@@ -109,14 +109,16 @@ def meta_model(cfg: Any) -> nn.Module:
     """
     factory = registry.models.get(cfg.model.name, key="model.name")
     section = cfg.model
-    key = (factory, OmegaConf.to_yaml(section) if OmegaConf.is_config(section) else repr(section))
-    model = _SHARED.get(key)
-    if model is None:
-        model = _SHARED[key] = build_meta_model(cfg)
-        while len(_SHARED) > _SHARED_MAX:
-            _SHARED.popitem(last=False)
-    else:
+    # a factory (a ModelSpec) need not be hashable: keyed by id, kept alive beside its model
+    key = (id(factory), OmegaConf.to_yaml(section) if OmegaConf.is_config(section) else repr(section))
+    hit = _SHARED.get(key)
+    if hit is not None and hit[0] is factory:
         _SHARED.move_to_end(key)
+        return hit[1]
+    model = build_meta_model(cfg)
+    _SHARED[key] = (factory, model)
+    while len(_SHARED) > _SHARED_MAX:
+        _SHARED.popitem(last=False)
     return model
 
 

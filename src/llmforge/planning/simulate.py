@@ -313,5 +313,5 @@ def simulate_scaled(cfg: Any, layout: Layout, *, full_depth: Optional[int] = Non
         phases=phases, sharded_state=sharded)
 
 
-__all__ = ["AC_MODES", "CATEGORIES", "KEEP_AC", "Collective", "Layout", "StepMeasurement", "layout_config",
+__all__ = ["AC_MODES", "KEEP_AC", "Layout", "StepMeasurement", "layout_config",
            "model_layers", "simulate", "simulate_scaled"]

@@ -202,7 +202,7 @@ def test_packed_loss_equals_unpacked_per_example(tok):
 def test_doc_ids_pass_through_activation_checkpointing(tok, mode, selective):
     import copy
 
-    from llmforge.algorithms.checkpointing import ActivationCheckpointing, replace_blocks
+    from llmforge.algorithms.activation_checkpointing import ActivationCheckpointing, replace_blocks
 
     model = tiny_llama(tok.vocab_size)
     x = torch.randint(0, tok.vocab_size, (2, 48))

@@ -189,3 +189,5 @@ def test_one_meta_model_per_run(tmp_path, capsys, monkeypatch):
     assert plugin.build_meta_model(cfg) is not plugin.meta_model(cfg)  # new, to transform
     cfg.model.n_layers = 1
     assert len(plugin.meta_model(cfg).layers) == 1  # another model config, another model
+    longer = load_config(DEMO, [*TINY_OVERRIDES, "variables.seq_len=128"])  # an interpolated key
+    assert plugin.meta_model(longer).max_seq_len == 128

@@ -15,10 +15,10 @@ changes the result.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
-from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -109,8 +109,10 @@ def meta_model(cfg: Any) -> nn.Module:
     """
     factory = registry.models.get(cfg.model.name, key="model.name")
     section = cfg.model
-    # a factory (a ModelSpec) need not be hashable: keyed by id, kept alive beside its model
-    key = (id(factory), OmegaConf.to_yaml(section) if OmegaConf.is_config(section) else repr(section))
+    # a factory (a ModelSpec) need not be hashable: keyed by id, kept alive beside its model;
+    # the section with its interpolations resolved (model.max_seq_len: ${variables.seq_len})
+    key = (id(factory), OmegaConf.to_yaml(section, resolve=True) if OmegaConf.is_config(section)
+           else repr(section))
     hit = _SHARED.get(key)
     if hit is not None and hit[0] is factory:
         _SHARED.move_to_end(key)

@@ -33,7 +33,8 @@ from llmforge.errors import ConfigError
 from llmforge.models.spec import get_spec
 from llmforge.planning.gpus import GPUKind
 from llmforge.planning.measure import Collective
-from llmforge.planning.simulate import AC_MODES, Layout, StepMeasurement, refuse_ep, simulate_scaled
+from llmforge.planning.simulate import (AC_MODES, Layout, StepMeasurement, refuse_ep, refuse_pp,
+                                       simulate_scaled)
 from llmforge.plugin import meta_model
 
 HEADROOM = 0.10
@@ -204,9 +205,12 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
 
     Raises:
         ConfigError: no layout divides the batch or the model (see :func:`enumerate_layouts`),
-            or ``strategy.ep > 1`` (not planned yet: :func:`~llmforge.planning.simulate.refuse_ep`).
+            ``strategy.ep > 1`` or ``strategy.pp > 1`` (not planned yet:
+            :func:`~llmforge.planning.simulate.refuse_ep`, ``refuse_pp``), or every layout refused
+            by the config's own checks (the first refusal).
     """
     refuse_ep(cfg)
+    refuse_pp(cfg)
     layouts, dropped = enumerate_layouts(cfg, world, gpu.gpus_per_node)
     gbs = int(cfg.trainer.global_batch_size)
     budget = gpu.memory_bytes * (1 - HEADROOM)
@@ -232,6 +236,11 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
             except NotImplementedError as exc:  # MemTracker (no FSDP2: tp = world) and accumulation
                 skipped[tp, ac] = Candidate(Layout(1, world // tp, tp, ac, 1), "not measured",
                                             f"the memory tracker refuses this step: {exc}")
+    if not refs and skipped:
+        # nothing measured: a config error, not memory ("fits at no GPU count" would mislead)
+        first = next(iter(skipped.values()))
+        if first.status == "refused":
+            raise ConfigError(first.reason)
     cands = []
     for lo in layouts:
         key = (lo.tp, lo.activation_checkpointing)

@@ -102,13 +102,6 @@ class Layout:
     def world_size(self) -> int:
         return self.dp_replicate * self.dp_shard * self.tp * self.pp
 
-    def overrides(self) -> list[str]:
-        """The dotlist overrides that give this layout (activation checkpointing is an entry of
-        ``algorithms:``: see :func:`layout_config`)."""
-        return [f"strategy.dp_replicate={self.dp_replicate}", f"strategy.dp_shard={self.dp_shard}",
-                f"strategy.tp={self.tp}", f"strategy.ep={self.ep}",
-                f"trainer.micro_batch_size={self.micro_batch_size}"]
-
 
 @dataclass
 class StepMeasurement:
@@ -335,5 +328,5 @@ def simulate_scaled(cfg: Any, layout: Layout, *, full_depth: Optional[int] = Non
         phases=phases, sharded_state=sharded)
 
 
-__all__ = ["AC_MODES", "CATEGORIES", "KEEP_AC", "Collective", "Layout", "StepMeasurement", "layout_config",
+__all__ = ["AC_MODES", "KEEP_AC", "Layout", "StepMeasurement", "layout_config",
            "model_layers", "simulate", "simulate_scaled"]

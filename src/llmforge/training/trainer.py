@@ -43,6 +43,7 @@ from llmforge.parallel.strategy import LLMParallelStrategy
 from llmforge.parallel.threads import available_cores, explicit_threads, machine_wide
 from llmforge.parallel.transforms import check_strategy, strategy_transforms
 from llmforge.paths import check_writable_dir
+from llmforge.plugin import meta_model
 from llmforge.preflight.resolve import ResolvedRun, resolve_run, worker_cores
 from llmforge.quiet import quiet_libraries
 from llmforge.registry import build_entries
@@ -303,8 +304,7 @@ class Trainer(DataBuilders):
         self.tokenizer = self.build_tokenizer(docs)
         self.module = self.build_module()
         if self.cfg.model.get("init_from"):  # a source of another shape fails before any write
-            with torch.device("meta"):
-                check_initial_weights(self.module.build_model(), self.cfg.model.init_from)
+            check_initial_weights(meta_model(self.cfg), self.cfg.model.init_from)
         self.lock_run_dir()
         try:
             self._setup_run(used, docs, callbacks, loggers)

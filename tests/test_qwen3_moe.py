@@ -310,7 +310,6 @@ def test_lora_on_experts_exports_to_peft_with_equal_logits(tmp_path):
     from omegaconf import OmegaConf
     from safetensors import safe_open
 
-    from llmforge.algorithms.float8 import build_model_on_meta
     from llmforge.algorithms.lora import LoRA, merge_lora
     from llmforge.algorithms.lora.peft import save_peft
     from llmforge.checkpoint.hf import load_hf_weights, model_overrides_from_hf, read_hf_config
@@ -318,6 +317,7 @@ def test_lora_on_experts_exports_to_peft_with_equal_logits(tmp_path):
     from llmforge.errors import ConfigError
     from llmforge.models.qwen3_moe.hf import Qwen3MoeHFAdapter
     from llmforge.parallel.init import seeded_init
+    from llmforge.plugin import build_meta_model
 
     entry = {"rank": 2, "alpha": 6, "targets": ["wq", "wv", "w1", "w2", "w3"], "base_dtype": "float32"}
 
@@ -325,7 +325,7 @@ def test_lora_on_experts_exports_to_peft_with_equal_logits(tmp_path):
         cfg = OmegaConf.structured(TrainConfig)
         cfg.model = OmegaConf.merge(OmegaConf.structured(model_config_class("qwen3_moe")),
                                     model_overrides_from_hf(read_hf_config(path)))
-        model = LoRA(**entry).convert(build_model_on_meta(cfg), 0)
+        model = LoRA(**entry).convert(build_meta_model(cfg), 0)
         model.to_empty(device="cpu")
         seeded_init(model, 0)
         load_hf_weights(model, path)

@@ -169,10 +169,13 @@ def test_muon_lowers_the_loss():
     assert losses[-1] < losses[0] - 1.0, losses
 
 
-def test_bad_muon_key_is_one_error_line(capsys, tmp_path):
-    rc = main(["train", DEMO, *TINY_OVERRIDES, f"run.output_dir={tmp_path}", "optimizer.muon_momentum=1.5"])
+@pytest.mark.parametrize("override, message", [
+    ("optimizer.muon_momentum=1.5", "optimizer.muon_momentum must be in [0, 1), e.g. 0.95, got 1.5"),
+    ("optimizer.muon_ns_dtype=fp16", "optimizer.muon_ns_dtype must be bfloat16, float32 or null, got 'fp16'")])
+def test_bad_muon_key_is_one_error_line(capsys, tmp_path, override, message):
+    rc = main(["train", DEMO, *TINY_OVERRIDES, f"run.output_dir={tmp_path}", override])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and err == ["error: optimizer.muon_momentum must be in [0, 1), e.g. 0.95, got 1.5"]
+    assert rc == 2 and err == [f"error: {message}"]
     assert not any(tmp_path.iterdir())
 
 

@@ -153,9 +153,10 @@ class MuonAdamW(torch.optim.Optimizer):
         """torch.optim.Muon's update (same order of operations) in ``self.ns_dtype``, for plain
         tensors and DTensor matrices (FSDP2 and/or TP shards).
 
-        For a DTensor the momentum is elementwise, so it stays on the local shards; the Newton-Schulz input is
-        the full matrix (an all-gather), and each rank keeps its shard of the result. On a 1-D
-        mesh, matrix ``i`` is orthogonalized by mesh rank ``i % size`` and broadcast from it.
+        For a DTensor the momentum is elementwise, so it stays on the local shards; the
+        Newton-Schulz input is the full matrix (an all-gather), and each rank keeps its shard of
+        the result. On a 1-D mesh, matrix ``i`` is orthogonalized by mesh rank ``i % size`` and
+        broadcast from it.
         """
         lr, wd, mom = group["lr"], group["weight_decay"], group["momentum"]
         params = [p for p in group["params"] if p.grad is not None]

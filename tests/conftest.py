@@ -6,6 +6,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -36,6 +37,31 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict |
                           capture_output=True, text=True, timeout=timeout)
 
 
+def run_main(*args: str, cwd: Path | None = None, env: dict | None = None) -> SimpleNamespace:
+    """Run ``llmforge ARGS`` in this process (``llmforge.cli.main``: no interpreter start, torch
+    imported once) from ``cwd`` with ``env`` added to ``os.environ``; both are restored after.
+
+    For tests of an exit code, a message or a run's files; a test of what only a fresh process
+    shows (start-up time, signals, a killed run) uses :func:`run_cli`. Returns ``returncode``,
+    ``stdout`` and ``stderr`` like :func:`run_cli`.
+    """
+    import contextlib
+    import io
+
+    from llmforge.cli import main
+    from llmforge.runs.checks import environment
+
+    out, err, before = io.StringIO(), io.StringIO(), os.getcwd()
+    try:
+        os.chdir(cwd or before)
+        with environment({**os.environ, **(env or {})}), contextlib.redirect_stdout(out), \
+                contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        os.chdir(before)
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
 TINY_OVERRIDES = [
     "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
     "model.multiple_of=32", "tokenizer.vocab_size=1024", "tokenizer.train_max_bytes=2000000",
@@ -48,3 +74,4 @@ TINY_OVERRIDES = [
 def tiny_overrides(tmp_path: Path) -> list[str]:
     """Overrides that turn demo_cpu.yaml into a seconds-long run under tmp_path."""
     return [*TINY_OVERRIDES, f"run.output_dir={tmp_path / 'runs'}"]
+

@@ -75,3 +75,47 @@ def tiny_overrides(tmp_path: Path) -> list[str]:
     """Overrides that turn demo_cpu.yaml into a seconds-long run under tmp_path."""
     return [*TINY_OVERRIDES, f"run.output_dir={tmp_path / 'runs'}"]
 
+
+# ------------------------------------------------------------------ two workers finish together
+# `-n 2 --dist loadfile` ends when the slower worker ends. xdist hands out the files in collection
+# order (pyproject.toml passes --no-loadscope-reorder: xdist's default order, most tests first,
+# sent the slowest files, which have few tests, last, and one worker ran them alone), so the
+# slowest files are collected first: longest first, each file to the worker that is free.
+# The table: CPU seconds of each file with `-n 0` (user + sys, children included), measured on
+# 2026-12-01 (a loaded machine) for test_parallel, test_runs_local, test_lora,
+# test_algorithms_train and test_eval_harness, estimated from the runs they start for the rest.
+# The last xdist run's own durations (pytest's cache, FILE_SECONDS_KEY) replace them; a file in
+# neither comes after these, in name order.
+SLOW_FILES = {
+    "test_parallel.py": 270, "test_pipeline.py": 150, "test_resume.py": 120, "test_streaming.py": 100,
+    "test_runs_local.py": 97, "test_qwen3_moe.py": 80, "test_mixture_stream.py": 80,
+    "test_benchmarks.py": 80, "test_expert_parallel.py": 70, "test_lora.py": 67,
+    "test_algorithms_train.py": 66, "test_sft.py": 60, "test_events_train.py": 60, "test_muon.py": 50,
+    "test_prepared.py": 50, "test_hf.py": 45, "test_runs_signals.py": 40, "test_eval_harness.py": 40,
+    "test_batch_size_warmup.py": 40, "test_loggers.py": 40,
+}
+FILE_SECONDS_KEY = "llmforge/file_seconds"
+_ran: dict[str, float] = {}
+
+
+def _file_seconds(config) -> dict[str, float]:
+    cache = getattr(config, "cache", None)  # None under -p no:cacheprovider
+    return {**SLOW_FILES, **(cache.get(FILE_SECONDS_KEY, {}) if cache else {})}
+
+
+def pytest_collection_modifyitems(config, items):
+    seconds = _file_seconds(config)
+    items.sort(key=lambda item: -seconds.get(item.path.name, 0))  # stable: a file's order kept
+
+
+def pytest_runtest_logreport(report):
+    _ran[Path(report.fspath).name] = _ran.get(Path(report.fspath).name, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    config = session.config
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        return  # the xdist controller keeps the durations: it sees every worker's reports
+    if getattr(config, "cache", None) is not None and _ran:
+        config.cache.set(FILE_SECONDS_KEY, {**config.cache.get(FILE_SECONDS_KEY, {}),
+                                            **{k: round(v, 1) for k, v in _ran.items()}})

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from algo_harness import train_losses
-from conftest import DEMO, REPO, TINY_OVERRIDES
+from conftest import DEMO, TINY_OVERRIDES
 from helpers.dist import torchrun, worker
 
 AC_MODES = {
@@ -102,13 +102,12 @@ def records(run_dir: Path) -> list[dict]:
 
 
 # every FSDP2 run of this file, in ONE 2-process torchrun launch (tests/dist/train_worker.py runs
-# them in sequence from the launch's folder: f8probe.py and my_lab/ are importable there); compile
+# them in sequence from the launch's folder: f8probe.py is importable there); compile
 # last, so the runs before it start without dynamo state, as in a fresh process
 FSDP2_RUNS = {
     "fsdp2_fp8": ["algorithms=[{name: float8}]"],
     "fsdp2_fp8_all_gather": ["algorithms=[{name: float8, enable_fsdp_float8_all_gather: true}]",
                              "callbacks=[{name: f8probe.Probe, out: types.json}]", "checkpoint.save_final=true"],
-    "noise": ["algorithms=[{name: my_lab.grad_noise.GradNoise, std: 0.001}]"],
     "fsdp2_compile_ac": ["algorithms=[{name: compile, compile_loss: true}, "
                          "{name: activation_checkpointing, mode: selective, selective: op}]",
                          "checkpoint.save_final=true"],
@@ -123,7 +122,6 @@ def cli_runs(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("algos")
     (out / "f8probe.py").write_text(textwrap.dedent(PROBE))
-    _docs_grad_noise(out)
     base = ["train", DEMO, *COMMON, f"run.output_dir={out}", "checkpoint.save_final=false"]
     assert main([*base, "run.name=eager", "checkpoint.save_final=true"]) == 0
     runs = {name: [*base, f"run.name={name}", "strategy.name=fsdp2", *extra]
@@ -172,49 +170,3 @@ def test_fp8_all_gather_under_fsdp2_same_losses_and_float8_shards(cli_runs):
     assert types["layers.0.attention.wq.weight"] == ["DTensor", "WeightWithDynamicFloat8CastTensor"]
     assert types["layers.1.feed_forward.w2.weight"][1] == "WeightWithDynamicFloat8CastTensor"
     assert types["output.weight"] == ["DTensor", "Tensor"]  # kept in high precision
-
-
-def _docs_grad_noise(folder: Path) -> Path:
-    """docs/algorithms/README.md's DTensor example, written to ``folder/my_lab/grad_noise.py``."""
-    text = (REPO / "docs" / "algorithms" / "README.md").read_text()
-    code = "# my_lab/grad_noise.py" + text.split("# my_lab/grad_noise.py", 1)[1].split("```", 1)[0]
-    (folder / "my_lab").mkdir(exist_ok=True)
-    path = folder / "my_lab" / "grad_noise.py"
-    path.write_text(code)
-    return path
-
-
-def test_docs_grad_noise_example_in_one_process(tmp_path, monkeypatch):
-    """The doc's idiom on plain tensors: N(0, std^2) per element, the same for the same step and
-    parameter, another for another step."""
-    from types import SimpleNamespace
-
-    monkeypatch.syspath_prepend(str(tmp_path))
-    _docs_grad_noise(tmp_path)
-    from my_lab.grad_noise import GradNoise, local_piece
-
-    model = torch.nn.Linear(200, 100)
-    noise = []
-    for step in (1, 1, 2):
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)
-        GradNoise(std=0.01).before_optimizer_step(SimpleNamespace(model=model, step=step))
-        noise.append(model.weight.grad.clone())
-    assert abs(noise[0].std().item() - 0.01) < 0.0005 and abs(noise[0].mean().item()) < 0.0005
-    assert torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
-    assert local_piece(model.weight)[1] == ()
-    import sys
-
-    for name in ("my_lab.grad_noise", "my_lab"):
-        sys.modules.pop(name, None)
-
-
-@pytest.mark.slow
-def test_docs_grad_noise_example_under_fsdp2(cli_runs):
-    """Issue 27.6: the doc's example changes DTensor gradients on 2 processes (FSDP2); a plain
-    tensor mixed in used to fail with 'mixed torch.Tensor and DTensor'."""
-    import math
-
-    out, _ = cli_runs
-    got = losses(records(out / "noise"))
-    assert len(got) == 5 and all(math.isfinite(x) for x in got)

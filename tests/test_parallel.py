@@ -33,20 +33,23 @@ COMMON = [*TINY_OVERRIDES, "trainer.global_batch_size=8", "trainer.micro_batch_s
           "optimizer.eps=1e-6"]
 QWEN_COMMON = [o for o in COMMON if not o.startswith("model.")] + [
     o for o in QWEN_TINY if o.startswith("model.")]
+# 6 of Shakespeare's 42 texts: every process of every run tokenizes its data (all 42: ~4.5 s of
+# CPU each time, 27 times here); 5 steps read 2,560 of their ~200,000 tokens
+DATA = ["data.max_documents=6"]
 EXAMPLE = str(REPO / "examples" / "parallel_block_tp.yaml")
 FSDP2_TP2 = ["strategy.name=fsdp2", "strategy.tp=2"]
 REFERENCES = {  # name: (yaml, overrides); one process, in this process
-    "single": (DEMO, COMMON),
-    "qwen3_single": (QWEN_DEMO, QWEN_COMMON),
-    "example_single": (EXAMPLE, COMMON + ["strategy.tp=1", "strategy.name=auto"]),
+    "single": (DEMO, COMMON + DATA),
+    "qwen3_single": (QWEN_DEMO, QWEN_COMMON + DATA),
+    "example_single": (EXAMPLE, COMMON + DATA + ["strategy.tp=1", "strategy.name=auto"]),
 }
 PARALLEL = {  # name: (yaml, overrides, its reference); 4 processes, one launch, in this order
-    "ddp": (DEMO, COMMON + ["strategy.name=ddp", "trainer.micro_batch_size=1"], "single"),
-    "fsdp2": (DEMO, COMMON + ["strategy.name=fsdp2", "trainer.micro_batch_size=1"], "single"),
-    "fsdp2_tp2": (DEMO, COMMON + FSDP2_TP2, "single"),
-    "hsdp2x2": (DEMO, COMMON + ["strategy.name=fsdp2", "strategy.dp_replicate=2"], "single"),
-    "qwen3_fsdp2_tp2": (QWEN_DEMO, QWEN_COMMON + FSDP2_TP2, "qwen3_single"),
-    "example_fsdp2_tp2": (EXAMPLE, COMMON, "example_single"),  # the YAML's own fsdp2 + tp 2
+    "ddp": (DEMO, COMMON + DATA + ["strategy.name=ddp", "trainer.micro_batch_size=1"], "single"),
+    "fsdp2": (DEMO, COMMON + DATA + ["strategy.name=fsdp2", "trainer.micro_batch_size=1"], "single"),
+    "fsdp2_tp2": (DEMO, COMMON + DATA + FSDP2_TP2, "single"),
+    "hsdp2x2": (DEMO, COMMON + DATA + ["strategy.name=fsdp2", "strategy.dp_replicate=2"], "single"),
+    "qwen3_fsdp2_tp2": (QWEN_DEMO, QWEN_COMMON + DATA + FSDP2_TP2, "qwen3_single"),
+    "example_fsdp2_tp2": (EXAMPLE, COMMON + DATA, "example_single"),  # the YAML's own fsdp2 + tp 2
 }
 WRONG_MESH = ["strategy.name=fsdp2", "strategy.dp_shard=3"]
 

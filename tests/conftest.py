@@ -82,17 +82,17 @@ def tiny_overrides(tmp_path: Path) -> list[str]:
 # sent the slowest files, which have few tests, last, and one worker ran them alone), so the
 # slowest files are collected first: longest first, each file to the worker that is free.
 # The table: CPU seconds of each file with `-n 0` (user + sys, children included), measured on
-# 2026-12-01 (a loaded machine) for test_parallel, test_runs_local, test_lora,
-# test_algorithms_train and test_eval_harness, estimated from the runs they start for the rest.
-# The last xdist run's own durations (pytest's cache, FILE_SECONDS_KEY) replace them; a file in
-# neither comes after these, in name order.
+# 2026-12-01 (a loaded machine) for test_resume, test_parallel, test_runs_local, test_hf,
+# test_lora, test_sft, test_algorithms_train, test_events_train and test_eval_harness, estimated
+# from the runs they start for the rest. The last xdist run's own durations (pytest's cache,
+# FILE_SECONDS_KEY) replace them; a file in neither comes after these, in name order.
 SLOW_FILES = {
-    "test_parallel.py": 270, "test_pipeline.py": 150, "test_resume.py": 120, "test_streaming.py": 100,
-    "test_runs_local.py": 97, "test_qwen3_moe.py": 80, "test_mixture_stream.py": 80,
+    "test_resume.py": 233, "test_pipeline.py": 150, "test_streaming.py": 100, "test_runs_local.py": 97,
+    "test_parallel.py": 93, "test_qwen3_moe.py": 80, "test_mixture_stream.py": 80,
     "test_benchmarks.py": 80, "test_expert_parallel.py": 70, "test_lora.py": 67,
-    "test_algorithms_train.py": 66, "test_sft.py": 60, "test_events_train.py": 60, "test_muon.py": 50,
-    "test_prepared.py": 50, "test_hf.py": 45, "test_runs_signals.py": 40, "test_eval_harness.py": 40,
-    "test_batch_size_warmup.py": 40, "test_loggers.py": 40,
+    "test_algorithms_train.py": 66, "test_events_train.py": 64, "test_muon.py": 50,
+    "test_prepared.py": 50, "test_sft.py": 44, "test_hf.py": 75, "test_runs_signals.py": 40,
+    "test_eval_harness.py": 40, "test_batch_size_warmup.py": 40, "test_loggers.py": 40,
 }
 FILE_SECONDS_KEY = "llmforge/file_seconds"
 _ran: dict[str, float] = {}

@@ -29,7 +29,8 @@ def home(tmp_path, monkeypatch):
 def test_a_registered_backend_is_a_cluster_type_like_the_builtins(home, capsys):
     from llmforge.registry import backends
     from llmforge.runs.backend import Backend
-    from llmforge.runs.clusters import Cluster, load_clusters
+    from llmforge.runs.cluster_types import Cluster
+    from llmforge.runs.clusters import load_clusters
 
     @dataclass
     class LabCluster(Cluster):

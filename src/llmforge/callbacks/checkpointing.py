@@ -33,7 +33,7 @@ from llmforge.checkpoint.rng import capture_rng, restore_rng
 from llmforge.checkpoint.safe_load import CheckpointShapeError, resume_shape_error
 from llmforge.errors import ConfigError
 from llmforge.parallel.lightning_private import optimizer_step_progress
-from llmforge.signals import EXIT_PREEMPTED, StopRequested
+from llmforge.signals import StopRequested
 
 
 class Preempted(StopRequested):

@@ -202,7 +202,7 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
                                 show_progress=show_progress)
     out = Path(out)
     cfg.data.streaming = True  # read lazily: a corpus never sits in memory
-    docs = load_documents(cfg.data, cfg.run.seed)
+    docs = load_documents(cfg.data, cfg.run.seed, by_line=True)
     if next(read_rows(docs.train, docs.files), None) is None:
         raise DataError(f"data: the source ({cfg.data.source} {cfg.data.path or ''}) holds no "
                         f"non-empty document; nothing was written to {out}")

@@ -99,12 +99,6 @@ class Layout:
     def world_size(self) -> int:
         return self.dp_replicate * self.dp_shard * self.tp * self.pp
 
-    def overrides(self) -> list[str]:
-        """The dotlist overrides that give this layout (activation checkpointing is an entry of
-        ``algorithms:``: see :func:`layout_config`)."""
-        return [f"strategy.dp_replicate={self.dp_replicate}", f"strategy.dp_shard={self.dp_shard}",
-                f"strategy.tp={self.tp}", f"trainer.micro_batch_size={self.micro_batch_size}"]
-
 
 @dataclass
 class StepMeasurement:
@@ -146,15 +140,27 @@ def refuse_ep(cfg: Any) -> None:
                           "afterwards (it borrows dp_shard ranks: the same world size)")
 
 
+def refuse_pp(cfg: Any) -> None:
+    """Raises ConfigError: ``strategy.pp > 1``, which the simulation and the planner do not lay
+    out yet (their layouts are dp x tp; a pp run's candidates would each fail on the degrees)."""
+    pp = cfg.strategy.get("pp", 1)
+    if pp != 1:
+        raise ConfigError(f"strategy.pp={pp}: llmforge plan, strategy.name=auto and --simulate lay "
+                          "out dp and tp only, not pipeline stages yet; plan with strategy.pp=1, "
+                          "or check a pipeline layout with --dry-run without --simulate")
+
+
 def layout_config(cfg: Any, layout: Layout, n_layers: Optional[int] = None) -> Any:
     """A copy of ``cfg`` with ``layout``: strategy degrees (``fsdp2``), micro-batch size, the
     ``activation_checkpointing`` entry replaced (kept with :data:`KEEP_AC`), ``compile`` left
     out, and ``model.n_layers`` when given.
 
     Raises:
-        ConfigError: ``strategy.ep > 1`` (:func:`refuse_ep`).
+        ConfigError: ``strategy.ep > 1`` (:func:`refuse_ep`) or ``strategy.pp > 1``
+            (:func:`refuse_pp`).
     """
     refuse_ep(cfg)
+    refuse_pp(cfg)
     out = copy.deepcopy(cfg)
     OmegaConf.set_readonly(out, False)
     s = out.strategy
@@ -319,5 +325,5 @@ def simulate_scaled(cfg: Any, layout: Layout, *, full_depth: Optional[int] = Non
         phases=phases, sharded_state=sharded)
 
 
-__all__ = ["AC_MODES", "CATEGORIES", "KEEP_AC", "Collective", "Layout", "StepMeasurement", "layout_config",
+__all__ = ["AC_MODES", "KEEP_AC", "Layout", "StepMeasurement", "layout_config",
            "model_layers", "simulate", "simulate_scaled"]

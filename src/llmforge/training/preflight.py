@@ -13,13 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from llmforge import registry
 from llmforge.algorithms.loading import pipeline_order
 from llmforge.checkpoint.safe_load import CheckpointShapeError, check_model_shapes, resume_shape_error
 from llmforge.config.validate import BatchPlan
 from llmforge.parallel.transforms import strategy_transforms
+from llmforge.plugin import meta_model
 from llmforge.preflight.resolve import resolve_run
 from llmforge.training.entries import build_callbacks
 from llmforge.training.trainer import Trainer
@@ -50,18 +48,15 @@ def pipeline_line(trainer: Any) -> str:
 
 def resume_shapes(cfg: Any, ckpt: Path) -> None:
     """A resume from ``ckpt`` can load into ``cfg``'s model: each model tensor of the checkpoint
-    that the model (built on the meta device from ``model:``, as ``LLMModule.build_model``
-    does; no weights read) has is of the same shape. ``llmforge runs restart`` checks it before
+    that the model (the run's model on the meta device, :func:`llmforge.plugin.meta_model`;
+    no weights read) has is of the same shape. ``llmforge runs restart`` checks it before
     submitting a job that changes ``model:`` keys (the job itself finds it only at load).
 
     Raises:
         ConfigError: a parameter of another shape (named, both shapes), exit 2.
         CheckpointReadError: the checkpoint's ``.metadata`` is missing or damaged.
     """
-    factory = registry.models.get(cfg.model.name, key="model.name")
-    with torch.device("meta"):
-        model = factory(cfg.model)
     try:
-        check_model_shapes(model, str(ckpt))
+        check_model_shapes(meta_model(cfg), str(ckpt))
     except CheckpointShapeError as exc:
         raise resume_shape_error(exc) from exc

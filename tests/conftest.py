@@ -6,6 +6,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -36,6 +37,31 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict |
                           capture_output=True, text=True, timeout=timeout)
 
 
+def run_main(*args: str, cwd: Path | None = None, env: dict | None = None) -> SimpleNamespace:
+    """Run ``llmforge ARGS`` in this process (``llmforge.cli.main``: no interpreter start, torch
+    imported once) from ``cwd`` with ``env`` added to ``os.environ``; both are restored after.
+
+    For tests of an exit code, a message or a run's files; a test of what only a fresh process
+    shows (start-up time, signals, a killed run) uses :func:`run_cli`. Returns ``returncode``,
+    ``stdout`` and ``stderr`` like :func:`run_cli`.
+    """
+    import contextlib
+    import io
+
+    from llmforge.cli import main
+    from llmforge.runs.checks import environment
+
+    out, err, before = io.StringIO(), io.StringIO(), os.getcwd()
+    try:
+        os.chdir(cwd or before)
+        with environment({**os.environ, **(env or {})}), contextlib.redirect_stdout(out), \
+                contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        os.chdir(before)
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
 TINY_OVERRIDES = [
     "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
     "model.multiple_of=32", "tokenizer.vocab_size=1024", "tokenizer.train_max_bytes=2000000",
@@ -48,3 +74,48 @@ TINY_OVERRIDES = [
 def tiny_overrides(tmp_path: Path) -> list[str]:
     """Overrides that turn demo_cpu.yaml into a seconds-long run under tmp_path."""
     return [*TINY_OVERRIDES, f"run.output_dir={tmp_path / 'runs'}"]
+
+
+# ------------------------------------------------------------------ two workers finish together
+# `-n 2 --dist loadfile` ends when the slower worker ends. xdist hands out the files in collection
+# order (pyproject.toml passes --no-loadscope-reorder: xdist's default order, most tests first,
+# sent the slowest files, which have few tests, last, and one worker ran them alone), so the
+# slowest files are collected first: longest first, each file to the worker that is free.
+# The table: CPU seconds of each file with `-n 0` (user + sys, children included), measured on
+# 2026-12-01 (a loaded machine) for test_resume, test_parallel, test_runs_local, test_hf,
+# test_lora, test_sft, test_algorithms_train, test_events_train and test_eval_harness, estimated
+# from the runs they start for the rest. The last xdist run's own durations (pytest's cache,
+# FILE_SECONDS_KEY) replace them; a file in neither comes after these, in name order.
+SLOW_FILES = {
+    "test_resume.py": 233, "test_pipeline.py": 150, "test_streaming.py": 100, "test_runs_local.py": 97,
+    "test_parallel.py": 93, "test_qwen3_moe.py": 80, "test_mixture_stream.py": 80,
+    "test_benchmarks.py": 80, "test_expert_parallel.py": 70, "test_lora.py": 67,
+    "test_algorithms_train.py": 66, "test_events_train.py": 64, "test_muon.py": 50,
+    "test_prepared.py": 50, "test_sft.py": 44, "test_hf.py": 75, "test_runs_signals.py": 40,
+    "test_eval_harness.py": 40, "test_batch_size_warmup.py": 40, "test_loggers.py": 40,
+}
+FILE_SECONDS_KEY = "llmforge/file_seconds"
+_ran: dict[str, float] = {}
+
+
+def _file_seconds(config) -> dict[str, float]:
+    cache = getattr(config, "cache", None)  # None under -p no:cacheprovider
+    return {**SLOW_FILES, **(cache.get(FILE_SECONDS_KEY, {}) if cache else {})}
+
+
+def pytest_collection_modifyitems(config, items):
+    seconds = _file_seconds(config)
+    items.sort(key=lambda item: -seconds.get(item.path.name, 0))  # stable: a file's order kept
+
+
+def pytest_runtest_logreport(report):
+    _ran[Path(report.fspath).name] = _ran.get(Path(report.fspath).name, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    config = session.config
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        return  # the xdist controller keeps the durations: it sees every worker's reports
+    if getattr(config, "cache", None) is not None and _ran:
+        config.cache.set(FILE_SECONDS_KEY, {**config.cache.get(FILE_SECONDS_KEY, {}),
+                                            **{k: round(v, 1) for k, v in _ran.items()}})

@@ -6,11 +6,12 @@ import torch
 from torch import nn
 
 from algo_harness import activation_bytes, fingerprint, make_cfg
-from conftest import DEMO, REPO, run_cli
+from conftest import DEMO, REPO
 from llmforge import registry
 from llmforge.algorithms import ActivationCheckpointing, Algorithm, Compile, Float8, Stage
 from llmforge.plugin import ModelContext, run_pipeline
 from llmforge.algorithms.loading import available, build_algorithms
+from llmforge.cli import main
 from llmforge.errors import ConfigError
 from llmforge.models.llama3.model import Llama, LlamaArgs
 
@@ -30,14 +31,13 @@ def pipeline_of(entries, model=None):
     return run_pipeline(model, transforms, ModelContext(cfg, None, None, "cpu")), algos
 
 
-def test_builtins_registered_and_listed():
+def test_builtins_registered_and_listed(capsys):
     assert {"compile", "activation_checkpointing", "float8"} <= set(registry.algorithms.names())
     rows = {name: (stage, summary) for name, stage, summary in available()}
     assert rows["float8"][0] == "convert" and rows["compile"][0] == "compile"
     assert rows["activation_checkpointing"][0] == "activation_checkpointing"
-    proc = run_cli("algorithms", timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.strip().splitlines()
+    assert main(["algorithms"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
     assert any(line.split()[:2] == ["float8", "convert"] for line in lines)
     assert any(line.split()[:2] == ["compile", "compile"] for line in lines)
 
@@ -92,18 +92,20 @@ def test_fp8_all_gather_accepted_under_fsdp2_on_two_ranks():
     assert algo.all_gather and algo.precompute
 
 
-def test_impossible_combination_fails_fast_through_the_cli(tmp_path):
-    proc = run_cli("train", DEMO, f"run.output_dir={tmp_path}",
-                   "algorithms=[{name: activation_checkpointing}, {name: compile},"
-                   " {name: activation_checkpointing, mode: selective}]", timeout=120)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "algorithms[0] (activation_checkpointing) and algorithms[2] (activation_checkpointing)" in proc.stderr
+def test_impossible_combination_fails_fast_through_the_cli(tmp_path, capsys):
+    """`llmforge train` (in this process: the exit code and message are the point)."""
+    code = main(["train", DEMO, f"run.output_dir={tmp_path}",
+                 "algorithms=[{name: activation_checkpointing}, {name: compile},"
+                 " {name: activation_checkpointing, mode: selective}]"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "algorithms[0] (activation_checkpointing) and algorithms[2] (activation_checkpointing)" in err
     assert not (tmp_path / "demo_cpu").exists()  # nothing was built
-    proc = run_cli("train", DEMO, f"run.output_dir={tmp_path}", "--nproc", "2",
-                   "strategy.name=ddp", "algorithms=[{name: float8, enable_fsdp_float8_all_gather: true}]",
-                   timeout=120)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "float8.enable_fsdp_float8_all_gather" in proc.stderr and "strategy.name=ddp" in proc.stderr
+    code = main(["train", DEMO, f"run.output_dir={tmp_path}", "--nproc", "2", "strategy.name=ddp",
+                 "algorithms=[{name: float8, enable_fsdp_float8_all_gather: true}]"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "float8.enable_fsdp_float8_all_gather" in err and "strategy.name=ddp" in err
 
 
 def test_yaml_order_does_not_change_the_structure():

@@ -1,6 +1,6 @@
 """Algorithms in training: same losses as eager (compile, activation checkpointing, both; one
-process in-process, FSDP2 on 2 processes through the CLI), float8 close to bf16, FP8 all-gather
-equal to FP8 without it, and YAML order without effect on the losses.
+process in-process, FSDP2 on 2 processes: `llmforge train` in one torchrun launch), float8 close
+to bf16, FP8 all-gather equal to FP8 without it, and YAML order without effect on the losses.
 
 Compilation dominates the time: each distinct graph compiles once per process, and inductor's
 on-disk FX graph cache makes identical graphs in later processes cheap, so the shapes are kept
@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from algo_harness import train_losses
-from conftest import DEMO, REPO, TINY_OVERRIDES, run_cli
+from conftest import DEMO, TINY_OVERRIDES
+from helpers.dist import torchrun, worker
 
 AC_MODES = {
     "full": {"name": "activation_checkpointing"},
@@ -92,67 +93,80 @@ class Probe(Callback):
 '''
 
 
-def cli_run(out: Path, name: str, *extra: str, nproc: int = 1, save: bool = False):
-    args = ["train", DEMO, *COMMON, *extra, f"run.output_dir={out}", f"run.name={name}",
-            f"checkpoint.save_final={str(save).lower()}"]
-    if nproc > 1:
-        args += ["--nproc", str(nproc), "strategy.name=fsdp2"]
-    proc = run_cli(*args, cwd=out, timeout=900)
-    assert proc.returncode == 0, (name, proc.stderr[-4000:])
-    records = [json.loads(x) for x in (out / name / "metrics.jsonl").read_text().splitlines()]
-    return proc, records
-
-
 def losses(records):
     return [r["train/loss"] for r in records if "train/loss" in r]
 
 
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# every FSDP2 run of this file, in ONE 2-process torchrun launch (tests/dist/train_worker.py runs
+# them in sequence from the launch's folder: f8probe.py is importable there); compile
+# last, so the runs before it start without dynamo state, as in a fresh process
+FSDP2_RUNS = {
+    "fsdp2_fp8": ["algorithms=[{name: float8}]"],
+    "fsdp2_fp8_all_gather": ["algorithms=[{name: float8, enable_fsdp_float8_all_gather: true}]",
+                             "callbacks=[{name: f8probe.Probe, out: types.json}]", "checkpoint.save_final=true"],
+    "fsdp2_compile_ac": ["algorithms=[{name: compile, compile_loss: true}, "
+                         "{name: activation_checkpointing, mode: selective, selective: op}]",
+                         "checkpoint.save_final=true"],
+}
+
+
 @pytest.fixture(scope="module")
-def cli_dir(tmp_path_factory):
+def cli_runs(tmp_path_factory):
+    """The runs' folder and each rank's report (exit code, stdout, stderr) by run name; the
+    one-process eager reference runs in this process."""
+    from llmforge.cli import main
+
     out = tmp_path_factory.mktemp("algos")
     (out / "f8probe.py").write_text(textwrap.dedent(PROBE))
-    return out
+    base = ["train", DEMO, *COMMON, f"run.output_dir={out}", "checkpoint.save_final=false"]
+    assert main([*base, "run.name=eager", "checkpoint.save_final=true"]) == 0
+    runs = {name: [*base, f"run.name={name}", "strategy.name=fsdp2", *extra]
+            for name, extra in FSDP2_RUNS.items()}
+    (out / "runs.json").write_text(json.dumps(runs))
+    proc = torchrun(worker("train_worker.py"), str(out), str(out / "runs.json"), timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 @pytest.mark.slow
-def test_compile_and_checkpointing_under_fsdp2_same_losses_as_eager(cli_dir):
+def test_compile_and_checkpointing_under_fsdp2_same_losses_as_eager(cli_runs):
     from llmforge.checkpoint.run_dir import load_for_inference
 
-    _, ref = cli_run(cli_dir, "eager", save=True)
-    algos = ("algorithms=[{name: compile, compile_loss: true}, "
-             "{name: activation_checkpointing, mode: selective, selective: op}]")
-    proc, got = cli_run(cli_dir, "fsdp2_compile_ac", algos, nproc=2, save=True)
+    out, reports = cli_runs
+    ref, got = records(out / "eager"), records(out / "fsdp2_compile_ac")
     assert len(losses(ref)) == 5
     assert losses(got) == pytest.approx(losses(ref), abs=1e-5)
     # the checkpoint has the plain model's keys (no wrapper or compile prefixes)
-    ref_w = load_for_inference(cli_dir / "eager")[0].state_dict()
-    got_w = load_for_inference(cli_dir / "fsdp2_compile_ac")[0].state_dict()
+    ref_w = load_for_inference(out / "eager")[0].state_dict()
+    got_w = load_for_inference(out / "fsdp2_compile_ac")[0].state_dict()
     assert list(got_w) == list(ref_w)
     for k in ref_w:
         torch.testing.assert_close(got_w[k], ref_w[k], atol=1e-4, rtol=0, msg=k)
-    # compile time: one line on rank 0, one metric in the records
-    assert proc.stdout.count("compile: ") == 1 and "s of compilation in the first step" in proc.stdout
+    # compile time: one line on rank 0 (none on rank 1), one metric in the records
+    stdout = [rank["fsdp2_compile_ac"]["stdout"] for rank in reports]
+    assert [s.count("compile: ") for s in stdout] == [1, 0]
+    assert "s of compilation in the first step" in stdout[0]
     logged = [r["time/compile_seconds"] for r in got if "time/compile_seconds" in r]
     assert len(logged) == 1 and logged[0] > 0
 
 
 @pytest.mark.slow
-def test_fp8_all_gather_under_fsdp2_same_losses_and_float8_shards(cli_dir):
-    _, plain = cli_run(cli_dir, "fsdp2_fp8", "algorithms=[{name: float8}]", nproc=2)
-    probe = cli_dir / "types.json"
-    proc, gathered = cli_run(
-        cli_dir, "fsdp2_fp8_all_gather",
-        "algorithms=[{name: float8, enable_fsdp_float8_all_gather: true}]",
-        f"callbacks=[{{name: f8probe.Probe, out: '{probe}'}}]", nproc=2, save=True)
+def test_fp8_all_gather_under_fsdp2_same_losses_and_float8_shards(cli_runs):
+    out, reports = cli_runs
+    plain, gathered = records(out / "fsdp2_fp8"), records(out / "fsdp2_fp8_all_gather")
     assert losses(gathered) == pytest.approx(losses(plain), abs=1e-4)
     # the checkpoint holds plain tensors: it loads without torchao's classes (weights_only)
     from llmforge.checkpoint.run_dir import load_for_inference
 
-    model = load_for_inference(cli_dir / "fsdp2_fp8_all_gather")[0]
+    model = load_for_inference(out / "fsdp2_fp8_all_gather")[0]
     assert type(model.layers[0].attention.wq.weight.data) is torch.Tensor
-    assert "float8: 14 Linear layers in FP8 (tensorwise, FP8 all-gather), 1 kept" in proc.stdout
-    types = json.loads(probe.read_text())
+    stdout = reports[0]["fsdp2_fp8_all_gather"]["stdout"]
+    assert "float8: 14 Linear layers in FP8 (tensorwise, FP8 all-gather), 1 kept" in stdout
+    types = json.loads((out / "types.json").read_text())
     assert types["layers.0.attention.wq.weight"] == ["DTensor", "WeightWithDynamicFloat8CastTensor"]
     assert types["layers.1.feed_forward.w2.weight"][1] == "WeightWithDynamicFloat8CastTensor"
     assert types["output.weight"] == ["DTensor", "Tensor"]  # kept in high precision
-

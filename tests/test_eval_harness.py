@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import DEMO, TINY_OVERRIDES, run_cli
+from conftest import DEMO, TINY_OVERRIDES, run_main
 
 pytest.importorskip("lm_eval")
 
@@ -53,7 +53,7 @@ def write_task(folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("harness")
-    proc = run_cli("train", DEMO, *TINY_OVERRIDES, f"run.output_dir={out}", "run.name=h",
+    proc = run_main("train", DEMO, *TINY_OVERRIDES, f"run.output_dir={out}", "run.name=h",
                    "trainer.max_steps=6", "trainer.eval_every=0", "data.max_documents=20",
                    cwd=out)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -90,7 +90,7 @@ def test_adapter_loglikelihood_matches_a_direct_computation(trained):
 
 def test_llmforge_eval_runs_a_local_task_and_writes_the_score(trained):
     run_dir, tasks = trained
-    proc = run_cli("eval", str(run_dir), "--tasks", "tiny_mc", "--include-path", str(tasks),
+    proc = run_main("eval", str(run_dir), "--tasks", "tiny_mc", "--include-path", str(tasks),
                    "--batch-size", "4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tiny_mc/acc " in proc.stdout
@@ -101,7 +101,7 @@ def test_llmforge_eval_runs_a_local_task_and_writes_the_score(trained):
     last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     assert last == {"step": 6, **{f"eval/harness/{k}": v for k, v in line["scores"].items()}}
 
-    bad = run_cli("eval", str(run_dir), "--tasks", "tiny_mcq", "--include-path", str(tasks))
+    bad = run_main("eval", str(run_dir), "--tasks", "tiny_mcq", "--include-path", str(tasks))
     assert bad.returncode == 2 and "unknown lm-eval task(s): 'tiny_mcq' (did you mean tiny_mc" in bad.stderr
     assert "Traceback" not in bad.stderr
     # a task whose template does not render: exit 2, naming the task folder
@@ -109,12 +109,12 @@ def test_llmforge_eval_runs_a_local_task_and_writes_the_score(trained):
     broken.mkdir()
     (broken / "tiny_bad.yaml").write_text((tasks / "tiny_mc.yaml").read_text().replace(
         "task: tiny_mc", "task: tiny_bad").replace("{{question}}", "{{question | nosuchfilter}}"))
-    bad = run_cli("eval", str(run_dir), "--tasks", "tiny_bad", "--include-path", str(broken / "tiny_bad.yaml"))
+    bad = run_main("eval", str(run_dir), "--tasks", "tiny_bad", "--include-path", str(broken / "tiny_bad.yaml"))
     assert bad.returncode == 2 and "could not run tiny_bad (task YAMLs in" in bad.stderr, bad.stderr[-2000:]
     assert "nosuchfilter" in bad.stderr and "Traceback" not in bad.stderr
     for args, words in [(["--limit", "1.5"], "--limit must be a whole count"),
                         (["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "foo"], "--device")]:
-        bad = run_cli("eval", str(run_dir), "--tasks", "tiny_mc", *args)
+        bad = run_main("eval", str(run_dir), "--tasks", "tiny_mc", *args)
         assert bad.returncode == 2 and words in bad.stderr, bad.stderr[-2000:]
 
 
@@ -128,7 +128,7 @@ def test_scores_leave_out_bookkeeping_entries():
 
 def test_eval_harness_callback_logs_scores_during_training(tmp_path, trained):
     tasks = trained[1]
-    proc = run_cli("train", DEMO, *TINY_OVERRIDES, f"run.output_dir={tmp_path}", "run.name=cb",
+    proc = run_main("train", DEMO, *TINY_OVERRIDES, f"run.output_dir={tmp_path}", "run.name=cb",
                    "trainer.max_steps=4", "trainer.eval_every=0", "trainer.log_every=2",
                    "data.max_documents=20", "checkpoint.save_final=false",
                    f"callbacks=[{{name: eval_harness, tasks: [tiny_mc], every: 2, "

@@ -4,7 +4,7 @@ exactly the injected step, and Lightning's own EarlyStopping / loggers / Learnin
 work beside llmforge's, with an MLflow run read back by MLflow's client.
 
 The 1-process runs go in-process (``llmforge.cli.main``); the killed run and the 2-process
-runs are real processes (gloo)."""
+runs are real processes (gloo; both 2-process runs in one torchrun launch)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,13 @@ import pytest
 import torch
 
 from conftest import DEMO, REPO, TINY_OVERRIDES, run_cli
+from helpers.dist import torchrun, worker
 
 BASE = [*TINY_OVERRIDES, "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
         "trainer.max_steps=8", "trainer.log_every=1", "trainer.eval_every=4", "trainer.eval_batches=1",
-        "scheduler.warmup_steps=2", "optimizer.lr=3e-3"]
+        "scheduler.warmup_steps=2", "optimizer.lr=3e-3",
+        # 6 of Shakespeare's 42 texts: each run tokenizes its data (all 42: ~4.5 s of CPU a run)
+        "data.max_documents=6"]
 GROUP = ("algorithms=[{name: z_loss, coef: 1.0e-3}, {name: seq_length_warmup, duration: 6, "
          "min_seq_len: 16, step_size: 8}, {name: ema, decay: 0.9}, "
          "{name: loss_spike_guard, factor: 50.0, min_history: 2}]")
@@ -33,11 +36,9 @@ def train_in_process(out: Path, name: str, *extra: str) -> Path:
     return out / name
 
 
-def train_process(out: Path, name: str, *extra: str, nproc: int = 1):
-    args = ["train", DEMO, *BASE, f"run.output_dir={out}", f"run.name={name}", *extra]
-    if nproc > 1:
-        args += ["--nproc", str(nproc), "strategy.name=fsdp2"]
-    return run_cli(*args, cwd=REPO, timeout=600)
+def train_process(out: Path, name: str, *extra: str):
+    return run_cli("train", DEMO, *BASE, f"run.output_dir={out}", f"run.name={name}", *extra,
+                   cwd=REPO, timeout=600)
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -95,13 +96,23 @@ def test_sigkill_then_resume_is_bit_exact_with_the_stateful_algorithms(out, refe
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.fixture(scope="module")
+def fsdp2_runs(out):
+    """Both FSDP2 runs in ONE 2-process torchrun launch (tests/dist/train_worker.py runs them
+    in sequence): each launch costs ~8 s of imports per process."""
+    runs = {f"{name}2": ["train", DEMO, *BASE, f"run.output_dir={out}", f"run.name={name}2", algos,
+                         "strategy.name=fsdp2"] for name, algos in (("events", GROUP), ("chunked", CHUNKED))}
+    (out / "runs.json").write_text(json.dumps(runs))
+    proc = torchrun(worker("train_worker.py"), str(out), str(out / "runs.json"), timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("algos", [GROUP, CHUNKED], ids=["events", "chunked_ce"])
-def test_fsdp2_on_two_processes_gives_the_losses_of_one(out, reference, algos):
+def test_fsdp2_on_two_processes_gives_the_losses_of_one(out, reference, fsdp2_runs, algos):
     name = "events" if algos == GROUP else "chunked"
     one = reference if algos == GROUP else train_in_process(out, "chunked1", CHUNKED)
-    two = train_process(out, f"{name}2", algos, nproc=2)
-    assert two.returncode == 0, two.stderr[-3000:]
     a, b = series(one, "train/loss"), series(out / f"{name}2", "train/loss")
     assert sorted(a) == sorted(b) == list(range(1, 9))
     for s in a:

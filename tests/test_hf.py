@@ -71,19 +71,19 @@ def test_sharded_index_export_and_import(tmp_path):
 
 
 def test_convert_cli_round_trip(tmp_path):
-    from conftest import run_cli
+    from conftest import run_main
 
     hf, path = tiny_hf(tmp_path, False)
-    proc = run_cli("convert", "from-hf", str(path), str(tmp_path / "run"))
+    proc = run_main("convert", "from-hf", str(path), str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "run" / "checkpoints" / "step_00000000" / "COMPLETE").exists()
-    proc = run_cli("convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "back"))
+    proc = run_main("convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "back"))
     assert proc.returncode == 0, proc.stderr
     back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()
     tokens = torch.randint(0, 128, (1, 12))
     with torch.no_grad():
         torch.testing.assert_close(back(tokens).logits, hf(tokens).logits, atol=1e-5, rtol=1e-5)
-    bad = run_cli("convert", "from-hf", str(tmp_path / "nothing"), str(tmp_path / "x"))
+    bad = run_main("convert", "from-hf", str(tmp_path / "nothing"), str(tmp_path / "x"))
     assert bad.returncode == 2 and "config.json" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -91,8 +91,9 @@ def test_convert_cli_round_trip(tmp_path):
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_train_from_hf_weights(tmp_path, nproc):
     """model.init_from=hf:PATH loads the weights (rank-locally under FSDP2): with a ~0 learning
-    rate the trained model still gives the HF model's logits."""
-    from conftest import REPO, TINY_OVERRIDES, run_cli
+    rate the trained model still gives the HF model's logits. One process runs in this process;
+    2 processes through `--nproc 2` (the CLI's own launcher)."""
+    from conftest import REPO, TINY_OVERRIDES, run_cli, run_main
 
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
@@ -102,13 +103,14 @@ def test_train_from_hf_weights(tmp_path, nproc):
     hf.save_pretrained(tmp_path / "hf")
     args = ["train", str(REPO / "yamls" / "demo_cpu.yaml"), *TINY_OVERRIDES, "trainer.max_steps=1",
             "trainer.eval_every=0", "optimizer.lr=1e-30", "optimizer.weight_decay=0",
-            "scheduler.warmup_steps=0", f"model.init_from=hf:{tmp_path / 'hf'}",
+            "scheduler.warmup_steps=0", "data.max_documents=6", f"model.init_from=hf:{tmp_path / 'hf'}",
             f"run.output_dir={tmp_path}", "run.name=ft"]
     if nproc > 1:
-        args += ["--nproc", "2", "strategy.name=fsdp2"]
-    proc = run_cli(*args)
+        proc = run_cli(*args, "--nproc", "2", "strategy.name=fsdp2")
+    else:
+        proc = run_main(*args)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = run_cli("convert", "to-hf", str(tmp_path / "ft"), str(tmp_path / "back"))
+    out = run_main("convert", "to-hf", str(tmp_path / "ft"), str(tmp_path / "back"))
     assert out.returncode == 0, out.stderr
     back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()
     tokens = torch.randint(0, 1024, (1, 16))
@@ -121,7 +123,7 @@ def test_train_from_hf_weights(tmp_path, nproc):
         theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "back")
         assert theirs("ROMEO.").input_ids == ours.encode("ROMEO.", bos=True)
         assert all(f.stat().st_mode & 0o044 == 0o044 for f in (tmp_path / "back").iterdir())
-        again = run_cli("convert", "to-hf", str(tmp_path / "ft"), str(tmp_path / "back"))
+        again = run_main("convert", "to-hf", str(tmp_path / "ft"), str(tmp_path / "back"))
         assert again.returncode == 2 and "--overwrite" in again.stderr
 
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from algo_harness import batches, make_cfg, make_module
-from conftest import DEMO, REPO, TINY_OVERRIDES, run_cli
+from conftest import DEMO, REPO, TINY_OVERRIDES, run_cli, run_main
+from helpers.dist import torchrun, worker
 
 from llmforge.algorithms.lora import LoRA, init_adapters, is_adapter_key, merge_lora
 from llmforge.errors import ConfigError
@@ -130,7 +131,7 @@ def test_bad_settings_are_config_errors():
         build_algorithms(cfg)
     with pytest.raises(ConfigError, match="tie_embeddings"):
         build_algorithms(make_cfg([{**LORA, "targets": ["output"]}], tie_embeddings=True))
-    proc = run_cli("train", DEMO, "algorithms=[{name: lora, targets: [nope]}]", "--dry-run")
+    proc = run_main("train", DEMO, "algorithms=[{name: lora, targets: [nope]}]", "--dry-run")
     assert proc.returncode == 2 and "lora.targets entry 'nope'" in proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -197,11 +198,13 @@ def test_peft_export_loads_with_peft_and_gives_equal_logits(tmp_path):
 
 
 # ------------------------------------------------------------------------ CLI runs
-def cli_train(out: Path, name: str, *extra: str, nproc: int = 1):
-    args = ["train", DEMO, *COMMON, f"run.output_dir={out}", f"run.name={name}", *extra]
-    if nproc > 1:
-        args += ["--nproc", str(nproc), "strategy.name=fsdp2"]
-    proc = run_cli(*args, cwd=out, timeout=900)
+def train_args(out: Path, name: str, *extra: str) -> list[str]:
+    return ["train", DEMO, *COMMON, f"run.output_dir={out}", f"run.name={name}", *extra]
+
+
+def cli_train(out: Path, name: str, *extra: str):
+    """One process, in this process (``llmforge.cli.main``)."""
+    proc = run_main(*train_args(out, name, *extra), cwd=out)
     assert proc.returncode == 0, (name, proc.stderr[-4000:])
     return proc
 
@@ -251,14 +254,14 @@ def test_cli_checkpoint_holds_adapters_and_the_base_pointer(hf_runs):
         else:
             assert torch.equal(got[k], want[k]), k
     # init_from on an adapter-only checkpoint explains itself
-    proc = run_cli("train", DEMO, *COMMON, f"model.init_from={ckpt}", f"run.output_dir={out}",
-                   "run.name=bad", "trainer.max_steps=2")
+    proc = run_main("train", DEMO, *COMMON, f"model.init_from={ckpt}", f"run.output_dir={out}",
+                    "run.name=bad", "trainer.max_steps=2")
     assert proc.returncode == 2 and "holds only the adapters of lora" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     # resuming needs the same base (here: a random init instead of the HF weights)
     # (allow_config_changes: the generic resume check would refuse first; the plugin's checks
     # refuse even when the user allows changed settings)
-    other = run_cli("train", DEMO, *COMMON, LORA_CLI, "trainer.max_steps=6", "checkpoint.allow_config_changes=true",
+    other = run_main("train", DEMO, *COMMON, LORA_CLI, "trainer.max_steps=6", "checkpoint.allow_config_changes=true",
                     f"checkpoint.resume={ckpt}", f"run.output_dir={out}", "run.name=other_base")
     assert other.returncode == 2 and "trained on the base 'weights of hf:" in other.stderr, other.stderr[-2000:]
     assert "Traceback" not in other.stderr
@@ -272,7 +275,7 @@ def test_cli_checkpoint_holds_adapters_and_the_base_pointer(hf_runs):
     for lora, words in [(LORA_CLI.replace("alpha: 12", "alpha: 99"), "saved with alpha=12.0; this run has alpha=99.0"),
                         (LORA_CLI.replace("rank: 4", "rank: 8"), "saved with rank=4; this run has rank=8"),
                         ("algorithms=[]", "holds only the adapters of lora")]:
-        proc = run_cli("train", DEMO, *COMMON, lora, *base)
+        proc = run_main("train", DEMO, *COMMON, lora, *base)
         assert proc.returncode == 2 and words in proc.stderr, proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr
         assert (out / "changed" / "config.yaml").read_text() == before
@@ -298,9 +301,9 @@ def test_cli_export_merged_and_peft(hf_runs, tmp_path):
     from llmforge.checkpoint.run_dir import load_model
 
     out, hf = hf_runs
-    merged = run_cli("convert", "to-hf", str(out / "straight"), str(tmp_path / "merged"))
+    merged = run_main("convert", "to-hf", str(out / "straight"), str(tmp_path / "merged"))
     assert merged.returncode == 0, merged.stderr[-2000:]
-    adapters = run_cli("convert", "to-hf", str(out / "straight"), str(tmp_path / "peft"), "--adapters-only")
+    adapters = run_main("convert", "to-hf", str(out / "straight"), str(tmp_path / "peft"), "--adapters-only")
     assert adapters.returncode == 0, adapters.stderr[-2000:]
     assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(out / "hf")
     tokens = torch.randint(0, 1024, (2, 20))
@@ -310,31 +313,51 @@ def test_cli_export_merged_and_peft(hf_runs, tmp_path):
         wrapped = peft.PeftModel.from_pretrained(hf, str(tmp_path / "peft")).eval()(tokens).logits
     torch.testing.assert_close(back, ours, atol=1e-5, rtol=0)
     torch.testing.assert_close(wrapped, ours, atol=1e-5, rtol=0)
-    plain = run_cli("convert", "to-hf", str(out / "hf"), str(tmp_path / "x"), "--adapters-only")
+    plain = run_main("convert", "to-hf", str(out / "hf"), str(tmp_path / "x"), "--adapters-only")
     assert plain.returncode != 0 and "Traceback" not in plain.stderr
 
 
+COMPILE_AC = ("algorithms=[{name: lora, rank: 4, alpha: 12, targets: [wq, wk, wv, wo, w1, w2, w3], "
+              "base_dtype: float32}, {name: compile}, {name: activation_checkpointing}]")
+F8 = "algorithms=[{name: lora, rank: 4, alpha: 8, base_dtype: bfloat16}, {name: float8, emulate: true%s}]"
+
+
+@pytest.fixture(scope="module")
+def fsdp2_runs(tmp_path_factory):
+    """The one-process references in this process; both FSDP2 runs in ONE 2-process torchrun
+    launch (tests/dist/train_worker.py; compile last: the run before it starts without dynamo
+    state). Returns the folder and rank 0's report (stdout by run name)."""
+    out = tmp_path_factory.mktemp("lora_fsdp2")
+    steps = "trainer.max_steps=3"
+    cli_train(out, "one_compile_ac", LORA_CLI.replace("dropout: 0.1", "dropout: 0.0"), steps)
+    cli_train(out, "one_f8", F8 % "", steps)
+    runs = {"two_f8": train_args(out, "two_f8", F8 % ", enable_fsdp_float8_all_gather: true", steps,
+                                 "strategy.name=fsdp2"),
+            "two_compile_ac": train_args(out, "two_compile_ac", COMPILE_AC, steps, "strategy.name=fsdp2")}
+    (out / "runs.json").write_text(json.dumps(runs))
+    proc = torchrun(worker("train_worker.py"), str(out), str(out / "runs.json"), timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out, json.loads((out / "rank0.json").read_text())
+
+
 @pytest.mark.slow
-def test_fsdp2_two_processes_with_compile_and_checkpointing(tmp_path):
+def test_fsdp2_two_processes_with_compile_and_checkpointing(fsdp2_runs):
     """Random-init base (pointer: the seed), FSDP2 over 2 gloo processes with per-block compile
     and activation checkpointing: the same losses and adapters as one eager process."""
     from llmforge.checkpoint.tools import tensor_entries
     from llmforge.checkpoint.run_dir import load_model
 
-    steps = ["trainer.max_steps=3"]
-    cli_train(tmp_path, "one", LORA_CLI.replace("dropout: 0.1", "dropout: 0.0"), *steps)
-    algos = ("algorithms=[{name: lora, rank: 4, alpha: 12, targets: [wq, wk, wv, wo, w1, w2, w3], "
-             "base_dtype: float32}, {name: compile}, {name: activation_checkpointing}]")
-    proc = cli_train(tmp_path, "two", algos, *steps, nproc=2)
-    assert "lora: 14 Linear layers with rank-4 adapters" in proc.stdout
-    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    out, report = fsdp2_runs
+    assert "lora: 14 Linear layers with rank-4 adapters" in report["two_compile_ac"]["stdout"]
+    one, two = losses(out / "one_compile_ac"), losses(out / "two_compile_ac")
     assert list(two.values()) == pytest.approx(list(one.values()), abs=1e-5)
-    ckpt = tmp_path / "two" / "checkpoints" / "step_00000003"
+    ckpt = out / "two_compile_ac" / "checkpoints" / "step_00000003"
     meta = json.loads((ckpt / "meta.json").read_text())
     assert meta["world_size"] == 2 and meta["base"] == {
         "init_from": None, "seed": 1234, "description": "random init of model 'llama3' with run.seed=1234"}
     assert all(is_adapter_key(k) for k in tensor_entries(ckpt) if k.startswith("model."))
-    wa, wb = load_model(tmp_path / "one")[0].state_dict(), load_model(tmp_path / "two")[0].state_dict()
+    wa = load_model(out / "one_compile_ac")[0].state_dict()
+    wb = load_model(out / "two_compile_ac")[0].state_dict()
     for k in wa:
         if is_adapter_key(k):  # AdamW amplifies reduction-order noise in tiny early gradients;
             # PLATFORM.md's fp32 parameter tolerance (measured max here: 1.3e-5)
@@ -344,20 +367,17 @@ def test_fsdp2_two_processes_with_compile_and_checkpointing(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp2_float8_all_gather_on_a_bf16_base(tmp_path):
+def test_fsdp2_float8_all_gather_on_a_bf16_base(fsdp2_runs):
     """float8 converts the frozen bf16 base (FP8 all-gather, emulated on the CPU), LoRA adds
     fp32 adapters on top: 2 processes train like 1 within the FP8 tolerance of PLATFORM.md."""
     from llmforge.checkpoint.run_dir import load_model
 
-    algos = ("algorithms=[{name: lora, rank: 4, alpha: 8, base_dtype: bfloat16}, "
-             "{name: float8, emulate: true%s}]")
-    cli_train(tmp_path, "one", algos % "", "trainer.max_steps=3")
-    proc = cli_train(tmp_path, "two", algos % ", enable_fsdp_float8_all_gather: true",
-                     "trainer.max_steps=3", nproc=2)
-    assert "FP8 all-gather" in proc.stdout and "base in bfloat16" in proc.stdout
-    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    out, report = fsdp2_runs
+    stdout = report["two_f8"]["stdout"]
+    assert "FP8 all-gather" in stdout and "base in bfloat16" in stdout
+    one, two = losses(out / "one_f8"), losses(out / "two_f8")
     assert list(two.values()) == pytest.approx(list(one.values()), abs=1e-3)
-    model = load_model(tmp_path / "two")[0]  # adapters onto the rebuilt base, without torchao
+    model = load_model(out / "two_f8")[0]  # adapters onto the rebuilt base, without torchao
     assert model.layers[0].attention.wq.weight.dtype == torch.bfloat16
     assert torch.count_nonzero(model.layers[0].attention.wq.lora_B.weight) > 0
 
@@ -365,7 +385,7 @@ def test_fsdp2_float8_all_gather_on_a_bf16_base(tmp_path):
 # ------------------------------------------------------------------------ dry run
 def test_dry_run_405b_lora_fits_192_not_80():
     y = str(REPO / "yamls" / "llama3_405b_lora.yaml")
-    proc = run_cli("train", y, "--dry-run")  # without the HF folder: the preset's shape
+    proc = run_main("train", y, "--dry-run")  # without the HF folder: the preset's shape
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert "trainable       101.15M" in out and "frozen          405.85B" in out
@@ -373,11 +393,11 @@ def test_dry_run_405b_lora_fits_192_not_80():
     assert "device memory   does NOT fit in 80 GiB" in out
     assert "device memory   fits in 192 GiB" in out
     assert "pipeline        build (meta) -> lora -> activation_checkpointing -> compile -> fsdp2" in out
-    offload = run_cli("train", y, "--dry-run", "--device-memory-gib", "80", "strategy.cpu_offload=true")
+    offload = run_main("train", y, "--dry-run", "--device-memory-gib", "80", "strategy.cpu_offload=true")
     assert "base 0.00 GiB (on the CPU" in offload.stdout
     assert "device memory   fits in 80 GiB" in offload.stdout
     assert "192 GiB" not in offload.stdout
-    eight = run_cli("train", str(REPO / "yamls" / "llama3_8b_lora.yaml"), "--dry-run",
-                    "--device-memory-gib", "40")
+    eight = run_main("train", str(REPO / "yamls" / "llama3_8b_lora.yaml"), "--dry-run",
+                     "--device-memory-gib", "40")
     assert eight.returncode == 0 and "device memory   fits in 40 GiB" in eight.stdout
     assert "trainable       41.94M" in eight.stdout

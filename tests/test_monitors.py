@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import REPO, TINY_OVERRIDES, run_cli
+from conftest import REPO, TINY_OVERRIDES, run_main
 from llmforge.callbacks import speed as speed_mod
 from llmforge.callbacks.peak_flops import peak_tflops
 from llmforge.callbacks.speed import SpeedMonitor
@@ -154,10 +154,10 @@ def test_nan_guard_flags_non_finite_values():
 @pytest.mark.slow
 def test_nan_guard_stops_a_diverging_run_and_keeps_the_last_checkpoint(tmp_path):
     # lr 1e6 (warmup 2): the weights blow up; step 3's gradient norm is NaN on this seed
-    proc = run_cli("train", str(REPO / "yamls" / "demo_cpu.yaml"), *TINY_OVERRIDES,
-                   f"run.output_dir={tmp_path}", "optimizer.lr=1e6", "trainer.max_steps=20",
-                   "trainer.eval_every=0", "trainer.log_every=1", "checkpoint.save_every=2",
-                   "callbacks=[{name: nan_guard}]", timeout=300)
+    proc = run_main("train", str(REPO / "yamls" / "demo_cpu.yaml"), *TINY_OVERRIDES,
+                    f"run.output_dir={tmp_path}", "optimizer.lr=1e6", "trainer.max_steps=20",
+                    "trainer.eval_every=0", "trainer.log_every=1", "checkpoint.save_every=2",
+                    "callbacks=[{name: nan_guard}]")
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "error: training diverged at step 3" in proc.stderr
     assert "step_00000002, is intact" in proc.stderr

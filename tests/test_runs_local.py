@@ -9,11 +9,10 @@ import os
 import signal
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
-from conftest import DEMO, REPO, TINY_OVERRIDES, run_cli
+from conftest import DEMO, REPO, TINY_OVERRIDES, run_main
 from llmforge.job import torchrun
 from llmforge.runs import local
 from llmforge.job.records import RunRegistry
@@ -45,22 +44,8 @@ def out(tmp_path_factory):
 def cli(home, *args):
     """``llmforge ARGS`` in this process (torch is imported once, not per launch), from REPO with
     LLMFORGE_HOME and the secrets set; returns returncode, stdout, stderr like a subprocess."""
-    import contextlib
-    import io
-
-    from llmforge.cli import main
-    from llmforge.runs.checks import environment
-
-    out, err, cwd = io.StringIO(), io.StringIO(), os.getcwd()
-    try:
-        os.chdir(REPO)
-        path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])  # as run_cli: tests.helpers
-        with environment({**os.environ, "LLMFORGE_HOME": str(home), "PYTHONPATH": path, **SECRETS}), \
-                contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(list(args))
-    finally:
-        os.chdir(cwd)
-    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])  # as run_cli: tests.helpers
+    return run_main(*args, cwd=REPO, env={"LLMFORGE_HOME": str(home), "PYTHONPATH": path, **SECRETS})
 
 
 def launch(home, out, name, *extra):
@@ -133,8 +118,7 @@ def test_launch_two_cpu_processes_matches_one_process(home, out):
         for value in SECRETS.values():
             assert value.encode() not in blob, p
 
-    ref = run_cli("train", DEMO, *BASE, "trainer.max_steps=6", f"run.output_dir={out}", "run.name=one",
-                  cwd=REPO)
+    ref = cli(home, "train", DEMO, *BASE, "trainer.max_steps=6", f"run.output_dir={out}", "run.name=one")
     assert ref.returncode == 0, ref.stderr[-3000:]
     two, one = train_losses(run.run_dir), train_losses(out / "one")
     assert sorted(two) == sorted(one) == list(range(1, 7))
@@ -161,7 +145,7 @@ def test_stop_restart_and_a_killed_run(home, out):
     assert ckpt is not None and (ckpt / "COMPLETE").exists()
     step = json.loads((ckpt / "meta.json").read_text())["step"]
     assert step >= 3 and step == rec.last_step
-    inspect = run_cli("checkpoint", "inspect", str(ckpt), cwd=REPO)
+    inspect = cli(home, "checkpoint", "inspect", str(ckpt))
     assert inspect.returncode == 0 and f"step         {step}" in inspect.stdout, inspect.stderr
 
     restarted = cli(home, "runs", "restart", run.id)

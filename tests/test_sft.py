@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from conftest import REPO, TINY_OVERRIDES, run_cli
+from conftest import REPO, TINY_OVERRIDES, run_main
+from helpers.dist import torchrun, worker
 from llmforge.cli import main
 from llmforge.config.schema import DataConfig
 from llmforge.data.chat import Llama3ChatTemplate, build_chat_template, render_llama3
@@ -339,8 +340,8 @@ def make_instructions(path, n):
 
 def test_demo_sft_yaml_trains_and_loss_decreases(tmp_path):
     data = make_instructions(tmp_path / "instructions.jsonl", 200)
-    proc = run_cli("train", str(REPO / "yamls" / "demo_cpu_sft.yaml"), *sft_args(tmp_path, data),
-                   "trainer.max_steps=25", "optimizer.lr=3e-3", "scheduler.warmup_steps=3")
+    proc = run_main("train", str(REPO / "yamls" / "demo_cpu_sft.yaml"), *sft_args(tmp_path, data),
+                    "trainer.max_steps=25", "optimizer.lr=3e-3", "scheduler.warmup_steps=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "sft train: " in proc.stderr and "target tokens" in proc.stderr
     recs = records(tmp_path / "demo_cpu_sft")
@@ -353,8 +354,8 @@ def test_demo_sft_yaml_trains_and_loss_decreases(tmp_path):
     from llmforge.models.sampling import generate
 
     run = tmp_path / "demo_cpu_sft"
-    gen = run_cli("generate", str(run), "--chat", "--prompt", "What is 3 plus 4?",
-                  "--temperature", "0", "--max-new-tokens", "40")
+    gen = run_main("generate", str(run), "--chat", "--prompt", "What is 3 plus 4?",
+                   "--temperature", "0", "--max-new-tokens", "40")
     assert gen.returncode == 0, gen.stderr[-2000:]
     model, tok, _ = load_for_inference(run)
     template = Llama3ChatTemplate(tok)
@@ -405,17 +406,21 @@ def test_sft_from_a_pretrained_run_and_bad_line_exit_2(tmp_path, capsys):
 @pytest.mark.slow
 def test_packed_sft_same_losses_under_tensor_parallel_and_fsdp2(tmp_path):
     """doc_ids (positions + block-diagonal mask) pass through TP (2 processes, sequence
-    parallel) and FSDP2 (2 processes) unchanged: the losses equal one process within 1e-5."""
+    parallel) and FSDP2 (2 processes) unchanged: the losses equal one process within 1e-5.
+    One process runs in this process; TP and FSDP2 in ONE 2-process torchrun launch
+    (tests/dist/train_worker.py runs both in sequence)."""
     data = make_instructions(tmp_path / "instructions.jsonl", 120)
-    args = [*sft_args(tmp_path, data), "trainer.max_steps=3", "scheduler.warmup_steps=0",
-            "trainer.micro_batch_size=4", "data.val_fraction=0"]
-    out = {}
-    for name, extra in [("single", []), ("tp2", ["strategy.tp=2", "--nproc", "2"]),
-                        ("fsdp2", ["strategy.name=fsdp2", "--nproc", "2"])]:
-        proc = run_cli("train", str(REPO / "yamls" / "demo_cpu_sft.yaml"), *args,
-                       f"run.name={name}", *extra, timeout=600)
-        assert proc.returncode == 0, (name, proc.stderr[-3000:])
-        out[name] = [r["train/loss"] for r in records(tmp_path / name) if "train/loss" in r]
+    args = ["train", str(REPO / "yamls" / "demo_cpu_sft.yaml"), *sft_args(tmp_path, data),
+            "trainer.max_steps=3", "scheduler.warmup_steps=0", "trainer.micro_batch_size=4",
+            "data.val_fraction=0"]
+    assert main([*args, "run.name=single"]) == 0
+    runs = {"tp2": [*args, "run.name=tp2", "strategy.tp=2"],
+            "fsdp2": [*args, "run.name=fsdp2", "strategy.name=fsdp2"]}
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    proc = torchrun(worker("train_worker.py"), str(tmp_path), str(tmp_path / "runs.json"), timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = {name: [r["train/loss"] for r in records(tmp_path / name) if "train/loss" in r]
+           for name in ("single", "tp2", "fsdp2")}
     assert len(out["single"]) == 3
     for name in ("tp2", "fsdp2"):
         assert out[name] == pytest.approx(out["single"], abs=1e-5), (name, out)

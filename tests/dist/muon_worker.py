@@ -1,11 +1,13 @@
-"""Run under torchrun (gloo): Muon+AdamW on a sharded model against one process.
+"""Run under torchrun (gloo) on 4 processes: Muon+AdamW on a sharded model against one process.
 
-Each rank trains the same tiny model on the same batches unsharded (torch.optim.Muon's own step),
-under FSDP2 and under tensor parallel over all ranks (DTensor shards: gather, orthogonalize, keep
-the shard, matrices dealt round-robin over the ranks); writes ``<out>/rank<R>.json`` with the loss
-curves and each parameter's largest difference. The FSDP2 run's model and optimizer are saved
+Each rank trains the same tiny model on the same batches unsharded, then in three layouts of the 4
+ranks (DTensor shards: gather, orthogonalize, keep the shard; on a 1-D mesh the matrices are dealt
+round-robin over the ranks): ``fsdp4`` (FSDP2 over 4), ``hsdp`` (FSDP2 shards over 2 ranks,
+replicated twice) and ``tp2`` (tensor parallel 2 x FSDP2 2). Writes ``<out>/rank<R>.json`` with the
+loss curves and each parameter's largest difference. The fsdp4 run's model and optimizer are saved
 with DCP after ``STEPS`` steps (``<out>/ckpt``); tests/test_muon.py reads the reports and resumes
-that checkpoint in one process against the reference's steps ``STEPS + 1 ..``.
+that checkpoint in one process against the reference's steps ``STEPS + 1 ..``. All runs are fp32,
+so Muon's Newton-Schulz runs in float32 (``optimizer.muon_ns_dtype`` null).
 """
 
 import json
@@ -24,7 +26,7 @@ from llmforge.parallel.transforms import strategy_transforms
 from llmforge.training.module import LLMModule
 from llmforge.training.optim import build_optimizer
 
-STEPS = 6
+STEPS = 10
 MORE = 2  # steps the reference trains past STEPS (the 1-process resume of the 2-process checkpoint)
 CALLS = []
 
@@ -38,7 +40,7 @@ def make_cfg():
     cfg = OmegaConf.structured(TrainConfig)
     cfg.model.merge_with({"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 64,
                           "multiple_of": 16, "max_seq_len": 16})
-    cfg.trainer.merge_with({"micro_batch_size": 2, "global_batch_size": 4, "seq_len": 16})
+    cfg.trainer.merge_with({"micro_batch_size": 1, "global_batch_size": 4, "seq_len": 16})
     cfg.strategy.name = "fsdp2"
     # lr high enough that Muon moves the weights visibly in a few steps; eps 1e-6 as in
     # tests/test_parallel.py (AdamW's 1e-8 amplifies reduction-order noise on rare embedding rows)
@@ -62,8 +64,8 @@ def train(mod, batches, rows, opt=None):
     for tokens, labels in batches:
         loss, n = mod.forward_backward({"input_ids": tokens[rows], "labels": labels[rows]})
         loss = loss.detach().clone()
-        if rows != slice(None):
-            dist.all_reduce(loss)  # n is already the count over all ranks
+        if rows != slice(None):  # n is already the count over all ranks
+            dist.all_reduce(loss, group=mod.mesh_override["dp"].get_group())
         out.append((loss / n).item())
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -82,18 +84,19 @@ def main(out):
 
     report = {}
     muon.newton_schulz = counting_newton_schulz  # count the orthogonalizations this rank does
-    for name, tp in (("fsdp2", 1), ("tp2", world)):
+    for name, rep, tp in (("fsdp4", 1, 1), ("hsdp", 2, 1), ("tp2", 1, 2)):
         cfg = make_cfg()
-        cfg.strategy.tp = tp
+        cfg.strategy.merge_with({"dp_replicate": rep, "tp": tp})
         dims = ParallelDims.from_config(cfg, world)
         mod = LLMModule(cfg, plan_batch(cfg, world), pipeline=strategy_transforms(cfg, dims))
-        mod.mesh_override = build_mesh(dims, "cpu")
+        mod.mesh_override = mesh = build_mesh(dims, "cpu")
         mod.configure_model()
-        per = 4 // (world // tp)  # tensor parallel ranks see the same rows
-        rows = slice(None) if tp > 1 else slice(per * rank, per * rank + per)
+        per = 4 // dims.dp  # tensor parallel ranks see the same rows
+        dp_rank = mesh["dp"].get_local_rank()
+        rows = slice(per * dp_rank, per * dp_rank + per)
         CALLS.clear()
         losses, opt = train(mod, batches, rows)
-        if name == "fsdp2":  # every rank writes its shards
+        if name == "fsdp4":  # every rank writes its shards
             save_checkpoint(f"{out}/ckpt", STEPS, mod.model, opt, {"step": STEPS}, {})
         report[name] = {"losses": losses, "newton_schulz_calls": len(CALLS), "weight_diff": {
             n: (full(p) - q).abs().max().item()

@@ -251,6 +251,10 @@ class OptimizerConfig:
     """``muon``: Nesterov momentum."""
     muon_ns_steps: int = 5
     """``muon``: Newton-Schulz iterations per step."""
+    muon_ns_dtype: Optional[str] = None
+    """``muon``: Newton-Schulz compute dtype, ``bfloat16`` (Keller Jordan's and torch.optim.Muon's,
+    fast on GPUs) or ``float32`` (the same result under every parallel layout to ~1e-6);
+    null = ``float32`` when ``trainer.precision`` is ``fp32``, else ``bfloat16``."""
 
 
 @dataclass

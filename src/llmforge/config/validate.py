@@ -253,6 +253,8 @@ def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
     if opt.muon_lr is not None:
         _require(0 < opt.muon_lr < float("inf"), "optimizer.muon_lr", "> 0 and finite, or null", opt.muon_lr)
     _require(0 <= opt.muon_momentum < 1, "optimizer.muon_momentum", "in [0, 1), e.g. 0.95", opt.muon_momentum)
+    _require(opt.muon_ns_dtype in (None, "bfloat16", "float32"), "optimizer.muon_ns_dtype",
+             "bfloat16, float32 or null", opt.muon_ns_dtype)
     _require(0 < opt.muon_ns_steps < 100, "optimizer.muon_ns_steps", "in [1, 99], e.g. 5", opt.muon_ns_steps)
     _require(0 <= cfg.run.seed < 2**32, "run.seed", "in [0, 2**32)", cfg.run.seed)
     _require(cfg.data.num_workers >= 0, "data.num_workers", ">= 0", cfg.data.num_workers)

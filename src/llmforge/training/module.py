@@ -318,7 +318,7 @@ class LLMModule(AuxLosses, Evaluation, GradientSteps, PipelineSteps, L.Lightning
 
     def configure_optimizers(self) -> Any:
         assert self.model is not None
-        optimizer = build_optimizer(self.model, self.cfg.optimizer)
+        optimizer = build_optimizer(self.model, self.cfg.optimizer, self.cfg.trainer.precision)
         scheduler = build_scheduler(optimizer, self.cfg.scheduler, self.cfg.trainer.max_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

@@ -13,9 +13,14 @@ and MLP projections) go to Muon; embeddings, the output projection, norms and bi
 (Moonlight and Keller Jordan do the same: the input/output layers are not "hidden").
 
 Plain tensors (one process, DDP) are stepped by ``torch.optim.Muon`` and ``torch.optim.AdamW``
-themselves. What torch.optim.Muon lacks is sharded parameters: under FSDP2 or tensor parallel a
+themselves when the orthogonalization runs in bf16 (torch.optim.Muon's only dtype). In float32
+(``optimizer.muon_ns_dtype``; the default of fp32 runs) every Muon matrix takes
+:meth:`MuonAdamW._own_muon_step`, the same update with a float32 Newton-Schulz: bf16 rounds the
+iteration's products to 8 bits, so layouts whose gradients differ by reduction order (~1e-7, tensor
+parallel) flip roundings and drift apart by ~3e-5 in the loss within 6 steps; float32 keeps them
+within 1e-6. What torch.optim.Muon lacks is sharded parameters: under FSDP2 or tensor parallel a
 matrix is a DTensor whose local shard is not a matrix one can orthogonalize, so
-:meth:`MuonAdamW._sharded_muon_step` gathers the full momentum, orthogonalizes it and keeps the
+:meth:`MuonAdamW._own_muon_step` gathers the full momentum, orthogonalizes it and keeps the
 local shard. On a one-dimensional mesh the matrices are dealt round-robin over the ranks: each rank
 orthogonalizes only its share and broadcasts the result (the Dion / DistMuon idea; the all-gather
 plus broadcast moves about twice the bytes of a gather-to-owner plus scatter, which a later version
@@ -88,6 +93,8 @@ class MuonAdamW(torch.optim.Optimizer):
         muon_groups: param groups (dicts with ``params`` of 2-D tensors, ``lr``, ``weight_decay``, ``name``).
         adamw_groups: param groups for AdamW.
         momentum, nesterov, ns_steps: Muon's settings (torch.optim.Muon's meaning).
+        ns_dtype: Newton-Schulz compute dtype, ``torch.bfloat16`` (torch.optim.Muon's) or
+            ``torch.float32`` (layout-independent to ~1e-6; what fp32 runs use).
         betas, eps: AdamW's settings.
 
     Raises:
@@ -96,7 +103,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def __init__(self, muon_groups: list[dict[str, Any]], adamw_groups: list[dict[str, Any]], *,
                  momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> None:
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 ns_dtype: torch.dtype = torch.bfloat16) -> None:
         if not muon_groups and not adamw_groups:
             raise ValueError("MuonAdamW: no parameter to optimize")
         # the inner optimizers own the update rules; this one owns the groups (the same dict
@@ -109,6 +117,7 @@ class MuonAdamW(torch.optim.Optimizer):
         if adamw_groups:
             self._inner.append((torch.optim.AdamW(adamw_groups, betas=betas, eps=eps), len(adamw_groups)))
         super().__init__([g for opt, _ in self._inner for g in opt.param_groups], {})
+        self.ns_dtype = ns_dtype
         self._bind()
 
     def _bind(self) -> None:
@@ -132,20 +141,22 @@ class MuonAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for opt, _ in self._inner:
-            if isinstance(opt, torch.optim.Muon) and any(
-                    isinstance(p, DTensor) for g in opt.param_groups for p in g["params"]):
+            if isinstance(opt, torch.optim.Muon) and (self.ns_dtype != torch.bfloat16 or any(
+                    isinstance(p, DTensor) for g in opt.param_groups for p in g["params"])):
                 for group in opt.param_groups:
-                    self._sharded_muon_step(group)
+                    self._own_muon_step(group)
             else:
                 opt.step()
         return loss
 
-    def _sharded_muon_step(self, group: dict[str, Any]) -> None:
-        """torch.optim.Muon's update for DTensor matrices (FSDP2 and/or TP shards).
+    def _own_muon_step(self, group: dict[str, Any]) -> None:
+        """torch.optim.Muon's update (same order of operations) in ``self.ns_dtype``, for plain
+        tensors and DTensor matrices (FSDP2 and/or TP shards).
 
-        The momentum is elementwise, so it stays on the local shards; the Newton-Schulz input is
-        the full matrix (an all-gather), and each rank keeps its shard of the result. On a 1-D
-        mesh, matrix ``i`` is orthogonalized by mesh rank ``i % size`` and broadcast from it.
+        For a DTensor the momentum is elementwise, so it stays on the local shards; the
+        Newton-Schulz input is the full matrix (an all-gather), and each rank keeps its shard of
+        the result. On a 1-D mesh, matrix ``i`` is orthogonalized by mesh rank ``i % size`` and
+        broadcast from it.
         """
         lr, wd, mom = group["lr"], group["weight_decay"], group["momentum"]
         params = [p for p in group["params"] if p.grad is not None]
@@ -157,20 +168,27 @@ class MuonAdamW(torch.optim.Optimizer):
             buf = state["momentum_buffer"]
             buf.lerp_(grad, 1 - mom)
             update = grad.lerp(buf, mom) if group["nesterov"] else buf
-            full = update.full_tensor() if isinstance(update, DTensor) else update
+            if not isinstance(update, DTensor):
+                ortho = newton_schulz(update, group["ns_steps"], group["ns_coefficients"], group["eps"],
+                                      self.ns_dtype)
+                p.mul_(1 - lr * wd)
+                p.add_(ortho.to(p.dtype), alpha=-lr * match_rms_adamw_scale(p.shape))
+                continue
+            full = update.full_tensor()
             mesh = p.device_mesh
             if mesh.ndim == 1 and mesh.size() > 1:
                 owner = i % mesh.size()
                 if mesh.get_local_rank() == owner:  # contiguous: a tall matrix's result is a
                     # transposed view, and a collective sends the storage as it lies
                     ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"],
-                                          group["eps"]).contiguous()
+                                          group["eps"], self.ns_dtype).contiguous()
                 else:
-                    ortho = torch.empty(full.shape, dtype=torch.bfloat16, device=full.device)
+                    ortho = torch.empty(full.shape, dtype=self.ns_dtype, device=full.device)
                 pg = mesh.get_group()
                 dist.broadcast(ortho, src=dist.get_global_rank(pg, owner), group=pg)
             else:  # a multi-dimensional mesh: every rank orthogonalizes every matrix
-                ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"], group["eps"])
+                ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"], group["eps"],
+                                      self.ns_dtype)
             local = distribute_tensor(ortho, mesh, p.placements, src_data_rank=None)
             p.mul_(1 - lr * wd)
             p.add_(local.to(p.dtype), alpha=-lr * match_rms_adamw_scale(p.shape))

@@ -67,9 +67,17 @@ def muon_param_groups(model: nn.Module, cfg: Any) -> tuple[list[dict[str, Any]],
     return [g for g in muon_groups if g["params"]], [g for g in adamw_groups if g["params"]]
 
 
-def build_optimizer(model: nn.Module, cfg: Any) -> torch.optim.Optimizer:
+def muon_ns_dtype(cfg: Any, precision: str) -> torch.dtype:
+    """``optimizer.muon_ns_dtype`` as a torch dtype; null: float32 for ``fp32`` runs (the update
+    then does not depend on the parallel layout), bfloat16 otherwise (the sources' choice)."""
+    name = getattr(cfg, "muon_ns_dtype", None) or ("float32" if precision == "fp32" else "bfloat16")
+    return getattr(torch, name)
+
+
+def build_optimizer(model: nn.Module, cfg: Any, precision: str = "fp32") -> torch.optim.Optimizer:
     """The ``optimizer:`` section's optimizer: ``adamw`` over :func:`param_groups`, or ``muon``
-    (:class:`~llmforge.training.muon.MuonAdamW` over :func:`muon_param_groups`).
+    (:class:`~llmforge.training.muon.MuonAdamW` over :func:`muon_param_groups`; ``precision``,
+    ``trainer.precision``, picks Muon's Newton-Schulz dtype when ``optimizer.muon_ns_dtype`` is null).
 
     Raises:
         ConfigError: unknown optimizer name, or no trainable parameter.
@@ -81,7 +89,8 @@ def build_optimizer(model: nn.Module, cfg: Any) -> torch.optim.Optimizer:
         if not muon and not adamw:
             raise ConfigError("optimizer: the model has no trainable parameter")
         return MuonAdamW(muon, adamw, momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov,
-                         ns_steps=cfg.muon_ns_steps, betas=tuple(cfg.betas), eps=cfg.eps)
+                         ns_steps=cfg.muon_ns_steps, betas=tuple(cfg.betas), eps=cfg.eps,
+                         ns_dtype=muon_ns_dtype(cfg, precision))
     groups = param_groups(model, cfg.weight_decay)
     if not groups:
         raise ConfigError("optimizer: the model has no trainable parameter")

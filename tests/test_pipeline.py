@@ -95,7 +95,7 @@ def _max_diff(a, b):
 @pytest.mark.parametrize("nproc, layouts", [
     (2, ["1f1b", "gpipe", "interleaved_1f1b", "zbv", "dualpipev", "lighter_ends_m2", "ac_full",
          "compile_aot_eager", "algos", "float8", "lora"]),
-    (4, ["pp4_1f1b", "pp4_interleaved", "fsdp2_x_pp2", "tp2_x_pp2", "resume_pp4", "resume_fsdp4",
+    (4, ["pp4_interleaved", "fsdp2_x_pp2", "tp2_x_pp2", "resume_pp4", "resume_fsdp4",
          "resume_pp1"]),
 ])
 def test_every_schedule_and_layout_equals_one_process(tmp_path, nproc, layouts):

@@ -10,7 +10,7 @@ plugin metrics and its reference's. tests/test_pipeline.py reads them.
 
 On 4 ranks the FSDP2 x PP (2 x 2) run also saves a checkpoint after step 3 (the checkpoint
 callback's own ``save_checkpoint``, flattened optimizer state), and the ``resume_*`` layouts load
-it at ``pp=4``, with FSDP2 over 4 ranks (no pp) and in one process, then run steps 4-6.
+it at ``pp=4`` (1F1B), with FSDP2 over 4 ranks (no pp) and in one process, then run steps 4-6.
 """
 
 import json
@@ -56,8 +56,8 @@ LAYOUTS = {
         "algos": {"strategy.pp": 2, "ref": "algos"},
         "float8": {"strategy.pp": 2, "ref": "float8"},
         "lora": {"strategy.pp": 2, "ref": "lora"}},
-    4: {"pp4_1f1b": {"strategy.pp": 4},
-        "pp4_interleaved": {"strategy.pp": 4, "pipeline.schedule": "interleaved_1f1b"},
+    # pp=4 with 1F1B is resume_pp4 (steps 4-6 from the FSDP2 x PP checkpoint)
+    4: {"pp4_interleaved": {"strategy.pp": 4, "pipeline.schedule": "interleaved_1f1b"},
         "fsdp2_x_pp2": {"strategy.pp": 2, "strategy.name": "fsdp2", "save": True},
         "tp2_x_pp2": {"strategy.pp": 2, "strategy.tp": 2},
         "resume_pp4": {"strategy.pp": 4, "resume": True},

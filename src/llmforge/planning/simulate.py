@@ -85,7 +85,8 @@ AC_ENTRIES = {"selective": {"name": "activation_checkpointing", "mode": "selecti
 class Layout:
     """A parallel layout: ``dp_replicate * dp_shard * tp * pp`` = world size.
 
-    ``pp`` is always 1 until pipeline parallelism exists (the planner keeps the field).
+    ``pp > 1``: the run's ``pipeline:`` settings cut the model into stages; the simulation
+    measures rank 0, which holds the first stage (``llmforge plan`` does not search ``pp``).
     """
 
     dp_replicate: int
@@ -103,7 +104,8 @@ class Layout:
         """The dotlist overrides that give this layout (activation checkpointing is an entry of
         ``algorithms:``: see :func:`layout_config`)."""
         return [f"strategy.dp_replicate={self.dp_replicate}", f"strategy.dp_shard={self.dp_shard}",
-                f"strategy.tp={self.tp}", f"trainer.micro_batch_size={self.micro_batch_size}"]
+                f"strategy.tp={self.tp}", f"trainer.micro_batch_size={self.micro_batch_size}"] \
+            + ([f"strategy.pp={self.pp}"] if self.pp > 1 else [])
 
 
 @dataclass
@@ -149,7 +151,8 @@ def refuse_ep(cfg: Any) -> None:
 def layout_config(cfg: Any, layout: Layout, n_layers: Optional[int] = None) -> Any:
     """A copy of ``cfg`` with ``layout``: strategy degrees (``fsdp2``), micro-batch size, the
     ``activation_checkpointing`` entry replaced (kept with :data:`KEEP_AC`), ``compile`` left
-    out, and ``model.n_layers`` when given.
+    out, and ``model.n_layers`` when given (with ``pp > 1`` the stages then split the blocks
+    ``balanced``: a split written for the real depth does not fit the simulated one).
 
     Raises:
         ConfigError: ``strategy.ep > 1`` (:func:`refuse_ep`).
@@ -159,7 +162,7 @@ def layout_config(cfg: Any, layout: Layout, n_layers: Optional[int] = None) -> A
     OmegaConf.set_readonly(out, False)
     s = out.strategy
     s.name = "fsdp2" if layout.world_size > 1 else s.name
-    s.dp_replicate, s.dp_shard, s.tp = layout.dp_replicate, layout.dp_shard, layout.tp
+    s.dp_replicate, s.dp_shard, s.tp, s.pp = layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp
     out.trainer.micro_batch_size = layout.micro_batch_size
     # the world size the checks derive from the trainer (devices x nodes) is the layout's
     out.trainer.devices, out.trainer.num_nodes = layout.world_size, 1
@@ -170,7 +173,18 @@ def layout_config(cfg: Any, layout: Layout, n_layers: Optional[int] = None) -> A
     out.algorithms = algos
     if n_layers is not None:
         out.model.n_layers = n_layers
+        if layout.pp > 1:
+            out.pipeline.split = "balanced"
     return out
+
+
+def stages_per_rank(cfg: Any, layout: Layout) -> int:
+    """Pipeline stages one rank holds under ``layout`` (1 without ``pp``): ``pipeline.stages_per_rank``,
+    or the schedule's default (2 for the interleaved and V schedules)."""
+    if layout.pp <= 1:
+        return 1
+    v = cfg.pipeline.stages_per_rank
+    return int(v) if v is not None else (1 if cfg.pipeline.schedule in ("1f1b", "gpipe") else 2)
 
 
 def model_layers(cfg: Any) -> int:
@@ -290,13 +304,17 @@ def _step(module: LLMModule, optimizer: Any, batch: torch.Tensor) -> None:
 def simulate_scaled(cfg: Any, layout: Layout, *, full_depth: Optional[int] = None) -> StepMeasurement:
     """:func:`simulate` with 2 and 3 blocks, every quantity extrapolated linearly to the real
     block count ``full_depth`` (default: the config's). Configs of at most 3 blocks are
-    simulated whole."""
+    simulated whole. With ``pp > 1``: 2 and 3 blocks per pipeline stage (``pp x stages per
+    rank`` stages), extrapolated to ``full_depth / stages`` blocks per stage (rank 0: the first
+    stage, which also holds the embedding; the last stage holds the output layer instead)."""
     n = full_depth if full_depth is not None else model_layers(cfg)
-    if n <= 3:
+    stages = layout.pp * stages_per_rank(cfg, layout)
+    if n <= 3 * stages:
         m = simulate(cfg, layout)
         return replace(m, simulated_layers=(n,))
-    a, b = simulate(cfg, layout, n_layers=2), simulate(cfg, layout, n_layers=3)
-    k = n - 2
+    a = simulate(cfg, layout, n_layers=2 * stages)
+    b = simulate(cfg, layout, n_layers=3 * stages)
+    k = n / stages - 2
 
     def lin(x: float, y: float) -> float:
         return x + k * (y - x)
@@ -315,9 +333,9 @@ def simulate_scaled(cfg: Any, layout: Layout, *, full_depth: Optional[int] = Non
     return StepMeasurement(
         layout=layout, world_size=a.world_size, n_layers=n, peak_bytes=total, breakdown=breakdown,
         flops=lin(a.flops, b.flops), formula_flops=lin(a.formula_flops, b.formula_flops),
-        collectives=scaled, seconds=a.seconds + b.seconds, simulated_layers=(2, 3),
+        collectives=scaled, seconds=a.seconds + b.seconds, simulated_layers=(2 * stages, 3 * stages),
         phases=phases, sharded_state=sharded)
 
 
 __all__ = ["AC_MODES", "CATEGORIES", "KEEP_AC", "Collective", "Layout", "StepMeasurement", "layout_config",
-           "model_layers", "simulate", "simulate_scaled"]
+           "model_layers", "simulate", "simulate_scaled", "stages_per_rank"]

@@ -9,12 +9,19 @@ one process, and a SIGKILLed pp=2 CLI run resumed bit-exact with a last-stage pl
 import json
 
 import pytest
+import torch.distributed as dist
 from conftest import DEMO, TINY_OVERRIDES, run_cli
 from helpers.dist import torchrun, worker
 
 from llmforge.cli import main
+from llmforge.config import load_config
 from llmforge.errors import ConfigError
-from llmforge.parallel.pipeline import bubble_fraction, resolve_layout, split_blocks
+from llmforge.models.spec import get_spec
+from llmforge.parallel.mesh import ParallelDims
+from llmforge.parallel.pipeline import bubble_fraction, resolve_layout, split_blocks, stage_params
+from llmforge.parallel.transforms import pipeline_layout
+from llmforge.planning.simulate import Layout, simulate_scaled
+from llmforge.plugin import meta_model
 
 
 # ------------------------------------------------------------------------------ arithmetic
@@ -84,6 +91,24 @@ def test_dry_run_shows_stages_and_bubble(capsys):
     assert "0: blocks 0-0 + tok_embeddings" in out and "3: blocks 3-3 + norm, output" in out
     # (p-1)/(v*m+p-1) = 1/9
     assert "2 ranks x 2 stage(s), 4 micro-batches: bubble 11.1% of the step" in out
+
+
+def test_simulation_of_rank_0_holds_the_first_stage():
+    """`--dry-run --simulate` with pp: one step of rank 0 on a fake process group of 4 ranks (pp 2
+    x dp 2) holds the AdamW state (2 fp32 moments) of the first stage's parameters only, sharded
+    over its 2 dp ranks."""
+    cfg = load_config(DEMO, [*TINY_OVERRIDES, "model.n_layers=4", "strategy.pp=2", "trainer.devices=4",
+                             "trainer.global_batch_size=8", "trainer.micro_batch_size=2"])
+    try:
+        sim = simulate_scaled(cfg, Layout(1, 2, 1, "none", 2, pp=2))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    spec, model = get_spec(cfg.model.name), meta_model(cfg)
+    layout = pipeline_layout(cfg, ParallelDims.from_config(cfg, 4), model)
+    first = stage_params(model, layout, spec.stage_ends, spec.model_blocks(model))[0]
+    assert sim.world_size == 4 and sim.simulated_layers == (4,)
+    assert sim.breakdown["optimizer"] == pytest.approx(2 * 4 * first / 2, rel=0.05)
 
 
 # ------------------------------------------------------------------------ real processes

@@ -64,6 +64,7 @@ from llmforge.config.validate import validate
 from llmforge.errors import ConfigError
 from llmforge.models.spec import get_spec
 from llmforge.parallel.mesh import ParallelDims, build_mesh
+from llmforge.parallel.pipeline import rank_stages
 from llmforge.parallel.transforms import check_strategy, strategy_transforms
 from llmforge.plugin import meta_model, run_pipeline
 from llmforge.planning.measure import (CATEGORIES, CPU_SDPA_FLOPS, ByteCounter, Collective,
@@ -85,8 +86,12 @@ AC_ENTRIES = {"selective": {"name": "activation_checkpointing", "mode": "selecti
 class Layout:
     """A parallel layout: ``dp_replicate * dp_shard * tp * pp`` = world size.
 
-    ``pp > 1``: the run's ``pipeline:`` settings cut the model into stages; the simulation
-    measures rank 0, which holds the first stage (``llmforge plan`` does not search ``pp``).
+    ``pp > 1``: the run's ``pipeline:`` settings cut the model into stages and the simulation
+    measures rank 0 (the first stage, with the embedding): its blocks run as one model,
+    micro-batch after micro-batch, without the schedule, so its parameters, gradients and
+    optimizer state are the stage's, but the activations of micro-batches in flight (1F1B: up
+    to ``pp`` on the first stage) and the point-to-point sends are not simulated.
+    ``llmforge plan`` does not search ``pp``.
     """
 
     dp_replicate: int
@@ -176,15 +181,6 @@ def layout_config(cfg: Any, layout: Layout, n_layers: Optional[int] = None) -> A
         if layout.pp > 1:
             out.pipeline.split = "balanced"
     return out
-
-
-def stages_per_rank(cfg: Any, layout: Layout) -> int:
-    """Pipeline stages one rank holds under ``layout`` (1 without ``pp``): ``pipeline.stages_per_rank``,
-    or the schedule's default (2 for the interleaved and V schedules)."""
-    if layout.pp <= 1:
-        return 1
-    v = cfg.pipeline.stages_per_rank
-    return int(v) if v is not None else (1 if cfg.pipeline.schedule in ("1f1b", "gpipe") else 2)
 
 
 def model_layers(cfg: Any) -> int:
@@ -308,7 +304,8 @@ def simulate_scaled(cfg: Any, layout: Layout, *, full_depth: Optional[int] = Non
     rank`` stages), extrapolated to ``full_depth / stages`` blocks per stage (rank 0: the first
     stage, which also holds the embedding; the last stage holds the output layer instead)."""
     n = full_depth if full_depth is not None else model_layers(cfg)
-    stages = layout.pp * stages_per_rank(cfg, layout)
+    stages = layout.pp * (rank_stages(cfg.pipeline.schedule, cfg.pipeline.stages_per_rank)
+                          if layout.pp > 1 else 1)
     if n <= 3 * stages:
         m = simulate(cfg, layout)
         return replace(m, simulated_layers=(n,))
@@ -338,4 +335,4 @@ def simulate_scaled(cfg: Any, layout: Layout, *, full_depth: Optional[int] = Non
 
 
 __all__ = ["AC_MODES", "CATEGORIES", "KEEP_AC", "Collective", "Layout", "StepMeasurement", "layout_config",
-           "model_layers", "simulate", "simulate_scaled", "stages_per_rank"]
+           "model_layers", "simulate", "simulate_scaled"]

@@ -10,7 +10,7 @@ plugin metrics and its reference's. tests/test_pipeline.py reads them.
 
 On 4 ranks the FSDP2 x PP (2 x 2) run also saves a checkpoint after step 3 (the checkpoint
 callback's own ``save_checkpoint``, flattened optimizer state), and the ``resume_*`` layouts load
-it at ``pp=4`` (1F1B), with FSDP2 over 4 ranks (no pp) and in one process, then run steps 4-6.
+it at ``pp=4`` (1F1B), with FSDP2 over 4 ranks (no pp) and in one process, then run steps 4-5.
 """
 
 import json
@@ -31,7 +31,7 @@ from llmforge.parallel.transforms import strategy_transforms
 from llmforge.training.module import LLMModule
 from llmforge.training.optim import build_optimizer
 
-STEPS = 6
+STEPS = 5
 SAVE_AT = 3
 # z-loss on the last stage, an EMA per stage and a spike guard tight enough to skip steps
 # (min_history 2, grad-norm spikes over 1.2 x the median): its decision must be the same on all stages
@@ -56,7 +56,7 @@ LAYOUTS = {
         "algos": {"strategy.pp": 2, "ref": "algos"},
         "float8": {"strategy.pp": 2, "ref": "float8"},
         "lora": {"strategy.pp": 2, "ref": "lora"}},
-    # pp=4 with 1F1B is resume_pp4 (steps 4-6 from the FSDP2 x PP checkpoint)
+    # pp=4 with 1F1B is resume_pp4 (steps 4-5 from the FSDP2 x PP checkpoint)
     4: {"pp4_interleaved": {"strategy.pp": 4, "pipeline.schedule": "interleaved_1f1b"},
         "fsdp2_x_pp2": {"strategy.pp": 2, "strategy.name": "fsdp2", "save": True},
         "tp2_x_pp2": {"strategy.pp": 2, "strategy.tp": 2},

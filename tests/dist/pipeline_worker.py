@@ -1,6 +1,6 @@
 """Run under torchrun (gloo): pipeline parallelism against a one-process reference.
 
-Every rank trains the same tiny fp32 Llama (dim 32, 4 blocks (8 on 4 ranks), vocab 64, seq 16) for STEPS AdamW
+Every rank trains the same tiny fp32 Llama (dim 32, 4 blocks (8 on 4 ranks but TP x PP), vocab 64, seq 16) for STEPS AdamW
 steps, with gradient clipping, once in one process (the reference, computed on every rank; one
 per set of algorithms that changes the training, ``REFERENCES``) and once per layout in
 ``LAYOUTS[world size]`` over all ranks (with the layout's algorithms: their model transforms, e.g.
@@ -59,7 +59,7 @@ LAYOUTS = {
     # pp=4 with 1F1B is resume_pp4 (steps 4-5 from the FSDP2 x PP checkpoint)
     4: {"pp4_interleaved": {"strategy.pp": 4, "pipeline.schedule": "interleaved_1f1b"},
         "fsdp2_x_pp2": {"strategy.pp": 2, "strategy.name": "fsdp2", "save": True},
-        "tp2_x_pp2": {"strategy.pp": 2, "strategy.tp": 2},
+        "tp2_x_pp2": {"strategy.pp": 2, "strategy.tp": 2, "model.n_layers": 4},  # DTensor ops: the dearest
         "resume_pp4": {"strategy.pp": 4, "resume": True},
         "resume_fsdp4": {"strategy.name": "fsdp2", "resume": True},
         "resume_pp1": {"resume": True, "one_process": True}},
@@ -141,20 +141,25 @@ def main(out):
     torch.manual_seed(0)
     batches = [torch.randint(0, 64, (8, 17)) for _ in range(STEPS)]
     n_layers = 4 if world == 2 else 8  # pp 4 x 2 virtual stages: 8 blocks
+
+    def ref_of(spec):  # (reference name, its algorithms, its blocks)
+        ref, n = spec.get("ref", "plain"), spec.get("model.n_layers", n_layers)
+        return (ref if n == n_layers else f"{ref}_{n}_blocks"), REFERENCES[ref], n
+
     report, ref_ema = {"seconds": {}}, {}
-    refs = sorted({spec.get("ref", "plain") for spec in LAYOUTS[world].values()})
-    for ref in refs:
-        mod, algos, cfg = build({"algorithms": REFERENCES[ref]}, n_layers, 1)
+    refs = {ref_of(spec)[0]: ref_of(spec)[1:] for spec in LAYOUTS[world].values()}
+    for ref, (algorithms, n) in sorted(refs.items()):
+        mod, algos, cfg = build({"algorithms": algorithms}, n, 1)
         report["ref_" + ref] = train(mod, cfg, batches, 0, 1)
         ref_ema[ref] = ema_of(algos)
     ckpt = f"{out}/ckpt"
     for name, spec in LAYOUTS[world].items():
         start = time.perf_counter()
         spec = dict(spec)
-        ref, resume = spec.pop("ref", "plain"), spec.pop("resume", False)
-        save, one = spec.pop("save", False), spec.pop("one_process", False)
-        mod, algos, cfg = build({**spec, "algorithms": spec.get("algorithms", REFERENCES[ref])}, n_layers,
-                                1 if one else world)
+        ref, algorithms, n = ref_of(spec)
+        spec.pop("ref", None)
+        resume, save, one = spec.pop("resume", False), spec.pop("save", False), spec.pop("one_process", False)
+        mod, algos, cfg = build({**spec, "algorithms": spec.get("algorithms", algorithms)}, n, 1 if one else world)
         dp = mod.mesh["dp"] if mod.mesh is not None else None
         dp_rank, dp_size = (dp.get_local_rank(), dp.size()) if dp is not None else (0, 1)
         opt, first = build_optimizer(mod.model, cfg.optimizer), 1

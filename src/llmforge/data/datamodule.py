@@ -35,7 +35,7 @@ from llmforge.data.mixture import (MixtureSampler, MixtureStream, MixtureWindows
 from llmforge.data.packing import (PIECE_CHARS, PackedWindows, ShardedSampler, encode_packed,
                                    token_dtype)
 from llmforge.data.prepared import PreparedSplits, PreparedWindows
-from llmforge.data.sources import DocumentSplits, file_identity
+from llmforge.data.sources import DocumentSplits, file_identities
 from llmforge.data.streaming import StreamingWindows
 from llmforge.errors import DataError
 from llmforge.parallel.lightning_private import strategy_mesh
@@ -265,25 +265,35 @@ class LLMDataModule(L.LightningDataModule):
                   file=sys.stderr, flush=True)
         return None
 
-    def _stream_paths(self) -> dict[str, list[str]]:
-        """The files of each streaming source (``data``, or a mixture entry's name): a saved
-        position is a shard index and an offset in these (``datasets``' state)."""
+    def _stream_sources(self) -> dict[str, Any]:
+        """The documents of each streaming source (``data``, or a mixture entry's name)."""
         if isinstance(self.docs, PreparedMixture):
-            return {e["name"]: [str(f) for f in p.files]
-                    for e, p in zip(self.docs.entries, self.docs.parts) if e["source"] != "prepared"}
-        return {"data": [str(f) for f in getattr(self.docs, "files", ())]}
+            return {e["name"]: p for e, p in zip(self.docs.entries, self.docs.parts)
+                    if e["source"] != "prepared"}
+        return {"data": self.docs}
 
     def _stream_files(self) -> dict[str, list[str]]:
-        """The file names of each streaming source (no directories, no URL credentials)."""
-        return {k: [os.path.basename(f) for f in v] for k, v in self._stream_paths().items()}
+        """The file names of each streaming source (no directories, no URL credentials; a
+        URL glob as written): a saved position is a shard index and an offset in these."""
+        return {k: [os.path.basename(str(f)) for f in getattr(d, "files", ())]
+                for k, d in self._stream_sources().items()}
 
-    def _stream_stats(self) -> dict[str, list[list]]:
-        """``[name, bytes, sha256 of the first 64 KiB]`` of each local file of each streaming
-        source, computed once per run (a checkpoint records it; a file rewritten under the same
-        name is then noticed at resume). URLs are not read here (an object store per save)."""
+    def _stream_stats(self) -> dict[str, Optional[list[list]]]:
+        """``[name, bytes, version]`` of each file of each streaming source
+        (:func:`llmforge.data.sources.file_identities`: a local file's head hash, an object's
+        ETag or modification time, a URL glob expanded), computed once per run: a checkpoint
+        records it, and a file rewritten under its name or a glob that lists other objects is
+        noticed at resume. ``None`` for a source whose store could not be listed (not compared)."""
         if self._stats is None:
-            self._stats = {k: [[os.path.basename(f), *file_identity(f)] for f in v if os.path.isfile(f)]
-                           for k, v in self._stream_paths().items()}
+            self._stats = {}
+            for k, d in self._stream_sources().items():
+                try:
+                    self._stats[k] = file_identities(getattr(d, "files", ()),
+                                                     getattr(d, "storage_options", None))
+                except Exception as exc:  # any driver's error: a checkpoint must not fail on a listing
+                    print(f"data: cannot list the files of {k} ({type(exc).__name__}); a resume "
+                          "will not check them for changes", file=sys.stderr, flush=True)
+                    self._stats[k] = None
         return self._stats
 
     def _same_files(self, saved: dict, path: Path, rank: int) -> bool:
@@ -296,13 +306,18 @@ class LLMDataModule(L.LightningDataModule):
         then, now = saved.get("files"), self._stream_files()
         if then is None:  # saved by an older llmforge
             return True
+        stats_then, stats_now = saved.get("file_stats") or {}, self._stream_stats()
+        # a URL glob is one name in ``files``: the objects it lists are compared by their stats
+        # (a source without saved stats, or with none listed by an older llmforge, is not)
+        listed = {k: (old, new) for k, new in stats_now.items()
+                  if (old := stats_then.get(k)) and new is not None}
+        then = {**then, **{k: [e[0] for e in old] for k, (old, _) in listed.items()}}
+        now = {**now, **{k: [e[0] for e in new] for k, (_, new) in listed.items()}}
         if then == now:
-            stats_then, stats_now = saved.get("file_stats") or {}, self._stream_stats()
             rewritten = [f"{k}: {new[0]} ({old[1]:,} -> {new[1]:,} bytes"
                          + (", other content)" if old[1] == new[1] else ")")
-                         for k, entries in stats_now.items()
-                         for old, new in zip(stats_then.get(k) or [], entries)
-                         if old[0] == new[0] and old != new]
+                         for k, (entries_then, entries) in listed.items()
+                         for old, new in zip(entries_then, entries) if old != new]
             if not rewritten:
                 return True
             msg = (f"data: a streaming file changed since {path} was saved ({'; '.join(rewritten)}): "

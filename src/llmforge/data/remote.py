@@ -29,11 +29,13 @@ import posixpath
 import shutil
 import socket
 import sys
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from llmforge.config.redaction import scrub_url_credentials
 from llmforge.data.prepared_checks import MANIFEST, parse_manifest
@@ -50,7 +52,29 @@ def is_url(path: Any) -> bool:
     return "://" in str(path)
 
 
-def open_store(url: str, storage_options: Optional[dict], what: str) -> tuple[Any, str]:
+def plain_options(options: Any) -> dict[str, Any]:
+    """``data.storage_options`` as plain, mutable containers at every depth (``{headers:
+    {...}}``, s3's ``client_kwargs``): fsspec drivers and ``datasets`` update nested options in
+    place (the https driver adds headers), which a read-only OmegaConf node refuses ("Cannot
+    change read-only config container") and a shallow ``dict()`` copy would not reach. Values
+    that are neither mappings nor lists are passed as they are.
+
+    Returns:
+        A new ``dict`` (``{}`` for ``None``); nested mappings are new ``dict``s, lists new ``list``s.
+    """
+    def plain(value: Any) -> Any:
+        if isinstance(value, (DictConfig, ListConfig)):
+            value = OmegaConf.to_container(value, resolve=True)
+        if isinstance(value, Mapping):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value
+
+    return plain(options or {})
+
+
+def open_store(url: str, storage_options: Any, what: str) -> tuple[Any, str]:
     """The fsspec filesystem and the path inside it of ``url``.
 
     Args:
@@ -64,7 +88,7 @@ def open_store(url: str, storage_options: Optional[dict], what: str) -> tuple[An
 
     proto = url.split("://", 1)[0]
     try:
-        fs, path = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+        fs, path = fsspec.core.url_to_fs(url, **plain_options(storage_options))
     except ImportError as exc:
         raise missing_driver(url, what) from exc
     except ValueError as exc:

@@ -23,6 +23,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from llmforge.data.chat import ROLES
+from llmforge.data.remote import plain_options
 from llmforge.data.sources import _resolve_files, clean_text, hash_str
 from llmforge.errors import DataError
 
@@ -124,7 +125,7 @@ def read_jsonl(path: str, cfg: Any) -> Iterator[Conversation]:
 
     try:
         f = fsspec.open(path, "rt", encoding="utf-8-sig", errors="replace", compression="infer",
-                        **(dict(cfg.storage_options) or {})).open()
+                        **plain_options(cfg.storage_options)).open()
     except (OSError, ValueError) as exc:
         raise DataError(f"data.path: cannot open {path}: {exc}") from exc
     with f:
@@ -217,7 +218,7 @@ def load_conversations(cfg: Any, seed: int) -> ConversationSplits:
                 _take(read_jsonl(f, cfg), limit, convs)
             else:
                 ds = datasets.load_dataset("parquet", data_files=[f], split="train",
-                                           storage_options=dict(cfg.storage_options) or None)
+                                           storage_options=plain_options(cfg.storage_options) or None)
                 _take(read_rows(ds, f, cfg), limit, convs)
         stats = [(f, os.path.getsize(f), int(os.path.getmtime(f))) if os.path.exists(f) else (f,)
                  for f in files]

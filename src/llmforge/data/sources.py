@@ -9,7 +9,6 @@ documents are dropped.
 
 from __future__ import annotations
 
-import copy
 import glob
 import hashlib
 import os
@@ -19,11 +18,11 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
 import datasets
-from omegaconf import DictConfig, ListConfig, OmegaConf
+import fsspec
 
 from llmforge.config.redaction import scrub_url_credentials
 from llmforge.data.prepared_checks import file_sha256
-from llmforge.data.remote import missing_driver
+from llmforge.data.remote import missing_driver, plain_options
 from llmforge.data.shakespeare import shakespeare_files
 from llmforge.errors import DataError
 
@@ -60,6 +59,7 @@ class DocumentSplits:
     val: Optional[AnyDataset]
     fingerprint: str
     files: tuple[str, ...] = ()  # the local or remote files read (named by a read error)
+    storage_options: Optional[dict] = None  # fsspec options of remote files (file_identities)
 
 
 def _resolve_files(cfg: Any) -> list[str]:
@@ -132,6 +132,44 @@ def file_identity(path: str, head: int = 1 << 16) -> tuple[int, str]:
         return os.fstat(fh.fileno()).st_size, hashlib.sha256(fh.read(head)).hexdigest()
 
 
+# what an object store reports of an object's version, first found wins: s3/gcs/azure ETag
+# (changes with the content), gcs md5Hash, then modification times (file://, azure, gcs, memory)
+_VERSION_KEYS = ("ETag", "etag", "md5Hash", "mtime", "LastModified", "last_modified", "updated",
+                 "created")
+
+
+def file_identities(files: Any, storage_options: Optional[dict] = None) -> list[list]:
+    """``[name, bytes, version]`` of every file a streaming source reads, in its order.
+
+    A local file's ``version`` is the sha256 of its first 64 KiB (:func:`file_identity`). A URL
+    is expanded by fsspec (a glob in sorted order) and each object's ``version`` is what the
+    store lists (:data:`_VERSION_KEYS`: its ETag, else its modification time; ``""`` when it
+    lists neither), one listing per URL, no object read. ``name`` is a local file's base name
+    (a copy of the corpus elsewhere keeps its positions), an object's URL (without
+    ``user:password@``).
+
+    Raises:
+        OSError (or a driver's own error): a store that cannot be listed; callers decide
+            whether that is an error.
+    """
+    out: list[list] = []
+    for f in map(str, files):
+        if not _URL.match(f):
+            if os.path.isfile(f):
+                out.append([os.path.basename(f), *file_identity(f)])
+            continue
+        fs, path = fsspec.core.url_to_fs(f, **plain_options(storage_options))
+        infos = fs.glob(path, detail=True) if glob.has_magic(path) else {path: fs.info(path)}
+        for name in sorted(infos):
+            info = infos[name]
+            if info.get("type", "file") != "file":
+                continue
+            version = next((str(info[k]) for k in _VERSION_KEYS if info.get(k) is not None), "")
+            out.append([scrub_url_credentials(fs.unstrip_protocol(name)), int(info.get("size") or 0),
+                        version])
+    return out
+
+
 def _file_format(cfg: Any, files: list[str]) -> str:
     if cfg.format:
         fmt = {"txt": "text", "jsonl": "json"}.get(cfg.format, cfg.format)
@@ -161,16 +199,6 @@ def _load(builder: str, data_files: Any, cfg: Any, split: str, **kwargs: Any) ->
         if isinstance(cause, UnicodeDecodeError):
             raise not_utf8(data_files, cause) from exc
         raise DataError(f"data: cannot read {data_files!r} as {builder}: {cause}") from exc
-
-
-def plain_options(options: Any) -> dict[str, Any]:
-    """``data.storage_options`` as plain, mutable containers, nested ones included
-    (``{headers: {...}}``, s3's ``client_kwargs``): fsspec drivers update them in place, which
-    a read-only OmegaConf node refuses ("Cannot change read-only config container") and a
-    shallow ``dict()`` copy would not reach."""
-    if isinstance(options, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(options, resolve=True) or {}  # type: ignore[return-value]
-    return copy.deepcopy(dict(options or {}))
 
 
 def not_utf8(files: Any, exc: UnicodeDecodeError) -> DataError:
@@ -275,7 +303,8 @@ def load_documents(cfg: Any, seed: int) -> DocumentSplits:
     elif cfg.val_fraction > 0:
         train, val = _hold_out(train, cfg.val_fraction, seed)
     return DocumentSplits(train=train, val=val, fingerprint=hash_str(f"{fingerprint}-{cfg.split}"),
-                          files=tuple(data_files or ()))
+                          files=tuple(data_files or ()),
+                          storage_options=plain_options(cfg.storage_options) or None)
 
 
 def _hold_out(ds: AnyDataset, fraction: float, seed: int) -> tuple[AnyDataset, AnyDataset]:

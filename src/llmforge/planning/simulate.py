@@ -297,6 +297,17 @@ def _step(module: LLMModule, optimizer: Any, batch: torch.Tensor) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def _by_dim(colls: list[Collective]) -> dict[tuple[str, str], Collective]:
+    """``colls`` summed per ``(kind, mesh_dim)``: two process groups over the same ranks (e.g. a
+    sub-mesh sliced again under ``pp``) are one dim, and must not be extrapolated apart."""
+    out: dict[tuple[str, str], Collective] = {}
+    for c in colls:
+        prev = out.get((c.kind, c.mesh_dim))
+        out[c.kind, c.mesh_dim] = c if prev is None else replace(
+            prev, count=prev.count + c.count, bytes=prev.bytes + c.bytes)
+    return out
+
+
 def simulate_scaled(cfg: Any, layout: Layout, *, full_depth: Optional[int] = None) -> StepMeasurement:
     """:func:`simulate` with 2 and 3 blocks, every quantity extrapolated linearly to the real
     block count ``full_depth`` (default: the config's). Configs of at most 3 blocks are
@@ -316,9 +327,9 @@ def simulate_scaled(cfg: Any, layout: Layout, *, full_depth: Optional[int] = Non
     def lin(x: float, y: float) -> float:
         return x + k * (y - x)
 
-    colls = {(c.kind, c.mesh_dim): c for c in a.collectives}
+    colls = _by_dim(a.collectives)
     scaled = []
-    for c in b.collectives:
+    for c in _by_dim(b.collectives).values():
         c0 = colls.get((c.kind, c.mesh_dim), Collective(c.kind, c.mesh_dim, c.group_size))
         scaled.append(Collective(c.kind, c.mesh_dim, c.group_size, int(round(lin(c0.count, c.count))),
                                  lin(c0.bytes, c.bytes)))

@@ -1,8 +1,9 @@
 """Run under torchrun (gloo): pipeline parallelism against a one-process reference.
 
 Every rank trains the same tiny fp32 Llama (dim 32, 4 blocks (8 on 4 ranks but TP x PP), vocab
-64, seq 16) for STEPS AdamW steps, with gradient clipping, once in one process (the reference, computed on every rank; one
-per set of algorithms that changes the training, ``REFERENCES``) and once per layout in
+64, seq 16) for STEPS AdamW steps, with gradient clipping, once in one process (the reference,
+computed on every rank; one per set of algorithms that changes the training, ``REFERENCES``,
+and per depth) and once per layout in
 ``LAYOUTS[world size]`` over all ranks (with the layout's algorithms: their model transforms, e.g.
 activation checkpointing, compile, float8, LoRA, and their event handlers, e.g. z-loss, EMA,
 the loss-spike guard); writes ``<out>/rank<R>.json`` with each layout's losses, gradient norms,

@@ -157,7 +157,24 @@ def write_long(path: Path, mb: float) -> None:
 
 def long_child(args) -> int:
     """Prepare ``args.source`` (one long document) with the tokenizer at ``args.prepared``;
-    print this process's memory as JSON."""
+    print this process's memory as JSON. ``--child tokenize`` instead: read the document with
+    ``json.loads``, reset the peak (``/proc/self/clear_refs``) and tokenize it into a shard with
+    ``write_shard`` alone; ``above`` is that peak minus the RSS before it (tokenizing only)."""
+    if args.child == "tokenize":
+        from llmforge.data.prepare import write_shard
+        from llmforge.data.tokenizers import build_tokenizer
+
+        cfg = config(args.source, ["tokenizer.type=huggingface", f"tokenizer.path={args.prepared}"])
+        tok = build_tokenizer(cfg.tokenizer, None, cache_dir=Path(args.source).parent)  # prepare's
+        text = json.loads(Path(args.source).read_text())["text"]
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS now
+        base = memory()["peak_rss"]
+        start = time.perf_counter()
+        entry = write_shard(tok, [text], Path(args.source).with_suffix(".bin"))
+        m = memory()
+        print(json.dumps({**m, "above": m["peak_rss"] - base, "seconds": time.perf_counter() - start,
+                          "tokens": entry["tokens"]}))
+        return 0
     from llmforge.data.prepare import prepare
 
     cfg = config(args.source, ["tokenizer.type=huggingface", f"tokenizer.path={args.prepared}"])
@@ -168,33 +185,43 @@ def long_child(args) -> int:
     return 0
 
 
+def _slopes(rows: list[tuple[float, float]], what: str) -> None:
+    pairs = list(zip(rows, rows[1:])) + ([(rows[0], rows[-1])] if len(rows) > 2 else [])
+    for (a, ra), (b, rb) in pairs:
+        print(f"slope {a:g} -> {b:g} MB: {(rb - ra) / (b - a):.2f} MB of {what} per MB of document")
+
+
 def long_documents(sizes: list[float], work: Path) -> int:
     from llmforge.data.tokenizers import train_bpe_tokenizer
 
     train_bpe_tokenizer([" ".join(WORDS)] * 50, 512, work / "tok", "long-bench")
     tok = next((work / "tok").rglob("tokenizer.json"))
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    rows = []
+    # offline: a Hub lookup without network waits ~60 s for its timeout in every child
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    rows, alone = [], []
     for mb in sizes:
         doc = work / f"long-{mb:g}.jsonl"
         write_long(doc, mb)
         text_mb = doc.stat().st_size / 1e6
-        out = subprocess.run([sys.executable, __file__, "--child", "long", "--source", str(doc),
-                              "--prepared", str(tok)], capture_output=True, text=True, env=env)
-        if out.returncode != 0:
-            print(f"{mb:g} MB: the prepare failed: {out.stderr.strip()[-500:]}")
-            return 1
-        m = json.loads(out.stdout.strip().splitlines()[-1])
+        got = {}
+        for kind in ("long", "tokenize"):
+            out = subprocess.run([sys.executable, __file__, "--child", kind, "--source", str(doc),
+                                  "--prepared", str(tok)], capture_output=True, text=True, env=env)
+            if out.returncode != 0:
+                print(f"{mb:g} MB ({kind}): failed: {out.stderr.strip()[-500:]}")
+                return 1
+            got[kind] = json.loads(out.stdout.strip().splitlines()[-1])
+        m, t = got["long"], got["tokenize"]
         rows.append((text_mb, m["peak_rss"]))
-        print(f"one document of {text_mb:8.1f} MB: peak RSS {m['peak_rss']:8.0f} MB, {m['seconds']:6.1f} s, "
-              f"{m['tokens']:,} tokens")
+        alone.append((text_mb, t["above"]))
+        print(f"one document of {text_mb:8.1f} MB: data prepare peak RSS {m['peak_rss']:7.0f} MB, "
+              f"{m['seconds']:6.1f} s, {m['tokens']:,} tokens; write_shard alone {t['above']:5.0f} MB "
+              f"above the text, {t['seconds']:6.1f} s")
         doc.unlink()
+        doc.with_suffix(".bin").unlink(missing_ok=True)
         shutil.rmtree(doc.with_suffix(".out"), ignore_errors=True)
-    for (a, ra), (b, rb) in zip(rows, rows[1:]):
-        print(f"slope {a:g} -> {b:g} MB: {(rb - ra) / (b - a):.2f} MB of peak RSS per MB of document")
-    if len(rows) > 2:
-        (a, ra), (b, rb) = rows[0], rows[-1]
-        print(f"slope {a:g} -> {b:g} MB: {(rb - ra) / (b - a):.2f} MB of peak RSS per MB of document")
+    _slopes(rows, "data prepare's peak RSS")
+    _slopes(alone, "tokenizing's peak (write_shard)")
     return 0
 
 
@@ -217,7 +244,7 @@ def main() -> int:
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     if args.child:
-        return long_child(args) if args.child == "long" else rank_child(args)
+        return long_child(args) if args.child in ("long", "tokenize") else rank_child(args)
     try:
         if args.long is not None:
             return long_documents(args.long or ([0.5, 2] if args.smoke else [1, 10, 100]), work)

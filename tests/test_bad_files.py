@@ -97,7 +97,8 @@ def test_damaged_checkpoint_is_exit_2_naming_the_file(trained, tmp_path, capsys,
 def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     """A real full disk (a 1 MiB tmpfs): the second save fails with exit 2, its .tmp folder is
     gone and the first checkpoint still loads."""
-    from llmforge.checkpoint.dcp import CheckpointWriteError, load_training_state, save_checkpoint
+    from llmforge.checkpoint.atomic_save import CheckpointWriteError
+    from llmforge.checkpoint.dcp import load_training_state, save_checkpoint
 
     model = torch.nn.Linear(256, 512)  # 0.5 MiB of weights: one checkpoint fits, two do not
     with tmpfs(tmp_path / "disk", "1m") as disk:

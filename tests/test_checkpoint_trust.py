@@ -217,7 +217,7 @@ def test_full_disk_in_data_prepare_keeps_no_partial_shard(trained, tmp_path, mon
     code, line = run_main(["data", "prepare", str(docs), str(out), "tokenizer.type=huggingface",
                            f"tokenizer.path={trained / 'tokenizer' / 'tokenizer.json'}",
                            "--workers", "1", "--docs-per-shard", "10", "--no-progress"], capsys)
-    assert code == 2 and line.startswith(f"error: cannot write {out}/train/shard_00001.tmp: No space "
+    assert code == 2 and line.startswith(f"error: cannot write {out}/train/shard_00001.{os.getpid()}.tmp: No space "
                                          "left on device; the shards written so far are kept"), line
     assert sorted(p.name for p in (out / "train").iterdir()) == ["shard_00000.bin"]
 

@@ -98,6 +98,16 @@ def test_dry_run_checks_the_loggers_packages(capsys, monkeypatch):
     monkeypatch.delitem(sys.modules, "wandb")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     assert main(["train", DEMO, "loggers=[{name: wandb, mode: online}]", "--dry-run"]) == 0
+    # Lightning's own logger by import path: its ModuleNotFoundError is bad input too (exit 2)
+    import lightning.pytorch.loggers.wandb as lightning_wandb
+    from lightning_utilities.core.imports import RequirementCache
+
+    monkeypatch.setattr(lightning_wandb, "_WANDB_AVAILABLE", RequirementCache("wandb-not-here"))
+    assert main(["train", DEMO, "loggers=[{name: lightning.pytorch.loggers.WandbLogger, offline: true}]",
+                 "--dry-run"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "error: loggers[0] (lightning.pytorch.loggers.WandbLogger) needs a package that is not installed: "
+        "Requirement 'wandb-not-here' not met")
 
 
 def test_dry_run_batch_arithmetic(capsys):

@@ -71,7 +71,7 @@ def test_checkpoint_saved_at_ep2_loads_at_ep1(reports):
     (MOE_DEMO, "trainer.devices=4 strategy.ep=4 model.num_experts=6",
      "strategy.ep=4 must divide model.num_experts (6); use strategy.ep in [1, 2, 3, 6]"),
     (MOE_DEMO, "trainer.devices=2 strategy.name=ddp strategy.ep=2",
-     "strategy.ep=2 must divide strategy.dp_shard (1)"),
+     "strategy.ep=2 borrows ranks of the FSDP2 shard group, which strategy.name=ddp does not have"),
     (MOE_DEMO, "trainer.devices=4 strategy.tp=2 strategy.ep=4",
      ("strategy.ep=4 must divide strategy.dp_shard (2): expert parallelism borrows those ranks (not "
       "tp's: strategy.tp=2 computes the experts whole on each tp rank); use one of [1, 2]")),

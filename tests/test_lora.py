@@ -151,15 +151,15 @@ def lora_from_hf(path: Path, entry: dict):
     """Our Llama with the HF weights and LoRA adapters (random B), unsharded, fp32."""
     from omegaconf import OmegaConf
 
-    from llmforge.algorithms.float8 import build_model_on_meta
     from llmforge.checkpoint.hf import load_hf_weights, model_overrides_from_hf, read_hf_config
     from llmforge.config.schema import TrainConfig
     from llmforge.parallel.init import seeded_init
+    from llmforge.plugin import build_meta_model
 
     cfg = OmegaConf.structured(TrainConfig)
     for k, v in model_overrides_from_hf(read_hf_config(path)).items():
         cfg.model[k] = v
-    model = LoRA(**entry).convert(build_model_on_meta(cfg), 0)
+    model = LoRA(**entry).convert(build_meta_model(cfg), 0)
     model.to_empty(device="cpu")
     seeded_init(model, 0)
     load_hf_weights(model, path)

@@ -100,12 +100,14 @@ def test_docs_model_in_your_own_package_trains(tmp_path, monkeypatch, capsys):
     text = (REPO / "docs" / "models.md").read_text().split("## A model in your own package", 1)[1]
     code = text.split("```python\n", 1)[1].split("```", 1)[0]
     yaml = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    # the `llmforge` script does not look in the working directory: the command says PYTHONPATH=.
+    assert "PYTHONPATH=. llmforge train my_lab/scaled.yaml" in yaml
     (tmp_path / "my_lab").mkdir()
     (tmp_path / "my_lab" / "models.py").write_text(code)
     (tmp_path / "my_lab" / "scaled.yaml").write_text(
         yaml.replace("../yamls/demo_cpu.yaml", str(REPO / "yamls" / "demo_cpu.yaml")))
-    monkeypatch.chdir(tmp_path)  # imports: [my_lab.models] from the current folder
-    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))  # PYTHONPATH=.
     try:
         cfg = "my_lab/scaled.yaml"
         assert main(["train", cfg, "model.logit_scal=2", "--dry-run"]) == 2

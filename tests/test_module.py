@@ -5,7 +5,8 @@ from omegaconf import OmegaConf
 
 from llmforge.config.schema import TrainConfig
 from llmforge.config.validate import plan_batch
-from llmforge.training.module import IGNORE_INDEX, LLMModule
+from llmforge.events import IGNORE_INDEX
+from llmforge.training.module import LLMModule
 
 
 def make_module(micro, global_):

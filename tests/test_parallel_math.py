@@ -1,10 +1,12 @@
 """FSDP2 reductions on 2 real processes (gloo) against one process: uneven target counts, global
-gradient norm, clipping, tied embeddings, shard sizes. The worker is tests/dist/fsdp_worker.py."""
+gradient norm, clipping, tied embeddings, shard sizes; the docs' DTensor example (GradNoise) on
+the sharded gradients. The worker is tests/dist/fsdp_worker.py."""
 
 import json
 
 import pytest
 from helpers.dist import torchrun, worker
+from helpers.docs_examples import grad_noise
 
 
 @pytest.fixture(scope="module")
@@ -43,3 +45,37 @@ def test_sharded_bytes_are_half_and_match_the_plan(reports, variant):
         half = r["full_param_bytes"] / 2
         assert abs(r["local_param_bytes"] - half) <= r["row_bytes_slack"]
         assert r["local_param_bytes"] == pytest.approx(r["estimated_param_bytes"], rel=0.02)
+
+
+def test_docs_grad_noise_example_on_fsdp2_gradients(reports):
+    """Issue 27.6: docs/algorithms/README.md's GradNoise runs on FSDP2's DTensor gradients: N(0,
+    0.01^2) per element, other noise on each rank's shard, the same on both replicas of a
+    replicated DTensor; a plain tensor mixed in fails as the docs say."""
+    noise = [r["grad_noise"] for r in reports]
+    for n in noise:
+        assert n["all_dtensor"] is True
+        assert "aten.add_.Tensor got mixed torch.Tensor and DTensor" in n["mixed_error"]  # the docs' words
+        assert n["noise_std"] == pytest.approx(0.01, rel=0.03) and abs(n["noise_mean"]) < 5e-4
+        assert n["replica_std"] == pytest.approx(0.01, rel=0.2)  # 128 elements
+    assert noise[0]["shard_checksum"] != noise[1]["shard_checksum"]
+    assert noise[0]["replica_checksum"] == noise[1]["replica_checksum"]
+
+
+def test_docs_grad_noise_example_in_one_process():
+    """The same example on plain tensors: N(0, std^2) per element, the same for the same step
+    and parameter, another for another step."""
+    from types import SimpleNamespace
+
+    import torch
+
+    doc = grad_noise()
+    model = torch.nn.Linear(200, 100)
+    noise = []
+    for step in (1, 1, 2):
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        doc.GradNoise(std=0.01).before_optimizer_step(SimpleNamespace(model=model, step=step))
+        noise.append(model.weight.grad.clone())
+    assert abs(noise[0].std().item() - 0.01) < 0.0005 and abs(noise[0].mean().item()) < 0.0005
+    assert torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
+    assert doc.local_piece(model.weight)[1] == ()

@@ -165,3 +165,29 @@ def test_trainer_applies_and_logs_threads(tmp_path, capsys):
     finally:
         torch.set_num_threads(before)
     assert "threads: 1 compute thread per process (trainer.num_threads=1" in capsys.readouterr().err
+
+
+def test_one_meta_model_per_run(tmp_path, capsys, monkeypatch):
+    """Issue 22.4: the dry run of a 2-process tp=2 run with ``ema`` builds the model on the meta
+    device once: the strategy check (tp heads), the algorithms' dry-run lines and the report
+    read the run's shared :func:`llmforge.plugin.meta_model`; a transform builds its own."""
+    from collections import OrderedDict
+
+    import llmforge.plugin as plugin
+
+    builds = []
+    real = plugin.build_meta_model
+    monkeypatch.setattr(plugin, "build_meta_model", lambda cfg: builds.append(1) or real(cfg))
+    monkeypatch.setattr(plugin, "_SHARED", OrderedDict())  # no model left by an earlier test
+    assert main(["train", DEMO, *TINY_OVERRIDES, f"run.output_dir={tmp_path}", "trainer.devices=2",
+                 "strategy.name=fsdp2", "strategy.tp=2", "algorithms=[{name: ema}]", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "tp 2" in out and "ema" in out
+    assert len(builds) == 1
+    cfg = load_config(DEMO, TINY_OVERRIDES)
+    assert plugin.meta_model(cfg) is plugin.meta_model(cfg)  # shared, read-only
+    assert plugin.build_meta_model(cfg) is not plugin.meta_model(cfg)  # new, to transform
+    cfg.model.n_layers = 1
+    assert len(plugin.meta_model(cfg).layers) == 1  # another model config, another model
+    longer = load_config(DEMO, [*TINY_OVERRIDES, "variables.seq_len=128"])  # an interpolated key
+    assert plugin.meta_model(longer).max_seq_len == 128

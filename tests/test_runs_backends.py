@@ -29,7 +29,8 @@ def home(tmp_path, monkeypatch):
 def test_a_registered_backend_is_a_cluster_type_like_the_builtins(home, capsys):
     from llmforge.registry import backends
     from llmforge.runs.backend import Backend
-    from llmforge.runs.clusters import Cluster, load_clusters
+    from llmforge.runs.cluster_types import Cluster
+    from llmforge.runs.clusters import load_clusters
 
     @dataclass
     class LabCluster(Cluster):
@@ -186,6 +187,45 @@ def test_restart_runs_the_jobs_resume_check_first(home, tmp_path, capsys, monkey
     assert reg.get(run.id).resumptions == 0
     assert main(["runs", "restart", run.id, "trainer.max_steps=100", "checkpoint.allow_config_changes=true"]) == 0
     assert len(submitted) == 1 and submitted[0].spec["overrides"][-1] == "checkpoint.allow_config_changes=true"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP's one-process save
+def test_restart_into_a_model_of_another_shape_is_refused_even_when_allowed(home, tmp_path, capsys, monkeypatch):
+    """Issue 27.4: checkpoint.allow_config_changes=true (given now, or kept from an earlier
+    restart) let a model.dim change through, and the job failed at load; the restart now loads
+    the checkpoint's metadata into the model built on meta and refuses with both shapes. A model
+    key that keeps the shapes is still the resume check's to allow."""
+    import torch.distributed.checkpoint as dcp
+
+    import llmforge.runs.launch as launch
+    from conftest import TINY_OVERRIDES
+    from llmforge.config import config_to_dict, load_config, redact
+    from llmforge.registry import models
+
+    ckpt = tmp_path / "runs" / "done" / "checkpoints" / "step_00000004"
+    ckpt.mkdir(parents=True)
+    (ckpt / "COMPLETE").write_text("")
+    overrides = [*TINY_OVERRIDES, "trainer.max_steps=4"]
+    cfg = load_config(DEMO, overrides)
+    dcp.save({"model": models.get("llama3")(cfg.model).state_dict()}, checkpoint_id=str(ckpt))
+    (ckpt / "meta.json").write_text(json.dumps({"step": 4, "world_size": 1,
+                                                "config": redact(config_to_dict(cfg))}))
+    reg = RunRegistry()
+    spec = {"config_path": DEMO, "overrides": [*overrides, "checkpoint.allow_config_changes=true"],
+            "workdir": str(REPO), "secrets": []}
+    run = reg.create("done", "local", "local", spec=spec, run_dir=str(ckpt.parent.parent))
+    reg.set_status(run.id, "completed", "done", exit_code=0)
+    submitted = []
+    monkeypatch.setattr(launch, "submit", lambda record, target, registry: submitted.append(record) or record)
+    assert main(["runs", "restart", run.id, "trainer.max_steps=8", "model.dim=128"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: run {run.id}: the restarted job would stop at once: checkpoint.resume: {ckpt}: parameter "
+        "tok_embeddings.weight has shape (1024, 64) in the checkpoint, but this model's is (1024, 128); it "
+        "was saved by a model of another size or architecture; resume with the settings it was saved "
+        f"with, or start a new run (e.g. llmforge runs restart {run.id} model.dim=64)\n")
+    assert not submitted and reg.get(run.id).spec == spec
+    assert main(["runs", "restart", run.id, "trainer.max_steps=8", "model.rope_theta=1000.0"]) == 0  # same shapes
+    assert len(submitted) == 1
 
 
 def test_sagemaker_sdk_message_names_the_installed_version(monkeypatch):

@@ -74,7 +74,8 @@ def test_registry_resolve_status_and_delete(tmp_path):
     ("local: {type: slurm}", "the name 'local' is reserved"),
 ])
 def test_bad_clusters_file_is_a_clear_error(tmp_path, text, expect):
-    from llmforge.runs.clusters import ClusterError, load_clusters
+    from llmforge.runs.cluster_types import ClusterError
+    from llmforge.runs.clusters import load_clusters
 
     path = tmp_path / "clusters.yaml"
     path.write_text(text)
@@ -119,7 +120,7 @@ def _cfg(*overrides):
 
 
 def test_compute_scales_one_yaml_from_one_cpu_process_to_128_gpus():
-    from llmforge.runs.clusters import LocalCluster
+    from llmforge.runs.cluster_types import LocalCluster
     from llmforge.runs.compute import plan_compute
     from llmforge.runs.slurm import SlurmCluster
 

@@ -15,10 +15,11 @@ from conftest import REPO, TINY_OVERRIDES, run_cli
 from llmforge.cli import main
 from llmforge.config.schema import DataConfig
 from llmforge.data.chat import Llama3ChatTemplate, build_chat_template, render_llama3
-from llmforge.data.sft import (IGNORE_INDEX, Conversation, SFTDataModule, build_rows,
-                               encode_examples, load_conversations, read_jsonl)
+from llmforge.data.sft import (Conversation, SFTDataModule, build_rows, encode_examples,
+                               load_conversations, read_jsonl)
 from llmforge.data.tokenizers import TiktokenTokenizer, train_bpe_tokenizer
 from llmforge.errors import ConfigError, DataError
+from llmforge.events import IGNORE_INDEX
 from llmforge.models.llama3.model import (Llama, LlamaArgs, document_causal_mask, document_positions)
 
 CORPUS = ["What is two plus two? Two plus two is four. Reverse the word apple: elppa. " * 20,
@@ -201,7 +202,7 @@ def test_packed_loss_equals_unpacked_per_example(tok):
 def test_doc_ids_pass_through_activation_checkpointing(tok, mode, selective):
     import copy
 
-    from llmforge.algorithms.checkpointing import ActivationCheckpointing, replace_blocks
+    from llmforge.algorithms.activation_checkpointing import ActivationCheckpointing, replace_blocks
 
     model = tiny_llama(tok.vocab_size)
     x = torch.randint(0, tok.vocab_size, (2, 48))

@@ -51,6 +51,11 @@ import torch
 
 from llmforge.errors import LLMForgeError
 
+IGNORE_INDEX = -100
+"""The label of a position without a target (padding, prompts of SFT rows, masked tokens):
+``torch.nn.functional.cross_entropy``'s default ``ignore_index``; every loss, token count and
+data builder of :attr:`State.labels` uses this one value."""
+
 
 class Event(str, Enum):
     """The points of a run at which plugins act; the value is the handler method's name."""

@@ -15,12 +15,15 @@ changes the result.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+import torch
 from lightning.pytorch.callbacks import Callback
+from omegaconf import OmegaConf
 from torch import nn
 
 from llmforge import registry
@@ -78,13 +81,47 @@ def run_pipeline(model: nn.Module, transforms: Sequence[Transform], ctx: ModelCo
     return model
 
 
-def meta_model(cfg: Any) -> nn.Module:
-    """The run's model built on the meta device (no memory; for checks and dry-run lines)."""
-    import torch
+def build_meta_model(cfg: Any) -> nn.Module:
+    """A new model of ``cfg.model`` on the meta device (no memory), from its registered factory:
+    the one place a run's model is built on meta. Code that changes the model (the transform
+    pipeline of a run directory's model, a dry run's adapter count) builds its own with this;
+    code that only reads it (shapes, counts, FLOPs, checks) uses the shared :func:`meta_model`.
 
+    Raises:
+        ConfigError: ``model.name`` is not registered.
+    """
     factory = registry.models.get(cfg.model.name, key="model.name")
     with torch.device("meta"):
         return factory(cfg.model)
+
+
+_SHARED: "OrderedDict[tuple[int, str], tuple[Any, nn.Module]]" = OrderedDict()
+_SHARED_MAX = 4  # a run has one model; the planner and tests a few
+
+
+def meta_model(cfg: Any) -> nn.Module:
+    """The run's model on the meta device, built once (:func:`build_meta_model`) and shared by
+    every reader: the checks of :class:`CheckContext`, the dry run, the Trainer's checks, the
+    planner. Read it, never change it (build your own to transform).
+
+    Cached by the model's factory and the ``cfg.model`` section (the only inputs of the
+    build), so the resolved run, its checks and its dry run see one object.
+    """
+    factory = registry.models.get(cfg.model.name, key="model.name")
+    section = cfg.model
+    # a factory (a ModelSpec) need not be hashable: keyed by id, kept alive beside its model;
+    # the section with its interpolations resolved (model.max_seq_len: ${variables.seq_len})
+    key = (id(factory), OmegaConf.to_yaml(section, resolve=True) if OmegaConf.is_config(section)
+           else repr(section))
+    hit = _SHARED.get(key)
+    if hit is not None and hit[0] is factory:
+        _SHARED.move_to_end(key)
+        return hit[1]
+    model = build_meta_model(cfg)
+    _SHARED[key] = (factory, model)
+    while len(_SHARED) > _SHARED_MAX:
+        _SHARED.popitem(last=False)
+    return model
 
 
 @dataclass
@@ -103,7 +140,6 @@ class CheckContext:
 
     run: Any
     algorithms: Sequence["Algorithm"]
-    _model: Any = field(default=None, repr=False)
 
     @property
     def cfg(self) -> Any:
@@ -133,10 +169,8 @@ class CheckContext:
     @property
     def model(self) -> nn.Module:
         """The run's model on the meta device (:func:`meta_model`), built at the first use and
-        shared by every check: read it, do not change it."""
-        if self._model is None:
-            self._model = meta_model(self.cfg)
-        return self._model
+        shared by every check and the dry run: read it, do not change it."""
+        return meta_model(self.cfg)
 
 
 ADAPTER_CHILDREN = "adapter_children"

@@ -234,8 +234,9 @@ def build_entries(reg: Registry, section: str, entries: Any, *, base: Any = None
     lists (e.g. Lightning's ``Timer(duration={seconds: 30})``), not OmegaConf nodes.
 
     Raises:
-        ConfigError: unknown name, an import path that is not such a class, or keyword
-            arguments the class does not accept.
+        ConfigError: unknown name, an import path that is not such a class, keyword
+            arguments the class does not accept, or a package it needs that is not installed
+            (an ``ImportError`` from building it; its ``__cause__``).
     """
     out = []
     for i, entry in enumerate(entries):
@@ -257,4 +258,6 @@ def build_entries(reg: Registry, section: str, entries: Any, *, base: Any = None
             out.append(factory(**{**accepted(factory, inject), **kwargs}))
         except TypeError as exc:
             raise ConfigError(f"{key} ({name}): {exc}; check the keys of this entry") from exc
+        except ImportError as exc:  # Lightning's WandbLogger without wandb: bad input, exit 2
+            raise ConfigError(f"{key} ({name}) needs a package that is not installed: {exc}") from exc
     return out

@@ -1,4 +1,5 @@
-"""Run under torchrun (2 processes, gloo): FSDP2 reductions against a one-process reference.
+"""Run under torchrun (2 processes, gloo): FSDP2 reductions against a one-process reference,
+and docs/algorithms/README.md's DTensor example (GradNoise) on the FSDP2 gradients.
 
 Writes ``<out>/rank<R>.json`` with the measured differences; tests/test_parallel_math.py reads
 them. Each rank gets a different number of target tokens (masked labels).
@@ -6,10 +7,15 @@ them. Each rank gets a different number of target tokens (masked labels).
 
 import json
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+from tests.helpers.docs_examples import grad_noise
 
 from llmforge.config.schema import TrainConfig
 from llmforge.config.validate import plan_batch
@@ -31,6 +37,31 @@ def make_cfg(tie: bool, clip):
 
 def full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def grad_noise_report(model) -> dict:
+    """The docs' GradNoise on ``model``'s sharded gradients and on a replicated DTensor: what it
+    added per element, and a checksum per kind (equal across ranks only for the replica)."""
+    doc = grad_noise()
+    replica = torch.nn.Linear(16, 8, bias=False)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    replica.weight = torch.nn.Parameter(distribute_tensor(replica.weight.detach(), mesh, [Replicate()]))
+    replica.weight.grad = distribute_tensor(torch.zeros(8, 16), mesh, [Replicate()])
+    params = dict(model.named_parameters())
+    before = {n: p.grad.to_local().clone() for n, p in params.items()}
+    try:  # what the docs say a plain tensor mixed in does (the issue's crash); zeros: no change
+        first = next(iter(params.values()))
+        first.grad.add_(torch.zeros(first.shape))
+        mixed_error = None
+    except Exception as exc:
+        mixed_error = str(exc)
+    for module in (model, replica):
+        doc.GradNoise(std=0.01).before_optimizer_step(SimpleNamespace(model=module, step=3))
+    added = torch.cat([(p.grad.to_local() - before[n]).flatten() for n, p in params.items()])
+    return {"all_dtensor": all(isinstance(p.grad, DTensor) for p in params.values()),
+            "mixed_error": mixed_error, "noise_std": added.std().item(), "noise_mean": added.mean().item(),
+            "shard_checksum": added.sum().item(), "replica_checksum": replica.weight.grad.to_local().sum().item(),
+            "replica_std": replica.weight.grad.to_local().std().item()}
 
 
 def main(out):
@@ -85,6 +116,8 @@ def main(out):
             "row_bytes_slack": max_rows * 32 * 4 * len(list(ref.model.parameters())),
             "still_tied": (mod.model.output.weight is mod.model.tok_embeddings.weight) if tie else None,
         }
+        if not tie:  # after the measurements above: the noise changes the gradients
+            report["grad_noise"] = grad_noise_report(mod.model)
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(report, f)
     dist.destroy_process_group()

@@ -9,7 +9,7 @@ the events and how to write an algorithm: ``docs/algorithms/README.md``.
 """
 
 from llmforge.algorithms.batch_size_warmup import BatchSizeWarmup
-from llmforge.algorithms.checkpointing import ActivationCheckpointing
+from llmforge.algorithms.activation_checkpointing import ActivationCheckpointing
 from llmforge.algorithms.chunked_cross_entropy import ChunkedCrossEntropy
 from llmforge.algorithms.compile import Compile
 from llmforge.algorithms.ema import EMA

@@ -70,7 +70,7 @@ class BatchSizeWarmup(Algorithm):
     Raises:
         ConfigError: a bad value; ``start_global_batch_size`` above ``trainer.global_batch_size``;
             with ``data.mixture`` (its per-source token counts assume every window of a step is
-            trained).
+            trained); with ``strategy.pp > 1`` (the pipeline schedule takes a fixed batch).
     """
 
     name = "batch_size_warmup"
@@ -95,6 +95,13 @@ class BatchSizeWarmup(Algorithm):
         if self.start > int(cfg.trainer.global_batch_size):
             raise ConfigError(f"algorithms: batch_size_warmup.start_global_batch_size={self.start} exceeds "
                               f"trainer.global_batch_size={cfg.trainer.global_batch_size}; lower it")
+        pp = int(getattr(run.dims, "pp", 1))
+        if pp > 1:
+            # the pipeline schedule splits a fixed batch into pipeline.microbatches; a truncated
+            # one fails in torch's schedule at the first step
+            raise ConfigError(f"algorithms: batch_size_warmup changes the batch of each step, which "
+                              f"strategy.pp={pp}'s pipeline schedule (a fixed pipeline.microbatches) "
+                              "does not follow yet; drop batch_size_warmup or set strategy.pp=1")
         if getattr(getattr(cfg, "data", None), "mixture", None):
             raise ConfigError("algorithms: batch_size_warmup trains part of each step's windows, which "
                               "data.mixture's per-source token counts do not follow yet; drop one of them")

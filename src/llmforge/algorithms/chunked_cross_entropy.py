@@ -39,9 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmforge.errors import ConfigError
+from llmforge.events import IGNORE_INDEX
 from llmforge.plugin import Algorithm, CheckContext, meta_model, ModelContext, Stage
-
-IGNORE_INDEX = -100
 
 
 def _chunk_grads(logits: torch.Tensor, labels: torch.Tensor,

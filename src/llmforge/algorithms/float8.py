@@ -38,7 +38,7 @@ from typing import Any, Optional, Sequence
 from torch import nn
 
 from llmforge.errors import ConfigError
-from llmforge.plugin import Algorithm, CheckContext, ModelContext, Stage, meta_model
+from llmforge.plugin import Algorithm, CheckContext, ModelContext, Stage
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
@@ -61,7 +61,6 @@ def import_float8() -> Any:
     return f8
 
 
-build_model_on_meta = meta_model  # the old name of base.meta_model (tests, research code)
 
 
 def plain_weight_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:

@@ -30,9 +30,8 @@ import torch
 
 from llmforge.algorithms.chunked_cross_entropy import ChunkedLossHead
 from llmforge.errors import ConfigError
+from llmforge.events import IGNORE_INDEX
 from llmforge.plugin import Algorithm
-
-IGNORE_INDEX = -100
 
 
 def z_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

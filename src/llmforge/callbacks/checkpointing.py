@@ -30,10 +30,10 @@ from llmforge.checkpoint.dcp import PendingSave, load_training_state, prune_chec
 from llmforge.checkpoint.plugins import (check_resume, checkpoint_meta, dropped_states, plain_states,
                                          restore_plain_states, restore_sharded_states, sharded_states)
 from llmforge.checkpoint.rng import capture_rng, restore_rng
-from llmforge.checkpoint.safe_load import CheckpointShapeError
+from llmforge.checkpoint.safe_load import CheckpointShapeError, resume_shape_error
 from llmforge.errors import ConfigError
 from llmforge.parallel.lightning_private import optimizer_step_progress
-from llmforge.signals import EXIT_PREEMPTED, StopRequested
+from llmforge.signals import StopRequested
 
 
 class Preempted(StopRequested):
@@ -152,8 +152,7 @@ class Checkpointer(Callback):
         try:
             state = load_training_state(self.resume_from, pl_module.model, opt, plugin_state=templates)
         except CheckpointShapeError as exc:
-            raise ConfigError(f"checkpoint.resume: {exc}; resume with the settings it was saved "
-                              "with, or start a new run") from exc
+            raise resume_shape_error(exc) from exc
         except (ValueError, RuntimeError, KeyError, CheckpointException) as exc:  # shapes/keys differ
 
             lines = [x.strip() for x in str(exc).strip().splitlines() if x.strip()]

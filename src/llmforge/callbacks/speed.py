@@ -34,9 +34,8 @@ from lightning.pytorch.callbacks import Callback
 from llmforge.callbacks._util import say
 from llmforge.callbacks.peak_flops import PRECISIONS, peak_tflops
 from llmforge.errors import ConfigError
+from llmforge.events import IGNORE_INDEX
 from llmforge.models.spec import get_spec
-
-IGNORE_INDEX = -100
 
 
 def uses_float8(model: Any) -> bool:

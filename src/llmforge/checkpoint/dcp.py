@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_model_state_dict)
 
-from llmforge.checkpoint.atomic_save import (CheckpointWriteError, PendingSave, _barrier,
+from llmforge.checkpoint.atomic_save import (PendingSave, _barrier,
                                              _crash_point, _is_rank0, _write_failed)
 from llmforge.checkpoint.layout import COMPLETE, list_checkpoints, step_name
 from llmforge.checkpoint.safe_load import CheckpointReadError, SafeReader, check_regular, load_metadata, safe_load

@@ -16,7 +16,7 @@ from torch import nn
 
 from llmforge.checkpoint.dcp import load_model_weights
 from llmforge.checkpoint.hf import adapter_for_hf, load_hf_weights, model_overrides_from_hf, read_hf_config
-from llmforge.checkpoint.safe_load import CheckpointShapeError, SafeReader, check_shapes
+from llmforge.checkpoint.safe_load import CheckpointShapeError, check_model_shapes
 from llmforge.checkpoint.tools import resolve
 from llmforge.errors import ConfigError, LLMForgeError
 
@@ -82,8 +82,7 @@ def check_initial_weights(model: nn.Module, spec: str) -> None:
     if not spec or spec.startswith(HF_PREFIX):
         return
     ckpt = _checkpoint(spec)
-    metadata = SafeReader(str(ckpt)).read_metadata()
     try:
-        check_shapes({"model": model.state_dict()}, metadata, str(ckpt))
+        check_model_shapes(model, str(ckpt))
     except CheckpointShapeError as exc:
         raise ConfigError(f"model.init_from: {exc}") from exc

@@ -183,7 +183,10 @@ def check_resume_changes(changes: ResumeChanges, allow: bool) -> None:
     for key, old, new in changes.breaking:
         why = f" ({_WHY[key]})" if key in _WHY else ""
         parts.append(f"{key} {_short(old)} -> {_short(new)}{why}")
+    # weights of another shape load under no flag (the load names the parameter)
+    shapes = (" (a model: key only where every parameter keeps its shape)"
+              if any(key.startswith("model.") for key, _, _ in changes.breaking) else "")
     raise ConfigError(
         f"checkpoint.resume: this run differs from {changes.checkpoint} in settings that change "
         f"what training computes: {'; '.join(parts)}; set them back, or pass "
-        "checkpoint.allow_config_changes=true to resume with them (see docs/resume.md)")
+        f"checkpoint.allow_config_changes=true to resume with them{shapes} (see docs/resume.md)")

@@ -27,10 +27,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
 
 from llmforge import registry
-from llmforge.plugin import Algorithm
+from llmforge.plugin import Algorithm, build_meta_model
 from llmforge.checkpoint.dcp import load_model_weights, read_json
 from llmforge.checkpoint.init_from import load_initial_weights
 from llmforge.checkpoint.layout import COMPLETE, latest_checkpoint
@@ -153,9 +152,7 @@ def load_model(path: str | Path, device: str = "cpu", with_plugins: bool = False
     source = run_dir / "config.yaml"
     plugins = inference_plugins(cfg, trust_code, source)
     with registry.untrusted(source, trust_code):
-        factory = registry.models.get(cfg.model.name, key="model.name")
-    with torch.device("meta"):
-        model = factory(cfg.model)
+        model = build_meta_model(cfg)  # a new one: the plugins below change it
     for plugin in plugins:
         model = plugin.inference_model(model, cfg, meta)
     model.to_empty(device=device)

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.futures import Future
 
-from llmforge.errors import LLMForgeError
+from llmforge.errors import ConfigError, LLMForgeError
 from llmforge.paths import is_special_file
 
 # Exact (module, name) pairs a DCP ``.metadata`` pickle refers to (collected from checkpoints of
@@ -314,6 +314,24 @@ def check_shapes(state: dict, metadata: Any, path: str) -> None:
                     f"{path}: parameter {name} has shape {tuple(shape)} in the checkpoint, but this "
                     f"model's is {tuple(value.shape)}; it was saved by a model of another size or "
                     "architecture", name, tuple(shape), tuple(value.shape))
+
+
+def check_model_shapes(model: Any, path: str) -> None:
+    """Before anything is loaded: each model tensor of the checkpoint at ``path`` that ``model``
+    (built on the meta device; no weights read) has is of the checkpoint's shape.
+
+    Raises:
+        CheckpointShapeError: the first that differs, with both shapes.
+        CheckpointReadError: ``.metadata`` is missing or damaged (the file named).
+    """
+    check_shapes({"model": model.state_dict()}, SafeReader(path).read_metadata(), path)
+
+
+def resume_shape_error(exc: CheckpointShapeError) -> ConfigError:
+    """The error a resume into a model of another shape exits with (exit 2): no setting makes
+    those weights load, so it says to go back or start anew."""
+    return ConfigError(f"checkpoint.resume: {exc}; resume with the settings it was saved with, or "
+                       "start a new run")
 
 
 def safe_load(state: dict, path: str) -> None:

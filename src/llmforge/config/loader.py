@@ -33,7 +33,7 @@ from llmforge.config.schema import TrainConfig, model_config_class
 from llmforge.config.yaml_files import _Dumper, _read_chain
 from llmforge.errors import ConfigError
 
-__all__ = ["load_config", "read_config", "resolve_config", "save_config", "redact", "config_to_dict", "structured_config"]
+__all__ = ["load_config", "read_config", "resolve_config", "save_config", "structured_config"]
 
 
 # ------------------------------------------------------------------------------- interpolation

@@ -10,6 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "zbv", "dualpipev")
+"""Allowed ``pipeline.schedule`` names (llmforge.parallel.pipeline.SCHEDULE_CLASSES maps them to
+torch's classes; tests/test_scale_bad_input.py keeps the two equal)."""
+PIPELINE_SPLITS = ("balanced", "lighter_ends")
+"""Named ``pipeline.split`` values (or a list of block-index lists)."""
+
 
 @dataclass
 class MixedPrecisionConfig:

@@ -223,7 +223,8 @@ class TrainerSettings:
     num_threads: Optional[int] = None
     """Compute (intra-op) threads per process; null = the cores this process may use
     (``os.sched_getaffinity``) divided among the node's processes, less the cores other
-    processes keep busy now and one per data worker of a streaming source."""
+    processes keep busy now and one per data worker of a streaming source; a single process
+    counts the busy cores again every 15 s while training (llmforge.callbacks.threads)."""
 
 
 @dataclass

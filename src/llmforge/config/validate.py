@@ -7,11 +7,12 @@ naming the key and a fix. Nothing is rounded silently.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from llmforge.config.mixture import mixture_entries
+from llmforge.config.parallel_schema import PIPELINE_SCHEDULES, PIPELINE_SPLITS
 from llmforge.config.schema import (ACCELERATORS, DATA_SOURCES, DATA_TASKS, OPTIMIZERS, OVERLONG,
                                     PRECISIONS, SCHEDULES, STRATEGIES, TOKENIZER_TYPES)
 from llmforge.errors import ConfigError
@@ -73,6 +74,9 @@ def data_parallel_size(cfg: Any, world_size: Optional[int] = 1) -> int:
         options = ", ".join(map(str, _divisors(world)))
         raise ConfigError(f"strategy.pp={pp} does not divide the world size {world}; use one of "
                           f"{options} (e.g. strategy.pp=1)")
+    ep = s.get("ep", 1)
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ConfigError(f"strategy.ep must be an integer >= 1 (1 = no expert parallelism), got {ep!r}")
     world //= pp  # the ranks of one pipeline stage; the other dims multiply to this
     tp, rep, shard = int(s.tp), int(s.dp_replicate), int(s.dp_shard)
     if tp < 1:
@@ -162,11 +166,45 @@ def _check_entries(section: str, entries: Any) -> None:
                 f"{section}[{i}]: expected a mapping like {{name: NAME, ...}}, got {entry!r}"
             )
         name = entry.get("name")
+        glued = [k for k, v in entry.items() if v is None and ":" in str(k)]
+        if name is None and glued:
+            # OmegaConf reads a flow mapping's 'key:value' without a space as one key
+            raise ConfigError(
+                f"{section}[{i}]: '{glued[0]}' is read as one key with no value; write a space "
+                f"after the colon, e.g. '{section}=[{{{str(glued[0]).replace(':', ': ', 1)}}}]'"
+            )
         if not isinstance(name, str) or not name.strip():
             raise ConfigError(
                 f"{section}[{i}]: needs a string 'name' (a registered name or import path), "
                 f"got {name!r}"
             )
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_pipeline(p: Any) -> None:
+    """``pipeline:`` values checked whatever ``strategy.pp`` (a typo at pp=1 surfaces when pp is
+    raised, far from where it was written); the checks against the model and the batch are
+    :func:`llmforge.parallel.pipeline.resolve_layout`'s."""
+    _one_of("pipeline.schedule", p.schedule, PIPELINE_SCHEDULES)
+    for key in ("microbatches", "stages_per_rank"):
+        v = p.get(key)
+        if v is not None:
+            _require(_is_int(v) and v >= 1, f"pipeline.{key}", "an integer >= 1 or null (the default)", v)
+    split = p.split
+    if isinstance(split, str):
+        _one_of("pipeline.split", split, PIPELINE_SPLITS)
+        return
+    ok = (isinstance(split, Sequence) and len(split) > 0
+          and all(isinstance(st, Sequence) and not isinstance(st, str) and len(st) > 0
+                  and all(_is_int(b) and b >= 0 for b in st) for st in split))
+    if not ok:
+        shown = list(split) if isinstance(split, Sequence) else split
+        raise ConfigError(
+            f"pipeline.split: expected balanced, lighter_ends or a list of block-index lists, one "
+            f"non-empty list of integers >= 0 per stage, e.g. [[0, 1], [2, 3]]; got {shown!r}")
 
 
 _WARNED: set[str] = set()
@@ -233,6 +271,11 @@ def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
     _require(0 < sch.decay_fraction <= 1, "scheduler.decay_fraction", "in (0, 1]", sch.decay_fraction)
 
     _one_of("strategy.name", cfg.strategy.name, STRATEGIES)
+    if cfg.get("pipeline") is not None:
+        _check_pipeline(cfg.pipeline)
+    if cfg.strategy.name == "ddp" and cfg.strategy.get("ep", 1) != 1:
+        raise ConfigError(f"strategy.ep={cfg.strategy.ep} borrows ranks of the FSDP2 shard group, "
+                          "which strategy.name=ddp does not have; set strategy.name=fsdp2 (or auto)")
     _one_of("data.source", cfg.data.source, DATA_SOURCES)
     vf = cfg.data.val_fraction
     _require(0 <= vf < 1, "data.val_fraction", "in [0, 1)", vf)

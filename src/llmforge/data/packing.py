@@ -73,30 +73,44 @@ def text_pieces(text: str, max_chars: int = PIECE_CHARS) -> Iterator[str]:
     yield text[start:]
 
 
-def encode_packed(tokenizer: Any, texts: Iterable[str], dtype: np.dtype,
-                  max_chars: int = PIECE_CHARS) -> np.ndarray:
-    """``[BOS] doc [EOS]`` of every non-empty text (as :func:`pack_documents`), with at most
-    about ``max_chars`` characters per call of ``tokenizer.encode_batch``.
+def iter_packed(tokenizer: Any, texts: Iterable[str], dtype: np.dtype,
+                max_chars: int = PIECE_CHARS) -> Iterator[np.ndarray]:
+    """The ids of :func:`encode_packed`, in consecutive 1-D ``dtype`` arrays of at most about
+    ``max_chars`` characters' tokens each (plus the ``[BOS]``/``[EOS]`` around a long text), so a
+    writer holds one piece at a time whatever a document's length (``data prepare``'s shards).
 
     The encoder's per-token objects (``tokenizers`` Encodings, Python int lists) cost ~150-200
     bytes a token, so one call on a 100 MB document held ~20 GB (issue 26.4); a text longer than
-    ``max_chars`` is encoded in :func:`text_pieces`, each turned into ``dtype`` ids at once, so
-    the peak is the text and its ids plus one piece's objects, whatever the text's length.
+    ``max_chars`` is encoded in :func:`text_pieces`, each piece turned into ``dtype`` ids at once.
+    """
+    for run in _by_size(list(texts), max_chars):
+        if len(run) > 1 or len(run[0]) <= max_chars:
+            packed = pack_documents(tokenizer.encode_batch(run), tokenizer.bos_id, tokenizer.eos_id, dtype)
+            if len(packed):
+                yield packed
+            continue
+        started = False
+        for piece in text_pieces(run[0], max_chars):
+            ids = np.asarray(tokenizer.encode_batch([piece])[0], dtype=dtype)
+            if len(ids) and not started:  # [BOS] only before a text that has tokens
+                yield np.asarray([tokenizer.bos_id], dtype)
+                started = True
+            if len(ids):
+                yield ids
+        if started:
+            yield np.asarray([tokenizer.eos_id], dtype)
+
+
+def encode_packed(tokenizer: Any, texts: Iterable[str], dtype: np.dtype,
+                  max_chars: int = PIECE_CHARS) -> np.ndarray:
+    """``[BOS] doc [EOS]`` of every non-empty text (as :func:`pack_documents`), with at most
+    about ``max_chars`` characters per call of ``tokenizer.encode_batch`` (:func:`iter_packed`):
+    the peak is the texts and their ids plus one piece's encoder objects.
 
     Returns:
         A 1-D ``dtype`` array of the packed ids.
     """
-    parts: list[np.ndarray] = []
-    for run in _by_size(list(texts), max_chars):
-        if len(run) > 1 or len(run[0]) <= max_chars:
-            parts.append(pack_documents(tokenizer.encode_batch(run), tokenizer.bos_id,
-                                        tokenizer.eos_id, dtype))
-            continue
-        ids = [np.asarray(tokenizer.encode_batch([piece])[0], dtype=dtype)
-               for piece in text_pieces(run[0], max_chars)]
-        if sum(len(x) for x in ids):
-            parts.extend([np.asarray([tokenizer.bos_id], dtype), *ids,
-                          np.asarray([tokenizer.eos_id], dtype)])
+    parts = list(iter_packed(tokenizer, texts, dtype, max_chars))
     return np.concatenate(parts) if parts else np.empty(0, dtype=dtype)
 
 

@@ -22,9 +22,9 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from llmforge.data.packing import encode_packed, token_dtype
+from llmforge.data.packing import PIECE_CHARS, iter_packed, token_dtype
 from llmforge.data.prepared import tokenizer_fingerprint
-from llmforge.data.prepared_checks import FORMAT, MANIFEST, file_sha256, parse_manifest
+from llmforge.data.prepared_checks import FORMAT, MANIFEST, parse_manifest
 from llmforge.data.remote import _check_store_out, _remote_size, _upload, open_store
 from llmforge.data.shakespeare import cache_root
 from llmforge.data.sources import (_resolve_files, describe_files, iter_texts, load_documents, read_rows,
@@ -51,8 +51,12 @@ def _init_worker(tokenizer_dir: str) -> None:
     _WORKER_TOK = load_saved(tokenizer_dir)
 
 
-def write_shard(tok: Any, texts: list[str], path: Path) -> dict[str, Any]:
+def write_shard(tok: Any, texts: list[str], path: Path, max_chars: int = PIECE_CHARS) -> dict[str, Any]:
     """Tokenize ``texts`` into ``path`` (``[BOS] doc [EOS]`` each, the smallest dtype), atomically.
+
+    The ids go to the file (and its sha256) piece by piece as :func:`iter_packed` makes them, so
+    tokenizing holds one piece of at most ``max_chars`` characters and its ids, not a long
+    document's ids (issue 26.4).
 
     Raises:
         WriteError: it could not be written (e.g. a full disk); no partial file is left.
@@ -60,17 +64,23 @@ def write_shard(tok: Any, texts: list[str], path: Path) -> dict[str, Any]:
     Returns:
         ``{"file", "tokens", "sha256", "documents", "bytes"}`` (bytes: UTF-8 text read).
     """
-    arr = encode_packed(tok, texts, token_dtype(tok.vocab_size))  # long texts in pieces
-    tmp = path.with_suffix(".tmp")
+    # this process's own name: a tokenizing worker whose parent was killed (SIGKILL, the OOM
+    # killer) finishes its shard before it sees the pool gone, beside a rerun writing the same one
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
+    digest, tokens = hashlib.sha256(), 0
     try:
-        arr.tofile(tmp)
+        with open(tmp, "wb") as f:
+            for ids in iter_packed(tok, texts, token_dtype(tok.vocab_size), max_chars):
+                f.write(ids.data)
+                digest.update(ids)
+                tokens += len(ids)
         os.replace(tmp, path)
     except OSError as exc:  # a full disk: no partial shard; the finished ones and progress.json stay
         tmp.unlink(missing_ok=True)
         raise write_failed(exc, tmp, "the shards written so far are kept: free space and run the "
                                      "same command again to continue") from None
-    return {"file": f"{path.parent.name}/{path.name}", "tokens": int(len(arr)),
-            "sha256": file_sha256(path), "documents": len(texts),
+    return {"file": f"{path.parent.name}/{path.name}", "tokens": tokens, "sha256": digest.hexdigest(),
+            "documents": len(texts),
             "bytes": sum(len(t) if t.isascii() else len(t.encode("utf-8", "replace")) for t in texts)}
 
 
@@ -192,7 +202,7 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
                                 show_progress=show_progress)
     out = Path(out)
     cfg.data.streaming = True  # read lazily: a corpus never sits in memory
-    docs = load_documents(cfg.data, cfg.run.seed)
+    docs = load_documents(cfg.data, cfg.run.seed, by_line=True)
     if next(read_rows(docs.train, docs.files), None) is None:
         raise DataError(f"data: the source ({cfg.data.source} {cfg.data.path or ''}) holds no "
                         f"non-empty document; nothing was written to {out}")
@@ -243,6 +253,8 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
             if ds is None:
                 continue
             (out / split).mkdir(exist_ok=True)
+            for stale in (out / split).glob("shard_*.tmp"):  # of a killed run: rewritten below
+                stale.unlink(missing_ok=True)
             finished = len(splits[split])
             pending: list = []
             for k, texts in enumerate(_blocks(ds, docs_per_shard, docs.files)):

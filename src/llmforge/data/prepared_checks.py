@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import reprlib
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -19,6 +20,16 @@ from llmforge.errors import DataError
 MANIFEST = "manifest.json"
 FORMAT = "llmforge-tokens/1"
 DTYPES = ("uint16", "uint32")  # what ``data prepare`` writes (packing.token_dtype)
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` cut to 80 characters and 6 levels: a value nested hundreds deep that
+    ``json`` still parsed would make ``repr`` recurse past the limit (issue 26.7)."""
+    return _REPR.repr(value)
+
+
+_REPR = reprlib.Repr()  # Python 3.11: no keyword arguments
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 6, 80, 80
 
 
 def _is_count(value: Any) -> bool:
@@ -36,7 +47,7 @@ def check_manifest(path: str | Path, manifest: Any) -> None:
         DataError: names ``path`` and the field, e.g. ``splits.train.shards[0].tokens``.
     """
     def bad(field: str, want: str, got: Any) -> DataError:
-        return DataError(f"data.path: {path}: {field} must be {want}, got {got!r:.80}; the manifest "
+        return DataError(f"data.path: {path}: {field} must be {want}, got {_short(got)}; the manifest "
                          "was edited or damaged: run `llmforge data prepare` again into an empty folder")
 
     if manifest.get("dtype") not in DTYPES:
@@ -133,7 +144,7 @@ def parse_manifest(data: bytes, root: str | Path) -> dict[str, Any]:
                         "data prepare` again into an empty folder") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise DataError(f"data.path: {root}/{MANIFEST} has format {got!r}, expected "
+        raise DataError(f"data.path: {root}/{MANIFEST} has format {_short(got)}, expected "
                         f"{FORMAT!r}; prepare the corpus again with this llmforge")
     if not manifest.get("complete"):
         raise DataError(f"data.path: {root} is an interrupted `llmforge data prepare`; run the "

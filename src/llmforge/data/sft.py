@@ -34,12 +34,12 @@ from llmforge.data.datamodule import LLMDataModule
 from llmforge.data.sft_examples import (Conversation, ConversationSplits, load_conversations,
                                         parse_example, read_jsonl, read_rows)
 from llmforge.errors import DataError
+from llmforge.events import IGNORE_INDEX
 
 __all__ = ["Conversation", "ConversationSplits", "SFTStats", "parse_example", "read_jsonl",
            "load_conversations", "read_rows", "encode_examples", "build_rows", "SFTRows", "SFTDataModule",
-           "resolve_pad_id", "OVERLONG", "IGNORE_INDEX"]
+           "resolve_pad_id", "OVERLONG"]
 
-IGNORE_INDEX = -100
 from llmforge.config.schema import OVERLONG  # noqa: E402  (listed once, with its key)
 from llmforge.data.packing import token_dtype
 

@@ -10,7 +10,6 @@ cores it may use, its share of them and its data workers
 
 from __future__ import annotations
 
-import os
 import sys
 import uuid
 from typing import Sequence

@@ -1,7 +1,7 @@
 """The memory model of a run: bytes per device for parameters, gradients and AdamW state, and the
 activations of one micro-batch from the spec's :class:`~llmforge.models.spec.MemoryShape`.
 
-Used by ``--dry-run`` (:mod:`llmforge.training.dry_run`) and by plugins' own fit verdicts
+Used by ``--dry-run`` (:mod:`llmforge.planning.dry_run_report`) and by plugins' own fit verdicts
 (``Algorithm.dry_run_lines``: EMA, adapters). FLOPs per token come from the spec
 (:meth:`llmforge.models.spec.ModelSpec.flops`).
 """

@@ -13,9 +13,11 @@ allow) divided among the ranks of this node, less the data workers that do real 
 more than the cores other processes leave free right now (:func:`busy_cores`, read only where
 this process may run on every core of the machine: the count is machine-wide).
 ``trainer.num_threads`` overrides it, and so does ``OMP_NUM_THREADS`` when it is set (a user's or
-a launcher's explicit choice). ``benchmarks/threads.py`` and ``benchmarks/generate.py
---burner`` measure it side by side. No torch import here: the choice is part of the resolved
-run (:mod:`llmforge.preflight.resolve`) and applied by the Trainer (and the generate/eval commands).
+a launcher's explicit choice). A single process repeats the choice every 15 s while it trains
+(:class:`llmforge.callbacks.threads.ThreadWatch`, with :func:`settle`).
+``benchmarks/threads.py`` and ``benchmarks/generate.py --burner`` measure it side by side. No
+torch import here: the choice is part of the resolved run (:mod:`llmforge.preflight.resolve`)
+and applied by the Trainer (and the generate/eval commands).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import statistics
 import time
 from typing import Mapping, Optional
 
-__all__ = ["TORCHRUN_SET_OMP", "MACHINE", "available_cores", "busy_cores", "choose_num_threads"]
+__all__ = ["TORCHRUN_SET_OMP", "MACHINE", "available_cores", "busy_cores", "choose_num_threads",
+           "explicit_threads", "machine_wide", "own_running_threads", "settle"]
 
 # torchrun sets OMP_NUM_THREADS=1 for its workers when it is unset; llmforge's launcher notes
 # that value here, so the workers still choose from their cores (a user's own value wins)
@@ -44,11 +47,35 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def own_running_threads() -> int:
+    """Threads of this process other than the caller that are running or runnable now (state
+    ``R`` in ``/proc/self/task/*/stat``; 0 where there is no ``/proc``).
+
+    Why: after a parallel region torch's OpenMP threads spin before they sleep (libgomp's
+    ``GOMP_SPINCOUNT``); measured on 2 shared cores, 20 ms after a matmul the second thread was
+    still running in 90% of reads, 50 ms after in 35%: a machine-wide count taken between two
+    steps must not take them for another process."""
+    n = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/stat", encoding="ascii", errors="replace") as f:
+                stat = f.read()
+        except OSError:  # the thread ended
+            continue
+        n += stat[stat.rfind(")") + 2:stat.rfind(")") + 3] == "R"  # after "pid (name) "
+    return max(0, n - 1)
+
+
 def busy_cores(samples: int = 9, interval: float = 0.004) -> Optional[float]:
     """Cores other processes keep busy now: the median over ``samples`` reads, ``interval``
     seconds apart (~40 ms in all), of the runnable tasks in ``/proc/loadavg`` (its 4th field,
-    ``running/total``, which counts this process too: less one). Where there is no
-    ``/proc/loadavg`` (macOS), the 1-minute load average; None where neither exists.
+    ``running/total``, which counts this process's threads too: less the caller and
+    :func:`own_running_threads`). Where there is no ``/proc/loadavg`` (macOS), the 1-minute
+    load average; None where neither exists.
 
     Why not the load average alone: it trails by a minute, so a run started right after
     another would see the finished one's load and take too few threads; the median of reads
@@ -58,9 +85,10 @@ def busy_cores(samples: int = 9, interval: float = 0.004) -> Optional[float]:
     for i in range(samples):
         try:
             with open("/proc/loadavg", encoding="ascii") as f:
-                counts.append(int(f.read().split()[3].split("/")[0]) - 1)
+                running = int(f.read().split()[3].split("/")[0])
         except (OSError, IndexError, ValueError):
             break
+        counts.append(running - 1 - own_running_threads())
         if i + 1 < samples:
             time.sleep(interval)
     if counts:
@@ -69,6 +97,38 @@ def busy_cores(samples: int = 9, interval: float = 0.004) -> Optional[float]:
         return os.getloadavg()[0]
     except (AttributeError, OSError):
         return None
+
+
+def machine_wide(cores: int) -> bool:
+    """Whether ``cores`` (this process's) are every core of the machine, so that the machine-wide
+    count of :func:`busy_cores` applies (not under taskset or a SLURM cgroup)."""
+    return cores >= (os.cpu_count() or 1)
+
+
+def explicit_threads(override: Optional[int],
+                     environ: Mapping[str, str]) -> Optional[tuple[int, str]]:
+    """The user's own count and where it came from (``trainer.num_threads``, else a positive
+    ``OMP_NUM_THREADS`` that torchrun did not set), or None: llmforge chooses."""
+    if override is not None:
+        return int(override), f"trainer.num_threads={override}"
+    omp = environ.get("OMP_NUM_THREADS", "")
+    if omp.isdigit() and int(omp) >= 1 and environ.get(TORCHRUN_SET_OMP) != omp:
+        return int(omp), f"OMP_NUM_THREADS={omp}"
+    return None
+
+
+def settle(current: int, pending: Optional[int], choice: int) -> tuple[int, Optional[int]]:
+    """One re-check of the threads during a run: ``(threads to use, choice pending)``.
+
+    A new ``choice`` is taken only when the check before chose it too (``pending``), so one
+    reading that lands in another process's short burst changes nothing; a choice equal to
+    ``current`` clears what was pending.
+    """
+    if choice == current:
+        return current, None
+    if choice == pending:
+        return choice, None
+    return current, choice
 
 
 def choose_num_threads(override: Optional[int], local_world_size: int, worker_cores: int,
@@ -97,14 +157,12 @@ def choose_num_threads(override: Optional[int], local_world_size: int, worker_co
     """
     cores = available_cores() if cores is None else cores
     env = os.environ if environ is None else environ
-    if override is not None:
-        return int(override), f"trainer.num_threads={override} ({cores} cores available)"
-    omp = env.get("OMP_NUM_THREADS", "")
-    if omp.isdigit() and int(omp) >= 1 and env.get(TORCHRUN_SET_OMP) != omp:
-        return int(omp), f"OMP_NUM_THREADS={omp} ({cores} cores available)"
+    own = explicit_threads(override, env)
+    if own is not None:
+        return own[0], f"{own[1]} ({cores} cores available)"
     local = max(1, local_world_size)
     if busy == MACHINE:
-        busy = busy_cores() if cores >= (os.cpu_count() or 1) else None
+        busy = busy_cores() if machine_wide(cores) else None
     share = cores // local
     n = share - worker_cores
     per = f" / {local} processes" if local > 1 else ""

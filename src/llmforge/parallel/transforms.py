@@ -19,7 +19,7 @@ from llmforge.errors import ConfigError
 from llmforge.models.spec import get_spec
 from llmforge.parallel.expert import apply_expert_parallel, check_expert_parallel, shard_experts
 from llmforge.parallel.pipeline import PipelineLayout, apply_pipeline_split, resolve_layout
-from llmforge.plugin import ModelContext, Stage, Transform
+from llmforge.plugin import ModelContext, Stage, Transform, meta_model
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -123,8 +123,7 @@ def check_strategy(cfg: Any, dims: Any) -> None:
     if dims.pp > 1:
         pipeline_layout(cfg, dims)
     if dims.tp > 1 or dims.ep > 1:
-        with torch.device("meta"):
-            model = _spec(cfg)(cfg.model)
+        model = meta_model(cfg)
         ctx = ModelContext(cfg=cfg, mesh=None, dims=dims, device=torch.device("meta"))
         if dims.tp > 1:
             _check_tp(model, ctx)
@@ -144,7 +143,7 @@ def _check_tp(model: nn.Module, ctx: ModelContext) -> None:
 
 def pipeline_layout(cfg: Any, dims: Any, model: Optional[nn.Module] = None) -> PipelineLayout:
     """The pipeline layout of ``strategy.pp`` and ``pipeline:`` for this model and batch
-    (``model``: built on meta when not given).
+    (``model``: the run's model on meta, :func:`llmforge.plugin.meta_model`, when not given).
 
     Raises:
         ConfigError: see :func:`llmforge.parallel.pipeline.resolve_layout`; also tied
@@ -152,8 +151,7 @@ def pipeline_layout(cfg: Any, dims: Any, model: Optional[nn.Module] = None) -> P
             (``doc_ids``), which the stages do not pass on yet.
     """
     if model is None:
-        with torch.device("meta"):
-            model = _spec(cfg)(cfg.model)
+        model = meta_model(cfg)
     if getattr(getattr(model, "args", None), "tie_embeddings", False):
         raise ConfigError("strategy.pp > 1 needs untied embeddings (the first and the last stage "
                           "would share one weight); set model.tie_embeddings=false or strategy.pp=1")

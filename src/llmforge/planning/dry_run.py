@@ -1,6 +1,6 @@
 """``llmforge train CONFIG --dry-run [--simulate]``: the dry run's text.
 
-Without ``--simulate``: the analytic report (:func:`llmforge.training.dry_run.dry_run_report`,
+Without ``--simulate``: the analytic report (:func:`llmforge.planning.dry_run_report.dry_run_report`,
 formulas on a meta-device model) and the model pipeline's order. With it, one training step of
 rank 0 at the run's own layout and world size is simulated
 (:func:`llmforge.planning.simulate.simulate_scaled`: fake process group, fake tensors, 2 and 3
@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from llmforge.models.memory_estimate import GIB, analytic_peak
 from llmforge.planning.simulate import KEEP_AC, Layout, StepMeasurement, simulate_scaled
-from llmforge.training.dry_run import dry_run_report
+from llmforge.planning.dry_run_report import dry_run_report
 from llmforge.training.preflight import pipeline_line
 
 
@@ -21,7 +21,7 @@ def dry_run_text(trainer: Any, run: Any, device_memory_gib: Optional[float] = No
                  simulate: bool = False) -> str:
     """The dry run's report for a built ``trainer`` of the resolved ``run``; with ``simulate``
     the simulation's lines (:func:`simulation_lines`) follow."""
-    text = [dry_run_report(trainer.cfg, run.plan, device_memory_gib=device_memory_gib),
+    text = [dry_run_report(run, trainer.algorithms, device_memory_gib=device_memory_gib),
             pipeline_line(trainer)]
     if simulate:
         text += simulation_lines(trainer.cfg, run, trainer.algorithms)

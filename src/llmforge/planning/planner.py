@@ -29,11 +29,14 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
+from omegaconf import OmegaConf
+
 from llmforge.errors import ConfigError
 from llmforge.models.spec import get_spec
 from llmforge.planning.gpus import GPUKind
 from llmforge.planning.measure import Collective
-from llmforge.planning.simulate import AC_MODES, Layout, StepMeasurement, refuse_ep, simulate_scaled
+from llmforge.planning.simulate import (AC_ENTRIES, AC_MODES, Layout, StepMeasurement, refuse_ep,
+                                        refuse_pp, simulate_scaled)
 from llmforge.plugin import meta_model
 
 HEADROOM = 0.10
@@ -204,9 +207,12 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
 
     Raises:
         ConfigError: no layout divides the batch or the model (see :func:`enumerate_layouts`),
-            or ``strategy.ep > 1`` (not planned yet: :func:`~llmforge.planning.simulate.refuse_ep`).
+            ``strategy.ep > 1`` or ``strategy.pp > 1`` (not planned yet:
+            :func:`~llmforge.planning.simulate.refuse_ep`, ``refuse_pp``), or every layout refused
+            by the config's own checks (the first refusal).
     """
     refuse_ep(cfg)
+    refuse_pp(cfg)
     layouts, dropped = enumerate_layouts(cfg, world, gpu.gpus_per_node)
     gbs = int(cfg.trainer.global_batch_size)
     budget = gpu.memory_bytes * (1 - HEADROOM)
@@ -232,6 +238,11 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
             except NotImplementedError as exc:  # MemTracker (no FSDP2: tp = world) and accumulation
                 skipped[tp, ac] = Candidate(Layout(1, world // tp, tp, ac, 1), "not measured",
                                             f"the memory tracker refuses this step: {exc}")
+    if not refs and skipped:
+        # nothing measured: a config error, not memory ("fits at no GPU count" would mislead)
+        first = next(iter(skipped.values()))
+        if first.status == "refused":
+            raise ConfigError(first.reason)
     cands = []
     for lo in layouts:
         key = (lo.tp, lo.activation_checkpointing)
@@ -293,17 +304,42 @@ def smallest_fitting(p: Plan) -> Optional[int]:
     return best
 
 
-def winner_yaml(cand: Candidate) -> str:
-    """The YAML overrides of a layout (strategy, micro-batch, activation checkpointing)."""
+def layout_settings(cand: Candidate, algorithms: list[dict]) -> dict[str, Any]:
+    """The settings that give the layout of ``cand``, as a nested mapping of config keys:
+    ``strategy`` (``fsdp2`` and the degrees), ``trainer.micro_batch_size`` and the
+    ``algorithms`` list with its activation checkpointing entry replaced (the other entries,
+    ``compile`` included, as they were). The one source of :func:`layout_overrides` and
+    :func:`winner_yaml`."""
     lo = cand.layout
-    lines = ["strategy:", "  name: fsdp2", f"  dp_replicate: {lo.dp_replicate}",
-             f"  dp_shard: {lo.dp_shard}", f"  tp: {lo.tp}", "trainer:",
-             f"  micro_batch_size: {lo.micro_batch_size}"]
-    if lo.activation_checkpointing == "none":
-        lines.append("# algorithms: remove the activation_checkpointing entry")
-    else:
-        mode = ("mode: selective\n    selective: op" if lo.activation_checkpointing == "selective"
-                else "mode: full")
-        lines += ["algorithms:  # replace the activation_checkpointing entry",
-                  f"  - name: activation_checkpointing\n    {mode}"]
-    return "\n".join(lines)
+    algos = [a for a in algorithms if a.get("name") != "activation_checkpointing"]
+    if lo.activation_checkpointing != "none":
+        algos.append(AC_ENTRIES[lo.activation_checkpointing])
+    return {"strategy": {"name": "fsdp2", "dp_replicate": lo.dp_replicate, "dp_shard": lo.dp_shard,
+                         "tp": lo.tp},
+            "trainer": {"micro_batch_size": lo.micro_batch_size},
+            "algorithms": algos}
+
+
+def _flow(v: Any) -> str:
+    """One YAML flow value (omegaconf's dotlist parses it as YAML)."""
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_flow(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_flow(x) for x in v) + "]"
+    if v is None:
+        return "null"
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def layout_overrides(cand: Candidate, algorithms: list[dict]) -> list[str]:
+    """:func:`layout_settings` as dotlist overrides (``strategy.name=fsdp2``, ...,
+    ``algorithms=[...]``): what ``strategy.name: auto`` adds to a launched job."""
+    settings = layout_settings(cand, algorithms)
+    algos = settings.pop("algorithms")
+    return [f"{section}.{key}={_flow(v)}" for section, values in settings.items()
+            for key, v in values.items()] + [f"algorithms={_flow(algos)}"]
+
+
+def winner_yaml(cand: Candidate, algorithms: list[dict]) -> str:
+    """:func:`layout_settings` as YAML, to paste into the run's config."""
+    return OmegaConf.to_yaml(layout_settings(cand, algorithms)).rstrip("\n")

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Optional
+
+from omegaconf import OmegaConf
 
 from llmforge.config import load_config
 from llmforge.errors import ConfigError
@@ -13,8 +16,9 @@ from llmforge.planning.planner import EFFICIENCY, HEADROOM, Plan, plan, winner_y
 GIB = 1024**3
 
 
-def report(p: Plan, config: str, seconds: float, top: int = 8) -> str:
-    """The text report: header, the best ``top`` layouts, the drop reasons, the winner's YAML."""
+def report(p: Plan, config: str, seconds: float, top: int = 8, algorithms: Optional[list[dict]] = None) -> str:
+    """The text report: header, the best ``top`` layouts, the drop reasons, the winner's YAML
+    (``algorithms``: the config's list, whose activation checkpointing entry it replaces)."""
     g = p.gpu
     lines = [f"plan: {config} on {p.world_size} x {g.name} ({(1 - HEADROOM) * g.memory_bytes / GIB:.1f} GiB "
              f"usable per GPU = {1 - HEADROOM:.0%} of {g.memory_bytes / 1e9:.0f} GB; compute at "
@@ -39,7 +43,7 @@ def report(p: Plan, config: str, seconds: float, top: int = 8) -> str:
             lines.append(f"  tp={c.layout.tp} activation_checkpointing={c.layout.activation_checkpointing}: "
                          f"{c.status}: {c.reason}")
     if p.chosen is not None:
-        lines += ["winner's YAML overrides:", winner_yaml(p.chosen)]
+        lines += ["winner's YAML overrides:", winner_yaml(p.chosen, algorithms or [])]
     return "\n".join(lines)
 
 
@@ -59,7 +63,7 @@ def run_plan(config: str, overrides: list[str], gpus: int, gpu: GPUKind, *, as_j
     if as_json:
         print(json.dumps({**result.as_dict(), "seconds": seconds}, indent=1))
     else:
-        print(report(result, config, seconds, top))
+        print(report(result, config, seconds, top, OmegaConf.to_container(cfg.algorithms)))
     if result.chosen is None:
         where = (f"the smallest GPU count that would fit is {result.min_gpus} (memory only; "
                  f"trainer.global_batch_size may have to grow to divide it)" if result.min_gpus

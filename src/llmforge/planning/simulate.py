@@ -153,6 +153,17 @@ def refuse_ep(cfg: Any) -> None:
                           "afterwards (it borrows dp_shard ranks: the same world size)")
 
 
+def refuse_pp(cfg: Any) -> None:
+    """Raises ConfigError: ``strategy.pp > 1``, which the planner does not lay out yet (its
+    layouts are dp x tp; a pp run's candidates would each fail on the degrees). ``--simulate``
+    simulates a pp layout (:class:`Layout`)."""
+    pp = cfg.strategy.get("pp", 1)
+    if pp != 1:
+        raise ConfigError(f"strategy.pp={pp}: llmforge plan and strategy.name=auto lay out dp and "
+                          "tp only, not pipeline stages yet; plan with strategy.pp=1, or check a "
+                          "pipeline layout with --dry-run --simulate")
+
+
 def layout_config(cfg: Any, layout: Layout, n_layers: Optional[int] = None) -> Any:
     """A copy of ``cfg`` with ``layout``: strategy degrees (``fsdp2``), micro-batch size, the
     ``activation_checkpointing`` entry replaced (kept with :data:`KEEP_AC`), ``compile`` left
@@ -345,5 +356,5 @@ def simulate_scaled(cfg: Any, layout: Layout, *, full_depth: Optional[int] = Non
         phases=phases, sharded_state=sharded)
 
 
-__all__ = ["AC_MODES", "CATEGORIES", "KEEP_AC", "Collective", "Layout", "StepMeasurement", "layout_config",
+__all__ = ["AC_MODES", "KEEP_AC", "Layout", "StepMeasurement", "layout_config",
            "model_layers", "simulate", "simulate_scaled"]

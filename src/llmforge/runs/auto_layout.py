@@ -17,9 +17,8 @@ from omegaconf import OmegaConf
 
 from llmforge.errors import ConfigError
 from llmforge.planning.gpus import GPUKind, gpu_kind, gpu_kind_of_type
-from llmforge.planning.planner import Candidate, plan
+from llmforge.planning.planner import layout_overrides, plan
 from llmforge.planning.report import run_plan
-from llmforge.planning.simulate import AC_ENTRIES
 from llmforge.runs.cluster_types import Cluster
 from llmforge.runs.clusters import get_cluster
 
@@ -52,29 +51,6 @@ def plan_command(args: Any) -> int:
     return run_plan(args.config, list(args.overrides), args.gpus, gpu, as_json=args.json, top=args.top)
 
 
-def layout_overrides(cand: Candidate, algorithms: list[dict]) -> list[str]:
-    """Dotlist overrides that give the layout of ``cand``: ``strategy.name=fsdp2``, the degrees,
-    the micro-batch size and the ``algorithms`` list with its activation checkpointing entry
-    replaced (the other entries, ``compile`` included, as they were)."""
-    lo = cand.layout
-    algos = [a for a in algorithms if a.get("name") != "activation_checkpointing"]
-    if lo.activation_checkpointing != "none":
-        algos.append(AC_ENTRIES[lo.activation_checkpointing])
-
-    def flow(v: Any) -> str:  # one YAML flow value (omegaconf's dotlist parses it as YAML)
-        if isinstance(v, dict):
-            return "{" + ", ".join(f"{k}: {flow(x)}" for k, x in v.items()) + "}"
-        if isinstance(v, list):
-            return "[" + ", ".join(flow(x) for x in v) + "]"
-        if v is None:
-            return "null"
-        return str(v).lower() if isinstance(v, bool) else str(v)
-
-    return ["strategy.name=fsdp2", f"strategy.dp_replicate={lo.dp_replicate}",
-            f"strategy.dp_shard={lo.dp_shard}", f"strategy.tp={lo.tp}",
-            f"trainer.micro_batch_size={lo.micro_batch_size}", f"algorithms={flow(algos)}"]
-
-
 def auto_overrides(cfg: Any, cluster: Cluster, world: int) -> Optional[tuple[list[str], str]]:
     """``strategy.name: auto`` on a GPU cluster with more than one GPU: plan ``cfg`` on
     ``world`` GPUs of the cluster's kind and return ``(overrides of the winner, one summary
@@ -103,4 +79,4 @@ def auto_overrides(cfg: Any, cluster: Cluster, world: int) -> Optional[tuple[lis
     return layout_overrides(c, algorithms), line
 
 
-__all__ = ["auto_overrides", "cluster_gpu", "layout_overrides", "plan_command"]
+__all__ = ["auto_overrides", "cluster_gpu", "plan_command"]

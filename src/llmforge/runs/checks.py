@@ -7,12 +7,13 @@ online tracker whose key is not forwarded fails) and its callbacks (a non-class,
 keyword), refuses API keys written in the config (every logger refuses them), and runs the
 training command's own static checks (research imports, batch arithmetic, strategy,
 algorithms) at the job's world size. :func:`check_restart`
-refuses a restart that could train nothing.
+refuses a restart that could train nothing, or that the job would refuse at resume.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 from contextlib import contextmanager
@@ -71,7 +72,9 @@ def check_job(raw: Any, cfg: Any, spec: dict[str, Any], backend: Any, *, local_f
         raise ConfigError(f"{', '.join(keys)}: API keys are not read from config files (the job refuses "
                           "them: configs are saved with the run); export the key (e.g. WANDB_API_KEY) and "
                           "forward it by name with --secret NAME or compute.secrets")
-    from llmforge.training.entries import build_callbacks  # heavy (Lightning): after the config checks
+    # the checks `llmforge train` runs before training; heavy (torch, Lightning), so imported
+    # after the config's own errors are reported
+    from llmforge.training.preflight import build_callbacks, job_checks
 
     env = backend.job_environment(spec)
     try:
@@ -89,10 +92,6 @@ def check_job(raw: Any, cfg: Any, spec: dict[str, Any], backend: Any, *, local_f
                           "setup") from None
     job_cfg = copy.deepcopy(cfg)
     job_cfg.trainer.devices, job_cfg.trainer.num_nodes = int(spec["procs_per_node"]), int(spec["nodes"])
-    # the checks `llmforge train` runs before training; heavy (torch), so imported after the
-    # config's own errors are reported
-    from llmforge.training.preflight import job_checks
-
     job_checks(job_cfg, int(spec["gpus"]), dry_run=not local_files)
 
 
@@ -133,8 +132,9 @@ def check_restart(run: Any, cfg: Any) -> None:
 
     Raises:
         ConfigError: the newest checkpoint is at or past ``trainer.max_steps`` (names both and
-            an override that works), or the overrides change what training computes without
-            ``checkpoint.allow_config_changes=true`` (names each key).
+            an override that works), the overrides change what training computes without
+            ``checkpoint.allow_config_changes=true`` (names each key), or ``model:`` keys change
+            a parameter's shape (allowed or not: the checkpoint cannot load; names it).
     """
     run_dir = Path(run.run_dir or ".")
     folder = Path(cfg.checkpoint.dir) if cfg.checkpoint.get("dir") else run_dir / "checkpoints"
@@ -150,10 +150,20 @@ def check_restart(run: Any, cfg: Any) -> None:
                           f"trainer.max_steps={limit}: the restart would train nothing; restart with "
                           f"trainer.max_steps above {step} (e.g. llmforge runs restart {run.id} "
                           f"trainer.max_steps={step + limit}{allow}), or launch a new run")
-    if step is not None and (folder / f"step_{step:08d}").is_dir():
+    ckpt = folder / f"step_{step:08d}" if step is not None else None
+    if ckpt is not None and ckpt.is_dir():
         job_cfg = resolve_run(cfg, check_dir=False, dry_run=True, environ={}).cfg  # as the job resolves it
-        changes = resume_changes(folder / f"step_{step:08d}", redact(config_to_dict(job_cfg)), None)
+        changes = resume_changes(ckpt, redact(config_to_dict(job_cfg)), None)
+        model_keys = [(key, old) for key, old, _ in changes.breaking if key.startswith("model.")]
         try:
+            if model_keys:  # a model of another shape loads nothing, allowed or not: say that, not "allow it"
+                from llmforge.training.preflight import resume_shapes  # heavy (torch): model changes only
+
+                try:
+                    resume_shapes(job_cfg, ckpt)
+                except ConfigError as exc:
+                    back = " ".join(f"{key}={json.dumps(old)}" for key, old in model_keys)
+                    raise ConfigError(f"{exc} (e.g. llmforge runs restart {run.id} {back})") from None
             check_resume_changes(changes, bool(cfg.checkpoint.allow_config_changes))
         except ConfigError as exc:
             raise ConfigError(f"run {run.id}: the restarted job would stop at once: {exc}") from None

@@ -27,7 +27,8 @@ from llmforge.job.records import llmforge_home, new_run_id, RunRecord, RunRegist
 from llmforge.run_guard import check_run_dir
 from llmforge.runs.backend import Backend, backend_for, backend_of
 from llmforge.runs.checks import check_job, check_restart
-from llmforge.runs.clusters import Cluster, get_cluster
+from llmforge.runs.cluster_types import Cluster
+from llmforge.runs.clusters import get_cluster
 from llmforge.runs.compute import ComputePlan, check_scheduling, plan_compute
 from llmforge.runs.credentials import check_names, secret_overrides
 

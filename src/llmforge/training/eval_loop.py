@@ -59,8 +59,14 @@ class Evaluation:
             count += st.n_targets
         restore_modes(modes)
         st.training = True
+        return self._finish_evaluation(self.eval_metrics(loss_sum, count))
+
+    def eval_metrics(self, loss_sum: torch.Tensor, count: torch.Tensor) -> dict[str, float]:
+        """``{"eval/loss": nats per target token, "eval/perplexity": exp(loss)}`` from this
+        rank's summed token losses and target count (scalar tensors), summed over the
+        data-parallel ranks first; exp is capped at exp(80) so a diverged run logs a number."""
         loss = (self.dp_all_reduce(loss_sum) / self.dp_all_reduce(count.float()).clamp(min=1)).item()
-        return self._finish_evaluation({"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 80.0))})
+        return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 80.0))}
 
     def _finish_evaluation(self, metrics: dict[str, float]) -> dict[str, float]:
         st = self.state

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from llmforge.parallel.expert import clip_grad_norm_
+from llmforge.parallel.grad_norm import clip_grad_norm_
 
 
 class GradientSteps:

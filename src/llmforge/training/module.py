@@ -23,14 +23,14 @@ from torch import nn
 
 from llmforge import registry
 from llmforge.checkpoint.init_from import load_initial_weights
-from llmforge.events import Dispatcher, Event, State
+from llmforge.events import IGNORE_INDEX, Dispatcher, Event, State
 from llmforge.models.spec import get_spec
 from llmforge.parallel.init import init_parallel_model, seeded_init
 from llmforge.parallel.lightning_private import attached_trainer, count_optimizer_step, strategy_mesh
 from llmforge.parallel.mesh import ParallelDims, pp_size
 from llmforge.parallel.pipeline import build_schedule
 from llmforge.parallel.transforms import pipeline_layout
-from llmforge.plugin import ModelContext, run_pipeline
+from llmforge.plugin import ModelContext, meta_model, run_pipeline
 from llmforge.training.aux_losses import AuxLosses
 from llmforge.training.bridge import put_first
 from llmforge.training.eval_loop import Evaluation
@@ -39,8 +39,6 @@ from llmforge.training.host_malloc import release_free_heap, tune_host_malloc
 from llmforge.training.optim import build_optimizer
 from llmforge.training.pipeline_steps import PipelineSteps
 from llmforge.training.schedule import build_scheduler
-
-IGNORE_INDEX = -100
 
 
 class LLMModule(AuxLosses, Evaluation, GradientSteps, PipelineSteps, L.LightningModule):
@@ -133,8 +131,7 @@ class LLMModule(AuxLosses, Evaluation, GradientSteps, PipelineSteps, L.Lightning
             spec = get_spec(self.cfg.model.name)
             self.pp_schedule = build_schedule(model, layout, ctx.mesh["pp"], ctx.device, self.pipeline_loss,
                                               spec.stage_ends)
-            with torch.device("meta"):
-                whole = self.build_model()  # the whole model's FLOPs for MFU (no memory)
+            whole = meta_model(self.cfg)  # the whole model's FLOPs for MFU (no memory)
             self.model_flops_per_token = lambda seq_len: spec.flops(whole, seq_len)
 
     def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -19,16 +19,24 @@ from llmforge.errors import ConfigError
 from llmforge.training.muon import MuonAdamW
 
 
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of ``model`` that require a gradient, each once (tied embeddings share
+    one), in ``named_parameters`` order."""
+    out, seen = [], set()
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Two groups: ``decay`` (ndim >= 2) with ``weight_decay`` and ``no_decay`` with 0.
 
     Shared parameters (tied embeddings) appear once.
     """
-    decay, no_decay, seen = [], [], set()
-    for _, p in model.named_parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
+    decay, no_decay = [], []
+    for p in trainable_parameters(model):
         (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
               {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
@@ -47,11 +55,8 @@ def muon_param_groups(model: nn.Module, cfg: Any) -> tuple[list[dict[str, Any]],
         raise ConfigError("optimizer.name: muon needs the model's repeated blocks (model.blocks()) to "
                           "tell hidden matrices from embeddings and output; use adamw for this model")
     hidden = {id(p) for block in model.blocks() for p in block.parameters() if p.ndim == 2}
-    muon, rest, seen = [], [], set()
-    for _, p in model.named_parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
+    muon, rest = [], []
+    for p in trainable_parameters(model):
         (muon if id(p) in hidden else rest).append(p)
     muon_lr = cfg.lr if cfg.muon_lr is None else cfg.muon_lr
     muon_groups = [{"params": muon, "lr": muon_lr, "weight_decay": cfg.weight_decay, "name": "muon"}]

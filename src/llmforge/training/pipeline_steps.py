@@ -20,24 +20,21 @@ holds on all (:meth:`PipelineSteps.pp_agree_on_step`).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from llmforge.events import Event
+from llmforge.events import IGNORE_INDEX, Event
 from llmforge.training.modes import eval_mode, restore_modes
 
 __all__ = ["PipelineSteps"]
 
-IGNORE_INDEX = -100
-
 
 class PipelineSteps:
     """Needs the module's ``cfg``, ``plan``, ``state``, ``event``, ``dispatch``, ``mesh``,
-    ``split_batch``, ``doc_ids``, ``outputs_loss`` and ``dp_all_reduce``; ``pp_schedule`` is set by
-    ``configure_model`` (``None`` without pipeline parallelism)."""
+    ``split_batch``, ``doc_ids``, ``outputs_loss``, ``dp_all_reduce`` and ``eval_metrics``;
+    ``pp_schedule`` is set by ``configure_model`` (``None`` without pipeline parallelism)."""
 
     pp_schedule: Any = None
     pp_stages: tuple[bool, bool] = (True, True)
@@ -154,9 +151,7 @@ class PipelineSteps:
             flush()
         restore_modes(modes)
         st.training = True
-        loss_sum, count = self.pp_all_reduce(loss_sum), self.pp_all_reduce(count.float())
-        loss = (self.dp_all_reduce(loss_sum) / self.dp_all_reduce(count).clamp(min=1)).item()
-        return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 80.0))}
+        return self.eval_metrics(self.pp_all_reduce(loss_sum), self.pp_all_reduce(count.float()))
 
     def pp_total_norm(self, norm: torch.Tensor) -> torch.Tensor:
         """The L2 norm over all stages from this rank's stages' ``norm`` (sum of squares over

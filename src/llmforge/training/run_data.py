@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 
-from llmforge import registry
 from llmforge.checkpoint import read_json
 from llmforge.data.chat import build_chat_template
 from llmforge.data.datamodule import LLMDataModule
@@ -20,6 +18,7 @@ from llmforge.data.shakespeare import cache_root
 from llmforge.data.sources import DocumentSplits, iter_texts, load_documents, plain_options, tokenizer_cache_key
 from llmforge.data.tokenizers import build_tokenizer, check_vocab, load_saved, Tokenizer
 from llmforge.errors import ConfigError
+from llmforge.plugin import meta_model
 from llmforge.training.run_files import check_init_from_tokenizer
 
 __all__ = ["DataBuilders"]
@@ -34,14 +33,13 @@ class DataBuilders:
     resume_path: Any
 
     def model_vocab_size(self) -> int:
-        """Embedding rows of the configured model, read from a build on the meta device.
+        """Embedding rows of the configured model, read from the run's model on the meta device
+        (:func:`llmforge.plugin.meta_model`).
 
         Raises:
             ConfigError: ``trainer.seq_len`` exceeds the model's ``max_seq_len``.
         """
-        factory = registry.models.get(self.cfg.model.name, key="model.name")
-        with torch.device("meta"):
-            model = factory(self.cfg.model)
+        model = meta_model(self.cfg)
         limit = getattr(model, "max_seq_len", None)
         if limit is not None and self.cfg.trainer.seq_len > limit:
             raise ConfigError(f"trainer.seq_len={self.cfg.trainer.seq_len} exceeds the model's "

@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from llmforge import registry
 from llmforge.algorithms.loading import build_algorithms
 from llmforge.callbacks import Checkpointer, GarbageCollection, RichProgress, SpeedMonitor
+from llmforge.callbacks.threads import EVERY_SECONDS, ThreadWatch
 from llmforge.checkpoint import list_checkpoints, read_json
 from llmforge.checkpoint.init_from import check_initial_weights
 from llmforge.checkpoint.layout import is_checkpoint_folder
@@ -39,9 +40,11 @@ from llmforge.data.tokenizers import Tokenizer
 from llmforge.errors import ConfigError
 from llmforge.job.tracker import RunTracker
 from llmforge.parallel.strategy import LLMParallelStrategy
+from llmforge.parallel.threads import available_cores, explicit_threads, machine_wide
 from llmforge.parallel.transforms import check_strategy, strategy_transforms
 from llmforge.paths import check_writable_dir
-from llmforge.preflight.resolve import ResolvedRun, resolve_run
+from llmforge.plugin import meta_model
+from llmforge.preflight.resolve import ResolvedRun, resolve_run, worker_cores
 from llmforge.quiet import quiet_libraries
 from llmforge.registry import build_entries
 from llmforge.run_guard import RunLock, clear_run_dir, mark_run_dir
@@ -129,13 +132,22 @@ class Trainer(DataBuilders):
                               "CUDA device here; use trainer.accelerator=auto or cpu")
         torch.set_num_threads(self.run.num_threads)
 
+    def watch_threads(self) -> bool:
+        """Whether the threads are re-chosen during training (:class:`ThreadWatch`): llmforge
+        chose them (no ``trainer.num_threads``, no ``OMP_NUM_THREADS``), for one process on
+        this node, that may run on every core of the machine."""
+        return (self.run.local_world_size == 1 and machine_wide(available_cores())
+                and explicit_threads(self.cfg.trainer.num_threads, os.environ) is None)
+
     def announce(self) -> None:
         """Print (rank 0, stderr) the compute threads and what a resume changes: at the end of
         setup, after every check of the input, so an error is the first line a user sees."""
         if self.is_rank_zero():
             n = self.run.num_threads
+            again = (f"; counted again every {EVERY_SECONDS:g} s while training"
+                     if self.watch_threads() else "")
             print(f"threads: {n} compute thread{'s' * (n != 1)} per process "
-                  f"({self.run.threads_reason})", file=sys.stderr, flush=True)
+                  f"({self.run.threads_reason}{again})", file=sys.stderr, flush=True)
             if self.run.resume_line:
                 print(self.run.resume_line, file=sys.stderr, flush=True)
 
@@ -211,6 +223,8 @@ class Trainer(DataBuilders):
         cbs: list[Any] = [speed or SpeedMonitor()]
         if self.cfg.trainer.gc_every > 0:
             cbs.append(GarbageCollection(self.cfg.trainer.gc_every))
+        if self.watch_threads():
+            cbs.append(ThreadWatch(worker_cores(self.cfg.data), announce=self.is_rank_zero()))
         if self.cfg.trainer.progress_bar:
             cbs.append(RichProgress())
         cbs.append(Checkpointer(self.checkpoint_dir, save_every=ck.save_every,
@@ -290,8 +304,7 @@ class Trainer(DataBuilders):
         self.tokenizer = self.build_tokenizer(docs)
         self.module = self.build_module()
         if self.cfg.model.get("init_from"):  # a source of another shape fails before any write
-            with torch.device("meta"):
-                check_initial_weights(self.module.build_model(), self.cfg.model.init_from)
+            check_initial_weights(meta_model(self.cfg), self.cfg.model.init_from)
         self.lock_run_dir()
         try:
             self._setup_run(used, docs, callbacks, loggers)

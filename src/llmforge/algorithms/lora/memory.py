@@ -10,7 +10,7 @@ from torch import nn
 
 from llmforge.models.memory_estimate import (GIB, USABLE_FRACTION, _fmt_count, bf16_param_dtype,
                                              estimate_activations, estimate_memory)
-from llmforge.plugin import meta_model
+from llmforge.plugin import build_meta_model
 
 
 @dataclass
@@ -78,7 +78,7 @@ def lora_lines(lora: Any, cfg: Any, plan: Any, device_memory_gib: Optional[float
     Args:
         device_memory_gib: memory of one device, GiB, for the fit verdict (``None``: 80 and 192).
     """
-    model = lora.convert(meta_model(cfg), cfg.run.seed)
+    model = lora.convert(build_meta_model(cfg), cfg.run.seed)  # a new one: convert changes it
     trainable, frozen = parameter_counts(model)
     m = lora_memory(cfg, plan, model, trainable, frozen, lora.base_dtype)
     where = "on the CPU (strategy.cpu_offload)" if m.offload else f"sharded {m.shards}x"

@@ -33,8 +33,7 @@ import torch
 from torch import nn
 
 from llmforge.models.decoder import DecoderLM, GQAttention, PreNormBlock, SwiGLU
-from llmforge.models.llama3.config import (ffn_hidden_dim, llama_args_from_config, LlamaArgs,
-                                           ROPE_SCALING_KEYS)
+from llmforge.models.llama3.config import ffn_hidden_dim, llama_args_from_config, LlamaArgs
 from llmforge.models.masks import document_causal_mask, document_positions, document_runs
 from llmforge.models.spec import reject_factory_kwargs
 

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch
 
-from llmforge.algorithms.loading import build_algorithms
 from llmforge.config.validate import BatchPlan
 from llmforge.data.mixture import mixture_report
 from llmforge.models.memory_estimate import (GIB, _fmt_count, bf16_param_dtype, estimate_activations,
@@ -29,12 +27,12 @@ from llmforge.models.spec import get_spec
 from llmforge.parallel.mesh import ParallelDims
 from llmforge.parallel.pipeline import stage_params
 from llmforge.parallel.transforms import pipeline_layout
+from llmforge.plugin import meta_model
 
 
-def _dp_words(cfg: Any, plan: BatchPlan) -> str:
+def _dp_words(plan: BatchPlan, dims: ParallelDims) -> str:
     """``dp N``, with HSDP's split: ``dp 64 = 4 replicas x 16 shards (HSDP)``, so the memory
     line's ``sharded Sx`` (shards x tp) reads against it."""
-    dims = ParallelDims.from_config(cfg, plan.world_size)
     if dims.dp_replicate > 1 and dims.dp_shard > 1:
         return (f"dp {plan.dp_size} = {dims.dp_replicate} replicas x {dims.dp_shard} shards "
                 "(HSDP)")
@@ -74,23 +72,24 @@ def _pipeline_lines(cfg: Any, dims: ParallelDims, model: Any, spec: Any) -> tupl
                           for r in range(layout.pp)) / len(spec.model_blocks(model))
 
 
-def dry_run_report(cfg: Any, plan: BatchPlan, device_memory_gib: Optional[float] = None,
-                   algorithms: Optional[list[Any]] = None) -> str:
-    """Build the model on meta and describe parameters, FLOPs, batch and memory, then each
-    algorithm's own lines (:meth:`llmforge.plugin.Algorithm.dry_run_lines`).
+def dry_run_report(run: Any, algorithms: list[Any], device_memory_gib: Optional[float] = None) -> str:
+    """Describe the run's model on meta (:func:`llmforge.plugin.meta_model`): parameters,
+    FLOPs, batch and memory, then each algorithm's own lines
+    (:meth:`llmforge.plugin.Algorithm.dry_run_lines`).
 
     Args:
+        run: the :class:`~llmforge.preflight.resolve.ResolvedRun` (its ``cfg``, ``plan``
+            and ``dims``: nothing is derived again here).
+        algorithms: the run's algorithm instances (``Trainer.algorithms``, already checked).
         device_memory_gib: memory of one device, GiB, for algorithms' fit verdicts (``None``:
             80 and 192).
-        algorithms: the run's algorithm instances (default: built from ``cfg.algorithms``).
     """
+    cfg, plan, dims = run.cfg, run.plan, run.dims
     spec = get_spec(cfg.model.name)
-    with torch.device("meta"):
-        model = spec(cfg.model)
+    model = meta_model(cfg)
     n_params, n_active = spec.num_params(model)
     seq = cfg.trainer.seq_len
     flops = spec.flops(model, seq)
-    dims = ParallelDims.from_config(cfg, plan.world_size)
     pp_lines, device_params, block_share = _pipeline_lines(cfg, dims, model, spec) if dims.pp > 1 \
         else ([], n_params, 1.0)
     mem = estimate_memory(device_params, cfg.trainer.precision, cfg.strategy, plan.world_size // dims.pp)
@@ -100,7 +99,7 @@ def dry_run_report(cfg: Any, plan: BatchPlan, device_memory_gib: Optional[float]
             f", active {_fmt_count(n_active)} ({n_active:,}) per token" if n_active != n_params else ""),
         f"vocab_size      {model.vocab_size:,}",
         f"flops/token     {flops:.4g} (training, at seq_len {seq})",
-        f"world size      {plan.world_size} ({cfg.strategy.name}, {_dp_words(cfg, plan)}, tp {cfg.strategy.tp}"
+        f"world size      {plan.world_size} ({cfg.strategy.name}, {_dp_words(plan, dims)}, tp {cfg.strategy.tp}"
         + (f", pp {dims.pp}" if dims.pp > 1 else "")
         + (f", ep {cfg.strategy.ep})" if cfg.strategy.ep > 1 else ")"),
         *pp_lines,
@@ -114,8 +113,6 @@ def dry_run_report(cfg: Any, plan: BatchPlan, device_memory_gib: Optional[float]
         f" ({cfg.trainer.precision}, sharded {mem.shards}x; activations not included)",
     ]
     lines += mixture_report(cfg, plan.tokens_per_step)  # data.mixture: share and tokens per source
-    if algorithms is None:
-        algorithms = build_algorithms(cfg)
     extra = [(a, a.dry_run_lines(cfg, plan, device_memory_gib)) for a in algorithms]
     if any(lines_ and getattr(a, "replaces_memory_estimate", False) for a, lines_ in extra):
         lines = [x for x in lines if not x.startswith("memory/device")]

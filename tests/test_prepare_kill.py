@@ -1,0 +1,214 @@
+"""`llmforge data prepare` killed at any moment, then run again, gives the shards of an
+uninterrupted run, sha256 for sha256 (issue 26.3); SIGTERM and SIGINT stop it with exit 75 / 130
+and one `stopped:` line (llmforge.signals).
+
+Cheap by design (the suite is over its time budget): the moments are the points where prepare
+writes into OUT, counted by a wrapper of ``os.replace`` (every file prepare writes is a temporary
+file renamed into place); each killed run and each rerun is ``llmforge.cli.main`` in an
+``os.fork`` of this already-imported process (a few ms to start, no imports), and the config is
+built once. The killed child sends the signal to itself at its moment, so the moment is exact
+rather than a time that a loaded machine stretches. ``benchmarks/prepare_interrupt.py`` does the
+same with real processes, signals to the process group at wall-clock moments and 2 workers.
+Forking is safe here: conftest sets ``TOKENIZERS_PARALLELISM=false`` (the ``tokenizers`` thread
+pool is never started in the parent), the reference prepare runs in this process first (so a
+child imports nothing: ``datasets`` imports scipy lazily, 2 s a child otherwise), and the ten
+moments use one tokenizing worker (each child one process); one more case uses a pool of 2.
+Cost: about 3.5 CPU seconds for 41 forked runs (measured on the loaded 2-core machine).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+import llmforge.data.prepare as prep  # here, not in each child: its imports (datasets, torch) cost 2 s
+from helpers.prepared import TOK, write_corpus
+from llmforge.cli import data_commands, main
+
+ARGS = [*TOK, "data.val_fraction=0.2", "--docs-per-shard", "3", "--no-progress"]
+
+
+def _hooks(out: Path, kill: Optional[tuple[str, int, int]], renames: list[str]):
+    """``(os.replace, build_tokenizer)`` wrappers that list the renames into OUT and, with
+    ``kill = (when, k, signal)``, send ``signal`` to this process before/after the k-th rename
+    (``when`` "before"/"after") or before the tokenizer is built (``"start"``: OUT not created)."""
+    real_replace, real_build, me = os.replace, prep.build_tokenizer, os.getpid()
+
+    def at(when: str) -> None:
+        if kill is not None and kill[:2] == (when, len(renames)):
+            os.kill(os.getpid(), kill[2])
+
+    def replace(src, dst, *a, **kw):
+        if os.getpid() != me or not str(dst).startswith(str(out)):  # a tokenizing worker's
+            return real_replace(src, dst, *a, **kw)
+        renames.append(os.path.relpath(dst, out))
+        at("before")  # the temporary file is whole, not renamed yet
+        real_replace(src, dst, *a, **kw)
+        at("after")
+
+    def build(*a, **kw):
+        at("start")
+        return real_build(*a, **kw)
+
+    return replace, build
+
+
+def _child(source: str, out: Path, err: Path, kill: Optional[tuple[str, int, int]], workers: int) -> int:
+    """In the forked child: ``data prepare SOURCE OUT`` with stderr into ``err``, killed at
+    ``kill``; the pids of its tokenizing workers (``workers`` > 1) go to ``OUT.pids``."""
+    sys.stdout = open(os.devnull, "w")
+    sys.stderr = open(err, "w", buffering=1)
+    os.replace, prep.build_tokenizer = _hooks(out, kill, [])
+    real_init = prep._init_worker
+
+    def init(*a):
+        with open(out.with_name(out.name + ".pids"), "a") as f:
+            f.write(f"{os.getpid()}\n")
+        real_init(*a)
+
+    prep._init_worker = init
+    return main(["data", "prepare", source, str(out), *ARGS, "--workers", str(workers)])
+
+
+def run(source: str, out: Path, kill: Optional[tuple[str, int, int]] = None, workers: int = 1) -> tuple[int, str]:
+    """``data prepare`` in a fork of this process: ``(exit code or -signal, its stderr)``."""
+    err = out.with_name(out.name + ".err")
+    sys.stdout.flush(), sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # never return into pytest
+        code = 99
+        try:
+            code = _child(source, out, err, kill, workers)
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 120
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(f"data prepare into {out} hung")
+        time.sleep(0.005)
+    status = done[1]
+    code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+    return code, err.read_text() if err.exists() else ""
+
+
+def state(out: Path) -> dict[str, object]:
+    """Every file in ``out``: its sha256 (the manifest, or its temporary file: its content less the timing)."""
+    files: dict[str, object] = {}
+    for p in sorted(out.rglob("*")) if out.exists() else ():
+        if p.name in ("manifest.json", "manifest.tmp"):
+            files[p.name] = {k: v for k, v in json.loads(p.read_text()).items() if k != "seconds"}
+        elif p.is_file():  # a shard's temporary file is named after the writing process
+            name = re.sub(r"\.\d+\.tmp$", ".PID.tmp", str(p.relative_to(out)))
+            files[name] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return files
+
+
+def digests(out: Path) -> dict[str, str]:
+    return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(out.glob("*/shard_*.bin"))}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """18 short documents, the config built once (forks reuse it), the reference prepare run in
+    this process (so every module it imports is imported before the forks), its renames listed."""
+    root = tmp_path_factory.mktemp("kill")
+    source = write_corpus(root / "corpus", files=2, docs=9)
+    cfg = data_commands.load_prepare_config(source, [a for a in ARGS if "=" in a])
+    mp, renames = pytest.MonkeyPatch(), []
+    mp.setattr(data_commands, "load_prepare_config", lambda *a: cfg)
+    with pytest.MonkeyPatch.context() as hooked:
+        replace, build = _hooks(root / "ref", None, renames)
+        hooked.setattr(os, "replace", replace)
+        hooked.setattr(prep, "build_tokenizer", build)
+        assert main(["data", "prepare", source, str(root / "ref"), *ARGS, "--workers", "1"]) == 0
+    yield source, root, renames
+    mp.undo()
+
+
+def test_prepare_killed_at_ten_moments_by_three_signals_reruns_to_identical_shards(corpus, tmp_path):
+    source, root, renames = corpus
+    ref = root / "ref"
+    want, manifest = digests(ref), json.loads((ref / "manifest.json").read_text())
+    shards = [r for r in renames if r.endswith(".bin")]
+    tokenizer = [r for r in renames if r.startswith("tokenizer/")]
+    # the order of writes that makes any moment safe: progress first, each shard then its
+    # listing, the manifest last
+    assert renames == ["progress.json", *tokenizer, *[x for s in shards for x in (s, "progress.json")],
+                       "manifest.json"] and tokenizer, renames
+    assert len(want) == len(shards) >= 6 and manifest["splits"]["val"]["shards"], renames
+    first_val = renames.index(next(s for s in shards if s.startswith("val/"))) + 1
+    n = len(renames)
+    shard0 = len(tokenizer) + 2  # the first shard's rename
+    moments = [("start", 0), ("before", 1), ("after", 1), ("after", 2), ("before", shard0),
+               ("after", shard0), ("after", shard0 + 1), ("before", first_val), ("before", n), ("after", n)]
+    signals = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT)
+    for i, (when, k) in enumerate(moments):
+        states = []
+        for sig in signals:
+            out = tmp_path / f"{when}{k}-{sig.name}"
+            code, err = run(source, out, (when, k, sig))
+            at = f"{sig.name} {when} write {k} ({renames[k - 1] if k else 'OUT not created'})"
+            if sig == signal.SIGKILL:
+                assert (code, err) == (-signal.SIGKILL, ""), at
+            else:
+                assert code == {signal.SIGTERM: 75, signal.SIGINT: 130}[sig], (at, code, err)
+                assert err == (f"stopped: received {sig.name}: `data prepare` stopped; the shards finished "
+                               f"in {out} are kept: run the same command again to continue\n"), (at, err)
+            assert (out / "manifest.json").exists() == ((when, k) == ("after", n)), at
+            states.append(state(out))
+        # the three signals leave the same files in OUT, so the same command continues alike
+        # from each: rerun one of them (in turn), a rerun per moment instead of three
+        assert states[0] == states[1] == states[2], at
+        out = tmp_path / f"{when}{k}-{signals[i % 3].name}"
+        listed = json.loads((out / "progress.json").read_text())["splits"] if (out / "progress.json").exists() else {}
+        kept = {s["file"]: (out / s["file"]).stat().st_ino for split in listed.values() for s in split}
+        code, err = run(source, out)
+        assert (code, err) == (0, ""), (at, err)
+        assert digests(out) == want, at
+        assert json.loads((out / "manifest.json").read_text())["splits"] == manifest["splits"], at
+        assert not (out / "progress.json").exists() and not list(out.rglob("*.tmp")), at
+        # the shards the killed run had listed were kept, not tokenized again
+        assert {f: (out / f).stat().st_ino for f in kept} == kept, at
+    # the same command after it completed changes nothing and succeeds (a signal as it finished)
+    before = (out / "manifest.json").read_bytes()
+    assert run(source, out, ("before", 1, signal.SIGKILL)) == (0, "")  # not one rename
+    assert (out / "manifest.json").read_bytes() == before and digests(out) == want
+
+
+def test_prepare_with_workers_killed_reruns_and_leaves_no_worker_behind(corpus, tmp_path):
+    """SIGKILL to the parent alone (the OOM killer's way) while 2 tokenizing workers hold tasks:
+    the workers end (the pool's queue closes) and the same command, started at once beside
+    any worker still finishing its shard (each writes its own temporary file), gives the same
+    shards."""
+    source, root, renames = corpus
+    listed_one = 1 + sum(r.startswith("tokenizer/") for r in renames) + 1  # first shard listed
+    out = tmp_path / "pool"
+    assert run(source, out, ("after", listed_one, signal.SIGKILL), workers=2) == (-signal.SIGKILL, "")
+    assert run(source, out, workers=2) == (0, "")
+    assert digests(out) == digests(root / "ref") and not list(out.rglob("*.tmp"))
+    pids = [int(p) for p in out.with_name("pool.pids").read_text().split()]
+    assert len(pids) == 4  # two per run
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.01)
+    assert not any(_alive(p) for p in pids)
+
+
+def _alive(pid: int) -> bool:
+    """A process that runs (a zombie, reparented and not yet reaped, has ended)."""
+    try:
+        return "\tZ" not in Path(f"/proc/{pid}/status").read_text().split("State:")[1][:4]
+    except (FileNotFoundError, IndexError):
+        return False

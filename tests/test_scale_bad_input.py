@@ -112,7 +112,7 @@ def test_plan_refuses_pp_and_names_a_refusal():
     from llmforge.planning.planner import plan
 
     gpu = gpu_kind("H100-SXM-80GB")
-    with pytest.raises(ConfigError, match=r"strategy.pp=2: llmforge plan, strategy.name=auto and --simulate"):
+    with pytest.raises(ConfigError, match=r"strategy.pp=2: llmforge plan and strategy.name=auto"):
         plan(load_config(DEMO, ["strategy.pp=2"]), 2, gpu)
 
     def refuse(cfg, layout):

@@ -1,10 +1,17 @@
 """Run under torchrun (gloo): pipeline parallelism against a one-process reference.
 
-Every rank trains the same tiny fp32 Llama (dim 32, 4 blocks (8 on 4 ranks), vocab 64, seq 16) for STEPS AdamW
-steps, with gradient clipping, once in one process (the reference, computed on every rank) and
-once per layout in ``LAYOUTS[world size]`` over all ranks (with the layout's algorithms'
-model transforms, e.g. activation checkpointing, compile); writes ``<out>/rank<R>.json`` with
-each layout's losses, gradient norms and the reference's. tests/test_pipeline.py reads them.
+Every rank trains the same tiny fp32 Llama (dim 32, 4 blocks (8 on 4 ranks but TP x PP), vocab
+64, seq 16) for STEPS AdamW steps, with gradient clipping, once in one process (the reference,
+computed on every rank; one per set of algorithms that changes the training, ``REFERENCES``,
+and per depth) and once per layout in
+``LAYOUTS[world size]`` over all ranks (with the layout's algorithms: their model transforms, e.g.
+activation checkpointing, compile, float8, LoRA, and their event handlers, e.g. z-loss, EMA,
+the loss-spike guard); writes ``<out>/rank<R>.json`` with each layout's losses, gradient norms,
+plugin metrics and its reference's. tests/test_pipeline.py reads them.
+
+On 4 ranks the FSDP2 x PP (2 x 2) run also saves a checkpoint after step 3 (the checkpoint
+callback's own ``save_checkpoint``, flattened optimizer state), and the ``resume_*`` layouts load
+it at ``pp=4`` (1F1B), with FSDP2 over 4 ranks (no pp) and in one process, then run steps 4-5.
 """
 
 import json
@@ -16,14 +23,25 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from llmforge.algorithms.loading import build_algorithms
+from llmforge.checkpoint.dcp import load_training_state, save_checkpoint
 from llmforge.config.schema import TrainConfig
 from llmforge.config.validate import plan_batch
+from llmforge.events import Event
 from llmforge.parallel.mesh import ParallelDims, build_mesh
 from llmforge.parallel.transforms import strategy_transforms
 from llmforge.training.module import LLMModule
 from llmforge.training.optim import build_optimizer
 
-STEPS = 6
+STEPS = 5
+SAVE_AT = 3
+# z-loss on the last stage, an EMA per stage and a spike guard tight enough to skip steps
+# (min_history 2, grad-norm spikes over 1.2 x the median): its decision must be the same on all stages
+ALGOS = [{"name": "z_loss"}, {"name": "ema", "decay": 0.5},
+         {"name": "loss_spike_guard", "factor": 1.2, "min_history": 2, "metric": "grad_norm", "max_skips": 6}]
+EVENTS_UNDER_TEST = {a["name"] for a in ALGOS}
+REFERENCES = {"plain": [], "algos": ALGOS,
+              "float8": [{"name": "float8", "emulate": True}],
+              "lora": [{"name": "lora", "base_dtype": "float32", "targets": ["wq", "wv", "w2", "output"]}]}
 LAYOUTS = {
     2: {"1f1b": {"strategy.pp": 2},
         "gpipe": {"strategy.pp": 2, "pipeline.schedule": "gpipe"},
@@ -35,11 +53,17 @@ LAYOUTS = {
         # per-stage model transforms: activation checkpointing and compile of each block
         # (aot_eager: dynamo + AOTAutograd without inductor's minute of C++ compiling)
         "ac_full": {"strategy.pp": 2, "algorithms": [{"name": "activation_checkpointing"}]},
-        "compile_aot_eager": {"strategy.pp": 2, "algorithms": [{"name": "compile", "backend": "aot_eager"}]}},
-    4: {"pp4_1f1b": {"strategy.pp": 4},
-        "pp4_interleaved": {"strategy.pp": 4, "pipeline.schedule": "interleaved_1f1b"},
-        "fsdp2_x_pp2": {"strategy.pp": 2, "strategy.name": "fsdp2"},
-        "tp2_x_pp2": {"strategy.pp": 2, "strategy.tp": 2}},
+        "compile_aot_eager": {"strategy.pp": 2, "algorithms": [{"name": "compile", "backend": "aot_eager"}]},
+        "algos": {"strategy.pp": 2, "ref": "algos"},
+        "float8": {"strategy.pp": 2, "ref": "float8"},
+        "lora": {"strategy.pp": 2, "ref": "lora"}},
+    # pp=4 with 1F1B is resume_pp4 (steps 4-5 from the FSDP2 x PP checkpoint)
+    4: {"pp4_interleaved": {"strategy.pp": 4, "pipeline.schedule": "interleaved_1f1b"},
+        "fsdp2_x_pp2": {"strategy.pp": 2, "strategy.name": "fsdp2", "save": True},
+        "tp2_x_pp2": {"strategy.pp": 2, "strategy.tp": 2, "model.n_layers": 4},  # DTensor ops: the dearest
+        "resume_pp4": {"strategy.pp": 4, "resume": True},
+        "resume_fsdp4": {"strategy.name": "fsdp2", "resume": True},
+        "resume_pp1": {"resume": True, "one_process": True}},
 }
 
 
@@ -55,17 +79,61 @@ def make_cfg(overrides, n_layers):
     return cfg
 
 
-def train(mod, cfg, batches, dp_rank, dp):
-    opt = build_optimizer(mod.model, cfg.optimizer)
-    losses, norms = [], []
+def train(mod, cfg, batches, dp_rank, dp, opt=None, first_step=1, save_to=None):
+    """The optimizer steps of ``LLMModule.training_step`` without Lightning: forward/backward,
+    clip, ``BEFORE_OPTIMIZER_STEP`` (plugins' metrics, skip decision; under pp agreed by the
+    stages), step or skip, ``AFTER_OPTIMIZER_STEP``. Returns (losses, norms, plugin metrics)."""
+    opt = opt or build_optimizer(mod.model, cfg.optimizer)
+    st = mod.state
+    losses, norms, extra = [], [], []
     rows = len(batches[0]) // dp
-    for batch in batches:
+    for step, batch in enumerate(batches, first_step):
+        st.step, st.skip_step, st.metrics = step, False, {}
+        mod.step_metrics = st.metrics
         loss, n = mod.forward_backward(batch[dp_rank * rows:(dp_rank + 1) * rows])
-        norms.append(float(mod.clip_gradients_(opt)))
-        opt.step()
+        st.grad_norm = mod.clip_gradients_(opt)
+        st.metrics.update({"train/loss": mod.dp_all_reduce(loss) / n, "train/grad_norm": st.grad_norm})
+        computed = set(st.metrics)
+        mod.event(Event.BEFORE_OPTIMIZER_STEP)
+        if mod.pp_schedule is not None:
+            mod.pp_agree_on_step(set(st.metrics) - computed)
+        if not st.skip_step:
+            opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(mod.dp_all_reduce(loss) / n))
-    return losses, norms
+        mod.event(Event.AFTER_OPTIMIZER_STEP)
+        losses.append(float(st.metrics["train/loss"]))
+        norms.append(float(st.grad_norm))
+        extra.append({k: float(v) for k, v in st.metrics.items() if k not in computed})
+        if save_to is not None and step == SAVE_AT:
+            save_checkpoint(save_to, step, mod.model, opt, {"step": step}, {}, flatten_optimizer=True)
+    return losses, norms, extra
+
+
+def build(overrides, n_layers, world):
+    """(module with the layout's model transforms and event handlers, its algorithms, cfg)."""
+    cfg = make_cfg(overrides, n_layers)
+    cfg.trainer.devices = world  # the algorithms' checks read the world size here
+    algos = build_algorithms(cfg)
+    pipeline = [t for t in (a.transform() for a in algos) if t is not None]
+    if world == 1:
+        mod = LLMModule(cfg, plan_batch(cfg, 1), pipeline=pipeline)
+    else:
+        dims = ParallelDims.from_config(cfg, world)
+        mod = LLMModule(cfg, plan_batch(cfg, world), pipeline=pipeline + strategy_transforms(cfg, dims))
+        mod.mesh_override = build_mesh(dims, "cpu")
+    mod.configure_model()
+    # the event handlers under test; the others' (compile, float8, lora) report to a Lightning trainer
+    mod.setup_events([a for a in algos if a.name in EVENTS_UNDER_TEST])
+    mod.event(Event.BEFORE_LOAD)  # the EMA starts at the initial weights
+    return mod, algos, cfg
+
+
+def ema_of(algos):
+    """The EMA plugin's average as full tensors, by parameter name ({} without an EMA)."""
+    ema = next((a for a in algos if a.name == "ema"), None)
+    if ema is None:
+        return {}
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in ema.shadow.items()}
 
 
 def main(out):
@@ -74,22 +142,39 @@ def main(out):
     torch.manual_seed(0)
     batches = [torch.randint(0, 64, (8, 17)) for _ in range(STEPS)]
     n_layers = 4 if world == 2 else 8  # pp 4 x 2 virtual stages: 8 blocks
-    cfg = make_cfg({}, n_layers)
-    ref = LLMModule(cfg, plan_batch(cfg, 1))
-    ref.configure_model()
-    report = {"reference": train(ref, cfg, batches, 0, 1), "seconds": {}}
-    for name, overrides in LAYOUTS[world].items():
+
+    def ref_of(spec):  # (reference name, its algorithms, its blocks)
+        ref, n = spec.get("ref", "plain"), spec.get("model.n_layers", n_layers)
+        return (ref if n == n_layers else f"{ref}_{n}_blocks"), REFERENCES[ref], n
+
+    report, ref_ema = {"seconds": {}}, {}
+    refs = {ref_of(spec)[0]: ref_of(spec)[1:] for spec in LAYOUTS[world].values()}
+    for ref, (algorithms, n) in sorted(refs.items()):
+        mod, algos, cfg = build({"algorithms": algorithms}, n, 1)
+        report["ref_" + ref] = train(mod, cfg, batches, 0, 1)
+        ref_ema[ref] = ema_of(algos)
+    ckpt = f"{out}/ckpt"
+    for name, spec in LAYOUTS[world].items():
         start = time.perf_counter()
-        cfg = make_cfg(overrides, n_layers)
-        dims = ParallelDims.from_config(cfg, world)
-        cfg.trainer.devices = world  # the algorithms' checks read the world size here
-        algos = [t for t in (a.transform() for a in build_algorithms(cfg)) if t is not None]
-        mod = LLMModule(cfg, plan_batch(cfg, world), pipeline=algos + strategy_transforms(cfg, dims))
-        mod.mesh_override = build_mesh(dims, "cpu")
-        mod.configure_model()
-        dp = mod.mesh["dp"]
-        report[name] = train(mod, cfg, batches, dp.get_local_rank(), dp.size())
+        spec = dict(spec)
+        ref, algorithms, n = ref_of(spec)
+        spec.pop("ref", None)
+        resume, save, one = spec.pop("resume", False), spec.pop("save", False), spec.pop("one_process", False)
+        mod, algos, cfg = build({**spec, "algorithms": spec.get("algorithms", algorithms)}, n, 1 if one else world)
+        dp = mod.mesh["dp"] if mod.mesh is not None else None
+        dp_rank, dp_size = (dp.get_local_rank(), dp.size()) if dp is not None else (0, 1)
+        opt, first = build_optimizer(mod.model, cfg.optimizer), 1
+        if resume:
+            load_training_state(f"{ckpt}/step_{SAVE_AT:08d}", mod.model, opt)
+            first = SAVE_AT + 1
+        report[name] = train(mod, cfg, batches[first - 1:], dp_rank, dp_size, opt, first,
+                             ckpt if save else None)
+        report[name + "_ref"] = ref
         report[name + "_keys"] = sorted(mod.model.state_dict())
+        ema = ema_of(algos)
+        if ema:  # this rank's stage's average against the one-process run's
+            report[name + "_ema"] = {"names": len(ema), "of": len(ref_ema[ref]), "max_diff": max(
+                (v - ref_ema[ref][k]).abs().max().item() for k, v in ema.items())}
         report["seconds"][name] = time.perf_counter() - start
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(report, f)

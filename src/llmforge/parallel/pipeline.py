@@ -30,7 +30,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from llmforge.errors import ConfigError
 
-__all__ = ["SCHEDULE_CLASSES", "PipelineLayout", "bubble_fraction", "split_blocks", "resolve_layout",
+__all__ = ["SCHEDULE_CLASSES", "PipelineLayout", "bubble_fraction", "rank_stages", "split_blocks", "resolve_layout",
            "prune_model", "stage_view", "stage_params", "apply_pipeline_split", "build_schedule"]
 
 SCHEDULE_CLASSES = {"1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
@@ -43,6 +43,12 @@ _V_SHAPED = ("zbv", "dualpipev")  # exactly 2 stages per rank, rank r holds r an
 
 def _installed_schedules() -> tuple[str, ...]:
     return tuple(k for k, cls in SCHEDULE_CLASSES.items() if hasattr(pipelining, cls))
+
+
+def rank_stages(schedule: str, stages_per_rank: Optional[int]) -> int:
+    """Stages one rank holds: ``pipeline.stages_per_rank``, or when ``None`` the schedule's
+    default (2 for ``interleaved_1f1b``, ``zbv`` and ``dualpipev``, else 1)."""
+    return (2 if schedule in _MULTI else 1) if stages_per_rank is None else int(stages_per_rank)
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
@@ -197,8 +203,7 @@ def resolve_layout(schedule: str, pp: int, n_blocks: int, local_batch_size: int,
     if schedule not in installed:
         raise ConfigError(f"pipeline.schedule={schedule}: torch {torch.__version__} has no "
                           f"{SCHEDULE_CLASSES[schedule]}; use one of {', '.join(installed)}")
-    default_v = 2 if schedule in _MULTI else 1
-    v = default_v if stages_per_rank is None else int(stages_per_rank)
+    v = rank_stages(schedule, stages_per_rank)
     if schedule in _V_SHAPED and v != 2:
         raise ConfigError(f"pipeline.stages_per_rank={v}: pipeline.schedule={schedule} runs exactly "
                           "2 stages per rank; set pipeline.stages_per_rank=2 (or null)")

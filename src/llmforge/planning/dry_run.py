@@ -31,7 +31,8 @@ def dry_run_text(trainer: Any, run: Any, device_memory_gib: Optional[float] = No
 def run_layout(run: Any) -> Layout:
     """The resolved run's own layout, its activation checkpointing entry kept as configured."""
     d = run.dims
-    return Layout(d.dp_replicate, d.dp_shard, d.tp, KEEP_AC, run.plan.micro_batch_size, ep=d.ep)
+    return Layout(d.dp_replicate, d.dp_shard, d.tp, KEEP_AC, run.plan.micro_batch_size,
+                  pp=d.pp, ep=d.ep)
 
 
 def simulation_lines(cfg: Any, run: Any, algorithms: list[Any]) -> list[str]:
@@ -47,6 +48,8 @@ def format_simulation(m: StepMeasurement, analytic: Optional[dict[str, float]]) 
     gives its own estimate above)."""
     depth = (f"simulated {' and '.join(map(str, m.simulated_layers))} blocks, scaled to {m.n_layers}"
              if len(m.simulated_layers) > 1 else f"all {m.n_layers} blocks simulated")
+    if m.layout.pp > 1:
+        depth += f"; pp {m.layout.pp}: rank 0 holds the first stage"
     b = m.breakdown
     lines = [f"simulation      rank 0 of {m.world_size}: one training step on a fake process group "
              f"with fake tensors ({depth}; torch.compile not simulated; {m.seconds:.1f} s)",

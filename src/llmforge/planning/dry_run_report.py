@@ -48,8 +48,9 @@ _BUBBLE_SOURCES = {
 }
 
 
-def _pipeline_lines(cfg: Any, dims: ParallelDims, model: Any, spec: Any) -> tuple[list[str], int]:
-    """The ``pp stages`` and ``pp schedule`` lines, and the parameters of the busiest pp rank."""
+def _pipeline_lines(cfg: Any, dims: ParallelDims, model: Any, spec: Any) -> tuple[list[str], int, float]:
+    """The ``pp stages`` and ``pp schedule`` lines, the parameters of the busiest pp rank and
+    the largest share of the blocks one pp rank holds."""
     layout = pipeline_layout(cfg, dims, model)
     per_stage = stage_params(model, layout, spec.stage_ends, spec.model_blocks(model))
     per_rank = [sum(per_stage[s] for s in layout.stages_of_rank(r)) for r in range(layout.pp)]
@@ -67,7 +68,8 @@ def _pipeline_lines(cfg: Any, dims: ParallelDims, model: Any, spec: Any) -> tupl
         f"pp stages       {stages}; busiest rank {_fmt_count(max(per_rank))} parameters",
         f"pp schedule     {layout.schedule}, {p} ranks x {v} stage(s), {m} micro-batches: bubble "
         f"{layout.bubble():.1%} of the step ({_BUBBLE_SOURCES[layout.schedule]})",
-    ], max(per_rank)
+    ], max(per_rank), max(sum(len(layout.split[s]) for s in layout.stages_of_rank(r))
+                          for r in range(layout.pp)) / len(spec.model_blocks(model))
 
 
 def dry_run_report(run: Any, algorithms: list[Any], device_memory_gib: Optional[float] = None) -> str:
@@ -88,7 +90,8 @@ def dry_run_report(run: Any, algorithms: list[Any], device_memory_gib: Optional[
     n_params, n_active = spec.num_params(model)
     seq = cfg.trainer.seq_len
     flops = spec.flops(model, seq)
-    pp_lines, device_params = _pipeline_lines(cfg, dims, model, spec) if dims.pp > 1 else ([], n_params)
+    pp_lines, device_params, block_share = _pipeline_lines(cfg, dims, model, spec) if dims.pp > 1 \
+        else ([], n_params, 1.0)
     mem = estimate_memory(device_params, cfg.trainer.precision, cfg.strategy, plan.world_size // dims.pp)
     lines = [
         f"model           {cfg.model.name} (preset {cfg.model.preset})",
@@ -119,8 +122,12 @@ def dry_run_report(run: Any, algorithms: list[Any], device_memory_gib: Optional[
     act = estimate_activations(model, plan.micro_batch_size, seq, cfg.trainer.precision,
                                max(1, cfg.strategy.tp), spec=spec, bf16_weights=bf16_param_dtype(cfg))
     if act is not None:
-        lines.append(f"activations     {act[0] / GIB:.2f} GiB per micro-batch without activation "
-                     f"checkpointing, {act[1] / GIB:.2f} GiB with full checkpointing (estimate)")
+        # a pipeline rank runs only its blocks, but keeps several micro-batches in flight
+        # (1F1B: up to pp on the first stage)
+        where = f" on the busiest pp rank ({block_share:.1%} of the blocks)" if dims.pp > 1 else ""
+        lines.append(f"activations     {act[0] * block_share / GIB:.2f} GiB per micro-batch{where} "
+                     f"without activation checkpointing, {act[1] * block_share / GIB:.2f} GiB with full "
+                     "checkpointing (estimate" + ("; the schedule keeps several in flight)" if where else ")"))
     return "\n".join(lines)
 
 

@@ -64,6 +64,7 @@ from llmforge.config.validate import validate
 from llmforge.errors import ConfigError
 from llmforge.models.spec import get_spec
 from llmforge.parallel.mesh import ParallelDims, build_mesh
+from llmforge.parallel.pipeline import rank_stages
 from llmforge.parallel.transforms import check_strategy, strategy_transforms
 from llmforge.plugin import meta_model, run_pipeline
 from llmforge.planning.measure import (CATEGORIES, CPU_SDPA_FLOPS, ByteCounter, Collective,
@@ -85,9 +86,15 @@ AC_ENTRIES = {"selective": {"name": "activation_checkpointing", "mode": "selecti
 class Layout:
     """A parallel layout: ``dp_replicate * dp_shard * tp * pp`` = world size.
 
-    ``pp`` is always 1 until pipeline parallelism exists (the planner keeps the field).
     ``ep`` (expert parallelism) borrows ``dp_shard`` ranks: it divides ``dp_shard`` and leaves
     the world size alone. The simulation runs ``ep=1`` only; the planner derives ``ep > 1``.
+
+    ``pp > 1``: the run's ``pipeline:`` settings cut the model into stages and the simulation
+    measures rank 0 (the first stage, with the embedding): its blocks run as one model,
+    micro-batch after micro-batch, without the schedule, so its parameters, gradients and
+    optimizer state are the stage's, but the activations of micro-batches in flight (1F1B: up
+    to ``pp`` on the first stage) and the point-to-point sends are not simulated.
+    ``llmforge plan`` does not search ``pp``.
     """
 
     dp_replicate: int
@@ -144,31 +151,32 @@ def refuse_ep(layout: Layout) -> None:
 
 
 def refuse_pp(cfg: Any) -> None:
-    """Raises ConfigError: ``strategy.pp > 1``, which the simulation and the planner do not lay
-    out yet (their layouts are dp x tp; a pp run's candidates would each fail on the degrees)."""
+    """Raises ConfigError: ``strategy.pp > 1``, which the planner does not lay out yet (its
+    layouts are dp x tp; a pp run's candidates would each fail on the degrees). ``--simulate``
+    simulates a pp layout (:class:`Layout`)."""
     pp = cfg.strategy.get("pp", 1)
     if pp != 1:
-        raise ConfigError(f"strategy.pp={pp}: llmforge plan, strategy.name=auto and --simulate lay "
-                          "out dp and tp only, not pipeline stages yet; plan with strategy.pp=1, "
-                          "or check a pipeline layout with --dry-run without --simulate")
+        raise ConfigError(f"strategy.pp={pp}: llmforge plan and strategy.name=auto lay out dp and "
+                          "tp only, not pipeline stages yet; plan with strategy.pp=1, or check a "
+                          "pipeline layout with --dry-run --simulate")
 
 
 def layout_config(cfg: Any, layout: Layout, n_layers: Optional[int] = None) -> Any:
     """A copy of ``cfg`` with ``layout``: strategy degrees (``fsdp2``), micro-batch size, the
     ``activation_checkpointing`` entry replaced (kept with :data:`KEEP_AC`), ``compile`` left
-    out, and ``model.n_layers`` when given.
+    out, and ``model.n_layers`` when given (with ``pp > 1`` the stages then split the blocks
+    ``balanced``: a split written for the real depth does not fit the simulated one).
 
     Raises:
-        ConfigError: ``layout.ep > 1`` (:func:`refuse_ep`) or ``strategy.pp > 1``
-            (:func:`refuse_pp`).
+        ConfigError: ``layout.ep > 1`` (:func:`refuse_ep`).
     """
     refuse_ep(layout)
-    refuse_pp(cfg)
     out = copy.deepcopy(cfg)
     OmegaConf.set_readonly(out, False)
     s = out.strategy
     s.name = "fsdp2" if layout.world_size > 1 else s.name
-    s.dp_replicate, s.dp_shard, s.tp, s.ep = layout.dp_replicate, layout.dp_shard, layout.tp, layout.ep
+    s.dp_replicate, s.dp_shard, s.tp = layout.dp_replicate, layout.dp_shard, layout.tp
+    s.ep, s.pp = layout.ep, layout.pp
     out.trainer.micro_batch_size = layout.micro_batch_size
     # the world size the checks derive from the trainer (devices x nodes) is the layout's
     out.trainer.devices, out.trainer.num_nodes = layout.world_size, 1
@@ -179,6 +187,8 @@ def layout_config(cfg: Any, layout: Layout, n_layers: Optional[int] = None) -> A
     out.algorithms = algos
     if n_layers is not None:
         out.model.n_layers = n_layers
+        if layout.pp > 1:
+            out.pipeline.split = "balanced"
     return out
 
 
@@ -296,23 +306,39 @@ def _step(module: LLMModule, optimizer: Any, batch: torch.Tensor) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def _by_dim(colls: list[Collective]) -> dict[tuple[str, str], Collective]:
+    """``colls`` summed per ``(kind, mesh_dim)``: two process groups over the same ranks (e.g. a
+    sub-mesh sliced again under ``pp``) are one dim, and must not be extrapolated apart."""
+    out: dict[tuple[str, str], Collective] = {}
+    for c in colls:
+        prev = out.get((c.kind, c.mesh_dim))
+        out[c.kind, c.mesh_dim] = c if prev is None else replace(
+            prev, count=prev.count + c.count, bytes=prev.bytes + c.bytes)
+    return out
+
+
 def simulate_scaled(cfg: Any, layout: Layout, *, full_depth: Optional[int] = None) -> StepMeasurement:
     """:func:`simulate` with 2 and 3 blocks, every quantity extrapolated linearly to the real
     block count ``full_depth`` (default: the config's). Configs of at most 3 blocks are
-    simulated whole."""
+    simulated whole. With ``pp > 1``: 2 and 3 blocks per pipeline stage (``pp x stages per
+    rank`` stages), extrapolated to ``full_depth / stages`` blocks per stage (rank 0: the first
+    stage, which also holds the embedding; the last stage holds the output layer instead)."""
     n = full_depth if full_depth is not None else model_layers(cfg)
-    if n <= 3:
+    stages = layout.pp * (rank_stages(cfg.pipeline.schedule, cfg.pipeline.stages_per_rank)
+                          if layout.pp > 1 else 1)
+    if n <= 3 * stages:
         m = simulate(cfg, layout)
         return replace(m, simulated_layers=(n,))
-    a, b = simulate(cfg, layout, n_layers=2), simulate(cfg, layout, n_layers=3)
-    k = n - 2
+    a = simulate(cfg, layout, n_layers=2 * stages)
+    b = simulate(cfg, layout, n_layers=3 * stages)
+    k = n / stages - 2
 
     def lin(x: float, y: float) -> float:
         return x + k * (y - x)
 
-    colls = {(c.kind, c.mesh_dim): c for c in a.collectives}
+    colls = _by_dim(a.collectives)
     scaled = []
-    for c in b.collectives:
+    for c in _by_dim(b.collectives).values():
         c0 = colls.get((c.kind, c.mesh_dim), Collective(c.kind, c.mesh_dim, c.group_size))
         scaled.append(Collective(c.kind, c.mesh_dim, c.group_size, int(round(lin(c0.count, c.count))),
                                  lin(c0.bytes, c.bytes)))
@@ -324,7 +350,7 @@ def simulate_scaled(cfg: Any, layout: Layout, *, full_depth: Optional[int] = Non
     return StepMeasurement(
         layout=layout, world_size=a.world_size, n_layers=n, peak_bytes=total, breakdown=breakdown,
         flops=lin(a.flops, b.flops), formula_flops=lin(a.formula_flops, b.formula_flops),
-        collectives=scaled, seconds=a.seconds + b.seconds, simulated_layers=(2, 3),
+        collectives=scaled, seconds=a.seconds + b.seconds, simulated_layers=(2 * stages, 3 * stages),
         phases=phases, sharded_state=sharded)
 
 

@@ -303,8 +303,8 @@ class LLMModule(AuxLosses, Evaluation, GradientSteps, PipelineSteps, L.Lightning
         })
         computed = set(st.metrics)
         self.event(Event.BEFORE_OPTIMIZER_STEP)
-        if self.pp_schedule is not None:  # the plugins' metrics, from the loss events' stage
-            self.pp_last_stage_metrics(st.metrics, set(st.metrics) - computed)
+        if self.pp_schedule is not None:  # plugins' metrics from the loss events' stage; one skip
+            self.pp_agree_on_step(set(st.metrics) - computed)
         if st.skip_step:
             opt.zero_grad(set_to_none=True)
             count_optimizer_step(self.trainer)  # the batch is consumed: step numbers stay aligned

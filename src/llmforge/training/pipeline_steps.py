@@ -14,7 +14,8 @@ micro-batch, in micro-batch order, on the ranks that hold the last stage, where 
 sent from the last stage to every stage (a sum over the ``pp`` group, zero elsewhere), so every
 rank's ``train/loss`` (and every logger) sees the same value. The metrics plugins add at
 ``BEFORE_OPTIMIZER_STEP`` (e.g. ``train/z_loss``, summed from the loss events) are the last
-stage's on every rank once the event is over (:meth:`PipelineSteps.pp_last_stage_metrics`).
+stage's on every rank once the event is over, and a skip (``state.skip_step``) set on any stage
+holds on all (:meth:`PipelineSteps.pp_agree_on_step`).
 """
 
 from __future__ import annotations
@@ -50,16 +51,25 @@ class PipelineSteps:
         dist.all_reduce(t, group=self.mesh["pp"].get_group())
         return t
 
-    def pp_last_stage_metrics(self, metrics: dict[str, Any], keys: set[str]) -> None:
-        """Set ``metrics[k]`` for the last stage's ``k in keys`` to the last stage's value on
-        every ``pp`` rank (tensors become floats). A plugin's metric summed from the loss events
-        (``state.dp_sum`` at ``BEFORE_OPTIMIZER_STEP``) exists only where the loss is; loggers
-        write from rank 0, the first stage. One small object broadcast over the ``pp`` group
-        per step (the key sets may differ between stages, so no tensor collective)."""
-        mine = {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in metrics.items() if k in keys}
-        box = [mine]
-        dist.broadcast_object_list(box, group=self.mesh["pp"].get_group(), group_src=self.pp_last_rank)
-        metrics.update(box[0])
+    def pp_agree_on_step(self, keys: set[str]) -> None:
+        """Make every ``pp`` rank's step decision the same, after ``BEFORE_OPTIMIZER_STEP``:
+        ``state.metrics[k]`` for the last stage's ``k in keys`` becomes the last stage's value
+        (tensors become floats) and ``state.skip_step`` is true on all stages if a handler set
+        it on any. A plugin's metric summed from the loss events (``state.dp_sum`` at
+        ``BEFORE_OPTIMIZER_STEP``) exists only where the loss is, and loggers write from rank
+        0, the first stage; a stage that stepped while another skipped would leave the model
+        half updated (``loss_spike_guard`` decides on values that are already the same on all
+        stages; a plugin watching the loss events sees them on the last stage only). One small
+        object gathered over the ``pp`` group per step (the key sets may differ between
+        stages, so no tensor collective)."""
+        st = self.state
+        mine = ({k: v.item() if isinstance(v, torch.Tensor) else v for k, v in st.metrics.items()
+                 if k in keys}, bool(st.skip_step))
+        group = self.mesh["pp"].get_group()
+        box: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(box, mine, group=group)
+        st.metrics.update(box[self.pp_last_rank][0])
+        st.skip_step = any(skip for _, skip in box)
 
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss function (last stage, one call per micro-batch): the loss events

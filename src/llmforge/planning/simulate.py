@@ -56,6 +56,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -204,6 +205,9 @@ def _fake_group(world_size: int) -> None:
         if dist.get_backend() != "fake":
             raise RuntimeError("a real process group is initialized; simulate(fake=False) uses it")
         dist.destroy_process_group()
+    # DTensor caches sharding decisions by mesh equality, and a cached result holds the mesh
+    # (and its group names) of an earlier, destroyed group: start from an empty cache
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
 
 
@@ -231,6 +235,17 @@ def simulate(cfg: Any, layout: Layout, *, n_layers: Optional[int] = None, fake: 
     Raises:
         ConfigError: the layout does not divide the batch or the model (names the key).
     """
+    try:
+        return _simulate(cfg, layout, n_layers, fake, device)
+    finally:
+        # the fake group must not outlive the simulation: a later checkpoint in this process
+        # would take it for a real world of layout.world_size ranks
+        if fake and dist.is_initialized() and dist.get_backend() == "fake":
+            dist.destroy_process_group()
+
+
+def _simulate(cfg: Any, layout: Layout, n_layers: Optional[int], fake: bool,
+              device: str) -> StepMeasurement:
     t0 = time.perf_counter()
     run_cfg = layout_config(cfg, layout, n_layers)
     world = layout.world_size

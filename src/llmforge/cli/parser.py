@@ -25,7 +25,7 @@ def add_trust_code(p: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="llmforge", description="Train language models (Llama 3, Qwen3, your own) from one YAML.")
+    p = argparse.ArgumentParser(prog="llmforge", description="Train language models (Llama 3, Qwen3, Qwen3-MoE, your own) from one YAML.")
     p.add_argument("--version", action="version", version=f"llmforge {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 

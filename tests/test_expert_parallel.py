@@ -118,7 +118,8 @@ def test_plan_lays_out_ep_for_qwen3_30b_a3b(capsys):
     from llmforge.config import load_config
     from llmforge.planning.gpus import gpu_kind
     from llmforge.planning.measure import Collective
-    from llmforge.planning.planner import ExpertShape, plan, winner_yaml
+    from llmforge.planning.layout_settings import winner_yaml
+    from llmforge.planning.planner import ExpertShape, plan
     from llmforge.planning.simulate import StepMeasurement
 
     gib = 2**30

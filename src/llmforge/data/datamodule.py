@@ -35,7 +35,8 @@ from llmforge.data.mixture import (MixtureSampler, MixtureStream, MixtureWindows
 from llmforge.data.packing import (PIECE_CHARS, PackedWindows, ShardedSampler, encode_packed,
                                    token_dtype)
 from llmforge.data.prepared import PreparedSplits, PreparedWindows
-from llmforge.data.sources import DocumentSplits, file_identities
+from llmforge.data.file_identity import file_identities
+from llmforge.data.sources import DocumentSplits
 from llmforge.data.streaming import StreamingWindows
 from llmforge.errors import DataError
 from llmforge.parallel.lightning_private import strategy_mesh
@@ -280,7 +281,7 @@ class LLMDataModule(L.LightningDataModule):
 
     def _stream_stats(self) -> dict[str, Optional[list[list]]]:
         """``[name, bytes, version]`` of each file of each streaming source
-        (:func:`llmforge.data.sources.file_identities`: a local file's head hash, an object's
+        (:func:`llmforge.data.file_identity.file_identities`: a local file's head hash, an object's
         ETag or modification time, a URL glob expanded), computed once per run: a checkpoint
         records it, and a file rewritten under its name or a glob that lists other objects is
         noticed at resume. ``None`` for a source whose store could not be listed (not compared)."""

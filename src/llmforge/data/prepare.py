@@ -25,9 +25,10 @@ import numpy as np
 from llmforge.data.packing import PIECE_CHARS, iter_packed, token_dtype
 from llmforge.data.prepared import tokenizer_fingerprint
 from llmforge.data.prepared_checks import FORMAT, MANIFEST, parse_manifest
+from llmforge.data.file_identity import describe_files
 from llmforge.data.remote import _check_store_out, _remote_size, _upload, open_store
 from llmforge.data.shakespeare import cache_root
-from llmforge.data.sources import (_resolve_files, describe_files, iter_texts, load_documents, read_rows,
+from llmforge.data.sources import (_resolve_files, iter_texts, load_documents, read_rows,
                                    tokenizer_cache_key)
 from llmforge.data.tokenizers import build_tokenizer, load_saved
 from llmforge.errors import DataError

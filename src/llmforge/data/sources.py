@@ -13,16 +13,13 @@ import glob
 import hashlib
 import json
 import os
-import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
 import datasets
-import fsspec
 
 from llmforge.config.redaction import scrub_url_credentials
-from llmforge.data.prepared_checks import file_sha256
+from llmforge.data.file_identity import URL
 from llmforge.data.remote import missing_driver, plain_options
 from llmforge.data.shakespeare import shakespeare_files
 from llmforge.errors import DataError
@@ -31,7 +28,6 @@ AnyDataset = Union[datasets.Dataset, datasets.IterableDataset]
 
 _FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
             ".parquet": "parquet", ".csv": "csv"}
-_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 def clean_text(text: Optional[str]) -> str:
@@ -70,7 +66,7 @@ def _resolve_files(cfg: Any) -> list[str]:
     files: list[str] = []
     for pattern in patterns:
         pattern = str(pattern)
-        if _URL.match(pattern):
+        if URL.match(pattern):
             _check_url(pattern)
             files.append(pattern)  # datasets/fsspec expands remote globs
             continue
@@ -97,7 +93,7 @@ def _check_url(url: str) -> None:
     import fsspec
     from fsspec.registry import known_implementations, registry
 
-    scheme = _URL.match(url).group(1).lower()  # type: ignore[union-attr]
+    scheme = URL.match(url).group(1).lower()  # type: ignore[union-attr]
     shown = scrub_url_credentials(url)
     if scheme not in known_implementations and scheme not in registry:
         raise DataError(f"data.path: {shown!r} has an unknown URL scheme '{scheme}://'; use a local "
@@ -106,69 +102,6 @@ def _check_url(url: str) -> None:
         fsspec.get_filesystem_class(scheme)
     except ImportError as exc:  # the message prepared corpora give (remote.open_store)
         raise missing_driver(url, "data.path") from exc
-
-
-def describe_files(files: list[str]) -> list[dict[str, Any]]:
-    """``[{path, bytes, sha256}]`` of local files; a URL's files (its glob expanded by fsspec)
-    get ``{path, bytes}`` only (hashing would read an object store twice) and their credentials
-    (``user:password@``) are never recorded."""
-    out: list[dict[str, Any]] = []
-    for f in files:
-        if not _URL.match(f):
-            out.append({"path": f, "bytes": os.path.getsize(f), "sha256": file_sha256(Path(f))})
-            continue
-        import fsspec
-
-        fs, _, paths = fsspec.get_fs_token_paths(f)
-        for p in paths:
-            out.append({"path": scrub_url_credentials(fs.unstrip_protocol(p)), "bytes": fs.size(p)})
-    return out
-
-
-def file_identity(path: str, head: int = 1 << 16) -> tuple[int, str]:
-    """``(bytes, sha256 hex of the first head bytes)`` of a local file: tells a file rewritten
-    under its name (another size or beginning) from the one a streaming position was saved in,
-    reading 64 KiB whatever its size. Unlike the modification time, it survives a copy."""
-    with open(path, "rb") as fh:
-        return os.fstat(fh.fileno()).st_size, hashlib.sha256(fh.read(head)).hexdigest()
-
-
-# what an object store reports of an object's version, first found wins: s3/gcs/azure ETag
-# (changes with the content), gcs md5Hash, then modification times (file://, azure, gcs, memory)
-_VERSION_KEYS = ("ETag", "etag", "md5Hash", "mtime", "LastModified", "last_modified", "updated",
-                 "created")
-
-
-def file_identities(files: Any, storage_options: Optional[dict] = None) -> list[list]:
-    """``[name, bytes, version]`` of every file a streaming source reads, in its order.
-
-    A local file's ``version`` is the sha256 of its first 64 KiB (:func:`file_identity`). A URL
-    is expanded by fsspec (a glob in sorted order) and each object's ``version`` is what the
-    store lists (:data:`_VERSION_KEYS`: its ETag, else its modification time; ``""`` when it
-    lists neither), one listing per URL, no object read. ``name`` is a local file's base name
-    (a copy of the corpus elsewhere keeps its positions), an object's URL (without
-    ``user:password@``).
-
-    Raises:
-        OSError (or a driver's own error): a store that cannot be listed; callers decide
-            whether that is an error.
-    """
-    out: list[list] = []
-    for f in map(str, files):
-        if not _URL.match(f):
-            if os.path.isfile(f):
-                out.append([os.path.basename(f), *file_identity(f)])
-            continue
-        fs, path = fsspec.core.url_to_fs(f, **plain_options(storage_options))
-        infos = fs.glob(path, detail=True) if glob.has_magic(path) else {path: fs.info(path)}
-        for name in sorted(infos):
-            info = infos[name]
-            if info.get("type", "file") != "file":
-                continue
-            version = next((str(info[k]) for k in _VERSION_KEYS if info.get(k) is not None), "")
-            out.append([scrub_url_credentials(fs.unstrip_protocol(name)), int(info.get("size") or 0),
-                        version])
-    return out
 
 
 def _file_format(cfg: Any, files: list[str]) -> str:
@@ -224,7 +157,7 @@ def not_utf8(files: Any, exc: UnicodeDecodeError) -> DataError:
 
 def _local_jsonl(files: list[str]) -> bool:
     """Whether every file is a local, uncompressed JSON Lines file (``*.jsonl``)."""
-    return bool(files) and all(f.endswith(".jsonl") and not _URL.match(f) for f in files)
+    return bool(files) and all(f.endswith(".jsonl") and not URL.match(f) for f in files)
 
 
 def _jsonl_rows(files: list[str], text_field: str) -> Iterator[dict]:

@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 from llmforge.config import load_config
 from llmforge.errors import ConfigError
 from llmforge.planning.gpus import GPUKind
-from llmforge.planning.planner import EFFICIENCY, HEADROOM, Plan, plan, winner_yaml
+from llmforge.planning.layout_settings import winner_yaml
+from llmforge.planning.planner import EFFICIENCY, HEADROOM, Plan, plan
 
 GIB = 1024**3
 

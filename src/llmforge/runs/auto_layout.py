@@ -17,7 +17,8 @@ from omegaconf import OmegaConf
 
 from llmforge.errors import ConfigError
 from llmforge.planning.gpus import GPUKind, gpu_kind, gpu_kind_of_type
-from llmforge.planning.planner import layout_overrides, plan
+from llmforge.planning.layout_settings import layout_overrides
+from llmforge.planning.planner import plan
 from llmforge.planning.report import run_plan
 from llmforge.runs.cluster_types import Cluster
 from llmforge.runs.clusters import get_cluster

@@ -169,26 +169,29 @@ class MuonAdamW(torch.optim.Optimizer):
             buf.lerp_(grad, 1 - mom)
             update = grad.lerp(buf, mom) if group["nesterov"] else buf
             if not isinstance(update, DTensor):
-                ortho = newton_schulz(update, group["ns_steps"], group["ns_coefficients"], group["eps"],
+                local = newton_schulz(update, group["ns_steps"], group["ns_coefficients"], group["eps"],
                                       self.ns_dtype)
-                p.mul_(1 - lr * wd)
-                p.add_(ortho.to(p.dtype), alpha=-lr * match_rms_adamw_scale(p.shape))
-                continue
-            full = update.full_tensor()
-            mesh = p.device_mesh
-            if mesh.ndim == 1 and mesh.size() > 1:
-                owner = i % mesh.size()
-                if mesh.get_local_rank() == owner:  # contiguous: a tall matrix's result is a
-                    # transposed view, and a collective sends the storage as it lies
-                    ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"],
-                                          group["eps"], self.ns_dtype).contiguous()
-                else:
-                    ortho = torch.empty(full.shape, dtype=self.ns_dtype, device=full.device)
-                pg = mesh.get_group()
-                dist.broadcast(ortho, src=dist.get_global_rank(pg, owner), group=pg)
-            else:  # a multi-dimensional mesh: every rank orthogonalizes every matrix
-                ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"], group["eps"],
-                                      self.ns_dtype)
-            local = distribute_tensor(ortho, mesh, p.placements, src_data_rank=None)
+            else:
+                local = self._sharded_ortho(update, p, i, group)
             p.mul_(1 - lr * wd)
             p.add_(local.to(p.dtype), alpha=-lr * match_rms_adamw_scale(p.shape))
+
+    def _sharded_ortho(self, update: DTensor, p: DTensor, i: int, group: dict[str, Any]) -> DTensor:
+        """The orthogonalized full matrix of ``update`` as ``p``'s local shards (``i``: the
+        matrix's index in its group, which picks its owner rank on a 1-D mesh)."""
+        full = update.full_tensor()
+        mesh = p.device_mesh
+        if mesh.ndim == 1 and mesh.size() > 1:
+            owner = i % mesh.size()
+            if mesh.get_local_rank() == owner:  # contiguous: a tall matrix's result is a
+                # transposed view, and a collective sends the storage as it lies
+                ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"],
+                                      group["eps"], self.ns_dtype).contiguous()
+            else:
+                ortho = torch.empty(full.shape, dtype=self.ns_dtype, device=full.device)
+            pg = mesh.get_group()
+            dist.broadcast(ortho, src=dist.get_global_rank(pg, owner), group=pg)
+        else:  # a multi-dimensional mesh: every rank orthogonalizes every matrix
+            ortho = newton_schulz(full, group["ns_steps"], group["ns_coefficients"], group["eps"],
+                                  self.ns_dtype)
+        return distribute_tensor(ortho, mesh, p.placements, src_data_rank=None)

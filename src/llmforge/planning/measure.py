@@ -15,7 +15,7 @@ import torch.distributed.distributed_c10d as _c10d
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 # FlopCounterMode has formulas for the GPU attention kernels only: the CPU one does the same work
 CPU_SDPA_FLOPS = {
@@ -23,6 +23,35 @@ CPU_SDPA_FLOPS = {
         lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v),
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
         lambda g, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(g, q, k, v)}
+
+
+
+class _NoModules:
+    """Stands in for ``FlopCounterMode``'s module tracker: the step's total is all we read."""
+
+    parents = frozenset({"Global"})
+
+    def __enter__(self) -> "_NoModules":
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        return None
+
+
+class StepFlopCounter(FlopCounterMode):
+    """``FlopCounterMode`` (with :data:`CPU_SDPA_FLOPS`) that counts the total only.
+
+    Its module tracker hooks every module's outputs with ``register_multi_grad_hook``, even in
+    the recompute forward that activation checkpointing runs inside backward; each such hook
+    is a reference cycle through the recomputed graph, which then holds the recomputed
+    activations until Python's garbage collector runs. The memory tracker counted them, so the
+    measured backward peak grew by a block's activations per block and changed with gc timing.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(display=False, custom_mapping=CPU_SDPA_FLOPS)
+        self.mod_tracker = _NoModules()
+
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
@@ -58,7 +59,6 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils.flop_counter import FlopCounterMode
 
 from llmforge.algorithms.loading import build_algorithms
 from llmforge.config.validate import validate
@@ -68,8 +68,8 @@ from llmforge.parallel.mesh import ParallelDims, build_mesh
 from llmforge.parallel.pipeline import rank_stages
 from llmforge.parallel.transforms import check_strategy, strategy_transforms
 from llmforge.plugin import meta_model, run_pipeline
-from llmforge.planning.measure import (CATEGORIES, CPU_SDPA_FLOPS, ByteCounter, Collective,
-                                       PhasePeaks, collectives)
+from llmforge.planning.measure import (CATEGORIES, ByteCounter, Collective, PhasePeaks,
+                                       StepFlopCounter, collectives)
 from llmforge.training.module import LLMModule
 
 AC_MODES = ("none", "selective", "full")
@@ -211,6 +211,20 @@ def _fake_group(world_size: int) -> None:
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Any:
+    # a tensor kept by a reference cycle lives until the garbage collector runs: collect now
+    # and not during the step, so the measured peak does not depend on when it would have run
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _precision_context(cfg: Any) -> Any:
     # what Lightning's precision plugin does around training_step
     if cfg.trainer.precision == "bf16-mixed":
@@ -288,10 +302,10 @@ def _simulate(cfg: Any, layout: Layout, n_layers: Optional[int], fake: bool,
             tracker = MemTracker()
             tracker.track_external(model, optimizer)
         tracker.track_inputs((batch,)) if isinstance(tracker, FSDPMemTracker) else None
-        comm, flops = ByteCounter(), FlopCounterMode(display=False, custom_mapping=CPU_SDPA_FLOPS)
+        comm, flops = ByteCounter(), StepFlopCounter()
         phases = PhasePeaks(tracker)
         module.setup_events([*algorithms, phases])
-        with tracker:
+        with tracker, _gc_paused():
             _step(module, optimizer, batch)  # warm-up: the optimizer state exists from here on
             tracker.reset_mod_stats()
             # the steady-state step only: the warm-up's optimizer step creates the AdamW state

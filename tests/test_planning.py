@@ -57,6 +57,27 @@ def test_scaling_by_layer_count_matches_full_depth():
     assert again.peak_bytes == full.peak_bytes and again.phases == full.phases
 
 
+def test_scaling_follows_the_backward_peak_into_a_middle_block():
+    """MoE with wide experts, FSDP2 over 4 ranks: while a middle block runs its backward, the
+    last reduce-scatter's input (a block's unsharded gradients) is still alive, so the phase's
+    peak moves from the last block (2 blocks) to the middle one (3 blocks). The per-position
+    lines of simulate_scaled give the 6-block peak exactly; one line through the two phase
+    peaks would be 23% high."""
+    cfg = load_config(str(REPO / "yamls" / "demo_cpu_qwen3_moe.yaml"), [
+        "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=16",
+        "model.moe_intermediate_size=512", "model.hidden_dim=64", "variables.seq_len=16",
+        "trainer.global_batch_size=4", "trainer.micro_batch_size=1", "trainer.precision=bf16-true"])
+    lo = Layout(1, 4, 1, "none", 1)
+    two, three = simulate(cfg, lo, n_layers=2), simulate(cfg, lo, n_layers=3)
+    assert three.phases["backward"][0] == three.block_backward[1][0]  # the middle block's
+    full = simulate(cfg, lo, n_layers=6)
+    scaled = simulate_scaled(cfg, lo, full_depth=6)
+    assert scaled.phases["backward"][0] == pytest.approx(full.phases["backward"][0], rel=1e-6)
+    assert scaled.peak_bytes == pytest.approx(full.peak_bytes, rel=1e-6)
+    one_line = two.phases["backward"][0] + 4 * (three.phases["backward"][0] - two.phases["backward"][0])
+    assert one_line > 1.2 * full.phases["backward"][0]
+
+
 def test_unknown_gpu_lists_known_ones(capsys):
     assert cli.main(["plan", DEMO, "--gpus", "8", "--gpu", "V100"]) == 2
     err = capsys.readouterr().err

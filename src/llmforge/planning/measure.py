@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -128,12 +128,18 @@ class PhasePeaks:
     that phase's maximum and starts a new one. The depth extrapolation is done per phase, since
     each phase's peak is affine in the block count while the phase holding the overall peak may
     change with depth. (The tracker's global peak has no public reset in torch 2.13: its two
-    private fields are cleared.)"""
+    private fields are cleared.)
 
-    def __init__(self, tracker: Any) -> None:
+    ``blocks`` (the model's repeated blocks, in order): ``block_backward[i]`` is the peak while
+    block ``i`` ran its backward, over all micro-batches (the tracker's per-module
+    ``Peak-Backward`` snapshots), for :func:`llmforge.planning.simulate.simulate_scaled`."""
+
+    def __init__(self, tracker: Any, blocks: Sequence[Any] = ()) -> None:
         self.tracker = tracker
         self.active = False  # set by start(): the warm-up step is not recorded
         self.peaks: dict[str, tuple[float, dict[str, float], float]] = {}
+        self.blocks = list(blocks)
+        self.block_backward: list[Optional[tuple[float, dict[str, float], float]]] = [None] * len(self.blocks)
 
     def start(self) -> None:
         self.active = True
@@ -159,8 +165,21 @@ class PhasePeaks:
     def after_loss(self, state: Any) -> None:
         self.record("loss")
 
+    def _record_blocks(self) -> None:
+        for i, block in enumerate(self.blocks):
+            stats = self.tracker.memory_tracking.get(block)
+            # MemTracker's _ModState and FSDPMemTracker's _FSDPModState both name it PEAK_BW
+            peaks = [v for k, v in stats.snapshots.items() if k.name == "PEAK_BW"] if stats else []
+            for snap in (s for snaps in peaks for s in snaps):
+                if snap:
+                    summary = summarize(next(iter(snap.values())))
+                    if self.block_backward[i] is None or summary[0] > self.block_backward[i][0]:
+                        self.block_backward[i] = summary
+
     def after_backward(self, state: Any) -> None:
         self.record("backward")
+        if self.active:
+            self._record_blocks()
         if type(self.tracker) is MemTracker:  # without FSDP2: torch's MemTracker refuses a second
             # call of the root module in one step; its module stats (not the memory it counts)
             # start again with each micro-batch

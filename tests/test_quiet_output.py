@@ -60,6 +60,20 @@ def test_summary_labels_the_first_eval_with_its_step(capsys):
     assert "eval/loss 2.7500 (step 100: 3.2500)" in capsys.readouterr().out
 
 
+def test_summary_after_a_resume_says_what_this_run_trained(capsys):
+    base = {"tokens": 1000, "seconds": 2, "final_train_loss": 2.5, "initial_eval_loss": None,
+            "final_eval_loss": None, "run_dir": "runs/x", "checkpoint": None, "max_steps": 300}
+    _print_summary({**base, "steps": 300, "resumed_step": 120})
+    assert capsys.readouterr().out.startswith("done: 300 steps (180 after resuming at step 120), ")
+    # resume=auto of a finished run: no step ran, and the summary must not claim a done run
+    _print_summary({**base, "steps": 300, "resumed_step": 300})
+    out = capsys.readouterr().out
+    assert out.startswith("nothing to train: the checkpoint resumed is at step 300, and "
+                          "trainer.max_steps is 300; to train on, raise trainer.max_steps and pass "
+                          "checkpoint.allow_config_changes=true (the schedule's length changes)\n")
+    assert "done:" not in out and "run directory: runs/x" in out
+
+
 def test_progress_bar_last_frame_shows_the_last_steps_loss():
     from rich.console import Console
 

@@ -110,10 +110,19 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 def _print_summary(s: dict[str, Any]) -> None:
     minutes, seconds = divmod(int(s["seconds"]), 60)
+    resumed = s.get("resumed_step")
+    if resumed is not None and resumed >= s["max_steps"]:
+        print(f"nothing to train: the checkpoint resumed is at step {resumed}, and "
+              f"trainer.max_steps is {s['max_steps']}; to train on, raise trainer.max_steps and pass "
+              "checkpoint.allow_config_changes=true (the schedule's length changes)")
+        print(f"run directory: {s['run_dir']}")
+        return
     if s.get("stopped_by"):
         head = f"stopped early ({s['stopped_by']}): {s['steps']} of {s['max_steps']} steps"
     else:
         head = f"done: {s['steps']} steps"
+    if resumed is not None:
+        head += f" ({s['steps'] - resumed} after resuming at step {resumed})"
     parts = [f"{head}, {s['tokens']:,} tokens in {minutes}m{seconds:02d}s"]
     if s["final_train_loss"] is not None:
         parts.append(f"train/loss {s['final_train_loss']:.4f}")

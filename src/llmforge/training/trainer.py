@@ -91,6 +91,7 @@ class Trainer(DataBuilders):
         self.datamodule: Optional[LLMDataModule] = None
         self.lightning: Optional[L.Trainer] = None
         self.resume_path: Optional[Path] = None
+        self.resumed_step: Optional[int] = None  # the resume checkpoint's step (rank 0)
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: Sequence[str] = (), **kwargs: Any) -> "Trainer":
@@ -198,7 +199,7 @@ class Trainer(DataBuilders):
         records after the checkpoint's step (they are recomputed), on rank 0."""
         if self.resume_path is not None and self.is_rank_zero():
             save_config(self.cfg, self.run_dir / "config.yaml")
-            step = int(read_json(self.resume_path, "trainer_state.json")["step"])
+            step = self.resumed_step = int(read_json(self.resume_path, "trainer_state.json")["step"])
             truncate_metrics(self.run_dir / "metrics.jsonl", step)
 
     def build_module(self) -> Any:
@@ -380,6 +381,7 @@ class Trainer(DataBuilders):
         return {
             "steps": self.lightning.global_step,
             "max_steps": int(self.cfg.trainer.max_steps),
+            "resumed_step": self.resumed_step,
             "stopped_by": self.stopped_by(),
             "tokens": self.module.tokens_seen,
             "seconds": seconds,

@@ -55,6 +55,17 @@ def estimate_memory(n_params: int, precision: str, strategy: Any, world_size: in
                           2 * trainable * width / shards, shards)
 
 
+def loss_bytes(tokens: int, vocab_size: int, precision: str) -> float:
+    """Bytes the loss adds per rank: the logits in the activation dtype, the fp32 log-softmax
+    the cross-entropy saves and two fp32 gradients in its backward, ``(3 x 4 + width) V`` bytes
+    per token (``width`` 4 in fp32, else 2; the simulation's measurement: ``2 x 4 V`` was
+    14-16 % low on the demo configs, and 8,192 tokens at V = 128,256 hold 13.9 GiB at the 70B
+    yaml's backward peak against 13.7 here). Not divided by ``tp``: the families'
+    tensor-parallel plans gather the logits (``Replicate``) and compute the loss as one
+    process does (the estimate divided it, and was 36 % low for the 70B yaml)."""
+    return float(tokens) * vocab_size * (3 * 4 + (4 if precision == "fp32" else 2))
+
+
 def estimate_activations(model: Any, micro_batch_size: int, seq_len: int, precision: str,
                          tp: int = 1, spec: Any = None, bf16_weights: bool = False
                          ) -> Optional[tuple[float, float]]:
@@ -68,10 +79,8 @@ def estimate_activations(model: Any, micro_batch_size: int, seq_len: int, precis
     family, e.g. QK-norm outputs; for Llama ``q = D`` and this is ``8 D + 3 kv + 4 F``), in the
     activation dtype (2 bytes for bf16 precisions, 4 for fp32), divided by ``tp`` (sequence
     parallel). Full activation checkpointing keeps only each block's input (``D`` per token per
-    layer) plus one block recomputed at a time. The loss comes on top in both cases: the logits
-    in the activation dtype, the fp32 log-softmax the cross-entropy saves, and two fp32 gradients
-    in its backward (``(3 x 4 + width) V`` bytes per token; measured by the simulation, where
-    ``2 x 4 V`` was 14-16 % low on the demo configs).
+    layer) plus one block recomputed at a time. The loss comes on top in both cases
+    (:func:`loss_bytes`).
 
     ``bf16-mixed`` (autocast) depends on the weights' dtype in the forward, as the simulation
     measured (demo shape, per block and token: 20,136 bytes with fp32 weights, 13,096 with
@@ -94,7 +103,7 @@ def estimate_activations(model: Any, micro_batch_size: int, seq_len: int, precis
     upcast = 2 * m.dim * 4 if precision == "bf16-mixed" and bf16_weights else 0
     per_layer = tokens * ((5 * m.dim + 3 * m.q_dim + 3 * m.kv_dim + 4 * m.ffn_dim + m.extra)
                           * layer_width + upcast) / tp
-    logits = tokens * m.vocab_size * (3 * 4 + width) / tp
+    logits = loss_bytes(tokens, m.vocab_size, precision)
     no_ac = m.n_layers * per_layer + logits
     full_ac = m.n_layers * tokens * m.dim * width / tp + per_layer + logits
     return no_ac, full_ac
@@ -177,7 +186,7 @@ def analytic_peak(cfg: Any, plan: Any, dims: Any) -> dict[str, float]:
     if act is not None:
         m = spec.get("memory_shape")(model)
         tokens = plan.micro_batch_size * cfg.trainer.seq_len
-        logits = tokens * m.vocab_size * (3 * 4 + (4 if precision == "fp32" else 2)) / tp
+        logits = loss_bytes(tokens, m.vocab_size, precision)
         no_ac, full_ac = act[0] - logits, act[1] - logits
         mode, every = ac_mode(cfg.algorithms)
         if mode == "full":

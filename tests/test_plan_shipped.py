@@ -1,0 +1,51 @@
+"""`llmforge plan --json` of shipped GPU yamls at their real world sizes (issue: every shipped GPU
+yaml planned in CI). The cheapest ones run here (about 22-25 s of CPU each); the 8B and 70B
+plans (50-60 s each) and the Qwen3-MoE one are measured by ``benchmarks/plan_time.py`` (docs/scale.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch.distributed as dist
+from conftest import REPO
+
+from llmforge import cli
+
+YAMLS = REPO / "yamls"
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group():
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _plan(capsys, *args: str) -> dict:
+    assert cli.main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_405b_lora_fits_8_mi300x_and_not_8_h100(capsys):
+    """The Felafax seed: Llama 3.1 405B LoRA in bf16 on 8 x MI300X (192 GB) fits, with FSDP 8 and
+    full activation checkpointing (135.9 GiB simulated against 160.9 usable); on 8 x H100 80 GB
+    nothing fits and the error gives the smallest GPU count that would (32)."""
+    chosen = _plan(capsys, str(YAMLS / "llama3_405b_lora.yaml"), "--gpus", "8", "--gpu", "MI300X")["chosen"]
+    assert chosen["fits"] and (chosen["dp_shard"], chosen["tp"], chosen["pp"]) == (8, 1, 1)
+    assert chosen["activation_checkpointing"] == "full"
+    assert 120 * 2**30 < chosen["peak_bytes_per_rank"] < 0.9 * 192e9
+    assert cli.main(["plan", str(YAMLS / "llama3_405b_lora.yaml"), "--gpus", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "no layout fits in H100-SXM-80GB memory on 8 GPUs" in err
+    assert "the smallest GPU count that would fit is 32" in err
+
+
+def test_405b_without_pipeline_fits_512_h100(capsys):
+    """The 405B yaml planned on 512 H100 without its pipeline stages (`plan` lays out dp x tp):
+    FSDP 64 x TP 8 with full checkpointing fits (28.1 GiB measured)."""
+    report = _plan(capsys, str(YAMLS / "llama3_405b.yaml"), "strategy.pp=1", "--gpus", "512")
+    chosen = report["chosen"]
+    assert chosen["fits"] and chosen["dp_replicate"] * chosen["dp_shard"] * chosen["tp"] == 512
+    assert chosen["tp"] == 8 and chosen["peak_bytes_per_rank"] < 0.9 * 80e9
+    assert 0.2 < chosen["mfu"] < 0.6

@@ -111,6 +111,28 @@ def test_simulation_of_rank_0_holds_the_first_stage():
     assert sim.breakdown["optimizer"] == pytest.approx(2 * 4 * first / 2, rel=0.05)
 
 
+def test_simulation_of_the_last_stage_holds_the_output_and_the_loss():
+    """`last_stage=True`: rank 2 of pp 2 x dp 2 (pp is the outer mesh dim) holds the last stage
+    (its blocks, the final norm and the output layer) and runs the loss on the hidden states the
+    first stage would send; its optimizer state is the last stage's, and at vocab 1,024 its
+    loss makes it the larger of the two ranks."""
+    cfg = load_config(DEMO, [*TINY_OVERRIDES, "model.n_layers=4", "strategy.pp=2", "trainer.devices=4",
+                             "trainer.global_batch_size=8", "trainer.micro_batch_size=2"])
+    layout = Layout(1, 2, 1, "none", 2, pp=2)
+    try:
+        first_sim = simulate_scaled(cfg, layout)
+        last_sim = simulate_scaled(cfg, layout, last_stage=True)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    spec, model = get_spec(cfg.model.name), meta_model(cfg)
+    pl = pipeline_layout(cfg, ParallelDims.from_config(cfg, 4), model)
+    last = stage_params(model, pl, spec.stage_ends, spec.model_blocks(model))[-1]
+    assert (first_sim.rank, last_sim.rank) == (0, 2)
+    assert last_sim.breakdown["optimizer"] == pytest.approx(2 * 4 * last / 2, rel=0.05)
+    assert last_sim.peak_bytes > first_sim.peak_bytes
+
+
 # ------------------------------------------------------------------------ real processes
 def _max_diff(a, b):
     return max(abs(x - y) for x, y in zip(a, b))

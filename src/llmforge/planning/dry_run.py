@@ -4,7 +4,8 @@ Without ``--simulate``: the analytic report (:func:`llmforge.planning.dry_run_re
 formulas on a meta-device model) and the model pipeline's order. With it, one training step of
 rank 0 at the run's own layout and world size is simulated
 (:func:`llmforge.planning.simulate.simulate_scaled`: fake process group, fake tensors, 2 and 3
-blocks scaled to the model's depth) and reported beside the analytic estimate.
+blocks scaled to the model's depth) and reported beside the analytic estimate; with pipeline
+stages, the first rank of the last stage too.
 """
 
 from __future__ import annotations
@@ -37,10 +38,15 @@ def run_layout(run: Any) -> Layout:
 
 def simulation_lines(cfg: Any, run: Any, algorithms: list[Any]) -> list[str]:
     """Simulate rank 0 of ``run`` and describe it: the peak and its split, the analytic estimate
-    beside it, the collectives per mesh dim and the FLOPs against the spec's formula."""
-    m = simulate_scaled(cfg, run_layout(run))
+    beside it, the collectives per mesh dim and the FLOPs against the spec's formula. With
+    pipeline stages the last stage's first rank (the output layer and the loss) too."""
+    layout = run_layout(run)
+    m = simulate_scaled(cfg, layout)
     own = any(getattr(a, "replaces_memory_estimate", False) for a in algorithms)
-    return format_simulation(m, None if own else analytic_peak(cfg, run.plan, run.dims))
+    lines = format_simulation(m, None if own else analytic_peak(cfg, run.plan, run.dims))
+    if layout.pp > 1:
+        lines += format_simulation(simulate_scaled(cfg, layout, last_stage=True), None)
+    return lines
 
 
 def format_simulation(m: StepMeasurement, analytic: Optional[dict[str, float]]) -> list[str]:
@@ -49,9 +55,9 @@ def format_simulation(m: StepMeasurement, analytic: Optional[dict[str, float]]) 
     depth = (f"simulated {' and '.join(map(str, m.simulated_layers))} blocks, scaled to {m.n_layers}"
              if len(m.simulated_layers) > 1 else f"all {m.n_layers} blocks simulated")
     if m.layout.pp > 1:
-        depth += f"; pp {m.layout.pp}: rank 0 holds the first stage"
+        depth += f"; pp {m.layout.pp}: rank {m.rank} holds the {'last' if m.rank else 'first'} stage"
     b = m.breakdown
-    lines = [f"simulation      rank 0 of {m.world_size}: one training step on a fake process group "
+    lines = [f"simulation      rank {m.rank} of {m.world_size}: one training step on a fake process group "
              f"with fake tensors ({depth}; torch.compile not simulated; {m.seconds:.1f} s)",
              f"peak/rank       {m.peak_bytes / GIB:.2f} GiB = " + " + ".join(
                  f"{k} {b[k] / GIB:.2f}" for k in b) + " (measured by FSDPMemTracker at the peak)"]

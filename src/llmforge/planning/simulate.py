@@ -132,6 +132,8 @@ class StepMeasurement:
     optimizer state (all model state without FSDP2)."""
     simulated_layers: tuple[int, ...] = ()
     block_backward: list = field(default_factory=list)
+    rank: int = 0
+    """The simulated rank (0, or the last pipeline stage's first rank)."""
     """Per block of this rank, in order: ``(peak bytes, breakdown, sharded state bytes)`` while
     the block ran its backward (``None`` where the tracker saw none)."""
 
@@ -140,7 +142,7 @@ class StepMeasurement:
                 "flops_per_rank": self.flops, "formula_flops_per_rank": self.formula_flops,
                 "n_layers": self.n_layers, "simulated_layers": list(self.simulated_layers),
                 "collectives": [vars(c) for c in self.collectives], "seconds": self.seconds,
-                "sharded_state_bytes": self.sharded_state,
+                "sharded_state_bytes": self.sharded_state, "rank": self.rank,
                 "phase_peak_bytes": {name: p[0] for name, p in self.phases.items()}}
 
 
@@ -201,17 +203,20 @@ def model_layers(cfg: Any) -> int:
     return len(get_spec(cfg.model.name).model_blocks(meta_model(cfg)))
 
 
-def _fake_group(world_size: int) -> None:
+def _fake_group(world_size: int, rank: int = 0) -> None:
     if dist.is_initialized():
-        if dist.get_backend() == "fake" and dist.get_world_size() == world_size:
+        if dist.get_backend() == "fake" and dist.get_world_size() == world_size \
+                and dist.get_rank() == rank:
             return
         if dist.get_backend() != "fake":
             raise RuntimeError("a real process group is initialized; simulate(fake=False) uses it")
         dist.destroy_process_group()
-    # DTensor caches sharding decisions by mesh equality, and a cached result holds the mesh
-    # (and its group names) of an earlier, destroyed group: start from an empty cache
+    # DTensor caches sharding decisions by mesh equality (the layout, not this rank's ranks),
+    # and a cached result holds the mesh (and its group names) of an earlier, destroyed group
+    # or another simulated rank: start from empty caches, the Python one and the C++ one
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", lambda: None)()
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
 
 
 @contextlib.contextmanager
@@ -236,8 +241,9 @@ def _precision_context(cfg: Any) -> Any:
 
 
 def simulate(cfg: Any, layout: Layout, *, n_layers: Optional[int] = None, fake: bool = True,
-             device: str = "cpu") -> StepMeasurement:
-    """Run one training step of rank 0 for ``layout`` and measure it.
+             device: str = "cpu", last_stage: bool = False) -> StepMeasurement:
+    """Run one training step of rank 0 for ``layout`` and measure it (with ``last_stage`` and
+    ``layout.pp > 1``: the first rank of the last pipeline stage, :func:`last_stage_rank`).
 
     Args:
         cfg: a loaded run config (:func:`llmforge.config.load_config`).
@@ -245,6 +251,9 @@ def simulate(cfg: Any, layout: Layout, *, n_layers: Optional[int] = None, fake: 
         n_layers: build the model with this many blocks (``None``: the config's).
         fake: fake process group of ``layout.world_size`` and fake tensors; ``False``: real
             tensors on the process group already initialized (a gloo job, to check the fake run).
+        last_stage: simulate the rank that holds the output layer and the loss; its stage's
+            input, the hidden states ``[rows, seq_len, dim]`` the stage before sends, is a
+            tensor that requires grad (the stage sends its gradient back).
 
     Returns:
         the measurement; ``breakdown`` maps :data:`CATEGORIES` to bytes at the peak.
@@ -253,7 +262,7 @@ def simulate(cfg: Any, layout: Layout, *, n_layers: Optional[int] = None, fake: 
         ConfigError: the layout does not divide the batch or the model (names the key).
     """
     try:
-        return _simulate(cfg, layout, n_layers, fake, device)
+        return _simulate(cfg, layout, n_layers, fake, device, last_stage)
     finally:
         # the fake group must not outlive the simulation: a later checkpoint in this process
         # would take it for a real world of layout.world_size ranks
@@ -261,9 +270,30 @@ def simulate(cfg: Any, layout: Layout, *, n_layers: Optional[int] = None, fake: 
             dist.destroy_process_group()
 
 
+def last_stage_rank(layout: Layout) -> int:
+    """The first rank on the last pipeline stage (``pp`` is the mesh's outermost dim); 0 without
+    stages. With virtual stages that rank holds the last one too."""
+    return (layout.pp - 1) * (layout.world_size // layout.pp)
+
+
+def _stage_inputs(model: Any, seq_len: int, dtype: torch.dtype) -> Any:
+    """``split_batch`` for a stage without the embedding: the previous stage's hidden states
+    ``[B, T, D]`` (requiring grad) instead of the token ids; the labels as usual."""
+    dim = getattr(getattr(model, "args", None), "dim", None)
+    if dim is None:
+        raise ConfigError("strategy.pp: simulating the last pipeline stage needs the model's "
+                          "hidden size as model.args.dim; this model has none")
+
+    def split(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = torch.empty(batch.shape[0], seq_len, int(dim), dtype=dtype).requires_grad_()
+        return hidden, batch[:, 1:]
+    return split
+
+
 def _simulate(cfg: Any, layout: Layout, n_layers: Optional[int], fake: bool,
-              device: str) -> StepMeasurement:
+              device: str, last_stage: bool = False) -> StepMeasurement:
     t0 = time.perf_counter()
+    rank = last_stage_rank(layout) if last_stage else 0
     run_cfg = layout_config(cfg, layout, n_layers)
     world = layout.world_size
     plan = validate(run_cfg, world)
@@ -275,7 +305,7 @@ def _simulate(cfg: Any, layout: Layout, n_layers: Optional[int], fake: bool,
     # the Trainer's rule (build_strategy): one process without a mesh only for auto / single
     with_mesh = world > 1 or run_cfg.strategy.name not in ("auto", "single")
     if fake and with_mesh:
-        _fake_group(world)
+        _fake_group(world, rank)
     mesh = build_mesh(dims, device) if with_mesh else None  # outside FakeTensorMode (real ranks)
     module = LLMModule(run_cfg, plan, pipeline)
     module.mesh_override = mesh
@@ -295,6 +325,9 @@ def _simulate(cfg: Any, layout: Layout, n_layers: Optional[int], fake: bool,
     with mode:
         if fake:
             module.model = model.to_empty(device=device)
+        if rank != 0:  # the stage's input: the hidden states the stage before sends
+            module.split_batch = _stage_inputs(module.model, plan.seq_len, torch.bfloat16
+                                               if run_cfg.trainer.precision == "bf16-true" else torch.float32)
         optimizer = module.configure_optimizers()["optimizer"]
         rows = plan.micro_batch_size * plan.gradient_accumulation_steps
         batch = torch.randint(0, int(module.model.vocab_size), (rows, plan.seq_len + 1))
@@ -327,7 +360,7 @@ def _simulate(cfg: Any, layout: Layout, n_layers: Optional[int], fake: bool,
         # FlopCounterMode sees DTensor ops at their global shapes (the tp group's work)
         flops=float(flops.get_total_flops()) / dims.tp, formula_flops=formula,
         collectives=collectives(comm, mesh), seconds=time.perf_counter() - t0, sharded_state=sharded,
-        block_backward=list(phases.block_backward))
+        block_backward=list(phases.block_backward), rank=rank)
 
 
 def _step(module: LLMModule, optimizer: Any, batch: torch.Tensor) -> None:
@@ -391,20 +424,22 @@ def _backward_peak(a: StepMeasurement, b: StepMeasurement, k: float, phase: Peak
     return max(lines, key=lambda p: p[0])
 
 
-def simulate_scaled(cfg: Any, layout: Layout, *, full_depth: Optional[int] = None) -> StepMeasurement:
+def simulate_scaled(cfg: Any, layout: Layout, *, full_depth: Optional[int] = None,
+                    last_stage: bool = False) -> StepMeasurement:
     """:func:`simulate` with 2 and 3 blocks, every quantity extrapolated linearly to the real
     block count ``full_depth`` (default: the config's). Configs of at most 3 blocks are
     simulated whole. With ``pp > 1``: 2 and 3 blocks per pipeline stage (``pp x stages per
     rank`` stages), extrapolated to ``full_depth / stages`` blocks per stage (rank 0: the first
-    stage, which also holds the embedding; the last stage holds the output layer instead)."""
+    stage, which also holds the embedding; with ``last_stage`` the last stage's first rank, which
+    holds the output layer and the loss instead)."""
     n = full_depth if full_depth is not None else model_layers(cfg)
     stages = layout.pp * (rank_stages(cfg.pipeline.schedule, cfg.pipeline.stages_per_rank)
                           if layout.pp > 1 else 1)
     if n <= 3 * stages:
-        m = simulate(cfg, layout)
+        m = simulate(cfg, layout, last_stage=last_stage)
         return replace(m, simulated_layers=(n,))
-    a = simulate(cfg, layout, n_layers=2 * stages)
-    b = simulate(cfg, layout, n_layers=3 * stages)
+    a = simulate(cfg, layout, n_layers=2 * stages, last_stage=last_stage)
+    b = simulate(cfg, layout, n_layers=3 * stages, last_stage=last_stage)
     k = n / stages - 2
 
     def lin(x: float, y: float) -> float:
@@ -423,8 +458,8 @@ def simulate_scaled(cfg: Any, layout: Layout, *, full_depth: Optional[int] = Non
         layout=layout, world_size=a.world_size, n_layers=n, peak_bytes=total, breakdown=breakdown,
         flops=lin(a.flops, b.flops), formula_flops=lin(a.formula_flops, b.formula_flops),
         collectives=scaled, seconds=a.seconds + b.seconds, simulated_layers=(2 * stages, 3 * stages),
-        phases=phases, sharded_state=sharded)
+        phases=phases, sharded_state=sharded, rank=a.rank)
 
 
-__all__ = ["AC_MODES", "KEEP_AC", "Layout", "StepMeasurement", "layout_config",
+__all__ = ["AC_MODES", "KEEP_AC", "Layout", "StepMeasurement", "last_stage_rank", "layout_config",
            "model_layers", "simulate", "simulate_scaled"]

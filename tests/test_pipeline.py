@@ -20,7 +20,8 @@ from llmforge.models.spec import get_spec
 from llmforge.parallel.mesh import ParallelDims
 from llmforge.parallel.pipeline import bubble_fraction, resolve_layout, split_blocks, stage_params
 from llmforge.parallel.transforms import pipeline_layout
-from llmforge.planning.simulate import Layout, simulate_scaled
+from llmforge.planning.depth import simulate_scaled
+from llmforge.planning.simulate import Layout
 from llmforge.plugin import meta_model
 
 

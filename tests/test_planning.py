@@ -10,7 +10,8 @@ from helpers.dist import torchrun, worker
 
 from llmforge import cli
 from llmforge.config import load_config
-from llmforge.planning.simulate import Layout, simulate, simulate_scaled
+from llmforge.planning.depth import simulate_scaled
+from llmforge.planning.simulate import Layout, simulate
 
 TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
         "model.multiple_of=32", "tokenizer.vocab_size=1024", "variables.seq_len=64",

@@ -3,7 +3,7 @@
 Without ``--simulate``: the analytic report (:func:`llmforge.planning.dry_run_report.dry_run_report`,
 formulas on a meta-device model) and the model pipeline's order. With it, one training step of
 rank 0 at the run's own layout and world size is simulated
-(:func:`llmforge.planning.simulate.simulate_scaled`: fake process group, fake tensors, 2 and 3
+(:func:`llmforge.planning.depth.simulate_scaled`: fake process group, fake tensors, 2 and 3
 blocks scaled to the model's depth) and reported beside the analytic estimate; with pipeline
 stages, the first rank of the last stage too.
 """
@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from llmforge.models.memory_estimate import GIB, analytic_peak
-from llmforge.planning.simulate import KEEP_AC, Layout, StepMeasurement, simulate_scaled
+from llmforge.planning.depth import simulate_scaled
+from llmforge.planning.simulate import KEEP_AC, Layout, StepMeasurement
 from llmforge.planning.dry_run_report import dry_run_report
 from llmforge.training.preflight import pipeline_line
 

@@ -132,7 +132,7 @@ class PhasePeaks:
 
     ``blocks`` (the model's repeated blocks, in order): ``block_backward[i]`` is the peak while
     block ``i`` ran its backward, over all micro-batches (the tracker's per-module
-    ``Peak-Backward`` snapshots), for :func:`llmforge.planning.simulate.simulate_scaled`."""
+    ``Peak-Backward`` snapshots), for :func:`llmforge.planning.depth.simulate_scaled`."""
 
     def __init__(self, tracker: Any, blocks: Sequence[Any] = ()) -> None:
         self.tracker = tracker

@@ -8,7 +8,7 @@ micro-batch size for a GPU count and a GPU kind.
    A mixture of experts (``ModelSpec.experts``) also gets every ``ep`` that divides
    ``dp_shard`` and the number of experts. Layouts whose data-parallel size does not divide
    ``global_batch_size`` are dropped.
-2. Measure: one simulation (:func:`llmforge.planning.simulate.simulate_scaled`) per
+2. Measure: one simulation (:func:`llmforge.planning.depth.simulate_scaled`) per
    ``(tp, activation checkpointing)`` at the reference layout ``dp_replicate=1``,
    ``dp_shard = world / tp``, ``micro_batch_size=1``. Every other layout of that group is
    derived from it: the sharded model state at the peak scales with ``1 / dp_shard``, the
@@ -47,8 +47,8 @@ from llmforge.models.memory_estimate import gathered_block_bytes
 from llmforge.models.spec import get_spec
 from llmforge.planning.gpus import GPUKind
 from llmforge.planning.measure import Collective
-from llmforge.planning.simulate import (AC_ENTRIES, AC_MODES, Layout, StepMeasurement, refuse_pp,
-                                       simulate_scaled)
+from llmforge.planning.depth import simulate_scaled
+from llmforge.planning.simulate import AC_ENTRIES, AC_MODES, Layout, StepMeasurement, refuse_pp
 from llmforge.plugin import meta_model
 
 HEADROOM = 0.10

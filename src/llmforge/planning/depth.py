@@ -47,7 +47,8 @@ def _along(x: Peak, y: Peak, k: float, base: Optional[Peak] = None) -> Peak:
 
 
 def _backward_peak(a: StepMeasurement, b: StepMeasurement, k: float, phase: Peak) -> Peak:
-    """The backward phase's peak at ``k`` blocks beyond ``a``'s 2, from the block positions.
+    """The backward phase's peak at ``k`` blocks (per stage) beyond ``a``'s, from the block
+    positions.
 
     Why not one line through the two phase peaks: while a middle block runs its backward, the
     blocks after it have passed theirs, so buffers that only exist then (FSDP2 keeps the last
@@ -62,15 +63,20 @@ def _backward_peak(a: StepMeasurement, b: StepMeasurement, k: float, phase: Peak
     blocks, the gradients of the ``N - 1 - i`` blocks after it and the saved activations of
     the ``i`` before it, so over the middle blocks it is highest at ``i = 1`` (it then grows
     with ``N`` as the first block's peak does) or at ``i = N - 2`` (as the last block's does):
-    two lines through the 3-block middle peak. The deep model's peak is the highest line.
-    ``phase`` (the one-line answer) stands when the rank's blocks are not 2 and 3 (interleaved
-    pipeline stages) or the tracker saw no block's backward.
+    two lines through the 3-block middle peak. Where the shorter step has more than 2 blocks
+    (a rank with several virtual pipeline stages: 4 and 6), the blocks at ``i = 1`` and
+    ``i = N - 2`` exist in both steps and get their own lines. The deep model's peak is the
+    highest line. ``phase`` (the one-line answer) stands when the tracker saw no block's
+    backward.
     """
     xa, xb = a.block_backward, b.block_backward
-    if len(xa) != 2 or len(xb) != 3 or None in xa or None in xb:
+    if len(xa) < 2 or len(xb) <= len(xa) or None in xa or None in xb:
         return phase
-    lines = [_along(xa[0], xb[0], k), _along(xa[1], xb[2], k),  # first, last block
-             _along(xa[0], xb[0], k - 1, base=xb[1]), _along(xa[1], xb[2], k - 1, base=xb[1])]
+    lines = [_along(xa[0], xb[0], k), _along(xa[-1], xb[-1], k)]  # the first, the last block
+    if len(xa) == 2:  # the middle block of the 3-block step, with the first's and last's slopes
+        lines += [_along(xa[0], xb[0], k - 1, base=xb[1]), _along(xa[1], xb[2], k - 1, base=xb[1])]
+    else:
+        lines += [_along(xa[1], xb[1], k), _along(xa[-2], xb[-2], k)]
     if (a.phases["backward"][0] > max(p[0] for p in xa)
             and b.phases["backward"][0] > max(p[0] for p in xb)):
         lines.append(phase)

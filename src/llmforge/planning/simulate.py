@@ -57,6 +57,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from llmforge.algorithms.loading import build_algorithms
 from llmforge.config.validate import validate
 from llmforge.errors import ConfigError
+from llmforge.models.memory_estimate import bf16_param_dtype
 from llmforge.models.spec import get_spec
 from llmforge.parallel.mesh import ParallelDims, build_mesh
 from llmforge.parallel.transforms import check_strategy, strategy_transforms
@@ -266,15 +267,17 @@ def last_stage_rank(layout: Layout) -> int:
 
 def _stage_inputs(model: Any, seq_len: int, dtype: torch.dtype) -> Any:
     """``split_batch`` for a stage without the embedding: the previous stage's hidden states
-    ``[B, T, D]`` (requiring grad) instead of the token ids; the labels as usual."""
+    ``[B, T, D]`` (requiring grad) instead of the token ids; the labels as usual. One row's
+    storage expanded to ``B`` rows: the schedule receives (and sends the gradient of) one
+    micro-batch at a time, not the step's ``B`` rows at once."""
     dim = getattr(getattr(model, "args", None), "dim", None)
     if dim is None:
         raise ConfigError("strategy.pp: simulating the last pipeline stage needs the model's "
                           "hidden size as model.args.dim; this model has none")
 
     def split(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = torch.empty(batch.shape[0], seq_len, int(dim), dtype=dtype).requires_grad_()
-        return hidden, batch[:, 1:]
+        row = torch.empty(1, seq_len, int(dim), dtype=dtype).requires_grad_()
+        return row.expand(batch.shape[0], seq_len, int(dim)), batch[:, 1:]
     return split
 
 
@@ -314,8 +317,10 @@ def _simulate(cfg: Any, layout: Layout, n_layers: Optional[int], fake: bool,
         if fake:
             module.model = model.to_empty(device=device)
         if rank != 0:  # the stage's input: the hidden states the stage before sends
+            # the activations' dtype between stages: the forward's weights' (autocast keeps
+            # the residual stream in fp32 over fp32 weights)
             module.split_batch = _stage_inputs(module.model, plan.seq_len, torch.bfloat16
-                                               if run_cfg.trainer.precision == "bf16-true" else torch.float32)
+                                               if bf16_param_dtype(run_cfg) else torch.float32)
         optimizer = module.configure_optimizers()["optimizer"]
         rows = plan.micro_batch_size * plan.gradient_accumulation_steps
         batch = torch.randint(0, int(module.model.vocab_size), (rows, plan.seq_len + 1))

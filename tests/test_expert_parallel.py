@@ -120,6 +120,7 @@ def test_plan_lays_out_ep_for_qwen3_30b_a3b(capsys):
     from llmforge.planning.measure import Collective
     from llmforge.planning.layout_settings import winner_yaml
     from llmforge.planning.planner import ExpertShape, plan
+    from llmforge.planning.report import report
     from llmforge.planning.simulate import StepMeasurement
 
     gib = 2**30
@@ -150,6 +151,9 @@ def test_plan_lays_out_ep_for_qwen3_30b_a3b(capsys):
     # compute-bound on the active-parameter formula's 2e15 FLOPs per rank (not the counter's 1e15)
     assert one.step_seconds == pytest.approx(2e15 / (0.5 * gpu_kind("h100").bf16_flops))
     assert "\n  ep: 8\n" in winner_yaml(eight, []) and "\n  ep:" not in winner_yaml(one, [])
+    text = report(result, "yamls/demo_cpu_qwen3_moe.yaml", 1.0)  # fits an 80-column terminal
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "more measured layouts not shown: --json lists every one" in text.replace("\n  ", " ")
     assert main(["plan", MOE_DEMO, "strategy.ep=2", "--gpus", "8", "--json", "model.n_layers=1",
                  "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=16",
                  "model.moe_intermediate_size=32", "model.hidden_dim=64", "variables.seq_len=32"]) == 0

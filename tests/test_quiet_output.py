@@ -64,7 +64,8 @@ def test_summary_after_a_resume_says_what_this_run_trained(capsys):
     base = {"tokens": 1000, "seconds": 2, "final_train_loss": 2.5, "initial_eval_loss": None,
             "final_eval_loss": None, "run_dir": "runs/x", "checkpoint": None, "max_steps": 300}
     _print_summary({**base, "steps": 300, "resumed_step": 120})
-    assert capsys.readouterr().out.startswith("done: 300 steps (180 after resuming at step 120), ")
+    assert capsys.readouterr().out.startswith(
+        "done: 300 steps, 1,000 tokens (180 steps in 0m02s after resuming at step 120) | ")
     # resume=auto of a finished run: no step ran, and the summary must not claim a done run
     _print_summary({**base, "steps": 300, "resumed_step": 300})
     out = capsys.readouterr().out

@@ -215,7 +215,8 @@ class Float8(Algorithm):
         """
         if importlib.util.find_spec("torchao") is None:
             raise ConfigError("algorithms: float8 needs torchao: pip install 'llmforge[fp8]' "
-                              "(torchao>=0.18, tested with 0.18.0 and torch 2.13)")
+                              "(in a clone: pip install -e '.[fp8]'; torchao>=0.18, tested with "
+                              "0.18.0 and torch 2.13)")
         if self.all_gather:
             # the FSDP2 shard group of the resolved run (none unless strategy fsdp2)
             shard = run.dims.dp_shard if run.strategy == "fsdp2" else 1

@@ -121,9 +121,12 @@ def _print_summary(s: dict[str, Any]) -> None:
         head = f"stopped early ({s['stopped_by']}): {s['steps']} of {s['max_steps']} steps"
     else:
         head = f"done: {s['steps']} steps"
-    if resumed is not None:
-        head += f" ({s['steps'] - resumed} after resuming at step {resumed})"
-    parts = [f"{head}, {s['tokens']:,} tokens in {minutes}m{seconds:02d}s"]
+    took = f"{minutes}m{seconds:02d}s"
+    if resumed is not None:  # the tokens are the run's; the time is this process's
+        parts = [f"{head}, {s['tokens']:,} tokens ({s['steps'] - resumed} steps in {took} after "
+                 f"resuming at step {resumed})"]
+    else:
+        parts = [f"{head}, {s['tokens']:,} tokens in {took}"]
     if s["final_train_loss"] is not None:
         parts.append(f"train/loss {s['final_train_loss']:.4f}")
     if s["final_eval_loss"] is not None:

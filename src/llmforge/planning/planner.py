@@ -356,7 +356,7 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
         for c in cands:
             if c.status == "fits" and c is not chosen:
                 c.status = "slower"
-                c.reason = f"{c.step_seconds / chosen.step_seconds:.2f}x the winner's step time"
+                c.reason = f"{c.step_seconds / chosen.step_seconds:.3f}x the winner's step time"
     ordered = sorted(cands, key=lambda c: (c.status != "chosen", c.status == "does not fit",
                                            c.step_seconds or 0.0))
     out = Plan(world, gpu, chosen, ordered + dropped, refs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 import time
 from typing import Optional
 
@@ -15,34 +16,48 @@ from llmforge.planning.layout_settings import winner_yaml
 from llmforge.planning.planner import EFFICIENCY, HEADROOM, Plan, plan
 
 GIB = 1024**3
+WIDTH = 80
+"""Columns of the text report (a terminal's default width)."""
+
+
+def _wrap(text: str, indent: str) -> list[str]:
+    return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=indent + "  ")
 
 
 def report(p: Plan, config: str, seconds: float, top: int = 8, algorithms: Optional[list[dict]] = None) -> str:
-    """The text report: header, the best ``top`` layouts, the drop reasons, the winner's YAML
-    (``algorithms``: the config's list, whose activation checkpointing entry it replaces)."""
+    """The text report, :data:`WIDTH` columns wide: header, the best ``top`` layouts (each with
+    its status on a second line), how many more ``--json`` lists, the groups refused (one line
+    per reason), the winner's YAML (``algorithms``: the config's list, whose activation
+    checkpointing entry it replaces)."""
     g = p.gpu
-    lines = [f"plan: {config} on {p.world_size} x {g.name} ({(1 - HEADROOM) * g.memory_bytes / GIB:.1f} GiB "
-             f"usable per GPU = {1 - HEADROOM:.0%} of {g.memory_bytes / 1e9:.0f} GB; compute at "
-             f"{EFFICIENCY:.0%} of {g.bf16_flops / 1e12:.0f} TFLOP/s bf16; torch.compile not simulated)",
-             f"simulated {len(p.references)} (tp, activation checkpointing) groups at 2 and 3 layers, "
-             f"scaled to the model's depth, in {seconds:.1f} s (docs/scale.md)",
-             f"{'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'pp':>3} {'ep':>3} {'AC':>9} {'mbs':>4} {'peak GiB':>9} "
-             f"{'tok/s/GPU':>10} {'MFU':>6}  status"]
-    shown = [c for c in p.candidates if c.peak_bytes is not None][:top]
-    for c in shown:
+    lines = [f"plan: {config} on {p.world_size} x {g.name}",
+             *_wrap(f"{(1 - HEADROOM) * g.memory_bytes / GIB:.1f} GiB usable per GPU ({1 - HEADROOM:.0%} of "
+                    f"{g.memory_bytes / 1e9:.0f} GB); compute at {EFFICIENCY:.0%} of "
+                    f"{g.bf16_flops / 1e12:.0f} TFLOP/s bf16; torch.compile not simulated; "
+                    f"{len(p.references)} (tp, activation checkpointing) groups simulated at 2 and 3 "
+                    f"layers, scaled to the model's depth, in {seconds:.1f} s (docs/scale.md)", ""),
+             f"{'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'pp':>3} {'ep':>3} {'AC':>9} {'mbs':>4} {'GiB':>6} "
+             f"{'tok/s/GPU':>10} {'MFU':>6}"]
+    measured = [c for c in p.candidates if c.peak_bytes is not None]
+    for c in measured[:top]:
         lo = c.layout
         lines.append(f"{lo.dp_replicate:>6} {lo.dp_shard:>8} {lo.tp:>3} {lo.pp:>3} {lo.ep:>3} "
-                     f"{lo.activation_checkpointing:>9} {lo.micro_batch_size:>4} {c.peak_bytes / GIB:>9.1f} "
-                     f"{c.tokens_per_second_per_gpu:>10.0f} {c.mfu:>6.1%}  {c.status}"
-                     f"{' (simulated)' if c.simulated else ''}{': ' + c.reason if c.reason else ''}")
+                     f"{lo.activation_checkpointing:>9} {lo.micro_batch_size:>4} {c.peak_bytes / GIB:>6.1f} "
+                     f"{c.tokens_per_second_per_gpu:>10.0f} {c.mfu:>6.1%}")
+        lines += _wrap(f"{c.status}{' (simulated)' if c.simulated else ''}"
+                       f"{': ' + c.reason if c.reason else ''}", "    ")
     counts: dict[str, int] = {}
     for c in p.candidates:
         counts[c.status] = counts.get(c.status, 0) + 1
-    lines.append("candidates: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
+    lines += _wrap("candidates: " + ", ".join(f"{n} {s}" for s, n in counts.items())
+                   + (f" ({len(measured) - top} more measured layouts not shown: --json lists every one)"
+                      if len(measured) > top else ""), "")
+    reasons: dict[tuple[int, str, str], list[str]] = {}  # one line per tp and reason
     for c in p.candidates:
         if c.peak_bytes is None:  # a whole group: refused or not simulated
-            lines.append(f"  tp={c.layout.tp} activation_checkpointing={c.layout.activation_checkpointing}: "
-                         f"{c.status}: {c.reason}")
+            reasons.setdefault((c.layout.tp, c.status, c.reason), []).append(c.layout.activation_checkpointing)
+    for (tp, status, reason), modes in reasons.items():
+        lines += _wrap(f"tp={tp} (activation checkpointing {', '.join(modes)}): {status}: {reason}", "  ")
     if p.chosen is not None:
         lines += ["winner's YAML overrides:", winner_yaml(p.chosen, algorithms or [])]
     return "\n".join(lines)

@@ -126,10 +126,10 @@ class StepMeasurement:
     optimizer state (all model state without FSDP2)."""
     simulated_layers: tuple[int, ...] = ()
     block_backward: list = field(default_factory=list)
-    rank: int = 0
-    """The simulated rank (0, or the last pipeline stage's first rank)."""
     """Per block of this rank, in order: ``(peak bytes, breakdown, sharded state bytes)`` while
     the block ran its backward (``None`` where the tracker saw none)."""
+    rank: int = 0
+    """The simulated rank (0, or the last pipeline stage's first rank)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"peak_bytes_per_rank": self.peak_bytes, "breakdown": self.breakdown,

@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch.distributed as dist
-from conftest import DEMO, TINY_OVERRIDES, run_cli
+from conftest import DEMO, REPO, TINY_OVERRIDES, run_cli
 from helpers.dist import torchrun, worker
 
 from llmforge.cli import main
@@ -132,6 +132,24 @@ def test_simulation_of_the_last_stage_holds_the_output_and_the_loss():
     assert (first_sim.rank, last_sim.rank) == (0, 2)
     assert last_sim.breakdown["optimizer"] == pytest.approx(2 * 4 * last / 2, rel=0.05)
     assert last_sim.peak_bytes > first_sim.peak_bytes
+
+
+def test_dry_run_simulates_the_rank_that_holds_the_last_stage(capsys):
+    """`--dry-run --simulate` with pp: a second simulation for the last stage's rank, whose
+    input follows the batch's length (the speedrun recipe's seq_length_warmup shortens it);
+    with zbv the last stage is on rank 0 (the V), so rank 0's one simulation covers both."""
+    shape = ["model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
+             "model.multiple_of=32", "tokenizer.vocab_size=1024", "trainer.global_batch_size=8",
+             "trainer.micro_batch_size=2", "trainer.devices=4", "strategy.name=fsdp2", "strategy.pp=2"]
+    fast = str(REPO / "yamls" / "demo_cpu_fast.yaml")
+    assert main(["train", fast, "--dry-run", "--simulate", *shape]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0 of 4" in out and "rank 0 holds the first stage" in out
+    assert "rank 2 of 4" in out and "rank 2 holds the last stage" in out
+    assert main(["train", DEMO, "--dry-run", "--simulate", *shape, "pipeline.schedule=zbv",
+                 "pipeline.microbatches=4"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0 holds the first and the last stage" in out and "rank 2 of 4" not in out
 
 
 # ------------------------------------------------------------------------ real processes

@@ -92,6 +92,11 @@ def test_world_size_that_divides_nothing_names_key_and_nearest_sizes(capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --gpus 6: no layout divides trainer.global_batch_size=8")
     assert err.endswith("nearest GPU counts that do: 4, 8")
+    # no count near 1,024 divides a batch of 8: say what to change instead of an empty list
+    assert cli.main(["plan", DEMO, *TINY, "--gpus", "1024"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("no GPU count within 64 of 1024 does: raise trainer.global_batch_size to a "
+                        "multiple of the data-parallel size (e.g. 1024)")
 
 
 def test_heads_not_divisible_by_tp_names_the_key(capsys):

@@ -215,3 +215,21 @@ def test_resume_auto_before_any_checkpoint_starts_over_without_duplicates(out):
     assert "no complete checkpoint" in again.stderr
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps)) and steps[0] == 0 and steps[-1] == 4
+
+
+def test_resume_of_a_finished_run_trains_nothing_and_changes_nothing(out, reference):
+    """`checkpoint.resume=auto` on a run already at trainer.max_steps says so and leaves its
+    config.yaml and metrics.jsonl as they were (also with a smaller max_steps allowed); a
+    checkpoint path that does not exist is named as such."""
+    import shutil
+
+    run = out / "finished"
+    shutil.copytree(reference, run)
+    before = {f: (run / f).read_bytes() for f in ("config.yaml", "metrics.jsonl")}
+    for extra in ([], ["trainer.max_steps=6", "checkpoint.allow_config_changes=true"]):
+        again = train_here(out, "finished", "checkpoint.resume=auto", *extra)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert again.stdout.startswith("nothing to train: the checkpoint resumed is at step 8")
+        assert {f: (run / f).read_bytes() for f in before} == before
+    missing = train_here(out, "finished", f"checkpoint.resume={run / 'checkpoints' / 'step_00000009'}")
+    assert missing.returncode == 2 and "step_00000009 does not exist" in missing.stderr

@@ -35,9 +35,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--dry-run", action="store_true",
                    help="build the model on the meta device, print sizes and exit")
     t.add_argument("--simulate", action="store_true",
-                   help="with --dry-run: also run one training step of rank 0 at the run's world "
-                        "size on a fake process group with fake tensors and report its measured "
-                        "memory, collectives and FLOPs beside the estimate (docs/scale.md)")
+                   help="with --dry-run: also run one training step of rank 0 (and, with "
+                        "pipeline stages, of the last stage's rank) at the run's world size on a "
+                        "fake process group with fake tensors and report its measured memory, "
+                        "collectives and FLOPs beside the estimate (docs/scale.md)")
     t.add_argument("--device-memory-gib", type=float, default=None, metavar="GIB",
                    help="with --dry-run: memory of one device for the fit verdict of adapter "
                         "configs (default: 80 and 192)")

@@ -30,7 +30,8 @@ from torch.distributed.pipelining import PipelineStage
 
 from llmforge.errors import ConfigError
 
-__all__ = ["SCHEDULE_CLASSES", "PipelineLayout", "bubble_fraction", "rank_stages", "split_blocks", "resolve_layout",
+__all__ = ["SCHEDULE_CLASSES", "PipelineLayout", "bubble_fraction", "last_stage_pp_rank", "rank_stages",
+           "split_blocks", "resolve_layout",
            "prune_model", "stage_view", "stage_params", "apply_pipeline_split", "build_schedule"]
 
 SCHEDULE_CLASSES = {"1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
@@ -43,6 +44,12 @@ _V_SHAPED = ("zbv", "dualpipev")  # exactly 2 stages per rank, rank r holds r an
 
 def _installed_schedules() -> tuple[str, ...]:
     return tuple(k for k, cls in SCHEDULE_CLASSES.items() if hasattr(pipelining, cls))
+
+
+def last_stage_pp_rank(schedule: str, pp: int) -> int:
+    """The ``pp`` rank that holds the last stage (the output layer and the loss): ``0`` for the
+    V schedules (rank ``r`` holds stages ``r`` and ``2 pp - 1 - r``), else ``pp - 1``."""
+    return 0 if schedule in _V_SHAPED else pp - 1
 
 
 def rank_stages(schedule: str, stages_per_rank: Optional[int]) -> int:

@@ -213,9 +213,11 @@ def enumerate_layouts(cfg: Any, world: int, gpus_per_node: int,
                 and any(gbs % (n // tp) == 0 for tp in _divisors(math.gcd(n, gpus_per_node)) if tp in tps or tp == 1)]
         nearest = sorted(near, key=lambda n: abs(n - world))[:2]
         why = "".join(f"; tp={tp} refused: {r}" for tp, r in refused.items())
+        hint = (f"nearest GPU counts that do: {', '.join(map(str, sorted(nearest)))}" if nearest else
+                f"no GPU count within 64 of {world} does: raise trainer.global_batch_size to a "
+                f"multiple of the data-parallel size (e.g. {world})")
         raise ConfigError(f"--gpus {world}: no layout divides trainer.global_batch_size={gbs} "
-                          f"(tp within a node of {gpus_per_node}: {tps or 'none allowed'}{why}); "
-                          f"nearest GPU counts that do: {', '.join(map(str, sorted(nearest)))}")
+                          f"(tp within a node of {gpus_per_node}: {tps or 'none allowed'}{why}); {hint}")
     return out, dropped
 
 

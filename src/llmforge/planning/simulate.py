@@ -60,6 +60,7 @@ from llmforge.errors import ConfigError
 from llmforge.models.memory_estimate import bf16_param_dtype
 from llmforge.models.spec import get_spec
 from llmforge.parallel.mesh import ParallelDims, build_mesh
+from llmforge.parallel.pipeline import last_stage_pp_rank
 from llmforge.parallel.transforms import check_strategy, strategy_transforms
 from llmforge.plugin import run_pipeline
 from llmforge.planning.measure import (ByteCounter, Collective, PhasePeaks,
@@ -85,7 +86,8 @@ class Layout:
     the world size alone. The simulation runs ``ep=1`` only; the planner derives ``ep > 1``.
 
     ``pp > 1``: the run's ``pipeline:`` settings cut the model into stages and the simulation
-    measures rank 0 (the first stage, with the embedding): its blocks run as one model,
+    measures rank 0 (the first stage, with the embedding; ``simulate(..., last_stage=True)``
+    the last stage's rank, with the output layer and the loss): its blocks run as one model,
     micro-batch after micro-batch, without the schedule, so its parameters, gradients and
     optimizer state are the stage's, but the activations of micro-batches in flight (1F1B: up
     to ``pp`` on the first stage) and the point-to-point sends are not simulated.
@@ -183,6 +185,9 @@ def layout_config(cfg: Any, layout: Layout, n_layers: Optional[int] = None) -> A
     drop = ("compile",) if layout.activation_checkpointing == KEEP_AC else ("activation_checkpointing", "compile")
     algos = [a for a in OmegaConf.to_container(out.algorithms) if a.get("name") not in drop]
     if layout.activation_checkpointing not in ("none", KEEP_AC):
+        if layout.activation_checkpointing not in AC_ENTRIES:
+            raise ConfigError(f"Layout.activation_checkpointing={layout.activation_checkpointing!r}: "
+                              f"expected one of {', '.join(AC_MODES)} or {KEEP_AC!r}")
         algos.append(AC_ENTRIES[layout.activation_checkpointing])
     out.algorithms = algos
     if n_layers is not None:
@@ -259,23 +264,28 @@ def simulate(cfg: Any, layout: Layout, *, n_layers: Optional[int] = None, fake: 
             dist.destroy_process_group()
 
 
-def last_stage_rank(layout: Layout) -> int:
-    """The first rank on the last pipeline stage (``pp`` is the mesh's outermost dim); 0 without
-    stages. With virtual stages that rank holds the last one too."""
-    return (layout.pp - 1) * (layout.world_size // layout.pp)
+def last_stage_rank(layout: Layout, schedule: str) -> int:
+    """The first rank of the ``pp`` rank that holds the last pipeline stage (``pp`` is the mesh's
+    outermost dim; :func:`llmforge.parallel.pipeline.last_stage_pp_rank`): 0 without stages and
+    for the V schedules, whose rank 0 holds the first and the last stage."""
+    if layout.pp <= 1:
+        return 0
+    return last_stage_pp_rank(schedule, layout.pp) * (layout.world_size // layout.pp)
 
 
-def _stage_inputs(model: Any, seq_len: int, dtype: torch.dtype) -> Any:
+def _stage_inputs(model: Any, dtype: torch.dtype) -> Any:
     """``split_batch`` for a stage without the embedding: the previous stage's hidden states
     ``[B, T, D]`` (requiring grad) instead of the token ids; the labels as usual. One row's
     storage expanded to ``B`` rows: the schedule receives (and sends the gradient of) one
-    micro-batch at a time, not the step's ``B`` rows at once."""
+    micro-batch at a time, not the step's ``B`` rows at once. The length is the batch's
+    (``seq_length_warmup`` shortens it)."""
     dim = getattr(getattr(model, "args", None), "dim", None)
     if dim is None:
         raise ConfigError("strategy.pp: simulating the last pipeline stage needs the model's "
                           "hidden size as model.args.dim; this model has none")
 
     def split(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seq_len = batch.shape[1] - 1
         row = torch.empty(1, seq_len, int(dim), dtype=dtype).requires_grad_()
         return row.expand(batch.shape[0], seq_len, int(dim)), batch[:, 1:]
     return split
@@ -284,7 +294,7 @@ def _stage_inputs(model: Any, seq_len: int, dtype: torch.dtype) -> Any:
 def _simulate(cfg: Any, layout: Layout, n_layers: Optional[int], fake: bool,
               device: str, last_stage: bool = False) -> StepMeasurement:
     t0 = time.perf_counter()
-    rank = last_stage_rank(layout) if last_stage else 0
+    rank = last_stage_rank(layout, cfg.pipeline.schedule) if last_stage else 0
     run_cfg = layout_config(cfg, layout, n_layers)
     world = layout.world_size
     plan = validate(run_cfg, world)
@@ -319,7 +329,7 @@ def _simulate(cfg: Any, layout: Layout, n_layers: Optional[int], fake: bool,
         if rank != 0:  # the stage's input: the hidden states the stage before sends
             # the activations' dtype between stages: the forward's weights' (autocast keeps
             # the residual stream in fp32 over fp32 weights)
-            module.split_batch = _stage_inputs(module.model, plan.seq_len, torch.bfloat16
+            module.split_batch = _stage_inputs(module.model, torch.bfloat16
                                                if bf16_param_dtype(run_cfg) else torch.float32)
         optimizer = module.configure_optimizers()["optimizer"]
         rows = plan.micro_batch_size * plan.gradient_accumulation_steps

@@ -199,6 +199,10 @@ def _run_dir_state(cfg: DictConfig, run_dir: Path, ckpt_dir: Path, overwrite: bo
             resume = latest_checkpoint(ckpt_dir)
         else:
             resume = Path(ck.resume)
+            if not resume.exists():
+                raise ConfigError(f"checkpoint.resume: {resume} does not exist; give a checkpoint "
+                                  "folder (e.g. runs/NAME/checkpoints/step_00000100) or "
+                                  "checkpoint.resume=auto for the run's newest complete one")
             if not (resume / COMPLETE).exists():
                 raise ConfigError(f"checkpoint.resume: {resume} is not a complete checkpoint (no "
                                   f"{COMPLETE} marker); use checkpoint.resume=auto for the newest "

@@ -198,8 +198,10 @@ class Trainer(DataBuilders):
         """After the resume checkpoint loaded: write this run's config and drop the metrics
         records after the checkpoint's step (they are recomputed), on rank 0."""
         if self.resume_path is not None and self.is_rank_zero():
-            save_config(self.cfg, self.run_dir / "config.yaml")
             step = self.resumed_step = int(read_json(self.resume_path, "trainer_state.json")["step"])
+            if step >= int(self.cfg.trainer.max_steps):
+                return  # nothing to train: the run's config and records stay as they were
+            save_config(self.cfg, self.run_dir / "config.yaml")
             truncate_metrics(self.run_dir / "metrics.jsonl", step)
 
     def build_module(self) -> Any:

@@ -181,3 +181,13 @@ def test_dry_run_simulate_reports_rank_0_beside_the_estimate(capsys):
     assert abs(err) <= 10.0, analytic
     assert "x the spec's formula" in out
     assert cli.main(["train", DEMO, *TINY, "--simulate"]) == 2
+
+
+def test_simulation_runs_z_loss():
+    """z_loss masks the positions without a target instead of indexing them (a data-dependent
+    shape, which fake tensors cannot trace): the step simulates, and its fp32 logits and
+    logsumexp add memory (FlopCounterMode counts matmuls, so the FLOPs stay)."""
+    cfg = load_config(DEMO, [*TINY, "algorithms=[{name: z_loss, coef: 1.0e-4}]"])
+    with_z = simulate(cfg, Layout(1, 1, 1, "none", 2))
+    plain = simulate(load_config(DEMO, TINY), Layout(1, 1, 1, "none", 2))
+    assert with_z.peak_bytes > plain.peak_bytes and with_z.flops == plain.flops

@@ -133,8 +133,8 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         labels_c = flat_labels[start:start + chunk_size]
         loss += F.cross_entropy(logits, labels_c, ignore_index=IGNORE_INDEX, reduction="sum")
         if z_coef:
-            lse = torch.logsumexp(logits, dim=-1)[labels_c != IGNORE_INDEX]
-            z_sum += (lse * lse).sum()
+            lse = torch.logsumexp(logits, dim=-1)
+            z_sum += torch.where(labels_c != IGNORE_INDEX, lse * lse, 0.0).sum()
     return loss + z_coef * z_sum, z_sum
 
 

@@ -41,9 +41,10 @@ def z_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits: ``[b, T, V]``.
         labels: ``[b, T]``; -100 marks positions without a target (left out).
     """
-    keep = labels != IGNORE_INDEX
-    lse = torch.logsumexp(logits[keep].float(), dim=-1)
-    return (lse * lse).sum()
+    # a mask, not boolean indexing: no data-dependent shape (no host sync on a GPU, and the
+    # fake tensors of `--dry-run --simulate` can trace it)
+    lse = torch.logsumexp(logits.float(), dim=-1)
+    return torch.where(labels != IGNORE_INDEX, lse * lse, 0.0).sum()
 
 
 class ZLoss(Algorithm):

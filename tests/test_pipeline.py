@@ -21,7 +21,7 @@ from llmforge.parallel.mesh import ParallelDims
 from llmforge.parallel.pipeline import bubble_fraction, resolve_layout, split_blocks, stage_params
 from llmforge.parallel.transforms import pipeline_layout
 from llmforge.planning.depth import simulate_scaled
-from llmforge.planning.simulate import Layout
+from llmforge.planning.simulate import Layout, last_stage_rank, simulate
 from llmforge.plugin import meta_model
 
 
@@ -134,22 +134,21 @@ def test_simulation_of_the_last_stage_holds_the_output_and_the_loss():
     assert last_sim.peak_bytes > first_sim.peak_bytes
 
 
-def test_dry_run_simulates_the_rank_that_holds_the_last_stage(capsys):
-    """`--dry-run --simulate` with pp: a second simulation for the last stage's rank, whose
-    input follows the batch's length (the speedrun recipe's seq_length_warmup shortens it);
-    with zbv the last stage is on rank 0 (the V), so rank 0's one simulation covers both."""
-    shape = ["model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
-             "model.multiple_of=32", "tokenizer.vocab_size=1024", "trainer.global_batch_size=8",
-             "trainer.micro_batch_size=2", "trainer.devices=4", "strategy.name=fsdp2", "strategy.pp=2"]
-    fast = str(REPO / "yamls" / "demo_cpu_fast.yaml")
-    assert main(["train", fast, "--dry-run", "--simulate", *shape]) == 0
-    out = capsys.readouterr().out
-    assert "rank 0 of 4" in out and "rank 0 holds the first stage" in out
-    assert "rank 2 of 4" in out and "rank 2 holds the last stage" in out
-    assert main(["train", DEMO, "--dry-run", "--simulate", *shape, "pipeline.schedule=zbv",
-                 "pipeline.microbatches=4"]) == 0
-    out = capsys.readouterr().out
-    assert "rank 0 holds the first and the last stage" in out and "rank 2 of 4" not in out
+def test_last_stage_input_follows_the_batch_and_the_v_schedules_keep_it_on_rank_0():
+    """The last stage's simulated input follows the batch's length, which the speedrun recipe's
+    seq_length_warmup shortens; with zbv and dualpipev the last stage is on pp rank 0 (the V), so
+    `--dry-run --simulate` runs rank 0 only."""
+    cfg = load_config(str(REPO / "yamls" / "demo_cpu_fast.yaml"), [
+        *TINY_OVERRIDES, "model.n_layers=4", "strategy.name=fsdp2", "strategy.pp=2", "trainer.devices=4",
+        "trainer.global_batch_size=8", "trainer.micro_batch_size=2"])
+    layout = Layout(1, 2, 1, "none", 2, pp=2)
+    try:
+        sim = simulate(cfg, layout, last_stage=True)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert sim.rank == 2 and sim.peak_bytes > 0
+    assert [last_stage_rank(layout, s) for s in ("1f1b", "interleaved_1f1b", "zbv", "dualpipev")] == [2, 2, 0, 0]
 
 
 # ------------------------------------------------------------------------ real processes

@@ -11,7 +11,6 @@ from conftest import REPO, TINY_OVERRIDES
 from llmforge.cli import main
 from llmforge.config import load_config
 from llmforge.preflight.resolve import resolve_run
-from llmforge.errors import ConfigError
 from llmforge.parallel.threads import TORCHRUN_SET_OMP, choose_num_threads
 
 DEMO = str(REPO / "yamls" / "demo_cpu.yaml")

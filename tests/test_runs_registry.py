@@ -2,7 +2,6 @@
 errors, compute sizing, secrets, the supervisor's decisions and torchrun's exit codes."""
 
 import multiprocessing as mp
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest

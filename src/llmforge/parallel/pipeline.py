@@ -179,7 +179,7 @@ class PipelineLayout:
     def last_stage_rank(self) -> int:
         """The ``pp`` rank that holds the last stage (where the loss is): ``pp - 1``, or ``0``
         for the V schedules."""
-        return next(r for r in range(self.pp) if self.num_stages - 1 in self.stages_of_rank(r))
+        return last_stage_pp_rank(self.schedule, self.pp)
 
     def bubble(self) -> float:
         """:func:`bubble_fraction` of this layout."""

@@ -40,7 +40,6 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from omegaconf import OmegaConf
 
 from llmforge.errors import ConfigError
 from llmforge.models.memory_estimate import gathered_block_bytes
@@ -48,7 +47,7 @@ from llmforge.models.spec import get_spec
 from llmforge.planning.gpus import GPUKind
 from llmforge.planning.measure import Collective
 from llmforge.planning.depth import simulate_scaled
-from llmforge.planning.simulate import AC_ENTRIES, AC_MODES, Layout, StepMeasurement, refuse_pp
+from llmforge.planning.simulate import AC_MODES, Layout, StepMeasurement, refuse_pp
 from llmforge.plugin import meta_model
 
 HEADROOM = 0.10
@@ -295,7 +294,7 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
     refuse_pp(cfg)
     experts = ExpertShape.of(cfg)
     layouts, dropped = enumerate_layouts(cfg, world, gpu.gpus_per_node, experts)
-    width = 4 if str(cfg.trainer.precision).startswith("32") else 2
+    width = 4 if cfg.trainer.precision == "fp32" else 2
     moe = {"experts": experts, "seq_len": int(cfg.trainer.seq_len), "width": width}
     gbs = int(cfg.trainer.global_batch_size)
     budget = gpu.memory_bytes * (1 - HEADROOM)

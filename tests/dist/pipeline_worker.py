@@ -6,7 +6,7 @@ computed on every rank; one per set of algorithms that changes the training, ``R
 and per depth) and once per layout in
 ``LAYOUTS[world size]`` over all ranks (with the layout's algorithms: their model transforms, e.g.
 activation checkpointing, compile, float8, LoRA, and their event handlers, e.g. z-loss, EMA,
-the loss-spike guard); writes ``<out>/rank<R>.json`` with each layout's losses, gradient norms,
+the loss-spike guard; ``packed``: packed SFT rows with document ids); writes ``<out>/rank<R>.json`` with each layout's losses, gradient norms,
 plugin metrics and its reference's. tests/test_pipeline.py reads them.
 
 On 4 ranks the FSDP2 x PP (2 x 2) run also saves a checkpoint after step 3 (the checkpoint
@@ -41,7 +41,8 @@ ALGOS = [{"name": "z_loss"}, {"name": "ema", "decay": 0.5},
 EVENTS_UNDER_TEST = {a["name"] for a in ALGOS}
 REFERENCES = {"plain": [], "algos": ALGOS,
               "float8": [{"name": "float8", "emulate": True}],
-              "lora": [{"name": "lora", "base_dtype": "float32", "targets": ["wq", "wv", "w2", "output"]}]}
+              "lora": [{"name": "lora", "base_dtype": "float32", "targets": ["wq", "wv", "w2", "output"]}],
+              "packed": []}  # packed SFT rows: dict batches with doc_ids (see packed_rows)
 LAYOUTS = {
     2: {"1f1b": {"strategy.pp": 2},
         "gpipe": {"strategy.pp": 2, "pipeline.schedule": "gpipe"},
@@ -56,7 +57,9 @@ LAYOUTS = {
         "compile_aot_eager": {"strategy.pp": 2, "algorithms": [{"name": "compile", "backend": "aot_eager"}]},
         "algos": {"strategy.pp": 2, "ref": "algos"},
         "float8": {"strategy.pp": 2, "ref": "float8"},
-        "lora": {"strategy.pp": 2, "ref": "lora"}},
+        "lora": {"strategy.pp": 2, "ref": "lora"},
+        # document ids reach every stage (2 per rank) through the schedule's keyword tensors
+        "packed_sft": {"strategy.pp": 2, "pipeline.schedule": "interleaved_1f1b", "ref": "packed"}},
     # pp=4 with 1F1B is resume_pp4 (steps 4-5 from the FSDP2 x PP checkpoint)
     4: {"pp4_interleaved": {"strategy.pp": 4, "pipeline.schedule": "interleaved_1f1b"},
         "fsdp2_x_pp2": {"strategy.pp": 2, "strategy.name": "fsdp2", "save": True},
@@ -86,11 +89,13 @@ def train(mod, cfg, batches, dp_rank, dp, opt=None, first_step=1, save_to=None):
     opt = opt or build_optimizer(mod.model, cfg.optimizer)
     st = mod.state
     losses, norms, extra = [], [], []
-    rows = len(batches[0]) // dp
+    rows = len(batches[0]["labels"] if isinstance(batches[0], dict) else batches[0]) // dp
     for step, batch in enumerate(batches, first_step):
         st.step, st.skip_step, st.metrics = step, False, {}
         mod.step_metrics = st.metrics
-        loss, n = mod.forward_backward(batch[dp_rank * rows:(dp_rank + 1) * rows])
+        part = slice(dp_rank * rows, (dp_rank + 1) * rows)
+        batch = {k: v[part] for k, v in batch.items()} if isinstance(batch, dict) else batch[part]
+        loss, n = mod.forward_backward(batch)
         st.grad_norm = mod.clip_gradients_(opt)
         st.metrics.update({"train/loss": mod.dp_all_reduce(loss) / n, "train/grad_norm": st.grad_norm})
         computed = set(st.metrics)
@@ -136,6 +141,19 @@ def ema_of(algos):
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in ema.shadow.items()}
 
 
+def packed_rows(batches):
+    """Each window as a packed SFT row: 2-4 documents (``doc_ids``), no target on each
+    document's first token (where a real packed row's prompt would be)."""
+    out = []
+    for b in batches:
+        g = torch.Generator().manual_seed(int(b.sum()))
+        doc_ids = torch.cumsum(torch.rand(b.shape[0], b.shape[1] - 1, generator=g) < 0.2, dim=1)
+        labels = b[:, 1:].clone()
+        labels[:, 1:][doc_ids[:, 1:] != doc_ids[:, :-1]] = -100
+        out.append({"input_ids": b[:, :-1], "labels": labels, "doc_ids": doc_ids})
+    return out
+
+
 def main(out):
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -149,9 +167,10 @@ def main(out):
 
     report, ref_ema = {"seconds": {}}, {}
     refs = {ref_of(spec)[0]: ref_of(spec)[1:] for spec in LAYOUTS[world].values()}
+    packed = packed_rows(batches)
     for ref, (algorithms, n) in sorted(refs.items()):
         mod, algos, cfg = build({"algorithms": algorithms}, n, 1)
-        report["ref_" + ref] = train(mod, cfg, batches, 0, 1)
+        report["ref_" + ref] = train(mod, cfg, packed if ref == "packed" else batches, 0, 1)
         ref_ema[ref] = ema_of(algos)
     ckpt = f"{out}/ckpt"
     for name, spec in LAYOUTS[world].items():
@@ -167,7 +186,8 @@ def main(out):
         if resume:
             load_training_state(f"{ckpt}/step_{SAVE_AT:08d}", mod.model, opt)
             first = SAVE_AT + 1
-        report[name] = train(mod, cfg, batches[first - 1:], dp_rank, dp_size, opt, first,
+        data = packed if ref == "packed" else batches
+        report[name] = train(mod, cfg, data[first - 1:], dp_rank, dp_size, opt, first,
                              ckpt if save else None)
         report[name + "_ref"] = ref
         report[name + "_keys"] = sorted(mod.model.state_dict())

@@ -239,9 +239,9 @@ class DecoderLM:
         if doc_ids is None:
             rope = self.rope_cache[start:start + seqlen]
         else:
-            if doc_ids.shape != tokens.shape:
+            if doc_ids.shape != tokens.shape[:2]:  # a later pipeline stage gets [B, T, D]
                 raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} differs from tokens shape "
-                                 f"{tuple(tokens.shape)}")
+                                 f"{tuple(tokens.shape[:2])}")
             rope, mask = self.rope_cache[document_positions(doc_ids)], document_causal_mask(doc_ids)
         for i, layer in enumerate(self.blocks()):
             if cache is not None:

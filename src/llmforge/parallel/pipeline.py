@@ -281,6 +281,9 @@ def stage_view(model: nn.Module, keep: Sequence[int], first: bool, last: bool,
     view._modules = dict(model._modules)  # the copy's own table; the modules themselves shared
     view._parameters = dict(model._parameters)
     view._buffers = dict(model._buffers)
+    for key, value in vars(model).items():  # own hook tables: a stage's FSDP2 root hooks its view only
+        if key.endswith("hooks") and isinstance(value, dict):
+            setattr(view, key, type(value)(value))
     name, container = _blocks_container(model, model.blocks())
     view._modules[name] = nn.ModuleDict({str(i): container[str(i)] for i in keep})
     for attr in ([] if first else list(ends[0])) + ([] if last else list(ends[1])):
@@ -310,19 +313,40 @@ def apply_pipeline_split(model: nn.Module, ctx: Any, layout: PipelineLayout,
     return prune_model(model, keep, 0 in stages, layout.num_stages - 1 in stages, ends, blocks)
 
 
+class _StageModule(nn.Module):
+    """A stage module behind a plain module: ``PipelineStage`` treats an ``FSDPModule`` stage
+    its own way (every micro-batch's gradients kept unsharded, one reduce-scatter after the
+    last), which costs the whole stage's unsharded gradients; llmforge reduce-scatters every
+    micro-batch, as in gradient accumulation without stages (``LLMModule.no_sync``)."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.stage(*args, **kwargs)
+
+
 def build_schedule(model: nn.Module, layout: PipelineLayout, pp_mesh: Any, device: Any,
-                   loss_fn: Callable[..., Any], ends: tuple[Sequence[str], Sequence[str]]) -> Any:
+                   loss_fn: Callable[..., Any], ends: tuple[Sequence[str], Sequence[str]],
+                   stage_root: Optional[Callable[[nn.Module], Any]] = None) -> Any:
     """The ``torch.distributed.pipelining`` schedule of this rank's stages of the pruned ``model``.
 
     ``loss_fn(output, target) -> scalar`` runs on the last stage once per micro-batch, in
     micro-batch order; its value is what the backward starts from (``scale_grads=False``: the
-    caller scales it). Micro-batches split dim 0 of the inputs and targets passed to ``step``.
+    caller scales it). Micro-batches split dim 0 of the inputs and targets passed to ``step``
+    (and of keyword tensors, which reach every stage's forward, e.g. ``doc_ids``).
+    ``stage_root(stage_module)``: applied to each stage's module (the FSDP2 root of the stage,
+    :func:`llmforge.parallel.transforms.fsdp_stage_root`).
     """
     rank, group = pp_mesh.get_local_rank(), pp_mesh.get_group()
     inferring = [False]
     stages = []
     for s in layout.stages_of_rank(rank):
         view = stage_view(model, layout.split[s], s == 0, s == layout.num_stages - 1, ends)
+        if stage_root is not None:
+            stage_root(view)
+            view = _StageModule(view)
         stage = PipelineStage(view, s, layout.num_stages, device, group=group)
         _mark_inference(stage, inferring)
         stages.append(stage)

@@ -9,7 +9,7 @@ materialized. The repeated blocks and the tensor-parallel plan come from the fam
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -43,19 +43,30 @@ def mixed_precision_policy(cfg: Any) -> Any:
         reduce_dtype=_dtype(mp.reduce_dtype, "strategy.mixed_precision.reduce_dtype"))
 
 
+def _fsdp_kwargs(ctx: ModelContext) -> dict[str, Any]:
+    """``fully_shard``'s mesh (``dp_shard``, or ``dp_replicate x dp_shard`` for HSDP), mixed
+    precision and offload policies from ``strategy:``."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    s, dims = ctx.cfg.strategy, ctx.dims
+    mesh = ctx.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else ctx.mesh["dp_shard"]
+    return dict(mesh=mesh, mp_policy=mixed_precision_policy(ctx.cfg),
+                offload_policy=CPUOffloadPolicy() if s.cpu_offload else OffloadPolicy())
+
+
 def apply_fsdp(model: nn.Module, ctx: ModelContext) -> nn.Module:
     """``fully_shard`` every block, then the root (FSDP2; HSDP when ``dp_replicate > 1``).
 
     The root keeps its parameters unsharded after forward (they are used again at once by the
-    backward, as torchtitan does); blocks follow ``strategy.reshard_after_forward``.
+    backward, as torchtitan does); blocks follow ``strategy.reshard_after_forward``. With
+    pipeline stages the end modules (embedding, final norm, output) are units of their own and
+    each stage's module becomes the root when the schedule is built (:func:`fsdp_stage_root`).
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     s = ctx.cfg.strategy
     dims = ctx.dims
-    mesh = ctx.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else ctx.mesh["dp_shard"]
-    kwargs = dict(mesh=mesh, mp_policy=mixed_precision_policy(ctx.cfg),
-                  offload_policy=CPUOffloadPolicy() if s.cpu_offload else OffloadPolicy())
+    kwargs = _fsdp_kwargs(ctx)
     if dims.ep > 1:  # expert weights first, over the dp_shard ranks that ep leaves (efsdp)
         emesh = ctx.mesh["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else ctx.mesh["efsdp"]
         shard_experts(_spec(ctx.cfg).expert_modules(model), emesh, dims.dp,
@@ -64,8 +75,8 @@ def apply_fsdp(model: nn.Module, ctx: ModelContext) -> nn.Module:
     for block in _spec(ctx.cfg).model_blocks(model):
         fully_shard(block, reshard_after_forward=s.reshard_after_forward, **kwargs)
     if dims.pp > 1:
-        # pipeline stages call the blocks and the end modules (embedding, norm, output) directly,
-        # never the whole model's forward: those are the FSDP units, there is no root
+        # pipeline stages call the stage modules, never the whole model's forward; the end
+        # modules are units here, the stage modules the roots (fsdp_stage_root)
         for child in model.children():
             if child is not None and not isinstance(child, (nn.ModuleList, nn.ModuleDict)) \
                     and any(True for _ in child.parameters()):
@@ -73,6 +84,28 @@ def apply_fsdp(model: nn.Module, ctx: ModelContext) -> nn.Module:
         return model
     fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
+
+
+def _uses_fsdp(cfg: Any, dims: Any) -> bool:
+    """Whether :func:`strategy_transforms` shards with FSDP2 (else DDP or nothing)."""
+    return cfg.strategy.name != "ddp" and (
+        dims.dp > 1 or (cfg.strategy.name == "fsdp2" and dims.world_size == 1))
+
+
+def fsdp_stage_root(ctx: ModelContext) -> Optional[Callable[[nn.Module], Any]]:
+    """With pipeline stages and FSDP2: ``root(stage_module)`` makes one stage's module (its
+    blocks and end modules, already units of :func:`apply_fsdp`) their FSDP2 root, one root per
+    stage as torchtitan lays it out. Under a root, a block's reduce-scatter input is freed
+    when the next block's is issued and the next block's parameters are gathered ahead
+    (backward prefetch); with each block its own root, every block kept its reduce-scatter
+    input until the end of the stage's backward (1.49 GiB per block for the 405B yaml,
+    docs/scale.md). ``None`` without pipeline stages or without FSDP2."""
+    if ctx.dims.pp <= 1 or not _uses_fsdp(ctx.cfg, ctx.dims):
+        return None
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = _fsdp_kwargs(ctx)
+    return lambda stage: fully_shard(stage, reshard_after_forward=False, **kwargs)
 
 
 def apply_ddp(model: nn.Module, ctx: ModelContext) -> nn.Module:
@@ -147,8 +180,8 @@ def pipeline_layout(cfg: Any, dims: Any, model: Optional[nn.Module] = None) -> P
 
     Raises:
         ConfigError: see :func:`llmforge.parallel.pipeline.resolve_layout`; also tied
-            embeddings, a model with auxiliary losses (mixture of experts) or packed SFT rows
-            (``doc_ids``), which the stages do not pass on yet.
+            embeddings, or a model with auxiliary losses (mixture of experts), which the stages
+            do not pass on yet.
     """
     if model is None:
         model = meta_model(cfg)
@@ -159,9 +192,6 @@ def pipeline_layout(cfg: Any, dims: Any, model: Optional[nn.Module] = None) -> P
         raise ConfigError(f"strategy.pp > 1: model '{cfg.model.name}' returns auxiliary losses "
                           "(mixture of experts), which pipeline stages do not carry yet; use "
                           "strategy.pp=1")
-    if cfg.data.task == "sft" and cfg.data.packed:
-        raise ConfigError("strategy.pp > 1 does not pass packed SFT rows' document ids between "
-                          "stages; set data.packed=false or strategy.pp=1")
     plan = plan_batch(cfg, dims.world_size)
     p = cfg.pipeline
     return resolve_layout(p.schedule, dims.pp, len(_spec(cfg).model_blocks(model)),
@@ -193,7 +223,7 @@ def strategy_transforms(cfg: Any, dims: Any) -> list[Transform]:
                               f"strategy.dp_shard={dims.dp_shard} needs strategy.name=fsdp2")
         if dims.dp_replicate > 1:
             out.append(Transform(Stage.DATA_PARALLEL, "ddp", apply_ddp))
-    elif dims.dp > 1 or (cfg.strategy.name == "fsdp2" and dims.world_size == 1):
+    elif _uses_fsdp(cfg, dims):
         # fsdp2 on one device still applies (mixed-precision policy, CPU offload)
         out.append(Transform(Stage.DATA_PARALLEL, "fsdp2", apply_fsdp))
     return out

@@ -65,7 +65,7 @@ def format_simulation(m: StepMeasurement, analytic: Optional[dict[str, float]],
     lines = [f"simulation      rank {m.rank} of {m.world_size}: one training step on a fake process group "
              f"with fake tensors ({depth}; torch.compile not simulated; {m.seconds:.1f} s)",
              f"peak/rank       {m.peak_bytes / GIB:.2f} GiB = " + " + ".join(
-                 f"{k} {b[k] / GIB:.2f}" for k in b) + " (measured by FSDPMemTracker at the peak)"]
+                 f"{k} {b[k] / GIB:.2f}" for k in b) + " (measured by torch's memory tracker at the peak)"]
     if analytic is not None:
         err = (analytic["total"] - m.peak_bytes) / m.peak_bytes if m.peak_bytes else 0.0
         lines.append(f"analytic        {analytic['total'] / GIB:.2f} GiB = " + " + ".join(

@@ -12,6 +12,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as _c10d
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -66,6 +67,25 @@ _CATEGORY_OF = {
 
 
 _SHARDED = {"Sharded Param", "Sharded Grad", "OptState", "Optstate", "Parameter", "Gradient"}
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+class FrozenSafeMemTracker(MemTracker):
+    """``MemTracker`` for models with frozen weights (LoRA): torch 2.13's tracker registers a
+    gradient hook on every parameter of a module it enters, which raises on a parameter that
+    does not require grad. Frozen parameters are counted as parameters and get no hook (they
+    get no gradient either)."""
+
+    def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True
+                                         ) -> tuple[int, int]:
+        for param in module.parameters():
+            if not param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                self._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
 
 @dataclass
@@ -180,9 +200,9 @@ class PhasePeaks:
         self.record("backward")
         if self.active:
             self._record_blocks()
-        if type(self.tracker) is MemTracker:  # without FSDP2: torch's MemTracker refuses a second
-            # call of the root module in one step; its module stats (not the memory it counts)
-            # start again with each micro-batch
+        if not isinstance(self.tracker, FSDPMemTracker):
+            # without FSDP2: torch's MemTracker refuses a second call of the root module in
+            # one step; its module stats (not the memory it counts) start again each micro-batch
             self.tracker.reset_mod_stats()
 
 

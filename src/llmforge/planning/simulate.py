@@ -61,9 +61,9 @@ from llmforge.models.memory_estimate import bf16_param_dtype
 from llmforge.models.spec import get_spec
 from llmforge.parallel.mesh import ParallelDims, build_mesh
 from llmforge.parallel.pipeline import last_stage_pp_rank
-from llmforge.parallel.transforms import check_strategy, strategy_transforms
+from llmforge.parallel.transforms import check_strategy, fsdp_stage_root, strategy_transforms
 from llmforge.plugin import run_pipeline
-from llmforge.planning.measure import (ByteCounter, Collective, PhasePeaks,
+from llmforge.planning.measure import (ByteCounter, Collective, FrozenSafeMemTracker, PhasePeaks,
                                        StepFlopCounter, collectives)
 from llmforge.training.module import LLMModule
 
@@ -317,7 +317,12 @@ def _simulate(cfg: Any, layout: Layout, n_layers: Optional[int], fake: bool,
         if fake:  # configure_model, with the pipeline on meta outside FakeTensorMode (the mesh
             # code it runs needs real tensors) and no init of the weights (no values to init)
             with torch.device("meta"):
-                model = run_pipeline(module.build_model(), pipeline, module.model_context())
+                model = module.build_model()
+                ctx = module.model_context()
+                model = run_pipeline(model, pipeline, ctx)
+                stage_root = fsdp_stage_root(ctx)
+                if stage_root is not None:  # the rank's blocks run as one stage: its FSDP2 root
+                    stage_root(model)
         else:
             module.configure_model()
     finally:
@@ -338,7 +343,7 @@ def _simulate(cfg: Any, layout: Layout, n_layers: Optional[int], fake: bool,
         if isinstance(model, FSDPModule):
             tracker: MemTracker = FSDPMemTracker(mod=model, optm=optimizer)
         else:
-            tracker = MemTracker()
+            tracker = FrozenSafeMemTracker()
             tracker.track_external(model, optimizer)
         tracker.track_inputs((batch,)) if isinstance(tracker, FSDPMemTracker) else None
         comm, flops = ByteCounter(), StepFlopCounter()

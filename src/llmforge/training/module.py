@@ -29,7 +29,7 @@ from llmforge.parallel.init import init_parallel_model, seeded_init
 from llmforge.parallel.lightning_private import attached_trainer, count_optimizer_step, strategy_mesh
 from llmforge.parallel.mesh import ParallelDims, pp_size
 from llmforge.parallel.pipeline import build_schedule
-from llmforge.parallel.transforms import pipeline_layout
+from llmforge.parallel.transforms import fsdp_stage_root, pipeline_layout
 from llmforge.plugin import ModelContext, meta_model, run_pipeline
 from llmforge.training.aux_losses import AuxLosses
 from llmforge.training.bridge import put_first
@@ -130,7 +130,7 @@ class LLMModule(AuxLosses, Evaluation, GradientSteps, PipelineSteps, L.Lightning
             self.pp_last_rank = layout.last_stage_rank()
             spec = get_spec(self.cfg.model.name)
             self.pp_schedule = build_schedule(model, layout, ctx.mesh["pp"], ctx.device, self.pipeline_loss,
-                                              spec.stage_ends)
+                                              spec.stage_ends, fsdp_stage_root(ctx))
             whole = meta_model(self.cfg)  # the whole model's FLOPs for MFU (no memory)
             self.model_flops_per_token = lambda seq_len: spec.flops(whole, seq_len)
 

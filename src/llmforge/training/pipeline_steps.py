@@ -4,7 +4,8 @@ the module.
 
 One optimizer step runs the schedule once over the rank's batch, split into
 ``pipeline.microbatches`` micro-batches. Every rank of a pipeline reads the same batch; the first
-stage feeds the inputs, the last computes the loss. The event contract keeps its meaning where it
+stage feeds the inputs, the last computes the loss, and packed SFT rows' document ids
+(``doc_ids``) go to every stage's forward. The event contract keeps its meaning where it
 can: ``BATCH_START`` on every rank; ``AFTER_FORWARD``, ``BEFORE_LOSS`` and ``AFTER_LOSS`` once per
 micro-batch, in micro-batch order, on the ranks that hold the last stage, where the logits are
 (``state.inputs`` is ``None`` there: the tokens are on the first stage); ``BEFORE_BACKWARD`` and
@@ -85,17 +86,21 @@ class PipelineSteps:
         st.outputs = None  # the logits must not outlive their micro-batch
         return loss * self._pp_scale if st.training else loss
 
-    def _run_schedule(self, inputs: torch.Tensor, labels: torch.Tensor, train: bool) -> None:
+    def _run_schedule(self, inputs: torch.Tensor, labels: torch.Tensor, train: bool,
+                      doc_ids: Any = None) -> None:
         first, last = self.pp_stages
         self._pp_micro = 0
         self._pp_loss = torch.zeros((), device=inputs.device)
         self._pp_targets = torch.zeros((), device=inputs.device)
         args = (inputs,) if first else ()
         target = labels if last else None
+        # keyword tensors are split into micro-batches like the inputs and reach every stage
+        # (every rank reads the whole batch): packed rows' document ids mask each stage's blocks
+        kwargs = {} if doc_ids is None else {"doc_ids": doc_ids}
         if train:
-            self.pp_schedule.step(*args, target=target, return_outputs=False)
+            self.pp_schedule.step(*args, target=target, return_outputs=False, **kwargs)
         else:
-            self.pp_schedule.eval(*args, target=target)
+            self.pp_schedule.eval(*args, target=target, **kwargs)
 
     def pipeline_forward_backward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`LLMModule.forward_backward` through the pipeline schedule (same returns:
@@ -105,13 +110,11 @@ class PipelineSteps:
         st.training, st.batch = True, batch
         self.event(Event.BATCH_START)
         inputs, labels = self.split_batch(st.batch)
-        if self.doc_ids(st.batch) is not None:
-            raise ValueError("strategy.pp > 1 does not pass document ids between stages")
         total_targets = self.dp_all_reduce((labels != IGNORE_INDEX).sum().float()).clamp(min=1)
         st.total_targets, st.n_micro = total_targets, self.pp_layout.microbatches
         self._pp_scale = self.plan.dp_size / total_targets
         self.event(Event.BEFORE_BACKWARD)
-        self._run_schedule(inputs, labels, train=True)
+        self._run_schedule(inputs, labels, train=True, doc_ids=self.doc_ids(st.batch))
         self.event(Event.AFTER_BACKWARD)
         self.step_tokens = int(inputs.numel()) * self.plan.dp_size
         return self.pp_all_reduce(self._pp_loss), total_targets
@@ -126,16 +129,17 @@ class PipelineSteps:
         m = self.pp_layout.microbatches
         loss_sum = torch.zeros((), device=self.device)
         count = torch.zeros((), device=self.device)
-        group: list[tuple[torch.Tensor, torch.Tensor]] = []
+        group: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
 
         def flush() -> None:
             nonlocal loss_sum, count
             while len(group) < m:
-                group.append((group[0][0], torch.full_like(group[0][1], IGNORE_INDEX)))
+                group.append((group[0][0], torch.full_like(group[0][1], IGNORE_INDEX), group[0][2]))
             inputs = torch.cat([g[0] for g in group]).to(self.device)
             labels = torch.cat([g[1] for g in group]).to(self.device)
+            doc_ids = None if group[0][2] is None else torch.cat([g[2] for g in group]).to(self.device)
             with self.trainer.precision_plugin.forward_context():
-                self._run_schedule(inputs, labels, train=False)
+                self._run_schedule(inputs, labels, train=False, doc_ids=doc_ids)
             loss_sum += self._pp_loss
             count += self._pp_targets
             group.clear()
@@ -144,7 +148,7 @@ class PipelineSteps:
         for i, batch in enumerate(loader):
             if i >= self.cfg.trainer.eval_batches:
                 break
-            group.append(self.split_batch(batch))
+            group.append((*self.split_batch(batch), self.doc_ids(batch)))
             if len(group) == m:
                 flush()
         if group:

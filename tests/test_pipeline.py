@@ -1,9 +1,9 @@
 """Pipeline parallelism (``strategy.pp``, ``pipeline:``): the split and bubble arithmetic, bad
-input (exit 2, one ``error:`` line), the dry run's stage lines, every schedule, the 3-D
-compositions, per-stage algorithms (AC, compile, float8, LoRA, z-loss, EMA, spike guard) and
-packed SFT rows (document ids to every stage) against one process on real gloo processes, a pp=2 checkpoint resumed at pp=4, with FSDP2 and in
-one process, and a SIGKILLed pp=2 CLI run resumed bit-exact with a last-stage plugin metric
-(z_loss) in the logs.
+input (exit 2, one ``error:`` line), the dry run's stage lines, one FSDP2 root per stage, every
+schedule, the 3-D compositions, per-stage algorithms (AC, compile, float8, LoRA, z-loss, EMA,
+spike guard) and packed SFT rows (document ids to every stage) against one process on real gloo
+processes, a pp=2 checkpoint resumed at pp=4, with FSDP2 and in one process, and a SIGKILLed
+pp=2 CLI run resumed bit-exact with a last-stage plugin metric (z_loss) in the logs.
 """
 
 import json

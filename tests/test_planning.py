@@ -12,6 +12,7 @@ from llmforge import cli
 from llmforge.config import load_config
 from llmforge.planning.depth import simulate_scaled
 from llmforge.planning.simulate import Layout, simulate
+from llmforge.plugin import meta_model
 
 TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
         "model.multiple_of=32", "tokenizer.vocab_size=1024", "variables.seq_len=64",
@@ -191,3 +192,15 @@ def test_simulation_runs_z_loss():
     with_z = simulate(cfg, Layout(1, 1, 1, "none", 2))
     plain = simulate(load_config(DEMO, TINY), Layout(1, 1, 1, "none", 2))
     assert with_z.peak_bytes > plain.peak_bytes and with_z.flops == plain.flops
+
+
+def test_simulation_runs_lora_with_frozen_weights():
+    """LoRA's frozen base: torch's MemTracker (one process, no FSDP2) would register a gradient
+    hook on it and raise; FrozenSafeMemTracker counts it as parameters. The step's gradients are
+    the adapters' only."""
+    cfg = load_config(DEMO, [*TINY, "algorithms=[{name: lora, base_dtype: float32}]"])
+    m = simulate(cfg, Layout(1, 1, 1, "none", 2))
+    base = 4 * meta_model(load_config(DEMO, TINY)).num_params()
+    assert m.breakdown["parameters"] >= base
+    assert 0 < m.breakdown["gradients"] < 0.1 * base
+

@@ -181,13 +181,14 @@ def _max_diff(a, b):
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc, layouts", [
     (2, ["1f1b", "gpipe", "interleaved_1f1b", "zbv", "dualpipev", "lighter_ends_m2", "ac_full",
-         "compile_aot_eager", "algos", "float8", "lora", "packed_sft"]),
+         "compile_aot_eager", "algos", "float8", "lora", "packed_sft", "moe_1f1b", "moe_interleaved"]),
     (4, ["pp4_interleaved", "fsdp2_x_pp2", "tp2_x_pp2", "resume_pp4", "resume_fsdp4",
-         "resume_pp1"]),
+         "resume_pp1", "moe_ep2_x_pp2"]),
 ])
 def test_every_schedule_and_layout_equals_one_process(tmp_path, nproc, layouts):
     """Each layout's losses within 1e-5 and (clipped) gradient norms within 1e-4 of one process
-    with the same algorithms. ``algos`` (pp=2 with z_loss, ema, loss_spike_guard): the same
+    with the same algorithms (and the same router losses and expert loads for ``moe_*``, a
+    Qwen3-MoE with load-free balancing). ``algos`` (pp=2 with z_loss, ema, loss_spike_guard): the same
     ``train/z_loss`` on every rank (the last stage's), the same skipped steps as one process on
     every stage, each stage's EMA equal to one process's for its own weights. ``resume_*``
     (4 ranks): the FSDP2 x PP (2 x 2) checkpoint of step 3 resumed at pp=4, with FSDP2 over 4
@@ -211,6 +212,14 @@ def test_every_schedule_and_layout_equals_one_process(tmp_path, nproc, layouts):
                     assert got[key] == pytest.approx(want[key], abs=1e-6), (rank, name, key)
             keys = report[name + "_keys"]
             assert all(k.startswith(("layers.", "tok_embeddings.", "norm.", "output.")) for k in keys)
+    # a mixture of experts: the router losses (in the losses above) and every sparse layer's
+    # expert load reach every rank, each stage's layers from that stage
+    for name in ("moe_1f1b", "moe_interleaved") if nproc == 2 else ("moe_ep2_x_pp2",):
+        last = reports[0][name][2][-1]
+        assert last["train/aux_loss"] > 1e-3, last
+        layers = 4 if nproc == 2 else 8
+        assert {k for k in last if k.startswith("moe/load_max_mean")} == {
+            f"moe/load_max_mean/layer_{i}" for i in range(layers) if i != 1}, last
     if nproc == 4:
         return
     r0, r1 = reports

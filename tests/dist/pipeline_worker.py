@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 
 from llmforge.algorithms.loading import build_algorithms
 from llmforge.checkpoint.dcp import load_training_state, save_checkpoint
-from llmforge.config.schema import TrainConfig
+from llmforge.config.schema import TrainConfig, model_config_class
 from llmforge.config.validate import plan_batch
 from llmforge.events import Event
 from llmforge.parallel.mesh import ParallelDims, build_mesh
@@ -42,7 +42,12 @@ EVENTS_UNDER_TEST = {a["name"] for a in ALGOS}
 REFERENCES = {"plain": [], "algos": ALGOS,
               "float8": [{"name": "float8", "emulate": True}],
               "lora": [{"name": "lora", "base_dtype": "float32", "targets": ["wq", "wv", "w2", "output"]}],
-              "packed": []}  # packed SFT rows: dict batches with doc_ids (see packed_rows)
+              "packed": [],  # packed SFT rows: dict batches with doc_ids (see packed_rows)
+              "moe": []}  # the tiny Qwen3-MoE (MOE): router losses and load-free balancing on
+MOE = {"name": "qwen3_moe", "dim": 32, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "hidden_dim": 64,
+       "vocab_size": 64, "max_seq_len": 16, "num_experts": 8, "num_experts_per_tok": 2,
+       "moe_intermediate_size": 16, "router_aux_loss_coef": 0.05, "router_z_loss_coef": 0.001,
+       "mlp_only_layers": [1], "router_bias_update_rate": 0.01, "tie_embeddings": False}
 LAYOUTS = {
     2: {"1f1b": {"strategy.pp": 2},
         "gpipe": {"strategy.pp": 2, "pipeline.schedule": "gpipe"},
@@ -59,21 +64,30 @@ LAYOUTS = {
         "float8": {"strategy.pp": 2, "ref": "float8"},
         "lora": {"strategy.pp": 2, "ref": "lora"},
         # document ids reach every stage (2 per rank) through the schedule's keyword tensors
-        "packed_sft": {"strategy.pp": 2, "pipeline.schedule": "interleaved_1f1b", "ref": "packed"}},
+        "packed_sft": {"strategy.pp": 2, "pipeline.schedule": "interleaved_1f1b", "ref": "packed"},
+        # router statistics ride with the hidden states (aux_carry); block 1 is dense, so with
+        # 4 stages of one block the second stage adds nothing to them
+        "moe_1f1b": {"strategy.pp": 2, "ref": "moe"},
+        "moe_interleaved": {"strategy.pp": 2, "pipeline.schedule": "interleaved_1f1b", "ref": "moe"}},
     # pp=4 with 1F1B is resume_pp4 (steps 4-5 from the FSDP2 x PP checkpoint)
     4: {"pp4_interleaved": {"strategy.pp": 4, "pipeline.schedule": "interleaved_1f1b"},
         "fsdp2_x_pp2": {"strategy.pp": 2, "strategy.name": "fsdp2", "save": True},
         "tp2_x_pp2": {"strategy.pp": 2, "strategy.tp": 2, "model.n_layers": 4},  # DTensor ops: the dearest
         "resume_pp4": {"strategy.pp": 4, "resume": True},
         "resume_fsdp4": {"strategy.name": "fsdp2", "resume": True},
-        "resume_pp1": {"resume": True, "one_process": True}},
+        "resume_pp1": {"resume": True, "one_process": True},
+        "moe_ep2_x_pp2": {"strategy.pp": 2, "strategy.name": "fsdp2", "strategy.ep": 2, "ref": "moe"}},
 }
 
 
-def make_cfg(overrides, n_layers):
+def make_cfg(overrides, n_layers, moe=False):
     cfg = OmegaConf.structured(TrainConfig)
-    cfg.model.merge_with({"dim": 32, "n_layers": n_layers, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 64,
-                          "multiple_of": 16, "max_seq_len": 16})
+    if moe:
+        cfg.model = OmegaConf.merge(OmegaConf.structured(model_config_class("qwen3_moe")),
+                                    {**MOE, "n_layers": n_layers})
+    else:
+        cfg.model.merge_with({"dim": 32, "n_layers": n_layers, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 64,
+                              "multiple_of": 16, "max_seq_len": 16})
     cfg.trainer.merge_with({"micro_batch_size": 2, "global_batch_size": 8, "seq_len": 16,
                             "gradient_clip_val": 0.5})
     cfg.optimizer.merge_with({"lr": 1e-2, "eps": 1e-6})
@@ -98,25 +112,28 @@ def train(mod, cfg, batches, dp_rank, dp, opt=None, first_step=1, save_to=None):
         loss, n = mod.forward_backward(batch)
         st.grad_norm = mod.clip_gradients_(opt)
         st.metrics.update({"train/loss": mod.dp_all_reduce(loss) / n, "train/grad_norm": st.grad_norm})
+        aux = mod.aux_step_metrics(n, st.n_micro)  # the router losses and the expert load
+        st.metrics.update(aux)
         computed = set(st.metrics)
         mod.event(Event.BEFORE_OPTIMIZER_STEP)
         if mod.pp_schedule is not None:
-            mod.pp_agree_on_step(set(st.metrics) - computed)
+            mod.pp_agree_on_step(set(st.metrics) - computed, set(aux))
         if not st.skip_step:
             opt.step()
+            mod.model_after_optimizer_step()  # loss-free balancing: each stage's own routers
         opt.zero_grad(set_to_none=True)
         mod.event(Event.AFTER_OPTIMIZER_STEP)
         losses.append(float(st.metrics["train/loss"]))
         norms.append(float(st.grad_norm))
-        extra.append({k: float(v) for k, v in st.metrics.items() if k not in computed})
+        extra.append({k: float(v) for k, v in st.metrics.items() if k not in ("train/loss", "train/grad_norm")})
         if save_to is not None and step == SAVE_AT:
             save_checkpoint(save_to, step, mod.model, opt, {"step": step}, {}, flatten_optimizer=True)
     return losses, norms, extra
 
 
-def build(overrides, n_layers, world):
+def build(overrides, n_layers, world, moe=False):
     """(module with the layout's model transforms and event handlers, its algorithms, cfg)."""
-    cfg = make_cfg(overrides, n_layers)
+    cfg = make_cfg(overrides, n_layers, moe)
     cfg.trainer.devices = world  # the algorithms' checks read the world size here
     algos = build_algorithms(cfg)
     pipeline = [t for t in (a.transform() for a in algos) if t is not None]
@@ -169,7 +186,7 @@ def main(out):
     refs = {ref_of(spec)[0]: ref_of(spec)[1:] for spec in LAYOUTS[world].values()}
     packed = packed_rows(batches)
     for ref, (algorithms, n) in sorted(refs.items()):
-        mod, algos, cfg = build({"algorithms": algorithms}, n, 1)
+        mod, algos, cfg = build({"algorithms": algorithms}, n, 1, ref.startswith("moe"))
         report["ref_" + ref] = train(mod, cfg, packed if ref == "packed" else batches, 0, 1)
         ref_ema[ref] = ema_of(algos)
     ckpt = f"{out}/ckpt"
@@ -179,7 +196,8 @@ def main(out):
         ref, algorithms, n = ref_of(spec)
         spec.pop("ref", None)
         resume, save, one = spec.pop("resume", False), spec.pop("save", False), spec.pop("one_process", False)
-        mod, algos, cfg = build({**spec, "algorithms": spec.get("algorithms", algorithms)}, n, 1 if one else world)
+        mod, algos, cfg = build({**spec, "algorithms": spec.get("algorithms", algorithms)}, n, 1 if one else world,
+                                ref.startswith("moe"))
         dp = mod.mesh["dp"] if mod.mesh is not None else None
         dp_rank, dp_size = (dp.get_local_rank(), dp.size()) if dp is not None else (0, 1)
         opt, first = build_optimizer(mod.model, cfg.optimizer), 1

@@ -29,9 +29,17 @@ section and returns an ``nn.Module`` with:
   loss). The trainer reads them after every forward into ``state.aux_losses``, adds them to
   the optimized loss in training (never to ``eval/loss``) and logs ``train/aux_loss`` and
   ``train/aux/<name>`` (:mod:`llmforge.events`);
+* optionally ``aux_carry() -> Tensor`` (1-D float32), with ``aux_losses(carry)``: what the
+  auxiliary losses need from the last forward as one tensor that adds up over pipeline
+  stages (e.g. a router's per-expert counts and probability sums, differentiable where the
+  losses are). Under ``strategy.pp > 1`` each stage sends its sum on with the hidden states and
+  the last stage computes ``aux_losses(carry)`` from the whole model's sum (its gradients flow
+  back through the schedule); a model with ``aux_losses`` but no ``aux_carry`` is refused
+  under ``pp > 1``;
 * optionally ``aux_metrics() -> dict[str, Tensor | float]``: monitoring values of the last
-  forward (e.g. ``moe/load_max_mean/layer_0``), logged as means over the step's micro-batches
-  and data-parallel ranks.
+  forward (e.g. ``moe/load_max_mean/layer_0``), logged as means over the step's forwards
+  and data-parallel ranks (under ``pp > 1`` each stage's for its own layers; a key several
+  stages give is their mean).
 * optionally ``after_optimizer_step(all_reduce)``: called on every rank after each optimizer
   step that was taken, with a function summing a tensor over the data-parallel ranks (e.g. a
   router's loss-free balancing bias, moved by the step's expert load).

@@ -314,22 +314,48 @@ def apply_pipeline_split(model: nn.Module, ctx: Any, layout: PipelineLayout,
 
 
 class _StageModule(nn.Module):
-    """A stage module behind a plain module: ``PipelineStage`` treats an ``FSDPModule`` stage
-    its own way (every micro-batch's gradients kept unsharded, one reduce-scatter after the
-    last), which costs the whole stage's unsharded gradients; llmforge reduce-scatters every
-    micro-batch, as in gradient accumulation without stages (``LLMModule.no_sync``)."""
+    """What ``PipelineStage`` runs for one stage's module ``stage``.
 
-    def __init__(self, stage: nn.Module) -> None:
+    * An ``FSDPModule`` stage behind a plain module: ``PipelineStage`` treats an FSDP module
+      its own way (every micro-batch's gradients kept unsharded, one reduce-scatter after the
+      last), which costs the whole stage's unsharded gradients; llmforge reduce-scatters every
+      micro-batch, as in gradient accumulation without stages (``LLMModule.no_sync``).
+    * ``carry`` (a model with ``aux_carry()``, the auxiliary-loss channel of
+      :mod:`llmforge.models`): the stage returns ``(output, carry)``, its own ``aux_carry()``
+      plus the one the stage before sent (none on the first stage), so the last stage's loss
+      sees the whole model's router statistics and their gradients flow back through the
+      schedule's sends like the hidden states' (DeepSeek's and Megatron's auxiliary-loss
+      pattern, here with the statistics instead of the loss).
+    * ``on_forward(stage)``: called after each forward (e.g. to record the stage's metrics).
+    """
+
+    def __init__(self, stage: nn.Module, carry: bool = False, first: bool = True,
+                 on_forward: Optional[Callable[[nn.Module], None]] = None) -> None:
         super().__init__()
         self.stage = stage
+        self.carry, self.first, self.on_forward = carry, first, on_forward
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.stage(*args, **kwargs)
+        carry_in = None
+        if self.carry and not self.first:
+            *args, carry_in = args
+        out = self.stage(*args, **kwargs)
+        if self.on_forward is not None:
+            self.on_forward(self.stage)
+        if not self.carry:
+            return out
+        carry = self.stage.aux_carry()
+        return out, (carry if carry_in is None else carry_in + carry)
+
+
+def _unless(flag: list, fn: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
+    return lambda stage: None if flag[0] else fn(stage)
 
 
 def build_schedule(model: nn.Module, layout: PipelineLayout, pp_mesh: Any, device: Any,
                    loss_fn: Callable[..., Any], ends: tuple[Sequence[str], Sequence[str]],
-                   stage_root: Optional[Callable[[nn.Module], Any]] = None) -> Any:
+                   stage_root: Optional[Callable[[nn.Module], Any]] = None, carry: bool = False,
+                   on_forward: Optional[Callable[[nn.Module], None]] = None) -> Any:
     """The ``torch.distributed.pipelining`` schedule of this rank's stages of the pruned ``model``.
 
     ``loss_fn(output, target) -> scalar`` runs on the last stage once per micro-batch, in
@@ -337,7 +363,10 @@ def build_schedule(model: nn.Module, layout: PipelineLayout, pp_mesh: Any, devic
     caller scales it). Micro-batches split dim 0 of the inputs and targets passed to ``step``
     (and of keyword tensors, which reach every stage's forward, e.g. ``doc_ids``).
     ``stage_root(stage_module)``: applied to each stage's module (the FSDP2 root of the stage,
-    :func:`llmforge.parallel.transforms.fsdp_stage_root`).
+    :func:`llmforge.parallel.transforms.fsdp_stage_root`). ``carry``: the model has
+    ``aux_carry()``; the last stage's ``output`` is then ``(logits, carry summed over all
+    stages)`` (:class:`_StageModule`). ``on_forward(stage_module)`` runs after each stage
+    forward.
     """
     rank, group = pp_mesh.get_local_rank(), pp_mesh.get_group()
     inferring = [False]
@@ -346,16 +375,20 @@ def build_schedule(model: nn.Module, layout: PipelineLayout, pp_mesh: Any, devic
         view = stage_view(model, layout.split[s], s == 0, s == layout.num_stages - 1, ends)
         if stage_root is not None:
             stage_root(view)
-            view = _StageModule(view)
+        if stage_root is not None or carry or on_forward is not None:
+            view = _StageModule(view, carry, s == 0, on_forward and _unless(inferring, on_forward))
         stage = PipelineStage(view, s, layout.num_stages, device, group=group)
         _mark_inference(stage, inferring)
         stages.append(stage)
 
-    def schedule_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def schedule_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
         # the stage's shape inference calls the loss once on placeholder tensors (uninitialized
         # values) before the first step: only its gradient's shape matters, so the caller's loss
         # (and its events and sums) sees real micro-batches only
-        return output.float().sum() if inferring[0] else loss_fn(output, target)
+        if inferring[0]:  # ones as the output's gradient: the sends' buffers follow its layout
+            outs = output if isinstance(output, tuple) else (output,)  # (an expanded one is not
+            return sum((o.float() * torch.ones_like(o, dtype=torch.float32)).sum() for o in outs)  # contiguous)
+        return loss_fn(output, target)
 
     cls = getattr(pipelining, SCHEDULE_CLASSES[layout.schedule])
     return cls(stages if layout.schedule in _MULTI else stages[0], n_microbatches=layout.microbatches,
@@ -363,18 +396,28 @@ def build_schedule(model: nn.Module, layout: PipelineLayout, pp_mesh: Any, devic
 
 
 def _mark_inference(stage: Any, flag: list) -> None:
-    """Set ``flag[0]`` while ``stage`` infers its backward metadata (torch 2.13's private
-    ``_prepare_backward_infra``, which calls the loss on placeholders; nothing to do where a
-    torch version has no such method)."""
-    prepare = getattr(stage, "_prepare_backward_infra", None)
-    if prepare is None:
-        return
+    """Set ``flag[0]`` while ``stage`` infers its forward and backward metadata (torch 2.13's
+    private ``_prepare_forward_infra`` / ``_prepare_backward_infra``, which run the stage and
+    the loss on placeholders; nothing to do where a torch version lacks them), and put the
+    stage module's buffers back afterwards: an inference forward must leave no trace in the
+    model (e.g. a router's expert-load counter)."""
+    for name in ("_prepare_forward_infra", "_prepare_backward_infra"):
+        prepare = getattr(stage, name, None)
+        if prepare is not None:
+            setattr(stage, name, _marked(prepare, stage.submod, flag))
 
+
+def _marked(prepare: Callable[..., Any], module: nn.Module, flag: list) -> Callable[..., Any]:
     def marked(*args: Any, **kwargs: Any) -> Any:
+        saved = [(b, b.detach().clone()) for b in module.buffers()]
         flag[0] = True
         try:
             return prepare(*args, **kwargs)
         finally:
             flag[0] = False
+            with torch.no_grad():  # only what changed: the backward's inference needs the
+                for buf, value in saved:  # forward's saved buffers (e.g. RoPE) unmodified
+                    if not torch.equal(buf, value):
+                        buf.copy_(value)
 
-    stage._prepare_backward_infra = marked
+    return marked

@@ -180,18 +180,18 @@ def pipeline_layout(cfg: Any, dims: Any, model: Optional[nn.Module] = None) -> P
 
     Raises:
         ConfigError: see :func:`llmforge.parallel.pipeline.resolve_layout`; also tied
-            embeddings, or a model with auxiliary losses (mixture of experts), which the stages
-            do not pass on yet.
+            embeddings, or a model with auxiliary losses but no ``aux_carry()`` (the statistics
+            the stages pass on).
     """
     if model is None:
         model = meta_model(cfg)
     if getattr(getattr(model, "args", None), "tie_embeddings", False):
         raise ConfigError("strategy.pp > 1 needs untied embeddings (the first and the last stage "
                           "would share one weight); set model.tie_embeddings=false or strategy.pp=1")
-    if callable(getattr(model, "aux_losses", None)):
+    if callable(getattr(model, "aux_losses", None)) and not callable(getattr(model, "aux_carry", None)):
         raise ConfigError(f"strategy.pp > 1: model '{cfg.model.name}' returns auxiliary losses "
-                          "(mixture of experts), which pipeline stages do not carry yet; use "
-                          "strategy.pp=1")
+                          "but has no aux_carry() to carry their statistics between pipeline "
+                          "stages (docs/models.md); use strategy.pp=1")
     plan = plan_batch(cfg, dims.world_size)
     p = cfg.pipeline
     return resolve_layout(p.schedule, dims.pp, len(_spec(cfg).model_blocks(model)),

@@ -16,8 +16,8 @@ __all__ = ["AuxLosses"]
 class AuxLosses:
     """Needs the module's ``model``, ``plan`` and ``dp_all_reduce``, and two dicts the module's
     ``__init__`` creates empty: ``_aux_sums`` (the step's auxiliary terms summed over target
-    tokens) and ``_aux_metric_sums`` (the model's ``aux_metrics`` summed over micro-batches);
-    :meth:`aux_step_metrics` empties them."""
+    tokens) and ``_aux_metric_sums`` (the model's ``aux_metrics`` summed over forwards, with
+    their counts); :meth:`aux_step_metrics` empties them."""
 
     _aux_sums: dict[str, Any]
     _aux_metric_sums: dict[str, Any]
@@ -43,27 +43,30 @@ class AuxLosses:
             self._aux_sums[name] = self._aux_sums.get(name, 0.0) + term.detach()
         return total
 
-    def record_aux_metrics(self) -> None:
-        """Accumulate the model's optional ``aux_metrics()`` (monitoring values of its last
-        forward, e.g. expert load) over the step's micro-batches."""
-        fn = getattr(self.model, "aux_metrics", None)
+    def record_aux_metrics(self, model: Any = None) -> None:
+        """Accumulate the model's (or ``model``'s, e.g. one pipeline stage's) optional
+        ``aux_metrics()`` (monitoring values of its last forward, e.g. expert load) over the
+        step's micro-batches."""
+        fn = getattr(self.model if model is None else model, "aux_metrics", None)
         if fn is None:
             return
         for name, value in fn().items():
-            self._aux_metric_sums[name] = self._aux_metric_sums.get(name, 0.0) + torch.as_tensor(value).float()
+            total, count = self._aux_metric_sums.get(name, (0.0, 0))
+            self._aux_metric_sums[name] = (total + torch.as_tensor(value).float(), count + 1)
 
     def aux_step_metrics(self, total_targets: torch.Tensor, n_micro: int) -> dict[str, Any]:
         """The step's auxiliary records: ``train/aux_loss`` (the sum of the terms, per target
         token over all data-parallel ranks; ``train/loss - train/aux_loss`` is the
         cross-entropy), ``train/aux/<name>`` per term, and the model's ``aux_metrics`` as
-        means over micro-batches and data-parallel ranks."""
+        means over the forwards that gave them (``n_micro`` micro-batches; each of a rank's
+        pipeline stages gives its own) and the data-parallel ranks."""
         out: dict[str, Any] = {}
         if self._aux_sums:
             terms = {k: self.dp_all_reduce(torch.as_tensor(v)) / total_targets
                      for k, v in self._aux_sums.items()}
             out["train/aux_loss"] = sum(terms.values())
             out.update({f"train/aux/{k}": v for k, v in terms.items()})
-        scale = n_micro * self.plan.dp_size
-        out.update({k: self.dp_all_reduce(v) / scale for k, v in self._aux_metric_sums.items()})
+        out.update({k: self.dp_all_reduce(v) / (count * self.plan.dp_size)
+                    for k, (v, count) in self._aux_metric_sums.items()})
         self._aux_sums, self._aux_metric_sums = {}, {}
         return out

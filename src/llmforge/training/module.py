@@ -129,8 +129,10 @@ class LLMModule(AuxLosses, Evaluation, GradientSteps, PipelineSteps, L.Lightning
             self.pp_stages = (0 in stages, layout.num_stages - 1 in stages)
             self.pp_last_rank = layout.last_stage_rank()
             spec = get_spec(self.cfg.model.name)
+            carry = callable(getattr(model, "aux_carry", None))
             self.pp_schedule = build_schedule(model, layout, ctx.mesh["pp"], ctx.device, self.pipeline_loss,
-                                              spec.stage_ends, fsdp_stage_root(ctx))
+                                              spec.stage_ends, fsdp_stage_root(ctx), carry=carry,
+                                              on_forward=self.pp_stage_forward if carry else None)
             whole = meta_model(self.cfg)  # the whole model's FLOPs for MFU (no memory)
             self.model_flops_per_token = lambda seq_len: spec.flops(whole, seq_len)
 
@@ -299,12 +301,13 @@ class LLMModule(AuxLosses, Evaluation, GradientSteps, PipelineSteps, L.Lightning
             "train/lr": lr,
             "train/grad_norm": grad_norm,
             "train/tokens_seen": self.tokens_seen + self.step_tokens,
-            **self.aux_step_metrics(total_targets, st.n_micro),
         })
+        aux = self.aux_step_metrics(total_targets, st.n_micro)
+        st.metrics.update(aux)
         computed = set(st.metrics)
         self.event(Event.BEFORE_OPTIMIZER_STEP)
         if self.pp_schedule is not None:  # plugins' metrics from the loss events' stage; one skip
-            self.pp_agree_on_step(set(st.metrics) - computed)
+            self.pp_agree_on_step(set(st.metrics) - computed, set(aux))
         if st.skip_step:
             opt.zero_grad(set_to_none=True)
             count_optimizer_step(self.trainer)  # the batch is consumed: step numbers stay aligned

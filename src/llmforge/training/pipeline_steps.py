@@ -52,7 +52,13 @@ class PipelineSteps:
         dist.all_reduce(t, group=self.mesh["pp"].get_group())
         return t
 
-    def pp_agree_on_step(self, keys: set[str]) -> None:
+    def pp_stage_forward(self, stage: Any) -> None:
+        """After each training forward of one of this rank's stages (a model with auxiliary
+        losses): accumulate the stage's ``aux_metrics()`` (its own layers', e.g. expert load)."""
+        if self.state.training:
+            self.record_aux_metrics(stage)
+
+    def pp_agree_on_step(self, keys: set[str], merged: set[str] = frozenset()) -> None:
         """Make every ``pp`` rank's step decision the same, after ``BEFORE_OPTIMIZER_STEP``:
         ``state.metrics[k]`` for the last stage's ``k in keys`` becomes the last stage's value
         (tensors become floats) and ``state.skip_step`` is true on all stages if a handler set
@@ -64,13 +70,22 @@ class PipelineSteps:
         object gathered over the ``pp`` group per step (the key sets may differ between
         stages, so no tensor collective)."""
         st = self.state
-        mine = ({k: v.item() if isinstance(v, torch.Tensor) else v for k, v in st.metrics.items()
-                 if k in keys}, bool(st.skip_step))
+
+        def floats(names: set[str]) -> dict[str, Any]:
+            return {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in st.metrics.items()
+                    if k in names}
+
+        mine = (floats(keys), bool(st.skip_step), floats(merged))
         group = self.mesh["pp"].get_group()
         box: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(box, mine, group=group)
         st.metrics.update(box[self.pp_last_rank][0])
-        st.skip_step = any(skip for _, skip in box)
+        st.skip_step = any(skip for _, skip, _ in box)
+        values: dict[str, list[Any]] = {}
+        for _, _, aux in box:
+            for k, v in aux.items():
+                values.setdefault(k, []).append(v)
+        st.metrics.update({k: sum(v) / len(v) for k, v in values.items()})
 
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss function (last stage, one call per micro-batch): the loss events
@@ -78,7 +93,11 @@ class PipelineSteps:
         micro-batch's summed loss scaled for the backward (``dp_size / total targets``)."""
         st = self.state
         st.micro_batch, self._pp_micro = self._pp_micro, self._pp_micro + 1
-        st.inputs, st.labels, st.doc_ids, st.outputs, st.aux_losses = None, target, None, output, {}
+        carry = None
+        if isinstance(output, tuple):  # (logits, the model's aux_carry summed over all stages)
+            output, carry = output
+        aux = self.model.aux_losses(carry) if carry is not None and st.training else {}
+        st.inputs, st.labels, st.doc_ids, st.outputs, st.aux_losses = None, target, None, output, aux
         self.event(Event.AFTER_FORWARD)
         loss = self.outputs_loss()
         self._pp_loss = self._pp_loss + loss.detach().float()

@@ -17,7 +17,7 @@ losses to the optimized loss (training only) and logs both.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -53,14 +53,36 @@ class Qwen3Moe(Qwen3):
 
     def moe_layers(self) -> list[tuple[int, MoE]]:
         """``(layer index, MoE)`` of every sparse layer (found through wrappers such as
-        activation checkpointing or compile)."""
+        activation checkpointing or compile); in a pipeline stage, the stage's layers under
+        their indices in the whole model."""
+        layers = self.layers
+        items = ((int(k), v) for k, v in layers.items()) if isinstance(layers, nn.ModuleDict) \
+            else enumerate(layers)
         out = []
-        for i, layer in enumerate(self.layers):
+        for i, layer in items:
             out += [(i, m) for m in layer.modules() if isinstance(m, MoE)]
         return out
 
-    def aux_losses(self) -> dict[str, torch.Tensor]:
-        """The weighted router losses of the last forward, scalar float32 tensors per token:
+    def aux_carry(self) -> torch.Tensor:
+        """The router statistics of the last forward that the losses need, summed over this
+        model's sparse layers, as one float32 tensor ``[2 E + 2]``: top-k assignments per expert
+        (no gradient), routing probabilities summed over tokens per expert (differentiable),
+        the z-loss sum (differentiable; 0 when off) and the token rows. Summed over pipeline
+        stages it is the whole model's (the auxiliary-loss channel of
+        :mod:`llmforge.parallel.pipeline`); :meth:`aux_losses` takes the sum."""
+        a = self.args
+        stats = [m.stats for _, m in self.moe_layers() if m.stats is not None]
+        if not stats:
+            return torch.zeros(2 * a.num_experts + 2, device=self.rope_cache.device)
+        zero = torch.zeros((), device=stats[0].counts.device)
+        return torch.cat([torch.stack([s.counts for s in stats]).sum(0),
+                          torch.stack([s.prob_sum for s in stats]).sum(0),
+                          torch.stack([s.z_sum if s.z_sum is not None else zero for s in stats]).sum()[None],
+                          torch.tensor([float(sum(s.tokens for s in stats))], device=zero.device)])
+
+    def aux_losses(self, carry: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+        """The weighted router losses of the last forward (``carry``: of :meth:`aux_carry`'s sum
+        over pipeline stages instead), scalar float32 tensors per token:
 
         * ``load_balancing``: ``router_aux_loss_coef * E * sum_e f_e P_e``, with ``f_e`` the
           share of top-k assignments and ``P_e`` the mean routing probability of expert ``e``,
@@ -74,17 +96,22 @@ class Qwen3Moe(Qwen3):
         Empty before a forward, or with both weights 0.
         """
         a = self.args
-        stats = [m.stats for _, m in self.moe_layers() if m.stats is not None]
         out: dict[str, torch.Tensor] = {}
-        if not stats:
-            return out
-        rows = float(sum(s.tokens for s in stats))
+        if carry is None:
+            stats = [m.stats for _, m in self.moe_layers() if m.stats is not None]
+            if not stats:
+                return out
+            rows: Any = float(sum(s.tokens for s in stats))
+            counts = torch.stack([s.counts for s in stats]).sum(0)
+            prob_sum = torch.stack([s.prob_sum for s in stats]).sum(0)
+            z_sum = torch.stack([s.z_sum for s in stats]).sum() if a.router_z_loss_coef > 0 else None
+        else:
+            e = a.num_experts
+            counts, prob_sum, z_sum, rows = carry[:e], carry[e:2 * e], carry[2 * e], carry[2 * e + 1]
         if a.router_aux_loss_coef > 0:
-            f = torch.stack([s.counts for s in stats]).sum(0) / rows
-            p = torch.stack([s.prob_sum for s in stats]).sum(0) / rows
-            out["load_balancing"] = a.router_aux_loss_coef * a.num_experts * (f * p).sum()
+            out["load_balancing"] = a.router_aux_loss_coef * a.num_experts * ((counts / rows) * (prob_sum / rows)).sum()
         if a.router_z_loss_coef > 0:
-            out["router_z"] = a.router_z_loss_coef * torch.stack([s.z_sum for s in stats]).sum() / rows
+            out["router_z"] = a.router_z_loss_coef * z_sum / rows
         return out
 
     def after_optimizer_step(self, all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:

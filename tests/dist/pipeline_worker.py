@@ -6,8 +6,9 @@ computed on every rank; one per set of algorithms that changes the training, ``R
 and per depth) and once per layout in
 ``LAYOUTS[world size]`` over all ranks (with the layout's algorithms: their model transforms, e.g.
 activation checkpointing, compile, float8, LoRA, and their event handlers, e.g. z-loss, EMA,
-the loss-spike guard; ``packed``: packed SFT rows with document ids); writes ``<out>/rank<R>.json`` with each layout's losses, gradient norms,
-plugin metrics and its reference's. tests/test_pipeline.py reads them.
+the loss-spike guard; ``packed``: packed SFT rows with document ids; ``moe``: a tiny Qwen3-MoE,
+``MOE``); writes ``<out>/rank<R>.json`` with each layout's losses, gradient norms, plugin and
+auxiliary metrics and its reference's. tests/test_pipeline.py reads them.
 
 On 4 ranks the FSDP2 x PP (2 x 2) run also saves a checkpoint after step 3 (the checkpoint
 callback's own ``save_checkpoint``, flattened optimizer state), and the ``resume_*`` layouts load

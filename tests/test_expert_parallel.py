@@ -116,10 +116,11 @@ def test_plan_lays_out_ep_for_qwen3_30b_a3b(capsys):
     tested in test_planning.py): the two gathered blocks' experts shrink to 1/ep, four
     all-to-alls per sparse layer are added, FLOPs are the active-parameter formula's."""
     from llmforge.config import load_config
+    from llmforge.planning.experts import ExpertShape
     from llmforge.planning.gpus import gpu_kind
-    from llmforge.planning.measure import Collective
     from llmforge.planning.layout_settings import winner_yaml
-    from llmforge.planning.planner import ExpertShape, plan
+    from llmforge.planning.measure import Collective
+    from llmforge.planning.planner import plan
     from llmforge.planning.report import report
     from llmforge.planning.simulate import StepMeasurement
 

@@ -11,6 +11,8 @@ from helpers.dist import torchrun, worker
 from llmforge import cli
 from llmforge.config import load_config
 from llmforge.planning.depth import simulate_scaled
+from llmforge.planning.gpus import gpu_kind
+from llmforge.planning.planner import plan
 from llmforge.planning.simulate import Layout, simulate
 from llmforge.plugin import meta_model
 
@@ -203,4 +205,23 @@ def test_simulation_runs_lora_with_frozen_weights():
     base = 4 * meta_model(load_config(DEMO, TINY)).num_params()
     assert m.breakdown["parameters"] >= base
     assert 0 < m.breakdown["gradients"] < 0.1 * base
+
+
+def test_plan_lays_out_pipeline_stages_where_the_batch_needs_them():
+    """8 GPUs, tp 1 only (one key/value head), 12 sequences: no data-parallel size of 8 divides
+    them, 2 pipeline stages (dp 4) do. The reference is simulated at pp 2 (both pipeline ranks,
+    the first with its micro-batches in flight), the winner has stages, pp 4 is ranked beside
+    it (a larger bubble), and the winner's overrides carry ``strategy.pp``."""
+    from llmforge.planning.layout_settings import layout_overrides
+
+    cfg = load_config(DEMO, [*TINY, "model.n_kv_heads=1", "model.n_layers=4",
+                             "trainer.global_batch_size=12", "trainer.micro_batch_size=1"])
+    result = plan(cfg, 8, gpu_kind("h100"))
+    (ref,) = result.references.values()
+    assert ref.layout.pp == 2 and ref.layout.dp_shard == 4
+    chosen = result.chosen.layout
+    assert chosen.pp == 2 and chosen.dp_replicate * chosen.dp_shard == 4 and result.chosen.simulated
+    assert any(c.layout.pp == 4 and c.status == "slower" for c in result.candidates)
+    assert all(c.layout.pp > 1 for c in result.candidates if c.status in ("fits", "slower"))
+    assert "strategy.pp=2" in layout_overrides(result.chosen, [])
 

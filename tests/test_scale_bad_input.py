@@ -104,19 +104,32 @@ def test_cli_one_error_line_exit_2(tmp_path, capsys):
     assert not runs.exists()
 
 
-def test_plan_refuses_pp_and_names_a_refusal():
-    """``llmforge plan`` / ``strategy: auto`` with ``strategy.pp=2`` said "no layout fits ... at
-    no GPU count" (and ``--simulate`` "pp=2 does not divide the world size 1"); a layout every
-    simulation refuses is a config error, not a memory verdict."""
+def test_plan_of_a_pp_config_and_a_refusal():
+    """``llmforge plan`` / ``strategy: auto`` with ``strategy.pp=2`` in the config plans (its
+    ``pp`` is searched like ``tp``; it used to say "no layout fits ... at no GPU count"); a layout
+    every simulation refuses is a config error, not a memory verdict."""
     from llmforge.planning.gpus import gpu_kind
     from llmforge.planning.planner import plan
 
     gpu = gpu_kind("H100-SXM-80GB")
-    with pytest.raises(ConfigError, match=r"strategy.pp=2: llmforge plan and strategy.name=auto"):
-        plan(load_config(DEMO, ["strategy.pp=2"]), 2, gpu)
+    result = plan(load_config(DEMO, ["strategy.pp=2", "model.n_layers=2"]), 2, gpu,
+                  simulate_fn=lambda cfg, layout, last_stage=False: _stand_in(layout))
+    assert result.chosen is not None
+    assert {c.layout.pp for c in result.candidates} | {result.chosen.layout.pp} == {1, 2}
 
     def refuse(cfg, layout):
         raise ConfigError("algorithms[0]: refused at this layout")
 
     with pytest.raises(ConfigError, match=r"^algorithms\[0\]: refused at this layout$"):
         plan(load_config(DEMO, []), 2, gpu, simulate_fn=refuse)
+
+
+def _stand_in(layout):
+    """A measurement without a simulation: 1 GiB of sharded state, 1 GiB of the rest."""
+    from llmforge.planning.simulate import StepMeasurement
+
+    phases = {"forward": (2**31, {"activations": 2**29}, 2**30)}
+    return StepMeasurement(layout=layout, world_size=layout.world_size, n_layers=2, peak_bytes=2**31,
+                           breakdown={"activations": 2**29}, flops=1e12, formula_flops=1e12,
+                           phases=phases, sharded_state=2**30)
+

@@ -1,16 +1,20 @@
-"""``llmforge plan``: choose dp_replicate, dp_shard, tp, activation checkpointing and the
+"""``llmforge plan``: choose dp_replicate, dp_shard, tp, pp, activation checkpointing and the
 micro-batch size for a GPU count and a GPU kind.
 
 1. Enumerate: ``tp`` among the divisors of the GPUs per node (tensor parallel stays inside a
-   node) that the model allows (heads divisible by ``tp``), every ``dp_replicate x dp_shard`` of
-   the rest, activation checkpointing none / selective (per operator) / full, every
-   micro-batch size dividing the per-rank batch. ``pp`` is 1 (no pipeline parallel yet).
+   node) that the model allows (heads divisible by ``tp``), ``pp`` among the divisors of the
+   rest that the config's pipeline schedule and split can cut the blocks into
+   (:mod:`llmforge.planning.stages`; none with tied embeddings), every ``dp_replicate x
+   dp_shard`` of the rest, activation checkpointing none / selective (per operator) / full,
+   every micro-batch size dividing the per-rank batch (and giving the schedule enough
+   micro-batches).
    A mixture of experts (``ModelSpec.experts``) also gets every ``ep`` that divides
    ``dp_shard`` and the number of experts. Layouts whose data-parallel size does not divide
    ``global_batch_size`` are dropped.
 2. Measure: one simulation (:func:`llmforge.planning.depth.simulate_scaled`) per
    ``(tp, activation checkpointing)`` at the reference layout ``dp_replicate=1``,
-   ``dp_shard = world / tp``, ``micro_batch_size=1``. Every other layout of that group is
+   ``dp_shard = world / tp``, ``micro_batch_size=1`` (``pp=1``; where ``world / tp`` does
+   not divide the global batch, the fewest stages that make it divide, both pipeline ranks). Every other layout of that group is
    derived from it: the sharded model state at the peak scales with ``1 / dp_shard``, the
    activations and temporaries with the micro-batch size (an over-estimate: the all-gather
    buffers in the temporaries do not grow), the FSDP all-gathers and reduce-scatters with the
@@ -32,6 +36,15 @@ micro-batch size for a GPU count and a GPU kind.
    checkpointing) of ``tokens x top_k x dim`` activations move ``(ep - 1) / ep`` of their rows,
    not overlapped. FLOPs of a mixture of experts come from the active parameters (the spec's
    formula: the step's FlopCounterMode does not count ``torch._grouped_mm``).
+5. Pipeline stages (``pp > 1``): a rank holds ``1 / pp`` of the blocks (its sharded state and
+   FSDP traffic per micro-batch shrink by ``pp``, its micro-batches grow by ``pp``), the first
+   stage keeps the activations of the micro-batches in flight
+   (:func:`llmforge.planning.stages.in_flight`), the schedule's bubble stretches the compute
+   (``compute / (1 - bubble)``, :func:`llmforge.parallel.pipeline.bubble_fraction`), and every
+   micro-batch's hidden states and their gradients cross to the neighbouring stage at every
+   virtual stage, not overlapped (inter-node when a node holds fewer than ``world / pp`` GPUs;
+   whole under TP), each send at least :data:`P2P_LATENCY`. A ``pp`` winner is
+   confirmed by simulating its first and its last stage's rank.
 """
 
 from __future__ import annotations
@@ -42,12 +55,13 @@ from typing import Any, Optional
 
 
 from llmforge.errors import ConfigError
-from llmforge.models.memory_estimate import gathered_block_bytes
 from llmforge.models.spec import get_spec
 from llmforge.planning.gpus import GPUKind
 from llmforge.planning.measure import Collective
 from llmforge.planning.depth import simulate_scaled
-from llmforge.planning.simulate import AC_MODES, Layout, StepMeasurement, refuse_pp
+from llmforge.planning.experts import ExpertShape, ep_degrees
+from llmforge.planning.simulate import AC_MODES, Layout, StepMeasurement
+from llmforge.planning.stages import StageShape, forward_activations, pp_allowed, simulate_layout
 from llmforge.plugin import meta_model
 
 HEADROOM = 0.10
@@ -57,6 +71,10 @@ fragmentation, none of which the simulation sees."""
 EFFICIENCY = 0.5
 """Fraction of the dense bf16 peak that the step's FLOPs are assumed to run at (a well-tuned
 FSDP2 Llama step on H100 reaches 40-55 % MFU: torchtitan's published benchmarks)."""
+
+P2P_LATENCY = 10e-6
+"""Seconds a point-to-point send between pipeline stages costs at least (a small NCCL message
+between nodes takes about 5-20 microseconds): what keeps a tiny model off pipeline stages."""
 
 MAX_CONFIRM = 3
 """Layouts simulated with their own degrees after the ranking, best first, until one fits."""
@@ -110,57 +128,6 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-@dataclass(frozen=True)
-class ExpertShape:
-    """What the ep estimate needs of a mixture of experts (module docstring, step 4).
-
-    Attributes:
-        num_experts: experts per sparse layer (the ``ep`` degrees divide it).
-        sparse_layers: layers with experts.
-        top_k: experts per token, from the parameter counts: ``E - (total - active) /
-            (parameters of one expert x sparse_layers)``.
-        dim: the width of the rows the all-to-all moves (the expert layers' input).
-        expert_fraction: expert parameters / all parameters (the share of the FSDP traffic
-            that ``ep`` divides).
-        gathered_experts: parameters (elements) of the experts of the largest block, all
-            experts (``ep=1``): times the compute width, what FSDP2 gathers for it.
-    """
-
-    num_experts: int
-    sparse_layers: int
-    top_k: int
-    dim: int
-    expert_fraction: float
-    gathered_experts: float
-
-    @staticmethod
-    def of(cfg: Any) -> Optional["ExpertShape"]:
-        """The shape of ``cfg``'s model (built on the meta device); ``None`` without experts."""
-        spec = get_spec(cfg.model.name)
-        model = meta_model(cfg)
-        experts = spec.expert_modules(model)
-        if not experts:
-            return None
-        e = int(experts[0].num_experts)
-        total, active = spec.num_params(model)
-        expert_params = sum(p.numel() for m in experts for p in m.parameters())
-        per_expert = expert_params / (e * len(experts))
-        top_k = round(e - (total - active) / (per_expert * len(experts)))
-        dim = int(min(p.shape[-1] for p in experts[0].parameters() if p.ndim == 3))
-        dim = int(getattr(getattr(model, "args", None), "dim", dim))
-        gathered = gathered_block_bytes(model, spec, 1)
-        return ExpertShape(e, len(experts), top_k, dim, expert_params / max(1, total),
-                           gathered[1] if gathered else 0.0)
-
-
-def ep_degrees(shape: Optional[ExpertShape], dp_shard: int) -> list[int]:
-    """``[1]`` for a dense model; else every divisor of ``dp_shard`` that divides the number
-    of experts."""
-    if shape is None:
-        return [1]
-    return [d for d in _divisors(dp_shard) if shape.num_experts % d == 0]
-
-
 def tp_degrees(cfg: Any, world: int, gpus_per_node: int) -> tuple[list[int], dict[int, str]]:
     """Tensor-parallel degrees that divide both the node and the world and that the model
     allows; the refused ones with the reason (from the family's ``check_tp``)."""
@@ -183,8 +150,9 @@ def tp_degrees(cfg: Any, world: int, gpus_per_node: int) -> tuple[list[int], dic
 
 def enumerate_layouts(cfg: Any, world: int, gpus_per_node: int,
                       experts: Optional[ExpertShape] = None) -> tuple[list[Layout], list[Candidate]]:
-    """Every layout of ``world`` GPUs (with ``experts``: every ``ep`` too), and the dropped
-    ones (status ``does not divide``).
+    """Every layout of ``world`` GPUs (with ``experts``: every ``ep`` too; pipeline degrees
+    ``pp`` that the model's blocks, the schedule and the micro-batches allow, none with tied
+    embeddings), and the dropped ones (status ``does not divide``).
 
     Raises:
         ConfigError: no tensor-parallel degree divides the model and the node (names the key
@@ -192,18 +160,25 @@ def enumerate_layouts(cfg: Any, world: int, gpus_per_node: int,
     """
     gbs = int(cfg.trainer.global_batch_size)
     tps, refused = tp_degrees(cfg, world, gpus_per_node)
+    model = meta_model(cfg)
+    n_blocks = len(get_spec(cfg.model.name).model_blocks(model))
+    tied = bool(getattr(getattr(model, "args", None), "tie_embeddings", False))
     out, dropped = [], []
     for tp in tps:
-        dp = world // tp
-        if gbs % dp:
-            dropped.append(Candidate(Layout(1, dp, tp, "none", 1), "does not divide",
-                                     f"trainer.global_batch_size={gbs} is not a multiple of dp={dp}"))
-            continue
-        for rep in _divisors(dp):
-            for ep in ep_degrees(experts, dp // rep):
-                for ac in AC_MODES:
-                    for mbs in _divisors(gbs // dp):
-                        out.append(Layout(rep, dp // rep, tp, ac, mbs, ep=ep))
+        for pp in _divisors(world // tp) if not tied else [1]:
+            dp = world // (tp * pp)
+            if gbs % dp:
+                if pp == 1:
+                    dropped.append(Candidate(Layout(1, dp, tp, "none", 1), "does not divide",
+                                             f"trainer.global_batch_size={gbs} is not a multiple of dp={dp}"))
+                continue
+            mbs_ok = [mbs for mbs in _divisors(gbs // dp)
+                      if pp == 1 or pp_allowed(cfg, pp, n_blocks, gbs // dp, mbs, world) is None]
+            for rep in _divisors(dp):
+                for ep in ep_degrees(experts, dp // rep):
+                    for ac in AC_MODES:
+                        for mbs in mbs_ok:
+                            out.append(Layout(rep, dp // rep, tp, ac, mbs, pp=pp, ep=ep))
     for tp, why in refused.items():
         dropped.append(Candidate(Layout(1, world // tp if world % tp == 0 else 1, tp, "none", 1),
                                  "does not divide", why))
@@ -229,34 +204,44 @@ def _seconds(c: Collective, n_ranks: int, world: int, gpu: GPUKind, span: int) -
 
 
 def derive(ref: StepMeasurement, layout: Layout, gbs: int, gpu: GPUKind, exact: bool = False,
-           experts: Optional[ExpertShape] = None, seq_len: int = 0, width: int = 2
-           ) -> tuple[float, float, float]:
+           experts: Optional[ExpertShape] = None, seq_len: int = 0, width: int = 2,
+           stages: Optional[StageShape] = None) -> tuple[float, float, float]:
     """``(peak_bytes, step_seconds, flops_per_rank)`` of ``layout`` from the reference
     measurement of its ``(tp, activation checkpointing)`` group (module docstring, step 2);
     ``exact``: ``ref`` is the layout's own simulation (at ``ep=1``: no memory scaling). With
     ``experts`` (a mixture of experts): FLOPs from the active parameters and, for ``ep > 1``,
     step 4 of the module docstring (``seq_len`` tokens per sequence, ``width`` bytes per
-    activation and gathered weight element)."""
+    activation and gathered weight element). ``stages``: the pipeline schedule of ``pp``
+    layouts (step 5)."""
     lo, r = layout, ref.layout
     dp = lo.dp_replicate * lo.dp_shard
-    n_micro, n_micro_ref = gbs // dp // lo.micro_batch_size, gbs // dp // r.micro_batch_size
+    n_micro = gbs // dp // lo.micro_batch_size
+    n_micro_ref = gbs // (r.dp_replicate * r.dp_shard) // r.micro_batch_size
     if exact:
         peak = ref.peak_bytes
     else:
         rest = ref.peak_bytes - ref.sharded_state
-        peak = ref.sharded_state * r.dp_shard / lo.dp_shard + rest * lo.micro_batch_size / r.micro_batch_size
+        ratio = lo.micro_batch_size / r.micro_batch_size
+        # a rank holds 1 / pp of the blocks, sharded dp_shard ways
+        peak = ref.sharded_state * (r.dp_shard * r.pp) / (lo.dp_shard * lo.pp)
+        if lo.pp == r.pp:
+            peak += rest * ratio
+        else:  # one micro-batch's activations of the rank's blocks, times those in flight
+            act = forward_activations(ref)
+            held = stages.in_flight(lo.pp, n_micro) if stages is not None else 1.0
+            peak += (rest - act) * ratio + act * ratio * r.pp / lo.pp * held
     world = lo.world_size
     fsdp = replicas = exposed = 0.0
     for c in ref.collectives:
         if c.mesh_dim.startswith("dp_shard"):
-            # FSDP2 all-gathers and reduce-scatters every micro-batch (LLMModule.no_sync);
-            # replicated weights (dp_shard 1) all-reduce once, after the last micro-batch
-            c2 = c if exact else replace(c, bytes=c.bytes * n_micro / n_micro_ref)
+            # FSDP2 all-gathers and reduce-scatters every micro-batch (LLMModule.no_sync), the
+            # rank's 1 / pp of the blocks; replicated weights (dp_shard 1) all-reduce once
+            c2 = c if exact else replace(c, bytes=c.bytes * n_micro / n_micro_ref * r.pp / lo.pp)
             fsdp += _seconds(c2, lo.dp_shard, world, gpu, lo.dp_shard * lo.tp)
             if not exact and lo.dp_replicate > 1 and c.kind == "reduce_scatter":
                 syncs = n_micro if lo.dp_shard > 1 else 1
                 ar = Collective("all_reduce", "dp_replicate", lo.dp_replicate, 1,
-                                c.bytes / n_micro_ref * syncs / lo.dp_shard)
+                                c.bytes / n_micro_ref * r.pp / lo.pp * syncs / lo.dp_shard)
                 replicas += _seconds(ar, lo.dp_replicate, world, gpu, world)
         elif c.mesh_dim == "dp_replicate":
             replicas += _seconds(c, lo.dp_replicate, world, gpu, world)
@@ -272,6 +257,12 @@ def derive(ref: StepMeasurement, layout: Layout, gbs: int, gpu: GPUKind, exact: 
         a2a = Collective("all_to_all", "ep", ep, exchanges, exchanges * rows * experts.dim * width)
         exposed += _seconds(a2a, ep, world, gpu, ep * lo.tp)  # sends (ep - 1) / ep of the rows
     compute = flops / (gpu.bf16_flops * EFFICIENCY)
+    if lo.pp > 1 and stages is not None:
+        # the bubble stretches the compute; neighbouring stages are world / pp ranks apart
+        compute /= 1 - stages.bubble(lo.pp, n_micro)
+        bw = gpu.intra_node_bw if world // lo.pp < gpu.gpus_per_node else gpu.inter_node_bw
+        sends = 2 * n_micro * stages.stages_per_rank  # each virtual stage's, forward and backward
+        exposed += sends * (stages.p2p_bytes(lo.micro_batch_size, seq_len, width) / bw + P2P_LATENCY)
     return peak, max(compute, fsdp + replicas) + exposed, flops
 
 
@@ -288,37 +279,44 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
 
     Raises:
         ConfigError: no layout divides the batch or the model (see :func:`enumerate_layouts`),
-            ``strategy.pp > 1`` (not planned yet: ``refuse_pp``), or every layout refused by
-            the config's own checks (the first refusal).
+            or every layout refused by the config's own checks (the first refusal).
     """
-    refuse_pp(cfg)
     experts = ExpertShape.of(cfg)
     layouts, dropped = enumerate_layouts(cfg, world, gpu.gpus_per_node, experts)
     width = 4 if cfg.trainer.precision == "fp32" else 2
-    moe = {"experts": experts, "seq_len": int(cfg.trainer.seq_len), "width": width}
+    model = meta_model(cfg)
+    moe = {"experts": experts, "seq_len": int(cfg.trainer.seq_len), "width": width,
+           "stages": StageShape.of(cfg, model)}
     gbs = int(cfg.trainer.global_batch_size)
     budget = gpu.memory_bytes * (1 - HEADROOM)
     spec = get_spec(cfg.model.name)
-    flops_per_token = float(spec.flops(meta_model(cfg), int(cfg.trainer.seq_len)))
+    flops_per_token = float(spec.flops(model, int(cfg.trainer.seq_len)))
     refs: dict[tuple[int, str], StepMeasurement] = {}
     skipped: dict[tuple[int, str], Candidate] = {}  # groups not simulated, with the reason
     for tp in sorted({lo.tp for lo in layouts}):
+        # the reference: no pipeline stages where the batch divides, else the fewest that do
+        pp = min(lo.pp for lo in layouts if lo.tp == tp)
+        mbs = min(lo.micro_batch_size for lo in layouts if lo.tp == tp and lo.pp == pp)
+
+        def reference(ac: str) -> Layout:
+            return Layout(1, world // tp // pp, tp, ac, mbs, pp=pp)
+
         for i, ac in enumerate(AC_MODES):
             if i and (tp, AC_MODES[i - 1]) in refs and refs[tp, AC_MODES[i - 1]].peak_bytes <= budget:
                 # a lighter mode already fits at this tp: more recomputation is only slower
-                skipped[tp, ac] = Candidate(Layout(1, world // tp, tp, ac, 1), "slower",
+                skipped[tp, ac] = Candidate(reference(ac), "slower",
                                             f"not simulated: activation_checkpointing "
                                             f"{AC_MODES[i - 1]} already fits at tp={tp} and recomputes less")
                 continue
             if (tp, AC_MODES[max(0, i - 1)]) in skipped and i:
-                skipped[tp, ac] = replace(skipped[tp, AC_MODES[i - 1]], layout=Layout(1, world // tp, tp, ac, 1))
+                skipped[tp, ac] = replace(skipped[tp, AC_MODES[i - 1]], layout=reference(ac))
                 continue
             try:
-                refs[tp, ac] = simulate_fn(cfg, Layout(1, world // tp, tp, ac, 1))
+                refs[tp, ac] = simulate_layout(simulate_fn, cfg, reference(ac), gbs)
             except ConfigError as exc:  # e.g. float8's FSDP all-gather without sharding
-                skipped[tp, ac] = Candidate(Layout(1, world // tp, tp, ac, 1), "refused", str(exc))
+                skipped[tp, ac] = Candidate(reference(ac), "refused", str(exc))
             except NotImplementedError as exc:  # MemTracker (no FSDP2: tp = world) and accumulation
-                skipped[tp, ac] = Candidate(Layout(1, world // tp, tp, ac, 1), "not measured",
+                skipped[tp, ac] = Candidate(reference(ac), "not measured",
                                             f"the memory tracker refuses this step: {exc}")
     if not refs and skipped:
         # nothing measured: a config error, not memory ("fits at no GPU count" would mislead)
@@ -343,7 +341,7 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
     for cand in fitting[:MAX_CONFIRM]:  # the winner's own simulation, not a derived one
         ref = refs[cand.layout.tp, cand.layout.activation_checkpointing]
         own = replace(cand.layout, ep=1)  # ep > 1: derived from its ep=1 layout's simulation
-        m = ref if ref.layout == own else simulate_fn(cfg, own)
+        m = ref if ref.layout == own else simulate_layout(simulate_fn, cfg, own, gbs)
         peak, step, _ = derive(m, cand.layout, gbs, gpu, exact=True, **moe)
         _score(cand, peak, step, cfg, world, gpu, flops_per_token)
         cand.simulated = True
@@ -380,7 +378,7 @@ def smallest_fitting(p: Plan) -> Optional[int]:
         if rest >= budget:
             continue
         shard = max(1, math.ceil(m.sharded_state * m.layout.dp_shard / (budget - rest)))
-        n = shard * tp
+        n = shard * tp * m.layout.pp
         if n > p.gpu.gpus_per_node:
             n = math.ceil(n / p.gpu.gpus_per_node) * p.gpu.gpus_per_node
         best = n if best is None else min(best, n)

@@ -46,7 +46,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
+from omegaconf import ListConfig, OmegaConf
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -90,8 +90,9 @@ class Layout:
     the last stage's rank, with the output layer and the loss): its blocks run as one model,
     micro-batch after micro-batch, without the schedule, so its parameters, gradients and
     optimizer state are the stage's, but the activations of micro-batches in flight (1F1B: up
-    to ``pp`` on the first stage) and the point-to-point sends are not simulated.
-    ``llmforge plan`` does not search ``pp``.
+    to ``pp`` on the first stage) and the point-to-point sends are not simulated
+    (``llmforge plan`` adds the first from the measured forward activations,
+    :func:`llmforge.planning.stages.simulate_layout`).
     """
 
     dp_replicate: int
@@ -152,15 +153,15 @@ def refuse_ep(layout: Layout) -> None:
                           "dispatch by); `llmforge plan` estimates ep from the ep=1 step")
 
 
-def refuse_pp(cfg: Any) -> None:
-    """Raises ConfigError: ``strategy.pp > 1``, which the planner does not lay out yet (its
-    layouts are dp x tp; a pp run's candidates would each fail on the degrees). ``--simulate``
-    simulates a pp layout (:class:`Layout`)."""
-    pp = cfg.strategy.get("pp", 1)
-    if pp != 1:
-        raise ConfigError(f"strategy.pp={pp}: llmforge plan and strategy.name=auto lay out dp and "
-                          "tp only, not pipeline stages yet; plan with strategy.pp=1, or check a "
-                          "pipeline layout with --dry-run --simulate")
+def pipeline_settings(cfg: Any, pp: int) -> dict[str, Any]:
+    """The ``pipeline:`` keys a layout of ``pp`` stages runs with: the config's, except an
+    explicit block split or micro-batch count written for another ``pp`` (then ``balanced``
+    and the gradient-accumulation micro-batches)."""
+    p = cfg.pipeline
+    same = int(cfg.strategy.get("pp", 1)) == pp
+    split = p.split if same or not isinstance(p.split, (list, ListConfig)) else "balanced"
+    return {"schedule": p.schedule, "stages_per_rank": p.stages_per_rank, "split": split,
+            "microbatches": p.microbatches if same else None}
 
 
 def layout_config(cfg: Any, layout: Layout, n_layers: Optional[int] = None) -> Any:
@@ -175,6 +176,8 @@ def layout_config(cfg: Any, layout: Layout, n_layers: Optional[int] = None) -> A
     refuse_ep(layout)
     out = copy.deepcopy(cfg)
     OmegaConf.set_readonly(out, False)
+    for key, value in pipeline_settings(cfg, layout.pp).items():
+        out.pipeline[key] = value
     s = out.strategy
     s.name = "fsdp2" if layout.world_size > 1 else s.name
     s.dp_replicate, s.dp_shard, s.tp = layout.dp_replicate, layout.dp_shard, layout.tp

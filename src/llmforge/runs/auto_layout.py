@@ -74,7 +74,8 @@ def auto_overrides(cfg: Any, cluster: Cluster, world: int) -> Optional[tuple[lis
     algorithms = OmegaConf.to_container(cfg.algorithms, resolve=False)
     lo = c.layout
     line = (f"strategy auto: planned dp_replicate {lo.dp_replicate} x dp_shard {lo.dp_shard} x tp "
-            f"{lo.tp}{f' (ep {lo.ep})' if lo.ep > 1 else ''}, activation_checkpointing "
+            f"{lo.tp}{f' x pp {lo.pp}' if lo.pp > 1 else ''}{f' (ep {lo.ep})' if lo.ep > 1 else ''}, "
+            f"activation_checkpointing "
             f"{lo.activation_checkpointing}, micro_batch_size "
             f"{lo.micro_batch_size} on {world} x {gpu.name} (peak {c.peak_bytes / 2**30:.1f} GiB per "
             f"GPU, {c.tokens_per_second_per_gpu:.0f} tokens/s per GPU by the step model)")

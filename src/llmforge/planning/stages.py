@@ -1,0 +1,109 @@
+"""Pipeline stages in ``llmforge plan``: which ``pp`` degrees a layout may take, how many
+micro-batches the first stage holds at once, the point-to-point traffic between stages, and a
+pipeline layout's simulation (both pipeline ranks, plus the micro-batches in flight).
+
+The simulation of a ``pp`` layout (:func:`llmforge.planning.simulate.simulate`) runs a rank's
+blocks micro-batch after micro-batch, one in flight at a time; a schedule keeps more: with
+1F1B the first stage has started the forwards of up to ``pp`` micro-batches before their
+backwards come back (Narayanan et al. 2021, §2.2.1), GPipe all ``m`` of them, the zero-bubble
+V schedules up to ``2 pp`` on rank 0 (it holds the first and the last stage). Interleaved 1F1B
+keeps ``pp`` micro-batches in flight on each of its ``v`` virtual stages, each ``1 / v`` of
+the rank's blocks, so the same activations as 1F1B plus a warm-up of ``(pp - 1) / (pp v)``
+more (ibid. §2.2.2): counted as ``pp (1 + (pp - 1) / (pp v))``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
+
+from llmforge.errors import ConfigError
+from llmforge.parallel.pipeline import bubble_fraction, rank_stages, resolve_layout
+from llmforge.planning.simulate import Layout, StepMeasurement, last_stage_rank, pipeline_settings
+
+__all__ = ["StageShape", "forward_activations", "in_flight", "pp_allowed", "simulate_layout"]
+
+
+def pp_allowed(cfg: Any, pp: int, n_blocks: int, local_batch: int, mbs: int, world: int) -> Optional[str]:
+    """``None`` when ``pp`` stages can run ``local_batch`` sequences per data-parallel rank in
+    micro-batches of ``mbs`` (the config's schedule and split,
+    :func:`~llmforge.planning.simulate.pipeline_settings`),
+    else why not (the pipeline checks' message)."""
+    s = pipeline_settings(cfg, pp)
+    try:
+        resolve_layout(s["schedule"], pp, n_blocks, local_batch, s["microbatches"], s["stages_per_rank"],
+                       s["split"], local_batch // mbs, world)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def in_flight(schedule: str, pp: int, microbatches: int, stages_per_rank: int) -> float:
+    """Micro-batches whose activations the first stage's rank holds at once (module docstring);
+    1 without stages."""
+    if pp <= 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(microbatches)
+    if schedule in ("zbv", "dualpipev"):
+        return float(min(2 * pp, microbatches))
+    held = float(min(pp, microbatches))
+    if schedule == "interleaved_1f1b":
+        held *= 1 + (pp - 1) / (pp * stages_per_rank)
+    return held
+
+
+def forward_activations(m: StepMeasurement) -> float:
+    """One micro-batch's activations at the end of its forward (bytes; 0 if not measured)."""
+    phase = m.phases.get("forward")
+    return float(phase[1].get("activations", 0.0)) if phase else 0.0
+
+
+def simulate_layout(simulate_fn: Callable[..., StepMeasurement], cfg: Any, layout: Layout,
+                    gbs: int) -> StepMeasurement:
+    """``simulate_fn(cfg, layout)``; with ``pp > 1`` also the last stage's rank
+    (``last_stage=True``), and the first stage's rank's peak raised by the activations of the
+    micro-batches in flight beyond the simulated one (:func:`in_flight`). Returns the rank with
+    the larger peak."""
+    first = simulate_fn(cfg, layout)
+    if layout.pp <= 1:
+        return first
+    s = pipeline_settings(cfg, layout.pp)
+    m = s["microbatches"] or gbs // (layout.dp_replicate * layout.dp_shard) // layout.micro_batch_size
+    v = rank_stages(s["schedule"], s["stages_per_rank"])
+    extra = (in_flight(s["schedule"], layout.pp, m, v) - 1) * forward_activations(first)
+    breakdown = dict(first.breakdown)
+    breakdown["activations"] = breakdown.get("activations", 0.0) + extra
+    first = replace(first, peak_bytes=first.peak_bytes + extra, breakdown=breakdown)
+    if last_stage_rank(layout, s["schedule"]) == 0:
+        return first
+    last = simulate_fn(cfg, layout, last_stage=True)
+    return first if first.peak_bytes >= last.peak_bytes else last
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """What the step-time model needs of a ``pp`` layout: the config's schedule, its virtual
+    stages per rank and the width of the hidden states the stages send (``dim``)."""
+
+    schedule: str
+    stages_per_rank: int
+    dim: int
+
+    @staticmethod
+    def of(cfg: Any, model: Any) -> "StageShape":
+        s = cfg.pipeline
+        return StageShape(s.schedule, rank_stages(s.schedule, s.stages_per_rank),
+                          int(getattr(getattr(model, "args", None), "dim", 0)))
+
+    def bubble(self, pp: int, microbatches: int) -> float:
+        """The schedule's idle share of a step (:func:`~llmforge.parallel.pipeline.bubble_fraction`)."""
+        return bubble_fraction(self.schedule, pp, microbatches, self.stages_per_rank) if pp > 1 else 0.0
+
+    def in_flight(self, pp: int, microbatches: int) -> float:
+        return in_flight(self.schedule, pp, microbatches, self.stages_per_rank)
+
+    def p2p_bytes(self, micro_batch_size: int, seq_len: int, width: int) -> float:
+        """Bytes of one send between stages: a micro-batch's hidden states ``[mbs, seq_len,
+        dim]`` (forward) or their gradient (backward)."""
+        return float(micro_batch_size * seq_len * self.dim * width)

@@ -1,6 +1,7 @@
-"""`llmforge plan` of a shipped GPU yaml at its real world size: the seeds' 405B LoRA setup
-(about 22 s of CPU per plan). The 405B (without pp), 8B, 70B and Qwen3-MoE plans (25-90 s of CPU
-each) are measured by ``benchmarks/plan_time.py`` (docs/scale.md)."""
+"""`llmforge plan` of every shipped GPU yaml at its real world size: the 8B on 8 and 64 H100,
+the 70B on 256, the 405B on 512, the Qwen3-0.6B SFT yaml on its one GPU (6-35 s of CPU each)
+and the seeds' 405B LoRA setup (about 22 s per plan). The simulation completes and the winner
+fits; the answers and times are in docs/scale.md (``benchmarks/plan_time.py``)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,16 @@ def test_405b_lora_fits_8_mi300x_and_not_8_h100(capsys):
     err = capsys.readouterr().err
     assert "no layout fits in H100-SXM-80GB memory on 8 GPUs" in err
     assert "the smallest GPU count that would fit is 32" in err
+
+
+@pytest.mark.parametrize("yaml, gpus", [("llama3_8b.yaml", 8), ("llama3_8b.yaml", 64),
+                                        ("llama3_70b.yaml", 256), ("llama3_405b.yaml", 512),
+                                        ("qwen3_0_6b_sft.yaml", 1)])
+def test_shipped_yaml_plans_and_fits(capsys, yaml, gpus):
+    """The winner was simulated with its own degrees and fits in 90 % of an H100's 80 GB; its
+    degrees make up the GPU count."""
+    chosen = _plan(capsys, str(YAMLS / yaml), "--gpus", str(gpus))["chosen"]
+    assert chosen["fits"] and chosen["simulated"], chosen
+    assert 0 < chosen["peak_bytes_per_rank"] <= 0.9 * 80e9
+    assert chosen["dp_replicate"] * chosen["dp_shard"] * chosen["tp"] * chosen["pp"] == gpus
+

@@ -68,7 +68,9 @@ class PipelineSteps:
         half updated (``loss_spike_guard`` decides on values that are already the same on all
         stages; a plugin watching the loss events sees them on the last stage only). One small
         object gathered over the ``pp`` group per step (the key sets may differ between
-        stages, so no tensor collective)."""
+        stages, so no tensor collective). ``merged`` (the model's auxiliary records): every
+        stage's, a key several stages give (e.g. ``moe/dropped_fraction``) their mean; each
+        stage's expert load keys are its own layers'."""
         st = self.state
 
         def floats(names: set[str]) -> dict[str, Any]:
@@ -87,9 +89,11 @@ class PipelineSteps:
                 values.setdefault(k, []).append(v)
         st.metrics.update({k: sum(v) / len(v) for k, v in values.items()})
 
-    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def pipeline_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss function (last stage, one call per micro-batch): the loss events
-        on ``output`` (logits ``[b, T, V]``) and ``target`` (``LongTensor[b, T]``); returns the
+        on ``output`` (logits ``[b, T, V]``, or ``(logits, carry)`` for a model with
+        ``aux_carry()``: its auxiliary losses from the whole model's ``carry``) and ``target``
+        (``LongTensor[b, T]``); returns the
         micro-batch's summed loss scaled for the backward (``dp_size / total targets``)."""
         st = self.state
         st.micro_batch, self._pp_micro = self._pp_micro, self._pp_micro + 1

@@ -33,7 +33,7 @@ def test_ep_trains_like_one_process(reports, config):
     for report in reports:
         r = report[config]
         assert r["dims"] == CONFIGS[config]
-        assert len(r["losses"]) == 6 and len(set(r["losses"])) > 1  # it trained
+        assert len(r["losses"]) == 10 and len(set(r["losses"])) > 1  # it trained
         for loss, ref in zip(r["losses"], r["ref_losses"]):
             assert loss == pytest.approx(ref, abs=1e-5)
         for aux, ref in zip(r["aux"], r["ref_aux"]):
@@ -42,8 +42,10 @@ def test_ep_trains_like_one_process(reports, config):
             assert ref["train/aux/load_balancing"] > 0.05  # coef 0.05 x about 2 (top-2)
             for k in ref:
                 assert aux[k] == pytest.approx(ref[k], abs=1e-6), k
-        for norm, ref in zip(r["norms"], r["ref_norms"]):  # clipped at 0.5 from 2-5: every step
-            assert norm == pytest.approx(ref, rel=1e-5)
+        # clipped at 0.5 from 2-5: every step; reduction orders differ (TP, ep all-to-alls), so
+        # the norms drift apart by up to 1.1e-4 (relative) over the 10 steps
+        for norm, ref in zip(r["norms"], r["ref_norms"]):
+            assert norm == pytest.approx(ref, rel=5e-4)
         assert r["param_max_diff"] <= 1e-4
         # loss-free balancing: the bias moved by the load of all data-parallel ranks, as in one
         # process (multiples of the rate 0.01: exactly equal)

@@ -28,7 +28,7 @@ from llmforge.parallel.transforms import check_strategy, strategy_transforms
 from llmforge.training.module import LLMModule
 from llmforge.training.optim import build_optimizer
 
-STEPS = 6
+STEPS = 10  # the issue: ep layouts equal one process over 10 steps
 VOCAB, SEQ = 64, 8
 
 

@@ -52,7 +52,8 @@ def time_plan(config: str, gpus: int, gpu: str, overrides: list[str]) -> None:
     wall, cpu = time.perf_counter() - w0, cpu_seconds() - c0
     c = p.chosen
     win = ("nothing fits" if c is None else
-           f"dp_replicate {c.layout.dp_replicate} x dp_shard {c.layout.dp_shard} x tp {c.layout.tp} x pp {c.layout.pp}, "
+           f"dp_replicate {c.layout.dp_replicate} x dp_shard {c.layout.dp_shard} x tp {c.layout.tp} "
+           f"x pp {c.layout.pp}, "
            f"AC {c.layout.activation_checkpointing}, mbs {c.layout.micro_batch_size}, "
            f"{c.peak_bytes / GIB:.1f} GiB, {c.tokens_per_second_per_gpu:.0f} tok/s/GPU, MFU {c.mfu:.1%}")
     print(f"plan {config} --gpus {gpus} --gpu {gpu}: {wall:.1f} s wall, {cpu:.1f} s CPU "

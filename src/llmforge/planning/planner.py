@@ -15,10 +15,10 @@ micro-batch size for a GPU count and a GPU kind.
    ``(tp, activation checkpointing)`` at the reference layout ``dp_replicate=1``,
    ``dp_shard = world / tp``, ``micro_batch_size=1`` (``pp=1``; where ``world / tp`` does
    not divide the global batch, the fewest stages that make it divide, both pipeline ranks).
-   Every other layout of that group is derived from it: the sharded model state at the peak scales with ``1 / dp_shard``, the
-   activations and temporaries with the micro-batch size (an over-estimate: the all-gather
-   buffers in the temporaries do not grow), the FSDP all-gathers and reduce-scatters with the
-   number of micro-batches, HSDP's all-reduce over ``dp_replicate`` is the sharded gradient
+   Every other layout of that group is derived from it: the sharded model state at the peak
+   scales with ``1 / dp_shard``, the activations and temporaries with the micro-batch size (an
+   over-estimate: the all-gather buffers in the temporaries do not grow), the FSDP all-gathers
+   and reduce-scatters with the number of micro-batches, HSDP's all-reduce over ``dp_replicate`` is the sharded gradient
    (every micro-batch; once per step for replicated weights, ``dp_shard=1``); FLOPs and
    tensor-parallel bytes per rank are the same for the whole group. The winner (and, when it
    does not fit after all, the next ones) is then simulated with its own layout.

@@ -232,9 +232,12 @@ def resolve_layout(schedule: str, pp: int, n_blocks: int, local_batch_size: int,
         ok = [d for d in _divisors(local_batch_size) if d >= need]
         hint = (f"use pipeline.microbatches in {ok}" if ok else
                 f"raise trainer.global_batch_size so each rank has {need} or more sequences")
-        raise ConfigError(f"pipeline.microbatches={m}: pipeline.schedule={schedule} on strategy.pp={pp} "
-                          f"needs {need} or more micro-batches per step (else stages idle or the "
-                          f"schedule cannot fill); {hint}")
+        unset = "" if microbatches is not None else (
+            f" (unset: the {m} gradient-accumulation micro-batch(es) of {local_batch_size} sequences "
+            f"per rank; a smaller trainer.micro_batch_size gives more)")
+        raise ConfigError(f"pipeline.microbatches={m}{unset}: pipeline.schedule={schedule} on "
+                          f"strategy.pp={pp} needs {need} or more micro-batches per step (else stages "
+                          f"idle or the schedule cannot fill); {hint}")
     if schedule == "interleaved_1f1b":
         rounds = max(1, m // pp)
         if m % rounds:

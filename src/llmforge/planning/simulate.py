@@ -336,9 +336,11 @@ def _simulate(cfg: Any, layout: Layout, n_layers: Optional[int], fake: bool,
             module.model = model.to_empty(device=device)
         if rank != 0:  # the stage's input: the hidden states the stage before sends
             # the activations' dtype between stages: the forward's weights' (autocast keeps
-            # the residual stream in fp32 over fp32 weights)
+            # the residual stream in fp32 over fp32 weights; a LoRA base in bf16 makes it bf16)
+            norm = getattr(module.model, "norm", None)
+            weights = norm.weight.dtype if isinstance(norm, torch.nn.Module) else torch.float32
             module.split_batch = _stage_inputs(module.model, torch.bfloat16
-                                               if bf16_param_dtype(run_cfg) else torch.float32)
+                                               if bf16_param_dtype(run_cfg) else weights)
         optimizer = module.configure_optimizers()["optimizer"]
         rows = plan.micro_batch_size * plan.gradient_accumulation_steps
         batch = torch.randint(0, int(module.model.vocab_size), (rows, plan.seq_len + 1))

@@ -193,7 +193,8 @@ def test_every_schedule_and_layout_equals_one_process(tmp_path, nproc, layouts):
     ``train/z_loss`` on every rank (the last stage's), the same skipped steps as one process on
     every stage, each stage's EMA equal to one process's for its own weights. ``resume_*``
     (4 ranks): the FSDP2 x PP (2 x 2) checkpoint of step 3 resumed at pp=4, with FSDP2 over 4
-    ranks and in one process continues with steps 4-5 of one process."""
+    ranks and in one process continues with steps 4-5 of one process. On 2 ranks each layout's
+    forward-only evaluation after training equals one process's loss within 1e-5."""
     proc = torchrun(worker("pipeline_worker.py"), str(tmp_path), nproc=nproc, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(nproc)]
@@ -224,6 +225,9 @@ def test_every_schedule_and_layout_equals_one_process(tmp_path, nproc, layouts):
     if nproc == 4:
         return
     r0, r1 = reports
+    # evaluation after training: every schedule's forward-only pass (the V schedules' too)
+    for name in layouts:
+        assert abs(r0[name + "_eval"] - r0["ref_eval_" + r0[name + "_ref"]]) < 1e-5, name
     # the stages hold disjoint parts of the model under its own parameter names
     k0, k1 = r0["1f1b_keys"], r1["1f1b_keys"]
     assert "tok_embeddings.weight" in k0 and "output.weight" in k1

@@ -48,7 +48,8 @@ REFERENCES = {"plain": [], "algos": ALGOS,
 MOE = {"name": "qwen3_moe", "dim": 32, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "hidden_dim": 64,
        "vocab_size": 64, "max_seq_len": 16, "num_experts": 8, "num_experts_per_tok": 2,
        "moe_intermediate_size": 16, "router_aux_loss_coef": 0.05, "router_z_loss_coef": 0.001,
-       "mlp_only_layers": [1], "router_bias_update_rate": 0.01, "tie_embeddings": False}
+       "mlp_only_layers": [1], "router_bias_update_rate": 0.01, "tie_embeddings": False,
+       "capacity_factor": 1.0}  # drops some assignments: stages of 1 and 2 sparse layers pool them
 LAYOUTS = {
     2: {"1f1b": {"strategy.pp": 2},
         "gpipe": {"strategy.pp": 2, "pipeline.schedule": "gpipe"},
@@ -159,6 +160,20 @@ def ema_of(algos):
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in ema.shadow.items()}
 
 
+def eval_loss(mod, batch):
+    """Mean loss per target of ``batch`` (windows) after training: one process's forward, or
+    the schedule's forward-only ``eval`` (every stage; the V schedules' forwards alone)."""
+    x, y = batch[:, :-1], batch[:, 1:]
+    mod.state.training = False  # no auxiliary losses: the pure cross-entropy, as in evaluation
+    with torch.no_grad():
+        if mod.pp_schedule is None:  # in micro-batches, as the schedule splits it (float8 scales
+            mb = mod.plan.micro_batch_size  # per tensor: the rows taken together matter)
+            sums = [mod.compute_loss(mod(x[i:i + mb]), y[i:i + mb]) for i in range(0, len(x), mb)]
+            return (sum(s[0] for s in sums) / sum(s[1] for s in sums)).item()
+        mod._run_schedule(x, y, train=False)
+        return (mod.pp_all_reduce(mod._pp_loss) / mod.pp_all_reduce(mod._pp_targets.float())).item()
+
+
 def packed_rows(batches):
     """Each window as a packed SFT row: 2-4 documents (``doc_ids``), no target on each
     document's first token (where a real packed row's prompt would be)."""
@@ -189,6 +204,7 @@ def main(out):
     for ref, (algorithms, n) in sorted(refs.items()):
         mod, algos, cfg = build({"algorithms": algorithms}, n, 1, ref.startswith("moe"))
         report["ref_" + ref] = train(mod, cfg, packed if ref == "packed" else batches, 0, 1)
+        report["ref_eval_" + ref] = eval_loss(mod, batches[0])
         ref_ema[ref] = ema_of(algos)
     ckpt = f"{out}/ckpt"
     for name, spec in LAYOUTS[world].items():
@@ -209,6 +225,8 @@ def main(out):
         report[name] = train(mod, cfg, data[first - 1:], dp_rank, dp_size, opt, first,
                              ckpt if save else None)
         report[name + "_ref"] = ref
+        if world == 2:  # one data-parallel rank: the schedule's micro-batches take the whole batch
+            report[name + "_eval"] = eval_loss(mod, batches[0])
         report[name + "_keys"] = sorted(mod.model.state_dict())
         ema = ema_of(algos)
         if ema:  # this rank's stage's average against the one-process run's

@@ -38,8 +38,9 @@ section and returns an ``nn.Module`` with:
   under ``pp > 1``;
 * optionally ``aux_metrics() -> dict[str, Tensor | float]``: monitoring values of the last
   forward (e.g. ``moe/load_max_mean/layer_0``), logged as means over the step's forwards
-  and data-parallel ranks (under ``pp > 1`` each stage's for its own layers; a key several
-  stages give is their mean).
+  and data-parallel ranks (under ``pp > 1`` each stage's for its own layers, and with
+  ``aux_carry`` the last stage's ``aux_metrics(carry)`` for what needs all the layers; a key
+  several stages give is their mean).
 * optionally ``after_optimizer_step(all_reduce)``: called on every rank after each optimizer
   step that was taken, with a function summing a tensor over the data-parallel ranks (e.g. a
   router's loss-free balancing bias, moved by the step's expert load).

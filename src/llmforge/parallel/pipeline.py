@@ -12,7 +12,8 @@ A rank holds ``stages_per_rank`` stages (virtual stages, for the interleaved and
 its model is the union of their blocks (what the other parallel transforms, the optimizer and the
 checkpoint see), and each stage is a *view* of it (:func:`stage_view`: a shallow copy that shares
 the modules, so gradients land in the model's parameters) run by
-:class:`torch.distributed.pipelining.PipelineStage` under one of the library's schedules.
+:class:`torch.distributed.pipelining.PipelineStage` under one of the library's schedules
+(:mod:`llmforge.parallel.schedule`).
 
 This module knows nothing of YAML: callers pass the ``pipeline:`` section's values.
 """
@@ -21,24 +22,24 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed.pipelining as pipelining
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 
 from llmforge.errors import ConfigError
 
 __all__ = ["SCHEDULE_CLASSES", "PipelineLayout", "bubble_fraction", "last_stage_pp_rank", "rank_stages",
            "split_blocks", "resolve_layout",
-           "prune_model", "stage_view", "stage_params", "apply_pipeline_split", "build_schedule"]
+           "prune_model", "stage_view", "stage_params", "apply_pipeline_split", "MULTI_STAGE"]
 
 SCHEDULE_CLASSES = {"1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
                     "gpipe": "ScheduleGPipe", "zbv": "ScheduleZBVZeroBubble",
                     "dualpipev": "ScheduleDualPipeV"}
 """``pipeline.schedule`` -> the class name in ``torch.distributed.pipelining``."""
-_MULTI = ("interleaved_1f1b", "zbv", "dualpipev")  # take a list of stages per rank
+MULTI_STAGE = ("interleaved_1f1b", "zbv", "dualpipev")
+"""Schedules that take a list of stages per rank."""
 _V_SHAPED = ("zbv", "dualpipev")  # exactly 2 stages per rank, rank r holds r and 2p - 1 - r
 
 
@@ -55,7 +56,7 @@ def last_stage_pp_rank(schedule: str, pp: int) -> int:
 def rank_stages(schedule: str, stages_per_rank: Optional[int]) -> int:
     """Stages one rank holds: ``pipeline.stages_per_rank``, or when ``None`` the schedule's
     default (2 for ``interleaved_1f1b``, ``zbv`` and ``dualpipev``, else 1)."""
-    return (2 if schedule in _MULTI else 1) if stages_per_rank is None else int(stages_per_rank)
+    return (2 if schedule in MULTI_STAGE else 1) if stages_per_rank is None else int(stages_per_rank)
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
@@ -314,113 +315,3 @@ def apply_pipeline_split(model: nn.Module, ctx: Any, layout: PipelineLayout,
     stages = layout.stages_of_rank(rank)
     keep = sorted(i for s in stages for i in layout.split[s])
     return prune_model(model, keep, 0 in stages, layout.num_stages - 1 in stages, ends, blocks)
-
-
-class _StageModule(nn.Module):
-    """What ``PipelineStage`` runs for one stage's module ``stage``.
-
-    * An ``FSDPModule`` stage behind a plain module: ``PipelineStage`` treats an FSDP module
-      its own way (every micro-batch's gradients kept unsharded, one reduce-scatter after the
-      last), which costs the whole stage's unsharded gradients; llmforge reduce-scatters every
-      micro-batch, as in gradient accumulation without stages (``LLMModule.no_sync``).
-    * ``carry`` (a model with ``aux_carry()``, the auxiliary-loss channel of
-      :mod:`llmforge.models`): the stage returns ``(output, carry)``, its own ``aux_carry()``
-      plus the one the stage before sent (none on the first stage), so the last stage's loss
-      sees the whole model's router statistics and their gradients flow back through the
-      schedule's sends like the hidden states' (DeepSeek's and Megatron's auxiliary-loss
-      pattern, here with the statistics instead of the loss).
-    * ``on_forward(stage)``: called after each forward (e.g. to record the stage's metrics).
-    """
-
-    def __init__(self, stage: nn.Module, carry: bool = False, first: bool = True,
-                 on_forward: Optional[Callable[[nn.Module], None]] = None) -> None:
-        super().__init__()
-        self.stage = stage
-        self.carry, self.first, self.on_forward = carry, first, on_forward
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        carry_in = None
-        if self.carry and not self.first:
-            *args, carry_in = args
-        out = self.stage(*args, **kwargs)
-        if self.on_forward is not None:
-            self.on_forward(self.stage)
-        if not self.carry:
-            return out
-        carry = self.stage.aux_carry()
-        return out, (carry if carry_in is None else carry_in + carry)
-
-
-def _unless(flag: list, fn: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
-    return lambda stage: None if flag[0] else fn(stage)
-
-
-def build_schedule(model: nn.Module, layout: PipelineLayout, pp_mesh: Any, device: Any,
-                   loss_fn: Callable[..., Any], ends: tuple[Sequence[str], Sequence[str]],
-                   stage_root: Optional[Callable[[nn.Module], Any]] = None, carry: bool = False,
-                   on_forward: Optional[Callable[[nn.Module], None]] = None) -> Any:
-    """The ``torch.distributed.pipelining`` schedule of this rank's stages of the pruned ``model``.
-
-    ``loss_fn(output, target) -> scalar`` runs on the last stage once per micro-batch, in
-    micro-batch order; its value is what the backward starts from (``scale_grads=False``: the
-    caller scales it). Micro-batches split dim 0 of the inputs and targets passed to ``step``
-    (and of keyword tensors, which reach every stage's forward, e.g. ``doc_ids``).
-    ``stage_root(stage_module)``: applied to each stage's module (the FSDP2 root of the stage,
-    :func:`llmforge.parallel.transforms.fsdp_stage_root`). ``carry``: the model has
-    ``aux_carry()``; the last stage's ``output`` is then ``(logits, carry summed over all
-    stages)`` (:class:`_StageModule`). ``on_forward(stage_module)`` runs after each stage
-    forward.
-    """
-    rank, group = pp_mesh.get_local_rank(), pp_mesh.get_group()
-    inferring = [False]
-    stages = []
-    for s in layout.stages_of_rank(rank):
-        view = stage_view(model, layout.split[s], s == 0, s == layout.num_stages - 1, ends)
-        if stage_root is not None:
-            stage_root(view)
-        if stage_root is not None or carry or on_forward is not None:
-            view = _StageModule(view, carry, s == 0, on_forward and _unless(inferring, on_forward))
-        stage = PipelineStage(view, s, layout.num_stages, device, group=group)
-        _mark_inference(stage, inferring)
-        stages.append(stage)
-
-    def schedule_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
-        # the stage's shape inference calls the loss once on placeholder tensors (uninitialized
-        # values) before the first step: only its gradient's shape matters, so the caller's loss
-        # (and its events and sums) sees real micro-batches only
-        if inferring[0]:  # ones as the output's gradient: the sends' buffers follow its layout
-            outs = output if isinstance(output, tuple) else (output,)  # (an expanded one is not
-            return sum((o.float() * torch.ones_like(o, dtype=torch.float32)).sum() for o in outs)  # contiguous)
-        return loss_fn(output, target)
-
-    cls = getattr(pipelining, SCHEDULE_CLASSES[layout.schedule])
-    return cls(stages if layout.schedule in _MULTI else stages[0], n_microbatches=layout.microbatches,
-               loss_fn=schedule_loss, scale_grads=False)
-
-
-def _mark_inference(stage: Any, flag: list) -> None:
-    """Set ``flag[0]`` while ``stage`` infers its forward and backward metadata (torch 2.13's
-    private ``_prepare_forward_infra`` / ``_prepare_backward_infra``, which run the stage and
-    the loss on placeholders; nothing to do where a torch version lacks them), and put the
-    stage module's buffers back afterwards: an inference forward must leave no trace in the
-    model (e.g. a router's expert-load counter)."""
-    for name in ("_prepare_forward_infra", "_prepare_backward_infra"):
-        prepare = getattr(stage, name, None)
-        if prepare is not None:
-            setattr(stage, name, _marked(prepare, stage.submod, flag))
-
-
-def _marked(prepare: Callable[..., Any], module: nn.Module, flag: list) -> Callable[..., Any]:
-    def marked(*args: Any, **kwargs: Any) -> Any:
-        saved = [(b, b.detach().clone()) for b in module.buffers()]
-        flag[0] = True
-        try:
-            return prepare(*args, **kwargs)
-        finally:
-            flag[0] = False
-            with torch.no_grad():  # only what changed: the backward's inference needs the
-                for buf, value in saved:  # forward's saved buffers (e.g. RoPE) unmodified
-                    if not torch.equal(buf, value):
-                        buf.copy_(value)
-
-    return marked

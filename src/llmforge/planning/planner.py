@@ -170,7 +170,8 @@ def enumerate_layouts(cfg: Any, world: int, gpus_per_node: int,
             if gbs % dp:
                 if pp == 1:
                     dropped.append(Candidate(Layout(1, dp, tp, "none", 1), "does not divide",
-                                             f"trainer.global_batch_size={gbs} is not a multiple of dp={dp}"))
+                                             f"trainer.global_batch_size={gbs} is not a multiple of dp={dp}"
+                                             f"{' without pipeline stages' if n_blocks > 1 and not tied else ''}"))
                 continue
             mbs_ok = [mbs for mbs in _divisors(gbs // dp)
                       if pp == 1 or pp_allowed(cfg, pp, n_blocks, gbs // dp, mbs, world) is None]

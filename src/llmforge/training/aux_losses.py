@@ -43,14 +43,15 @@ class AuxLosses:
             self._aux_sums[name] = self._aux_sums.get(name, 0.0) + term.detach()
         return total
 
-    def record_aux_metrics(self, model: Any = None) -> None:
+    def record_aux_metrics(self, model: Any = None, carry: Any = None) -> None:
         """Accumulate the model's (or ``model``'s, e.g. one pipeline stage's) optional
-        ``aux_metrics()`` (monitoring values of its last forward, e.g. expert load) over the
-        step's micro-batches."""
+        ``aux_metrics()`` (monitoring values of its last forward, e.g. expert load), or
+        ``aux_metrics(carry)`` (what needs every pipeline stage's statistics), over the step's
+        micro-batches."""
         fn = getattr(self.model if model is None else model, "aux_metrics", None)
         if fn is None:
             return
-        for name, value in fn().items():
+        for name, value in (fn() if carry is None else fn(carry)).items():
             total, count = self._aux_metric_sums.get(name, (0.0, 0))
             self._aux_metric_sums[name] = (total + torch.as_tensor(value).float(), count + 1)
 

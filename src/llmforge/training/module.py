@@ -28,7 +28,7 @@ from llmforge.models.spec import get_spec
 from llmforge.parallel.init import init_parallel_model, seeded_init
 from llmforge.parallel.lightning_private import attached_trainer, count_optimizer_step, strategy_mesh
 from llmforge.parallel.mesh import ParallelDims, pp_size
-from llmforge.parallel.pipeline import build_schedule
+from llmforge.parallel.schedule import build_schedule
 from llmforge.parallel.transforms import fsdp_stage_root, pipeline_layout
 from llmforge.plugin import ModelContext, meta_model, run_pipeline
 from llmforge.training.aux_losses import AuxLosses

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from llmforge.events import IGNORE_INDEX, Event
+from llmforge.parallel.schedule import forward_only
 from llmforge.training.modes import eval_mode, restore_modes
 
 __all__ = ["PipelineSteps"]
@@ -101,6 +102,8 @@ class PipelineSteps:
         if isinstance(output, tuple):  # (logits, the model's aux_carry summed over all stages)
             output, carry = output
         aux = self.model.aux_losses(carry) if carry is not None and st.training else {}
+        if carry is not None and st.training:
+            self.record_aux_metrics(self.model, carry)  # e.g. the dropped fraction over all stages
         st.inputs, st.labels, st.doc_ids, st.outputs, st.aux_losses = None, target, None, output, aux
         self.event(Event.AFTER_FORWARD)
         loss = self.outputs_loss()
@@ -123,7 +126,8 @@ class PipelineSteps:
         if train:
             self.pp_schedule.step(*args, target=target, return_outputs=False, **kwargs)
         else:
-            self.pp_schedule.eval(*args, target=target, **kwargs)
+            with forward_only(self.pp_schedule):
+                self.pp_schedule.eval(*args, target=target, **kwargs)
 
     def pipeline_forward_backward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`LLMModule.forward_backward` through the pipeline schedule (same returns:
@@ -147,7 +151,8 @@ class PipelineSteps:
         """Mean loss per target token over ``trainer.eval_batches`` batches of ``loader``, through
         the schedule's forward-only ``eval``: the batches go through in groups of
         ``pipeline.microbatches``; a last, smaller group is filled up with rows without targets
-        (labels -100), which change neither the sum nor the count."""
+        (labels -100), which change neither the sum nor the count; so is the loader's last batch
+        when it has fewer rows than the first (one shape for every micro-batch)."""
         st = self.state
         m = self.pp_layout.microbatches
         loss_sum = torch.zeros((), device=self.device)
@@ -168,10 +173,22 @@ class PipelineSteps:
             group.clear()
 
         modes = eval_mode(self.model)
+        rows = 0
         for i, batch in enumerate(loader):
             if i >= self.cfg.trainer.eval_batches:
                 break
-            group.append((*self.split_batch(batch), self.doc_ids(batch)))
+            inputs, labels = self.split_batch(batch)
+            doc_ids = self.doc_ids(batch)
+            rows = rows or inputs.shape[0]
+            if inputs.shape[0] < rows:  # the loader's last, smaller batch: every micro-batch of a
+                # schedule has one shape, so it is filled up with rows without targets
+                def fill(t: torch.Tensor) -> torch.Tensor:
+                    return torch.cat([t, t[:1].expand(rows - t.shape[0], *t.shape[1:])])
+
+                inputs, doc_ids = fill(inputs), None if doc_ids is None else fill(doc_ids)
+                labels = torch.cat([labels, labels.new_full((rows - labels.shape[0], *labels.shape[1:]),
+                                                            IGNORE_INDEX)])
+            group.append((inputs, labels, doc_ids))
             if len(group) == m:
                 flush()
         if group:

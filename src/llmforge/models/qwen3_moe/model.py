@@ -65,20 +65,23 @@ class Qwen3Moe(Qwen3):
 
     def aux_carry(self) -> torch.Tensor:
         """The router statistics of the last forward that the losses need, summed over this
-        model's sparse layers, as one float32 tensor ``[2 E + 2]``: top-k assignments per expert
+        model's sparse layers, as one float32 tensor ``[2 E + 4]``: top-k assignments per expert
         (no gradient), routing probabilities summed over tokens per expert (differentiable),
-        the z-loss sum (differentiable; 0 when off) and the token rows. Summed over pipeline
+        the z-loss sum (differentiable; 0 when off), the token rows, and the dropped and all
+        token-expert assignments (for :meth:`aux_metrics`). Summed over pipeline
         stages it is the whole model's (the auxiliary-loss channel of
         :mod:`llmforge.parallel.pipeline`); :meth:`aux_losses` takes the sum."""
         a = self.args
         stats = [m.stats for _, m in self.moe_layers() if m.stats is not None]
         if not stats:
-            return torch.zeros(2 * a.num_experts + 2, device=self.rope_cache.device)
+            return torch.zeros(2 * a.num_experts + 4, device=self.rope_cache.device)
         zero = torch.zeros((), device=stats[0].counts.device)
+        dropped, total = self._dropped()
         return torch.cat([torch.stack([s.counts for s in stats]).sum(0),
                           torch.stack([s.prob_sum for s in stats]).sum(0),
                           torch.stack([s.z_sum if s.z_sum is not None else zero for s in stats]).sum()[None],
-                          torch.tensor([float(sum(s.tokens for s in stats))], device=zero.device)])
+                          torch.tensor([float(sum(s.tokens for s in stats)), float(dropped), float(total)],
+                                       device=zero.device)])
 
     def aux_losses(self, carry: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
         """The weighted router losses of the last forward (``carry``: of :meth:`aux_carry`'s sum
@@ -126,23 +129,34 @@ class Qwen3Moe(Qwen3):
             m.update_bias(load)
 
     @torch.no_grad()
-    def aux_metrics(self) -> dict[str, torch.Tensor]:
+    def aux_metrics(self, carry: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
         """Expert load of the last forward: ``moe/load_max_mean/layer_{i}`` (tokens of the
         busiest expert over the mean, 1.0 = balanced) per sparse layer, and
         ``moe/dropped_fraction`` (token-expert assignments over capacity, all layers; 0 when
-        dropless)."""
+        dropless). A pipeline stage (its ``layers`` keyed by index) gives its layers' loads only;
+        ``carry`` (:meth:`aux_carry` summed over the stages) gives the dropped fraction alone, over
+        all the stages' layers."""
+        if carry is not None:
+            e = self.args.num_experts
+            return {"moe/dropped_fraction": carry[2 * e + 2].detach() / carry[2 * e + 3].clamp(min=1)}
         out: dict[str, torch.Tensor] = {}
-        dropped, total = 0, 0
+        dropped, total = self._dropped()
         for i, m in self.moe_layers():
             s = m.stats
-            if s is None:
-                continue
-            out[f"moe/load_max_mean/layer_{i}"] = s.counts.max() / s.counts.mean().clamp(min=1e-9)
-            dropped = dropped + s.dropped
-            total += s.tokens * m.top_k
-        if total:
+            if s is not None:
+                out[f"moe/load_max_mean/layer_{i}"] = s.counts.max() / s.counts.mean().clamp(min=1e-9)
+        if total and not isinstance(self.layers, nn.ModuleDict):
             out["moe/dropped_fraction"] = torch.as_tensor(dropped, dtype=torch.float32) / total
         return out
+
+    def _dropped(self) -> tuple[Any, int]:
+        """Token-expert assignments over capacity and all assignments of the last forward,
+        summed over this model's sparse layers."""
+        dropped, total = 0, 0
+        for _, m in self.moe_layers():
+            if m.stats is not None:
+                dropped, total = dropped + m.stats.dropped, total + m.stats.tokens * m.top_k
+        return dropped, total
 
     def num_active_params(self) -> int:
         """Parameters one token's forward uses: all but the ``E - k`` experts it is not routed
@@ -159,8 +173,9 @@ class Qwen3Moe(Qwen3):
         parameters except the input embedding; a tied output projection counted). The
         router's ``2 D E`` per token is in ``N``; the dispatch (sort, gather, scatter) is not
         counted."""
-        n = self.num_active_params() - self.tok_embeddings.weight.numel()
-        if self.args.tie_embeddings:
+        # a pipeline stage may hold neither the embedding nor the output layer
+        n = self.num_active_params() - (self.tok_embeddings.weight.numel() if self.tok_embeddings is not None else 0)
+        if self.args.tie_embeddings and self.output is not None:
             n += self.output.weight.numel()
         a = self.args
         return float(6 * n + 12 * a.n_layers * a.n_heads * a.head_dim * int(seq_len))

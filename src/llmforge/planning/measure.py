@@ -75,7 +75,7 @@ class _NoHook:
 
 
 class FrozenSafeMemTracker(MemTracker):
-    """``MemTracker`` for models with frozen weights (LoRA): torch 2.13's tracker registers a
+    """``MemTracker`` for models with frozen weights (e.g. adapters on a frozen base): torch 2.13's tracker registers a
     gradient hook on every parameter of a module it enters, which raises on a parameter that
     does not require grad. Frozen parameters are counted as parameters and get no hook (they
     get no gradient either)."""

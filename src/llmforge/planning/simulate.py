@@ -336,7 +336,7 @@ def _simulate(cfg: Any, layout: Layout, n_layers: Optional[int], fake: bool,
             module.model = model.to_empty(device=device)
         if rank != 0:  # the stage's input: the hidden states the stage before sends
             # the activations' dtype between stages: the forward's weights' (autocast keeps
-            # the residual stream in fp32 over fp32 weights; a LoRA base in bf16 makes it bf16)
+            # the residual stream in fp32 over fp32 weights; a frozen base in bf16 makes it bf16)
             norm = getattr(module.model, "norm", None)
             weights = norm.weight.dtype if isinstance(norm, torch.nn.Module) else torch.float32
             module.split_batch = _stage_inputs(module.model, torch.bfloat16

@@ -77,8 +77,8 @@ class _NoHook:
 class FrozenSafeMemTracker(MemTracker):
     """``MemTracker`` for models with frozen weights (e.g. adapters on a frozen base): torch
     2.13's tracker registers a gradient hook on every parameter of a module it enters, which
-    raises on a parameter that does not require grad. Frozen parameters are counted as parameters and get no hook (they
-    get no gradient either)."""
+    raises on a parameter that does not require grad. Frozen parameters are counted as
+    parameters and get no hook (they get no gradient either)."""
 
     def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True
                                          ) -> tuple[int, int]:

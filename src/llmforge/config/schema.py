@@ -35,6 +35,8 @@ SCHEDULES = ("cosine", "linear", "wsd", "constant")
 """``scheduler.name`` values (formulas in llmforge.training.schedule)."""
 OPTIMIZERS = ("adamw", "muon")
 """``optimizer.name`` values (built in llmforge.training.optim)."""
+OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
+"""``optimizer.implementation`` values (llmforge.training.optim.kernel_flags)."""
 STRATEGIES = ("auto", "single", "ddp", "fsdp2")
 """``strategy.name`` values."""
 
@@ -141,6 +143,11 @@ class DataConfig:
     """``prepared`` from a URL: the node-local folder the shards are copied to, once per node
     (in ``<cache_dir>/<hash of URL and manifest>``); null = ``$LLMFORGE_CACHE/prepared``
     (``~/.cache/llmforge/prepared``). See docs/data.md."""
+    token_cache: bool = True
+    """``shakespeare`` and local ``files`` (not streaming): keep the tokenized splits under
+    ``$LLMFORGE_CACHE/tokens`` and memory-map them at later starts of the same documents and
+    tokenizer (no tokenizing, less host memory); false = tokenize at every start. See
+    docs/data.md."""
     mixture: List[Dict[str, Any]] = field(default_factory=list)
     """Weighted mixture of sources: ``[{path, weight, name, source}, ...]``; weights are finite
     numbers > 0, normalized to shares; an entry without ``source`` takes ``data.source``. A
@@ -243,6 +250,11 @@ class OptimizerConfig:
     """Adam epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay on matrices (not on norms, biases or 1-D parameters)."""
+    implementation: str = "auto"
+    """AdamW's kernels (torch.optim's ``fused`` / ``foreach`` flags): ``fused`` (one kernel per
+    parameter group and device), ``foreach``, ``for-loop``, or ``auto``: fused where torch has
+    the kernel for every parameter (CPU or CUDA, DTensors on one mesh), else torch's default.
+    The same update; see docs/optimizers.md."""
     muon_lr: Optional[float] = None
     """``muon``: peak learning rate of the Muon matrices; null = ``lr``."""
     muon_momentum: float = 0.95

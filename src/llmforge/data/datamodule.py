@@ -38,6 +38,7 @@ from llmforge.data.prepared import PreparedSplits, PreparedWindows
 from llmforge.data.file_identity import file_identities
 from llmforge.data.sources import DocumentSplits
 from llmforge.data.streaming import StreamingWindows
+from llmforge.data.token_cache import entry_name, read_entry, write_entry
 from llmforge.errors import DataError
 from llmforge.parallel.lightning_private import strategy_mesh
 from llmforge.parallel.mesh import dp_coordinates
@@ -96,6 +97,8 @@ class LLMDataModule(L.LightningDataModule):
         allow_source_changes: when a streaming source's files differ from those the position
             was saved with, restart that stream (``checkpoint.allow_config_changes``) instead
             of raising.
+        token_cache: the folder of the token cache of in-memory sources (``data.token_cache``;
+            :mod:`llmforge.data.token_cache`); ``None`` tokenizes at every start.
 
     Raises:
         DataError (at ``setup``): the training split holds fewer windows per rank than one
@@ -107,8 +110,9 @@ class LLMDataModule(L.LightningDataModule):
                  micro_batch_size: int, eval_batches: int, seed: int, num_workers: int = 1,
                  dp_rank: Optional[int] = None, dp_size: Optional[int] = None,
                  start_step: int = 0, resume_dir: Optional[str | Path] = None,
-                 allow_source_changes: bool = False) -> None:
+                 allow_source_changes: bool = False, token_cache: Optional[Path] = None) -> None:
         super().__init__()
+        self.token_cache = token_cache
         self.docs, self.tokenizer = docs, tokenizer
         self.seq_len, self.local_batch_size = seq_len, local_batch_size
         self.micro_batch_size, self.eval_batches = micro_batch_size, eval_batches
@@ -135,7 +139,9 @@ class LLMDataModule(L.LightningDataModule):
             return
         rank, world = self._coords()
         self.dp_rank, self.dp_size = rank, world
-        if isinstance(getattr(self.docs, "train", None), datasets.IterableDataset):
+        # documents with a token-cache key are read whole (and maybe not at all: cached)
+        if not getattr(self.docs, "key", "") and isinstance(getattr(self.docs, "train", None),
+                                                            datasets.IterableDataset):
             files = getattr(self.docs, "files", ())
             self.train_windows = StreamingWindows(self.docs.train, self.tokenizer, self.seq_len,
                                                   rank, world, self.seed, files=files)
@@ -144,6 +150,7 @@ class LLMDataModule(L.LightningDataModule):
                                                     rank, world, self.seed, shuffle=False,
                                                     repeat=False, files=files)
             return
+        val_tokens = None  # in-memory documents' validation ids
         if isinstance(self.docs, PreparedMixture):
             self.train_windows, n_tokens = mixture_windows(
                 self.docs, self.tokenizer, seq_len=self.seq_len, rank=rank, world=world,
@@ -154,7 +161,7 @@ class LLMDataModule(L.LightningDataModule):
             self.train_windows = PreparedWindows(self.docs, "train", self.seq_len)
             n_tokens = self.train_tokens = self.train_windows.tokens
         else:
-            tokens = tokenize_documents(self.docs.train, self.tokenizer)
+            tokens, val_tokens = self._in_memory_tokens()
             n_tokens = self.train_tokens = len(tokens)
             self.train_windows = PackedWindows(tokens, self.seq_len)
         # a stream has no length (each prepared entry was checked to hold a window)
@@ -180,8 +187,7 @@ class LLMDataModule(L.LightningDataModule):
                       f"data.path: the prepared corpus holds {len(val)} validation windows, fewer "
                       f"than one per rank ({world}), so the run does not evaluate; prepare it again "
                       "with a larger data.val_fraction", file=sys.stderr, flush=True)
-        elif self.docs.val is not None:
-            val_tokens = tokenize_documents(self.docs.val, self.tokenizer)
+        elif val_tokens is not None:
             self.val_windows = PackedWindows(val_tokens, self.seq_len)
             if len(self.val_windows) < world:
                 raise DataError(
@@ -189,6 +195,21 @@ class LLMDataModule(L.LightningDataModule):
                     f"window of {self.seq_len + 1} tokens per rank ({world} ranks); raise "
                     "data.val_fraction or set data.val_fraction=0 to skip validation"
                 )
+
+    def _in_memory_tokens(self) -> tuple[np.ndarray, Optional[np.ndarray]]:
+        """The packed ids of the train and validation documents (``None``: no validation
+        split), read from the token cache when it holds them, else tokenized (and stored)."""
+        key = getattr(self.docs, "key", "")
+        name = entry_name(key, self.tokenizer) if key and self.token_cache is not None else None
+        if name is not None:
+            hit = read_entry(self.token_cache, name, token_dtype(self.tokenizer.vocab_size))
+            if hit is not None:
+                return hit
+        train = tokenize_documents(self.docs.train, self.tokenizer)
+        val = None if self.docs.val is None else tokenize_documents(self.docs.val, self.tokenizer)
+        if name is not None:
+            write_entry(self.token_cache, name, train, val)
+        return train, val
 
     def train_dataloader(self) -> DataLoader:
         rank, world = self._coords()

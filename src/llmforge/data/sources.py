@@ -13,8 +13,7 @@ import glob
 import hashlib
 import json
 import os
-from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import datasets
 
@@ -48,15 +47,44 @@ def clean_text(text: Optional[str]) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
-@dataclass
 class DocumentSplits:
-    """Train and validation documents, with a fingerprint of where they came from."""
+    """Train and validation documents, with a fingerprint of where they came from.
 
-    train: AnyDataset
-    val: Optional[AnyDataset]
-    fingerprint: str
-    files: tuple[str, ...] = ()  # the local or remote files read (named by a read error)
-    storage_options: Optional[dict] = None  # fsspec options of remote files (file_identities)
+    Built with ``load`` (a callable returning ``(train, val)``), the splits are read at the
+    first access of :attr:`train` or :attr:`val`: a run whose token cache holds both splits
+    (:mod:`llmforge.data.token_cache`) never reads them. ``key`` names the documents for that
+    cache (``""``: not cacheable).
+    """
+
+    def __init__(self, train: Optional[AnyDataset] = None, val: Optional[AnyDataset] = None,
+                 fingerprint: str = "", files: tuple[str, ...] = (),
+                 storage_options: Optional[dict] = None, *,
+                 load: Optional[Callable[[], tuple[AnyDataset, Optional[AnyDataset]]]] = None,
+                 key: str = "") -> None:
+        self._splits = None if load is not None else (train, val)
+        self._load = load
+        self.fingerprint, self.key = fingerprint, key
+        self.files = files  # the local or remote files read (named by a read error)
+        self.storage_options = storage_options  # fsspec options of remote files (file_identities)
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the splits have been read."""
+        return self._splits is not None
+
+    def _read(self) -> tuple[AnyDataset, Optional[AnyDataset]]:
+        if self._splits is None:
+            assert self._load is not None
+            self._splits = self._load()
+        return self._splits
+
+    @property
+    def train(self) -> AnyDataset:
+        return self._read()[0]
+
+    @property
+    def val(self) -> Optional[AnyDataset]:
+        return self._read()[1]
 
 
 def _resolve_files(cfg: Any) -> list[str]:
@@ -225,7 +253,7 @@ def _normalize(ds: AnyDataset, text_field: str, max_documents: Optional[int]) ->
                   desc=None)
 
 
-def load_documents(cfg: Any, seed: int, by_line: bool = False) -> DocumentSplits:
+def load_documents(cfg: Any, seed: int, by_line: bool = False, lazy: bool = False) -> DocumentSplits:
     """Load ``data:`` as train and validation documents.
 
     Args:
@@ -235,6 +263,8 @@ def load_documents(cfg: Any, seed: int, by_line: bool = False) -> DocumentSplits
             by :func:`_jsonl_rows` instead of ``datasets``' json builder (the same rows; a long
             line costs ~2x its size while parsed, then 1x, instead of ~4x). ``data prepare`` only: a training stream's
             saved positions are those of the json builder.
+        lazy: read the splits at their first use (:class:`DocumentSplits`); the errors of
+            reading them are then raised there.
 
     Raises:
         DataError: no file matches, the format is unknown, the text column is missing, or the
@@ -284,15 +314,27 @@ def load_documents(cfg: Any, seed: int, by_line: bool = False) -> DocumentSplits
         except UnicodeDecodeError as exc:  # json: arrow keeps the bytes, Python's str() fails
             raise not_utf8(data_files, exc) from exc
 
-    train = documents(cfg.split)
-    val: Optional[AnyDataset] = None
-    if cfg.val_split:
-        val = documents(cfg.val_split)
-    elif cfg.val_fraction > 0:
-        train, val = _hold_out(train, cfg.val_fraction, seed)
-    return DocumentSplits(train=train, val=val, fingerprint=hash_str(f"{fingerprint}-{cfg.split}"),
+    def splits() -> tuple[AnyDataset, Optional[AnyDataset]]:
+        train = documents(cfg.split)
+        if cfg.val_split:
+            return train, documents(cfg.val_split)
+        if cfg.val_fraction > 0:
+            return _hold_out(train, cfg.val_fraction, seed)
+        return train, None
+
+    # the token cache's name of these documents: local files whose sizes and times identify
+    # them, read whole (a stream, a URL or a hub dataset can change under the same name)
+    local = source != "hub" and not cfg.streaming and all(os.path.isfile(f) for f in data_files)
+    key = hash_str(json.dumps([[(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in data_files],
+                               cfg.split, cfg.val_split, cfg.val_fraction, seed, cfg.max_documents,
+                               builder, text_field, datasets.__version__], default=str)) if local else ""
+    docs = DocumentSplits(fingerprint=hash_str(f"{fingerprint}-{cfg.split}"),
                           files=tuple(data_files or ()),
-                          storage_options=plain_options(cfg.storage_options) or None)
+                          storage_options=plain_options(cfg.storage_options) or None,
+                          load=splits, key=key)
+    if not lazy:
+        docs.train  # read now, so a bad source fails here
+    return docs
 
 
 def _hold_out(ds: AnyDataset, fraction: float, seed: int) -> tuple[AnyDataset, AnyDataset]:

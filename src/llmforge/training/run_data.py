@@ -13,9 +13,11 @@ from llmforge.data.datamodule import LLMDataModule
 from llmforge.data.mixture import PreparedMixture
 from llmforge.data.mixture_sources import check_one_tokenizer, open_mixture
 from llmforge.data.prepared import check_tokenizer, open_prepared, PreparedSplits
+from llmforge.data.packing import token_dtype
 from llmforge.data.sft import load_conversations, SFTDataModule
 from llmforge.data.shakespeare import cache_root
 from llmforge.data.sources import DocumentSplits, iter_texts, load_documents, plain_options, tokenizer_cache_key
+from llmforge.data.token_cache import entry_name, read_entry
 from llmforge.data.tokenizers import build_tokenizer, check_vocab, load_saved, Tokenizer
 from llmforge.errors import ConfigError
 from llmforge.plugin import meta_model
@@ -59,7 +61,21 @@ class DataBuilders:
                                   "`llmforge data prepare`")
             return open_prepared(self.cfg.data.path, cache_dir=self.cfg.data.cache_dir,
                                  storage_options=plain_options(self.cfg.data.storage_options))
-        return load_documents(self.cfg.data, self.cfg.run.seed)
+        return load_documents(self.cfg.data, self.cfg.run.seed, lazy=True)
+
+    def token_cache(self) -> Any:
+        """The folder of the token cache (``data.token_cache``), or ``None``."""
+        return cache_root() / "tokens" if self.cfg.data.token_cache else None
+
+    def read_uncached_documents(self, docs: Any, tokenizer: Tokenizer) -> None:
+        """Read lazily loaded documents now unless the token cache holds their ids, so that a
+        source that cannot be read fails before the run directory is touched."""
+        if not isinstance(docs, DocumentSplits) or docs.loaded:
+            return
+        cache = self.token_cache()
+        if not (docs.key and cache is not None and read_entry(
+                cache, entry_name(docs.key, tokenizer), token_dtype(tokenizer.vocab_size))):
+            docs.train
 
     def build_tokenizer(self, docs: DocumentSplits) -> Tokenizer:
         """Build (or train and cache) the tokenizer and check it fits the model.
@@ -117,4 +133,5 @@ class DataBuilders:
                                  packed=d.packed, overlong=d.overlong,
                                  train_on_input=d.train_on_input, pad_id=d.pad_id, **common)
         return LLMDataModule(docs, tokenizer, resume_dir=self.resume_path,
-                             allow_source_changes=self.cfg.checkpoint.allow_config_changes, **common)
+                             allow_source_changes=self.cfg.checkpoint.allow_config_changes,
+                             token_cache=self.token_cache(), **common)

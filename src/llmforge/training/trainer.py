@@ -305,6 +305,7 @@ class Trainer(DataBuilders):
         callbacks, loggers = self.build_callbacks(), self.build_loggers()
         docs = self.build_documents()
         self.tokenizer = self.build_tokenizer(docs)
+        self.read_uncached_documents(docs, self.tokenizer)
         self.module = self.build_module()
         if self.cfg.model.get("init_from"):  # a source of another shape fails before any write
             check_initial_weights(meta_model(self.cfg), self.cfg.model.init_from)

@@ -1,0 +1,85 @@
+"""Tokens of an in-memory source, tokenized once and memory-mapped at later starts.
+
+A run on ``data.source: shakespeare`` or local ``files`` (not streaming) tokenizes its whole
+train and validation splits at every start: the demo's 39 plays take ~3 s of two cores, and the
+``tokenizers`` threads' freed heap and the documents' tables stay in the process's peak memory
+(issue 30, measured: about 70 MiB of the demo's peak). Like the trained-BPE cache, the packed
+ids are kept under ``$LLMFORGE_CACHE/tokens`` (default ``~/.cache/llmforge/tokens``) and a later
+run memory-maps them (``np.load(mmap_mode="r")``) without reading the documents at all. LitGPT's
+and LLM Foundry's answer to the same cost is an offline prepare step; ``llmforge data prepare``
+stays the tool for corpora too large to tokenize at start. ``data.token_cache: false`` turns
+the cache off.
+
+An entry is named by the documents' key (:class:`llmforge.data.sources.DocumentSplits`: the
+files' paths, sizes and modification times in nanoseconds, the split, the hold-out settings
+and seed, ``max_documents``, the format and text field, the ``datasets`` version), the
+tokenizer's fingerprint (:func:`llmforge.data.prepared.tokenizer_fingerprint`: vocabulary,
+BOS/EOS and probe encodings), the id dtype and the encoder's piece size. It is three files,
+``<name>.train.npy``, ``<name>.val.npy`` (when there is a validation split) and
+``<name>.json``, written last: an entry without its json is incomplete and is written again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from llmforge.data.packing import PIECE_CHARS, token_dtype
+from llmforge.data.prepared import tokenizer_fingerprint
+
+FORMAT = 1  # raise when the packing of a split changes (BOS/EOS, pieces): old entries miss
+
+Splits = tuple[np.ndarray, Optional[np.ndarray]]
+
+
+def entry_name(docs_key: str, tokenizer: Any) -> str:
+    """The entry of the documents named ``docs_key`` tokenized by ``tokenizer`` (24 hex)."""
+    blob = json.dumps([FORMAT, docs_key, tokenizer_fingerprint(tokenizer),
+                       token_dtype(tokenizer.vocab_size).str, PIECE_CHARS])
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def read_entry(cache_dir: Path, name: str, dtype: np.dtype) -> Optional[Splits]:
+    """The entry's ``(train, val)`` ids as read-only memory maps (``val`` is ``None`` for a run
+    without a validation split), or ``None`` when the entry is missing, incomplete or damaged
+    (then the caller tokenizes and :func:`write_entry` replaces it)."""
+    try:
+        meta = json.loads((cache_dir / f"{name}.json").read_text())
+        splits = [None if meta["tokens"][s] is None else
+                  np.load(cache_dir / f"{name}.{s}.npy", mmap_mode="r", allow_pickle=False)
+                  for s in ("train", "val")]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    for ids, s in zip(splits, ("train", "val")):
+        if ids is not None and (ids.ndim != 1 or ids.dtype != dtype or len(ids) != meta["tokens"][s]):
+            return None
+    return splits[0], splits[1]
+
+
+def write_entry(cache_dir: Path, name: str, train: np.ndarray, val: Optional[np.ndarray]) -> None:
+    """Store an entry: each file goes to a temporary name renamed into place, the json last,
+    so ranks that miss together never read a partial entry. A folder that cannot be written
+    leaves the run uncached: this never fails a run."""
+    parts: list[Path] = []
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        for split, ids in (("train", train), ("val", val)):
+            if ids is not None:
+                part = cache_dir / f"{name}.{split}.{os.getpid()}.part"
+                parts.append(part)
+                with open(part, "wb") as f:
+                    np.save(f, ids, allow_pickle=False)
+                os.replace(part, cache_dir / f"{name}.{split}.npy")
+        part = cache_dir / f"{name}.json.{os.getpid()}.part"
+        parts.append(part)
+        part.write_text(json.dumps({"format": FORMAT, "tokens": {
+            "train": len(train), "val": None if val is None else len(val)}}))
+        os.replace(part, cache_dir / f"{name}.json")
+    except OSError:
+        for part in parts:
+            part.unlink(missing_ok=True)

@@ -1,0 +1,92 @@
+"""The token cache of in-memory sources (``data.token_cache``): tokenized once, memory-mapped
+at later starts without reading the documents, missed when the files or the tokenizer change,
+and written again when damaged."""
+
+import os
+
+import numpy as np
+from omegaconf import OmegaConf
+
+from llmforge.config.schema import DataConfig
+from llmforge.data.datamodule import LLMDataModule, tokenize_documents
+from llmforge.data.sources import load_documents
+from llmforge.data.token_cache import entry_name
+from llmforge.data.tokenizers import train_bpe_tokenizer
+
+
+def corpus(tmp_path):
+    for i, line in enumerate(["the quick brown fox jumps over the lazy dog. ",
+                              "pack my box with five dozen liquor jugs. ",
+                              "how vexingly quick daft zebras jump. "]):
+        (tmp_path / f"{i}.txt").write_text(line * 120)
+    return OmegaConf.structured(DataConfig(source="files", path=str(tmp_path / "*.txt"),
+                                           val_fraction=0.34))
+
+
+def module(cfg, tok, cache):
+    docs = load_documents(cfg, 0, lazy=True)
+    dm = LLMDataModule(docs, tok, seq_len=16, local_batch_size=2, micro_batch_size=2,
+                       eval_batches=1, seed=0, num_workers=0, dp_rank=0, dp_size=1, token_cache=cache)
+    dm.setup()
+    return docs, dm
+
+
+def test_second_start_reads_the_cache_not_the_documents(tmp_path):
+    cfg = corpus(tmp_path)
+    tok = train_bpe_tokenizer([(tmp_path / "0.txt").read_text()], 300, tmp_path / "tok", "")
+    cache = tmp_path / "cache"
+    docs, first = module(cfg, tok, cache)
+    assert docs.loaded
+    want_train = tokenize_documents(docs.train, tok)
+    want_val = tokenize_documents(docs.val, tok)
+    assert len(list(cache.glob("*.json"))) == 1 and len(list(cache.glob("*.npy"))) == 2
+
+    docs, again = module(cfg, tok, cache)
+    assert not docs.loaded  # the documents were never read
+    assert isinstance(again.train_windows.tokens, np.memmap)
+    np.testing.assert_array_equal(again.train_windows.tokens, want_train)
+    np.testing.assert_array_equal(again.val_windows.tokens, want_val)
+    assert again.train_tokens == first.train_tokens == len(want_train)
+
+    # another tokenizer (other ids) is another entry
+    other = train_bpe_tokenizer([(tmp_path / "1.txt").read_text()], 280, tmp_path / "tok2", "")
+    docs, _ = module(cfg, other, cache)
+    assert docs.loaded and len(list(cache.glob("*.json"))) == 2
+
+
+def test_changed_files_and_damaged_entries_are_tokenized_again(tmp_path):
+    cfg = corpus(tmp_path)
+    tok = train_bpe_tokenizer([(tmp_path / "0.txt").read_text()], 300, tmp_path / "tok", "")
+    cache = tmp_path / "cache"
+    module(cfg, tok, cache)
+
+    # the same size, a later modification time: the key names the file's state
+    path = tmp_path / "2.txt"
+    path.write_text(path.read_text().replace("zebras", "Zebras"))
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1_000_000))
+    docs, dm = module(cfg, tok, cache)
+    assert docs.loaded
+    np.testing.assert_array_equal(dm.train_windows.tokens, tokenize_documents(docs.train, tok))
+
+    # a truncated entry is read as a miss and replaced
+    name = entry_name(load_documents(cfg, 0, lazy=True).key, tok)
+    npy = cache / f"{name}.train.npy"
+    npy.write_bytes(npy.read_bytes()[:100])
+    docs, dm = module(cfg, tok, cache)
+    assert docs.loaded and npy.stat().st_size > 100
+    docs, dm = module(cfg, tok, cache)
+    assert not docs.loaded
+
+
+def test_off_streaming_and_no_validation(tmp_path):
+    cfg = corpus(tmp_path)
+    tok = train_bpe_tokenizer([(tmp_path / "0.txt").read_text()], 300, tmp_path / "tok", "")
+    docs, dm = module(cfg, tok, None)  # data.token_cache: false
+    assert docs.loaded and not (tmp_path / "cache").exists()
+    assert load_documents(OmegaConf.merge(cfg, {"streaming": True}), 0, lazy=True).key == ""
+
+    cache = tmp_path / "cache"
+    flat = OmegaConf.merge(cfg, {"val_fraction": 0})
+    module(flat, tok, cache)
+    docs, dm = module(flat, tok, cache)
+    assert not docs.loaded and dm.val_windows is None and dm.eval_dataloader() is None

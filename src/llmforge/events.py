@@ -95,8 +95,9 @@ class State:
         inputs, labels, doc_ids: the current micro-batch, ``LongTensor[b, T]`` (labels -100 = no
             target; ``doc_ids`` ``None`` unless packed SFT rows).
         outputs: what the model returned for ``inputs`` (logits ``[b, T, V]`` for the built-ins),
-            from ``AFTER_FORWARD`` to ``AFTER_BACKWARD`` of its micro-batch (then ``None``, so
-            the logits never outlive it).
+            from ``AFTER_FORWARD`` to ``BEFORE_BACKWARD`` of its micro-batch in training, then
+            ``None``: backward runs without the logits (as after a Lightning ``training_step``
+            returns), and only what the loss's graph saved stays alive.
         aux_losses: the model's auxiliary losses of the current micro-batch's forward
             (``name -> scalar tensor``, a mean per token with its weight, e.g. a router's
             load-balancing loss; ``{}`` for models without: the ``aux_losses()`` method of the

@@ -4,12 +4,12 @@ YAML::
 
     algorithms:
       - name: compile
-        per_block: true       # compile each block of model.blocks(); false = the whole model
+        per_block: true       # compile each block of model.blocks() (and the final norm); false = the whole model
         fullgraph: true       # a graph break is an error instead of a silent slowdown
         mode: null            # torch.compile mode: default, reduce-overhead, max-autotune, ...
         dynamic: false        # shapes are fixed (seq_len, micro_batch_size): no dynamic shapes
         backend: inductor
-        compile_loss: false   # also compile LLMModule.compute_loss (fuses the fp32 upcast + CE)
+        compile_loss: true    # also compile LLMModule.compute_loss (fuses the fp32 upcast + CE)
 
 Stage ``COMPILE``: after activation checkpointing (the checkpoint wrapper is compiled with its
 block, so recomputation is compiled too) and before FSDP2 (torchtitan's order). Compilation is
@@ -31,6 +31,7 @@ from typing import Any, Optional
 from torch import nn
 
 from llmforge.errors import ConfigError
+from llmforge.models.decoder import RMSNorm
 from llmforge.plugin import Algorithm, CheckContext, ModelContext, Stage
 
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -47,7 +48,10 @@ class Compile(Algorithm):
         mode: ``torch.compile`` mode (``None`` = default).
         dynamic: dynamic-shape compilation (``False``: shapes are fixed by the config).
         backend: ``torch.compile`` backend (``inductor``; ``aot_eager`` for debugging).
-        compile_loss: also compile the module's ``compute_loss``.
+        compile_loss: also compile the module's ``compute_loss`` (default): log-softmax,
+            the target gather and their backward fuse into a few passes over the logits instead
+            of the eager ops' full ``[b*T, V]`` temporaries (the demo's compiled step 3 % faster
+            on the CPU, measured by ``benchmarks/step_profile.py``).
 
     Raises:
         ConfigError: an unknown ``mode``.
@@ -59,7 +63,7 @@ class Compile(Algorithm):
 
     def __init__(self, per_block: bool = True, fullgraph: bool = True, mode: Optional[str] = None,
                  dynamic: bool = False, backend: str = "inductor",
-                 compile_loss: bool = False) -> None:
+                 compile_loss: bool = True) -> None:
         if mode not in MODES:
             raise ConfigError(f"algorithms: compile.mode '{mode}' is not one of "
                               f"{', '.join(str(m) for m in MODES if m)} (or null)")
@@ -95,7 +99,9 @@ class Compile(Algorithm):
                 "(torchtitan's choice) or compile.fullgraph=false (a graph break per block)")
 
     def apply(self, model: nn.Module, ctx: ModelContext) -> nn.Module:
-        """Compile ``model.blocks()`` (or ``model``) in place; returns ``model``."""
+        """Compile ``model.blocks()`` and the built-in decoders' final norm
+        (:class:`llmforge.models.decoder.RMSNorm`), or the whole ``model``, in place; returns
+        ``model``."""
         kw = self.compile_kwargs()
         if not self.per_block:
             model.compile(**kw)
@@ -106,6 +112,11 @@ class Compile(Algorithm):
                               "set compile.per_block=false to compile the whole model")
         for block in blocks():
             block.compile(**kw)
+        # the final norm would run eager between the last block and the output projection
+        # (its pow/mean/rsqrt/mul and their backward: ~1 % of the demo's CPU step)
+        norm = getattr(model, "norm", None)
+        if isinstance(norm, RMSNorm):
+            norm.compile(**kw)
         return model
 
     # ------------------------------------------------------------------ training events

@@ -13,8 +13,9 @@ from typing import Any, Optional
 
 from llmforge.config.mixture import mixture_entries
 from llmforge.config.parallel_schema import PIPELINE_SCHEDULES, PIPELINE_SPLITS
-from llmforge.config.schema import (ACCELERATORS, DATA_SOURCES, DATA_TASKS, OPTIMIZERS, OVERLONG,
-                                    PRECISIONS, SCHEDULES, STRATEGIES, TOKENIZER_TYPES)
+from llmforge.config.schema import (ACCELERATORS, DATA_SOURCES, DATA_TASKS,
+                                    OPTIMIZER_IMPLEMENTATIONS, OPTIMIZERS, OVERLONG, PRECISIONS,
+                                    SCHEDULES, STRATEGIES, TOKENIZER_TYPES)
 from llmforge.errors import ConfigError
 
 __all__ = ["BatchPlan", "data_parallel_size", "plan_batch", "validate"]
@@ -250,6 +251,7 @@ def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
     _require(0 < opt.eps < 1, "optimizer.eps", "in (0, 1), e.g. 1e-8", opt.eps)
     _require(opt.weight_decay >= 0, "optimizer.weight_decay", ">= 0", opt.weight_decay)
     _one_of("optimizer.name", opt.name, OPTIMIZERS)
+    _one_of("optimizer.implementation", opt.implementation, OPTIMIZER_IMPLEMENTATIONS)
     if opt.muon_lr is not None:
         _require(0 < opt.muon_lr < float("inf"), "optimizer.muon_lr", "> 0 and finite, or null", opt.muon_lr)
     _require(0 <= opt.muon_momentum < 1, "optimizer.muon_momentum", "in [0, 1), e.g. 0.95", opt.muon_momentum)

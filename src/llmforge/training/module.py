@@ -267,11 +267,14 @@ class LLMModule(AuxLosses, Evaluation, GradientSteps, PipelineSteps, L.Lightning
             with self.no_sync(i == n_micro - 1):
                 self.micro_batch_loss(i, inputs[sl], labels[sl], None if doc_ids is None else doc_ids[sl])
                 self.event(Event.BEFORE_BACKWARD)
+                # the logits [b, T, V] go before backward: the loss's graph keeps what it needs
+                # (cross-entropy its log-softmax), so backward's peak does not hold them too
+                st.outputs = None
                 self.backward_loss(st.loss * scale)
-                # the logits [b, T, V] must not outlive their micro-batch, nor the graph they and
-                # the loss hold: its nodes that backward skipped (frozen weights' branches, e.g.
-                # under activation checkpointing) keep their saved tensors until it goes
-                st.outputs, st.aux_losses, st.loss = None, {}, st.loss.detach()
+                # nor may the graph the loss holds outlive the micro-batch: its nodes that
+                # backward skipped (frozen weights' branches, e.g. under activation
+                # checkpointing) keep their saved tensors until it goes
+                st.aux_losses, st.loss = {}, st.loss.detach()
                 self.event(Event.AFTER_BACKWARD)
             loss_total += st.loss.detach()
         self.step_tokens = int(inputs.numel()) * self.plan.dp_size  # real tokens, all ranks

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from llmforge.config.schema import OPTIMIZERS
 from llmforge.errors import ConfigError
@@ -74,6 +76,27 @@ def muon_ns_dtype(cfg: Any, precision: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+def kernel_flags(params: list[torch.Tensor], implementation: str = "auto") -> dict[str, bool]:
+    """``torch.optim.AdamW``'s ``fused``/``foreach`` keywords for ``optimizer.implementation``.
+
+    ``auto`` is ``fused`` (torchtitan's default; one kernel per group and device: on the CPU
+    about 3x faster than the for-loop torch picks there, measured on the demo's 4 M parameters)
+    when torch has the fused kernel for every parameter's device, the parameters are floating
+    point and DTensors share one device mesh (the fused and foreach kernels take one mesh per
+    call; expert weights on their own mesh get torch's default instead). The update is the same
+    AdamW (within float rounding)."""
+    if implementation == "fused":
+        return {"fused": True}
+    if implementation in ("foreach", "for-loop"):
+        return {"foreach": implementation == "foreach"}
+    meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}
+    plain = any(not isinstance(p, DTensor) for p in params)
+    fusable = (bool(params) and all(p.is_floating_point() for p in params)
+               and {p.device.type for p in params} <= set(_get_fused_kernels_supported_devices())
+               and len(meshes) + plain <= 1)
+    return {"fused": True} if fusable else {}
+
+
 def build_optimizer(model: nn.Module, cfg: Any, precision: str = "fp32") -> torch.optim.Optimizer:
     """The ``optimizer:`` section's optimizer: ``adamw`` over :func:`param_groups`, or ``muon``
     (:class:`~llmforge.training.muon.MuonAdamW` over :func:`muon_param_groups`; ``precision``,
@@ -94,4 +117,5 @@ def build_optimizer(model: nn.Module, cfg: Any, precision: str = "fp32") -> torc
     groups = param_groups(model, cfg.weight_decay)
     if not groups:
         raise ConfigError("optimizer: the model has no trainable parameter")
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    flags = kernel_flags([p for g in groups for p in g["params"]], getattr(cfg, "implementation", "auto"))
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **flags)

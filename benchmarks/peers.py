@@ -66,7 +66,9 @@ def prepared(overrides: list[str], steps: int, work: Path, text: bool = False) -
     step. The rows are kept in ``$PEERS_ROWS_CACHE`` (a folder the parent makes for one
     benchmark run), built for ``$PEERS_ROWS_STEPS`` steps (the most any round runs), so only the
     first run of the warm-up round tokenizes the corpus for them: a measured run whose peak RSS
-    held the tokenizing would not be the same work as its rounds' others."""
+    held the tokenizing would not be the same work as its rounds' others. llmforge reads its own
+    token cache (``data.token_cache``, ``$LLMFORGE_CACHE/tokens``) the same way: its warm-up run
+    fills it when it is empty, and its measured runs memory-map the ids."""
     import hashlib
 
     import torch

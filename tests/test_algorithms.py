@@ -119,7 +119,21 @@ def test_yaml_order_does_not_change_the_structure():
     assert kinds["layers.0"] == "CheckpointWrapper"  # float8 first, then AC wraps, then compile
     assert kinds["layers.0._checkpoint_wrapped_module.attention.wq"] == "Float8Linear"
     compiled = [path for path, _, c in fingerprint(a) if c]
-    assert compiled == ["layers.0", "layers.1"]
+    assert compiled == ["layers.0", "layers.1", "norm"]  # the blocks and the final norm
+
+
+def test_per_block_compile_also_compiles_the_final_norm():
+    """The final norm sits outside the blocks: per-block compile compiles it too (a
+    ``decoder.RMSNorm``, whose forward dynamo can start in), and nothing else of the root."""
+    from llmforge.algorithms.compile import Compile
+    from llmforge.models.llama3.model import Llama, LlamaArgs
+
+    model = Llama(LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
+                            multiple_of=16, max_seq_len=16))
+    Compile().apply(model, None)
+    compiled = [n for n, m in model.named_modules() if getattr(m, "_compiled_call_impl", None)]
+    assert compiled == ["layers.0", "layers.1", "norm"]
+    assert Compile().compile_loss  # the loss is compiled too by default
 
 
 def test_wrapping_keeps_blocks_and_state_dict_keys():

@@ -60,6 +60,25 @@ def test_module_runs_the_events_of_a_step_in_the_documented_order():
     assert seen == ["batch_start", *per_micro, *per_micro]  # 2 micro-batches
 
 
+def test_logits_are_released_before_backward():
+    """``state.outputs`` is there in ``BEFORE_BACKWARD`` and gone while backward runs (the loss's
+    graph keeps only what it saved), so the backward peak does not hold the logits twice."""
+    module = make_module([])
+    during: list = []
+    seen: list = []
+
+    class Look:
+        name = "look"
+
+        def before_backward(self, state):
+            seen.append(state.outputs is not None)
+            state.loss.register_hook(lambda g: during.append(state.outputs) or g)
+
+    module.setup_events([Look()])
+    module.forward_backward(batches(1, module.cfg.trainer.seq_len)[0])
+    assert seen == [True, True] and during == [None, None]
+
+
 def test_a_plugin_may_replace_the_batch_and_the_loss():
     module = make_module([])
     batch = batches(1, module.cfg.trainer.seq_len)[0]

@@ -84,3 +84,33 @@ def test_frozen_parameters_left_out():
 
     opt = build_optimizer(model, C)
     assert [p for g in opt.param_groups for p in g["params"]] == [model.bias]
+
+
+def test_adamw_kernels_by_implementation():
+    """``optimizer.implementation``: ``auto`` is fused on the CPU (torch's kernel exists), the
+    explicit values reach torch's flags, and every implementation gives the same update."""
+    from omegaconf import OmegaConf
+
+    from llmforge.config.schema import OptimizerConfig
+    from llmforge.training.optim import kernel_flags
+
+    w = [torch.nn.Parameter(torch.randn(4, 4))]
+    assert kernel_flags(w, "auto") == {"fused": True}
+    assert kernel_flags([torch.zeros(3, dtype=torch.int64)], "auto") == {}
+    assert kernel_flags(w, "foreach") == {"foreach": True}
+    assert kernel_flags(w, "for-loop") == {"foreach": False}
+    weights = []
+    for impl in ("auto", "fused", "foreach", "for-loop"):
+        torch.manual_seed(0)
+        model = Llama(LlamaArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64,
+                                multiple_of=16, max_seq_len=16))
+        cfg = OmegaConf.merge(OmegaConf.structured(OptimizerConfig), {"implementation": impl, "lr": 1e-2})
+        opt = build_optimizer(model, cfg)
+        assert opt.param_groups[0]["fused"] is (impl in ("auto", "fused") or None)
+        for _ in range(3):
+            model(torch.randint(0, 64, (2, 8))).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    for got in weights[1:]:
+        torch.testing.assert_close(got, weights[0], rtol=1e-5, atol=1e-6)

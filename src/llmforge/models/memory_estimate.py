@@ -56,19 +56,21 @@ def estimate_memory(n_params: int, precision: str, strategy: Any, world_size: in
 
 
 def loss_bytes(tokens: int, vocab_size: int, precision: str) -> float:
-    """Bytes the loss adds per rank: the logits in the activation dtype, the fp32 log-softmax
-    the cross-entropy saves and two fp32 gradients in its backward, ``(3 x 4 + width) V`` bytes
-    per token (``width`` 4 in fp32, else 2; the simulation's measurement: ``2 x 4 V`` was
-    14-16 % low on the demo configs, and 8,192 tokens at V = 128,256 hold 13.9 GiB at the 70B
-    yaml's backward peak against 13.7 here). Not divided by ``tp``: the families'
-    tensor-parallel plans gather the logits (``Replicate``) and compute the loss as one
-    process does (the estimate divided it, and was 36 % low for the 70B yaml)."""
-    return float(tokens) * vocab_size * (3 * 4 + (4 if precision == "fp32" else 2))
+    """Bytes the loss adds per rank at the step's peak (the end of a micro-batch's forward):
+    the logits in fp32 (the output, or autocast's bf16 output and its fp32 copy), the fp32
+    log-softmax the cross-entropy saves and its workspace, ``3 x 4 V`` bytes per token in every
+    precision, as simulated: ``4 V`` counted with the activations and ``8 V`` as temporaries
+    on the demo (fp32) and the 8B yaml (bf16-mixed). The logits are dropped before the backward
+    (:meth:`llmforge.training.module.LLMModule.forward_backward`), so the backward's peak is
+    lower. Not divided by ``tp``: the families' tensor-parallel plans gather the logits
+    (``Replicate``) and compute the loss as one process does (the estimate divided it, and
+    was 36 % low for the 70B yaml)."""
+    return float(tokens) * vocab_size * 3 * 4
 
 
 def estimate_activations(model: Any, micro_batch_size: int, seq_len: int, precision: str,
-                         tp: int = 1, spec: Any = None, bf16_weights: bool = False
-                         ) -> Optional[tuple[float, float]]:
+                         tp: int = 1, spec: Any = None, bf16_weights: bool = False,
+                         n_layers: Optional[int] = None) -> Optional[tuple[float, float]]:
     """Activation bytes per device for one micro-batch: ``(no checkpointing, full checkpointing)``.
 
     Counts the tensors a decoder block saves for backward, per token (method of Korthikanti et
@@ -85,12 +87,13 @@ def estimate_activations(model: Any, micro_batch_size: int, seq_len: int, precis
     ``bf16-mixed`` (autocast) depends on the weights' dtype in the forward, as the simulation
     measured (demo shape, per block and token: 20,136 bytes with fp32 weights, 13,096 with
     FSDP2's bf16 ``param_dtype``, against 10,496 for the formula at 2 bytes): with fp32 weights
-    (``bf16_weights=False``) the residual stream, the norms and the rotary embedding stay in
-    fp32 and autocast saves bf16 copies beside them, which the formula at 4 bytes matches
-    within 5 %; with bf16 weights the formula at 2 bytes plus the two RMSNorms' fp32 upcasts
+    (``bf16_weights=False``) the residual stream, the norms and the MLP's tensors stay in fp32
+    (autocast saves bf16 copies beside them) and the attention's tensors in bf16: the formula
+    with ``5 D + 4 F`` at 4 bytes and the rest at 2 matches within 3 %; with bf16 weights the formula at 2 bytes plus the two RMSNorms' fp32 upcasts
     (``2 x 4 D`` bytes) does. The widths come from the family's
     ``ModelSpec.memory_shape`` (``spec``, or the registered spec of the model's class);
-    ``None`` for models without one.
+    ``None`` for models without one. ``n_layers``: the blocks this device runs (a pipeline
+    stage's), default all of the model's.
     """
     spec = spec if spec is not None else spec_for_model(model)
     fn = spec.get("memory_shape") if spec is not None else None
@@ -101,11 +104,16 @@ def estimate_activations(model: Any, micro_batch_size: int, seq_len: int, precis
     layer_width = 4 if precision == "bf16-mixed" and not bf16_weights else width
     tokens = micro_batch_size * seq_len
     upcast = 2 * m.dim * 4 if precision == "bf16-mixed" and bf16_weights else 0
-    per_layer = tokens * ((5 * m.dim + 3 * m.q_dim + 3 * m.kv_dim + 4 * m.ffn_dim + m.extra)
-                          * layer_width + upcast) / tp
+    # with fp32 weights under autocast the attention's tensors (q, k, v, their rotated and
+    # normed copies) stay bf16: per block and token 96,424 B simulated for Qwen3-0.6B, 94,208
+    # here (118,784 with them at 4 B); 20,136 against 19,712 on the Llama demo shape
+    attn_width = 2 if precision == "bf16-mixed" else layer_width
+    whole = tokens * ((5 * m.dim + 4 * m.ffn_dim) * layer_width
+                      + (3 * m.q_dim + 3 * m.kv_dim + m.extra) * attn_width + upcast)
     logits = loss_bytes(tokens, m.vocab_size, precision)
-    no_ac = m.n_layers * per_layer + logits
-    full_ac = m.n_layers * tokens * m.dim * width / tp + per_layer + logits
+    layers = m.n_layers if n_layers is None else n_layers
+    no_ac = layers * whole / tp + logits
+    full_ac = layers * tokens * m.dim * width / tp + whole / tp + logits
     return no_ac, full_ac
 
 
@@ -127,13 +135,25 @@ def gathered_block_bytes(model: Any, spec: Any, width: int, tp: int = 1,
         rest = sum(p.numel() for p in block.parameters() if id(p) not in expert_ids) / tp
         best = max(best, ((ex + rest) * width, ex * width))
     return best[0], best[1], max(int(m.num_experts) for m in experts) // ep
+@dataclass
+class StageShare:
+    """What one pipeline rank holds, for :func:`analytic_peak`: its parameters, its blocks, the
+    parameters of the end modules among them (the embedding on the first stage; the final norm
+    and the output on the last) and whether it computes the loss (it holds the last stage)."""
+
+    params: int
+    blocks: int
+    end_params: int
+    loss: bool
+
+
 def ac_mode(algorithms: Any) -> tuple[str, int]:
     """``(mode, every)`` of the run's ``activation_checkpointing`` entry: ``none``, ``full``,
     ``selective`` (per operator) or ``layer`` (full on every ``every``-th block)."""
     for entry in algorithms or []:
         if entry.get("name") == "activation_checkpointing":
             mode = entry.get("mode", "full")
-            if mode == "selective" and entry.get("selective", "op") != "op":
+            if mode == "selective" and entry.get("selective", "layer") != "op":
                 return "layer", int(entry.get("every", 2))
             return mode, 1
     return "none", 1
@@ -147,7 +167,7 @@ def bf16_param_dtype(cfg: Any) -> bool:
         cfg.strategy.name == "fsdp2" and mp in ("bfloat16", "bf16"))
 
 
-def analytic_peak(cfg: Any, plan: Any, dims: Any) -> dict[str, float]:
+def analytic_peak(cfg: Any, plan: Any, dims: Any, stage: Optional[StageShare] = None) -> dict[str, float]:
     """The analytic peak per rank of one training step, bytes, split as the simulation splits
     it (:mod:`llmforge.planning.simulate`) plus ``total``.
 
@@ -159,32 +179,52 @@ def analytic_peak(cfg: Any, plan: Any, dims: Any) -> dict[str, float]:
     * gradients, optimizer: :func:`estimate_memory` (sharded: FSDP2 reduce-scatters every
       micro-batch of gradient accumulation, :meth:`llmforge.training.module.LLMModule.no_sync`);
     * activations: :func:`estimate_activations` of one micro-batch for the run's activation
-      checkpointing (``selective`` per operator: the no-checkpointing figure less the SwiGLU's
-      recomputed elementwise tensors, see below; ``layer``: full on every ``every``-th block);
-    * temporaries: the loss's logits, fp32 log-softmax and gradients (:func:`estimate_activations`).
+      checkpointing (``selective`` per operator: what the policy saves, see below, plus one
+      block recomputed; ``layer``: full on every ``every``-th block);
+    * temporaries: the loss's logits, fp32 log-softmax and gradients (:func:`estimate_activations`);
+    * or, where it is larger, the end of the backward: every gradient, plus under FSDP2 about
+      2.5 blocks' unsharded gradients in reduction, and no activations.
+
+    With pipeline stages, ``stage`` (:class:`StageShare`) is the rank's share: its parameters,
+    one micro-batch through its blocks (as the simulation measures it: the schedule's other
+    micro-batches in flight are not counted), the loss only where the last stage is.
     """
     model = meta_model(cfg)
     spec = spec_for_model(model)
-    n = sum(p.numel() for p in model.parameters())
+    n_model = sum(p.numel() for p in model.parameters())
+    n = stage.params if stage is not None else n_model
     precision = cfg.trainer.precision
-    mem = estimate_memory(n, precision, cfg.strategy, plan.world_size)
+    mem = estimate_memory(n, precision, cfg.strategy, plan.world_size // max(1, int(dims.pp)))
     tp = max(1, int(dims.tp))
     width = 2 if precision == "bf16-true" else 4
-    gathered = 0.0
+    gathered = in_reduction = 0.0
     if cfg.strategy.name == "fsdp2" and dims.dp_shard > 1:
-        mp = cfg.strategy.mixed_precision.param_dtype
-        comp_w = 2 if mp in ("bfloat16", "bf16", "float16", "fp16") else width
+        mp = cfg.strategy.mixed_precision
+        comp_w = 2 if mp.param_dtype in ("bfloat16", "bf16", "float16", "fp16") else width
+        low = ("bfloat16", "bf16", "float16", "fp16")
+        reduce_w = comp_w if mp.get("reduce_dtype") is None else (2 if mp.reduce_dtype in low else 4)
         blocks = model.blocks() if hasattr(model, "blocks") else []
         block = sum(p.numel() for p in blocks[0].parameters()) if blocks else 0
-        gathered = (2 * block + n - block * len(blocks)) * comp_w / tp
-    grads = mem.grads_bytes
+        ends = stage.end_params if stage is not None else n_model - block * len(blocks)
+        gathered = (2 * block + ends) * comp_w / tp
+        # at the end of the backward: about 2.5 blocks' unsharded gradients in the reduce dtype
+        # (the block's own, its reduce-scatter input, the previous one's not yet freed;
+        # simulated 2.7 for the 405B yaml's first pipeline stage)
+        in_reduction = 2.5 * block * reduce_w / tp
+    # the peak is at the end of a micro-batch's forward (all activations saved): gradients are
+    # there only when an earlier micro-batch of the step made them (accumulation, pipeline
+    # micro-batches); zero_grad(set_to_none=True) frees them between steps
+    accumulating = plan.gradient_accumulation_steps > 1 or stage is not None
+    grads = mem.grads_bytes if accumulating else 0.0
     out = {"parameters": mem.params_bytes + gathered, "gradients": grads,
            "optimizer": mem.optimizer_bytes, "activations": 0.0, "temporaries": 0.0}
     bf16_weights = bf16_param_dtype(cfg)
+    layers = stage.blocks if stage is not None else None
     act = estimate_activations(model, plan.micro_batch_size, cfg.trainer.seq_len, precision, tp, spec,
-                               bf16_weights=bf16_weights)
+                               bf16_weights=bf16_weights, n_layers=layers)
     if act is not None:
         m = spec.get("memory_shape")(model)
+        layers = m.n_layers if layers is None else layers
         tokens = plan.micro_batch_size * cfg.trainer.seq_len
         logits = loss_bytes(tokens, m.vocab_size, precision)
         no_ac, full_ac = act[0] - logits, act[1] - logits
@@ -192,18 +232,29 @@ def analytic_peak(cfg: Any, plan: Any, dims: Any) -> dict[str, float]:
         if mode == "full":
             activations = full_ac
         elif mode == "layer":
-            k = m.n_layers // every
-            activations = no_ac - k * (no_ac - full_ac) / m.n_layers
-        elif mode == "selective":  # the policy keeps matmul and attention outputs and recomputes
-            # the SwiGLU's elementwise products (2 F per token per layer)
+            k = layers // every
+            activations = no_ac - k * (no_ac - full_ac) / max(1, layers)
+        elif mode == "selective":  # per operator: each block's input, every second matmul's
+            # output (q, v, the SwiGLU's gate, the down projection: q + kv + F + D), the attention
+            # output (q) are kept, the rest recomputed one block at a time (measured: 63,872 B
+            # per token and block simulated for the 8B yaml, 63,488 here; float8 saves the same)
             act_w = 4 if precision == "fp32" else 2
-            activations = no_ac - m.n_layers * tokens * 2 * m.ffn_dim * act_w / tp
+            saved = tokens * (2 * m.dim + 2 * m.q_dim + m.kv_dim + m.ffn_dim) * act_w / tp
+            activations = layers * saved + (no_ac / max(1, layers))
         else:
             activations = no_ac
         if precision == "bf16-mixed" and not bf16_weights:  # autocast's bf16 copies of the fp32
             # weights, cached for the whole forward (counted with the activations)
             activations += n * 2 / tp
-        out["activations"], out["temporaries"] = activations, logits
+        out["activations"] = activations
+        out["temporaries"] = logits if stage is None or stage.loss else 0.0
+    # the peak is the larger of the forward's end (above) and the backward's end (the whole
+    # step's gradients, those in reduction, no activations): the latter where activations are
+    # small (full checkpointing on a pipeline stage without the loss)
+    backward = {"parameters": out["parameters"], "gradients": mem.grads_bytes + in_reduction,
+                "optimizer": out["optimizer"], "activations": 0.0, "temporaries": 0.0}
+    if sum(backward.values()) > sum(out.values()):
+        out = backward
     out["total"] = sum(out.values())
     return out
 

@@ -15,6 +15,7 @@ from typing import Any, Optional
 from llmforge.models.memory_estimate import GIB, analytic_peak
 from llmforge.planning.depth import simulate_scaled
 from llmforge.planning.simulate import KEEP_AC, Layout, StepMeasurement, last_stage_rank
+from llmforge.planning.stages import stage_share
 from llmforge.planning.dry_run_report import dry_run_report
 from llmforge.training.preflight import pipeline_line
 
@@ -45,18 +46,26 @@ def simulation_lines(cfg: Any, run: Any, algorithms: list[Any]) -> list[str]:
     m = simulate_scaled(cfg, layout)
     own = any(getattr(a, "replaces_memory_estimate", False) for a in algorithms)
     last = last_stage_rank(layout, cfg.pipeline.schedule)
-    lines = format_simulation(m, None if own else analytic_peak(cfg, run.plan, run.dims),
+
+    def analytic(pp_rank: int) -> Optional[dict[str, float]]:  # each pipeline rank its own share
+        if own:
+            return None
+        stage = stage_share(cfg, run.dims, pp_rank) if layout.pp > 1 else None
+        return analytic_peak(cfg, run.plan, run.dims, stage)
+
+    lines = format_simulation(m, analytic(0),
                               "the first and the last stage" if layout.pp > 1 and last == 0 else "the first stage")
     if last != 0:
-        lines += format_simulation(simulate_scaled(cfg, layout, last_stage=True), None, "the last stage")
+        lines += format_simulation(simulate_scaled(cfg, layout, last_stage=True),
+                                   analytic(last // (layout.world_size // layout.pp)), "the last stage")
     return lines
 
 
 def format_simulation(m: StepMeasurement, analytic: Optional[dict[str, float]],
                       holds: str = "the first stage") -> list[str]:
-    """The lines of one measurement; ``analytic``: :func:`analytic_peak` (``None``: a plugin
-    gives its own estimate above, or it was printed with another rank's); ``holds``: the
-    pipeline stages of the simulated rank, in words."""
+    """The lines of one measurement; ``analytic``: :func:`analytic_peak` of the simulated rank
+    (``None``: a plugin gives its own estimate above); ``holds``: the pipeline stages of the
+    simulated rank, in words."""
     depth = (f"simulated {' and '.join(map(str, m.simulated_layers))} blocks, scaled to {m.n_layers}"
              if len(m.simulated_layers) > 1 else f"all {m.n_layers} blocks simulated")
     if m.layout.pp > 1:

@@ -166,8 +166,8 @@ def pipeline_settings(cfg: Any, pp: int) -> dict[str, Any]:
 
 def layout_config(cfg: Any, layout: Layout, n_layers: Optional[int] = None) -> Any:
     """A copy of ``cfg`` with ``layout``: strategy degrees (``fsdp2``), micro-batch size, the
-    ``activation_checkpointing`` entry replaced (kept with :data:`KEEP_AC`), ``compile`` left
-    out, and ``model.n_layers`` when given (with ``pp > 1`` the stages then split the blocks
+    ``activation_checkpointing`` entry replaced (kept with :data:`KEEP_AC`), ``compile`` and the
+    sequence-length and batch-size warm-ups left out, and ``model.n_layers`` when given (with ``pp > 1`` the stages then split the blocks
     ``balanced``: a split written for the real depth does not fit the simulated one).
 
     Raises:
@@ -185,7 +185,11 @@ def layout_config(cfg: Any, layout: Layout, n_layers: Optional[int] = None) -> A
     out.trainer.micro_batch_size = layout.micro_batch_size
     # the world size the checks derive from the trainer (devices x nodes) is the layout's
     out.trainer.devices, out.trainer.num_nodes = layout.world_size, 1
-    drop = ("compile",) if layout.activation_checkpointing == KEEP_AC else ("activation_checkpointing", "compile")
+    # warm-ups that shorten the first steps are left out too: the simulated step is one at the
+    # full sequence length and batch, where the run's peak is
+    drop = ("compile", "seq_length_warmup", "batch_size_warmup")
+    if layout.activation_checkpointing != KEEP_AC:
+        drop += ("activation_checkpointing",)
     algos = [a for a in OmegaConf.to_container(out.algorithms) if a.get("name") not in drop]
     if layout.activation_checkpointing not in ("none", KEEP_AC):
         if layout.activation_checkpointing not in AC_ENTRIES:

@@ -18,10 +18,32 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 from llmforge.errors import ConfigError
-from llmforge.parallel.pipeline import bubble_fraction, rank_stages, resolve_layout
+from llmforge.models.memory_estimate import StageShare
+from llmforge.models.spec import get_spec
+from llmforge.parallel.pipeline import bubble_fraction, rank_stages, resolve_layout, stage_params
+from llmforge.parallel.transforms import pipeline_layout
 from llmforge.planning.simulate import Layout, StepMeasurement, last_stage_rank, pipeline_settings
+from llmforge.plugin import meta_model
 
-__all__ = ["StageShape", "forward_activations", "in_flight", "pp_allowed", "simulate_layout"]
+__all__ = ["StageShape", "forward_activations", "in_flight", "pp_allowed", "simulate_layout",
+           "stage_share"]
+
+
+def stage_share(cfg: Any, dims: Any, pp_rank: int) -> StageShare:
+    """What pipeline rank ``pp_rank`` of the config's own layout holds, for the analytic
+    estimate (:func:`llmforge.models.memory_estimate.analytic_peak`): the parameters and blocks
+    of its stages, the end modules' parameters among them, and whether it has the loss."""
+    model = meta_model(cfg)
+    spec = get_spec(cfg.model.name)
+    layout = pipeline_layout(cfg, dims, model)
+    stages = layout.stages_of_rank(pp_rank)
+    per_stage = stage_params(model, layout, spec.stage_ends, spec.model_blocks(model))
+    first, last = spec.stage_ends
+    ends = [*(first if 0 in stages else ()), *(last if layout.num_stages - 1 in stages else ())]
+    end_params = sum(p.numel() for name in ends if getattr(model, name, None) is not None
+                     for p in getattr(model, name).parameters())
+    return StageShare(sum(per_stage[s] for s in stages), sum(len(layout.split[s]) for s in stages),
+                      end_params, layout.num_stages - 1 in stages)
 
 
 def pp_allowed(cfg: Any, pp: int, n_blocks: int, local_batch: int, mbs: int, world: int) -> Optional[str]:

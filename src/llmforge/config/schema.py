@@ -251,10 +251,11 @@ class OptimizerConfig:
     weight_decay: float = 0.1
     """Decoupled weight decay on matrices (not on norms, biases or 1-D parameters)."""
     implementation: str = "auto"
-    """AdamW's kernels (torch.optim's ``fused`` / ``foreach`` flags): ``fused`` (one kernel per
-    parameter group and device), ``foreach``, ``for-loop``, or ``auto``: fused where torch has
-    the kernel for every parameter (CPU or CUDA, DTensors on one mesh), else torch's default.
-    The same update; see docs/optimizers.md."""
+    """``adamw``: torch's AdamW kernels (its ``fused`` / ``foreach`` flags): ``fused`` (one
+    kernel per parameter group and device), ``foreach``, ``for-loop``, or ``auto``: fused where
+    torch has the kernel for every parameter (CPU or CUDA, DTensors on one mesh), else torch's
+    default. The same update; ``muon``'s AdamW groups keep torch's default. See
+    docs/optimizers.md."""
     muon_lr: Optional[float] = None
     """``muon``: peak learning rate of the Muon matrices; null = ``lr``."""
     muon_momentum: float = 0.95

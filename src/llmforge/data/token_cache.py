@@ -32,7 +32,7 @@ import numpy as np
 from llmforge.data.packing import PIECE_CHARS, token_dtype
 from llmforge.data.prepared import tokenizer_fingerprint
 
-FORMAT = 1  # raise when the packing of a split changes (BOS/EOS, pieces): old entries miss
+FORMAT = 1  # raise when cleaning or packing changes (clean_text, BOS/EOS, pieces): old entries miss
 
 Splits = tuple[np.ndarray, Optional[np.ndarray]]
 

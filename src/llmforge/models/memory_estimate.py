@@ -89,8 +89,8 @@ def estimate_activations(model: Any, micro_batch_size: int, seq_len: int, precis
     FSDP2's bf16 ``param_dtype``, against 10,496 for the formula at 2 bytes): with fp32 weights
     (``bf16_weights=False``) the residual stream, the norms and the MLP's tensors stay in fp32
     (autocast saves bf16 copies beside them) and the attention's tensors in bf16: the formula
-    with ``5 D + 4 F`` at 4 bytes and the rest at 2 matches within 3 %; with bf16 weights the formula at 2 bytes plus the two RMSNorms' fp32 upcasts
-    (``2 x 4 D`` bytes) does. The widths come from the family's
+    with ``5 D + 4 F`` at 4 bytes and the rest at 2 matches within 3 %; with bf16 weights the
+    formula at 2 bytes plus the two RMSNorms' fp32 upcasts (``2 x 4 D`` bytes) does. The widths come from the family's
     ``ModelSpec.memory_shape`` (``spec``, or the registered spec of the model's class);
     ``None`` for models without one. ``n_layers``: the blocks this device runs (a pipeline
     stage's), default all of the model's.
@@ -135,6 +135,8 @@ def gathered_block_bytes(model: Any, spec: Any, width: int, tp: int = 1,
         rest = sum(p.numel() for p in block.parameters() if id(p) not in expert_ids) / tp
         best = max(best, ((ex + rest) * width, ex * width))
     return best[0], best[1], max(int(m.num_experts) for m in experts) // ep
+
+
 @dataclass
 class StageShare:
     """What one pipeline rank holds, for :func:`analytic_peak`: its parameters, its blocks, the
@@ -199,9 +201,8 @@ def analytic_peak(cfg: Any, plan: Any, dims: Any, stage: Optional[StageShare] = 
     width = 2 if precision == "bf16-true" else 4
     gathered = in_reduction = 0.0
     if cfg.strategy.name == "fsdp2" and dims.dp_shard > 1:
-        mp = cfg.strategy.mixed_precision
-        comp_w = 2 if mp.param_dtype in ("bfloat16", "bf16", "float16", "fp16") else width
-        low = ("bfloat16", "bf16", "float16", "fp16")
+        mp, low = cfg.strategy.mixed_precision, ("bfloat16", "bf16", "float16", "fp16")
+        comp_w = 2 if mp.param_dtype in low else width
         reduce_w = comp_w if mp.get("reduce_dtype") is None else (2 if mp.reduce_dtype in low else 4)
         blocks = model.blocks() if hasattr(model, "blocks") else []
         block = sum(p.numel() for p in blocks[0].parameters()) if blocks else 0

@@ -65,6 +65,14 @@ def test_changes_that_keep_exactness_are_reported_not_refused(saved_run):
         assert part in line, line
 
 
+def test_kernels_and_the_token_cache_may_change(saved_run):
+    """``optimizer.implementation`` (the same AdamW update) and ``data.token_cache`` (the same
+    ids, read or computed) are reported, not refused."""
+    overrides, _ = saved_run
+    line = resume(overrides, "optimizer.implementation=for-loop", "data.token_cache=false").resume_line
+    assert "optimizer.implementation 'auto' -> 'for-loop'" in line and "data.token_cache" in line
+
+
 def checkpointed(tmp_path, *extra):
     """Overrides of a run with one complete step-5 checkpoint whose meta.json holds its config."""
     overrides = [*TINY_OVERRIDES, f"run.output_dir={tmp_path}", "run.name=s", *extra]

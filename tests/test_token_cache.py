@@ -5,6 +5,7 @@ and written again when damaged."""
 import os
 
 import numpy as np
+from conftest import REPO
 from omegaconf import OmegaConf
 
 from llmforge.config.schema import DataConfig
@@ -90,3 +91,18 @@ def test_off_streaming_and_no_validation(tmp_path):
     module(flat, tok, cache)
     docs, dm = module(flat, tok, cache)
     assert not docs.loaded and dm.val_windows is None and dm.eval_dataloader() is None
+
+
+def test_the_trained_tokenizer_is_named_by_the_column_read(tmp_path):
+    """A trained BPE is cached by the documents it was trained on: another ``text_field`` (or
+    format) of the same files is another tokenizer, not the first one reused."""
+    from llmforge import load_config
+    from llmforge.data.sources import tokenizer_cache_key
+
+    (tmp_path / "d.jsonl").write_text('{"text": "a b", "body": "c d"}\n' * 4)
+    base = ["data.source=files", f"data.path={tmp_path / 'd.jsonl'}"]
+    cfg = load_config(REPO / "yamls" / "demo_cpu.yaml", base)
+    other = load_config(REPO / "yamls" / "demo_cpu.yaml", [*base, "data.text_field=body"])
+    docs = load_documents(cfg.data, 0, lazy=True)
+    assert tokenizer_cache_key(cfg, docs) != tokenizer_cache_key(other, load_documents(other.data, 0, lazy=True))
+    assert tokenizer_cache_key(cfg, docs) == tokenizer_cache_key(cfg, load_documents(cfg.data, 0, lazy=True))

@@ -29,7 +29,7 @@ MAY_CHANGE = (
     "trainer.log_every", "trainer.eval_every", "trainer.eval_batches", "trainer.progress_bar",
     "trainer.num_threads", "trainer.gc_every", "trainer.malloc_tuning",
     "strategy.", "checkpoint.", "compute.", "scheduling.", "loggers", "callbacks", "imports",
-    "data.num_workers", "variables.",
+    "data.num_workers", "data.token_cache", "optimizer.implementation", "variables.",
 )
 """Keys (or ``section.`` prefixes) that may differ at resume without changing the result.
 ``trainer.max_steps`` may change too when ``scheduler.name=constant`` (no schedule depends on

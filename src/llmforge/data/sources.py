@@ -281,7 +281,7 @@ def load_documents(cfg: Any, seed: int, by_line: bool = False, lazy: bool = Fals
         builder, data_files, text_field = _file_format(cfg, files), files, cfg.text_field
         if builder == "text":
             text_field = "text"
-        stats = [(f, os.path.getsize(f), int(os.path.getmtime(f))) if os.path.exists(f) else (f,)
+        stats = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) if os.path.exists(f) else (f,)
                  for f in files]
         fingerprint = f"files-{hash_str(repr(stats))}"
     elif source == "hub":
@@ -415,8 +415,9 @@ def hash_str(s: str) -> str:
 
 def tokenizer_cache_key(cfg: Any, docs: Any) -> str:
     """What determines a trained BPE (the cache key of ``tokenizer.type: train_bpe``): the
-    source, the held-out documents (seed, val_fraction, val_split) and the training-byte budget
-    (the vocabulary size is in the file name)."""
+    source (files by size and modification time in nanoseconds), the held-out documents (seed,
+    val_fraction, val_split), the column read (``text_field``, ``format``) and the
+    training-byte budget (the vocabulary size is in the file name)."""
     d = cfg.data
     return hash_str(f"{docs.fingerprint}-{cfg.run.seed}-{d.val_fraction}-{d.val_split}-"
-                    f"{d.max_documents}-{cfg.tokenizer.train_max_bytes}")
+                    f"{d.max_documents}-{cfg.tokenizer.train_max_bytes}-{d.text_field}-{d.format}")

@@ -141,7 +141,8 @@ class Compile(Algorithm):
                 self.compile_seconds = max(0.0, first - second)
                 self._pending = True
                 if trainer.is_global_zero:
-                    what = "each block" if self.per_block else "the whole model"
+                    what = ("each block and the final norm" if self.per_block else "the whole model") + (
+                        ", and the loss" if self.compile_loss else "")
                     print(f"compile: {self.compile_seconds:.1f} s of compilation in the first step "
                           f"(torch.compile of {what}, {self.backend}; first step {first:.1f} s, "
                           f"second {second:.2f} s)", flush=True)

@@ -145,7 +145,8 @@ class DataConfig:
     (``~/.cache/llmforge/prepared``). See docs/data.md."""
     token_cache: bool = True
     """``shakespeare`` and local ``files`` (not streaming): keep the tokenized splits under
-    ``$LLMFORGE_CACHE/tokens`` and memory-map them at later starts of the same documents and
+    ``$LLMFORGE_CACHE/tokens`` (default ``~/.cache/llmforge/tokens``; 2 bytes a token below
+    65,536 ids, never evicted) and memory-map them at later starts of the same documents and
     tokenizer (no tokenizing, less host memory); false = tokenize at every start. See
     docs/data.md."""
     mixture: List[Dict[str, Any]] = field(default_factory=list)

@@ -13,17 +13,16 @@ import glob
 import hashlib
 import json
 import os
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Iterator, Optional
 
 import datasets
 
 from llmforge.config.redaction import scrub_url_credentials
+from llmforge.data.documents import AnyDataset, DocumentSplits
 from llmforge.data.file_identity import URL
 from llmforge.data.remote import missing_driver, plain_options
 from llmforge.data.shakespeare import shakespeare_files
 from llmforge.errors import DataError
-
-AnyDataset = Union[datasets.Dataset, datasets.IterableDataset]
 
 _FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
             ".parquet": "parquet", ".csv": "csv"}
@@ -45,46 +44,6 @@ def clean_text(text: Optional[str]) -> str:
     if "\r" not in text:  # no copies of a long document that needs none
         return text
     return text.replace("\r\n", "\n").replace("\r", "\n")
-
-
-class DocumentSplits:
-    """Train and validation documents, with a fingerprint of where they came from.
-
-    Built with ``load`` (a callable returning ``(train, val)``), the splits are read at the
-    first access of :attr:`train` or :attr:`val`: a run whose token cache holds both splits
-    (:mod:`llmforge.data.token_cache`) never reads them. ``key`` names the documents for that
-    cache (``""``: not cacheable).
-    """
-
-    def __init__(self, train: Optional[AnyDataset] = None, val: Optional[AnyDataset] = None,
-                 fingerprint: str = "", files: tuple[str, ...] = (),
-                 storage_options: Optional[dict] = None, *,
-                 load: Optional[Callable[[], tuple[AnyDataset, Optional[AnyDataset]]]] = None,
-                 key: str = "") -> None:
-        self._splits = None if load is not None else (train, val)
-        self._load = load
-        self.fingerprint, self.key = fingerprint, key
-        self.files = files  # the local or remote files read (named by a read error)
-        self.storage_options = storage_options  # fsspec options of remote files (file_identities)
-
-    @property
-    def loaded(self) -> bool:
-        """Whether the splits have been read."""
-        return self._splits is not None
-
-    def _read(self) -> tuple[AnyDataset, Optional[AnyDataset]]:
-        if self._splits is None:
-            assert self._load is not None
-            self._splits = self._load()
-        return self._splits
-
-    @property
-    def train(self) -> AnyDataset:
-        return self._read()[0]
-
-    @property
-    def val(self) -> Optional[AnyDataset]:
-        return self._read()[1]
 
 
 def _resolve_files(cfg: Any) -> list[str]:

@@ -1,0 +1,52 @@
+"""The documents of a run's source, read now or at their first use (:class:`DocumentSplits`);
+built by :func:`llmforge.data.sources.load_documents`."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import datasets
+
+AnyDataset = Union[datasets.Dataset, datasets.IterableDataset]
+
+__all__ = ["AnyDataset", "DocumentSplits"]
+
+
+class DocumentSplits:
+    """Train and validation documents, with a fingerprint of where they came from.
+
+    Built with ``load`` (a callable returning ``(train, val)``), the splits are read at the
+    first access of :attr:`train` or :attr:`val`: a run whose token cache holds both splits
+    (:mod:`llmforge.data.token_cache`) never reads them. ``key`` names the documents for that
+    cache (``""``: not cacheable).
+    """
+
+    def __init__(self, train: Optional[AnyDataset] = None, val: Optional[AnyDataset] = None,
+                 fingerprint: str = "", files: tuple[str, ...] = (),
+                 storage_options: Optional[dict] = None, *,
+                 load: Optional[Callable[[], tuple[AnyDataset, Optional[AnyDataset]]]] = None,
+                 key: str = "") -> None:
+        self._splits = None if load is not None else (train, val)
+        self._load = load
+        self.fingerprint, self.key = fingerprint, key
+        self.files = files  # the local or remote files read (named by a read error)
+        self.storage_options = storage_options  # fsspec options of remote files (file_identities)
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the splits have been read."""
+        return self._splits is not None
+
+    def _read(self) -> tuple[AnyDataset, Optional[AnyDataset]]:
+        if self._splits is None:
+            assert self._load is not None
+            self._splits = self._load()
+        return self._splits
+
+    @property
+    def train(self) -> AnyDataset:
+        return self._read()[0]
+
+    @property
+    def val(self) -> Optional[AnyDataset]:
+        return self._read()[1]

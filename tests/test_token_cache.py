@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 from llmforge.config.schema import DataConfig
 from llmforge.data.datamodule import LLMDataModule, tokenize_documents
 from llmforge.data.sources import load_documents
-from llmforge.data.token_cache import entry_name
+from llmforge.data import token_cache
+from llmforge.data.token_cache import entry_name, lookup
 from llmforge.data.tokenizers import train_bpe_tokenizer
 
 
@@ -55,6 +56,27 @@ def test_second_start_reads_the_cache_not_the_documents(tmp_path):
     assert docs.loaded and len(list(cache.glob("*.json"))) == 2
 
 
+def test_one_lookup_serves_the_data_module(tmp_path, monkeypatch):
+    """The trainer looks the entry up once, before the run directory is written, and hands
+    the ids to the data module (``cached_tokens``), which then reads nothing."""
+    cfg = corpus(tmp_path)
+    tok = train_bpe_tokenizer([(tmp_path / "0.txt").read_text()], 300, tmp_path / "tok", "")
+    cache = tmp_path / "cache"
+    _, first = module(cfg, tok, cache)
+    reads, real = [], token_cache.read_entry
+    monkeypatch.setattr(token_cache, "read_entry", lambda *a: reads.append(a) or real(*a))
+    docs = load_documents(cfg, 0, lazy=True)
+    name, hit = lookup(cache, docs.key, tok)
+    assert name == entry_name(docs.key, tok) and hit is not None and len(reads) == 1
+    dm = LLMDataModule(docs, tok, seq_len=16, local_batch_size=2, micro_batch_size=2,
+                       eval_batches=1, seed=0, num_workers=0, dp_rank=0, dp_size=1,
+                       token_cache=cache, cached_tokens=hit)
+    dm.setup()
+    assert len(reads) == 1 and not docs.loaded
+    np.testing.assert_array_equal(dm.train_windows.tokens, first.train_windows.tokens)
+    assert lookup(None, docs.key, tok) == (None, None) and lookup(cache, "", tok) == (None, None)
+
+
 def test_changed_files_and_damaged_entries_are_tokenized_again(tmp_path):
     cfg = corpus(tmp_path)
     tok = train_bpe_tokenizer([(tmp_path / "0.txt").read_text()], 300, tmp_path / "tok", "")
@@ -77,6 +99,9 @@ def test_changed_files_and_damaged_entries_are_tokenized_again(tmp_path):
     assert docs.loaded and npy.stat().st_size > 100
     docs, dm = module(cfg, tok, cache)
     assert not docs.loaded
+    npy.write_bytes(b"")  # emptied (a crash before the data reached the disk)
+    docs, dm = module(cfg, tok, cache)
+    assert docs.loaded and npy.stat().st_size > 100
 
 
 def test_off_streaming_and_no_validation(tmp_path):

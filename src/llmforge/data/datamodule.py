@@ -38,7 +38,7 @@ from llmforge.data.prepared import PreparedSplits, PreparedWindows
 from llmforge.data.file_identity import file_identities
 from llmforge.data.sources import DocumentSplits
 from llmforge.data.streaming import StreamingWindows
-from llmforge.data.token_cache import entry_name, read_entry, write_entry
+from llmforge.data.token_cache import Splits, lookup, write_entry
 from llmforge.errors import DataError
 from llmforge.parallel.lightning_private import strategy_mesh
 from llmforge.parallel.mesh import dp_coordinates
@@ -99,6 +99,9 @@ class LLMDataModule(L.LightningDataModule):
             of raising.
         token_cache: the folder of the token cache of in-memory sources (``data.token_cache``;
             :mod:`llmforge.data.token_cache`); ``None`` tokenizes at every start.
+        cached_tokens: ``(train, val)`` ids of ``docs`` already read from that cache
+            (:func:`llmforge.data.token_cache.lookup`; the trainer reads it once, before the
+            run directory is written); ``None`` looks the cache up at ``setup``.
 
     Raises:
         DataError (at ``setup``): the training split holds fewer windows per rank than one
@@ -110,9 +113,10 @@ class LLMDataModule(L.LightningDataModule):
                  micro_batch_size: int, eval_batches: int, seed: int, num_workers: int = 1,
                  dp_rank: Optional[int] = None, dp_size: Optional[int] = None,
                  start_step: int = 0, resume_dir: Optional[str | Path] = None,
-                 allow_source_changes: bool = False, token_cache: Optional[Path] = None) -> None:
+                 allow_source_changes: bool = False, token_cache: Optional[Path] = None,
+                 cached_tokens: Optional[Splits] = None) -> None:
         super().__init__()
-        self.token_cache = token_cache
+        self.token_cache, self.cached_tokens = token_cache, cached_tokens
         self.docs, self.tokenizer = docs, tokenizer
         self.seq_len, self.local_batch_size = seq_len, local_batch_size
         self.micro_batch_size, self.eval_batches = micro_batch_size, eval_batches
@@ -199,12 +203,11 @@ class LLMDataModule(L.LightningDataModule):
     def _in_memory_tokens(self) -> tuple[np.ndarray, Optional[np.ndarray]]:
         """The packed ids of the train and validation documents (``None``: no validation
         split), read from the token cache when it holds them, else tokenized (and stored)."""
-        key = getattr(self.docs, "key", "")
-        name = entry_name(key, self.tokenizer) if key and self.token_cache is not None else None
-        if name is not None:
-            hit = read_entry(self.token_cache, name, token_dtype(self.tokenizer.vocab_size))
-            if hit is not None:
-                return hit
+        if self.cached_tokens is not None:
+            return self.cached_tokens
+        name, hit = lookup(self.token_cache, getattr(self.docs, "key", ""), self.tokenizer)
+        if hit is not None:
+            return hit
         train = tokenize_documents(self.docs.train, self.tokenizer)
         val = None if self.docs.val is None else tokenize_documents(self.docs.val, self.tokenizer)
         if name is not None:

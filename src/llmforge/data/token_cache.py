@@ -44,6 +44,16 @@ def entry_name(docs_key: str, tokenizer: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
+def lookup(cache_dir: Optional[Path], docs_key: str, tokenizer: Any) -> tuple[Optional[str], Optional[Splits]]:
+    """``(name, ids)``: the entry of the documents ``docs_key`` tokenized by ``tokenizer`` and
+    its ids (:func:`read_entry`), ``ids`` ``None`` on a miss; ``(None, None)`` when nothing
+    is cached (no cache folder, or documents without a key: hub, streaming and URL sources)."""
+    if not docs_key or cache_dir is None:
+        return None, None
+    name = entry_name(docs_key, tokenizer)
+    return name, read_entry(cache_dir, name, token_dtype(tokenizer.vocab_size))
+
+
 def read_entry(cache_dir: Path, name: str, dtype: np.dtype) -> Optional[Splits]:
     """The entry's ``(train, val)`` ids as read-only memory maps (``val`` is ``None`` for a run
     without a validation split), or ``None`` when the entry is missing, incomplete or damaged
@@ -53,7 +63,7 @@ def read_entry(cache_dir: Path, name: str, dtype: np.dtype) -> Optional[Splits]:
         splits = [None if meta["tokens"][s] is None else
                   np.load(cache_dir / f"{name}.{s}.npy", mmap_mode="r", allow_pickle=False)
                   for s in ("train", "val")]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, EOFError):  # EOFError: an empty .npy
         return None
     for ids, s in zip(splits, ("train", "val")):
         if ids is not None and (ids.ndim != 1 or ids.dtype != dtype or len(ids) != meta["tokens"][s]):

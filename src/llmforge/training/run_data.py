@@ -4,7 +4,7 @@ mixin, so a ``Trainer`` subclass still overrides any ``build_*`` method alone.""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 
 from llmforge.checkpoint import read_json
@@ -13,11 +13,10 @@ from llmforge.data.datamodule import LLMDataModule
 from llmforge.data.mixture import PreparedMixture
 from llmforge.data.mixture_sources import check_one_tokenizer, open_mixture
 from llmforge.data.prepared import check_tokenizer, open_prepared, PreparedSplits
-from llmforge.data.packing import token_dtype
 from llmforge.data.sft import load_conversations, SFTDataModule
 from llmforge.data.shakespeare import cache_root
 from llmforge.data.sources import DocumentSplits, iter_texts, load_documents, plain_options, tokenizer_cache_key
-from llmforge.data.token_cache import entry_name, read_entry
+from llmforge.data.token_cache import Splits, lookup
 from llmforge.data.tokenizers import build_tokenizer, check_vocab, load_saved, Tokenizer
 from llmforge.errors import ConfigError
 from llmforge.plugin import meta_model
@@ -67,15 +66,16 @@ class DataBuilders:
         """The folder of the token cache (``data.token_cache``), or ``None``."""
         return cache_root() / "tokens" if self.cfg.data.token_cache else None
 
-    def read_uncached_documents(self, docs: Any, tokenizer: Tokenizer) -> None:
-        """Read lazily loaded documents now unless the token cache holds their ids, so that a
-        source that cannot be read fails before the run directory is touched."""
-        if not isinstance(docs, DocumentSplits) or docs.loaded:
-            return
-        cache = self.token_cache()
-        if not (docs.key and cache is not None and read_entry(
-                cache, entry_name(docs.key, tokenizer), token_dtype(tokenizer.vocab_size))):
+    def cached_tokens(self, docs: Any, tokenizer: Tokenizer) -> Optional[Splits]:
+        """The ids of ``docs`` from the token cache (one read, handed to
+        :meth:`build_datamodule`), or ``None``; on a miss, lazily loaded documents are read
+        now, so that a source that cannot be read fails before the run directory is touched."""
+        if not isinstance(docs, DocumentSplits):
+            return None
+        _, hit = lookup(self.token_cache(), docs.key, tokenizer)
+        if hit is None and not docs.loaded:
             docs.train
+        return hit
 
     def build_tokenizer(self, docs: DocumentSplits) -> Tokenizer:
         """Build (or train and cache) the tokenizer and check it fits the model.
@@ -118,9 +118,11 @@ class DataBuilders:
         check_init_from_tokenizer(tok, self.cfg.model.get("init_from"))
         return tok
 
-    def build_datamodule(self, docs: Any, tokenizer: Tokenizer) -> LLMDataModule:
+    def build_datamodule(self, docs: Any, tokenizer: Tokenizer,
+                         cached_tokens: Optional[Splits] = None) -> LLMDataModule:
         """:class:`LLMDataModule` (pretraining windows) or, for ``data.task: sft``,
-        :class:`llmforge.data.sft.SFTDataModule` (masked, optionally packed rows)."""
+        :class:`llmforge.data.sft.SFTDataModule` (masked, optionally packed rows).
+        ``cached_tokens``: :meth:`cached_tokens`' ids of ``docs``, if any."""
         t = self.cfg.trainer
         start_step = int(read_json(self.resume_path, "trainer_state.json")["step"]) if self.resume_path else 0
         common = dict(seq_len=t.seq_len, start_step=start_step,
@@ -134,4 +136,4 @@ class DataBuilders:
                                  train_on_input=d.train_on_input, pad_id=d.pad_id, **common)
         return LLMDataModule(docs, tokenizer, resume_dir=self.resume_path,
                              allow_source_changes=self.cfg.checkpoint.allow_config_changes,
-                             token_cache=self.token_cache(), **common)
+                             token_cache=self.token_cache(), cached_tokens=cached_tokens, **common)

@@ -305,23 +305,24 @@ class Trainer(DataBuilders):
         callbacks, loggers = self.build_callbacks(), self.build_loggers()
         docs = self.build_documents()
         self.tokenizer = self.build_tokenizer(docs)
-        self.read_uncached_documents(docs, self.tokenizer)
+        cached_tokens = self.cached_tokens(docs, self.tokenizer)
         self.module = self.build_module()
         if self.cfg.model.get("init_from"):  # a source of another shape fails before any write
             check_initial_weights(meta_model(self.cfg), self.cfg.model.init_from)
         self.lock_run_dir()
         try:
-            self._setup_run(used, docs, callbacks, loggers)
+            self._setup_run(used, docs, cached_tokens, callbacks, loggers)
         except BaseException:
             self.run_lock.release()
             raise
 
-    def _setup_run(self, used: bool, docs: Any, callbacks: list[Any], loggers: list[Any]) -> None:
+    def _setup_run(self, used: bool, docs: Any, cached_tokens: Any, callbacks: list[Any],
+                   loggers: list[Any]) -> None:
         """The part of :meth:`setup` that writes the run directory (under its lock)."""
         self.prepare_run_dir(used)
         if self.is_rank_zero():
             self.tokenizer.save(self.run_dir / "tokenizer")
-        self.datamodule = self.build_datamodule(docs, self.tokenizer)
+        self.datamodule = self.build_datamodule(docs, self.tokenizer, cached_tokens)
         if isinstance(docs, PreparedMixture):  # data/<name>/tokens_seen in every logger's records
             callbacks.append(MixtureTokens([e["name"] for e in docs.entries], [e["share"] for e in docs.entries],
                                            self.cfg.run.seed, self.plan.global_batch_size, self.cfg.trainer.seq_len))

@@ -57,15 +57,16 @@ def estimate_memory(n_params: int, precision: str, strategy: Any, world_size: in
 
 def loss_bytes(tokens: int, vocab_size: int, precision: str) -> float:
     """Bytes the loss adds per rank at the step's peak (the end of a micro-batch's forward):
-    the logits in fp32 (the output, or autocast's bf16 output and its fp32 copy), the fp32
-    log-softmax the cross-entropy saves and its workspace, ``3 x 4 V`` bytes per token in every
-    precision, as simulated: ``4 V`` counted with the activations and ``8 V`` as temporaries
-    on the demo (fp32) and the 8B yaml (bf16-mixed). The logits are dropped before the backward
-    (:meth:`llmforge.training.module.LLMModule.forward_backward`), so the backward's peak is
-    lower. Not divided by ``tp``: the families' tensor-parallel plans gather the logits
-    (``Replicate``) and compute the loss as one process does (the estimate divided it, and
-    was 36 % low for the 70B yaml)."""
-    return float(tokens) * vocab_size * 3 * 4
+    the logits (``4 V`` bytes per token in fp32; under ``bf16-*`` their bf16 ``2 V`` and the
+    fp32 copy the loss reads, ``4 V``) and the fp32 log-probabilities the cross-entropy saves
+    (``4 V``): ``8 V`` in fp32, ``10 V`` in bf16. The backward adds none: it turns the saved
+    log-probabilities into the logits' gradient in place
+    (:func:`llmforge.training.cross_entropy.cross_entropy_sum`), and the logits are dropped
+    before it (:meth:`llmforge.training.module.LLMModule.forward_backward`). Not divided by
+    ``tp``: the families' tensor-parallel plans gather the logits (``Replicate``) and compute
+    the loss as one process does (the estimate divided it, and was 36 % low for the 70B
+    yaml)."""
+    return float(tokens) * vocab_size * (8 if precision == "fp32" else 10)
 
 
 def estimate_activations(model: Any, micro_batch_size: int, seq_len: int, precision: str,
@@ -183,7 +184,7 @@ def analytic_peak(cfg: Any, plan: Any, dims: Any, stage: Optional[StageShare] = 
     * activations: :func:`estimate_activations` of one micro-batch for the run's activation
       checkpointing (``selective`` per operator: what the policy saves, see below, plus one
       block recomputed; ``layer``: full on every ``every``-th block);
-    * temporaries: the loss's logits, fp32 log-softmax and gradients (:func:`estimate_activations`);
+    * temporaries: the loss's logits and fp32 log-probabilities (:func:`loss_bytes`);
     * or, where it is larger, the end of the backward: every gradient, plus under FSDP2 about
       2.5 blocks' unsharded gradients in reduction, and no activations.
 

@@ -18,7 +18,6 @@ from typing import Any, Optional, Sequence
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from llmforge import registry
@@ -33,6 +32,7 @@ from llmforge.parallel.transforms import fsdp_stage_root, pipeline_layout
 from llmforge.plugin import ModelContext, meta_model, run_pipeline
 from llmforge.training.aux_losses import AuxLosses
 from llmforge.training.bridge import put_first
+from llmforge.training.cross_entropy import cross_entropy_sum
 from llmforge.training.eval_loop import Evaluation
 from llmforge.training.gradients import GradientSteps
 from llmforge.training.host_malloc import release_free_heap, tune_host_malloc
@@ -149,7 +149,8 @@ class LLMModule(AuxLosses, Evaluation, GradientSteps, PipelineSteps, L.Lightning
 
     # ------------------------------------------------------------------ loss
     def compute_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed cross-entropy over target tokens and their count.
+        """Summed cross-entropy over target tokens and their count (``F.cross_entropy``'s value,
+        with a leaner backward: :func:`llmforge.training.cross_entropy.cross_entropy_sum`).
 
         Args:
             logits: ``[B, T, V]``.
@@ -160,8 +161,7 @@ class LLMModule(AuxLosses, Evaluation, GradientSteps, PipelineSteps, L.Lightning
             tokens of the whole accumulation window, so micro-batches with different target
             counts weigh each token equally.
         """
-        loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
-                                   ignore_index=IGNORE_INDEX, reduction="sum")
+        loss_sum = cross_entropy_sum(logits.flatten(0, 1), labels.flatten(), IGNORE_INDEX)
         return loss_sum, (labels != IGNORE_INDEX).sum()
 
     # -------------------------------------------------------------- training
@@ -268,7 +268,7 @@ class LLMModule(AuxLosses, Evaluation, GradientSteps, PipelineSteps, L.Lightning
                 self.micro_batch_loss(i, inputs[sl], labels[sl], None if doc_ids is None else doc_ids[sl])
                 self.event(Event.BEFORE_BACKWARD)
                 # the logits [b, T, V] go before backward: the loss's graph keeps what it needs
-                # (cross-entropy its log-softmax), so backward's peak does not hold them too
+                # (cross-entropy its log-probabilities), so backward's peak does not hold them too
                 st.outputs = None
                 self.backward_loss(st.loss * scale)
                 # nor may the graph the loss holds outlive the micro-batch: its nodes that

@@ -159,7 +159,7 @@ def choose_num_threads(override: Optional[int], local_world_size: int, worker_co
     env = os.environ if environ is None else environ
     own = explicit_threads(override, env)
     if own is not None:
-        return own[0], f"{own[1]} ({cores} cores available)"
+        return own[0], f"{own[1]}; {cores} cores available"
     local = max(1, local_world_size)
     if busy == MACHINE:
         busy = busy_cores() if machine_wide(cores) else None

@@ -81,11 +81,18 @@ def test_the_backward_makes_no_vocabulary_sized_tensor():
     assert lean <= 3.2 * plane  # z and its gradient, and the logits with the log-probabilities
 
 
-def test_compiled_and_dtensor_logits_use_the_standard_loss():
-    """Inside torch.compile the function is F.cross_entropy (inductor fuses it itself)."""
+def test_compiled_code_uses_the_standard_loss():
+    """Inside torch.compile the function is F.cross_entropy (inductor fuses it itself): the same
+    gradient bit for bit, and a retained graph may run its backward twice, which the lean
+    path refuses."""
     torch.manual_seed(1)
     logits, labels = torch.randn(16, 33), torch.randint(0, 33, (16,))
     compiled = torch.compile(cross_entropy_sum, backend="eager", fullgraph=True)
     loss, grad = _loss_and_grad(compiled, logits, labels)
     ref_loss, ref_grad = _loss_and_grad(_reference, logits, labels)
     assert torch.equal(loss, ref_loss) and torch.equal(grad, ref_grad)
+    z = logits.clone().requires_grad_()
+    twice = compiled(z, labels)
+    twice.backward(retain_graph=True)
+    twice.backward()
+    torch.testing.assert_close(z.grad, 2 * ref_grad / 0.37)

@@ -96,3 +96,29 @@ def test_compiled_code_uses_the_standard_loss():
     twice.backward(retain_graph=True)
     twice.backward()
     torch.testing.assert_close(z.grad, 2 * ref_grad / 0.37)
+
+
+def test_dtensor_logits_use_the_standard_loss(tmp_path):
+    """DTensor logits (a custom model's vocabulary-parallel output) take F.cross_entropy: its
+    value and gradient, and a retained graph backs twice (the lean path would refuse). A real
+    one-rank gloo group in this process."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    torch.manual_seed(2)
+    logits, labels = torch.randn(12, 17), torch.randint(0, 17, (12,))
+    labels[3] = IGNORE_INDEX
+    ref_loss, ref_grad = _loss_and_grad(_reference, logits, labels, scale=1.0)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        z = distribute_tensor(logits.clone(), mesh, [Replicate()]).requires_grad_()
+        loss = cross_entropy_sum(z, distribute_tensor(labels, mesh, [Replicate()]))
+        assert isinstance(loss, DTensor)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        torch.testing.assert_close(loss.full_tensor(), ref_loss)
+        torch.testing.assert_close(z.grad.full_tensor(), 2 * ref_grad)
+    finally:
+        dist.destroy_process_group()

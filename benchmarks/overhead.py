@@ -50,6 +50,20 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def side_by_side_barrier(timeout_s: float = 1800) -> None:
+    """``peers.py --side-by-side``: after its last warm-up step, a run waits here until the run
+    beside it has finished its warm-up too (a file each in ``$PEERS_BARRIER``; the parent adds
+    one when a run ends early), so that both timed windows start together and neither times its
+    steps against the other's compilation. Does nothing when ``$PEERS_BARRIER`` is unset."""
+    folder = os.environ.get("PEERS_BARRIER")
+    if not folder:
+        return
+    Path(folder, f"ready-{os.getpid()}").touch()
+    deadline = time.monotonic() + timeout_s
+    while len(os.listdir(folder)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def worker_llmforge(overrides: list[str], steps: int, warmup: int, work: Path) -> dict:
     from lightning.pytorch.callbacks import Callback
 
@@ -59,6 +73,8 @@ def worker_llmforge(overrides: list[str], steps: int, warmup: int, work: Path) -
 
     class Clock(Callback):  # wall time at the end of each step: the same span as the bare loop
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == warmup:
+                side_by_side_barrier()
             marks[trainer.global_step] = time.perf_counter()
 
     trainer = Trainer(config(overrides, steps, work), overwrite=True)

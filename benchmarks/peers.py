@@ -45,9 +45,10 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import REPO, SMOKE, config, peak_rss_mib, worker_llmforge  # noqa: E402
+from overhead import REPO, SMOKE, config, peak_rss_mib, side_by_side_barrier, worker_llmforge  # noqa: E402
 
 COMPILE = "{name: compile}"  # llmforge's compiled variant: algorithms=[<this>]
 # (trainer, mode): the llmforge variant of the same mode is the reference for a peer's ratio
@@ -111,14 +112,19 @@ def prepared(overrides: list[str], steps: int, work: Path, text: bool = False) -
 
 class StepClock:
     """Wall time after every optimizer step of any torch optimizer in this process (a global
-    ``torch.optim`` post-hook), whichever trainer drives it."""
+    ``torch.optim`` post-hook), whichever trainer drives it; side by side, the ``warmup``-th
+    step waits for the run beside it first (:func:`side_by_side_barrier`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, warmup: int) -> None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self.marks: list[float] = []
-        self._handle = register_optimizer_step_post_hook(lambda *a, **k: self.marks.append(
-            time.perf_counter()))
+        self._handle = register_optimizer_step_post_hook(lambda *a, **k: self._mark(warmup))
+
+    def _mark(self, warmup: int) -> None:
+        if len(self.marks) == warmup - 1:
+            side_by_side_barrier()
+        self.marks.append(time.perf_counter())
 
     def tokens_per_second(self, steps: int, warmup: int, tokens_per_step: int) -> float:
         if len(self.marks) != steps:
@@ -156,7 +162,7 @@ def worker_lightning(overrides: list[str], steps: int, warmup: int, work: Path) 
             sched = build_scheduler(opt, cfg.scheduler, steps)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
-    clock = StepClock()
+    clock = StepClock(warmup)
     trainer = L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=steps,
                         accumulate_grad_batches=plan.gradient_accumulation_steps,
                         gradient_clip_val=cfg.trainer.gradient_clip_val,
@@ -207,7 +213,7 @@ def worker_litgpt(overrides: list[str], steps: int, warmup: int, work: Path,
     if not compiled:  # pretrain calls torch.compile(model) unconditionally
         torch.compile = lambda model=None, **kwargs: model
     o = cfg.optimizer
-    clock = StepClock()
+    clock = StepClock(warmup)
     pretrain.setup(
         model_name="llmforge-demo", model_config=model_config, out_dir=work / "litgpt",
         precision="32-true", data=Windows(), devices=1, logger_name="csv", seed=cfg.run.seed,
@@ -289,7 +295,7 @@ def worker_torchtitan(overrides: list[str], steps: int, warmup: int, work: Path,
     tc.validator.enable = False
     tc.metrics.log_freq = cfg.trainer.log_every
     tc.compile.enable = compiled
-    clock = StepClock()
+    clock = StepClock(warmup)
     trainer = tc.build()
     try:
         trainer.train()
@@ -298,24 +304,62 @@ def worker_torchtitan(overrides: list[str], steps: int, warmup: int, work: Path,
     return {"tokens_per_second": clock.tokens_per_second(steps, warmup, plan.tokens_per_step)}
 
 
-def run_worker(trainer: str, mode: str, overrides: list[str], steps: int, warmup: int,
-               threads: int) -> dict:
-    """One run in a fresh subprocess: its result, or ``{"error": ...}`` (the exception, or the
-    end of stderr when the process died without one)."""
+def start_worker(trainer: str, mode: str, overrides: list[str], steps: int, warmup: int,
+                 threads: int, cores: Optional[list[int]] = None,
+                 env: Optional[dict] = None) -> subprocess.Popen:
+    """Start one run in a fresh subprocess, pinned to ``cores`` when given (Linux affinity,
+    inherited by its compile and data workers)."""
     cmd = [sys.executable, __file__, "--worker", trainer, "--mode", mode, "--steps", str(steps),
            "--warmup", str(warmup), "--overrides", json.dumps(overrides)]
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": str(threads)}
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": str(threads), **(env or {})}
+    pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO, env=env, preexec_fn=pin)
+
+
+def finish_worker(proc: subprocess.Popen, t0: float) -> dict:
+    """Wait for a run of :func:`start_worker`: its result, or ``{"error": ...}`` (the
+    exception, or the end of stderr when the process died without one)."""
+    stdout, stderr = proc.communicate()
     wall = time.perf_counter() - t0
-    lines = proc.stdout.strip().splitlines()
+    lines = stdout.strip().splitlines()
     try:
         out = json.loads(lines[-1]) if lines else None
     except json.JSONDecodeError:
         out = None
     if isinstance(out, dict) and ("tokens_per_second" in out or "error" in out):
         return {**out, "wall_s": wall}
-    return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-1500:]}"}
+    return {"error": f"exit {proc.returncode}: {stderr.strip()[-1500:]}"}
+
+
+def run_worker(trainer: str, mode: str, overrides: list[str], steps: int, warmup: int,
+               threads: int) -> dict:
+    """One run alone, in a fresh subprocess (:func:`start_worker`, :func:`finish_worker`)."""
+    t0 = time.perf_counter()
+    return finish_worker(start_worker(trainer, mode, overrides, steps, warmup, threads), t0)
+
+
+def run_side_by_side(pair: list[tuple[str, str]], overrides: list[list[str]], steps: int,
+                     warmup: int, threads: int, cores: list[list[int]]) -> list[dict]:
+    """Two runs at once, each pinned to its own ``cores`` with ``threads`` compute threads;
+    both start timing together after their warm-up (:func:`side_by_side_barrier`). Inductor
+    compiles with as many workers as the machine has cores, as it would for a run alone."""
+    with tempfile.TemporaryDirectory(prefix="peers-barrier-") as barrier:
+        env = {"PEERS_BARRIER": barrier,
+               "TORCHINDUCTOR_COMPILE_THREADS": os.environ.get("TORCHINDUCTOR_COMPILE_THREADS",
+                                                               str(os.cpu_count() or 1))}
+        t0 = time.perf_counter()
+        procs = [start_worker(*v, o, steps, warmup, threads, c, env)
+                 for v, o, c in zip(pair, overrides, cores)]
+
+        def finish(proc: subprocess.Popen) -> dict:
+            out = finish_worker(proc, t0)
+            # a run that ended (done, or failed before its barrier) frees the one beside it
+            Path(barrier, f"ended-{proc.pid}").touch()
+            return out
+
+        with ThreadPoolExecutor(2) as pool:
+            return list(pool.map(finish, procs))
 
 
 def worker_main(args) -> int:
@@ -356,8 +400,12 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=5, help="measured rounds (after a warm-up round)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count()),
-                    help="OMP_NUM_THREADS of every run (default: $OMP_NUM_THREADS or all cores)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="OMP_NUM_THREADS of every run (default: $OMP_NUM_THREADS or all cores; "
+                         "side by side: half the cores)")
+    ap.add_argument("--side-by-side", action="store_true",
+                    help="run each peer at the same time as an llmforge run of the same mode, each "
+                         "pinned to its own half of the cores, swapped every round")
     ap.add_argument("--only", default="", help="comma-separated peers to run (default: all installed)")
     ap.add_argument("--no-compiled", action="store_true", help="eager variants only")
     ap.add_argument("--llmforge-compile", default=COMPILE, metavar="YAML",
@@ -370,6 +418,14 @@ def main() -> int:
     args = ap.parse_args()
     if args.worker:
         return worker_main(args)
+    cores = sorted(os.sched_getaffinity(0))
+    if args.threads is None:
+        args.threads = (max(1, len(cores) // 2) if args.side_by_side else
+                        int(os.environ.get("OMP_NUM_THREADS") or len(cores)))
+    if args.side_by_side and len(cores) < 2 * args.threads:
+        print(f"--side-by-side: two runs of {args.threads} threads need {2 * args.threads} cores; "
+              f"this process may use {len(cores)}", file=sys.stderr)
+        return 2
 
     # llmforge evaluates before the first and after the last step, outside the timed steps (the
     # peers do not): one batch is enough there
@@ -393,6 +449,7 @@ def main() -> int:
 
     print(f"model: {'smoke' if args.smoke else 'demo (yamls/demo_cpu.yaml)'}; {args.pairs} rounds x "
           f"{args.steps} steps ({args.warmup} warm-up); OMP_NUM_THREADS={args.threads}; "
+          f"{'side by side, ' + str(len(cores)) + ' cores; ' if args.side_by_side else ''}"
           f"torch {torch.__version__}; {' '.join(_versions(peers))}; llmforge compiled = "
           f"algorithms=[{args.llmforge_compile}]", flush=True)
 
@@ -404,9 +461,12 @@ def main() -> int:
     cache = tempfile.TemporaryDirectory(prefix="peers-rows-")
     os.environ["PEERS_ROWS_CACHE"] = cache.name
     os.environ["PEERS_ROWS_STEPS"] = str(args.steps)  # the warm-up round builds the measured rows
+    rounds = args.pairs + (0 if args.smoke else 1)  # the first round warms caches, runs short
+    if args.side_by_side:
+        return side_by_side_main(args, [v for v in variants if v[0] != "llmforge"],
+                                 run_overrides, rounds, cores)
     results: dict[tuple[str, str], list[dict]] = {v: [] for v in variants}
     errors: dict[tuple[str, str], str] = {}
-    rounds = args.pairs + (0 if args.smoke else 1)  # the first round warms caches, runs short
     for r in range(rounds):
         warm = r == 0 and not args.smoke
         steps = args.warmup + 2 if warm else args.steps
@@ -451,6 +511,58 @@ def main() -> int:
                    / max(o["peak_rss_mib"] for o in rs))
             print(f"ratio llmforge/{v[0]} ({v[1]}): median {statistics.median(ratios):.3f} "
                   f"(min {min(ratios):.3f}, max {max(ratios):.3f}); peak RSS ratio {rss:.3f}")
+    for v, err in errors.items():
+        print(f"{v[0]} ({v[1]}): cannot run: {err.splitlines()[0] if err else err}")
+    return 0
+
+
+def side_by_side_main(args, peer_variants: list[tuple[str, str]], run_overrides, rounds: int,
+                      cores: list[int]) -> int:
+    """``--side-by-side``: every round runs each peer variant at the same time as an llmforge
+    run of its mode (:func:`run_side_by_side`), the two on disjoint halves of the cores, which
+    swap every round; the ratio is taken within each pair, so a drift of the machine's speed
+    hits both of its runs. The run that finishes first leaves the other alone for its last
+    steps, which favours the slower of the two."""
+    t = args.threads
+    halves = [cores[:t], cores[t:2 * t]]
+    results: dict[tuple[str, str], list[tuple[dict, dict]]] = {v: [] for v in peer_variants}
+    errors: dict[tuple[str, str], str] = {}
+    for r in range(rounds):
+        warm = r == 0 and not args.smoke
+        steps = args.warmup + 2 if warm else args.steps
+        order = [v for v in peer_variants if v not in errors]
+        if r % 2:
+            order = order[::-1]
+        pin = halves if r % 2 == 0 else halves[::-1]
+        for v in order:
+            ref = ("llmforge", v[1])
+            ours, peer = run_side_by_side([ref, v], [run_overrides(ref), run_overrides(v)], steps,
+                                          args.warmup, t, pin)
+            if "error" in ours:
+                raise RuntimeError(f"llmforge ({v[1]}) failed: {ours['error']}")
+            label = f"{v[0]} ({v[1]})"
+            if "error" in peer:
+                errors[v] = peer["error"]
+                print(f"  {label}: cannot run: {peer['error']}", flush=True)
+                continue
+            print(f"  round {r}{' (warm-up, not counted)' if warm else ''}: {label:22s} "
+                  f"{peer['tokens_per_second']:9.1f} tokens/s on cores {pin[1]}, llmforge beside it "
+                  f"{ours['tokens_per_second']:9.1f} on {pin[0]}: ratio "
+                  f"{ours['tokens_per_second'] / peer['tokens_per_second']:.3f}", flush=True)
+            if not warm:
+                results[v].append((ours, peer))
+    print()
+    for v, pairs in results.items():
+        if v in errors or not pairs:
+            continue
+        ratios = [o["tokens_per_second"] / p["tokens_per_second"] for o, p in pairs]
+        rss = max(o["peak_rss_mib"] for o, _ in pairs) / max(p["peak_rss_mib"] for _, p in pairs)
+        print(f"{v[0] + ' (' + v[1] + ')':22s} median {statistics.median(p['tokens_per_second'] for _, p in pairs):9.1f} "
+              f"tokens/s (llmforge beside it {statistics.median(o['tokens_per_second'] for o, _ in pairs):9.1f})   "
+              f"peak RSS {max(p['peak_rss_mib'] for _, p in pairs):7.0f} MiB "
+              f"(llmforge {max(o['peak_rss_mib'] for o, _ in pairs):7.0f})")
+        print(f"ratio llmforge/{v[0]} ({v[1]}): median {statistics.median(ratios):.3f} "
+              f"(min {min(ratios):.3f}, max {max(ratios):.3f}); peak RSS ratio {rss:.3f}")
     for v, err in errors.items():
         print(f"{v[0]} ({v[1]}): cannot run: {err.splitlines()[0] if err else err}")
     return 0

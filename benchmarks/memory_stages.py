@@ -6,8 +6,9 @@
 One process, the work of ``benchmarks/peers.py`` (demo model, data, batch; llmforge exactly as
 ``overhead.py`` runs it, the Lightning peer on the packed windows ``peers.prepared`` builds or
 reads from ``$PEERS_ROWS_CACHE``). Prints, after each import and each stage (llmforge: every
-``Trainer.build_*``, the data module's ``setup``, ``configure_model``, ``configure_optimizers``,
-each evaluation and training step; the peer: the prepared rows, ``fit``, steps), the process's
+``Trainer.build_*``, ``cached_tokens`` (the in-memory ids read or tokenized), the data
+module's ``setup``, ``configure_model``, ``configure_optimizers``, each evaluation and
+training step; the peer: the prepared rows, ``fit``, steps), the process's
 ``VmRSS``, ``VmHWM`` (peak so far), ``RssAnon`` and ``RssFile`` in MiB from
 ``/proc/self/status`` (Linux). Peak RSS hardly depends on the machine's load, so this runs on a
 busy machine. Extra arguments are llmforge config overrides (``trainer.malloc_tuning=false``).
@@ -88,7 +89,7 @@ def main() -> int:
 
         mem("import llmforge")
         for name in ("build_callbacks", "build_loggers", "build_documents", "build_tokenizer",
-                     "build_module", "build_datamodule", "build_lightning_trainer"):
+                     "cached_tokens", "build_module", "build_datamodule", "build_lightning_trainer"):
             wrap(Trainer, name)
         wrap(LLMDataModule, "setup")
         for name in ("configure_model", "configure_optimizers", "evaluate"):

@@ -2,6 +2,7 @@
 
     python benchmarks/peers.py                    # demo model, 5 interleaved rounds after a warm-up round
     python benchmarks/peers.py --pairs 7 --steps 25
+    python benchmarks/peers.py --side-by-side     # each peer at the same time as llmforge, one core each
     python benchmarks/peers.py --smoke            # tiny, for the test suite (only the peers installed)
 
 The work is the demo model of ``yamls/demo_cpu.yaml`` (Llama dim 256, 4 blocks, 8 heads / 4 KV
@@ -27,7 +28,10 @@ fresh subprocess with the same ``OMP_NUM_THREADS``; a round runs every variant o
 reversed every other round, so no variant always follows another); tokens/s counts the optimizer
 steps after the first ``--warmup`` ones (compilation falls in the warm-up). The ratio
 llmforge / peer is taken per round, eager against eager and compiled against compiled, and
-printed as its median with min-max over the rounds.
+printed as its median with min-max over the rounds. ``--side-by-side`` runs each peer at the
+same time as an llmforge run of its mode instead, on disjoint halves of the cores swapped
+every round, so that the machine's drift hits both runs of a ratio
+(:func:`side_by_side_main`).
 """
 
 from __future__ import annotations

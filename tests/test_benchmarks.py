@@ -58,18 +58,43 @@ def test_compile_cpu_smoke(tmp_path):
         assert variant in table
 
 
-def test_peers_smoke():
+@pytest.mark.parametrize("mode", ["one after another", "side by side"])
+def test_peers_smoke(mode):
     """peers.py runs the peers installed here (plain Lightning always; LitGPT and torchtitan only
-    where their packages are, never in CI) and says which it skipped."""
-    proc = run_script("benchmarks/peers.py", "--smoke")
+    where their packages are, never in CI) and says which it skipped; ``--side-by-side`` runs
+    each beside an llmforge run, one core each."""
+    if mode == "side by side" and len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("--side-by-side needs two cores; this process may use one")
+    proc = run_script("benchmarks/peers.py", "--smoke", *(["--side-by-side"] if mode == "side by side" else []))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "ratio llmforge/lightning (eager)" in proc.stdout
+    assert ("llmforge beside it" in proc.stdout) == (mode == "side by side"), proc.stdout
     for package in ("litgpt", "torchtitan"):
         if importlib.util.find_spec(package) is None:
             assert f"{package}: skipped: {package} not installed" in proc.stdout
         else:
             assert f"ratio llmforge/{package} (eager)" in proc.stdout or \
                 f"{package} (eager): cannot run:" in proc.stdout
+
+
+def test_side_by_side_barrier(tmp_path, monkeypatch):
+    """A run waits after its warm-up until the run beside it has marked its own (or the parent
+    has marked it ended); without ``$PEERS_BARRIER`` it does not wait."""
+    import time
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from overhead import side_by_side_barrier
+
+    t0 = time.monotonic()
+    side_by_side_barrier(timeout_s=5)  # no $PEERS_BARRIER: returns at once
+    monkeypatch.setenv("PEERS_BARRIER", str(tmp_path))
+    side_by_side_barrier(timeout_s=0.2)  # alone: waits until its timeout
+    waited = time.monotonic() - t0
+    assert 0.2 <= waited < 2 and [p.name for p in tmp_path.iterdir()] == [f"ready-{os.getpid()}"]
+    (tmp_path / "ended-1").touch()  # the other run ended (or marked itself ready)
+    t0 = time.monotonic()
+    side_by_side_barrier(timeout_s=5)
+    assert time.monotonic() - t0 < 1
 
 
 def test_chunked_ce_memory_smoke():

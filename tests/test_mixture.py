@@ -3,7 +3,6 @@ and on another world size, per-source tokens in the metrics, bad weights exit 2.
 
 import json
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from llmforge.models.llama3.config import Llama3Config as ModelConfig
 from llmforge.errors import ConfigError

@@ -160,6 +160,19 @@ def test_overwrite_replaces_an_old_run_keeps_foreign_files_and_expands_home(tmp_
     assert (run / LOCK).read_text() == "" and not (tmp_path / "~").exists()
 
 
+def test_overwrite_keeps_the_old_run_when_the_new_data_is_too_small(tmp_path, capsys):
+    """``--overwrite`` deletes the old run only once the new run's data is checked: a corpus too
+    small for one optimizer step exits 2 naming the sizes, and the old run stays as it was."""
+    run = tmp_path / "runs" / "r"
+    before = old_run(run)
+    (tmp_path / "small.txt").write_text("only a few words here. " * 40)
+    assert train(tmp_path, "data.source=files", f"data.path={tmp_path / 'small.txt'}",
+                 "data.val_fraction=0", "--overwrite") == 2
+    err = capsys.readouterr().err
+    assert "data: the training split has" in err and "one optimizer step needs 16 per rank" in err, err
+    assert "Traceback" not in err and files(run) == before
+
+
 @pytest.mark.parametrize("name", [LOCK, MARK])
 def test_a_linked_lock_or_mark_in_a_shared_run_is_never_written_through(tmp_path, capsys, name):
     """A run directory someone shared with ``.llmforge-lock -> ~/.bashrc`` (or a dangling

@@ -73,7 +73,7 @@ def test_invalid_utf8_names_file_and_line(tmp_path, fmt):
     good, bad = ('{"text": "fine"}', b'{"text": "caf\xe9 au lait"}') if fmt == "jsonl" else \
         ("fine", b"caf\xe9 au lait")
     path = tmp_path / f"d.{fmt}"
-    path.write_bytes(((f"text\n" if fmt == "csv" else "") + f"{good}\n{good}\n").encode() + bad + b"\n")
+    path.write_bytes((("text\n" if fmt == "csv" else "") + f"{good}\n{good}\n").encode() + bad + b"\n")
     line = 4 if fmt == "csv" else 3
     with pytest.raises(DataError, match=rf"{path} line {line} is not valid UTF-8 \(byte 0xe9 at column"):
         load_documents(data_cfg(source="files", path=str(path), val_fraction=0), 0)

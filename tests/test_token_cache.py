@@ -5,7 +5,7 @@ and written again when damaged."""
 import os
 
 import numpy as np
-from conftest import REPO
+from conftest import DEMO, REPO, TINY_OVERRIDES
 from omegaconf import OmegaConf
 
 from llmforge.config.schema import DataConfig
@@ -56,24 +56,39 @@ def test_second_start_reads_the_cache_not_the_documents(tmp_path):
     assert docs.loaded and len(list(cache.glob("*.json"))) == 2
 
 
-def test_one_lookup_serves_the_data_module(tmp_path, monkeypatch):
-    """The trainer looks the entry up once, before the run directory is written, and hands
-    the ids to the data module (``cached_tokens``), which then reads nothing."""
-    cfg = corpus(tmp_path)
+def test_the_trainer_reads_the_ids_once(tmp_path, monkeypatch):
+    """The trainer reads (or tokenizes and stores) the ids once, before the run directory is
+    written (``cached_tokens``), and hands them to the data module, which reads nothing more:
+    on a miss, one failed read and the entry written; on a hit, one read and the documents
+    never opened."""
+    from llmforge import Trainer, load_config
+
+    corpus(tmp_path)
+    monkeypatch.setenv("LLMFORGE_CACHE", str(tmp_path / "llmforge-cache"))
+    cfg = load_config(DEMO, [*TINY_OVERRIDES, f"run.output_dir={tmp_path / 'runs'}", "data.source=files",
+                             f"data.path={tmp_path / '*.txt'}", "data.val_fraction=0.34",
+                             "variables.seq_len=16", "trainer.global_batch_size=2",
+                             "trainer.micro_batch_size=2"])
     tok = train_bpe_tokenizer([(tmp_path / "0.txt").read_text()], 300, tmp_path / "tok", "")
-    cache = tmp_path / "cache"
-    _, first = module(cfg, tok, cache)
     reads, real = [], token_cache.read_entry
     monkeypatch.setattr(token_cache, "read_entry", lambda *a: reads.append(a) or real(*a))
-    docs = load_documents(cfg, 0, lazy=True)
-    name, hit = lookup(cache, docs.key, tok)
-    assert name == entry_name(docs.key, tok) and hit is not None and len(reads) == 1
-    dm = LLMDataModule(docs, tok, seq_len=16, local_batch_size=2, micro_batch_size=2,
-                       eval_batches=1, seed=0, num_workers=0, dp_rank=0, dp_size=1,
-                       token_cache=cache, cached_tokens=hit)
-    dm.setup()
-    assert len(reads) == 1 and not docs.loaded
-    np.testing.assert_array_equal(dm.train_windows.tokens, first.train_windows.tokens)
+    trainer = Trainer(cfg)
+    cache = trainer.token_cache()
+
+    def setup():  # Trainer.setup's data steps, in its order
+        docs = trainer.build_documents()
+        ids = trainer.cached_tokens(docs, tok)
+        dm = trainer.build_datamodule(docs, tok, ids)
+        dm.setup()
+        return docs, dm
+
+    docs, first = setup()
+    assert len(reads) == 1 and docs.loaded and (cache / f"{entry_name(docs.key, tok)}.json").exists()
+    docs, again = setup()
+    assert len(reads) == 2 and not docs.loaded
+    assert isinstance(again.train_windows.tokens, np.memmap)
+    np.testing.assert_array_equal(again.train_windows.tokens, first.train_windows.tokens)
+    np.testing.assert_array_equal(again.val_windows.tokens, first.val_windows.tokens)
     assert lookup(None, docs.key, tok) == (None, None) and lookup(cache, "", tok) == (None, None)
 
 

@@ -12,7 +12,7 @@ from llmforge.checkpoint.hf import load_hf_weights, model_overrides_from_hf, rea
 from llmforge.checkpoint.run_dir import export_order, load_model
 from llmforge.config import save_config, structured_config
 from llmforge.data.tokenizers import HFTokenizer
-from llmforge.errors import ConfigError, LLMForgeError
+from llmforge.errors import ConfigError
 from llmforge.models.spec import get_spec
 from llmforge.paths import all_or_nothing
 from llmforge.run_guard import LOCK, MARK, RunLock, check_run_dir, clear_run_dir

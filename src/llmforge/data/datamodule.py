@@ -32,8 +32,8 @@ from torch.utils.data import ConcatDataset, DataLoader
 from llmforge.data.loader import PositionedLoader
 from llmforge.data.mixture import (MixtureSampler, MixtureStream, MixtureWindows, PreparedMixture,
                                    mixture_windows)
-from llmforge.data.packing import (PIECE_CHARS, PackedWindows, ShardedSampler, encode_packed,
-                                   token_dtype)
+from llmforge.data.packing import (PIECE_CHARS, PackedWindows, ShardedSampler, check_split_sizes,
+                                   encode_packed, token_dtype)
 from llmforge.data.prepared import PreparedSplits, PreparedWindows
 from llmforge.data.file_identity import file_identities
 from llmforge.data.sources import DocumentSplits
@@ -58,6 +58,20 @@ def ignore_stop_signals(worker_id: int) -> None:
         from lightning.fabric.utilities.seed import pl_worker_init_function
 
         pl_worker_init_function(worker_id)
+
+
+def in_memory_tokens(docs: DocumentSplits, tokenizer: Any, token_cache: Optional[Path]) -> Splits:
+    """The packed ids ``(train, val)`` of in-memory documents (``val`` ``None``: no validation
+    split), read from the token cache (:mod:`llmforge.data.token_cache`) when it holds them,
+    else tokenized and stored there (``token_cache`` ``None``: tokenized, not stored)."""
+    name, hit = lookup(token_cache, getattr(docs, "key", ""), tokenizer)
+    if hit is not None:
+        return hit
+    train = tokenize_documents(docs.train, tokenizer)
+    val = None if docs.val is None else tokenize_documents(docs.val, tokenizer)
+    if name is not None:
+        write_entry(token_cache, name, train, val)
+    return train, val
 
 
 def tokenize_documents(ds: Any, tokenizer: Any, batch_size: int = 512,
@@ -99,13 +113,14 @@ class LLMDataModule(L.LightningDataModule):
             of raising.
         token_cache: the folder of the token cache of in-memory sources (``data.token_cache``;
             :mod:`llmforge.data.token_cache`); ``None`` tokenizes at every start.
-        cached_tokens: ``(train, val)`` ids of ``docs`` already read from that cache
-            (:func:`llmforge.data.token_cache.lookup`; the trainer reads it once, before the
-            run directory is written); ``None`` looks the cache up at ``setup``.
+        cached_tokens: ``(train, val)`` ids of ``docs`` the caller already has
+            (:func:`in_memory_tokens`: the trainer reads or tokenizes them once and checks
+            their size before the run directory is written); ``None`` gets them at ``setup``.
 
     Raises:
         DataError (at ``setup``): the training split holds fewer windows per rank than one
-        optimizer step needs; the message gives the token and window counts. (At the first
+        optimizer step needs, or the validation split less than one window per rank
+        (:func:`llmforge.data.packing.check_split_sizes`). (At the first
         batch of a resume:) a streaming source's files changed since the checkpoint.
     """
 
@@ -169,14 +184,10 @@ class LLMDataModule(L.LightningDataModule):
             n_tokens = self.train_tokens = len(tokens)
             self.train_windows = PackedWindows(tokens, self.seq_len)
         # a stream has no length (each prepared entry was checked to hold a window)
-        per_rank = None if isinstance(self.train_windows, MixtureStream) else len(self.train_windows) // world
-        if per_rank is not None and per_rank < self.local_batch_size:
-            raise DataError(
-                f"data: the training split has {n_tokens:,} tokens = {len(self.train_windows)} "
-                f"windows of seq_len+1={self.seq_len + 1} tokens, {per_rank} per data-parallel "
-                f"rank ({world} ranks), but one optimizer step needs {self.local_batch_size} per "
-                "rank; use more text, a smaller trainer.seq_len or trainer.global_batch_size"
-            )
+        if not isinstance(self.train_windows, MixtureStream):
+            check_split_sizes(n_tokens, self.seq_len, world, self.local_batch_size,
+                              train_windows=len(self.train_windows),
+                              val_tokens=None if val_tokens is None else len(val_tokens))
         if isinstance(self.docs, (PreparedSplits, PreparedMixture)):
             # a mixture evaluates on its prepared entries' val windows only (docs/data.md)
             parts = self.docs.prepared if isinstance(self.docs, PreparedMixture) else [self.docs]
@@ -193,26 +204,11 @@ class LLMDataModule(L.LightningDataModule):
                       "with a larger data.val_fraction", file=sys.stderr, flush=True)
         elif val_tokens is not None:
             self.val_windows = PackedWindows(val_tokens, self.seq_len)
-            if len(self.val_windows) < world:
-                raise DataError(
-                    f"data: the validation split has {len(val_tokens):,} tokens, fewer than one "
-                    f"window of {self.seq_len + 1} tokens per rank ({world} ranks); raise "
-                    "data.val_fraction or set data.val_fraction=0 to skip validation"
-                )
 
-    def _in_memory_tokens(self) -> tuple[np.ndarray, Optional[np.ndarray]]:
-        """The packed ids of the train and validation documents (``None``: no validation
-        split), read from the token cache when it holds them, else tokenized (and stored)."""
+    def _in_memory_tokens(self) -> Splits:
         if self.cached_tokens is not None:
             return self.cached_tokens
-        name, hit = lookup(self.token_cache, getattr(self.docs, "key", ""), self.tokenizer)
-        if hit is not None:
-            return hit
-        train = tokenize_documents(self.docs.train, self.tokenizer)
-        val = None if self.docs.val is None else tokenize_documents(self.docs.val, self.tokenizer)
-        if name is not None:
-            write_entry(self.token_cache, name, train, val)
-        return train, val
+        return in_memory_tokens(self.docs, self.tokenizer, self.token_cache)
 
     def train_dataloader(self) -> DataLoader:
         rank, world = self._coords()

@@ -14,7 +14,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
-from llmforge.errors import ConfigError, DataError
+from llmforge.errors import DataError
 
 from llmforge.config.mixture import mixture_entries
 from llmforge.config.redaction import scrub_url_credentials

@@ -8,11 +8,13 @@ labels ``w[1:]`` (the label shift), both ``seq_len`` tokens long.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
+
+from llmforge.errors import DataError
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -117,6 +119,31 @@ def encode_packed(tokenizer: Any, texts: Iterable[str], dtype: np.dtype,
 def num_windows(n_tokens: int, seq_len: int) -> int:
     """Windows of ``seq_len + 1`` tokens in a stream of ``n_tokens``: ``n_tokens // (seq_len + 1)``."""
     return n_tokens // (seq_len + 1)
+
+
+def check_split_sizes(train_tokens: int, seq_len: int, world: int, local_batch_size: int, *,
+                      train_windows: Optional[int] = None, val_tokens: Optional[int] = None) -> None:
+    """Check that a training split of ``train_tokens`` tokens (``train_windows`` windows of
+    ``seq_len + 1``; default: packed, :func:`num_windows`) feeds one optimizer step of
+    ``local_batch_size`` windows on each of ``world`` data-parallel ranks, and that a packed
+    validation split of ``val_tokens`` (``None``: none) holds a window per rank.
+
+    Raises:
+        DataError: either split is too small; the message gives the token and window counts
+            and the keys that fix it.
+    """
+    n = num_windows(train_tokens, seq_len) if train_windows is None else train_windows
+    if n // world < local_batch_size:
+        raise DataError(
+            f"data: the training split has {train_tokens:,} tokens = {n} windows of "
+            f"seq_len+1={seq_len + 1} tokens, {n // world} per data-parallel rank ({world} ranks), "
+            f"but one optimizer step needs {local_batch_size} per rank; use more text, a smaller "
+            "trainer.seq_len or trainer.global_batch_size")
+    if val_tokens is not None and num_windows(val_tokens, seq_len) < world:
+        raise DataError(
+            f"data: the validation split has {val_tokens:,} tokens, fewer than one window of "
+            f"{seq_len + 1} tokens per rank ({world} ranks); raise data.val_fraction or set "
+            "data.val_fraction=0 to skip validation")
 
 
 class PackedWindows(Dataset):

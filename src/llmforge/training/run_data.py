@@ -9,14 +9,15 @@ from typing import Any, Optional
 
 from llmforge.checkpoint import read_json
 from llmforge.data.chat import build_chat_template
-from llmforge.data.datamodule import LLMDataModule
+from llmforge.data.datamodule import LLMDataModule, in_memory_tokens
+from llmforge.data.packing import check_split_sizes
 from llmforge.data.mixture import PreparedMixture
 from llmforge.data.mixture_sources import check_one_tokenizer, open_mixture
 from llmforge.data.prepared import check_tokenizer, open_prepared, PreparedSplits
 from llmforge.data.sft import load_conversations, SFTDataModule
 from llmforge.data.shakespeare import cache_root
 from llmforge.data.sources import DocumentSplits, iter_texts, load_documents, plain_options, tokenizer_cache_key
-from llmforge.data.token_cache import Splits, lookup
+from llmforge.data.token_cache import Splits
 from llmforge.data.tokenizers import build_tokenizer, check_vocab, load_saved, Tokenizer
 from llmforge.errors import ConfigError
 from llmforge.plugin import meta_model
@@ -26,8 +27,9 @@ __all__ = ["DataBuilders"]
 
 
 class DataBuilders:
-    """``build_documents`` -> ``build_tokenizer`` -> ``build_datamodule`` of a run; needs the
-    ``cfg``, ``plan`` and ``resume_path`` attributes :class:`llmforge.Trainer` sets."""
+    """``build_documents`` -> ``build_tokenizer`` -> ``cached_tokens`` -> ``build_datamodule`` of a
+    run; needs the ``cfg``, ``plan`` and ``resume_path`` attributes :class:`llmforge.Trainer`
+    sets."""
 
     cfg: Any
     plan: Any
@@ -67,15 +69,26 @@ class DataBuilders:
         return cache_root() / "tokens" if self.cfg.data.token_cache else None
 
     def cached_tokens(self, docs: Any, tokenizer: Tokenizer) -> Optional[Splits]:
-        """The ids of ``docs`` from the token cache (one read, handed to
-        :meth:`build_datamodule`), or ``None``; on a miss, lazily loaded documents are read
-        now, so that a source that cannot be read fails before the run directory is touched."""
+        """The ids ``(train, val)`` of in-memory documents with a token-cache key (local
+        files, ``shakespeare``): read from the cache or tokenized (and stored) here, once, and
+        handed to :meth:`build_datamodule`; ``None`` for other sources (streaming, hub, URL,
+        prepared, sft), whose lazily loaded documents are read now. Either way a source that
+        cannot be read, or splits too small for one optimizer step on every data-parallel rank,
+        fail here, before the run directory is touched (``--overwrite`` keeps the old run).
+
+        Raises:
+            DataError: a split is too small (:func:`llmforge.data.packing.check_split_sizes`).
+        """
         if not isinstance(docs, DocumentSplits):
             return None
-        _, hit = lookup(self.token_cache(), docs.key, tokenizer)
-        if hit is None and not docs.loaded:
-            docs.train
-        return hit
+        if not docs.key:
+            if not docs.loaded:
+                docs.train
+            return None
+        train, val = in_memory_tokens(docs, tokenizer, self.token_cache())
+        check_split_sizes(len(train), self.cfg.trainer.seq_len, self.plan.dp_size,
+                          self.plan.local_batch_size, val_tokens=None if val is None else len(val))
+        return train, val
 
     def build_tokenizer(self, docs: DocumentSplits) -> Tokenizer:
         """Build (or train and cache) the tokenizer and check it fits the model.
@@ -122,7 +135,8 @@ class DataBuilders:
                          cached_tokens: Optional[Splits] = None) -> LLMDataModule:
         """:class:`LLMDataModule` (pretraining windows) or, for ``data.task: sft``,
         :class:`llmforge.data.sft.SFTDataModule` (masked, optionally packed rows).
-        ``cached_tokens``: :meth:`cached_tokens`' ids of ``docs``, if any."""
+        ``cached_tokens``: :meth:`cached_tokens`' ids of ``docs``, if any (else the data
+        module reads or tokenizes them at ``setup``)."""
         t = self.cfg.trainer
         start_step = int(read_json(self.resume_path, "trainer_state.json")["step"]) if self.resume_path else 0
         common = dict(seq_len=t.seq_len, start_step=start_step,

@@ -133,7 +133,13 @@ def test_per_block_compile_also_compiles_the_final_norm():
     Compile().apply(model, None)
     compiled = [n for n, m in model.named_modules() if getattr(m, "_compiled_call_impl", None)]
     assert compiled == ["layers.0", "layers.1", "norm"]
-    assert Compile().compile_loss  # the loss is compiled too by default
+    # the loss is compiled where its upcast fuses: bf16/fp16 logits, not fp32 (issue 30)
+    assert Compile().compile_loss == "auto"
+    assert [Compile().loss_compiled(p) for p in ("32-true", "bf16-mixed", "bf16-true", "16-mixed")] == \
+        [False, True, True, True]
+    assert Compile(compile_loss=True).loss_compiled("32-true") and not Compile(compile_loss=False).loss_compiled("bf16-mixed")
+    with pytest.raises(ConfigError, match="compile.compile_loss 'yes' is not true, false or auto"):
+        Compile(compile_loss="yes")
 
 
 def test_wrapping_keeps_blocks_and_state_dict_keys():

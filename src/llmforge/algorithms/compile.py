@@ -9,7 +9,7 @@ YAML::
         mode: null            # torch.compile mode: default, reduce-overhead, max-autotune, ...
         dynamic: false        # shapes are fixed (seq_len, micro_batch_size): no dynamic shapes
         backend: inductor
-        compile_loss: true    # also compile LLMModule.compute_loss (fuses the fp32 upcast + CE)
+        compile_loss: auto    # also compile LLMModule.compute_loss: auto = when the logits are not fp32
 
 Stage ``COMPILE``: after activation checkpointing (the checkpoint wrapper is compiled with its
 block, so recomputation is compiled too) and before FSDP2 (torchtitan's order). Compilation is
@@ -48,10 +48,14 @@ class Compile(Algorithm):
         mode: ``torch.compile`` mode (``None`` = default).
         dynamic: dynamic-shape compilation (``False``: shapes are fixed by the config).
         backend: ``torch.compile`` backend (``inductor``; ``aot_eager`` for debugging).
-        compile_loss: also compile the module's ``compute_loss`` (default): log-softmax,
-            the target gather and their backward fuse into a few passes over the logits instead
-            of the eager ops' full ``[b*T, V]`` temporaries (the demo's compiled step 3 % faster
-            on the CPU, measured by ``benchmarks/step_profile.py``).
+        compile_loss: also compile the module's ``compute_loss``: the fp32 upcast of bf16/fp16
+            logits, log-softmax, the target gather and their backward fuse into a few passes
+            over the logits. ``"auto"`` (default): only when the run's precision is not 32-bit;
+            with float32 logits there is no upcast to fuse, and the eager lean loss
+            (:func:`llmforge.training.cross_entropy.cross_entropy_sum`, no ``[b*T, V]``
+            temporaries in its backward) was faster: the demo's compiled step, fp32 on the CPU,
+            1.01-1.08x against the compiled loss in pairs run side by side
+            (``benchmarks/results/peers-issue30-2026-12-02d.md``).
 
     Raises:
         ConfigError: an unknown ``mode``.
@@ -63,16 +67,20 @@ class Compile(Algorithm):
 
     def __init__(self, per_block: bool = True, fullgraph: bool = True, mode: Optional[str] = None,
                  dynamic: bool = False, backend: str = "inductor",
-                 compile_loss: bool = True) -> None:
+                 compile_loss: bool | str = "auto") -> None:
+        if compile_loss not in (True, False, "auto"):
+            raise ConfigError(f"algorithms: compile.compile_loss '{compile_loss}' is not true, false "
+                              "or auto")
         if mode not in MODES:
             raise ConfigError(f"algorithms: compile.mode '{mode}' is not one of "
                               f"{', '.join(str(m) for m in MODES if m)} (or null)")
         self.per_block, self.fullgraph, self.mode = bool(per_block), bool(fullgraph), mode
-        self.dynamic, self.backend, self.compile_loss = bool(dynamic), backend, bool(compile_loss)
+        self.dynamic, self.backend, self.compile_loss = bool(dynamic), backend, compile_loss
         self.compile_seconds: Optional[float] = None
         self._pending = False
         self._t0 = 0.0
         self._durations: list[float] = []
+        self._loss = False  # whether fit_start compiled the loss (loss_compiled)
 
     def compile_kwargs(self, fullgraph: Optional[bool] = None) -> dict[str, Any]:
         """Keyword arguments for ``torch.compile``."""
@@ -120,9 +128,18 @@ class Compile(Algorithm):
         return model
 
     # ------------------------------------------------------------------ training events
+    def loss_compiled(self, precision: str) -> bool:
+        """Whether ``compute_loss`` is compiled in a run of Lightning ``precision``
+        (``"32-true"``, ``"bf16-mixed"``, ...): ``compile_loss``, or for ``"auto"`` whether
+        the logits are narrower than float32 (their upcast fuses into the compiled loss)."""
+        if self.compile_loss == "auto":
+            return not str(precision).startswith(("32", "64"))
+        return bool(self.compile_loss)
+
     def fit_start(self, state: Any) -> None:
         pl_module = state.module
-        if self.compile_loss and not getattr(pl_module, "_llmforge_loss_compiled", False):
+        self._loss = self.loss_compiled(getattr(state.trainer, "precision", "32-true"))
+        if self._loss and not getattr(pl_module, "_llmforge_loss_compiled", False):
             import torch
 
             pl_module.compute_loss = torch.compile(pl_module.compute_loss,
@@ -142,7 +159,7 @@ class Compile(Algorithm):
                 self._pending = True
                 if trainer.is_global_zero:
                     what = ("each block and the final norm" if self.per_block else "the whole model") + (
-                        ", and the loss" if self.compile_loss else "")
+                        ", and the loss" if self._loss else "")
                     print(f"compile: {self.compile_seconds:.1f} s of compilation in the first step "
                           f"(torch.compile of {what}, {self.backend}; first step {first:.1f} s, "
                           f"second {second:.2f} s)", flush=True)

@@ -426,9 +426,13 @@ def main() -> int:
     if args.threads is None:
         args.threads = (max(1, len(cores) // 2) if args.side_by_side else
                         int(os.environ.get("OMP_NUM_THREADS") or len(cores)))
+    if args.threads < 1:
+        print(f"--threads {args.threads}: give at least 1", file=sys.stderr)
+        return 2
     if args.side_by_side and len(cores) < 2 * args.threads:
-        print(f"--side-by-side: two runs of {args.threads} threads need {2 * args.threads} cores; "
-              f"this process may use {len(cores)}", file=sys.stderr)
+        print(f"--side-by-side: two runs of {args.threads} thread(s) need {2 * args.threads} cores; "
+              f"this process may use {len(cores)}: give --threads {max(1, len(cores) // 2)}",
+              file=sys.stderr)
         return 2
 
     # llmforge evaluates before the first and after the last step, outside the timed steps (the

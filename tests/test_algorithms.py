@@ -138,8 +138,9 @@ def test_per_block_compile_also_compiles_the_final_norm():
     assert [Compile().loss_compiled(p) for p in ("32-true", "bf16-mixed", "bf16-true", "16-mixed")] == \
         [False, True, True, True]
     assert Compile(compile_loss=True).loss_compiled("32-true") and not Compile(compile_loss=False).loss_compiled("bf16-mixed")
-    with pytest.raises(ConfigError, match="compile.compile_loss 'yes' is not true, false or auto"):
-        Compile(compile_loss="yes")
+    for bad in ("yes", "true", 1, None):
+        with pytest.raises(ConfigError, match=r"compile.compile_loss .* is not a YAML boolean \(true, false\) or auto"):
+            Compile(compile_loss=bad)
 
 
 def test_wrapping_keeps_blocks_and_state_dict_keys():

@@ -146,3 +146,12 @@ def test_the_trained_tokenizer_is_named_by_the_column_read(tmp_path):
     docs = load_documents(cfg.data, 0, lazy=True)
     assert tokenizer_cache_key(cfg, docs) != tokenizer_cache_key(other, load_documents(other.data, 0, lazy=True))
     assert tokenizer_cache_key(cfg, docs) == tokenizer_cache_key(cfg, load_documents(cfg.data, 0, lazy=True))
+
+
+def test_a_cache_that_cannot_be_written_never_fails(tmp_path):
+    """A cache folder where the entry cannot be written (here its part file's name is taken by a
+    folder; on a read-only mount even the cleanup's unlink raises) leaves the run uncached."""
+    ids = np.arange(10, dtype=np.uint16)
+    (tmp_path / f"e.train.{os.getpid()}.part").mkdir()
+    token_cache.write_entry(tmp_path, "e", ids, None)
+    assert not (tmp_path / "e.json").exists() and token_cache.read_entry(tmp_path, "e", ids.dtype) is None

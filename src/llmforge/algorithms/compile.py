@@ -68,9 +68,9 @@ class Compile(Algorithm):
     def __init__(self, per_block: bool = True, fullgraph: bool = True, mode: Optional[str] = None,
                  dynamic: bool = False, backend: str = "inductor",
                  compile_loss: bool | str = "auto") -> None:
-        if compile_loss not in (True, False, "auto"):
-            raise ConfigError(f"algorithms: compile.compile_loss '{compile_loss}' is not true, false "
-                              "or auto")
+        if not (isinstance(compile_loss, bool) or compile_loss == "auto"):
+            raise ConfigError(f"algorithms: compile.compile_loss {compile_loss!r} is not a YAML "
+                              "boolean (true, false) or auto")
         if mode not in MODES:
             raise ConfigError(f"algorithms: compile.mode '{mode}' is not one of "
                               f"{', '.join(str(m) for m in MODES if m)} (or null)")

@@ -21,6 +21,7 @@ BOS/EOS and probe encodings), the id dtype and the encoder's piece size. It is t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -91,5 +92,6 @@ def write_entry(cache_dir: Path, name: str, train: np.ndarray, val: Optional[np.
             "train": len(train), "val": None if val is None else len(val)}}))
         os.replace(part, cache_dir / f"{name}.json")
     except OSError:
-        for part in parts:
-            part.unlink(missing_ok=True)
+        for part in parts:  # best effort: on a read-only mount even this unlink raises
+            with contextlib.suppress(OSError):
+                part.unlink(missing_ok=True)

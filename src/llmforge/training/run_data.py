@@ -71,10 +71,11 @@ class DataBuilders:
     def cached_tokens(self, docs: Any, tokenizer: Tokenizer) -> Optional[Splits]:
         """The ids ``(train, val)`` of in-memory documents with a token-cache key (local
         files, ``shakespeare``): read from the cache or tokenized (and stored) here, once, and
-        handed to :meth:`build_datamodule`; ``None`` for other sources (streaming, hub, URL,
-        prepared, sft), whose lazily loaded documents are read now. Either way a source that
-        cannot be read, or splits too small for one optimizer step on every data-parallel rank,
-        fail here, before the run directory is touched (``--overwrite`` keeps the old run).
+        handed to :meth:`build_datamodule`, and their splits checked for one optimizer step on
+        every data-parallel rank (``--overwrite`` keeps the old run when they are too small);
+        ``None`` for other sources (streaming, hub, URL, prepared, sft), whose lazily loaded
+        documents are read now (a source that cannot be read fails before the run directory is
+        touched) but whose sizes are checked only at the data module's ``setup``.
 
         Raises:
             DataError: a split is too small (:func:`llmforge.data.packing.check_split_sizes`).

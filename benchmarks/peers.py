@@ -475,12 +475,7 @@ def main() -> int:
                                  run_overrides, rounds, cores)
     results: dict[tuple[str, str], list[dict]] = {v: [] for v in variants}
     errors: dict[tuple[str, str], str] = {}
-    for r in range(rounds):
-        warm = r == 0 and not args.smoke
-        steps = args.warmup + 2 if warm else args.steps
-        order = [v for v in variants if v not in errors]
-        if r % 2:
-            order = order[::-1]
+    for r, warm, steps, order in schedule(args, rounds, variants, errors):
         if args.smoke:  # timings are not the point: run the variants side by side
             with ThreadPoolExecutor(len(order)) as pool:
                 outs = list(pool.map(lambda v: run_worker(*v, run_overrides(v), steps,
@@ -524,6 +519,16 @@ def main() -> int:
     return 0
 
 
+def schedule(args, rounds: int, variants: list[tuple[str, str]], errors: dict):
+    """``(round, warm-up?, steps, variants in order)`` of every round: the first round (not in
+    ``--smoke``) is a short warm-up; the order is reversed every other round; a variant that
+    failed (in ``errors``, filled as the rounds run) is left out of later rounds."""
+    for r in range(rounds):
+        warm = r == 0 and not args.smoke
+        order = [v for v in variants if v not in errors]
+        yield r, warm, args.warmup + 2 if warm else args.steps, order[::-1] if r % 2 else order
+
+
 def side_by_side_main(args, peer_variants: list[tuple[str, str]], run_overrides, rounds: int,
                       cores: list[int]) -> int:
     """``--side-by-side``: every round runs each peer variant at the same time as an llmforge
@@ -535,12 +540,7 @@ def side_by_side_main(args, peer_variants: list[tuple[str, str]], run_overrides,
     halves = [cores[:t], cores[t:2 * t]]
     results: dict[tuple[str, str], list[tuple[dict, dict]]] = {v: [] for v in peer_variants}
     errors: dict[tuple[str, str], str] = {}
-    for r in range(rounds):
-        warm = r == 0 and not args.smoke
-        steps = args.warmup + 2 if warm else args.steps
-        order = [v for v in peer_variants if v not in errors]
-        if r % 2:
-            order = order[::-1]
+    for r, warm, steps, order in schedule(args, rounds, peer_variants, errors):
         pin = halves if r % 2 == 0 else halves[::-1]
         for v in order:
             ref = ("llmforge", v[1])

@@ -54,11 +54,12 @@ class Compile(Algorithm):
             with float32 logits there is no upcast to fuse, and the eager lean loss
             (:func:`llmforge.training.cross_entropy.cross_entropy_sum`, no ``[b*T, V]``
             temporaries in its backward) was faster: the demo's compiled step, fp32 on the CPU,
-            1.01-1.08x against the compiled loss in pairs run side by side
-            (``benchmarks/results/peers-issue30-2026-12-02d.md``).
+            0.98-1.08x (median 1.04) against the compiled loss in four pairs run side by side
+            (``benchmarks/results/peers-issue30-2026-12-02d.md``), at 16 MiB more peak memory.
 
     Raises:
-        ConfigError: an unknown ``mode``.
+        ConfigError: an unknown ``mode``, or a ``compile_loss`` that is not a boolean or
+            ``"auto"``.
     """
 
     name = "compile"

@@ -1,6 +1,7 @@
 """`llmforge data prepare` and `data.source: prepared`: token shards written once, checked against
 their manifest, read memory-mapped; exact O(1) resume on any world size; bad input exits 2."""
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -125,6 +126,21 @@ def test_a_run_trains_from_prepared_shards(prepared, tmp_path, capsys):
     assert code == 0, err
     rows = [json.loads(x) for x in (tmp_path / "runs" / "p" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/loss" in r] == [1, 2] and "eval/loss" in rows[-1]
+
+
+def test_overwrite_keeps_the_old_run_when_the_prepared_corpus_is_too_small(prepared, tmp_path, capsys):
+    """The manifest's token counts are checked before ``--overwrite`` deletes the old run: a
+    prepared corpus too small for one optimizer step exits 2 and leaves the old run as it was."""
+    assert train(tmp_path, capsys, f"data.path={prepared[1]}")[0] == 0
+    run = tmp_path / "runs" / "p"
+    digests = lambda: {str(f.relative_to(run)): hashlib.sha256(f.read_bytes()).hexdigest()  # noqa: E731
+                       for f in sorted(run.rglob("*")) if f.is_file()}
+    before = digests()
+    code, err = train(tmp_path, capsys, f"data.path={prepared[1]}", "trainer.global_batch_size=4096",
+                      "trainer.micro_batch_size=2", "--overwrite")
+    assert code == 2 and "Traceback" not in err, err
+    assert "data: the training split has" in err and "one optimizer step needs 4096 per rank" in err, err
+    assert digests() == before and "checkpoints" in str(before)
 
 
 def _copy(prepared, tmp_path) -> Path:

@@ -71,7 +71,7 @@ def test_the_trainer_reads_the_ids_once(tmp_path, monkeypatch):
                              "trainer.micro_batch_size=2"])
     tok = train_bpe_tokenizer([(tmp_path / "0.txt").read_text()], 300, tmp_path / "tok", "")
     reads, real = [], token_cache.read_entry
-    monkeypatch.setattr(token_cache, "read_entry", lambda *a: reads.append(a) or real(*a))
+    monkeypatch.setattr(token_cache, "read_entry", lambda *a, **k: reads.append(a) or real(*a, **k))
     trainer = Trainer(cfg)
     cache = trainer.token_cache()
 
@@ -117,6 +117,32 @@ def test_changed_files_and_damaged_entries_are_tokenized_again(tmp_path):
     npy.write_bytes(b"")  # emptied (a crash before the data reached the disk)
     docs, dm = module(cfg, tok, cache)
     assert docs.loaded and npy.stat().st_size > 100
+
+
+def test_an_edited_entry_is_a_miss_not_a_silent_change(tmp_path):
+    """A hand-edited json that drops the validation split, or ids past the tokenizer's
+    vocabulary, were read as they were (no evaluation; an ``IndexError`` mid-training, exit 1):
+    each is now damaged, a miss tokenized again."""
+    import json
+
+    cfg = corpus(tmp_path)
+    tok = train_bpe_tokenizer([(tmp_path / "0.txt").read_text()], 300, tmp_path / "tok", "")
+    cache = tmp_path / "cache"
+    _, first = module(cfg, tok, cache)
+    name = entry_name(load_documents(cfg, 0, lazy=True).key, tok)
+    meta = cache / f"{name}.json"
+    kept = meta.read_text()
+    meta.write_text(json.dumps({**json.loads(kept), "tokens": {**json.loads(kept)["tokens"], "val": None}}))
+    docs, dm = module(cfg, tok, cache)
+    assert docs.loaded and dm.val_windows is not None and meta.read_text() == kept
+
+    npy = cache / f"{name}.train.npy"
+    ids = np.load(npy).copy()
+    ids[3] = tok.vocab_size  # one past the last id
+    np.save(npy, ids)
+    docs, dm = module(cfg, tok, cache)
+    assert docs.loaded and int(dm.train_windows.tokens.max()) < tok.vocab_size
+    np.testing.assert_array_equal(dm.train_windows.tokens, first.train_windows.tokens)
 
 
 def test_off_streaming_and_no_validation(tmp_path):

@@ -64,7 +64,7 @@ def in_memory_tokens(docs: DocumentSplits, tokenizer: Any, token_cache: Optional
     """The packed ids ``(train, val)`` of in-memory documents (``val`` ``None``: no validation
     split), read from the token cache (:mod:`llmforge.data.token_cache`) when it holds them,
     else tokenized and stored there (``token_cache`` ``None``: tokenized, not stored)."""
-    name, hit = lookup(token_cache, getattr(docs, "key", ""), tokenizer)
+    name, hit = lookup(token_cache, getattr(docs, "key", ""), tokenizer, getattr(docs, "has_val", None))
     if hit is not None:
         return hit
     train = tokenize_documents(docs.train, tokenizer)

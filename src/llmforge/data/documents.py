@@ -18,15 +18,17 @@ class DocumentSplits:
     Built with ``load`` (a callable returning ``(train, val)``), the splits are read at the
     first access of :attr:`train` or :attr:`val`: a run whose token cache holds both splits
     (:mod:`llmforge.data.token_cache`) never reads them. ``key`` names the documents for that
-    cache (``""``: not cacheable).
+    cache (``""``: not cacheable); ``has_val`` says whether they have a validation split
+    without reading them (``None``: not known).
     """
 
     def __init__(self, train: Optional[AnyDataset] = None, val: Optional[AnyDataset] = None,
                  fingerprint: str = "", files: tuple[str, ...] = (),
                  storage_options: Optional[dict] = None, *,
                  load: Optional[Callable[[], tuple[AnyDataset, Optional[AnyDataset]]]] = None,
-                 key: str = "") -> None:
+                 key: str = "", has_val: Optional[bool] = None) -> None:
         self._splits = None if load is not None else (train, val)
+        self.has_val = has_val if load is not None else val is not None
         self._load = load
         self.fingerprint, self.key = fingerprint, key
         self.files = files  # the local or remote files read (named by a read error)

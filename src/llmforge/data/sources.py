@@ -290,7 +290,7 @@ def load_documents(cfg: Any, seed: int, by_line: bool = False, lazy: bool = Fals
     docs = DocumentSplits(fingerprint=hash_str(f"{fingerprint}-{cfg.split}"),
                           files=tuple(data_files or ()),
                           storage_options=plain_options(cfg.storage_options) or None,
-                          load=splits, key=key)
+                          load=splits, key=key, has_val=bool(cfg.val_split) or cfg.val_fraction > 0)
     if not lazy:
         docs.train  # read now, so a bad source fails here
     return docs

@@ -45,20 +45,28 @@ def entry_name(docs_key: str, tokenizer: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
-def lookup(cache_dir: Optional[Path], docs_key: str, tokenizer: Any) -> tuple[Optional[str], Optional[Splits]]:
+def lookup(cache_dir: Optional[Path], docs_key: str, tokenizer: Any,
+           has_val: Optional[bool] = None) -> tuple[Optional[str], Optional[Splits]]:
     """``(name, ids)``: the entry of the documents ``docs_key`` tokenized by ``tokenizer`` and
-    its ids (:func:`read_entry`), ``ids`` ``None`` on a miss; ``(None, None)`` when nothing
-    is cached (no cache folder, or documents without a key: hub, streaming and URL sources)."""
+    its ids (:func:`read_entry`, checked against the tokenizer's vocabulary and ``has_val``:
+    whether the documents have a validation split, ``None`` unknown), ``ids`` ``None`` on a
+    miss; ``(None, None)`` when nothing is cached (no cache folder, or documents without a key:
+    hub, streaming and URL sources)."""
     if not docs_key or cache_dir is None:
         return None, None
     name = entry_name(docs_key, tokenizer)
-    return name, read_entry(cache_dir, name, token_dtype(tokenizer.vocab_size))
+    return name, read_entry(cache_dir, name, token_dtype(tokenizer.vocab_size),
+                            vocab_size=tokenizer.vocab_size, has_val=has_val)
 
 
-def read_entry(cache_dir: Path, name: str, dtype: np.dtype) -> Optional[Splits]:
+def read_entry(cache_dir: Path, name: str, dtype: np.dtype, *, vocab_size: Optional[int] = None,
+               has_val: Optional[bool] = None) -> Optional[Splits]:
     """The entry's ``(train, val)`` ids as read-only memory maps (``val`` is ``None`` for a run
     without a validation split), or ``None`` when the entry is missing, incomplete or damaged
-    (then the caller tokenizes and :func:`write_entry` replaces it)."""
+    (then the caller tokenizes and :func:`write_entry` replaces it). Damaged includes an edited
+    json: a validation split present or absent against ``has_val`` (``None``: not checked), and
+    an id at or past ``vocab_size`` (one pass over the memory map: an id past the embedding
+    would fail training as an ``IndexError``)."""
     try:
         meta = json.loads((cache_dir / f"{name}.json").read_text())
         splits = [None if meta["tokens"][s] is None else
@@ -66,8 +74,12 @@ def read_entry(cache_dir: Path, name: str, dtype: np.dtype) -> Optional[Splits]:
                   for s in ("train", "val")]
     except (OSError, ValueError, KeyError, TypeError, EOFError):  # EOFError: an empty .npy
         return None
+    if splits[0] is None or (has_val is not None and (splits[1] is not None) != has_val):
+        return None
     for ids, s in zip(splits, ("train", "val")):
         if ids is not None and (ids.ndim != 1 or ids.dtype != dtype or len(ids) != meta["tokens"][s]):
+            return None
+        if ids is not None and vocab_size is not None and len(ids) and int(ids.max()) >= vocab_size:
             return None
     return splits[0], splits[1]
 

@@ -13,7 +13,7 @@ from llmforge.data.datamodule import LLMDataModule, in_memory_tokens
 from llmforge.data.packing import check_split_sizes
 from llmforge.data.mixture import PreparedMixture
 from llmforge.data.mixture_sources import check_one_tokenizer, open_mixture
-from llmforge.data.prepared import check_tokenizer, open_prepared, PreparedSplits
+from llmforge.data.prepared import check_tokenizer, open_prepared, PreparedSplits, PreparedWindows
 from llmforge.data.sft import load_conversations, SFTDataModule
 from llmforge.data.shakespeare import cache_root
 from llmforge.data.sources import DocumentSplits, iter_texts, load_documents, plain_options, tokenizer_cache_key
@@ -75,11 +75,18 @@ class DataBuilders:
         every data-parallel rank (``--overwrite`` keeps the old run when they are too small);
         ``None`` for other sources (streaming, hub, URL, prepared, sft), whose lazily loaded
         documents are read now (a source that cannot be read fails before the run directory is
-        touched) but whose sizes are checked only at the data module's ``setup``.
+        touched) but whose sizes are checked only at the data module's ``setup``; a prepared
+        folder (``data.source: prepared``) has its training split checked here too, from the
+        token counts of its manifest (``data.task: sft`` and mixtures only at ``setup``).
 
         Raises:
             DataError: a split is too small (:func:`llmforge.data.packing.check_split_sizes`).
         """
+        seq_len, world, local_batch = self.cfg.trainer.seq_len, self.plan.dp_size, self.plan.local_batch_size
+        if isinstance(docs, PreparedSplits):  # the manifest's counts: no shard is read
+            windows = PreparedWindows(docs, "train", seq_len)
+            check_split_sizes(windows.tokens, seq_len, world, local_batch, train_windows=len(windows))
+            return None
         if not isinstance(docs, DocumentSplits):
             return None
         if not docs.key:
@@ -87,8 +94,8 @@ class DataBuilders:
                 docs.train
             return None
         train, val = in_memory_tokens(docs, tokenizer, self.token_cache())
-        check_split_sizes(len(train), self.cfg.trainer.seq_len, self.plan.dp_size,
-                          self.plan.local_batch_size, val_tokens=None if val is None else len(val))
+        check_split_sizes(len(train), seq_len, world, local_batch,
+                          val_tokens=None if val is None else len(val))
         return train, val
 
     def build_tokenizer(self, docs: DocumentSplits) -> Tokenizer:

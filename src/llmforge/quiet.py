@@ -12,7 +12,9 @@ __all__ = ["quiet_libraries"]
 
 def quiet_libraries() -> None:
     """Silence what the libraries print that a user cannot act on (Lightning's rank-zero info,
-    progress bars of datasets, warnings of torch.distributed on the CPU, ...), once per process:
+    progress bars of datasets (its logging is quieted where it is imported,
+    :func:`llmforge.data.documents.hf_datasets`), warnings of torch.distributed on the CPU, ...),
+    once per process:
     the CLI calls it after a config's checks, :class:`llmforge.Trainer` when it is built, so
     the Python API is as quiet as ``llmforge train``."""
     os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
@@ -34,8 +36,4 @@ def quiet_libraries() -> None:
     # (the planner's simulated step prints them), nothing a user changes in a config
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    import datasets
-
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")

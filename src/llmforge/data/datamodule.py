@@ -24,7 +24,6 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-import datasets
 import lightning as L
 import numpy as np
 from torch.utils.data import ConcatDataset, DataLoader
@@ -36,7 +35,7 @@ from llmforge.data.packing import (PIECE_CHARS, PackedWindows, ShardedSampler, c
                                    encode_packed, token_dtype)
 from llmforge.data.prepared import PreparedSplits, PreparedWindows
 from llmforge.data.file_identity import file_identities
-from llmforge.data.sources import DocumentSplits
+from llmforge.data.documents import DocumentSplits, is_stream
 from llmforge.data.streaming import StreamingWindows
 from llmforge.data.token_cache import Splits, lookup, write_entry
 from llmforge.errors import DataError
@@ -159,8 +158,7 @@ class LLMDataModule(L.LightningDataModule):
         rank, world = self._coords()
         self.dp_rank, self.dp_size = rank, world
         # documents with a token-cache key are read whole (and maybe not at all: cached)
-        if not getattr(self.docs, "key", "") and isinstance(getattr(self.docs, "train", None),
-                                                            datasets.IterableDataset):
+        if not getattr(self.docs, "key", "") and is_stream(getattr(self.docs, "train", None)):
             files = getattr(self.docs, "files", ())
             self.train_windows = StreamingWindows(self.docs.train, self.tokenizer, self.seq_len,
                                                   rank, world, self.seed, files=files)

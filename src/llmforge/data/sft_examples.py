@@ -24,6 +24,7 @@ import numpy as np
 
 from llmforge.data.chat import ROLES
 from llmforge.data.remote import plain_options
+from llmforge.data.documents import hf_datasets
 from llmforge.data.sources import _resolve_files, clean_text, hash_str
 from llmforge.errors import DataError
 
@@ -205,8 +206,7 @@ def load_conversations(cfg: Any, seed: int) -> ConversationSplits:
     """
     import os
 
-    import datasets
-
+    datasets = hf_datasets()
     limit = cfg.max_documents
     convs: list[Conversation] = []
     val: Optional[list[Conversation]] = None

@@ -13,12 +13,11 @@ import glob
 import hashlib
 import json
 import os
+from importlib.metadata import version
 from typing import Any, Iterator, Optional
 
-import datasets
-
 from llmforge.config.redaction import scrub_url_credentials
-from llmforge.data.documents import AnyDataset, DocumentSplits
+from llmforge.data.documents import AnyDataset, DocumentSplits, hf_datasets, is_stream
 from llmforge.data.file_identity import URL
 from llmforge.data.remote import missing_driver, plain_options
 from llmforge.data.shakespeare import shakespeare_files
@@ -111,6 +110,7 @@ def _load(builder: str, data_files: Any, cfg: Any, split: str, **kwargs: Any) ->
     if builder == "text":
         kwargs.update(sample_by="document", encoding="utf-8-sig", encoding_errors="replace",
                       keep_linebreaks=True)
+    datasets = hf_datasets()
     try:
         return datasets.load_dataset(builder, data_files=data_files, split=split,
                                      streaming=cfg.streaming,
@@ -195,7 +195,7 @@ def _normalize(ds: AnyDataset, text_field: str, max_documents: Optional[int]) ->
             f"data.text_field: column '{text_field}' not found; the data has columns {columns}"
         )
     if max_documents:
-        ds = ds.take(max_documents) if isinstance(ds, datasets.IterableDataset) else ds.select(
+        ds = ds.take(max_documents) if is_stream(ds) else ds.select(
             range(min(max_documents, len(ds))))
 
     def fix(batch: dict) -> dict:  # cleaned, empty documents dropped: one batched pass
@@ -206,7 +206,7 @@ def _normalize(ds: AnyDataset, text_field: str, max_documents: Optional[int]) ->
     # one map, not map + filter: datasets' streaming batches join their row keys at each
     # batched stage, which made a chained map + filter read ~20x slower (18 vs 360 MB/s)
     ds = ds.select_columns([text_field])
-    if isinstance(ds, datasets.IterableDataset):
+    if is_stream(ds):
         return ds.map(fix, batched=True, remove_columns=[text_field])
     return ds.map(fix, batched=True, remove_columns=[text_field], load_from_cache_file=False,
                   desc=None)
@@ -254,6 +254,7 @@ def load_documents(cfg: Any, seed: int, by_line: bool = False, lazy: bool = Fals
         raise DataError(f"data.source: unknown source '{source}'; use shakespeare, files or hub")
 
     def load(split: str) -> AnyDataset:
+        datasets = hf_datasets()
         if by_line and cfg.streaming and builder == "json" and split == "train" and _local_jsonl(files):
             return datasets.IterableDataset.from_generator(
                 _jsonl_rows, features=datasets.Features({text_field: datasets.Value("string")}),
@@ -286,7 +287,7 @@ def load_documents(cfg: Any, seed: int, by_line: bool = False, lazy: bool = Fals
     local = source != "hub" and not cfg.streaming and all(os.path.isfile(f) for f in data_files)
     key = hash_str(json.dumps([[(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in data_files],
                                cfg.split, cfg.val_split, cfg.val_fraction, seed, cfg.max_documents,
-                               builder, text_field, datasets.__version__], default=str)) if local else ""
+                               builder, text_field, _datasets_version()], default=str)) if local else ""
     docs = DocumentSplits(fingerprint=hash_str(f"{fingerprint}-{cfg.split}"),
                           files=tuple(data_files or ()),
                           storage_options=plain_options(cfg.storage_options) or None,
@@ -296,10 +297,16 @@ def load_documents(cfg: Any, seed: int, by_line: bool = False, lazy: bool = Fals
     return docs
 
 
+def _datasets_version() -> str:
+    """The installed ``datasets`` version, from its metadata (no import: a cached run never
+    imports it)."""
+    return version("datasets")
+
+
 def _hold_out(ds: AnyDataset, fraction: float, seed: int) -> tuple[AnyDataset, AnyDataset]:
     """Hold out ``fraction`` of the documents for validation, fixed by ``seed``: at least one
     of an in-memory source; of a streaming source, the documents :func:`held_out` picks."""
-    if isinstance(ds, datasets.IterableDataset):
+    if is_stream(ds):
         # by the document's own identity (its text), never its position: a position in the
         # stream changes with the loader-worker split and between passes, which trained on
         # held-out documents; equal documents land on the same side
@@ -337,6 +344,7 @@ def read_rows(ds: AnyDataset, files: Any = ()) -> Iterator[dict]:
     """
     import pyarrow
 
+    datasets = hf_datasets()
     it = iter(ds)
     while True:
         try:

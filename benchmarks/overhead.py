@@ -218,10 +218,7 @@ def main() -> int:
     ap.add_argument("--worker", choices=["bare", "llmforge", "paired"], help=argparse.SUPPRESS)
     ap.add_argument("--overrides", default="[]", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.worker:
-        import datasets
-
-        datasets.disable_progress_bars()
+    if args.worker:  # HF datasets is not imported here: llmforge imports it only to read text
         overrides = json.loads(args.overrides)
         with tempfile.TemporaryDirectory() as tmp:
             fn = {"bare": worker_bare, "llmforge": worker_llmforge, "paired": worker_paired}[args.worker]

@@ -367,9 +367,8 @@ def run_side_by_side(pair: list[tuple[str, str]], overrides: list[list[str]], st
 
 
 def worker_main(args) -> int:
-    import datasets
-
-    datasets.disable_progress_bars()
+    # no harness import of HF datasets: each run holds what its trainer imports (llmforge and
+    # the peers but torchtitan read pre-tokenized rows; issue 30: ~80 MiB of peak RSS)
     overrides = json.loads(args.overrides)
     compiled = args.mode == "compiled"
     with tempfile.TemporaryDirectory() as tmp:
@@ -455,7 +454,7 @@ def main() -> int:
                 if t != "llmforge" or any(p != "llmforge" and pm == m for p, pm in variants)]
     import torch
 
-    print(f"model: {'smoke' if args.smoke else 'demo (yamls/demo_cpu.yaml)'}; {args.pairs} rounds x "
+    print(f"model: {'smoke' if args.smoke else 'demo (yamls/demo_cpu.yaml)'}; {args.pairs} round{'s' * (args.pairs != 1)} x "
           f"{args.steps} steps ({args.warmup} warm-up); OMP_NUM_THREADS={args.threads}; "
           f"{'side by side, ' + str(len(cores)) + ' cores; ' if args.side_by_side else ''}"
           f"torch {torch.__version__}; {' '.join(_versions(peers))}; llmforge compiled = "

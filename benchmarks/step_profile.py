@@ -95,10 +95,7 @@ def main() -> int:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--overrides", default="[]", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.worker:
-        import datasets
-
-        datasets.disable_progress_bars()
+    if args.worker:  # no harness import of HF datasets (peers.worker_main says why)
         print(json.dumps(worker(args.worker, json.loads(args.overrides), args.steps, args.warmup)))
         return 0
     if not 1 <= args.warmup < args.steps:

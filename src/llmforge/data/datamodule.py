@@ -29,6 +29,7 @@ import numpy as np
 from torch.utils.data import ConcatDataset, DataLoader
 
 from llmforge.data.loader import PositionedLoader
+from llmforge.data.notices import notice
 from llmforge.data.mixture import (MixtureSampler, MixtureStream, MixtureWindows, PreparedMixture,
                                    mixture_windows)
 from llmforge.data.packing import (PIECE_CHARS, PackedWindows, ShardedSampler, check_split_sizes,
@@ -66,6 +67,8 @@ def in_memory_tokens(docs: DocumentSplits, tokenizer: Any, token_cache: Optional
     name, hit = lookup(token_cache, getattr(docs, "key", ""), tokenizer, getattr(docs, "has_val", None))
     if hit is not None:
         return hit
+    notice("data: tokenizing the documents" + (f" (once: the ids are cached in {token_cache})"
+                                               if name is not None else ""))
     train = tokenize_documents(docs.train, tokenizer)
     val = None if docs.val is None else tokenize_documents(docs.val, tokenizer)
     if name is not None:

@@ -133,16 +133,17 @@ def check_split_sizes(train_tokens: int, seq_len: int, world: int, local_batch_s
             and the keys that fix it.
     """
     n = num_windows(train_tokens, seq_len) if train_windows is None else train_windows
+    ranks = f"{world} rank{'s' * (world != 1)}"
     if n // world < local_batch_size:
         raise DataError(
             f"data: the training split has {train_tokens:,} tokens = {n} windows of "
-            f"seq_len+1={seq_len + 1} tokens, {n // world} per data-parallel rank ({world} ranks), "
+            f"seq_len+1={seq_len + 1} tokens, {n // world} per data-parallel rank ({ranks}), "
             f"but one optimizer step needs {local_batch_size} per rank; use more text, a smaller "
             "trainer.seq_len or trainer.global_batch_size")
     if val_tokens is not None and num_windows(val_tokens, seq_len) < world:
         raise DataError(
             f"data: the validation split has {val_tokens:,} tokens, fewer than one window of "
-            f"{seq_len + 1} tokens per rank ({world} ranks); raise data.val_fraction or set "
+            f"{seq_len + 1} tokens per rank ({ranks}); raise data.val_fraction or set "
             "data.val_fraction=0 to skip validation")
 
 

@@ -240,7 +240,7 @@ class SFTDataModule(LLMDataModule):
             raise DataError(
                 f"data: the SFT training split gives {len(self.train_windows)} rows of "
                 f"{self.seq_len} tokens ({s.kept} of {s.examples} examples kept, packed="
-                f"{self.packed}), {per_rank} per data-parallel rank ({world} ranks), but one "
+                f"{self.packed}), {per_rank} per data-parallel rank ({world} rank{'s' * (world != 1)}), but one "
                 f"optimizer step needs {self.local_batch_size} per rank; "
                 + ("most examples were dropped as too long: raise trainer.seq_len or set "
                    "data.overlong=truncate" if s.dropped_overlong + s.dropped_no_target > s.kept else
@@ -250,5 +250,5 @@ class SFTDataModule(LLMDataModule):
             self.val_windows = self._rows(self.docs.val, "val")
             if len(self.val_windows) < world:
                 raise DataError(f"data: the SFT validation split gives {len(self.val_windows)} "
-                                f"rows, fewer than one per rank ({world} ranks); raise "
+                                f"rows, fewer than one per rank ({world} rank{'s' * (world != 1)}); raise "
                                 "data.val_fraction or set it to 0")

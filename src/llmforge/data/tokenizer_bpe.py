@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterable
 
+from llmforge.data.notices import notice
 from llmforge.data.tokenizer_base import _atomic_write
 from llmforge.data.tokenizer_hf import HFTokenizer
 from llmforge.errors import ConfigError
@@ -63,6 +64,9 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, cache_dir: str | 
 
     from tokenizers import Tokenizer as _HFTok
     from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    notice(f"tokenizer: training a byte-level BPE of {vocab_size} ids on the training text"
+           + (f" (once: cached in {cache_file.parent})" if cache_file else ""))
 
     tok = _HFTok(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

@@ -119,6 +119,23 @@ def test_changed_files_and_damaged_entries_are_tokenized_again(tmp_path):
     assert docs.loaded and npy.stat().st_size > 100
 
 
+def test_a_first_start_says_what_it_does_once(tmp_path, capsys, monkeypatch):
+    """The slow first-run steps print one line each on rank 0 (a minute of silence before):
+    training the BPE, tokenizing the documents; a second start reads both caches, silently."""
+    cfg = corpus(tmp_path)
+    tok = train_bpe_tokenizer([(tmp_path / "0.txt").read_text()], 300, tmp_path / "tok", "fp")
+    assert capsys.readouterr().err == ("tokenizer: training a byte-level BPE of 300 ids on the training "
+                                       f"text (once: cached in {tmp_path / 'tok' / 'bpe-300-fp'})\n")
+    module(cfg, tok, tmp_path / "cache")
+    assert capsys.readouterr().err == (f"data: tokenizing the documents (once: the ids are cached in "
+                                       f"{tmp_path / 'cache'})\n")
+    train_bpe_tokenizer([], 300, tmp_path / "tok", "fp")
+    module(cfg, tok, tmp_path / "cache")
+    monkeypatch.setenv("RANK", "1")  # another rank of the same job says nothing
+    module(cfg, tok, tmp_path / "other-cache")
+    assert capsys.readouterr().err == ""
+
+
 def test_an_edited_entry_is_a_miss_not_a_silent_change(tmp_path):
     """A hand-edited json that drops the validation split, or ids past the tokenizer's
     vocabulary, were read as they were (no evaluation; an ``IndexError`` mid-training, exit 1):

@@ -143,6 +143,17 @@ def test_overwrite_keeps_the_old_run_when_the_prepared_corpus_is_too_small(prepa
     assert digests() == before and "checkpoints" in str(before)
 
 
+def test_shards_smaller_than_a_window_are_named_as_the_cause(prepared, tmp_path, capsys):
+    """One document per shard, each shorter than a window: the corpus has the tokens but no
+    window (windows do not cross shards), and the message says to prepare larger shards."""
+    out = tmp_path / "one-per-shard"
+    assert prepare(prepared[0], out, "--docs-per-shard", "1") == 0
+    code, err = train(tmp_path, capsys, f"data.path={out}", "variables.seq_len=128")
+    assert code == 2 and "Traceback" not in err, err
+    assert "= 0 windows of seq_len+1=129 tokens" in err and "larger --docs-per-shard" in err, err
+    assert f"the windows of {out} do not cross its 173 shards" in err, err
+
+
 def _copy(prepared, tmp_path) -> Path:
     out = tmp_path / "copy"
     shutil.copytree(prepared[1], out)

@@ -133,6 +133,9 @@ def test_a_first_start_says_what_it_does_once(tmp_path, capsys, monkeypatch):
     module(cfg, tok, tmp_path / "cache")
     monkeypatch.setenv("RANK", "1")  # another rank of the same job says nothing
     module(cfg, tok, tmp_path / "other-cache")
+    monkeypatch.delenv("RANK")  # nor a process Lightning's own launcher started (devices=2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    module(cfg, tok, tmp_path / "third-cache")
     assert capsys.readouterr().err == ""
 
 
@@ -198,3 +201,26 @@ def test_a_cache_that_cannot_be_written_never_fails(tmp_path):
     (tmp_path / f"e.train.{os.getpid()}.part").mkdir()
     token_cache.write_entry(tmp_path, "e", ids, None)
     assert not (tmp_path / "e.json").exists() and token_cache.read_entry(tmp_path, "e", ids.dtype) is None
+
+
+def test_a_crafted_entry_never_blocks_or_fails_the_read(tmp_path):
+    """A json nested deeply (RecursionError, exit 1 before), a FIFO (the read blocked for ever)
+    or a link to an endless file in place of an entry's files: each is a miss."""
+    ids = np.arange(10, dtype=np.uint16)
+    token_cache.write_entry(tmp_path, "e", ids, None)
+    assert token_cache.read_entry(tmp_path, "e", ids.dtype) is not None
+    meta = tmp_path / "e.json"
+    kept = meta.read_text()
+    meta.write_text("[" * 100_000 + "]" * 100_000)
+    assert token_cache.read_entry(tmp_path, "e", ids.dtype) is None
+    meta.unlink()
+    meta.symlink_to("/dev/zero")
+    assert token_cache.read_entry(tmp_path, "e", ids.dtype) is None
+    meta.unlink()
+    meta.write_text(kept)
+    npy = tmp_path / "e.train.npy"
+    npy.unlink()
+    os.mkfifo(npy)  # nothing ever writes to it: opening it for reading would wait for ever
+    assert token_cache.read_entry(tmp_path, "e", ids.dtype) is None
+    token_cache.write_entry(tmp_path, "e", ids, None)  # replaced by a regular file
+    np.testing.assert_array_equal(token_cache.read_entry(tmp_path, "e", ids.dtype)[0], ids)

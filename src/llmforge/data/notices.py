@@ -11,8 +11,12 @@ __all__ = ["notice"]
 
 
 def notice(message: str) -> None:
-    """Print ``message`` to stderr once per job: from the process of global rank 0 only
-    (``RANK``, else ``SLURM_PROCID``; a process without either is rank 0)."""
-    rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
-    if rank == "0":
+    """Print ``message`` to stderr once per job: from the process of rank 0 only, read from the
+    environment as Lightning's ``rank_zero_only`` does (the first of ``RANK``, ``LOCAL_RANK``,
+    ``SLURM_PROCID``, ``JSM_NAMESPACE_RANK`` that is set; none set: rank 0). ``LOCAL_RANK``
+    covers the processes Lightning's own launcher starts (``trainer.devices=2`` without
+    ``--nproc``), which have no ``RANK`` yet when the data is read."""
+    rank = next((os.environ[k] for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+                 if k in os.environ), "0")
+    if rank.strip() == "0":
         print(message, file=sys.stderr, flush=True)

@@ -136,7 +136,7 @@ def check_split_sizes(train_tokens: int, seq_len: int, world: int, local_batch_s
     ranks = f"{world} rank{'s' * (world != 1)}"
     if n // world < local_batch_size:
         raise DataError(
-            f"data: the training split has {train_tokens:,} tokens = {n} windows of "
+            f"data: the training split has {train_tokens:,} tokens = {n} window{'s' * (n != 1)} of "
             f"seq_len+1={seq_len + 1} tokens, {n // world} per data-parallel rank ({ranks}), "
             f"but one optimizer step needs {local_batch_size} per rank; use more text, a smaller "
             "trainer.seq_len or trainer.global_batch_size")

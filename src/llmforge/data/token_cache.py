@@ -37,6 +37,8 @@ FORMAT = 1  # raise when cleaning or packing changes (clean_text, BOS/EOS, piece
 
 Splits = tuple[np.ndarray, Optional[np.ndarray]]
 
+_MAX_JSON_BYTES = 4096  # an entry's json is ~60 bytes; anything far larger was not written here
+
 
 def entry_name(docs_key: str, tokenizer: Any) -> str:
     """The entry of the documents named ``docs_key`` tokenized by ``tokenizer`` (24 hex)."""
@@ -67,12 +69,16 @@ def read_entry(cache_dir: Path, name: str, dtype: np.dtype, *, vocab_size: Optio
     json: a validation split present or absent against ``has_val`` (``None``: not checked), and
     an id at or past ``vocab_size`` (one pass over the memory map: an id past the embedding
     would fail training as an ``IndexError``)."""
+    files = {s: cache_dir / f"{name}.{s}" for s in ("json", "train.npy", "val.npy")}
     try:
-        meta = json.loads((cache_dir / f"{name}.json").read_text())
-        splits = [None if meta["tokens"][s] is None else
-                  np.load(cache_dir / f"{name}.{s}.npy", mmap_mode="r", allow_pickle=False)
+        # regular files only (a FIFO would block the read, /dev/zero never end it), and a json
+        # of the size write_entry writes (a crafted deep one raised RecursionError, exit 1)
+        if not files["json"].is_file() or files["json"].stat().st_size > _MAX_JSON_BYTES:
+            return None
+        meta = json.loads(files["json"].read_text())
+        splits = [None if meta["tokens"][s] is None else _ids(files[f"{s}.npy"])
                   for s in ("train", "val")]
-    except (OSError, ValueError, KeyError, TypeError, EOFError):  # EOFError: an empty .npy
+    except (OSError, ValueError, KeyError, TypeError, EOFError, RecursionError):  # EOFError: an empty .npy
         return None
     if splits[0] is None or (has_val is not None and (splits[1] is not None) != has_val):
         return None
@@ -82,6 +88,17 @@ def read_entry(cache_dir: Path, name: str, dtype: np.dtype, *, vocab_size: Optio
         if ids is not None and vocab_size is not None and len(ids) and int(ids.max()) >= vocab_size:
             return None
     return splits[0], splits[1]
+
+
+def _ids(path: Path) -> np.ndarray:
+    """A memory map of the ids in ``path``, a regular file (np.load of a FIFO would block).
+
+    Raises:
+        OSError: ``path`` is missing or not a regular file.
+    """
+    if not path.is_file():
+        raise OSError(f"{path} is not a regular file")
+    return np.load(path, mmap_mode="r", allow_pickle=False)
 
 
 def write_entry(cache_dir: Path, name: str, train: np.ndarray, val: Optional[np.ndarray]) -> None:

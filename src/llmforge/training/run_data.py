@@ -88,8 +88,8 @@ class DataBuilders:
             try:
                 check_split_sizes(windows.tokens, seq_len, world, local_batch, train_windows=len(windows))
             except DataError as exc:
-                if len(windows) >= num_windows(windows.tokens, seq_len):
-                    raise
+                if num_windows(windows.tokens, seq_len) // world < local_batch:
+                    raise  # too few tokens however they were sharded
                 # windows do not cross shards: small shards lose their tails
                 raise DataError(f"{exc}; or prepare the corpus again with a larger "
                                 f"--docs-per-shard: the windows of {docs.root} do not cross "

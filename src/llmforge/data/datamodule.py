@@ -179,6 +179,7 @@ class LLMDataModule(L.LightningDataModule):
             self.train_tokens = n_tokens
         elif isinstance(self.docs, PreparedSplits):  # memory-mapped token shards, no tokenizing
             self.train_windows = PreparedWindows(self.docs, "train", self.seq_len)
+            self.train_windows.check_size(world, self.local_batch_size)
             n_tokens = self.train_tokens = self.train_windows.tokens
         else:
             tokens, val_tokens = self._in_memory_tokens()

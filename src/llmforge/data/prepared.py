@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from llmforge.data.packing import check_split_sizes, num_windows
 from llmforge.data.prepared_checks import file_sha256, read_manifest, shard_path
 from llmforge.data.remote import fetch_prepared
 from llmforge.errors import DataError
@@ -149,6 +150,7 @@ class PreparedWindows(Dataset):
     def __init__(self, prepared: PreparedSplits, split: str, seq_len: int) -> None:
         info = prepared.manifest["splits"].get(split) or {"shards": []}
         self.dtype = np.dtype(prepared.manifest["dtype"])
+        self.root = prepared.root
         self.paths = [shard_path(prepared.root, s["file"]) for s in info["shards"]]
         self.window = seq_len + 1
         counts = np.array([s["tokens"] // self.window for s in info["shards"]], dtype=np.int64)
@@ -158,6 +160,24 @@ class PreparedWindows(Dataset):
 
     def __len__(self) -> int:
         return int(self.first[-1])
+
+    def check_size(self, world: int, local_batch_size: int) -> None:
+        """:func:`~llmforge.data.packing.check_split_sizes` of this split, from the manifest's
+        counts (no shard is read); when the tokens would fill a step but windows, which do not
+        cross shards, do not, the message names the shards and ``--docs-per-shard``.
+
+        Raises:
+            DataError: too few windows for one optimizer step on each of ``world`` ranks.
+        """
+        seq_len, together = self.window - 1, num_windows(self.tokens, self.window - 1)
+        try:
+            check_split_sizes(self.tokens, seq_len, world, local_batch_size, train_windows=len(self))
+        except DataError as exc:
+            if together // world < local_batch_size:
+                raise  # too few tokens however they were sharded
+            raise DataError(f"{exc}; or prepare the corpus again with a larger --docs-per-shard: "
+                            f"the windows of {self.root} do not cross its {len(self.paths)} "
+                            f"shards, which hold {together} windows together") from None
 
     def _shard(self, s: int) -> np.memmap:
         m = self._maps.get(s)

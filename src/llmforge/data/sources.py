@@ -13,7 +13,7 @@ import glob
 import hashlib
 import json
 import os
-from importlib.metadata import version
+from importlib.metadata import version  # of datasets, for the cache key: no import
 from typing import Any, Iterator, Optional
 
 from llmforge.config.redaction import scrub_url_credentials
@@ -287,7 +287,7 @@ def load_documents(cfg: Any, seed: int, by_line: bool = False, lazy: bool = Fals
     local = source != "hub" and not cfg.streaming and all(os.path.isfile(f) for f in data_files)
     key = hash_str(json.dumps([[(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in data_files],
                                cfg.split, cfg.val_split, cfg.val_fraction, seed, cfg.max_documents,
-                               builder, text_field, _datasets_version()], default=str)) if local else ""
+                               builder, text_field, version("datasets")], default=str)) if local else ""
     docs = DocumentSplits(fingerprint=hash_str(f"{fingerprint}-{cfg.split}"),
                           files=tuple(data_files or ()),
                           storage_options=plain_options(cfg.storage_options) or None,
@@ -295,12 +295,6 @@ def load_documents(cfg: Any, seed: int, by_line: bool = False, lazy: bool = Fals
     if not lazy:
         docs.train  # read now, so a bad source fails here
     return docs
-
-
-def _datasets_version() -> str:
-    """The installed ``datasets`` version, from its metadata (no import: a cached run never
-    imports it)."""
-    return version("datasets")
 
 
 def _hold_out(ds: AnyDataset, fraction: float, seed: int) -> tuple[AnyDataset, AnyDataset]:

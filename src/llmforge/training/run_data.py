@@ -10,7 +10,7 @@ from typing import Any, Optional
 from llmforge.checkpoint import read_json
 from llmforge.data.chat import build_chat_template
 from llmforge.data.datamodule import LLMDataModule, in_memory_tokens
-from llmforge.data.packing import check_split_sizes, num_windows
+from llmforge.data.packing import check_split_sizes
 from llmforge.data.mixture import PreparedMixture
 from llmforge.data.mixture_sources import check_one_tokenizer, open_mixture
 from llmforge.data.prepared import check_tokenizer, open_prepared, PreparedSplits, PreparedWindows
@@ -19,7 +19,7 @@ from llmforge.data.shakespeare import cache_root
 from llmforge.data.sources import DocumentSplits, iter_texts, load_documents, plain_options, tokenizer_cache_key
 from llmforge.data.token_cache import Splits
 from llmforge.data.tokenizers import build_tokenizer, check_vocab, load_saved, Tokenizer
-from llmforge.errors import ConfigError, DataError
+from llmforge.errors import ConfigError
 from llmforge.plugin import meta_model
 from llmforge.training.run_files import check_init_from_tokenizer
 
@@ -84,17 +84,7 @@ class DataBuilders:
         """
         seq_len, world, local_batch = self.cfg.trainer.seq_len, self.plan.dp_size, self.plan.local_batch_size
         if isinstance(docs, PreparedSplits):  # the manifest's counts: no shard is read
-            windows = PreparedWindows(docs, "train", seq_len)
-            try:
-                check_split_sizes(windows.tokens, seq_len, world, local_batch, train_windows=len(windows))
-            except DataError as exc:
-                if num_windows(windows.tokens, seq_len) // world < local_batch:
-                    raise  # too few tokens however they were sharded
-                # windows do not cross shards: small shards lose their tails
-                raise DataError(f"{exc}; or prepare the corpus again with a larger "
-                                f"--docs-per-shard: the windows of {docs.root} do not cross "
-                                f"its {len(windows.paths)} shards, which hold "
-                                f"{num_windows(windows.tokens, seq_len)} windows together") from None
+            PreparedWindows(docs, "train", seq_len).check_size(world, local_batch)
             return None
         if not isinstance(docs, DocumentSplits):
             return None

@@ -63,8 +63,26 @@ def test_scaling_by_layer_count_matches_full_depth():
     assert scaled.flops == pytest.approx(full.flops, rel=1e-6)
     # the measurement does not depend on when Python's garbage collector runs (full AC's
     # recompute once left reference cycles that held its activations until gc)
-    again = simulate(cfg, lo, n_layers=4)
+    again = simulate(cfg, lo, n_layers=4, reuse=False)
     assert again.peak_bytes == full.peak_bytes and again.phases == full.phases
+
+
+def test_three_micro_batches_measure_the_whole_step():
+    """A step of 4 micro-batches (FSDP2 over 2 ranks) simulated as its first, one middle and its
+    last micro-batch, the left-out middle ones' FLOPs and collectives added, equals the
+    simulation of all 4: peak, phases, breakdown, per-block backward peaks, FLOPs, collectives."""
+    cfg = load_config(DEMO, TINY + ["trainer.micro_batch_size=1"])
+    lo = Layout(1, 2, 1, "none", 1)
+    fast, every = simulate(cfg, lo), simulate(cfg, lo, every_micro_batch=True)
+    assert (fast.peak_bytes, fast.breakdown, fast.phases) == (every.peak_bytes, every.breakdown, every.phases)
+    assert fast.block_backward == every.block_backward and fast.flops == every.flops
+    assert [vars(c) for c in fast.collectives] == [vars(c) for c in every.collectives]
+    assert {c.kind: c.count for c in fast.collectives}["reduce_scatter"] > 0
+    # the same simulation again in this process is the kept measurement, a copy of it
+    again = simulate(cfg, lo)
+    assert again is not fast and again.phases == fast.phases and again.seconds == fast.seconds
+    again.breakdown["parameters"] = -1.0
+    assert simulate(cfg, lo).breakdown == fast.breakdown
 
 
 def test_scaling_follows_the_backward_peak_into_a_middle_block():

@@ -14,6 +14,12 @@ so it holds the most, with rank 0's extra padding of uneven shards).
 
 What is measured (per rank, the second of two steps: the first creates the optimizer state):
 
+* at most :data:`SIMULATED_MICRO_BATCHES` micro-batches of gradient accumulation are run (the
+  first, one middle one and the last: they are the three memory patterns of a step, since
+  gradients exist from the second on and only the last one syncs them); the FLOPs and
+  collectives of the micro-batches left out are the middle one's, added per micro-batch
+  (not with pipeline stages, whose schedule runs every micro-batch);
+
 * memory: ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker`` (``MemTracker``
   without FSDP2): the peak of live tensor bytes, split at the moment of the peak into
   parameters (sharded, all-gathered, buffers), gradients, optimizer state, activations (saved
@@ -41,6 +47,7 @@ import contextlib
 import copy
 import gc
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -106,6 +113,37 @@ class Layout:
     @property
     def world_size(self) -> int:
         return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+
+SIMULATED_MICRO_BATCHES = 3
+"""Micro-batches of gradient accumulation a simulated step runs at most (the first, a middle
+one, the last): a step of 16 costs the time of 3; the peak is the same (tested against every
+micro-batch, ``tests/test_planning.py``)."""
+
+
+class _MicroBatchCounts:
+    """An event plugin: the FLOP and collective totals at the end of the first two
+    micro-batches' backward, so that the middle micro-batch's share is their difference."""
+
+    def __init__(self, flops: StepFlopCounter, comm: ByteCounter) -> None:
+        self.flops, self.comm = flops, comm
+        self.after: list[tuple[float, dict]] = []
+
+    def after_backward(self, state: Any) -> None:
+        if len(self.after) < 2:
+            self.after.append((float(self.flops.get_total_flops()),
+                               {k: tuple(v) for k, v in self.comm.payload.items()}))
+
+    def add_middle(self, times: int) -> float:
+        """Add ``times`` middle micro-batches to the byte counter; returns the step's FLOPs
+        with them."""
+        (f0, p0), (f1, p1) = self.after
+        for key, (count, nbytes) in p1.items():
+            c0, b0 = p0.get(key, (0, 0.0))
+            rec = self.comm.payload[key]
+            rec[0] += times * (count - c0)
+            rec[1] += times * (nbytes - b0)
+        return float(self.flops.get_total_flops()) + times * (f1 - f0)
 
 
 @dataclass
@@ -243,7 +281,8 @@ def _precision_context(cfg: Any) -> Any:
 
 
 def simulate(cfg: Any, layout: Layout, *, n_layers: Optional[int] = None, fake: bool = True,
-             device: str = "cpu", last_stage: bool = False) -> StepMeasurement:
+             device: str = "cpu", last_stage: bool = False,
+             every_micro_batch: bool = False, reuse: bool = True) -> StepMeasurement:
     """Run one training step of rank 0 for ``layout`` and measure it (with ``last_stage`` and
     ``layout.pp > 1``: the first rank of the last pipeline stage, :func:`last_stage_rank`).
 
@@ -256,6 +295,13 @@ def simulate(cfg: Any, layout: Layout, *, n_layers: Optional[int] = None, fake: 
         last_stage: simulate the rank that holds the output layer and the loss; its stage's
             input, the hidden states ``[rows, seq_len, dim]`` the stage before sends, is a
             tensor that requires grad (the stage sends its gradient back).
+        every_micro_batch: run all of the step's micro-batches, not at most
+            :data:`SIMULATED_MICRO_BATCHES` (the same measurement, slower: for tests).
+        reuse: with ``fake``, return (a copy of) the measurement of an earlier simulation in
+            this process of the same config, layout and arguments (the last
+            :data:`REUSED_MEASUREMENTS`): a simulation is deterministic and does not depend on
+            the GPU kind, so planning one config for several GPU kinds simulates each layout
+            once. ``False``: simulate again.
 
     Returns:
         the measurement; ``breakdown`` maps :data:`CATEGORIES` to bytes at the peak.
@@ -263,13 +309,29 @@ def simulate(cfg: Any, layout: Layout, *, n_layers: Optional[int] = None, fake: 
     Raises:
         ConfigError: the layout does not divide the batch or the model (names the key).
     """
+    key = None
+    if fake and reuse:
+        key = (OmegaConf.to_yaml(cfg), layout, n_layers, device, last_stage, every_micro_batch)
+        if key in _measured:
+            _measured.move_to_end(key)
+            return copy.deepcopy(_measured[key])
     try:
-        return _simulate(cfg, layout, n_layers, fake, device, last_stage)
+        m = _simulate(cfg, layout, n_layers, fake, device, last_stage, every_micro_batch)
     finally:
         # the fake group must not outlive the simulation: a later checkpoint in this process
         # would take it for a real world of layout.world_size ranks
         if fake and dist.is_initialized() and dist.get_backend() == "fake":
             dist.destroy_process_group()
+    if key is not None:
+        _measured[key] = copy.deepcopy(m)
+        while len(_measured) > REUSED_MEASUREMENTS:
+            _measured.popitem(last=False)
+    return m
+
+
+REUSED_MEASUREMENTS = 64
+"""Fake simulations :func:`simulate` keeps for reuse in a process (a few KiB each)."""
+_measured: "OrderedDict[tuple, StepMeasurement]" = OrderedDict()
 
 
 def last_stage_rank(layout: Layout, schedule: str) -> int:
@@ -300,7 +362,7 @@ def _stage_inputs(model: Any, dtype: torch.dtype) -> Any:
 
 
 def _simulate(cfg: Any, layout: Layout, n_layers: Optional[int], fake: bool,
-              device: str, last_stage: bool = False) -> StepMeasurement:
+              device: str, last_stage: bool = False, every_micro_batch: bool = False) -> StepMeasurement:
     t0 = time.perf_counter()
     rank = last_stage_rank(layout, cfg.pipeline.schedule) if last_stage else 0
     run_cfg = layout_config(cfg, layout, n_layers)
@@ -348,6 +410,9 @@ def _simulate(cfg: Any, layout: Layout, n_layers: Optional[int], fake: bool,
                                                if bf16_param_dtype(run_cfg) else weights)
         optimizer = module.configure_optimizers()["optimizer"]
         rows = plan.micro_batch_size * plan.gradient_accumulation_steps
+        n_micro = plan.gradient_accumulation_steps
+        if not every_micro_batch and module.pp_schedule is None:
+            n_micro = min(n_micro, SIMULATED_MICRO_BATCHES)
         batch = torch.randint(0, int(module.model.vocab_size), (rows, plan.seq_len + 1))
         model = module.model
         if isinstance(model, FSDPModule):
@@ -359,24 +424,31 @@ def _simulate(cfg: Any, layout: Layout, n_layers: Optional[int], fake: bool,
         comm, flops = ByteCounter(), StepFlopCounter()
         spec = get_spec(run_cfg.model.name)
         phases = PhasePeaks(tracker, spec.model_blocks(model))
-        module.setup_events([*algorithms, phases])
+        counts = _MicroBatchCounts(flops, comm)
+        module.setup_events([*algorithms, phases, counts])
+        # the micro-batches run: a view, so the whole batch's storage is counted as before
+        run = batch[:plan.micro_batch_size * n_micro]
         with tracker, _gc_paused():
-            _step(module, optimizer, batch)  # warm-up: the optimizer state exists from here on
+            _step(module, optimizer, run)  # warm-up: the optimizer state exists from here on
             tracker.reset_mod_stats()
             # the steady-state step only: the warm-up's optimizer step creates the AdamW state
             # through DTensor, which the tracker counts at several times its size for a moment
             # (e.g. 6.3x the sharded fp32 state on a dim-1024 model over 8 ranks)
             phases.start()
+            counts.after.clear()  # the warm-up's micro-batches
             with comm, flops:
-                _step(module, optimizer, batch)
+                _step(module, optimizer, run)
             phases.record("optimizer")
+    step_flops = float(flops.get_total_flops())
+    if plan.gradient_accumulation_steps > n_micro:  # the middle micro-batches left out
+        step_flops = counts.add_middle(plan.gradient_accumulation_steps - n_micro)
     total, breakdown, sharded = max(phases.peaks.values(), key=lambda p: p[0])
     formula = float(spec.flops(model, plan.seq_len)) * rows * plan.seq_len / dims.tp
     return StepMeasurement(
         layout=layout, world_size=world, n_layers=len(spec.model_blocks(model)),
         peak_bytes=total, breakdown=breakdown, phases=dict(phases.peaks),
         # FlopCounterMode sees DTensor ops at their global shapes (the tp group's work)
-        flops=float(flops.get_total_flops()) / dims.tp, formula_flops=formula,
+        flops=step_flops / dims.tp, formula_flops=formula,
         collectives=collectives(comm, mesh), seconds=time.perf_counter() - t0, sharded_state=sharded,
         block_backward=list(phases.block_backward), rank=rank)
 
@@ -390,5 +462,5 @@ def _step(module: LLMModule, optimizer: Any, batch: torch.Tensor) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-__all__ = ["AC_MODES", "KEEP_AC", "Layout", "StepMeasurement", "last_stage_rank", "layout_config",
+__all__ = ["AC_MODES", "KEEP_AC", "Layout", "SIMULATED_MICRO_BATCHES", "StepMeasurement", "last_stage_rank", "layout_config",
            "simulate"]

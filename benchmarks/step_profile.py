@@ -4,12 +4,14 @@
     python benchmarks/step_profile.py --variants llmforge:eager,lightning:eager
     python benchmarks/step_profile.py --llmforge-compile '{name: compile, per_block: false}'
     python benchmarks/step_profile.py --smoke                           # tiny, eager, llmforge vs lightning
+    python benchmarks/step_profile.py --shapes aten::mm,aten::addmm     # also those ops by input shapes
 
 Each variant is one run of ``benchmarks/peers.py``'s worker (the demo model, data, batch,
 optimizer; llmforge compiled = ``algorithms=[<--llmforge-compile>]``, LitGPT compiled = its
 whole-model ``torch.compile``) in a fresh subprocess with the same ``OMP_NUM_THREADS``. A global
-``torch.optim`` step post-hook starts ``torch.profiler`` (CPU activities, no shapes or stacks)
-after the ``--warmup``-th optimizer step and stops it after the last, so the window is the
+``torch.optim`` step post-hook starts ``torch.profiler`` (CPU activities, no stacks; input
+shapes only with ``--shapes``, which makes every op cost more) after the
+``--warmup``-th optimizer step and stops it after the last, so the window is the
 timed span of ``peers.py``: steps, the loop and everything the trainer does between them.
 
 Printed per variant: process CPU seconds per step (``time.process_time``, all threads: unlike
@@ -37,14 +39,15 @@ from overhead import REPO, SMOKE  # noqa: E402
 TOP = 22  # operators per variant in the table
 
 
-def worker(variant: str, overrides: list[str], steps: int, warmup: int) -> dict:
+def worker(variant: str, overrides: list[str], steps: int, warmup: int, shapes: str = "") -> dict:
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     import peers
 
     trainer, mode = variant.split(":")
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                  record_shapes=bool(shapes))
     marks: list[tuple[float, float]] = []
 
     def on_step(*args, **kwargs) -> None:
@@ -66,14 +69,18 @@ def worker(variant: str, overrides: list[str], steps: int, warmup: int) -> dict:
     n = steps - warmup
     rows = sorted(((e.key, e.self_cpu_time_total / 1e6 / n, e.count / n)
                    for e in prof.key_averages()), key=lambda r: -r[1])
+    by_shape = sorted(((e.key, str(e.input_shapes), e.self_cpu_time_total / 1e6 / n, e.count / n)
+                       for e in prof.key_averages(group_by_input_shape=True)
+                       if e.key in shapes.split(",")), key=lambda r: -r[2]) if shapes else []
     return {"cpu_s_per_step": (marks[-1][1] - marks[warmup - 1][1]) / n,
             "wall_s_per_step": (marks[-1][0] - marks[warmup - 1][0]) / n,
-            "profiled_cpu_s_per_step": sum(r[1] for r in rows), "ops": rows}
+            "profiled_cpu_s_per_step": sum(r[1] for r in rows), "ops": rows, "by_shape": by_shape}
 
 
-def run(variant: str, overrides: list[str], steps: int, warmup: int, threads: int) -> dict:
+def run(variant: str, overrides: list[str], steps: int, warmup: int, threads: int,
+        shapes: str = "") -> dict:
     cmd = [sys.executable, __file__, "--worker", variant, "--steps", str(steps), "--warmup",
-           str(warmup), "--overrides", json.dumps(overrides)]
+           str(warmup), "--overrides", json.dumps(overrides), "--shapes", shapes]
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env)
     if proc.returncode != 0:
@@ -91,12 +98,15 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count()))
     ap.add_argument("--llmforge-compile", default="{name: compile}", metavar="YAML",
                     help="the algorithm entry of llmforge's compiled variant")
+    ap.add_argument("--shapes", default="", metavar="OPS",
+                    help="also list these operators' time by input shapes, e.g. aten::mm,aten::addmm")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--overrides", default="[]", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:  # no harness import of HF datasets (peers.worker_main says why)
-        print(json.dumps(worker(args.worker, json.loads(args.overrides), args.steps, args.warmup)))
+        print(json.dumps(worker(args.worker, json.loads(args.overrides), args.steps, args.warmup,
+                                args.shapes)))
         return 0
     if not 1 <= args.warmup < args.steps:
         ap.error(f"need 1 <= --warmup < --steps; got {args.warmup} and {args.steps}")
@@ -107,7 +117,7 @@ def main() -> int:
     out = {}
     for v in variants:
         extra = [f"algorithms=[{args.llmforge_compile}]"] if v == "llmforge:compiled" else []
-        out[v] = run(v, base + extra, args.steps, args.warmup, args.threads)
+        out[v] = run(v, base + extra, args.steps, args.warmup, args.threads, args.shapes)
     print(f"model: {'smoke' if args.smoke else 'demo'}; {args.steps - args.warmup} profiled steps "
           f"after {args.warmup}; OMP_NUM_THREADS={args.threads}; llmforge compiled = "
           f"algorithms=[{args.llmforge_compile}]; load average {os.getloadavg()[0]:.1f}")
@@ -129,6 +139,11 @@ def main() -> int:
         rest_b = sum(t for k, t, _ in out[v]["ops"] if k not in keys)
         print(f"  {'(all other operators)':44s} {rest_a * 1e3:9.1f}          {rest_b * 1e3:9.1f}          "
               f"{(rest_a - rest_b) * 1e3:+9.1f}")
+    for v, r in out.items():
+        if r["by_shape"]:
+            print(f"\n{v}: self CPU ms per step (calls per step) by input shapes")
+            for key, shape, t, c in r["by_shape"]:
+                print(f"  {key:14s} {t * 1e3:8.1f} ({c:5.1f})  {shape}")
     return 0
 
 

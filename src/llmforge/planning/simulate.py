@@ -462,5 +462,5 @@ def _step(module: LLMModule, optimizer: Any, batch: torch.Tensor) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-__all__ = ["AC_MODES", "KEEP_AC", "Layout", "SIMULATED_MICRO_BATCHES", "StepMeasurement", "last_stage_rank", "layout_config",
-           "simulate"]
+__all__ = ["AC_MODES", "KEEP_AC", "Layout", "SIMULATED_MICRO_BATCHES", "StepMeasurement",
+           "last_stage_rank", "layout_config", "simulate"]

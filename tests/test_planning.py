@@ -67,11 +67,14 @@ def test_scaling_by_layer_count_matches_full_depth():
     assert again.peak_bytes == full.peak_bytes and again.phases == full.phases
 
 
-def test_three_micro_batches_measure_the_whole_step():
-    """A step of 4 micro-batches (FSDP2 over 2 ranks) simulated as its first, one middle and its
-    last micro-batch, the left-out middle ones' FLOPs and collectives added, equals the
-    simulation of all 4: peak, phases, breakdown, per-block backward peaks, FLOPs, collectives."""
-    cfg = load_config(DEMO, TINY + ["trainer.micro_batch_size=1"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_four_micro_batches_measure_the_whole_step(precision):
+    """A step of 5 micro-batches (FSDP2 over 2 ranks) simulated as its first, two middle and its
+    last micro-batch, the left-out middle one's FLOPs and collectives added (the third's:
+    under bf16-mixed the second's reduce-scatters carry less), equals the simulation of all
+    5: peak, phases, breakdown, per-block backward peaks, FLOPs, collectives."""
+    cfg = load_config(DEMO, TINY + ["trainer.global_batch_size=10", "trainer.micro_batch_size=1",
+                                    f"trainer.precision={precision}"])
     lo = Layout(1, 2, 1, "none", 1)
     fast, every = simulate(cfg, lo), simulate(cfg, lo, every_micro_batch=True)
     assert (fast.peak_bytes, fast.breakdown, fast.phases) == (every.peak_bytes, every.breakdown, every.phases)

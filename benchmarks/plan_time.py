@@ -32,7 +32,7 @@ from llmforge.parallel.mesh import ParallelDims  # noqa: E402
 from llmforge.planning.gpus import gpu_kind  # noqa: E402
 from llmforge.planning.planner import plan  # noqa: E402
 from llmforge.planning.depth import simulate_scaled  # noqa: E402
-from llmforge.planning.simulate import KEEP_AC, Layout  # noqa: E402
+from llmforge.planning.layout import KEEP_AC, Layout  # noqa: E402
 from llmforge.config.validate import validate  # noqa: E402
 
 SMOKE = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",

@@ -21,7 +21,8 @@ from llmforge.parallel.mesh import ParallelDims
 from llmforge.parallel.pipeline import bubble_fraction, resolve_layout, split_blocks, stage_params
 from llmforge.parallel.transforms import pipeline_layout
 from llmforge.planning.depth import simulate_scaled
-from llmforge.planning.simulate import Layout, last_stage_rank, simulate
+from llmforge.planning.layout import Layout, last_stage_rank
+from llmforge.planning.simulate import simulate
 from llmforge.plugin import meta_model
 
 

@@ -68,7 +68,7 @@ def test_analytic_estimate_within_10_percent_of_the_simulation(yaml):
     from llmforge.models.memory_estimate import analytic_peak
     from llmforge.parallel.mesh import ParallelDims
     from llmforge.planning.depth import simulate_scaled
-    from llmforge.planning.simulate import KEEP_AC, Layout
+    from llmforge.planning.layout import KEEP_AC, Layout
 
     cfg = load_config(YAMLS / yaml)
     world = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)

@@ -13,7 +13,8 @@ from llmforge.config import load_config
 from llmforge.planning.depth import simulate_scaled
 from llmforge.planning.gpus import gpu_kind
 from llmforge.planning.planner import plan
-from llmforge.planning.simulate import Layout, simulate
+from llmforge.planning.layout import Layout
+from llmforge.planning.simulate import simulate
 from llmforge.plugin import meta_model
 
 TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",

@@ -8,7 +8,8 @@ import sys
 import torch.distributed as dist
 
 from llmforge.config import load_config
-from llmforge.planning.simulate import Layout, simulate
+from llmforge.planning.layout import Layout
+from llmforge.planning.simulate import simulate
 
 
 def main(out, config, dp_shard, tp, ac, mbs, *overrides):

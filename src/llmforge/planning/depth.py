@@ -16,7 +16,8 @@ from typing import Any, Optional
 from llmforge.models.spec import get_spec
 from llmforge.parallel.pipeline import rank_stages
 from llmforge.planning.measure import CATEGORIES, Collective
-from llmforge.planning.simulate import Layout, StepMeasurement, simulate
+from llmforge.planning.layout import Layout
+from llmforge.planning.simulate import StepMeasurement, simulate
 from llmforge.plugin import meta_model
 
 

@@ -14,7 +14,8 @@ from typing import Any, Optional
 
 from llmforge.models.memory_estimate import GIB, analytic_peak
 from llmforge.planning.depth import simulate_scaled
-from llmforge.planning.simulate import KEEP_AC, Layout, StepMeasurement, last_stage_rank
+from llmforge.planning.layout import KEEP_AC, Layout, last_stage_rank
+from llmforge.planning.simulate import StepMeasurement
 from llmforge.planning.stages import stage_share
 from llmforge.planning.dry_run_report import dry_run_report
 from llmforge.training.preflight import pipeline_line

@@ -9,7 +9,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from llmforge.planning.planner import Candidate
-from llmforge.planning.simulate import AC_ENTRIES
+from llmforge.planning.layout import AC_ENTRIES
 
 
 def layout_settings(cand: Candidate, algorithms: list[dict]) -> dict[str, Any]:

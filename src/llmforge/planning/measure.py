@@ -142,6 +142,32 @@ class ByteCounter(TorchDispatchMode):
         return out
 
 
+class MicroBatchCounts:
+    """An event plugin: the FLOP and collective totals at the end of the first three
+    micro-batches' backward, so that the third micro-batch's share (a middle one's) is the
+    difference of the last two."""
+
+    def __init__(self, flops: StepFlopCounter, comm: ByteCounter) -> None:
+        self.flops, self.comm = flops, comm
+        self.after: list[tuple[float, dict]] = []
+
+    def after_backward(self, state: Any) -> None:
+        if len(self.after) < 3:
+            self.after.append((float(self.flops.get_total_flops()),
+                               {k: tuple(v) for k, v in self.comm.payload.items()}))
+
+    def add_middle(self, times: int) -> float:
+        """Add ``times`` middle micro-batches to the byte counter; returns the step's FLOPs
+        with them."""
+        (f0, p0), (f1, p1) = self.after[1], self.after[2]
+        for key, (count, nbytes) in p1.items():
+            c0, b0 = p0.get(key, (0, 0.0))
+            rec = self.comm.payload[key]
+            rec[0] += times * (count - c0)
+            rec[1] += times * (nbytes - b0)
+        return float(self.flops.get_total_flops()) + times * (f1 - f0)
+
+
 class PhasePeaks:
     """An event plugin (:mod:`llmforge.events`) that splits the step's peak by phase: at the end
     of each forward, loss and backward it folds the tracker's peak since the last phase into

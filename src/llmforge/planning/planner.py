@@ -60,7 +60,8 @@ from llmforge.planning.gpus import GPUKind
 from llmforge.planning.measure import Collective
 from llmforge.planning.depth import simulate_scaled
 from llmforge.planning.experts import ExpertShape, ep_degrees
-from llmforge.planning.simulate import AC_MODES, Layout, StepMeasurement
+from llmforge.planning.layout import AC_MODES, Layout
+from llmforge.planning.simulate import StepMeasurement
 from llmforge.planning.stages import StageShape, forward_activations, pp_allowed, simulate_layout
 from llmforge.plugin import meta_model
 

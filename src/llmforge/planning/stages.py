@@ -22,7 +22,8 @@ from llmforge.models.memory_estimate import StageShare
 from llmforge.models.spec import get_spec
 from llmforge.parallel.pipeline import bubble_fraction, rank_stages, resolve_layout, stage_params
 from llmforge.parallel.transforms import pipeline_layout
-from llmforge.planning.simulate import Layout, StepMeasurement, last_stage_rank, pipeline_settings
+from llmforge.planning.layout import Layout, last_stage_rank, pipeline_settings
+from llmforge.planning.simulate import StepMeasurement
 from llmforge.plugin import meta_model
 
 __all__ = ["StageShape", "forward_activations", "in_flight", "pp_allowed", "simulate_layout",
@@ -49,7 +50,7 @@ def stage_share(cfg: Any, dims: Any, pp_rank: int) -> StageShare:
 def pp_allowed(cfg: Any, pp: int, n_blocks: int, local_batch: int, mbs: int, world: int) -> Optional[str]:
     """``None`` when ``pp`` stages can run ``local_batch`` sequences per data-parallel rank in
     micro-batches of ``mbs`` (the config's schedule and split,
-    :func:`~llmforge.planning.simulate.pipeline_settings`),
+    :func:`~llmforge.planning.layout.pipeline_settings`),
     else why not (the pipeline checks' message)."""
     s = pipeline_settings(cfg, pp)
     try:

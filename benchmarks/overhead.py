@@ -64,24 +64,84 @@ def side_by_side_barrier(timeout_s: float = 1800) -> None:
         time.sleep(0.005)
 
 
+class Turns:
+    """``peers.py --alternate``: two runs started together take turns, one optimizer step
+    each, so that every timed step has the machine to itself and both runs see the same
+    machine, step by step (the host's drift of minutes cancels; side by side, the two runs
+    share the cache and the memory bus instead). The turn is a byte passed through two FIFOs
+    in ``$PEERS_TURNS`` (``turn-0``, ``turn-1``, made by the parent): role
+    ``$PEERS_TURN_ROLE`` (0 or 1) reads its own and writes the other's; role 0 takes the first
+    timed step. A run's time is the sum of its turns: from getting the turn to the end of its
+    step (:meth:`step_end`), all the trainer's work between two step ends included. A blocked
+    read costs no CPU. The parent writes a stream of bytes into both FIFOs when either run
+    ends, so the other never waits for a run that died. Inactive (no waiting, no time) when
+    ``$PEERS_TURNS`` is unset."""
+
+    def __init__(self) -> None:
+        folder = os.environ.get("PEERS_TURNS")
+        self.active = bool(folder)
+        self.seconds = 0.0  # the sum of this run's timed turns
+        self.turns = 0
+        self._start: float | None = None
+        if folder:
+            self.role = int(os.environ.get("PEERS_TURN_ROLE", "0"))
+            # O_RDWR: opening a FIFO does not block waiting for the other end (Linux)
+            self._in = os.open(Path(folder, f"turn-{self.role}"), os.O_RDWR)
+            self._out = os.open(Path(folder, f"turn-{1 - self.role}"), os.O_RDWR)
+
+    def begin(self) -> None:
+        """After the warm-up (and :func:`side_by_side_barrier`): role 1 waits for role 0's
+        first timed step; the first timed turn starts."""
+        if self.active:
+            if self.role == 1:
+                os.read(self._in, 1)
+            self._start = time.perf_counter()
+
+    def timed(self, steps: int) -> float:
+        """The seconds of this run's timed turns, after checking that there were ``steps``.
+
+        Raises:
+            RuntimeError: a different number of timed turns (the steps did not alternate)."""
+        if self.turns != steps:
+            raise RuntimeError(f"expected {steps} timed turns, counted {self.turns}")
+        return self.seconds
+
+    def step_end(self, last: bool) -> None:
+        """At the end of a timed step: count the turn's time, hand the turn over and (but
+        after role 1's last step, which nobody follows) wait for it to come back."""
+        if not self.active or self._start is None:
+            return
+        self.seconds += time.perf_counter() - self._start
+        self.turns += 1
+        os.write(self._out, b"t")
+        if not (last and self.role == 1):
+            os.read(self._in, 1)
+        self._start = time.perf_counter()
+
+
 def worker_llmforge(overrides: list[str], steps: int, warmup: int, work: Path) -> dict:
     from lightning.pytorch.callbacks import Callback
 
     from llmforge import Trainer
 
     marks: dict[int, float] = {}
+    turns = Turns()
 
     class Clock(Callback):  # wall time at the end of each step: the same span as the bare loop
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            marks[trainer.global_step] = time.perf_counter()
             if trainer.global_step == warmup:
                 side_by_side_barrier()
-            marks[trainer.global_step] = time.perf_counter()
+                marks[warmup] = time.perf_counter()
+                turns.begin()
+            elif trainer.global_step > warmup:
+                turns.step_end(last=trainer.global_step == steps)
 
     trainer = Trainer(config(overrides, steps, work), overwrite=True)
     trainer.setup()
     trainer.lightning.callbacks.append(Clock())
     trainer.lightning.fit(trainer.module, datamodule=trainer.datamodule)
-    seconds = marks[steps] - marks[warmup]
+    seconds = turns.timed(steps - warmup) if turns.active else marks[steps] - marks[warmup]
     records = [json.loads(x) for x in (Path(trainer.cfg.run.output_dir) / trainer.cfg.run.name /
                                        "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if r["step"] > warmup and "time/step_seconds" in r]

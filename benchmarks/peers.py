@@ -52,7 +52,8 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import REPO, SMOKE, config, peak_rss_mib, side_by_side_barrier, worker_llmforge  # noqa: E402
+from overhead import (REPO, SMOKE, Turns, config, peak_rss_mib, side_by_side_barrier,  # noqa: E402
+                      worker_llmforge)
 
 COMPILE = "{name: compile}"  # llmforge's compiled variant: algorithms=[<this>]
 # (trainer, mode): the llmforge variant of the same mode is the reference for a peer's ratio
@@ -117,23 +118,33 @@ def prepared(overrides: list[str], steps: int, work: Path, text: bool = False) -
 class StepClock:
     """Wall time after every optimizer step of any torch optimizer in this process (a global
     ``torch.optim`` post-hook), whichever trainer drives it; side by side, the ``warmup``-th
-    step waits for the run beside it first (:func:`side_by_side_barrier`)."""
+    step waits for the run beside it first (:func:`side_by_side_barrier`); alternating, the
+    timed steps take turns with it (:class:`overhead.Turns`)."""
 
-    def __init__(self, warmup: int) -> None:
+    def __init__(self, warmup: int, steps: int) -> None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self.marks: list[float] = []
-        self._handle = register_optimizer_step_post_hook(lambda *a, **k: self._mark(warmup))
+        self.turns = Turns()
+        self._handle = register_optimizer_step_post_hook(lambda *a, **k: self._mark(warmup, steps))
 
-    def _mark(self, warmup: int) -> None:
-        if len(self.marks) == warmup - 1:
+    def _mark(self, warmup: int, steps: int) -> None:
+        n = len(self.marks) + 1  # the optimizer step that just ended
+        if n == warmup:
             side_by_side_barrier()
+            self.marks.append(time.perf_counter())
+            self.turns.begin()
+            return
         self.marks.append(time.perf_counter())
+        if n > warmup:
+            self.turns.step_end(last=n == steps)
 
     def tokens_per_second(self, steps: int, warmup: int, tokens_per_step: int) -> float:
         if len(self.marks) != steps:
             raise RuntimeError(f"expected {steps} optimizer steps, counted {len(self.marks)}")
-        return (steps - warmup) * tokens_per_step / (self.marks[steps - 1] - self.marks[warmup - 1])
+        seconds = (self.turns.timed(steps - warmup) if self.turns.active
+                   else self.marks[steps - 1] - self.marks[warmup - 1])
+        return (steps - warmup) * tokens_per_step / seconds
 
 
 # -- the peers -------------------------------------------------------------------------------
@@ -166,7 +177,7 @@ def worker_lightning(overrides: list[str], steps: int, warmup: int, work: Path) 
             sched = build_scheduler(opt, cfg.scheduler, steps)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
-    clock = StepClock(warmup)
+    clock = StepClock(warmup, steps)
     trainer = L.Trainer(accelerator="cpu", devices=1, precision="32-true", max_steps=steps,
                         accumulate_grad_batches=plan.gradient_accumulation_steps,
                         gradient_clip_val=cfg.trainer.gradient_clip_val,
@@ -217,7 +228,7 @@ def worker_litgpt(overrides: list[str], steps: int, warmup: int, work: Path,
     if not compiled:  # pretrain calls torch.compile(model) unconditionally
         torch.compile = lambda model=None, **kwargs: model
     o = cfg.optimizer
-    clock = StepClock(warmup)
+    clock = StepClock(warmup, steps)
     pretrain.setup(
         model_name="llmforge-demo", model_config=model_config, out_dir=work / "litgpt",
         precision="32-true", data=Windows(), devices=1, logger_name="csv", seed=cfg.run.seed,
@@ -299,7 +310,7 @@ def worker_torchtitan(overrides: list[str], steps: int, warmup: int, work: Path,
     tc.validator.enable = False
     tc.metrics.log_freq = cfg.trainer.log_every
     tc.compile.enable = compiled
-    clock = StepClock(warmup)
+    clock = StepClock(warmup, steps)
     trainer = tc.build()
     try:
         trainer.train()
@@ -344,26 +355,47 @@ def run_worker(trainer: str, mode: str, overrides: list[str], steps: int, warmup
 
 
 def run_side_by_side(pair: list[tuple[str, str]], overrides: list[list[str]], steps: int,
-                     warmup: int, threads: int, cores: list[list[int]]) -> list[dict]:
-    """Two runs at once, each pinned to its own ``cores`` with ``threads`` compute threads;
-    both start timing together after their warm-up (:func:`side_by_side_barrier`). Inductor
-    compiles with as many workers as the machine has cores, as it would for a run alone."""
-    with tempfile.TemporaryDirectory(prefix="peers-barrier-") as barrier:
+                     warmup: int, threads: int, cores: Optional[list[list[int]]],
+                     alternate: bool = False) -> list[dict]:
+    """Two runs at once, each pinned to its own ``cores`` (unless ``None``) with ``threads``
+    compute threads; both start timing together after their warm-up
+    (:func:`side_by_side_barrier`). With ``alternate``, the timed steps take turns instead of
+    running at the same time, the first run of ``pair`` first (:class:`overhead.Turns`).
+    Inductor compiles with as many workers as the machine has cores, as it would for a run
+    alone."""
+    with tempfile.TemporaryDirectory(prefix="peers-barrier-") as barrier, \
+            tempfile.TemporaryDirectory(prefix="peers-turns-") as turns:
         env = {"PEERS_BARRIER": barrier,
                "TORCHINDUCTOR_COMPILE_THREADS": os.environ.get("TORCHINDUCTOR_COMPILE_THREADS",
                                                                str(os.cpu_count() or 1))}
+        fifos = []
+        if alternate:
+            env["PEERS_TURNS"] = turns
+            for role in (0, 1):
+                os.mkfifo(Path(turns, f"turn-{role}"))
+                fifos.append(os.open(Path(turns, f"turn-{role}"), os.O_RDWR | os.O_NONBLOCK))
         t0 = time.perf_counter()
-        procs = [start_worker(*v, o, steps, warmup, threads, c, env)
-                 for v, o, c in zip(pair, overrides, cores)]
+        procs = [start_worker(*v, o, steps, warmup, threads, c,
+                              {**env, "PEERS_TURN_ROLE": str(role)})
+                 for role, (v, o, c) in enumerate(zip(pair, overrides, cores or [None, None]))]
 
         def finish(proc: subprocess.Popen) -> dict:
             out = finish_worker(proc, t0)
             # a run that ended (done, or failed before its barrier) frees the one beside it
             Path(barrier, f"ended-{proc.pid}").touch()
+            for fd in fifos:  # and, alternating, lets it take every turn from now on
+                try:
+                    os.write(fd, b"e" * 4096)
+                except BlockingIOError:  # the FIFO is full: it has turns enough
+                    pass
             return out
 
-        with ThreadPoolExecutor(2) as pool:
-            return list(pool.map(finish, procs))
+        try:
+            with ThreadPoolExecutor(2) as pool:
+                return list(pool.map(finish, procs))
+        finally:
+            for fd in fifos:
+                os.close(fd)
 
 
 def worker_main(args) -> int:
@@ -409,6 +441,10 @@ def main() -> int:
     ap.add_argument("--side-by-side", action="store_true",
                     help="run each peer at the same time as an llmforge run of the same mode, each "
                          "pinned to its own half of the cores, swapped every round")
+    ap.add_argument("--alternate", action="store_true",
+                    help="run each peer at the same time as an llmforge run of the same mode, "
+                         "the timed steps taking turns (one optimizer step each, every step "
+                         "alone on the machine), llmforge first in even rounds")
     ap.add_argument("--only", default="", help="comma-separated peers to run (default: all installed)")
     ap.add_argument("--no-compiled", action="store_true", help="eager variants only")
     ap.add_argument("--llmforge-compile", default=COMPILE, metavar="YAML",
@@ -422,6 +458,8 @@ def main() -> int:
     if args.worker:
         return worker_main(args)
     cores = sorted(os.sched_getaffinity(0))
+    if args.side_by_side and args.alternate:
+        ap.error("--side-by-side and --alternate are two ways to pair the runs: give one")
     if args.threads is None:
         args.threads = (max(1, len(cores) // 2) if args.side_by_side else
                         int(os.environ.get("OMP_NUM_THREADS") or len(cores)))
@@ -457,6 +495,7 @@ def main() -> int:
     print(f"model: {'smoke' if args.smoke else 'demo (yamls/demo_cpu.yaml)'}; {args.pairs} round{'s' * (args.pairs != 1)} x "
           f"{args.steps} steps ({args.warmup} warm-up); OMP_NUM_THREADS={args.threads}; "
           f"{'side by side, ' + str(len(cores)) + ' cores; ' if args.side_by_side else ''}"
+          f"{'alternating steps, ' + str(len(cores)) + ' cores; ' if args.alternate else ''}"
           f"torch {torch.__version__}; {' '.join(_versions(peers))}; llmforge compiled = "
           f"algorithms=[{args.llmforge_compile}]", flush=True)
 
@@ -469,7 +508,7 @@ def main() -> int:
     os.environ["PEERS_ROWS_CACHE"] = cache.name
     os.environ["PEERS_ROWS_STEPS"] = str(args.steps)  # the warm-up round builds the measured rows
     rounds = args.pairs + (0 if args.smoke else 1)  # the first round warms caches, runs short
-    if args.side_by_side:
+    if args.side_by_side or args.alternate:
         return side_by_side_main(args, [v for v in variants if v[0] != "llmforge"],
                                  run_overrides, rounds, cores)
     results: dict[tuple[str, str], list[dict]] = {v: [] for v in variants}
@@ -534,7 +573,11 @@ def side_by_side_main(args, peer_variants: list[tuple[str, str]], run_overrides,
     run of its mode (:func:`run_side_by_side`), the two on disjoint halves of the cores, which
     swap every round; the ratio is taken within each pair, so a drift of the machine's speed
     hits both of its runs. The run that finishes first leaves the other alone for its last
-    steps, which favours the slower of the two."""
+    steps, which favours the slower of the two. ``--alternate``: the same pairs, unpinned,
+    with ``--threads`` each (default all cores), their timed steps taking turns
+    (:class:`overhead.Turns`): each step runs alone on the machine, as in a run of its own,
+    and the drift hits both runs step by step; llmforge takes the first timed step in even
+    rounds, the peer in odd ones."""
     t = args.threads
     halves = [cores[:t], cores[t:2 * t]]
     results: dict[tuple[str, str], list[tuple[dict, dict]]] = {v: [] for v in peer_variants}
@@ -543,8 +586,10 @@ def side_by_side_main(args, peer_variants: list[tuple[str, str]], run_overrides,
         pin = halves if r % 2 == 0 else halves[::-1]
         for v in order:
             ref = ("llmforge", v[1])
-            ours, peer = run_side_by_side([ref, v], [run_overrides(ref), run_overrides(v)], steps,
-                                          args.warmup, t, pin)
+            pair = [ref, v] if not args.alternate or r % 2 == 0 else [v, ref]
+            outs = run_side_by_side(pair, [run_overrides(x) for x in pair], steps, args.warmup, t,
+                                    None if args.alternate else pin, alternate=args.alternate)
+            ours, peer = outs if pair[0] == ref else outs[::-1]
             if "error" in ours:
                 raise RuntimeError(f"llmforge ({v[1]}) failed: {ours['error']}")
             label = f"{v[0]} ({v[1]})"
@@ -552,9 +597,13 @@ def side_by_side_main(args, peer_variants: list[tuple[str, str]], run_overrides,
                 errors[v] = peer["error"]
                 print(f"  {label}: cannot run: {peer['error']}", flush=True)
                 continue
+            where = (f"{'after' if pair[0] == ref else 'before'} each llmforge step"
+                     if args.alternate else f"on cores {pin[1]}")
+            beside = "" if args.alternate else f" on {pin[0]}"
             print(f"  round {r}{' (warm-up, not counted)' if warm else ''}: {label:22s} "
-                  f"{peer['tokens_per_second']:9.1f} tokens/s on cores {pin[1]}, llmforge beside it "
-                  f"{ours['tokens_per_second']:9.1f} on {pin[0]}: ratio "
+                  f"{peer['tokens_per_second']:9.1f} tokens/s {where}, llmforge "
+                  f"{'alternating' if args.alternate else 'beside it'} "
+                  f"{ours['tokens_per_second']:9.1f}{beside}: ratio "
                   f"{ours['tokens_per_second'] / peer['tokens_per_second']:.3f}", flush=True)
             if not warm:
                 results[v].append((ours, peer))
@@ -565,7 +614,7 @@ def side_by_side_main(args, peer_variants: list[tuple[str, str]], run_overrides,
         ratios = [o["tokens_per_second"] / p["tokens_per_second"] for o, p in pairs]
         rss = max(o["peak_rss_mib"] for o, _ in pairs) / max(p["peak_rss_mib"] for _, p in pairs)
         print(f"{v[0] + ' (' + v[1] + ')':22s} median {statistics.median(p['tokens_per_second'] for _, p in pairs):9.1f} "
-              f"tokens/s (llmforge beside it {statistics.median(o['tokens_per_second'] for o, _ in pairs):9.1f})   "
+              f"tokens/s (llmforge {'alternating' if args.alternate else 'beside it'} {statistics.median(o['tokens_per_second'] for o, _ in pairs):9.1f})   "
               f"peak RSS {max(p['peak_rss_mib'] for _, p in pairs):7.0f} MiB "
               f"(llmforge {max(o['peak_rss_mib'] for o, _ in pairs):7.0f})")
         print(f"ratio llmforge/{v[0]} ({v[1]}): median {statistics.median(ratios):.3f} "

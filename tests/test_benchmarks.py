@@ -58,17 +58,20 @@ def test_compile_cpu_smoke(tmp_path):
         assert variant in table
 
 
-@pytest.mark.parametrize("mode", ["one after another", "side by side"])
+@pytest.mark.parametrize("mode", ["one after another", "side by side", "alternating"])
 def test_peers_smoke(mode):
     """peers.py runs the peers installed here (plain Lightning always; LitGPT and torchtitan only
     where their packages are, never in CI) and says which it skipped; ``--side-by-side`` runs
-    each beside an llmforge run, one core each."""
+    each beside an llmforge run, one core each; ``--alternate`` runs both at once, their timed
+    steps taking turns (each run checks that it timed every step in its own turn)."""
     if mode == "side by side" and len(os.sched_getaffinity(0)) < 2:
         pytest.skip("--side-by-side needs two cores; this process may use one")
-    proc = run_script("benchmarks/peers.py", "--smoke", *(["--side-by-side"] if mode == "side by side" else []))
+    flag = {"side by side": ["--side-by-side"], "alternating": ["--alternate"]}.get(mode, [])
+    proc = run_script("benchmarks/peers.py", "--smoke", *flag)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "ratio llmforge/lightning (eager)" in proc.stdout
     assert ("llmforge beside it" in proc.stdout) == (mode == "side by side"), proc.stdout
+    assert ("after each llmforge step, llmforge alternating" in proc.stdout) == (mode == "alternating")
     for package in ("litgpt", "torchtitan"):
         if importlib.util.find_spec(package) is None:
             assert f"{package}: skipped: {package} not installed" in proc.stdout

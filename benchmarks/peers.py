@@ -3,6 +3,7 @@
     python benchmarks/peers.py                    # demo model, 5 interleaved rounds after a warm-up round
     python benchmarks/peers.py --pairs 7 --steps 25
     python benchmarks/peers.py --side-by-side     # each peer at the same time as llmforge, one core each
+    python benchmarks/peers.py --alternate        # each peer beside llmforge, their steps taking turns
     python benchmarks/peers.py --smoke            # tiny, for the test suite (only the peers installed)
 
 The work is the demo model of ``yamls/demo_cpu.yaml`` (Llama dim 256, 4 blocks, 8 heads / 4 KV
@@ -31,7 +32,11 @@ llmforge / peer is taken per round, eager against eager and compiled against com
 printed as its median with min-max over the rounds. ``--side-by-side`` runs each peer at the
 same time as an llmforge run of its mode instead, on disjoint halves of the cores swapped
 every round, so that the machine's drift hits both runs of a ratio
-(:func:`side_by_side_main`).
+(:func:`side_by_side_main`); side by side, though, the two runs share the cache and the memory
+bus, which slows each by what the other does. ``--alternate`` starts the same pairs together,
+unpinned, with all the cores each, and makes their timed steps take turns, one optimizer step
+each (:class:`overhead.Turns`): every timed step runs alone on the machine, as in a run of its
+own, and the drift hits both runs step by step.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import resource
+import select
 import statistics
 import subprocess
 import sys
@@ -74,10 +75,16 @@ class Turns:
     timed step. A run's time is the sum of its turns: from getting the turn to the end of its
     step (:meth:`step_end`), all the trainer's work between two step ends included. A blocked
     read costs no CPU. The parent writes a stream of bytes into both FIFOs when either run
-    ends, so the other never waits for a run that died. Inactive (no waiting, no time) when
-    ``$PEERS_TURNS`` is unset."""
+    ends, so the other never waits for a run that died; a wait longer than ``timeout_s`` (the
+    parent died too) raises. After getting the turn, a run sleeps ``SETTLE_S`` before its clock
+    starts: the other run's idle OpenMP threads spin for about 10 ms after its last parallel
+    region (libgomp's default wait policy), and the step would share the cores with them.
+    Inactive (no waiting, no time) when ``$PEERS_TURNS`` is unset."""
 
-    def __init__(self) -> None:
+    SETTLE_S = 0.03
+
+    def __init__(self, timeout_s: float = 1800) -> None:
+        self.timeout_s = timeout_s
         folder = os.environ.get("PEERS_TURNS")
         self.active = bool(folder)
         self.seconds = 0.0  # the sum of this run's timed turns
@@ -94,8 +101,19 @@ class Turns:
         first timed step; the first timed turn starts."""
         if self.active:
             if self.role == 1:
-                os.read(self._in, 1)
+                self._wait()
+            time.sleep(self.SETTLE_S)
             self._start = time.perf_counter()
+
+    def _wait(self) -> None:
+        """Block until the turn comes (a byte in this run's FIFO), at most ``timeout_s``.
+
+        Raises:
+            TimeoutError: no turn within ``timeout_s`` seconds."""
+        ready, _, _ = select.select([self._in], [], [], self.timeout_s)
+        if not ready:
+            raise TimeoutError(f"no turn from the run beside this one in {self.timeout_s:.0f} s")
+        os.read(self._in, 1)
 
     def timed(self, steps: int) -> float:
         """The seconds of this run's timed turns, after checking that there were ``steps``.
@@ -115,7 +133,8 @@ class Turns:
         self.turns += 1
         os.write(self._out, b"t")
         if not (last and self.role == 1):
-            os.read(self._in, 1)
+            self._wait()
+            time.sleep(self.SETTLE_S)
         self._start = time.perf_counter()
 
 

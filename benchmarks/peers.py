@@ -465,6 +465,9 @@ def main() -> int:
     cores = sorted(os.sched_getaffinity(0))
     if args.side_by_side and args.alternate:
         ap.error("--side-by-side and --alternate are two ways to pair the runs: give one")
+    if not args.smoke and not (args.pairs >= 1 and 1 <= args.warmup < args.steps):
+        ap.error(f"need --pairs >= 1 and 1 <= --warmup < --steps; got --pairs {args.pairs} "
+                 f"--warmup {args.warmup} --steps {args.steps}")
     if args.threads is None:
         args.threads = (max(1, len(cores) // 2) if args.side_by_side else
                         int(os.environ.get("OMP_NUM_THREADS") or len(cores)))

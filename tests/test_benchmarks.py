@@ -100,6 +100,30 @@ def test_side_by_side_barrier(tmp_path, monkeypatch):
     assert time.monotonic() - t0 < 1
 
 
+def test_turns_hand_over_wait_and_time_out(tmp_path, monkeypatch):
+    """``peers.py --alternate``'s turns: role 1 waits for role 0's byte (and gives up after its
+    timeout instead of hanging), times only its own step (not the wait, not the settling
+    sleep), hands the turn over, and checks the count of its timed turns."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from overhead import Turns
+
+    for role in (0, 1):
+        os.mkfifo(tmp_path / f"turn-{role}")
+    monkeypatch.setenv("PEERS_TURNS", str(tmp_path))
+    monkeypatch.setenv("PEERS_TURN_ROLE", "1")
+    turns = Turns(timeout_s=0.2)
+    with pytest.raises(TimeoutError, match="no turn"):
+        turns.begin()  # nobody gave role 1 the turn
+    mine, other = (os.open(tmp_path / f"turn-{r}", os.O_RDWR | os.O_NONBLOCK) for r in (1, 0))
+    os.write(mine, b"t")  # role 0 ended its step
+    turns.begin()
+    turns.step_end(last=True)  # role 1's last step: hands over, waits for nothing
+    assert os.read(other, 8) == b"t"
+    assert 0 <= turns.timed(1) < Turns.SETTLE_S
+    with pytest.raises(RuntimeError, match="expected 2 timed turns, counted 1"):
+        turns.timed(2)
+
+
 def test_chunked_ce_memory_smoke():
     proc = run_script("benchmarks/chunked_ce_memory.py", "--smoke")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -115,6 +115,16 @@ class Turns:
             raise TimeoutError(f"no turn from the run beside this one in {self.timeout_s:.0f} s")
         os.read(self._in, 1)
 
+    def after_step(self, step: int, warmup: int, steps: int) -> None:
+        """At the end of optimizer step ``step`` (1-based) of ``steps``: after the last warm-up
+        step, :func:`side_by_side_barrier` and the first turn (:meth:`begin`); after a timed
+        one, :meth:`step_end`. A clock marks the time after this call."""
+        if step == warmup:
+            side_by_side_barrier()
+            self.begin()
+        elif step > warmup:
+            self.step_end(last=step == steps)
+
     def timed(self, steps: int) -> float:
         """The seconds of this run's timed turns, after checking that there were ``steps``.
 
@@ -148,13 +158,8 @@ def worker_llmforge(overrides: list[str], steps: int, warmup: int, work: Path) -
 
     class Clock(Callback):  # wall time at the end of each step: the same span as the bare loop
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            turns.after_step(trainer.global_step, warmup, steps)
             marks[trainer.global_step] = time.perf_counter()
-            if trainer.global_step == warmup:
-                side_by_side_barrier()
-                marks[warmup] = time.perf_counter()
-                turns.begin()
-            elif trainer.global_step > warmup:
-                turns.step_end(last=trainer.global_step == steps)
 
     trainer = Trainer(config(overrides, steps, work), overwrite=True)
     trainer.setup()

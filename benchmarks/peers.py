@@ -57,8 +57,7 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import (REPO, SMOKE, Turns, config, peak_rss_mib, side_by_side_barrier,  # noqa: E402
-                      worker_llmforge)
+from overhead import REPO, SMOKE, Turns, config, peak_rss_mib, worker_llmforge  # noqa: E402
 
 COMPILE = "{name: compile}"  # llmforge's compiled variant: algorithms=[<this>]
 # (trainer, mode): the llmforge variant of the same mode is the reference for a peer's ratio
@@ -134,15 +133,8 @@ class StepClock:
         self._handle = register_optimizer_step_post_hook(lambda *a, **k: self._mark(warmup, steps))
 
     def _mark(self, warmup: int, steps: int) -> None:
-        n = len(self.marks) + 1  # the optimizer step that just ended
-        if n == warmup:
-            side_by_side_barrier()
-            self.marks.append(time.perf_counter())
-            self.turns.begin()
-            return
+        self.turns.after_step(len(self.marks) + 1, warmup, steps)  # the step that just ended
         self.marks.append(time.perf_counter())
-        if n > warmup:
-            self.turns.step_end(last=n == steps)
 
     def tokens_per_second(self, steps: int, warmup: int, tokens_per_step: int) -> float:
         if len(self.marks) != steps:

@@ -122,6 +122,8 @@ def test_turns_hand_over_wait_and_time_out(tmp_path, monkeypatch):
     assert 0 <= turns.timed(1) < Turns.SETTLE_S
     with pytest.raises(RuntimeError, match="expected 2 timed turns, counted 1"):
         turns.timed(2)
+    for fd in (mine, other):
+        os.close(fd)
 
 
 def test_chunked_ce_memory_smoke():

@@ -25,6 +25,7 @@ KEEP_AC = "config"
 AC_ENTRIES = {"selective": {"name": "activation_checkpointing", "mode": "selective", "selective": "op"},
               "full": {"name": "activation_checkpointing", "mode": "full"}}
 
+
 @dataclass(frozen=True)
 class Layout:
     """A parallel layout: ``dp_replicate * dp_shard * tp * pp`` = world size.

@@ -3,12 +3,14 @@ activation memory, the float8 filter."""
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 from algo_harness import activation_bytes, fingerprint, make_cfg
 from conftest import DEMO, REPO
 from llmforge import registry
 from llmforge.algorithms import ActivationCheckpointing, Algorithm, Compile, Float8, Stage
+from llmforge.parallel.mesh import ParallelDims
 from llmforge.plugin import ModelContext, run_pipeline
 from llmforge.algorithms.loading import available, build_algorithms
 from llmforge.cli import main
@@ -109,7 +111,7 @@ def test_impossible_combination_fails_fast_through_the_cli(tmp_path, capsys):
 
 
 def test_yaml_order_does_not_change_the_structure():
-    entries = [{"name": "compile"}, {"name": "float8"},
+    entries = [{"name": "compile", "per_block": True}, {"name": "float8"},
                {"name": "activation_checkpointing", "mode": "selective", "selective": "op"}]
     a, _ = pipeline_of(entries)
     b, _ = pipeline_of(list(reversed(entries)))
@@ -128,11 +130,30 @@ def test_per_block_compile_also_compiles_the_final_norm():
     from llmforge.algorithms.compile import Compile
     from llmforge.models.llama3.model import Llama, LlamaArgs
 
-    model = Llama(LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
-                            multiple_of=16, max_seq_len=16))
-    Compile().apply(model, None)
-    compiled = [n for n, m in model.named_modules() if getattr(m, "_compiled_call_impl", None)]
-    assert compiled == ["layers.0", "layers.1", "norm"]
+    def build():
+        return Llama(LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
+                               multiple_of=16, max_seq_len=16))
+
+    def compiled(model):
+        return [n for n, m in model.named_modules() if getattr(m, "_compiled_call_impl", None)]
+
+    model = build()
+    Compile(per_block=True).apply(model, None)
+    assert compiled(model) == ["layers.0", "layers.1", "norm"]
+    # auto (the default): the whole model in one process, each block with a mesh, several
+    # processes or a data-parallel strategy (their hooks on every block stop one graph)
+    one = ModelContext(cfg=OmegaConf.create({"strategy": {"name": "auto"}}), mesh=None,
+                       dims=ParallelDims(1, 1, 1, 1), device=torch.device("cpu"))
+    for ctx in (None, one):
+        model = build()
+        Compile().apply(model, ctx)
+        assert compiled(model) == [""], ctx
+    for name, dims in (("fsdp2", ParallelDims(1, 1, 1, 1)), ("auto", ParallelDims(1, 2, 1, 2))):
+        ctx = ModelContext(cfg=OmegaConf.create({"strategy": {"name": name}}), mesh=None, dims=dims,
+                           device=torch.device("cpu"))
+        assert Compile().compiles_per_block(ctx) and not Compile(per_block=False).compiles_per_block(ctx)
+    with pytest.raises(ConfigError, match=r"compile.per_block 'yes' is not a YAML boolean"):
+        Compile(per_block="yes")
     # the loss is compiled where its upcast fuses: bf16/fp16 logits, not fp32 (issue 30)
     assert Compile().compile_loss == "auto"
     assert [Compile().loss_compiled(p) for p in ("32-true", "bf16-mixed", "bf16-true", "16-mixed")] == \

@@ -1,10 +1,11 @@
-"""``compile``: ``torch.compile`` per transformer block (or the whole model), in place.
+"""``compile``: ``torch.compile`` of the whole model or per transformer block, in place.
 
 YAML::
 
     algorithms:
       - name: compile
-        per_block: true       # compile each block of model.blocks() (and the final norm); false = the whole model
+        per_block: auto       # auto: the whole model in one process, each block under DDP/FSDP2/TP
+                              # true: each block of model.blocks() (and the final norm); false: the whole model
         fullgraph: true       # a graph break is an error instead of a silent slowdown
         mode: null            # torch.compile mode: default, reduce-overhead, max-autotune, ...
         dynamic: false        # shapes are fixed (seq_len, micro_batch_size): no dynamic shapes
@@ -15,6 +16,11 @@ Stage ``COMPILE``: after activation checkpointing (the checkpoint wrapper is com
 block, so recomputation is compiled too) and before FSDP2 (torchtitan's order). Compilation is
 in place (``nn.Module.compile``), so ``model.blocks()``, module types and state-dict keys are
 unchanged (no ``_orig_mod.`` prefix). Identical blocks share one compiled graph.
+
+``per_block: auto`` compiles the whole model when one process trains it without a data- or
+tensor-parallel wrapper (one graph: the embedding, the final norm and the output projection fuse
+with the blocks and nothing runs eager between blocks; LitGPT's choice) and each block otherwise
+(the hooks FSDP2 and DDP put on every block stop a whole-model graph; torchtitan's choice).
 
 The first training step pays the compilation: ``time/compile_seconds`` (first step's wall time
 minus the second's, seconds) is printed once on rank 0 and written to the next logged record.
@@ -38,12 +44,15 @@ MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cu
 
 
 class Compile(Algorithm):
-    """torch.compile each transformer block (or the whole model) in place.
+    """torch.compile the whole model or each transformer block, in place.
 
     Args:
-        per_block: compile every module of ``model.blocks()`` (default); ``False`` compiles the
-            whole model once (longer compile; under data parallelism only with
-            ``fullgraph: false``, see :meth:`check`).
+        per_block: ``True`` compiles every module of ``model.blocks()`` and the final norm;
+            ``False`` compiles the whole model once (under data parallelism only with
+            ``fullgraph: false``, see :meth:`check`); ``"auto"`` (default) is ``False`` in one
+            process without a device mesh and ``True`` otherwise (:meth:`compiles_per_block`).
+            The demo's compiled step on 2 CPU cores: whole model 1-2 % faster than per block
+            (``benchmarks/results/peers-issue30-2026-12-03d.md``).
         fullgraph: refuse graph breaks (``torch.compile(fullgraph=True)``).
         mode: ``torch.compile`` mode (``None`` = default).
         dynamic: dynamic-shape compilation (``False``: shapes are fixed by the config).
@@ -58,30 +67,34 @@ class Compile(Algorithm):
             (``benchmarks/results/peers-issue30-2026-12-02d.md``), at 16 MiB more peak memory.
 
     Raises:
-        ConfigError: an unknown ``mode``, or a ``compile_loss`` that is not a boolean or
-            ``"auto"``.
+        ConfigError: an unknown ``mode``, a ``per_block`` or ``compile_loss`` that is not a
+            boolean or ``"auto"``.
     """
 
     name = "compile"
     stage = Stage.COMPILE
-    summary = "torch.compile per transformer block (or whole model), in place; logs compile time"
+    summary = "torch.compile the whole model (one process) or each block, in place; logs compile time"
 
-    def __init__(self, per_block: bool = True, fullgraph: bool = True, mode: Optional[str] = None,
+    def __init__(self, per_block: bool | str = "auto", fullgraph: bool = True, mode: Optional[str] = None,
                  dynamic: bool = False, backend: str = "inductor",
                  compile_loss: bool | str = "auto") -> None:
         if not (isinstance(compile_loss, bool) or compile_loss == "auto"):
             raise ConfigError(f"algorithms: compile.compile_loss {compile_loss!r} is not a YAML "
                               "boolean (true, false) or auto")
+        if not (isinstance(per_block, bool) or per_block == "auto"):
+            raise ConfigError(f"algorithms: compile.per_block {per_block!r} is not a YAML "
+                              "boolean (true, false) or auto")
         if mode not in MODES:
             raise ConfigError(f"algorithms: compile.mode '{mode}' is not one of "
                               f"{', '.join(str(m) for m in MODES if m)} (or null)")
-        self.per_block, self.fullgraph, self.mode = bool(per_block), bool(fullgraph), mode
+        self.per_block, self.fullgraph, self.mode = per_block, bool(fullgraph), mode
         self.dynamic, self.backend, self.compile_loss = bool(dynamic), backend, compile_loss
         self.compile_seconds: Optional[float] = None
         self._pending = False
         self._t0 = 0.0
         self._durations: list[float] = []
         self._loss = False  # whether fit_start compiled the loss (loss_compiled)
+        self._whole = False  # whether apply compiled the whole model
 
     def compile_kwargs(self, fullgraph: Optional[bool] = None) -> dict[str, Any]:
         """Keyword arguments for ``torch.compile``."""
@@ -100,19 +113,35 @@ class Compile(Algorithm):
                 ``compile.per_block``, ``compile.fullgraph`` and ``strategy.name``).
         """
         data_parallel = run.world_size > 1 or run.strategy == "fsdp2"
-        if not self.per_block and self.fullgraph and data_parallel:
+        if self.per_block is False and self.fullgraph and data_parallel:
             raise ConfigError(
                 f"algorithms: compile.per_block=false with compile.fullgraph=true cannot trace "
                 f"through the hooks that data parallelism (strategy.name={run.strategy}, "
                 f"{run.world_size} process(es)) puts on every block; use compile.per_block=true "
                 "(torchtitan's choice) or compile.fullgraph=false (a graph break per block)")
 
-    def apply(self, model: nn.Module, ctx: ModelContext) -> nn.Module:
-        """Compile ``model.blocks()`` and the built-in decoders' final norm
-        (:class:`llmforge.models.decoder.RMSNorm`), or the whole ``model``, in place; returns
-        ``model``."""
+    def compiles_per_block(self, ctx: Optional[ModelContext]) -> bool:
+        """Whether :meth:`apply` compiles per block: ``per_block``, or for ``"auto"`` whether
+        the run has a device mesh, several processes or a ``ddp``/``fsdp2`` strategy (``ctx`` ``None``, outside a
+        run: one process, so the whole model)."""
+        if self.per_block != "auto":
+            return bool(self.per_block)
+        if ctx is None:
+            return False
+        strategy = str(getattr(getattr(ctx.cfg, "strategy", None), "name", "auto"))
+        world = int(getattr(ctx.dims, "world_size", 1) or 1)
+        return ctx.mesh is not None or world > 1 or strategy in ("ddp", "fsdp2")
+
+    def apply(self, model: nn.Module, ctx: Optional[ModelContext]) -> nn.Module:
+        """Compile the whole ``model``, or ``model.blocks()`` and the built-in decoders' final
+        norm (:class:`llmforge.models.decoder.RMSNorm`), in place (see
+        :meth:`compiles_per_block`); returns ``model``.
+
+        Raises:
+            ConfigError: ``per_block: true`` on a model without ``blocks()``."""
         kw = self.compile_kwargs()
-        if not self.per_block:
+        self._whole = not self.compiles_per_block(ctx)
+        if self._whole:
             model.compile(**kw)
             return model
         blocks = getattr(model, "blocks", None)
@@ -159,7 +188,7 @@ class Compile(Algorithm):
                 self.compile_seconds = max(0.0, first - second)
                 self._pending = True
                 if trainer.is_global_zero:
-                    what = ("each block and the final norm" if self.per_block else "the whole model") + (
+                    what = ("the whole model" if self._whole else "each block and the final norm") + (
                         ", and the loss" if self._loss else "")
                     print(f"compile: {self.compile_seconds:.1f} s of compilation in the first step "
                           f"(torch.compile of {what}, {self.backend}; first step {first:.1f} s, "

@@ -75,10 +75,22 @@ class GQAttention(nn.Module):
         nn.init.normal_(self.wo.weight, mean=0.0, std=out_std)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x [B, T, D]`` -> ``q [B, T, H, hd]``, ``k, v [B, T, K, hd]``."""
+        """``x [B, T, D]`` -> ``q [B, T, H, hd]``, ``k, v [B, T, K, hd]``.
+
+        When ``wq, wk, wv`` are plain ``nn.Linear`` with plain parameters, the three are one
+        matmul over their concatenated weights (``[(H + 2K) * hd, D]``, LitGPT's fused ``qkv``
+        computed on the fly, so parameter names and checkpoints stay torchtitan's): a compiled
+        CPU block 0.5-1 % faster (``benchmarks/results/peers-issue30-2026-12-03d.md``). Wrapped
+        projections (LoRA, float8) and sharded ones (tensor-parallel DTensors) run one by one."""
         bsz, seqlen, _ = x.shape
+        lins = (self.wq, self.wk, self.wv)
+        if all(type(w) is nn.Linear and type(w.weight) is nn.Parameter for w in lins):
+            weight = torch.cat([w.weight for w in lins])
+            qkv = F.linear(x, weight).split([w.weight.shape[0] for w in lins], dim=-1)
+        else:
+            qkv = tuple(w(x) for w in lins)
         # -1 heads: under tensor parallelism each rank holds H/tp and K/tp heads
-        return tuple(w(x).view(bsz, seqlen, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        return tuple(t.view(bsz, seqlen, -1, self.head_dim) for t in qkv)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: Optional[torch.Tensor], cache: Any) -> torch.Tensor:

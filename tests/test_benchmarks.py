@@ -58,6 +58,22 @@ def test_compile_cpu_smoke(tmp_path):
         assert variant in table
 
 
+def test_peers_block_runs_or_names_litgpt(capsys):
+    """peers_block.py (one block against LitGPT's, in this process): without LitGPT (CI) it
+    exits 2 naming the package; with it, two eager rounds print both sides and the ratio."""
+    spec = importlib.util.spec_from_file_location("peers_block", REPO / "benchmarks" / "peers_block.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--rounds", "0"]) == 2
+    assert "--rounds and --warmup must be >= 1" in capsys.readouterr().err
+    code = module.main(["--eager", "--rounds", "2", "--warmup", "1", "--batch", "1", "--seq-len", "16"])
+    out, err = capsys.readouterr()
+    if importlib.util.find_spec("litgpt") is None:
+        assert code == 2 and "LitGPT is needed" in err and "pip install litgpt" in err
+    else:
+        assert code == 0 and "llmforge speed / LitGPT: median" in out, out + err
+
+
 @pytest.mark.parametrize("mode", ["one after another", "side by side", "alternating"])
 def test_peers_smoke(mode):
     """peers.py runs the peers installed here (plain Lightning always; LitGPT and torchtitan only

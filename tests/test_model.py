@@ -144,6 +144,47 @@ def test_gqa_matches_reference_attention():
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
+def test_fused_qkv_projection_and_head_major_rope_equal_the_plain_ones():
+    """``project`` runs q, k, v as one matmul over the concatenated weights when all three are
+    plain ``nn.Linear`` (issue 30): equal to three matmuls, gradients included, and a wrapped
+    projection (a subclass, as LoRA/float8 modules are) takes the three-matmul path. RoPE on the
+    head-major layout equals RoPE on ``[B, T, H, hd]`` transposed (to rounding: the complex
+    multiply's vector lanes see another order)."""
+    from torch import nn
+    from llmforge.models.llama3.model import apply_rotary_emb
+
+    torch.manual_seed(0)
+    attn = Attention(tiny(dim=64, n_heads=8, n_kv_heads=2))
+    x = torch.randn(2, 7, 64, requires_grad=True)
+    fused = attn.project(x)
+    plain = [(x @ w.weight.T).view(2, 7, -1, 8) for w in (attn.wq, attn.wk, attn.wv)]
+    assert [t.shape for t in fused] == [(2, 7, 8, 8), (2, 7, 2, 8), (2, 7, 2, 8)]
+    for got, want in zip(fused, plain):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    g = torch.autograd.grad(sum(t.square().sum() for t in fused), [x, attn.wq.weight, attn.wv.weight])
+    h = torch.autograd.grad(sum(t.square().sum() for t in plain), [x, attn.wq.weight, attn.wv.weight])
+    for got, want in zip(g, h):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    class Wrapped(nn.Linear):
+        def forward(self, t):
+            return super().forward(t) * 2.0
+
+    wrapped = Wrapped(64, 64, bias=False)
+    wrapped.weight = attn.wq.weight
+    attn.wq = wrapped
+    torch.testing.assert_close(attn.project(x)[0], 2.0 * fused[0], rtol=1e-5, atol=1e-6)
+
+    rope = precompute_rope(8, 7, 500000.0)
+    q = torch.randn(2, 7, 8, 8)
+    want = apply_rotary_emb(q, rope).transpose(1, 2)
+    torch.testing.assert_close(apply_rotary_emb(q.transpose(1, 2), rope, heads_first=True), want,
+                               rtol=1e-6, atol=1e-6)
+    per_row = rope[None].expand(2, -1, -1, -1)  # [B, T, hd/2, 2]: per-row positions
+    torch.testing.assert_close(apply_rotary_emb(q.transpose(1, 2), per_row, heads_first=True), want,
+                               rtol=1e-6, atol=1e-6)
+
+
 def test_forward_shape_and_causality():
     torch.manual_seed(0)
     model = Llama(tiny()).eval()

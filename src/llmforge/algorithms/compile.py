@@ -122,8 +122,8 @@ class Compile(Algorithm):
 
     def compiles_per_block(self, ctx: Optional[ModelContext]) -> bool:
         """Whether :meth:`apply` compiles per block: ``per_block``, or for ``"auto"`` whether
-        the run has a device mesh, several processes or a ``ddp``/``fsdp2`` strategy (``ctx`` ``None``, outside a
-        run: one process, so the whole model)."""
+        the run has a device mesh, several processes or a ``ddp``/``fsdp2`` strategy (``ctx``
+        ``None``, outside a run: one process, so the whole model)."""
         if self.per_block != "auto":
             return bool(self.per_block)
         if ctx is None:

@@ -81,7 +81,7 @@ class GQAttention(nn.Module):
         matmul over their concatenated weights (``[(H + 2K) * hd, D]``, LitGPT's fused ``qkv``
         computed on the fly, so parameter names and checkpoints stay torchtitan's): a compiled
         CPU block 0.5-1 % faster (``benchmarks/results/peers-issue30-2026-12-03d.md``). Wrapped
-        projections (LoRA, float8) and sharded ones (tensor-parallel DTensors) run one by one."""
+        projections (adapters, float8) and sharded ones (tensor-parallel DTensors) run one by one."""
         bsz, seqlen, _ = x.shape
         lins = (self.wq, self.wk, self.wv)
         if all(type(w) is nn.Linear and type(w.weight) is nn.Parameter for w in lins):

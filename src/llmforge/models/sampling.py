@@ -124,7 +124,10 @@ def generate(model: nn.Module, prompt_ids: List[int], max_new_tokens: int,
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        # a compiled model (the compile algorithm, e.g. in a run's sample callback) runs eager
+        # here: every decode step has new shapes, so it would recompile once per token and stop
+        # at dynamo's recompile limit (an error under fullgraph)
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             for _ in range(max_new_tokens):
                 if cache is not None and len(tokens) > max_len:
                     cache = None  # the window now slides: recompute on the cropped context

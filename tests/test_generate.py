@@ -83,3 +83,18 @@ def test_generate_cli_streams_and_reports_speed(tmp_path, capsys, monkeypatch):
     assert outs[False].out == outs[True].out and outs[False].out.startswith("ROMEO.")
     assert "12 tokens in" in outs[False].err and "KV cache on" in outs[False].err
     assert "tokens/s, KV cache off" in outs[True].err
+
+
+def test_generate_runs_a_compiled_model_eager():
+    """A model compiled whole (``compile``'s default in one process) decodes with the KV cache
+    past dynamo's recompile limit (8): generation runs it eager (``set_stance``), as the
+    ``generate_samples`` callback does in a compiled run; same tokens as the plain model."""
+    from llmforge.algorithms.compile import Compile
+    from llmforge.models.llama3.model import Llama, LlamaArgs
+
+    torch.manual_seed(0)
+    model = Llama(LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
+                            multiple_of=16, max_seq_len=32))
+    want = generate(model, [1, 2, 3], 12, temperature=0)
+    Compile().apply(model, None)
+    assert generate(model, [1, 2, 3], 12, temperature=0) == want

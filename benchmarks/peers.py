@@ -186,6 +186,21 @@ def worker_lightning(overrides: list[str], steps: int, warmup: int, work: Path) 
     return {"tokens_per_second": clock.tokens_per_second(steps, warmup, plan.tokens_per_step)}
 
 
+def litgpt_config(m, seq_len: int):
+    """LitGPT's ``Config`` of the same Llama as llmforge's ``LlamaArgs`` ``m`` (GQA, SwiGLU
+    ``LLaMAMLP``, RMSNorm, no biases), context ``seq_len`` tokens (also ``peers_block.py``)."""
+    from litgpt.config import Config
+    from llmforge.models.llama3.model import ffn_hidden_dim
+
+    return Config(
+        name="llmforge-demo", block_size=seq_len, vocab_size=m.vocab_size,
+        padded_vocab_size=m.vocab_size, n_layer=m.n_layers, n_head=m.n_heads,
+        n_query_groups=m.n_kv_heads, n_embd=m.dim, rotary_percentage=1.0,
+        parallel_residual=False, bias=False, norm_class_name="RMSNorm", norm_eps=m.norm_eps,
+        mlp_class_name="LLaMAMLP", rope_base=int(m.rope_theta),
+        intermediate_size=ffn_hidden_dim(m.dim, m.multiple_of, m.ffn_dim_multiplier))
+
+
 def worker_litgpt(overrides: list[str], steps: int, warmup: int, work: Path,
                   compiled: bool) -> dict:
     import torch
@@ -193,21 +208,12 @@ def worker_litgpt(overrides: list[str], steps: int, warmup: int, work: Path,
 
     from litgpt import pretrain
     from litgpt.args import EvalArgs, TrainArgs
-    from litgpt.config import Config
     from litgpt.data import DataModule
-    from llmforge.models.llama3.model import ffn_hidden_dim
     from llmforge.models.llama3.config import llama_args_from_config
 
     d = prepared(overrides, steps, work)
     cfg, plan, rows = d["cfg"], d["plan"], d["rows"]
-    m = llama_args_from_config(cfg.model)
-    model_config = Config(
-        name="llmforge-demo", block_size=cfg.trainer.seq_len, vocab_size=m.vocab_size,
-        padded_vocab_size=m.vocab_size, n_layer=m.n_layers, n_head=m.n_heads,
-        n_query_groups=m.n_kv_heads, n_embd=m.dim, rotary_percentage=1.0,
-        parallel_residual=False, bias=False, norm_class_name="RMSNorm", norm_eps=m.norm_eps,
-        mlp_class_name="LLaMAMLP", rope_base=int(m.rope_theta),
-        intermediate_size=ffn_hidden_dim(m.dim, m.multiple_of, m.ffn_dim_multiplier))
+    model_config = litgpt_config(llama_args_from_config(cfg.model), cfg.trainer.seq_len)
 
     class Windows(DataModule):  # the same packed windows, in the same order
         def connect(self, tokenizer=None, batch_size=1, max_seq_length=None, **kwargs):

@@ -30,28 +30,30 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from llmforge.models.llama3.config import LlamaArgs  # noqa: E402
-from llmforge.models.llama3.model import TransformerBlock, ffn_hidden_dim, precompute_rope  # noqa: E402
+from llmforge.config import load_config  # noqa: E402
+from llmforge.models.llama3.config import llama_args_from_config  # noqa: E402
+from llmforge.models.llama3.model import TransformerBlock, precompute_rope  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import litgpt_config  # noqa: E402
+
+DEMO = Path(__file__).resolve().parents[1] / "yamls" / "demo_cpu.yaml"
 
 
 def build(batch: int, seq_len: int):
-    """The two blocks, their inputs and the upstream gradient; returns ``{name: step}``."""
-    from litgpt.config import Config
+    """The two blocks (the demo's shapes), their input ``[batch, seq_len, dim]`` and upstream
+    gradient; returns ``(ours, theirs, {name: step})``."""
     from litgpt.model import Block, build_rope_cache
 
-    args = LlamaArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=2048,
-                     multiple_of=64, max_seq_len=seq_len, rope_theta=500000.0)
+    args = llama_args_from_config(load_config(str(DEMO), []).model)
     ours = TransformerBlock(0, args)
     rope = precompute_rope(args.head_dim, seq_len, args.rope_theta)
-    lc = Config(name="block", block_size=seq_len, vocab_size=2048, padded_vocab_size=2048, n_layer=4,
-                n_head=8, n_query_groups=4, n_embd=256, rotary_percentage=1.0, parallel_residual=False,
-                bias=False, norm_class_name="RMSNorm", norm_eps=args.norm_eps, mlp_class_name="LLaMAMLP",
-                rope_base=500000, intermediate_size=ffn_hidden_dim(256, 64, None))
+    lc = litgpt_config(args, seq_len)
     theirs = Block(lc, 0)
     cos, sin = build_rope_cache(seq_len, n_elem=lc.rope_n_elem, base=lc.rope_base)
     cos, sin = cos[None], sin[None]  # LitGPT's blocks take [1, T, hd]
-    x = torch.randn(batch, seq_len, 256, requires_grad=True)
-    grad = torch.randn(batch, seq_len, 256)
+    x = torch.randn(batch, seq_len, args.dim, requires_grad=True)
+    grad = torch.randn(batch, seq_len, args.dim)
     return ours, theirs, {"llmforge": lambda: ours(x, rope).backward(grad),
                           "litgpt": lambda: theirs(x, cos, sin).backward(grad)}
 

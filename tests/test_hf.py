@@ -86,6 +86,32 @@ def test_convert_cli_round_trip(tmp_path):
     bad = run_main("convert", "from-hf", str(tmp_path / "nothing"), str(tmp_path / "x"))
     assert bad.returncode == 2 and "config.json" in bad.stderr and "Traceback" not in bad.stderr
 
+    # --overwrite (issue 47.1): an earlier export is replaced whole, swapped in once complete
+    (tmp_path / "back" / "stale.safetensors").write_bytes(b"old shard")
+    again = run_main("convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "back"), "--overwrite")
+    assert again.returncode == 0, again.stderr
+    assert not (tmp_path / "back" / "stale.safetensors").exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temp folders
+    # ... but never a folder llmforge did not export, even one that looks like an old run
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "config.yaml").write_text("lr: 0.1\n")
+    (foreign / "metrics.jsonl").write_text("{}\n")
+    # ... and never the source of a round trip: convert from-hf RUN/hf RUN --overwrite
+    (tmp_path / "run" / "hf").mkdir()
+    for f in path.iterdir():
+        (tmp_path / "run" / "hf" / f.name).write_bytes(f.read_bytes())
+    before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    refused = run_main("convert", "to-hf", str(tmp_path / "run"), str(foreign), "--overwrite")
+    assert refused.returncode == 2 and refused.stderr.startswith(
+        f"error: OUT: {foreign} is not empty and is not a folder llmforge exported (no .llmforge-export"), refused.stderr
+    src = tmp_path / "run" / "hf"
+    refused = run_main("convert", "from-hf", str(src), str(tmp_path / "run"), "--overwrite")
+    assert refused.returncode == 2 and refused.stderr.startswith(
+        f"error: PATH={src} lies inside {(tmp_path / 'run').resolve()} (OUT), which --overwrite would "
+        "delete before PATH is read"), refused.stderr
+    assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])

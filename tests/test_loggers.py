@@ -27,6 +27,11 @@ from llmforge.errors import ConfigError
 FAKE_WANDB_KEY = "fakeWANDBkey" + "0123456789abcdef" * 3  # 60 characters, like a real one
 FAKE_COMET_KEY = "fakeCOMETkey0123456789abcdefXYZ"
 HEADER_KEY, PRIVATE_TOKEN, ARGV_KEY = "hdr-value-" + "A1" * 8, "glpat-" + "B2" * 8, "argv-" + "C3" * 8
+# names outside the first secret rule (issue 47, item 5): a cookie, a passphrase, a signed URL
+COOKIE, PASSPHRASE = "session=" + "D4" * 8, "open-" + "E5" * 8
+AMZ_CRED, AMZ_SIG, AZ_SIG, URL_TOKEN = "AKIA" + "F6" * 8, "a1b2" * 8, "G7" * 10, "tok" + "H8" * 8
+SIGNED_URL = (f"https://b.s3.amazonaws.com/shard.jsonl?X-Amz-Credential={AMZ_CRED}&X-Amz-Date=20261204"
+              f"&X-Amz-Signature={AMZ_SIG}&sig={AZ_SIG}&token={URL_TOKEN}")
 STEPS = 4
 
 
@@ -45,8 +50,9 @@ TRACKED = [*TINY_OVERRIDES, "run.name=trackers", f"trainer.max_steps={STEPS}", "
            "tags: [t1]}, {name: comet, mode: offline}, {name: tensorboard}, {name: console}, "
            "{name: mlflow}]",
            # secrets as users pass them (issue 21): header-style keys, a command-line override, a tag
-           f"data.storage_options={{X-Api-Key: {HEADER_KEY}, Private-Token: {PRIVATE_TOKEN}}}",
-           f"variables.api_key={ARGV_KEY}", "run.tags=['${variables.api_key}', plain]",
+           f"data.storage_options={{X-Api-Key: {HEADER_KEY}, Private-Token: {PRIVATE_TOKEN}, "
+           f"headers: {{Cookie: '{COOKIE}'}}, passphrase: {PASSPHRASE}}}",
+           f"variables.mirror={SIGNED_URL}", f"variables.api_key={ARGV_KEY}", "run.tags=['${variables.api_key}', plain]",
            "callbacks=[{name: generate_samples, prompts: [ROMEO.], every: 2, max_new_tokens: 6}]"]
 
 
@@ -284,7 +290,8 @@ def test_no_api_key_or_secret_in_any_written_file(tracker_run):
     run_dir, _ = tracker_run
     home = run_dir.parents[1]
     assert (home / "runs.db").is_file() and (run_dir / "mlflow.db").is_file()
-    keys = [k.encode() for k in (FAKE_WANDB_KEY, FAKE_COMET_KEY, HEADER_KEY, PRIVATE_TOKEN, ARGV_KEY)]
+    keys = [k.encode() for k in (FAKE_WANDB_KEY, FAKE_COMET_KEY, HEADER_KEY, PRIVATE_TOKEN, ARGV_KEY,
+                                 COOKIE, PASSPHRASE, AMZ_CRED, AMZ_SIG, AZ_SIG, URL_TOKEN)]
     checked = 0
     for path in home.rglob("*"):
         if not path.is_file():
@@ -302,9 +309,12 @@ def test_no_api_key_or_secret_in_any_written_file(tracker_run):
     params = dict(sqlite3.connect(run_dir / "mlflow.db").execute("SELECT key, value FROM params"))
     assert params["data.storage_options.X-Api-Key"] == params["variables.api_key"] == "***"
     assert params["run.tags"] == '["***", "plain"]'
+    assert params["data.storage_options.headers.Cookie"] == params["data.storage_options.passphrase"] == "***"
+    assert params["variables.mirror"] == ("https://b.s3.amazonaws.com/shard.jsonl?X-Amz-Credential=***&"
+                                          "X-Amz-Date=20261204&X-Amz-Signature=***&sig=***&token=***")
     [wandb_run] = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
     recorded = wandb_run.read_bytes()  # W&B keeps the command line (its args) in the run file
-    assert b"variables.api_key=***" in recorded and b"{X-Api-Key: ***, Private-Token: ***}" in recorded
+    assert b"variables.api_key=***" in recorded and b"{X-Api-Key: ***, Private-Token: ***, " in recorded
 
 
 def test_mlflow_renames_metrics_it_refuses_once_and_alike_at_every_step(tracker_run, tmp_path):

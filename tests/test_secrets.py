@@ -20,6 +20,10 @@ ARGV_KEY = "argv-value-" + "C3" * 8
     ("X-Api-Key", True), ("Private-Token", True), ("apiKey", True), ("Authorization", True),
     ("HF_TOKEN", True), ("api_key", True), ("max_tokens", False), ("eos_token", False),
     ("maxTokens", False), ("Content-Type", False), ("name", False),
+    # issue 47, item 5: what HTTP and object stores carry
+    ("Cookie", True), ("Set-Cookie", True), ("passphrase", True), ("X-Amz-Signature", True),
+    ("X-Amz-Credential", True), ("X-Amz-Security-Token", True), ("sig", True), ("design", False),
+    ("X-Amz-Date", False), ("signal", False),
 ])
 def test_one_rule_for_keys_headers_and_variables(key, secret):
     assert is_secret_key(key) is secret
@@ -27,6 +31,19 @@ def test_one_rule_for_keys_headers_and_variables(key, secret):
 
     if key.isupper():  # environment variable names: the same rule
         assert is_secret_name(key) is secret
+
+
+def test_secret_query_parameters_of_signed_urls_are_redacted_inside_any_value():
+    from llmforge.config.redaction import scrub_url_credentials
+
+    url = ("see https://b.s3.amazonaws.com/x?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIA%2F1"
+           "&X-Amz-Signature=abc123&versionId=7 and https://a.blob.core.windows.net/c/x?sv=2024&sig=Zz%3D#f")
+    assert scrub_url_credentials(url) == (
+        "see https://b.s3.amazonaws.com/x?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=***"
+        "&X-Amz-Signature=***&versionId=7 and https://a.blob.core.windows.net/c/x?sv=2024&sig=***#f")
+    assert redact({"mirror": "https://h/x?token=t0k3n-value", "headers": {"Cookie": "s=abcdefgh"},
+                   "note": "cookie s=abcdefgh"}) == {"mirror": "https://h/x?token=***",
+                                                      "headers": {"Cookie": "***"}, "note": "cookie ***"}
 
 
 def test_redact_argv_hides_values_of_secret_overrides_wherever_they_appear():

@@ -4,10 +4,13 @@ that makes one process its writer.
 **The mark.** Every run directory llmforge creates holds :data:`MARK` (``.llmforge-run``, a
 small JSON file). ``llmforge train`` writes into, and ``--overwrite`` deletes, only a folder
 that is empty, missing, or an llmforge run (:func:`is_run_dir`): marked, or made by an llmforge
-version before the mark (``config.yaml`` beside ``metrics.jsonl``, or a complete checkpoint
-``checkpoints/step_<digits>/COMPLETE``; such a folder is marked when a run adopts it). A run
-directory that is a symbolic link is refused (:func:`check_run_dir`): writing through it would
-mix the new run into the old one's files.
+version before the mark (its own ``config.yaml`` beside ``metrics.jsonl``, or a complete
+checkpoint ``checkpoints/step_<digits>/COMPLETE``; such a folder is marked when a run adopts it). A
+run directory that is a symbolic link is refused (:func:`check_run_dir`): writing through it would
+mix the new run into the old one's files. Before ``--overwrite`` clears anything, the paths the
+command will read are checked against what it clears (:func:`refuse_overlap`); a
+``checkpoint.dir`` inside another run is refused (:func:`refuse_run_inside_run`); ``convert
+to-hf --overwrite`` replaces only a folder it exported itself (:data:`EXPORT_MARK`).
 
 **The lock.** :class:`RunLock` holds an exclusive ``flock(2)`` on :data:`LOCK`
 (``.llmforge-lock`` inside the run directory) for the whole run; the file holds the holder's
@@ -34,15 +37,21 @@ import socket
 import sys
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
+
+import yaml
 
 from llmforge.errors import ConfigError
 from llmforge.paths import is_special_file
 
-__all__ = ["LOCK", "MARK", "TOKEN_ENV", "RunDirBusy", "RunLock", "check_run_dir", "clear_run_dir",
-           "is_run_dir", "mark_run_dir", "peek_holder", "refuse_file_link", "refuse_link"]
+__all__ = ["EXPORT_MARK", "LOCK", "MARK", "TOKEN_ENV", "RunDirBusy", "RunLock", "check_export_dir",
+           "check_run_dir", "clear_run_dir", "is_run_dir", "mark_run_dir", "peek_holder",
+           "refuse_file_link", "refuse_link", "refuse_overlap", "refuse_run_inside_run"]
 
 MARK = ".llmforge-run"
+EXPORT_MARK = ".llmforge-export"
+"""The mark of a Hugging Face folder ``llmforge convert to-hf`` wrote: the one kind of
+non-empty folder its ``--overwrite`` replaces."""
 LOCK = ".llmforge-lock"
 TOKEN_ENV = "LLMFORGE_RUN_LOCK"
 """Environment variable with the lock holder's token, inherited by the processes it starts."""
@@ -54,14 +63,30 @@ class RunDirBusy(ConfigError):
 
 def is_run_dir(path: Path) -> bool:
     """Whether ``path`` is a folder llmforge made: it holds :data:`MARK`, or it has the layout
-    of a run written before the mark existed: ``config.yaml`` beside ``metrics.jsonl``, or a
-    complete checkpoint ``checkpoints/step_<digits>/COMPLETE`` (the names of
+    of a run written before the mark existed: ``metrics.jsonl`` beside the ``config.yaml``
+    llmforge saved for a run of this folder's name, or a complete checkpoint ``checkpoints/step_<digits>/COMPLETE`` (the names of
     :mod:`llmforge.checkpoint.layout`)."""
     if (path / MARK).is_file():
         return True
-    if (path / "config.yaml").is_file() and (path / "metrics.jsonl").is_file():
+    if (path / "metrics.jsonl").is_file() and _premark_config(path):
         return True
     return any((path / "checkpoints").glob("step_[0-9]*/COMPLETE"))
+
+
+def _premark_config(path: Path) -> bool:
+    """``path/config.yaml`` is the resolved config llmforge saved in it: a mapping with ``model``
+    and ``trainer`` sections and ``run.name`` equal to the folder's name (any folder may hold a
+    ``config.yaml`` beside a ``metrics.jsonl``; only llmforge's names its own folder)."""
+    config = path / "config.yaml"
+    try:
+        if not config.is_file() or config.stat().st_size > 1 << 20:
+            return False
+        data = yaml.safe_load(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError, ValueError):
+        return False
+    run = data.get("run") if isinstance(data, dict) else None
+    return (isinstance(run, dict) and run.get("name") == path.name
+            and isinstance(data.get("model"), dict) and isinstance(data.get("trainer"), dict))
 
 
 def check_run_dir(path: Path, key: str) -> None:
@@ -102,6 +127,95 @@ def refuse_file_link(path: Path) -> None:
     if is_special_file(path):
         raise ConfigError(f"{path} is not a regular file; llmforge keeps its own small file there: "
                           "delete it")
+
+
+def _real(path: str | Path) -> Path:
+    return Path(os.path.realpath(os.path.expanduser(str(path))))
+
+
+def refuse_overlap(cleared: Iterable[tuple[str, Path]], inputs: Iterable[tuple[str, str]],
+                   flag: str = "--overwrite") -> None:
+    """Refuse to clear a folder that holds a path the same command will read.
+
+    ``--overwrite`` deletes before the new run reads its inputs: fine-tuning a run in place
+    (``model.init_from`` = the run being replaced), a round trip ``convert from-hf RUN/hf RUN``,
+    would delete the very files it needs. Paths are compared after links and ``~`` are resolved.
+
+    Args:
+        cleared: ``(key, folder)`` pairs ``flag`` will delete (e.g. ``("run.name", runs/ip)``).
+        inputs: ``(key, path)`` pairs the command reads (``model.init_from``, ``tokenizer.path``,
+            ``data.path``, ...); URLs and empty values are skipped, a glob is checked by the
+            folder before its first wildcard.
+
+    Raises:
+        ConfigError: naming both keys and both paths (exit 2); nothing is deleted.
+    """
+    cleared = [(key, _real(folder)) for key, folder in cleared]
+    for in_key, value in inputs:
+        local = _local_part(value)
+        if local is None:
+            continue
+        path = _real(local)
+        for out_key, folder in cleared:
+            if path == folder or folder in path.parents:
+                raise ConfigError(
+                    f"{in_key}={value} lies inside {folder} ({out_key}), which {flag} would delete "
+                    f"before {in_key} is read; copy it elsewhere first, or choose another {out_key}")
+
+
+def _local_part(value: Any) -> Optional[str]:
+    """The local path a config value names (``hf:PATH`` -> PATH; a glob -> its folder), or None
+    for a URL or an empty value."""
+    if not isinstance(value, (str, os.PathLike)) or not str(value):
+        return None
+    text = str(value).removeprefix("hf:").removeprefix("file://")
+    if "://" in text:
+        return None
+    for i, ch in enumerate(text):
+        if ch in "*?[":
+            return os.path.dirname(text[:i]) or "."
+    return text
+
+
+def refuse_run_inside_run(path: Path, run_dir: Path, key: str) -> None:
+    """Refuse a folder (``checkpoint.dir``) that is, or lies inside, an llmforge run other than
+    ``run_dir``: this run's ``--overwrite`` and ``keep_last_n`` would delete that run's checkpoints.
+
+    Raises:
+        ConfigError: naming ``key`` and the other run's folder (exit 2).
+    """
+    own = _real(run_dir)
+    for folder in [_real(path), *_real(path).parents]:
+        if folder == own or own in folder.parents:
+            return  # inside this run (or below it): its own
+        if folder.is_dir() and is_run_dir(folder):
+            raise ConfigError(f"{key}={path} lies inside another llmforge run, {folder}; its "
+                              f"checkpoints are that run's to keep: choose a {key} outside it (or "
+                              f"leave {key} unset for {run_dir}/checkpoints)")
+
+
+def check_export_dir(path: Path, key: str, overwrite: bool) -> bool:
+    """May ``llmforge convert to-hf`` write its folder at ``path``? Returns whether an earlier
+    export there is replaced (``overwrite`` and :data:`EXPORT_MARK` present).
+
+    Raises:
+        ConfigError: ``path`` is a symbolic link or a file; it is a non-empty folder without
+            ``overwrite``; or a non-empty folder llmforge did not export (no :data:`EXPORT_MARK`),
+            which ``overwrite`` does not touch either.
+    """
+    refuse_link(path, key)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{key}: {path} is a file, not a folder; choose another {key}")
+    if not path.is_dir() or not any(path.iterdir()):
+        return False
+    if not overwrite:
+        raise ConfigError(f"{key}: {path} already exists and is not empty; choose another output "
+                          "folder or pass --overwrite to replace an earlier export there")
+    if not (path / EXPORT_MARK).is_file():
+        raise ConfigError(f"{key}: {path} is not empty and is not a folder llmforge exported (no "
+                          f"{EXPORT_MARK} file); --overwrite replaces only llmforge's own exports: "
+                          "choose an empty or new folder")
+    return True
 
 
 def clear_run_dir(path: Path) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -15,11 +17,12 @@ from llmforge.data.tokenizers import HFTokenizer
 from llmforge.errors import ConfigError
 from llmforge.models.spec import get_spec
 from llmforge.paths import all_or_nothing
-from llmforge.run_guard import LOCK, MARK, RunLock, check_run_dir, clear_run_dir
+from llmforge.run_guard import (EXPORT_MARK, LOCK, MARK, RunLock, check_export_dir, check_run_dir,
+                                clear_run_dir, refuse_overlap)
 
 
 def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
-          adapters_only: bool = False, trust_code: bool = False) -> Path:
+          adapters_only: bool = False, trust_code: bool = False, overwrite: bool = False) -> Path:
     """A run directory or checkpoint -> a Hugging Face folder (config, generation config,
     safetensors, tokenizer) that the family's ``*ForCausalLM.from_pretrained`` loads.
 
@@ -31,13 +34,23 @@ def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
     by the plugins, never the YAML list). ``trust_code``: see
     :mod:`llmforge.checkpoint.run_dir`.
 
+    ``out`` must be new or empty, or (with ``overwrite``) a folder an earlier ``to_hf`` wrote
+    (:data:`~llmforge.run_guard.EXPORT_MARK`); the new export is written beside it and swapped in
+    only once complete, so a failed export leaves the earlier one as it was.
+
     Raises:
         ConfigError: the model's family has no HF adapter, ``adapters_only`` for a run without
-            adapters (exit 2), or the run's config names code and ``trust_code`` is False.
+            adapters (exit 2), the run's config names code and ``trust_code`` is False, ``out``
+            is not empty without ``overwrite``, is a folder llmforge did not export, or holds
+            ``path`` (:func:`llmforge.run_guard.check_export_dir`, ``refuse_overlap``).
         LLMForgeError: the path has no checkpoint.
         WriteError: a file could not be written (e.g. a full disk); nothing of ``out`` that this
             call created is left.
     """
+    out = Path(out)
+    replace = check_export_dir(out, "OUT", overwrite)
+    if replace:
+        refuse_overlap([("OUT", out)], [("PATH", str(path))])
     model, cfg, run_dir, plugins, ckpt, meta = load_model(path, with_plugins=True, trust_code=trust_code)
     plugins = export_order(plugins)
     adapter = get_spec(cfg.model.name).adapter()  # by name: a derived research spec may have none
@@ -45,19 +58,25 @@ def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
         raise ConfigError(f"{path}: model '{cfg.model.name}' has no Hugging Face adapter "
                             "(ModelSpec.hf_adapter, docs/models.md), so it cannot be exported")
     cast = getattr(torch, dtype) if dtype else None
-    if adapters_only:
-        for plugin in plugins:
-            written = plugin.export_adapters(model, Path(out), cfg, meta, dtype=cast)
-            if written is not None:
-                return written
-        raise ConfigError(f"{path}: --adapters-only needs a run whose algorithms add adapters "
-                            "(see `llmforge algorithms`); this checkpoint has none")
-    for plugin in plugins:
-        model = plugin.export_model(model, ckpt)
-    tok_dir = run_dir / "tokenizer"
-    with all_or_nothing(out):
-        return save_hf(model, out, tokenizer_dir=tok_dir if tok_dir.is_dir() else None, dtype=cast,
-                       adapter=adapter)
+    target = out.with_name(f".{out.name}.tmp-{os.getpid()}") if replace else out
+    with all_or_nothing(target):
+        if adapters_only:
+            if all(p.export_adapters(model, target, cfg, meta, dtype=cast) is None for p in plugins):
+                raise ConfigError(f"{path}: --adapters-only needs a run whose algorithms add "
+                                  "adapters (see `llmforge algorithms`); this checkpoint has none")
+        else:
+            for plugin in plugins:
+                model = plugin.export_model(model, ckpt)
+            tok_dir = run_dir / "tokenizer"
+            save_hf(model, target, tokenizer_dir=tok_dir if tok_dir.is_dir() else None, dtype=cast,
+                    adapter=adapter)
+        (target / EXPORT_MARK).write_text('{"made_by": "llmforge convert to-hf"}\n', encoding="utf-8")
+    if replace:  # swap the complete new export in; the earlier one goes only now
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        out.rename(old)
+        target.rename(out)
+        shutil.rmtree(old)
+    return out
 
 
 def from_hf(path: str | Path, out: str | Path, overwrite: bool = False) -> Path:
@@ -71,11 +90,19 @@ def from_hf(path: str | Path, out: str | Path, overwrite: bool = False) -> Path:
     Raises:
         ConfigError: ``out`` is a symbolic link, or a non-empty folder llmforge did not make
             (:func:`llmforge.run_guard.check_run_dir`): marking it a run would let a later
-            ``llmforge train --overwrite`` delete its files; a used run without ``overwrite``.
+            ``llmforge train --overwrite`` delete its files; a used run without ``overwrite``;
+            with ``overwrite``, ``path`` inside ``out`` (the source would be deleted before it
+            is read: :func:`llmforge.run_guard.refuse_overlap`).
         RunDirBusy: another process writes the run in ``out``.
     """
     src, out = Path(path), Path(out)
     check_run_dir(out, "OUT")
+    used = out.is_dir() and any(p.name not in (MARK, LOCK) for p in out.iterdir())
+    if used and not overwrite:
+        raise ConfigError(f"{out} already holds a run; choose another output folder or pass "
+                          "--overwrite to replace it")
+    if used:  # a round trip (convert from-hf RUN/hf RUN) would delete its own source first
+        refuse_overlap([("OUT", out)], [("PATH", str(src))])
     fields = model_overrides_from_hf(read_hf_config(src))
     cfg = structured_config(fields["name"])
     for key, value in fields.items():
@@ -84,10 +111,6 @@ def from_hf(path: str | Path, out: str | Path, overwrite: bool = False) -> Path:
     model = get_spec(cfg.model.name)(cfg.model)
     model.init_weights()
     load_hf_weights(model, src)
-    used = out.is_dir() and any(p.name not in (MARK, LOCK) for p in out.iterdir())
-    if used and not overwrite:
-        raise ConfigError(f"{out} already holds a run; choose another output folder or pass "
-                          "--overwrite to replace it")
     with RunLock(out):  # marks it: a run llmforge made, train/--overwrite may use it
         if used:
             clear_run_dir(out)

@@ -223,7 +223,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     if args.convert_command == "to-hf":
         written = to_hf(args.path, args.out, args.dtype, adapters_only=args.adapters_only,
-                        trust_code=args.trust_code)
+                        trust_code=args.trust_code, overwrite=args.overwrite)
         print(f"wrote {written}")
     else:
         print(f"wrote {from_hf(args.path, args.out, overwrite=args.overwrite)}")

@@ -91,14 +91,16 @@ def _parser() -> argparse.ArgumentParser:
     th.add_argument("--adapters-only", action="store_true",
                     help="adapter runs: write only the adapters in PEFT's format (adapter_config.json + "
                          "adapter_model.safetensors) instead of merged weights")
-    th.add_argument("--overwrite", action="store_true", help="replace files in a non-empty OUT")
+    th.add_argument("--overwrite", action="store_true",
+                    help="replace an earlier export in OUT (only a folder llmforge exported)")
     add_trust_code(th)
     add_debug(th)
     fh = cv_sub.add_parser("from-hf", help="turn a Hugging Face folder (Llama, Qwen3) into an "
                            "llmforge run directory")
     fh.add_argument("path", help="Hugging Face folder (config.json, *.safetensors, tokenizer.json)")
     fh.add_argument("out", help="output run directory (usable by generate and model.init_from)")
-    fh.add_argument("--overwrite", action="store_true", help="replace files in a non-empty OUT")
+    fh.add_argument("--overwrite", action="store_true",
+                    help="replace the llmforge run in OUT (never one that holds PATH)")
     add_debug(fh)
 
     c = sub.add_parser("checkpoint", help="inspect or consolidate a checkpoint")

@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import re
 from typing import Any
+from urllib.parse import unquote
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -26,8 +27,11 @@ from llmforge.errors import ConfigError
 __all__ = ["is_secret_key", "redact", "redact_argv", "scrub_url_credentials"]
 
 
-_SECRET = re.compile(r"(?i)(api_?key|secret|passw(or)?d|passwd|access_key|private_key|credential|"
-                     r"auth|bearer|_pat$|^pat$|^key$|_key$|^token$|_token$|connection_string)")
+# cookies, passphrases and the signatures of pre-signed URLs (X-Amz-Signature, Azure's sig=)
+# carry access as much as keys do (issue 47, item 5)
+_SECRET = re.compile(r"(?i)(api_?key|secret|passw(or)?d|passwd|passphrase|access_key|private_key|"
+                     r"credential|auth|bearer|cookie|signature|^sig$|_sig$|_pat$|^pat$|^key$|_key$|"
+                     r"^token$|_token$|connection_string)")
 _NOT_SECRET = re.compile(r"(?i)(_tokens$|^(bos|eos|pad|unk|sep|cls|mask|start|end)_token$)")
 
 
@@ -36,9 +40,10 @@ _SEPARATORS = re.compile(r"[-\s]+")
 
 
 def is_secret_key(key: Any) -> bool:
-    """Whether a config key, HTTP header or variable name names a secret (``api_key``,
-    ``X-Api-Key``, ``Private-Token``, ``apiKey``, ``HF_TOKEN``; not ``max_tokens``,
-    ``eos_token``)."""
+    """Whether a config key, HTTP header, URL query parameter or variable name names a secret
+    (``api_key``, ``X-Api-Key``, ``Private-Token``, ``apiKey``, ``HF_TOKEN``, ``Cookie``,
+    ``passphrase``, ``X-Amz-Signature``, ``X-Amz-Credential``, ``sig``, ``token``; not
+    ``max_tokens``, ``eos_token``)."""
     if not isinstance(key, str):
         return False
     key = _SEPARATORS.sub("_", _CAMEL.sub(r"\1_\2", key)).lower()
@@ -81,11 +86,23 @@ def _env_secret_values() -> set:
 # user:password@ or a bare token@ (https://ghp_xxx@github.com, s3://KEY@bucket), also after the
 # extra slash fsspec puts in front of a path (memory:///KEY:SECRET@bucket in datasets' errors)
 _URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)(/?)[^/\s@]+@")
+# a URL's query parameters: name=value after ? or & (or ;)
+_URL_QUERY = re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^\s?#'\"<>]*\?)([^\s#'\"<>]*)")
+_QUERY_PARAM = re.compile(r"([^=&;]+)=([^&;]*)")
+
+
+def _scrub_query(match: re.Match) -> str:
+    params = _QUERY_PARAM.sub(lambda m: f"{m[1]}=***" if is_secret_key(unquote(m[1])) and m[2]
+                              else m[0], match[2])
+    return match[1] + params
 
 
 def scrub_url_credentials(text: str) -> str:
-    """``scheme://user:password@host/...`` -> ``scheme://***@host/...`` anywhere in ``text``."""
-    return _URL_USERINFO.sub(r"\1\2***@", text)
+    """``scheme://user:password@host/...`` -> ``scheme://***@host/...``, and the values of
+    secret query parameters of a URL (a pre-signed object-store URL's ``X-Amz-Signature``,
+    ``X-Amz-Credential``, ``X-Amz-Security-Token``, Azure's ``sig``, ``token=``, ``key=``:
+    :func:`is_secret_key`) -> ``***``, anywhere in ``text``."""
+    return _URL_QUERY.sub(_scrub_query, _URL_USERINFO.sub(r"\1\2***@", text))
 
 
 def _scrub(container: Any, values: set) -> Any:

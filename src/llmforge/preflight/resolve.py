@@ -29,7 +29,8 @@ from llmforge.errors import ConfigError
 from llmforge.parallel.mesh import ParallelDims
 from llmforge.parallel.threads import choose_num_threads
 from llmforge.paths import check_printable
-from llmforge.run_guard import check_run_dir, peek_holder, refuse_link
+from llmforge.run_guard import (check_run_dir, peek_holder, refuse_link, refuse_overlap,
+                                refuse_run_inside_run)
 
 __all__ = ["ResolvedRun", "detect_world_size", "resolve_run", "check_names_and_paths",
            "check_no_secret_in_folders", "check_run_name", "worker_cores"]
@@ -43,6 +44,23 @@ NAME_AND_PATH_KEYS = ("run.name", "run.output_dir", "run.group", "checkpoint.dir
 FOLDER_KEYS = ("run.name", "run.output_dir", "checkpoint.dir")
 # Folder keys whose leading ``~`` is the user's home, as a shell would expand it.
 HOME_KEYS = ("run.output_dir", "checkpoint.dir", "checkpoint.resume", "model.init_from")
+# Keys whose paths a run reads: ``--overwrite`` must not clear them first.
+INPUT_KEYS = ("model.init_from", "checkpoint.resume", "tokenizer.path", "data.path", "data.paths")
+
+
+def input_paths(cfg: DictConfig) -> list[tuple[str, str]]:
+    """``(key, path)`` of every path the run reads (:data:`INPUT_KEYS` and each
+    ``data.mixture[i].path``); ``checkpoint.resume: auto`` names none."""
+    found: list[tuple[str, str]] = []
+    for key in INPUT_KEYS:
+        value = OmegaConf.select(cfg, key, default=None)
+        for item in value if OmegaConf.is_list(value) else [value]:
+            if isinstance(item, str) and item and not (key == "checkpoint.resume" and item == "auto"):
+                found.append((key, item))
+    for i, entry in enumerate(cfg.data.mixture or []):
+        if isinstance(entry.get("path"), str):
+            found.append((f"data.mixture[{i}].path", entry.get("path")))
+    return found
 
 
 def worker_cores(data: Any) -> int:
@@ -186,8 +204,12 @@ def _run_dir_state(cfg: DictConfig, run_dir: Path, ckpt_dir: Path, overwrite: bo
     check_run_dir(run_dir, "run.name")
     if ck.dir:  # llmforge's checkpoints in it, and nothing else, are what --overwrite deletes
         refuse_link(ckpt_dir, "checkpoint.dir")
+        refuse_run_inside_run(ckpt_dir, run_dir, "checkpoint.dir")
     metrics = (run_dir / "metrics.jsonl").exists()
     used = metrics or bool(list_checkpoints(ckpt_dir))
+    if used and overwrite:  # what Trainer.prepare_run_dir will clear, before it reads the inputs
+        cleared = [("run.name", run_dir)] + ([("checkpoint.dir", ckpt_dir)] if ck.dir else [])
+        refuse_overlap(cleared, input_paths(cfg))
     if used and not overwrite and not ck.resume:
         where = run_dir if metrics else ckpt_dir
         raise ConfigError(f"{where} already holds a run; continue it with checkpoint.resume=auto, "

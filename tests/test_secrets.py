@@ -71,3 +71,14 @@ def test_a_secret_in_a_folder_name_is_refused_before_anything_is_written(tmp_pat
     assert rc == 2 and err.startswith(f"error: {key}=") and "holds a secret" in err, err
     assert "SeKrEt123" not in err and err.count("\n") == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_type_error_from_an_environment_variable_never_prints_its_value(tmp_path, capsys, monkeypatch):
+    """Issue 47, item 3: ``${oc.env:HOOK}`` with a value of the wrong type names the key, the
+    interpolation and the types, never the value (whatever the variable's name)."""
+    monkeypatch.setenv("HOOK", "https://hooks.example.com/T0/" + "W4" * 10)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"base: {DEMO}\ntrainer:\n  max_steps: ${{oc.env:HOOK}}\n")
+    assert main(["train", str(cfg), "--dry-run"]) == 2
+    assert capsys.readouterr().err == ("error: trainer.max_steps: expected an integer, got a string "
+                                       "from interpolation '${oc.env:HOOK}'\n")

@@ -325,3 +325,74 @@ def test_eval_of_a_shared_run_never_appends_through_a_link(template, tmp_path, m
     rc, out, err = _main(COMMANDS["eval"](run, tmp_path), capsys)
     assert rc == 2 and err.startswith(f"error: {run / name} is a symbolic link (to {victim}); "), err
     assert victim.read_text() == "precious\n"
+
+
+SECRET_FILE_TEXT = "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAA" + "Q9" * 12 + "\n"
+PLANTED = "https://hooks.example.com/T0/" + "W4" * 10
+
+
+@pytest.mark.parametrize("how", ["base", "env"])
+def test_a_shared_run_reads_none_of_your_files_and_none_of_your_environment(
+        template, tmp_path, monkeypatch, capsys, how):
+    """Issue 47, item 3: a shared run's ``base: ~/.ssh/id_rsa`` is not opened and an
+    ``${oc.env:HOOK}`` is not resolved by generate, eval or convert (exit 2, one line); the
+    secret is in no output and in no file the commands write. With --trust-code (a run you
+    wrote) the ``base:`` is followed, and still no message prints the file's text."""
+    import shutil
+
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_rsa").write_text(SECRET_FILE_TEXT)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("HOOK", PLANTED)  # a name outside the secret rule
+    run = tmp_path / "runs" / "x"
+    shutil.copytree(template, run)
+    data = yaml.safe_load((run / "config.yaml").read_text())
+    if how == "base":
+        data["base"] = "~/.ssh/id_rsa"
+        says = f"error: base in {run / 'config.yaml'} names a file outside its run directory {run}"
+    else:
+        data["run"]["tags"] = ["${oc.env:HOOK}"]
+        says = (f"error: {run / 'config.yaml'}: run.tags.0 calls the resolver 'oc.env' "
+                "(${oc.env:...}); a run directory from elsewhere reads nothing from your environment")
+    (run / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    secrets = ("PRIVATE KEY", "Q9Q9Q9", PLANTED)
+    for command in COMMANDS:
+        rc, out, err = _main(COMMANDS[command](run, tmp_path), capsys)
+        assert rc == 2 and err.startswith(says) and err.count("\n") == 1, err
+        assert "--trust-code" in err and not any(s in out + err for s in secrets)
+    if how == "base":  # trusted: the base is read, but its text is never quoted
+        rc, out, err = _main(["generate", str(run), "--prompt", "hi", "--trust-code"], capsys)
+        assert rc == 2 and "id_rsa must be a mapping of sections" in err and err.endswith("got a string\n"), err
+        assert not any(s in out + err for s in secrets)
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and home not in p.parents]
+    assert not [p for p in written for s in secrets if s.encode() in p.read_bytes()]
+
+
+def test_alias_bombs_and_huge_configs_are_refused_at_once(tmp_path, capsys):
+    """The "billion laughs" shape (9 levels of 9 aliases: 1 KB that OmegaConf would expand into
+    387 million values) and a merge-key doubling are refused in well under a second."""
+    import time
+
+    from llmforge.cli import main
+
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]\n" for i in range(8))
+    merge = "a: &a {x: 1}\n" + "".join(
+        f"m{i + 1}: &m{i + 1} {{<<: [*{'a' if i == 0 else f'm{i}'}], y{i}: [*{'a' if i == 0 else f'm{i}'}, "
+        f"*{'a' if i == 0 else f'm{i}'}]}}\n" for i in range(24))
+    for name, text in (("bomb", bomb), ("merge", merge)):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(f"base: {DEMO}\nvariables:\n" + "".join("  " + line + "\n" for line in text.splitlines()))
+        start = time.monotonic()
+        assert main(["train", str(path), "--dry-run"]) == 2
+        assert time.monotonic() - start < 5
+        err = capsys.readouterr().err
+        assert err == (f"error: {path}: its aliases (*name) and merge keys (<<) expand to more than "
+                       "200,000 values; a config repeats a section by an alias, not by aliases of "
+                       "aliases: write the values out, or use ${...} interpolation\n"), err
+    big = tmp_path / "big.yaml"
+    big.write_text("variables:\n  blob: '" + "x" * (5 << 20) + "'\n")
+    assert main(["train", str(big), "--dry-run"]) == 2
+    assert capsys.readouterr().err == (f"error: config file {big} is larger than 4 MiB; a config holds "
+                                       "settings, not data: give data files under data.path\n")

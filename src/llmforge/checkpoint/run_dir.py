@@ -77,13 +77,17 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
 def load_run_config(run_dir: Path, trust_code: bool = False) -> Any:
     """The run's ``config.yaml``, its ``imports:`` imported only with ``trust_code``.
 
+    Without ``trust_code`` the config is also confined: a ``base:`` outside ``run_dir`` and any
+    resolver call (``${oc.env:NAME}``) are refused before anything is read or resolved.
+
     Raises:
         ConfigError: without ``trust_code``, the config names code outside the built-in and
-            registered names (the key, the name and ``--trust-code``); or an invalid config.
+            registered names (the key, the name and ``--trust-code``), a ``base:`` outside the
+            run directory or a resolver; or an invalid config.
     """
     path = Path(run_dir) / "config.yaml"
-    with registry.untrusted(path, trust_code):
-        cfg = load_config(path)
+    with registry.untrusted(path, trust_code):  # and reads no file outside it, no environment
+        cfg = load_config(path, confine=None if trust_code else Path(run_dir))
         registry.import_modules(cfg.imports)
     return cfg
 

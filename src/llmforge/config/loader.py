@@ -25,12 +25,12 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationKeyError, InterpolationValidationError, OmegaConfBaseException
 
-from llmforge.config.keycheck import _ROOT, _bad_type, _check, _join, _omega_message, _schema_type
+from llmforge.config.keycheck import _ROOT, _bad_type, _check, _describe, _join, _omega_message, _schema_type
 from llmforge.config.model_typing import _model_class, _root_for
 from llmforge.config.overrides import _apply_override
 from llmforge.config.redaction import config_to_dict, redact
 from llmforge.config.schema import TrainConfig, model_config_class
-from llmforge.config.yaml_files import _Dumper, _read_chain
+from llmforge.config.yaml_files import _Dumper, _read_chain, _type_name
 from llmforge.errors import ConfigError
 
 __all__ = ["load_config", "read_config", "resolve_config", "save_config", "structured_config"]
@@ -58,6 +58,9 @@ def _check_interpolations(node: Any, root: Any, path: str = "") -> None:
                 except OmegaConfBaseException:
                     raise ConfigError(f"{here}: interpolation '{text}': {_omega_message(exc)}") from None
                 tp = _schema_type(here.split("."))
+                if _RESOLVER.search(text):  # ${oc.env:...}: the value may be a secret, not shown
+                    raise ConfigError(f"{here}: expected {_describe(tp)}, got {_type_name(got)} from "
+                                      f"interpolation '{text}'") from None
                 raise _bad_type(here, tp, got, f"interpolation '{text}'", "from") from None
             except OmegaConfBaseException as exc:
                 raise ConfigError(f"{here}: cannot resolve interpolation '{text}': {_omega_message(exc)}") from None
@@ -91,18 +94,43 @@ def structured_config(model: Union[str, type, None] = None) -> DictConfig:
     return cfg
 
 
-def read_config(path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
+# ${name:...}: a resolver call (oc.env reads the environment); ${a.b} is a plain reference
+_RESOLVER = re.compile(r"\$\{\s*([A-Za-z_][\w.]*)\s*:")
+
+
+def _refuse_resolvers(data: Any, shown: str, path: str = "") -> None:
+    """An untrusted file (a run directory from elsewhere) calls no resolver: ``${oc.env:NAME}``
+    would copy your environment into its values, and its messages. llmforge saves configs
+    resolved, so a run it wrote holds none."""
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for k, v in items:
+        here = _join(path, k)
+        if isinstance(v, str) and (m := _RESOLVER.search(v)):
+            raise ConfigError(f"{shown}: {here} calls the resolver '{m.group(1)}' (${{{m.group(1)}:...}}); "
+                              "a run directory from elsewhere reads nothing from your environment: "
+                              "pass --trust-code if you wrote this run yourself")
+        _refuse_resolvers(v, shown, here)
+
+
+def read_config(path: str | Path, overrides: Sequence[str] = (), *,
+                confine: Path | None = None) -> DictConfig:
     """Read ``path`` (following ``base:`` chains) and apply ``key=value`` overrides, checked
     like :func:`load_config` (interpolations are checked to resolve here) but not resolved:
     :func:`resolve_config` resolves a copy, so one read serves several environments
     (``llmforge launch`` resolves it here and in the job's environment).
+
+    ``confine``: the folder of an untrusted file (a run directory someone else wrote): its
+    ``base:`` must stay inside it and no value may call a resolver (``${oc.env:...}``).
 
     Raises:
         ConfigError: as :func:`load_config`.
     """
     if isinstance(overrides, str):
         overrides = [overrides]
-    chain = _read_chain(Path(path), str(path), None, [])
+    chain = _read_chain(Path(path), str(path), None, [], confine)
+    if confine is not None:
+        for shown, data in chain:
+            _refuse_resolvers(data, shown)
     model_cls = _model_class(chain, overrides)
     token = _ROOT.set(_root_for(model_cls))
     try:
@@ -143,18 +171,21 @@ def resolve_config(cfg: DictConfig, *, in_place: bool = False) -> DictConfig:
     return cfg
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
+def load_config(path: str | Path, overrides: Sequence[str] = (), *,
+                confine: Path | None = None) -> DictConfig:
     """Load ``path`` (following ``base:`` chains), apply ``key=value`` overrides, and return a
-    resolved structured :class:`TrainConfig` ``DictConfig``.
+    resolved structured :class:`TrainConfig` ``DictConfig``. ``confine``: see
+    :func:`read_config` (a run directory from elsewhere).
 
     Raises:
         ConfigError: missing or unreadable file (naming the file that referred to it for a
             ``base:``), malformed YAML (file, line, column), a file whose top is not a mapping,
             a ``base:`` cycle, an unknown key (with the closest valid key), a value of the
             wrong type, an override without ``=`` or with a list index out of range, or an
-            interpolation to a missing key.
+            interpolation to a missing key; with ``confine``, a ``base:`` outside it or a
+            resolver call.
     """
-    return resolve_config(read_config(path, overrides), in_place=True)
+    return resolve_config(read_config(path, overrides, confine=confine), in_place=True)
 
 
 def save_config(cfg: Any, path: str | Path) -> Path:

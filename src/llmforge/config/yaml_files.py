@@ -2,6 +2,13 @@
 strings, duplicate keys refused, merge keys ``<<: *anchor`` merged), the matching dumper, and
 ``base:`` chains (a file extends another, relative to itself; cycles refused).
 
+Bounded: a file larger than :data:`MAX_BYTES`, or whose aliases and merge keys expand to more
+than :data:`MAX_NODES` values (the "billion laughs" shape: 9 levels of 9 references is a 1 KB
+file that OmegaConf would expand into 387 million values), is refused before it is built. A
+``base:`` of an untrusted file (a run directory someone else wrote) must stay inside its
+folder (``confine``). No message quotes a file's content: a top that is not a mapping is named
+by its type only (``base: ~/.ssh/id_rsa`` reads as one string).
+
 Raises :class:`~llmforge.errors.ConfigError` naming the file (and line, column) and a fix.
 """
 
@@ -10,11 +17,16 @@ from __future__ import annotations
 import re
 import typing
 from pathlib import Path
+from typing import Any
 
 import yaml
 
-from llmforge.config.keycheck import _kind
 from llmforge.errors import ConfigError
+
+MAX_BYTES = 4 << 20
+"""Largest config file read (4 MiB; the shipped yamls are under 10 KB)."""
+MAX_NODES = 200_000
+"""Most values (mappings, lists, scalars) a file may expand to once aliases are followed."""
 
 class _Loader(yaml.SafeLoader):
     """SafeLoader whose floats include ``1e-4`` / ``1E5`` (YAML 1.2 style), with dates left as
@@ -69,13 +81,57 @@ def _yaml_error(exc: yaml.YAMLError, where: str) -> ConfigError:
     return ConfigError(f"malformed YAML in {where}{pos}: {text}")
 
 
+def _type_name(value: Any) -> str:
+    """A value's kind without its content (a file's text may be a key someone pointed to)."""
+    kinds = {dict: "a mapping", list: "a list", str: "a string", int: "an integer", float: "a number",
+             bool: "a boolean"}
+    return kinds.get(type(value), type(value).__name__)
+
+
+def _expanded_size(node: yaml.Node, bound: int) -> int:
+    """How many values ``node`` becomes once every alias is copied out (what OmegaConf builds),
+    counted in time linear in the distinct nodes; stops counting past ``bound``."""
+    sizes: dict[int, int] = {}
+    stack: list[tuple[yaml.Node, bool]] = [(node, False)]
+    while stack:  # iterative: a deeply nested file must not overflow Python's stack here
+        n, done = stack.pop()
+        if id(n) in sizes:
+            continue
+        kids = ([x for pair in n.value for x in pair] if isinstance(n, yaml.MappingNode) else
+                list(n.value) if isinstance(n, yaml.SequenceNode) else [])
+        if not done:
+            stack.append((n, True))
+            stack.extend((k, False) for k in kids if id(k) not in sizes)
+            continue
+        sizes[id(n)] = min(bound + 1, 1 + sum(sizes.get(id(k), 0) for k in kids))
+    return sizes[id(node)]
+
+
+def _load(text: str, shown: str) -> Any:
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if _expanded_size(node, MAX_NODES) > MAX_NODES:
+            raise ConfigError(f"{shown}: its aliases (*name) and merge keys (<<) expand to more than "
+                              f"{MAX_NODES:,} values; a config repeats a section by an alias, not by "
+                              "aliases of aliases: write the values out, or use ${...} interpolation")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
 def _read_yaml(path: Path, shown: str, referrer: str | None) -> dict:
     if not path.is_file():
         by = f" (the base of {referrer})" if referrer else ""
         what = "is a directory, not a file" if path.is_dir() else "not found"
         raise ConfigError(f"config file {shown}{by} {what}")
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
+        if path.stat().st_size > MAX_BYTES:
+            raise ConfigError(f"config file {shown} is larger than {MAX_BYTES >> 20} MiB; a config "
+                              "holds settings, not data: give data files under data.path")
+        data = _load(path.read_text(encoding="utf-8"), shown)
     except yaml.YAMLError as exc:
         raise _yaml_error(exc, shown) from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -87,13 +143,17 @@ def _read_yaml(path: Path, shown: str, referrer: str | None) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(
             f"the top of {shown} must be a mapping of sections (e.g. 'trainer:'), "
-            f"got {_kind(data)}"
+            f"got {_type_name(data)}"
         )
     return data
 
 
-def _read_chain(path: Path, shown: str, referrer: str | None, stack: list) -> list:
-    """Return ``[(shown_name, data), ...]`` with the deepest base first."""
+def _read_chain(path: Path, shown: str, referrer: str | None, stack: list,
+                confine: Path | None = None) -> list:
+    """Return ``[(shown_name, data), ...]`` with the deepest base first.
+
+    ``confine``: an untrusted file's folder; a ``base:`` that resolves outside it is refused
+    before it is opened (a shared run's ``base: ~/.ssh/id_rsa``)."""
     real = path.expanduser().resolve()
     names = [n for _, n in stack]
     if real in [p for p, _ in stack]:
@@ -108,6 +168,10 @@ def _read_chain(path: Path, shown: str, referrer: str | None, stack: list) -> li
         base_path = Path(base).expanduser()
         if not base_path.is_absolute():
             base_path = path.expanduser().parent / base_path
-        chain = _read_chain(base_path, str(base_path), shown, stack + [(real, shown)])
+        if confine is not None and confine.resolve() not in base_path.resolve().parents:
+            raise ConfigError(f"base in {shown} names a file outside its run directory {confine}; a "
+                              "run directory from elsewhere reads none of your files: pass "
+                              "--trust-code if you wrote this run yourself")
+        chain = _read_chain(base_path, str(base_path), shown, stack + [(real, shown)], confine)
     return chain + [(shown, data)]
 

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from llmforge.config.keycheck import _check, _fields, _kind, _omega_message, _schema_type, _unknown, _unwrap
-from llmforge.config.redaction import is_secret_key
+from llmforge.config.redaction import is_secret_key, redact_argv
 from llmforge.config.yaml_files import _Loader, _yaml_error
 from llmforge.errors import ConfigError
 
@@ -39,7 +39,8 @@ def _parse_override(item: str) -> tuple[str, Any]:
 def _apply_override(cfg: DictConfig, item: str) -> None:
     key, value = _parse_override(item)
     secret = any(is_secret_key(p) for p in key.split("."))
-    source = f"override '{key}=***'" if secret else f"override '{item}'"  # never echo a secret
+    # never echo a secret: a secret key's value, nor a signed URL's query or a header mapping
+    source = f"override '{key}=***'" if secret else f"override '{redact_argv([item])[0]}'"
     parts = key.split(".")
     node: Any = cfg
     for i, part in enumerate(parts):

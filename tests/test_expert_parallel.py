@@ -1,8 +1,8 @@
 """Expert parallelism (``strategy.ep``) on 4 real processes (gloo) against one process: FSDP2 x EP
 (efsdp 2 x ep 2), ep=4, HSDP x EP (dp_replicate 2 x ep 2) and TP x EP (tp 2 x ep 2, Qwen3-MoE's
 TP plan), FSDP2 x EP with LoRA on attention and experts and FSDP2 x EP with Muon (experts
-orthogonalized per rank) train the tiny Qwen3-MoE on right-padded rows (padding left out of the
-router statistics) to the same losses, auxiliary losses and weights; a checkpoint
+orthogonalized per rank) train the tiny Qwen3-MoE (on right-padded rows, padding left out of the
+router statistics, but TP x EP) to the same losses, auxiliary losses and weights; a checkpoint
 saved at ep=2 loads into a one-process ep=1 model. One launch of tests/dist/ep_worker.py. Bad
 ``strategy.ep`` values exit 2 in-process; the dry run and ``llmforge plan`` with ep."""
 

@@ -297,3 +297,28 @@ def test_batched_newton_schulz_is_each_matrix_alone():
     for e in range(3):
         assert (got[e] - newton_schulz(g[e], dtype=torch.float32)).abs().max().item() < 1e-6
     assert newton_schulz(g, dtype=torch.bfloat16).shape == (3, 40, 24)
+
+
+def test_a_layout_that_splits_expert_matrices_is_refused_naming_the_key(tmp_path):
+    """Expert tensor parallelism (an expert matrix sharded on one of its own dims) leaves no whole
+    matrix on a rank: building the optimizer says so, naming optimizer.name and the parameter."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from llmforge.errors import ConfigError
+
+    m = tiny_moe()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        experts = m.layers[0].feed_forward.experts
+        w2 = experts.w2.detach()
+        experts.w2 = torch.nn.Parameter(distribute_tensor(w2, init_device_mesh("cpu", (1,)), [Shard(2)]))
+        with pytest.raises(ConfigError) as err:
+            build_optimizer(m, F32)
+        assert str(err.value) == (
+            "optimizer.name: muon orthogonalizes each expert matrix of layers.0.feed_forward.experts.w2 "
+            "(4, 32, 24) on the rank that holds it, but its placements (Shard(dim=2),) split the matrices "
+            "(dim 2); use optimizer.name=adamw, or a layout that keeps expert matrices whole")
+    finally:
+        dist.destroy_process_group()

@@ -1,7 +1,8 @@
 """Expert parallelism (``strategy.ep``) on 4 real processes (gloo) against one process: FSDP2 x EP
 (efsdp 2 x ep 2), ep=4, HSDP x EP (dp_replicate 2 x ep 2) and TP x EP (tp 2 x ep 2, Qwen3-MoE's
-TP plan) and FSDP2 x EP with LoRA on attention and experts train the tiny Qwen3-MoE to the same
-losses, auxiliary losses and weights; a checkpoint
+TP plan), FSDP2 x EP with LoRA on attention and experts and FSDP2 x EP with Muon (experts
+orthogonalized per rank) train the tiny Qwen3-MoE (on right-padded rows, padding left out of the
+router statistics, but TP x EP) to the same losses, auxiliary losses and weights; a checkpoint
 saved at ep=2 loads into a one-process ep=1 model. One launch of tests/dist/ep_worker.py. Bad
 ``strategy.ep`` values exit 2 in-process; the dry run and ``llmforge plan`` with ep."""
 
@@ -15,9 +16,9 @@ from llmforge.cli import main
 
 MOE_DEMO = str(REPO / "yamls" / "demo_cpu_qwen3_moe.yaml")
 DENSE_DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
-# dp_replicate,dp_shard,ep[,tp[,lora]] -> (dp_replicate, efsdp, ep)
+# dp_replicate,dp_shard,ep[,tp[,lora|muon]] -> (dp_replicate, efsdp, ep)
 CONFIGS = {"1,4,2": [1, 2, 2], "1,4,4": [1, 1, 4], "2,2,2": [2, 1, 2], "1,2,2,2": [1, 1, 2],
-           "1,4,2,1,lora": [1, 2, 2]}
+           "1,4,2,1,lora": [1, 2, 2], "1,4,2,1,muon": [1, 2, 2]}
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +69,17 @@ def test_lora_expert_adapters_are_split_like_the_experts(reports):
         assert r["lora_w1_local_shape"] == [8 // 4, 2, 32]  # A [E, r, D]: E over ep 2 x efsdp 2
         assert r["lora_w1_placements"] == r["w1_placements"]
         assert r["lora_b_nonzero"] and r["w1_requires_grad"] is False
+
+
+def test_muon_orthogonalizes_each_rank_s_own_experts(reports):
+    """optimizer.name muon under efsdp 2 x ep 2: the expert stacks are Muon's (``muon_experts``),
+    each rank's local shard is 2 whole experts of 8, and training equals one process's Muon
+    (test_ep_trains_like_one_process: losses, aux losses, weights)."""
+    for report in reports:
+        r = report["1,4,2,1,muon"]
+        assert r["muon_groups"]["muon_experts"] == [f"layers.0.feed_forward.experts.{w}" for w in ("w1", "w2", "w3")]
+        assert "layers.0.feed_forward.router.weight" in r["muon_groups"]["muon"]
+        assert r["muon_expert_local"] == [[2, 16, 32], [2, 32, 16], [2, 16, 32]]
 
 
 def test_checkpoint_saved_at_ep2_loads_at_ep1(reports):

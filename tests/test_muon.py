@@ -1,6 +1,7 @@
 """optimizer.name: muon — Newton-Schulz against a reference, the parameter split, the combined step
-against torch's own Muon and AdamW, the state through a DCP checkpoint, a short training run, and
-FSDP2, HSDP and tensor parallel on 4 real processes (tests/dist/muon_worker.py) against one
+against torch's own Muon and AdamW, the state through a DCP checkpoint, a short training run, a
+Qwen3-MoE's expert matrices each orthogonalized on its own (their sharding under expert
+parallelism: tests/test_expert_parallel.py), and FSDP2, HSDP and tensor parallel on 4 real processes (tests/dist/muon_worker.py) against one
 process, and the 4-process FSDP2 checkpoint resumed in one process."""
 
 import importlib.util
@@ -16,6 +17,8 @@ from llmforge.cli import main
 from llmforge.config.validate import plan_batch
 from llmforge.training.module import LLMModule
 from llmforge.models.llama3.model import Llama, LlamaArgs
+from llmforge.models.qwen3_moe.config import Qwen3MoeArgs
+from llmforge.models.qwen3_moe.model import Qwen3Moe
 from llmforge.training.muon import MuonAdamW, match_rms_adamw_scale, newton_schulz
 from llmforge.training.optim import build_optimizer, muon_param_groups
 
@@ -37,12 +40,14 @@ class Cfg:
     muon_ns_dtype = "bfloat16"  # torch.optim.Muon's, for the comparisons with it
 
 
-def reference_ns(g, steps=5, a=3.4445, b=-4.7750, c=2.0315):
-    """Keller Jordan's zeropower_via_newtonschulz5 (github.com/KellerJordan/Muon), in float32."""
+def reference_ns(g, steps=5, a=3.4445, b=-4.7750, c=2.0315, clamp=False):
+    """Keller Jordan's zeropower_via_newtonschulz5 (github.com/KellerJordan/Muon), in float32
+    (``clamp``: the norm floored at 1e-7 as torch.optim.Muon does, rather than 1e-7 added, which
+    matters for a small gradient)."""
     x = g.float()
     if g.size(0) > g.size(1):
         x = x.T
-    x = x / (x.norm() + 1e-7)
+    x = x / (x.norm().clamp(min=1e-7) if clamp else x.norm() + 1e-7)
     for _ in range(steps):
         m = x @ x.T
         x = a * x + (b * m + c * m @ m) @ x
@@ -226,3 +231,94 @@ def test_tensor_parallel_two_gives_one_process_losses(sharded_reports):
         assert got["losses"] == pytest.approx(rep["ref_losses"], abs=1e-5)
         assert got["newton_schulz_calls"] == 140  # a 2-D mesh (dp_shard x tp): every matrix
         assert max(got["weight_diff"].values()) < 1e-5, got["weight_diff"]
+
+
+def tiny_moe(seed=0):
+    """Qwen3-MoE with a sparse layer 0 (4 experts, [E, 24, 32] and [E, 32, 24] stacks) and a dense
+    layer 1."""
+    torch.manual_seed(seed)
+    return Qwen3Moe(Qwen3MoeArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64,
+                                 vocab_size=64, max_seq_len=16, num_experts=4, num_experts_per_tok=2,
+                                 moe_intermediate_size=24, mlp_only_layers=[1]))
+
+
+F32 = type("C", (Cfg,), {"muon_ns_dtype": "float32"})
+
+
+def test_expert_matrices_take_muon_and_its_decoupled_decay():
+    """One step with loss x 0 (zero gradients): every Muon tensor, the expert stacks included, is
+    w (1 - muon_lr wd), every AdamW matrix w (1 - lr wd), norms unchanged; the groups hold
+    what docs/optimizers.md says."""
+    m = tiny_moe()
+    opt = build_optimizer(m, F32)
+    names = {id(p): n for n, p in m.named_parameters()}
+    groups = {g["name"]: sorted(names[id(p)] for p in g["params"]) for g in opt.param_groups}
+    assert list(groups) == ["muon", "muon_experts", "decay", "no_decay"]
+    assert groups["muon_experts"] == [f"layers.0.feed_forward.experts.{w}" for w in ("w1", "w2", "w3")]
+    assert "layers.0.feed_forward.router.weight" in groups["muon"]  # a 2-D hidden matrix
+    assert len(groups["muon"]) == 2 * 4 + 1 + 3  # wq wk wv wo x 2, router, dense SwiGLU
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    x, _ = batch(0)
+    (m(x).sum() * 0).backward()
+    opt.step()
+    decay = {"muon": 1 - 2e-2 * 0.1, "muon_experts": 1 - 2e-2 * 0.1, "decay": 1 - 1e-2 * 0.1, "no_decay": 1.0}
+    for g in opt.param_groups:
+        for p in g["params"]:
+            assert p.grad is not None and not p.grad.any()
+            assert torch.equal(p.detach(), before[names[id(p)]] * decay[g["name"]]), names[id(p)]
+
+
+def test_each_expert_update_is_the_orthogonalization_of_its_own_momentum():
+    """A real gradient: expert e's step is -lr 0.2 sqrt(max(out, in)) NS(its Nesterov momentum
+    [out, in]) after the decay, NS being Keller Jordan's reference on that one matrix."""
+    m = tiny_moe()
+    opt = build_optimizer(m, F32)
+    stacks = opt.param_groups[1]["params"]
+    before = [p.detach().clone() for p in stacks]
+    x, y = batch(0)
+    torch.nn.functional.cross_entropy(m(x).flatten(0, 1), y.flatten()).backward()
+    grads = [p.grad.clone() for p in stacks]
+    opt.step()
+    for p, w, g in zip(stacks, before, grads):
+        assert g.ndim == 3 and all(g[e].abs().sum() > 0 for e in range(4))  # every expert got tokens
+        scale = 0.2 * max(g.shape[1:]) ** 0.5
+        update = g.lerp(torch.zeros_like(g).lerp_(g, 0.05), 0.95)  # first step's Nesterov momentum
+        want = torch.stack([w[e] * (1 - 2e-2 * 0.1) - 2e-2 * scale * reference_ns(update[e], clamp=True)
+                             for e in range(4)])
+        assert (p.detach() - want).abs().max().item() < 1e-6
+        # not the whole stack's (or a flattened matrix's) orthogonalization: each expert alone
+        svals = torch.linalg.svdvals((w * (1 - 2e-3) - p.detach()) / (2e-2 * scale))
+        assert (svals.max(dim=-1).values < 1.3).all() and (svals.median(dim=-1).values > 0.7).all()
+
+
+def test_batched_newton_schulz_is_each_matrix_alone():
+    g = torch.randn(3, 40, 24, generator=torch.Generator().manual_seed(2))
+    got = newton_schulz(g, dtype=torch.float32)
+    for e in range(3):
+        assert (got[e] - newton_schulz(g[e], dtype=torch.float32)).abs().max().item() < 1e-6
+    assert newton_schulz(g, dtype=torch.bfloat16).shape == (3, 40, 24)
+
+
+def test_a_layout_that_splits_expert_matrices_is_refused_naming_the_key(tmp_path):
+    """Expert tensor parallelism (an expert matrix sharded on one of its own dims) leaves no whole
+    matrix on a rank: building the optimizer says so, naming optimizer.name and the parameter."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from llmforge.errors import ConfigError
+
+    m = tiny_moe()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        experts = m.layers[0].feed_forward.experts
+        w2 = experts.w2.detach()
+        experts.w2 = torch.nn.Parameter(distribute_tensor(w2, init_device_mesh("cpu", (1,)), [Shard(2)]))
+        with pytest.raises(ConfigError) as err:
+            build_optimizer(m, F32)
+        assert str(err.value) == (
+            "optimizer.name: muon orthogonalizes each expert matrix of layers.0.feed_forward.experts.w2 "
+            "(4, 32, 24) on the rank that holds it, but its placements (Shard(dim=2),) split the matrices "
+            "(dim 2); use optimizer.name=adamw, or a layout that keeps expert matrices whole")
+    finally:
+        dist.destroy_process_group()

@@ -16,6 +16,7 @@ from conftest import REPO  # noqa: E402
 from llmforge.cli import main  # noqa: E402
 from llmforge.models.qwen3_moe.moe import MoE  # noqa: E402
 from helpers.hf_files import safetensors_of  # noqa: E402
+from helpers.moe import moe_module  # noqa: E402
 
 MOE_DEMO = str(REPO / "yamls" / "demo_cpu_qwen3_moe.yaml")
 
@@ -178,22 +179,6 @@ def test_bad_moe_keys_exit_2_naming_the_key(tmp_path, capsys, override, message)
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
     assert not any(tmp_path.iterdir())  # nothing written
-
-
-def moe_module(**model):
-    from llmforge.config import structured_config
-    from llmforge.config.validate import plan_batch
-    from llmforge.training.module import LLMModule
-
-    cfg = structured_config("qwen3_moe")
-    cfg.model.merge_with({"preset": None, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
-                          "head_dim": 16, "hidden_dim": 64, "vocab_size": 50, "max_seq_len": 16,
-                          "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-                          **model})
-    cfg.trainer.merge_with({"micro_batch_size": 2, "global_batch_size": 2, "seq_len": 8})
-    module = LLMModule(cfg, plan_batch(cfg, 1))
-    module.configure_model()
-    return module
 
 
 def test_aux_losses_through_the_events_in_process():
@@ -380,3 +365,4 @@ def test_lora_dropout_on_experts_exits_2(capsys):
     err = capsys.readouterr().err
     assert ("lora.dropout=0.1 must be 0 when lora.targets entry 'w1' names expert weights" in err
             and "Traceback" not in err)
+

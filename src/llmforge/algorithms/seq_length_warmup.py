@@ -88,7 +88,7 @@ class SeqLengthWarmup(Algorithm):
         if isinstance(batch, dict):
             seq_len = batch["input_ids"].shape[1]
             n = self.length(state.step, seq_len)
-            state.batch = {k: (v[:, :n] if k in ("input_ids", "labels", "doc_ids") else v)
+            state.batch = {k: (v[:, :n] if k in ("input_ids", "labels", "doc_ids", "token_mask") else v)
                            for k, v in batch.items()}
         else:  # windows of seq_len + 1 tokens (inputs and the shifted labels)
             seq_len = batch.shape[1] - 1

@@ -240,9 +240,9 @@ class OptimizerConfig:
     """``optimizer:`` — AdamW, or Muon plus AdamW; weight decay applies to 2-D weights only."""
 
     name: str = "adamw"
-    """``adamw``, or ``muon``: Muon for the 2-D weights inside the repeated blocks, AdamW for
-    embeddings, output, norms and biases, the Muon update scaled to AdamW's RMS (Moonlight) so
-    AdamW's lr and weight decay carry over (docs/optimizers.md)."""
+    """``adamw``, or ``muon``: Muon for the matrices inside the repeated blocks (each expert
+    its own), AdamW for embeddings, output, norms and biases, the Muon update scaled to AdamW's
+    RMS (Moonlight) so AdamW's lr and weight decay carry over (docs/optimizers.md)."""
     lr: float = 3e-4
     """Peak learning rate (with ``muon``: of the AdamW parameters)."""
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])

@@ -127,11 +127,12 @@ def build_rows(examples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_
     """Lay examples into rows of ``seq_len`` positions.
 
     Returns:
-        ``{"input_ids", "labels"}`` (and ``"doc_ids"`` when ``packed``), each ``[rows,
-        seq_len]``, stored compactly (input ids uint16 or uint32 by the largest id;
-        labels and doc ids int32; :class:`SFTRows` hands out int64). Padding: input ``pad_id``,
-        label -100, and (packed) a doc id of its own (one past the row's last example), so no
-        example attends to it.
+        ``{"input_ids", "labels", "token_mask"}`` (and ``"doc_ids"`` when ``packed``), each
+        ``[rows, seq_len]``, stored compactly (input ids uint16 or uint32 by the largest id;
+        labels and doc ids int32; :class:`SFTRows` hands out int64; ``token_mask`` bool, False
+        on padding: what a mixture of experts keeps out of its router statistics). Padding:
+        input ``pad_id``, label -100, and (packed) a doc id of its own (one past the row's last
+        example), so no example attends to it.
     """
     top = max([pad_id] + [int(ids.max()) for ids, _ in examples if len(ids)])
     rows: list[list[tuple[np.ndarray, np.ndarray]]] = []
@@ -147,6 +148,7 @@ def build_rows(examples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_
     input_ids = np.full(shape, pad_id, dtype=token_dtype(top + 1))
     labels = np.full(shape, IGNORE_INDEX, dtype=np.int32)
     doc_ids = np.zeros(shape, dtype=np.int32)
+    token_mask = np.zeros(shape, dtype=bool)
     for r, row in enumerate(rows):
         pos = 0
         for d, (ids, lab) in enumerate(row):
@@ -155,7 +157,8 @@ def build_rows(examples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_
             doc_ids[r, pos:pos + len(ids)] = d
             pos += len(ids)
         doc_ids[r, pos:] = len(row)
-    out = {"input_ids": input_ids, "labels": labels}
+        token_mask[r, :pos] = True
+    out = {"input_ids": input_ids, "labels": labels, "token_mask": token_mask}
     if packed:
         out["doc_ids"] = doc_ids
     return out
@@ -163,7 +166,8 @@ def build_rows(examples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_
 
 class SFTRows(Dataset):
     """Map-style dataset over :func:`build_rows` output: item ``i`` is a dict of
-    ``LongTensor[seq_len]`` (``input_ids``, ``labels``, and ``doc_ids`` when packed)."""
+    ``LongTensor[seq_len]`` (``input_ids``, ``labels``, and ``doc_ids`` when packed) and
+    ``BoolTensor[seq_len]`` ``token_mask``."""
 
     def __init__(self, rows: dict[str, np.ndarray]) -> None:
         self.rows = rows
@@ -174,7 +178,8 @@ class SFTRows(Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         if not 0 <= i < len(self):
             raise IndexError(i)
-        return {k: torch.from_numpy(v[i].astype(np.int64)) for k, v in self.rows.items()}
+        return {k: torch.from_numpy(v[i] if v.dtype == bool else v[i].astype(np.int64))
+                for k, v in self.rows.items()}
 
 
 def resolve_pad_id(configured: Optional[int], tokenizer: Any, stop_id: int) -> int:
@@ -193,7 +198,8 @@ def resolve_pad_id(configured: Optional[int], tokenizer: Any, stop_id: int) -> i
 
 class SFTDataModule(LLMDataModule):
     """Train and validation loaders of SFT rows (dict batches: ``input_ids``, ``labels``
-    ``LongTensor[B, seq_len]``, -100 = no target, and ``doc_ids`` when packed).
+    ``LongTensor[B, seq_len]``, -100 = no target, ``token_mask`` ``BoolTensor[B, seq_len]``,
+    False = padding, and ``doc_ids`` when packed).
 
     Args:
         docs: :class:`ConversationSplits`.

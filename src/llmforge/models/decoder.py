@@ -139,14 +139,18 @@ class PreNormBlock(nn.Module):
         self.feed_forward.init_weights(std, out_std)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
-                mask: Optional[torch.Tensor] = None, cache: Any = None) -> torch.Tensor:
+                mask: Optional[torch.Tensor] = None, cache: Any = None,
+                token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x [B, T, D]``, ``rope [T, hd/2, 2]`` (or ``[B, T, hd/2, 2]``), optional attention
         ``mask [B, 1, T, T]`` and KV ``cache`` layer (see the attention's forward) ->
-        ``[B, T, D]``."""
+        ``[B, T, D]``. ``token_mask [B, T]`` bool (True = real token, False = padding) goes to a
+        feed-forward that declares ``takes_token_mask`` (a router), else it is unused."""
         if mask is None and cache is None:
             h = x + self.attention(self.attention_norm(x), rope)
         else:
             h = x + self.attention(self.attention_norm(x), rope, mask=mask, cache=cache)
+        if token_mask is not None and getattr(self.feed_forward, "takes_token_mask", False):
+            return h + self.feed_forward(self.ffn_norm(h), token_mask=token_mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -232,8 +236,12 @@ class DecoderLM:
         if not self.args.tie_embeddings and self.output is not None:
             nn.init.normal_(self.output.weight, mean=0.0, std=std)
 
+    takes_token_mask = False
+    """Whether :meth:`forward` uses ``token_mask`` (a family with routers sets it True; the
+    trainer passes the batch's padding mask only to such a model)."""
+
     def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
-                cache: Any = None) -> torch.Tensor:
+                cache: Any = None, token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``tokens [B, T]`` (int64 ids < V) -> logits ``[B, T, V]``.
 
         ``doc_ids [B, T]`` (optional, any integer dtype): the document each token belongs to in
@@ -246,6 +254,12 @@ class DecoderLM:
 
         ``cache``: a :class:`llmforge.models.sampling.KVCache` (generation): positions continue
         after the cached ones and every layer attends to its cached keys/values too.
+
+        ``token_mask [B, T]`` bool (optional; True = real token, False = padding of unpacked or
+        packed SFT rows): reaches every block when :attr:`takes_token_mask` (a mixture of
+        experts leaves padding out of its routing and router statistics), else ignored.
+        Attention does not need it: padding lies after a row's real tokens (causal) or in a
+        document of its own (``doc_ids``).
 
         Raises:
             ValueError: more than ``max_seq_len`` positions, or ``doc_ids`` of another shape.
@@ -268,6 +282,8 @@ class DecoderLM:
         for i, layer in enumerate(self.blocks()):
             if cache is not None:
                 h = layer(h, rope, mask=mask, cache=cache.layer(i))
+            elif token_mask is not None and self.takes_token_mask:
+                h = layer(h, rope, mask=mask, token_mask=token_mask)
             else:  # the plain call when nothing else is passed (what compile and AC wrap)
                 h = layer(h, rope) if mask is None else layer(h, rope, mask=mask)
         if cache is not None:

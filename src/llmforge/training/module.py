@@ -136,16 +136,20 @@ class LLMModule(AuxLosses, Evaluation, GradientSteps, PipelineSteps, L.Lightning
             whole = meta_model(self.cfg)  # the whole model's FLOPs for MFU (no memory)
             self.model_flops_per_token = lambda seq_len: spec.flops(whole, seq_len)
 
-    def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
+                token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``tokens: LongTensor[B, T] -> logits: FloatTensor[B, T, vocab_size]``.
 
         ``doc_ids: LongTensor[B, T]`` (packed SFT rows): the document of each token; the model
-        restarts positions and masks attention per document (:meth:`Llama.forward`). Without
-        it the model is called as ``model(tokens)``."""
+        restarts positions and masks attention per document (:meth:`Llama.forward`).
+        ``token_mask: BoolTensor[B, T]`` (SFT rows; False = padding): passed on to a model that
+        declares ``takes_token_mask`` (routers leave padding out of their statistics), dropped
+        for others. Without either the model is called as ``model(tokens)``."""
         assert self.model is not None, "configure_model() has not run"
-        if doc_ids is None:
-            return self.model(tokens)
-        return self.model(tokens, doc_ids=doc_ids)
+        kwargs = {} if doc_ids is None else {"doc_ids": doc_ids}
+        if token_mask is not None and getattr(self.model, "takes_token_mask", False):
+            kwargs["token_mask"] = token_mask
+        return self.model(tokens, **kwargs)
 
     # ------------------------------------------------------------------ loss
     def compute_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,6 +190,12 @@ class LLMModule(AuxLosses, Evaluation, GradientSteps, PipelineSteps, L.Lightning
         None."""
         return batch.get("doc_ids") if isinstance(batch, dict) else None
 
+    @staticmethod
+    def token_mask(batch: Any) -> Optional[torch.Tensor]:
+        """``BoolTensor[B, T]`` real tokens of an SFT batch (dict key ``token_mask``; False =
+        padding), else None (windows have no padding)."""
+        return batch.get("token_mask") if isinstance(batch, dict) else None
+
     # ---------------------------------------------------------------- events
     def setup_events(self, plugins: Optional[Sequence[Any]] = None) -> None:
         """Collect the event handlers of ``plugins`` (default: the Lightning trainer's
@@ -201,14 +211,20 @@ class LLMModule(AuxLosses, Evaluation, GradientSteps, PipelineSteps, L.Lightning
         self.dispatch(event, self.state)
 
     def micro_batch_loss(self, index: int, inputs: torch.Tensor, labels: torch.Tensor,
-                         doc_ids: Optional[torch.Tensor]) -> torch.Tensor:
+                         doc_ids: Optional[torch.Tensor],
+                         token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Forward and loss of one micro-batch through the events ``BEFORE_FORWARD`` ..
         ``AFTER_LOSS``; returns ``state.loss``: the loss summed over the micro-batch's target
-        tokens (a scalar tensor). ``inputs``, ``labels``, ``doc_ids``: ``LongTensor[b, T]``."""
+        tokens (a scalar tensor). ``inputs``, ``labels``, ``doc_ids``: ``LongTensor[b, T]``;
+        ``token_mask``: ``BoolTensor[b, T]`` or None (:meth:`forward`)."""
         st = self.state
         st.micro_batch, st.inputs, st.labels, st.doc_ids = index, inputs, labels, doc_ids
+        st.token_mask = token_mask
         self.event(Event.BEFORE_FORWARD)
-        st.outputs = self(st.inputs) if st.doc_ids is None else self(st.inputs, st.doc_ids)
+        if st.doc_ids is None and st.token_mask is None:
+            st.outputs = self(st.inputs)
+        else:
+            st.outputs = self(st.inputs, st.doc_ids, st.token_mask)
         st.aux_losses = self.model_aux_losses()
         if st.training:
             self.record_aux_metrics()
@@ -236,7 +252,8 @@ class LLMModule(AuxLosses, Evaluation, GradientSteps, PipelineSteps, L.Lightning
         Args:
             batch: windows ``LongTensor[local_batch_size, seq_len + 1]``, or a dict with
                 ``input_ids`` and ``labels`` (``LongTensor[local_batch_size, seq_len]``, -100 =
-                no target) and optionally ``doc_ids`` (packed SFT rows); see
+                no target) and optionally ``doc_ids`` (packed SFT rows) and ``token_mask``
+                (SFT rows, ``BoolTensor``, False = padding); see
                 :meth:`split_batch`. ``BATCH_START`` handlers may replace it (shorter windows,
                 other labels); the target count is taken after them.
 
@@ -255,7 +272,7 @@ class LLMModule(AuxLosses, Evaluation, GradientSteps, PipelineSteps, L.Lightning
         self.event(Event.BATCH_START)
         batch = st.batch
         inputs, labels = self.split_batch(batch)
-        doc_ids = self.doc_ids(batch)
+        doc_ids, token_mask = self.doc_ids(batch), self.token_mask(batch)
         mb = self.plan.micro_batch_size
         n_micro = max(1, inputs.shape[0] // mb)
         total_targets = self.dp_all_reduce((labels != IGNORE_INDEX).sum().float()).clamp(min=1)
@@ -265,7 +282,8 @@ class LLMModule(AuxLosses, Evaluation, GradientSteps, PipelineSteps, L.Lightning
         for i in range(n_micro):
             sl = slice(i * mb, (i + 1) * mb)
             with self.no_sync(i == n_micro - 1):
-                self.micro_batch_loss(i, inputs[sl], labels[sl], None if doc_ids is None else doc_ids[sl])
+                self.micro_batch_loss(i, inputs[sl], labels[sl], None if doc_ids is None else doc_ids[sl],
+                                      None if token_mask is None else token_mask[sl])
                 self.event(Event.BEFORE_BACKWARD)
                 # the logits [b, T, V] go before backward: the loss's graph keeps what it needs
                 # (cross-entropy its log-probabilities), so backward's peak does not hold them too

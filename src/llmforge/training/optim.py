@@ -18,7 +18,7 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from llmforge.config.schema import OPTIMIZERS
 from llmforge.errors import ConfigError
-from llmforge.training.muon import MuonAdamW
+from llmforge.training.muon import MuonAdamW, split_matrices
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -46,22 +46,34 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 
 def muon_param_groups(model: nn.Module, cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """``([muon], [decay, no_decay])``: the trainable 2-D weights inside ``model.blocks()`` for
-    Muon (lr ``optimizer.muon_lr``, or ``optimizer.lr`` when null), everything else for AdamW
-    (lr ``optimizer.lr``) split as :func:`param_groups` does. Empty groups are left out.
+    """``([muon, muon_experts], [decay, no_decay])``: the trainable 2-D weights inside
+    ``model.blocks()`` for Muon, the blocks' trainable parameters with more dimensions (stacks
+    of matrices on the leading dims: a mixture of experts' ``[E, out, in]`` weights and their
+    adapters) for Muon matrix by matrix (both lr ``optimizer.muon_lr``, or ``optimizer.lr``
+    when null), everything else for AdamW (lr ``optimizer.lr``) split as :func:`param_groups`
+    does. Empty groups are left out.
 
     Raises:
-        ConfigError: the model has no ``blocks()`` (Muon needs to know its hidden layers).
+        ConfigError: the model has no ``blocks()`` (Muon needs to know its hidden layers), or
+            the parallel layout splits an expert matrix over ranks (naming the parameter).
     """
     if not callable(getattr(model, "blocks", None)):
         raise ConfigError("optimizer.name: muon needs the model's repeated blocks (model.blocks()) to "
                           "tell hidden matrices from embeddings and output; use adamw for this model")
-    hidden = {id(p) for block in model.blocks() for p in block.parameters() if p.ndim == 2}
-    muon, rest = [], []
+    hidden = {id(p) for block in model.blocks() for p in block.parameters() if p.ndim >= 2}
+    muon, stacks, rest = [], [], []
     for p in trainable_parameters(model):
-        (muon if id(p) in hidden else rest).append(p)
+        (rest if id(p) not in hidden else muon if p.ndim == 2 else stacks).append(p)
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p in stacks:
+        why = split_matrices(p)
+        if why:
+            raise ConfigError(f"optimizer.name: muon orthogonalizes each expert matrix of {names[id(p)]} "
+                              f"{tuple(p.shape)} on the rank that holds it, but {why}; use "
+                              "optimizer.name=adamw, or a layout that keeps expert matrices whole")
     muon_lr = cfg.lr if cfg.muon_lr is None else cfg.muon_lr
-    muon_groups = [{"params": muon, "lr": muon_lr, "weight_decay": cfg.weight_decay, "name": "muon"}]
+    muon_groups = [{"params": muon, "lr": muon_lr, "weight_decay": cfg.weight_decay, "name": "muon"},
+                   {"params": stacks, "lr": muon_lr, "weight_decay": cfg.weight_decay, "name": "muon_experts"}]
     decay = [p for p in rest if p.ndim >= 2]
     no_decay = [p for p in rest if p.ndim < 2]
     adamw_groups = [{"params": decay, "lr": cfg.lr, "weight_decay": cfg.weight_decay, "name": "decay"},

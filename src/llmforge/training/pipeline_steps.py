@@ -5,7 +5,8 @@ the module.
 One optimizer step runs the schedule once over the rank's batch, split into
 ``pipeline.microbatches`` micro-batches. Every rank of a pipeline reads the same batch; the first
 stage feeds the inputs, the last computes the loss, and packed SFT rows' document ids
-(``doc_ids``) go to every stage's forward. The event contract keeps its meaning where it
+(``doc_ids``) and, in training, SFT rows' ``token_mask`` (for a model that takes it) go to every
+stage's forward. The event contract keeps its meaning where it
 can: ``BATCH_START`` on every rank; ``AFTER_FORWARD``, ``BEFORE_LOSS`` and ``AFTER_LOSS`` once per
 micro-batch, in micro-batch order, on the ranks that hold the last stage, where the logits are
 (``state.inputs`` is ``None`` there: the tokens are on the first stage); ``BEFORE_BACKWARD`` and
@@ -35,7 +36,7 @@ __all__ = ["PipelineSteps"]
 
 class PipelineSteps:
     """Needs the module's ``cfg``, ``plan``, ``state``, ``event``, ``dispatch``, ``mesh``,
-    ``split_batch``, ``doc_ids``, ``outputs_loss``, ``dp_all_reduce`` and ``eval_metrics``;
+    ``split_batch``, ``doc_ids``, ``token_mask``, ``outputs_loss``, ``dp_all_reduce`` and ``eval_metrics``;
     ``pp_schedule`` is set by ``configure_model`` (``None`` without pipeline parallelism)."""
 
     pp_schedule: Any = None
@@ -113,7 +114,7 @@ class PipelineSteps:
         return loss * self._pp_scale if st.training else loss
 
     def _run_schedule(self, inputs: torch.Tensor, labels: torch.Tensor, train: bool,
-                      doc_ids: Any = None) -> None:
+                      doc_ids: Any = None, token_mask: Any = None) -> None:
         first, last = self.pp_stages
         self._pp_micro = 0
         self._pp_loss = torch.zeros((), device=inputs.device)
@@ -123,6 +124,8 @@ class PipelineSteps:
         # keyword tensors are split into micro-batches like the inputs and reach every stage
         # (every rank reads the whole batch): packed rows' document ids mask each stage's blocks
         kwargs = {} if doc_ids is None else {"doc_ids": doc_ids}
+        if token_mask is not None and getattr(self.model, "takes_token_mask", False):
+            kwargs["token_mask"] = token_mask  # padding out of the routers (LLMModule.forward)
         if train:
             self.pp_schedule.step(*args, target=target, return_outputs=False, **kwargs)
         else:
@@ -141,7 +144,8 @@ class PipelineSteps:
         st.total_targets, st.n_micro = total_targets, self.pp_layout.microbatches
         self._pp_scale = self.plan.dp_size / total_targets
         self.event(Event.BEFORE_BACKWARD)
-        self._run_schedule(inputs, labels, train=True, doc_ids=self.doc_ids(st.batch))
+        self._run_schedule(inputs, labels, train=True, doc_ids=self.doc_ids(st.batch),
+                           token_mask=self.token_mask(st.batch))
         self.event(Event.AFTER_BACKWARD)
         self.step_tokens = int(inputs.numel()) * self.plan.dp_size
         return self.pp_all_reduce(self._pp_loss), total_targets

@@ -32,8 +32,12 @@ __all__ = ["Qwen3Moe", "build_qwen3_moe", "active_params", "expert_modules"]
 
 
 class Qwen3Moe(Qwen3):
-    """Qwen3-MoE decoder: ``forward(tokens [B, T], doc_ids [B, T] | None, cache=None) -> logits
-    [B, T, V]`` (:meth:`~llmforge.models.decoder.DecoderLM.forward`)."""
+    """Qwen3-MoE decoder: ``forward(tokens [B, T], doc_ids [B, T] | None, cache=None,
+    token_mask [B, T] | None) -> logits [B, T, V]``
+    (:meth:`~llmforge.models.decoder.DecoderLM.forward`; ``token_mask`` keeps padding out of
+    the routers and their statistics, :class:`~llmforge.models.qwen3_moe.moe.MoE`)."""
+
+    takes_token_mask = True
 
     def __init__(self, args: Qwen3MoeArgs) -> None:
         nn.Module.__init__(self)
@@ -67,7 +71,7 @@ class Qwen3Moe(Qwen3):
         """The router statistics of the last forward that the losses need, summed over this
         model's sparse layers, as one float32 tensor ``[2 E + 4]``: top-k assignments per expert
         (no gradient), routing probabilities summed over tokens per expert (differentiable),
-        the z-loss sum (differentiable; 0 when off), the token rows, and the dropped and all
+        the z-loss sum (differentiable; 0 when off), the real tokens, and the dropped and all
         token-expert assignments (for :meth:`aux_metrics`). Summed over pipeline
         stages it is the whole model's (the auxiliary-loss channel of
         :mod:`llmforge.parallel.pipeline`); :meth:`aux_losses` takes the sum."""
@@ -90,13 +94,14 @@ class Qwen3Moe(Qwen3):
         * ``load_balancing``: ``router_aux_loss_coef * E * sum_e f_e P_e``, with ``f_e`` the
           share of top-k assignments and ``P_e`` the mean routing probability of expert ``e``,
           both over the tokens of every sparse layer together (Switch Transformer, Fedus et al.
-          2021, eq. 4-6, with top-k counts; exactly transformers' ``load_balancing_loss_func``
-          without an attention mask, so it equals ``router_aux_loss_coef * aux_loss`` of
-          ``Qwen3MoeForCausalLM``);
+          2021, eq. 4-6, with top-k counts; exactly transformers' ``load_balancing_loss_func``,
+          so it equals ``router_aux_loss_coef * aux_loss`` of ``Qwen3MoeForCausalLM``; with a
+          ``token_mask`` the tokens are the real ones, as that function's masked formulation
+          with ``attention_mask``);
         * ``router_z``: ``router_z_loss_coef * mean over layers and tokens of
           logsumexp(router logits)^2`` (ST-MoE, Zoph et al. 2022, eq. 5), when its weight is > 0.
 
-        Empty before a forward, or with both weights 0.
+        Empty before a forward, or with both weights 0. A forward with no real token gives 0.
         """
         a = self.args
         out: dict[str, torch.Tensor] = {}
@@ -104,13 +109,14 @@ class Qwen3Moe(Qwen3):
             stats = [m.stats for _, m in self.moe_layers() if m.stats is not None]
             if not stats:
                 return out
-            rows: Any = float(sum(s.tokens for s in stats))
+            rows: Any = float(max(1, sum(s.tokens for s in stats)))  # all padding: terms 0
             counts = torch.stack([s.counts for s in stats]).sum(0)
             prob_sum = torch.stack([s.prob_sum for s in stats]).sum(0)
             z_sum = torch.stack([s.z_sum for s in stats]).sum() if a.router_z_loss_coef > 0 else None
         else:
             e = a.num_experts
-            counts, prob_sum, z_sum, rows = carry[:e], carry[e:2 * e], carry[2 * e], carry[2 * e + 1]
+            counts, prob_sum, z_sum = carry[:e], carry[e:2 * e], carry[2 * e]
+            rows = carry[2 * e + 1].clamp(min=1)
         if a.router_aux_loss_coef > 0:
             out["load_balancing"] = a.router_aux_loss_coef * a.num_experts * ((counts / rows) * (prob_sum / rows)).sum()
         if a.router_z_loss_coef > 0:

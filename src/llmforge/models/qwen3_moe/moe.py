@@ -116,13 +116,14 @@ def _local(w: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class RouterStats:
-    """What one MoE layer's last forward leaves for the router losses and the metrics.
+    """What one MoE layer's last forward leaves for the router losses and the metrics, over its
+    real tokens (every token without a ``token_mask``; the mask's True positions with one).
 
     ``counts [E]`` float32 top-k assignments per expert (before capacity; no gradient);
     ``prob_sum [E]`` float32 routing probabilities summed over the tokens (differentiable);
     ``z_sum`` float32 sum over tokens of ``logsumexp(router logits)^2`` (differentiable; ``None``
-    when the z-loss is off); ``tokens`` N; ``dropped`` token-expert assignments over capacity
-    (int64 scalar tensor)."""
+    when the z-loss is off); ``tokens`` the real tokens' count; ``dropped`` token-expert
+    assignments over capacity (int64 scalar tensor)."""
 
     counts: torch.Tensor
     prob_sum: torch.Tensor
@@ -150,13 +151,21 @@ class MoE(nn.Module):
             :meth:`update_bias` moves ``expert_bias`` by ``bias_update_rate`` towards the
             under-loaded experts after each optimizer step.
 
+    Padding (``forward``'s ``token_mask``): positions marked False are not routed (no expert
+    computes them, they take no capacity; their output is 0) and count in no statistic, so the
+    load-balancing and z-losses, the balancing load and the dropped count are those of the real
+    tokens, as transformers' ``load_balancing_loss_func`` with an ``attention_mask``.
+
     Attributes:
         stats: the :class:`RouterStats` of the last forward (``None`` before one).
         impl: the expert computation (:func:`expert_swiglu`'s ``impl``).
         expert_bias: ``[E]`` float32 buffer (saved in checkpoints) when balancing, else ``None``.
         load: ``[E]`` float32 assignments counted in training forwards since the last
             :meth:`update_bias` (not saved), when balancing.
+        takes_token_mask: True (the block passes its ``token_mask`` on; dense FFNs lack it).
     """
+
+    takes_token_mask = True
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int,
                  norm_topk_prob: bool = True, capacity_factor: Optional[float] = None,
@@ -208,19 +217,31 @@ class MoE(nn.Module):
             top = top / top.sum(dim=-1, keepdim=True)
         return logits, probs, top.to(logits.dtype), idx
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [B, T, D]`` -> ``[B, T, D]``; sets :attr:`stats`."""
+    def forward(self, x: torch.Tensor, token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x [B, T, D]`` -> ``[B, T, D]``; sets :attr:`stats`.
+
+        ``token_mask [B, T]`` bool (optional; True = a real token, False = padding): padding is
+        left out of the routing and the statistics (class docstring). Costs one host sync (the
+        number of real tokens sizes the dispatch)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         n, k, e = x.shape[0], self.top_k, self.num_experts
         logits, probs, weights, idx = self.route(x)
         flat = idx.reshape(-1)  # [N*k] expert of each assignment, token-major
+        real = None
+        if token_mask is not None:
+            real = token_mask.reshape(-1).to(torch.bool)
+            # a padding token's assignments go to bin e: out of the counts, sorted last
+            flat = torch.where(real[:, None].expand(n, k).reshape(-1), flat, e)
         # counts without a host sync (histc on float ids; bincount would sync on CUDA)
-        counts_f = torch.histc(flat.float(), bins=e, min=0, max=e)
+        counts_f = torch.histc(flat.float(), bins=e + 1, min=0, max=e + 1)[:e]
         if self.load is not None and self.training:
             self.load += counts_f.detach()
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert, tokens in order
         counts = counts_f.long()
+        if real is not None:
+            n = int(real.sum())  # host sync: the padding's assignments leave the dispatch
+            order = order[:n * k]
         dropped = torch.zeros((), dtype=torch.long, device=x.device)
         if self.capacity_factor is not None:
             cap = math.ceil(self.capacity_factor * n * k / e)
@@ -238,7 +259,8 @@ class MoE(nn.Module):
         z = None
         if self.with_z:
             lse = torch.logsumexp(logits.float(), dim=-1)
-            z = (lse * lse).sum()
-        self.stats = RouterStats(counts=counts_f.detach(), prob_sum=probs.sum(0), z_sum=z,
+            z = (lse * lse if real is None else torch.where(real, lse * lse, 0.0)).sum()
+        prob_sum = probs.sum(0) if real is None else torch.where(real[:, None], probs, 0.0).sum(0)
+        self.stats = RouterStats(counts=counts_f.detach(), prob_sum=prob_sum, z_sum=z,
                                  tokens=n, dropped=dropped)
         return out.reshape(shape)

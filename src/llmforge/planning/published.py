@@ -100,6 +100,7 @@ class Run:
     table: str
     label: str
     notes: str = ""
+    memory_gib: Optional[float] = None  # peak memory as published (torchtitan: max over ranks)
 
 
 LLAMA3_8B = Shape("llama3.1-8b", 32, 4096, 14336, 32, 8, 128256)
@@ -140,13 +141,13 @@ SOURCES: dict[str, Source] = {
 
 def _tt(shape: Shape, world: int, tps: float, table: str, label: str, *, dp_shard: int, lbs: int,
         seq: int = 8192, src: str = "torchtitan-2024-12", gpu: str = "H100-96GB-500W",
-        notes: str = "", **kw) -> Run:
+        notes: str = "", mem: Optional[float] = None, **kw) -> Run:
     """A torchtitan row: ``lbs`` is the local (per data-parallel rank) batch; with pipeline
     stages it is split into ``pp`` micro-batches (torchtitan's default then)."""
     pp = kw.get("pp", 1)
     mbs = lbs // pp if pp > 1 else lbs
     s = Setting(shape, gpu, world, dp_shard, lbs * dp_shard, mbs, seq, **kw)
-    return Run(s, tps, src, table, label, notes)
+    return Run(s, tps, src, table, label, notes, mem)
 
 
 _T1 = dict(ac="selective")
@@ -155,30 +156,32 @@ _405 = dict(tp=8, pp=8, ac="full", async_tp=True, fp8_all_gather=True, **_FP8)
 
 RUNS: list[Run] = [
     # torchtitan 2024-12, Table 1: 8B, 8 GPUs, local batch 2, selective (op) AC
-    _tt(LLAMA3_8B, 8, 5762, "Table 1", "8B fsdp8", dp_shard=8, lbs=2, **_T1),
-    _tt(LLAMA3_8B, 8, 6667, "Table 1", "8B fsdp8 compile", dp_shard=8, lbs=2, compile=True, **_T1),
-    _tt(LLAMA3_8B, 8, 8532, "Table 1", "8B fsdp8 compile fp8", dp_shard=8, lbs=2, **_FP8, **_T1),
+    _tt(LLAMA3_8B, 8, 5762, "Table 1", "8B fsdp8", dp_shard=8, lbs=2, mem=82.4, **_T1),
+    _tt(LLAMA3_8B, 8, 6667, "Table 1", "8B fsdp8 compile", dp_shard=8, lbs=2, mem=77.0, compile=True, **_T1),
+    _tt(LLAMA3_8B, 8, 8532, "Table 1", "8B fsdp8 compile fp8", dp_shard=8, lbs=2, mem=76.8, **_FP8, **_T1),
     # Table 2: 8B, 8 GPUs, FSDP + CP + compile + float8, local batch 1, full AC
     *[_tt(LLAMA3_8B, 8, tps, "Table 2", f"8B fsdp{8 // cp} cp{cp} seq{seq // 1024}k", dp_shard=8 // cp,
-          lbs=1, seq=seq, cp=cp, ac="full", **_FP8)
-      for cp, seq, tps in ((1, 32768, 3890), (2, 65536, 2540), (4, 131072, 1071), (8, 262144, 548))],
+          lbs=1, seq=seq, cp=cp, ac="full", mem=mem, **_FP8)
+      for cp, seq, tps, mem in ((1, 32768, 3890, 83.9), (2, 65536, 2540, 84.2), (4, 131072, 1071, 84.0),
+                                (8, 262144, 548, 84.5))],
     # Table 3: 8B, 128 GPUs, local batch 2, selective AC
-    _tt(LLAMA3_8B, 128, 5605, "Table 3", "8B fsdp128", dp_shard=128, lbs=2, **_T1),
-    _tt(LLAMA3_8B, 128, 6514, "Table 3", "8B fsdp128 compile", dp_shard=128, lbs=2, compile=True, **_T1),
-    _tt(LLAMA3_8B, 128, 8380, "Table 3", "8B fsdp128 compile fp8", dp_shard=128, lbs=2, **_FP8, **_T1),
+    _tt(LLAMA3_8B, 128, 5605, "Table 3", "8B fsdp128", dp_shard=128, lbs=2, mem=67.0, **_T1),
+    _tt(LLAMA3_8B, 128, 6514, "Table 3", "8B fsdp128 compile", dp_shard=128, lbs=2, mem=62.0, compile=True, **_T1),
+    _tt(LLAMA3_8B, 128, 8380, "Table 3", "8B fsdp128 compile fp8", dp_shard=128, lbs=2, mem=61.8, **_FP8, **_T1),
     # Table 4: 70B, 256 GPUs, FSDP 32 TP 8, compile, float8, local batch 16, full AC
-    _tt(LLAMA3_70B, 256, 829, "Table 4", "70B fsdp32 tp8 fp8", dp_shard=32, lbs=16, tp=8, ac="full", **_FP8),
-    _tt(LLAMA3_70B, 256, 876, "Table 4", "70B fsdp32 tp8 fp8 asyncTP", dp_shard=32, lbs=16, tp=8,
+    _tt(LLAMA3_70B, 256, 829, "Table 4", "70B fsdp32 tp8 fp8", dp_shard=32, lbs=16, mem=71.9, tp=8, ac="full", **_FP8),
+    _tt(LLAMA3_70B, 256, 876, "Table 4", "70B fsdp32 tp8 fp8 asyncTP", dp_shard=32, lbs=16, mem=67.6, tp=8,
         ac="full", async_tp=True, **_FP8),
     # Table 5: 405B, 512 GPUs, FSDP 8 TP 8 PP 8, local batch 32, full AC; 8 micro-batches
     # (torchtitan's default: the pp degree), interleaved: 2 stages per rank (its default split)
-    _tt(LLAMA3_405B, 512, 100, "Table 5", "405B fsdp8 tp8 pp8 1f1b", dp_shard=8, lbs=32, **_405),
-    _tt(LLAMA3_405B, 512, 128, "Table 5", "405B fsdp8 tp8 pp8 interleaved", dp_shard=8, lbs=32,
+    _tt(LLAMA3_405B, 512, 100, "Table 5", "405B fsdp8 tp8 pp8 1f1b", dp_shard=8, lbs=32, mem=82.5, **_405),
+    _tt(LLAMA3_405B, 512, 128, "Table 5", "405B fsdp8 tp8 pp8 interleaved", dp_shard=8, lbs=32, mem=72.7,
         schedule="interleaved_1f1b", stages_per_rank=2, **_405),
     # Table 6: 405B, 512 GPUs, TP 8 PP 8 + FSDP x CP, 1F1B, local batch 8, full AC
     *[_tt(LLAMA3_405B, 512, tps, "Table 6", f"405B fsdp{8 // cp} cp{cp} tp8 pp8 seq{seq // 1024}k",
-          dp_shard=8 // cp, lbs=8, seq=seq, cp=cp, **_405)
-      for cp, seq, tps in ((1, 32768, 76), (2, 65536, 47), (4, 131072, 31), (8, 262144, 16))],
+          dp_shard=8 // cp, lbs=8, seq=seq, cp=cp, mem=mem, **_405)
+      for cp, seq, tps, mem in ((1, 32768, 76, 75.3), (2, 65536, 47, 75.9), (4, 131072, 31, 77.1),
+                                (8, 262144, 16, 84.9))],
 ]
 
 _ASYNC = "torchtitan-asynctp-2025-06"
@@ -193,9 +196,9 @@ for _prec, _v, _a in (("bf16", 4378, 4809.4), ("fp8_tensorwise", 5078.1, 5570.1)
                         dp_shard=8, lbs=12, tp=8, ac="selective", compile=True, precision=_prec,
                         async_tp=_async, src=_ASYNC))
 
-for _nodes, _tps in ((4, 10938), (8, 10753)):
+for _nodes, _tps, _mem in ((4, 10938, 47.96), (8, 10753, 46.97)):
     RUNS.append(_tt(LLAMA3_8B, 8 * _nodes, _tps, "results", f"8B fsdp{8 * _nodes} H200 compile fp8",
-                    dp_shard=8 * _nodes, lbs=2, gpu="H200-141GB", src="trainy-h200-2025-06",
+                    dp_shard=8 * _nodes, lbs=2, mem=_mem, gpu="H200-141GB", src="trainy-h200-2025-06",
                     ac="selective", compile=True, precision="fp8_tensorwise", fp8_all_gather=True))
 
 

@@ -53,7 +53,7 @@ class Setting:
     per forward of one rank (``global_batch_size / (dp_replicate * dp_shard)`` split into
     micro-batches, the pipeline's or gradient accumulation's); ``ac``: none | selective (per
     operator) | full; ``precision``: bf16 | fp8_tensorwise | fp8_rowwise (float8 matmuls of the
-    linear layers, torchao); ``schedule``: the pipeline schedule (``1f1b``,
+    linear layers, torchao; ``fp8_recompute_weight``: its ``force_recompute_fp8_weight_in_bwd``); ``schedule``: the pipeline schedule (``1f1b``,
     ``interleaved_1f1b``) with ``stages_per_rank`` virtual stages.
     """
 
@@ -72,6 +72,7 @@ class Setting:
     ac: str = "none"
     precision: str = "bf16"
     fp8_all_gather: bool = False
+    fp8_recompute_weight: bool = False
     compile: bool = False
     async_tp: bool = False
     schedule: str = "1f1b"
@@ -199,7 +200,8 @@ for _prec, _v, _a in (("bf16", 4378, 4809.4), ("fp8_tensorwise", 5078.1, 5570.1)
 for _nodes, _tps, _mem in ((4, 10938, 47.96), (8, 10753, 46.97)):
     RUNS.append(_tt(LLAMA3_8B, 8 * _nodes, _tps, "results", f"8B fsdp{8 * _nodes} H200 compile fp8",
                     dp_shard=8 * _nodes, lbs=2, mem=_mem, gpu="H200-141GB", src="trainy-h200-2025-06",
-                    ac="selective", compile=True, precision="fp8_tensorwise", fp8_all_gather=True))
+                    ac="selective", compile=True, precision="fp8_tensorwise", fp8_all_gather=True,
+                    fp8_recompute_weight=True))
 
 
 def _olmo(shape: Shape, tps: float, mbs: int, gbs: int, fp8: bool) -> Run:

@@ -32,8 +32,10 @@ def memory_per_rank(s: Setting) -> dict[str, float]:
       float8 the fp8 weights every block saves for its backward (1 byte per parameter of the
       rank's blocks, ``/ tp``: torchao's default without ``force_recompute_fp8_weight_in_bwd``);
     * activations of one micro-batch of ``mbs x s / cp`` tokens per block, bf16, ``/ tp``
-      (sequence parallel): none keeps ``6 d + 2 kv + 4 F`` per token (norm inputs, q k v,
-      attention output, the SwiGLU's three F-wide tensors), selective (per operator)
+      (sequence parallel): none keeps ``6 d + q + 2 kv + 4 F`` per token eager (norm inputs
+      and outputs, q k v, attention output, the SwiGLU's four F-wide tensors), ``2 d + 2 q +
+      2 kv + 2 F`` compiled (the partitioner recomputes norm outputs, SiLU and the gate
+      product), selective (per operator)
       ``2 d + 2 q + kv + F`` (:func:`llmforge.models.memory_estimate.analytic_peak`'s
       policy) plus one block recomputed, full ``d`` plus one block recomputed; with pipeline
       stages the first stage holds ``min(pp, micro-batches)`` micro-batches in flight (1F1B);
@@ -47,11 +49,14 @@ def memory_per_rank(s: Setting) -> dict[str, float]:
     layers = sh.n_layers / s.pp
     held = layers if s.pp > 1 else 2  # blocks whose gathered weights are held at the peak
     gathered = (held * sh.block_params + ends) * 2.0 / s.tp if s.dp_shard * s.cp > 1 else 0.0
-    if s.precision != "bf16":
+    if s.precision != "bf16" and not s.fp8_recompute_weight:
         gathered += layers * sh.block_params / s.tp
     tokens = s.micro_batch_size * s.seq_len / s.cp
     q, kv, d, f = sh.n_heads * sh.head_dim, sh.n_kv_heads * sh.head_dim, sh.dim, sh.ffn_dim
-    none = tokens * (6 * d + 2 * kv + 4 * f + q) * 2.0 / s.tp
+    # compiled: the partitioner recomputes elementwise results (norm outputs, SiLU, the gate
+    # product) in the backward instead of saving them
+    keep = 2 * d + 2 * q + 2 * kv + 2 * f if s.compile else 6 * d + 2 * kv + 4 * f + q
+    none = tokens * keep * 2.0 / s.tp
     per_block = {"none": none, "selective": tokens * (2 * d + 2 * q + kv + f) * 2.0 / s.tp,
                  "full": tokens * d * 2.0 / s.tp}[s.ac]
     n_micro = s.global_batch_size // (s.dp_replicate * s.dp_shard) // s.micro_batch_size

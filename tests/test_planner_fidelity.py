@@ -1,0 +1,48 @@
+"""The step-time model against published runs: nothing is fitted here; the stored constants
+(planning/fitted.py, written by ``benchmarks/planner_fidelity.py --refit``) must reproduce the
+held-out error the benchmark printed, so a change to the cost model that breaks the fit fails."""
+
+from dataclasses import replace
+
+import pytest
+
+from llmforge.planning.calibration import FITTED, HELD_OUT, held_out, summary
+from llmforge.planning.published import LLAMA3_8B, RUNS, SOURCES, Setting
+from llmforge.planning.step_model import predict
+from llmforge.planning.whatif import assess
+
+
+def test_held_out_error_is_the_stored_one():
+    stats = summary(held_out())
+    assert stats["n"] == len(RUNS) >= 30
+    assert stats["median"] == pytest.approx(HELD_OUT["median"], abs=6e-5)
+    assert stats["max"] == pytest.approx(HELD_OUT["max"], abs=6e-5)
+    # the figures docs/scale.md states (a worse model must update them knowingly)
+    assert stats["median"] <= 0.12 and stats["max"] <= 0.60
+
+
+def test_published_rows_are_sourced_and_predicted_to_fit():
+    assert {r.source for r in RUNS} == set(SOURCES)
+    assert len({(r.source, r.label) for r in RUNS}) == len(RUNS)
+    for r in RUNS:  # they ran: the memory model must not refuse them
+        v = assess(r.setting)
+        assert v.fits, (r.label, v.memory["total"] / 2**30)
+        if r.memory_gib:  # published peaks are the allocator's reserved bytes: an upper bound
+            assert v.memory["total"] / 2**30 < r.memory_gib * 1.1, r.label
+    with pytest.raises(ValueError, match="!= world 16"):
+        Setting(LLAMA3_8B, "H100-SXM-80GB", 16, dp_shard=4, global_batch_size=8, micro_batch_size=1, seq_len=8192)
+
+
+def test_step_terms_follow_the_layout():
+    base = Setting(LLAMA3_8B, "H100-SXM-80GB", 8, dp_shard=8, global_batch_size=16, micro_batch_size=2,
+                   seq_len=8192, ac="selective", compile=True)
+    p = predict(base, FITTED)
+    assert p.terms["bubble"] == p.terms["tp"] == p.terms["pp"] == 0.0 and p.limit == "compute"
+    tp = predict(replace(base, dp_shard=4, tp=2), FITTED)
+    assert tp.terms["tp"] > 0.0
+    staged = predict(replace(base, dp_shard=4, pp=2, micro_batch_size=1), FITTED)
+    # 1F1B, 2 stages, 4 micro-batches: bubble (p-1)/(m+p-1) = 1/5 of the stretched step
+    assert staged.terms["bubble"] == pytest.approx(staged.terms["compute"] / 4)
+    fp8 = predict(replace(base, precision="fp8_tensorwise"), FITTED)
+    assert fp8.tokens_per_second_per_gpu > p.tokens_per_second_per_gpu
+    assert 0.3 < p.mfu < 0.6

@@ -46,3 +46,19 @@ def test_step_terms_follow_the_layout():
     fp8 = predict(replace(base, precision="fp8_tensorwise"), FITTED)
     assert fp8.tokens_per_second_per_gpu > p.tokens_per_second_per_gpu
     assert 0.3 < p.mfu < 0.6
+
+
+def test_plan_layout_predicts_one_layout_and_names_bad_keys():
+    from conftest import DEMO, run_main
+
+    ok = run_main("plan", DEMO, "--gpus", "8", "--layout", "dp_shard=4,tp=2,ac=full,mbs=1")
+    assert ok.returncode == 0, ok.stderr
+    assert "layout dp_shard=4,tp=2,ac=full,mbs=1" in ok.stdout and "tokens/s per GPU, MFU" in ok.stdout
+    assert "memory per rank" in ok.stdout and "limited by" in ok.stdout and "best layout found" in ok.stdout
+    for layout, gpus, words in (("dp_shard=2,tp=2", "8", "--layout dp_shard=2,tp=2: dp_replicate*dp_shard*tp*pp*cp = 4, not --gpus 8"),
+                                ("tp=3", "6", "--layout tp=3: the model's heads (n_heads=8, n_kv_heads=4)"),
+                                ("dp_shard=8,bogus=1", "8", "--layout: unknown key 'bogus'"),
+                                ("dp_shard=4,mbs=3", "4", "--layout mbs=3: does not divide the per-rank batch 4")):
+        bad = run_main("plan", DEMO, "--gpus", gpus, "--layout", layout)
+        assert bad.returncode == 2, (layout, bad.stdout)
+        assert words in bad.stderr and "Traceback" not in bad.stderr

@@ -28,10 +28,11 @@ class Shape:
     n_heads: int
     n_kv_heads: int
     vocab_size: int
+    head_size: int = 0  # 0: dim // n_heads
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_size or self.dim // self.n_heads
 
     @property
     def block_params(self) -> int:

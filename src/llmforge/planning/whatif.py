@@ -89,8 +89,8 @@ def _divisors(n: int) -> list[int]:
 
 def layouts(s: Setting, node: int = 8) -> Iterator[Setting]:
     """Every layout of ``s``'s GPUs and global batch: ``tp`` within a node dividing the heads,
-    ``pp`` dividing the blocks (1F1B; interleaved with 2 stages per rank where the blocks
-    divide), the rest ``dp_shard``; AC none / selective / full; micro-batch sizes dividing the
+    ``pp`` up to the number of blocks (stages may hold one block more than others, as
+    torchtitan splits 126 blocks into 8; 1F1B, and interleaved with 2 stages per rank), the rest ``dp_shard``; AC none / selective / full; micro-batch sizes dividing the
     per-rank batch (at least ``pp`` micro-batches with stages). ``cp`` and the recipe
     (precision, compile, async TP) stay as in ``s``."""
     sh = s.shape
@@ -99,10 +99,10 @@ def layouts(s: Setting, node: int = 8) -> Iterator[Setting]:
             continue
         for pp in _divisors(s.world // tp // s.cp):
             dp = s.world // tp // pp // s.cp
-            if s.global_batch_size % dp or (pp > 1 and sh.n_layers % pp):
+            if s.global_batch_size % dp or pp > sh.n_layers:
                 continue
             local = s.global_batch_size // dp
-            schedules = [("1f1b", 1)] + ([("interleaved_1f1b", 2)] if pp > 1 and sh.n_layers % (2 * pp) == 0 else [])
+            schedules = [("1f1b", 1)] + ([("interleaved_1f1b", 2)] if pp > 1 and 2 * pp <= sh.n_layers else [])
             for mbs in _divisors(local):
                 if pp > 1 and local // mbs < pp:
                     continue
@@ -128,10 +128,15 @@ def same_layout(a: Setting, b: Setting) -> bool:
 
 
 def versus(chosen: Verdict, other: Verdict, error: Optional[float] = None) -> str:
-    """One phrase comparing ``other`` with ``chosen``: how much slower and whether the
-    difference is within the model's held-out error (``error``, default the stored one)."""
+    """One phrase comparing ``chosen`` with ``other``: its tokens/s difference, the term whose
+    seconds differ most (what decides), and, when the difference is below the model's
+    held-out error (``error``, default the stored one), that it is within the error."""
     error = model_error() if error is None else error
     gap = chosen.prediction.tokens_per_second_per_gpu / other.prediction.tokens_per_second_per_gpu - 1
+    a, b = chosen.prediction.terms, other.prediction.terms
+    # the terms are per step; steps of different layouts move the same global batch
+    key = max(a, key=lambda k: abs(a[k] - b[k]))
+    decided = f"{key} {a[key]:.3g} s against {b[key]:.3g} s"
     if abs(gap) <= error:
-        return f"{gap:+.1%} tokens/s: within the model's error ({error:.0%})"
-    return f"{gap:+.1%} tokens/s for the winner; decided by {other.prediction.limit} ({other.prediction.terms[other.prediction.limit]:.2f} s)"
+        return f"{gap:+.1%} tokens/s per GPU: within the model's error ({error:.0%}); {decided}"
+    return f"{gap:+.1%} tokens/s per GPU, decided by {decided}"

@@ -7,7 +7,8 @@ own layout be?".
 from __future__ import annotations
 
 import json
-from typing import Any
+from dataclasses import replace
+from typing import Any, Optional
 
 from llmforge.errors import ConfigError
 from llmforge.models.memory_estimate import ac_mode
@@ -59,35 +60,75 @@ def _precision(cfg: Any) -> tuple[str, bool, bool]:
     return prec, gather, compiled
 
 
-def config_setting(cfg: Any, world: int, gpu: GPUKind, layout: dict[str, Any]) -> Setting:
-    """The :class:`Setting` of ``cfg`` on ``world`` GPUs of ``gpu`` with ``layout``.
+def base_setting(cfg: Any, world: int, gpu: GPUKind) -> Setting:
+    """``cfg``'s model shape and recipe (batch, sequence, precision, compile, pipeline
+    schedule, activation checkpointing) on ``world`` GPUs of ``gpu``, all ranks ``dp_shard``.
 
     Raises:
-        ConfigError: a model with experts (the calibrated model covers dense decoders), ``ep``
-            other than 1, a product of degrees other than ``world``, ``tp`` that the model's heads
-            or the node refuse, ``mbs`` or ``dp`` that do not divide the global batch, ``pp``
-            that does not divide the blocks (each names the key).
+        ConfigError: a model with experts (the calibrated model covers dense decoders).
     """
     spec = get_spec(cfg.model.name)
     model = meta_model(cfg)
     if spec.expert_modules(model):
         raise ConfigError(f"--layout: model '{cfg.model.name}' has experts; the calibrated step-time "
                           "model covers dense decoders only (run llmforge plan without --layout)")
-    if layout.get("ep", 1) != 1:
-        raise ConfigError(f"--layout ep={layout['ep']}: model '{cfg.model.name}' has no experts to split")
-    d = {k: layout.get(k, 1) for k in ("dp_replicate", "tp", "pp", "cp")}
     m = spec.get("memory_shape")(model)
     a = model.args
     shape = Shape(cfg.model.get("preset") or cfg.model.name, m.n_layers, m.dim, m.ffn_dim, a.n_heads,
                   a.n_kv_heads, m.vocab_size, head_size=m.q_dim // a.n_heads)
+    mode, _ = ac_mode(cfg.algorithms)
+    prec, gather, compiled = _precision(cfg)
+    p = cfg.pipeline
+    return Setting(shape, gpu.name, world, world, int(cfg.trainer.global_batch_size),
+                   int(cfg.trainer.micro_batch_size), int(cfg.trainer.seq_len),
+                   ac=mode if mode in ("none", "selective", "full") else "selective", precision=prec,
+                   fp8_all_gather=gather, compile=compiled, schedule=str(p.schedule),
+                   stages_per_rank=int(p.stages_per_rank or 1))
+
+
+def calibrated_setting(cfg: Any, world: int, gpu: GPUKind) -> Optional[Setting]:
+    """:func:`base_setting`, or ``None`` where the calibrated model does not apply: experts,
+    LoRA (frozen weights: no weight gradients, no optimizer state), a model without
+    ``args.n_heads``."""
+    if any(a.get("name") == "lora" for a in cfg.algorithms or []):
+        return None
+    try:
+        return base_setting(cfg, world, gpu)
+    except (ConfigError, AttributeError):
+        return None
+
+
+def at_layout(base: Setting, dp_replicate: int, dp_shard: int, tp: int, pp: int, cp: int, ac: str,
+              mbs: int) -> Setting:
+    """``base`` with the given degrees, activation checkpointing and micro-batch size (the
+    schedule's virtual stages only with ``pp > 1``)."""
+    sched = {} if pp > 1 else {"schedule": "1f1b", "stages_per_rank": 1}
+    return replace(base, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, ac=ac,
+                   micro_batch_size=mbs, **sched)
+
+
+def config_setting(cfg: Any, world: int, gpu: GPUKind, layout: dict[str, Any]) -> Setting:
+    """The :class:`Setting` of ``cfg`` on ``world`` GPUs of ``gpu`` with ``layout``.
+
+    Raises:
+        ConfigError: a model with experts (the calibrated model covers dense decoders), ``ep``
+            other than 1, a product of degrees other than ``world``, ``tp`` that the model's heads
+            or the node refuse, ``mbs`` or ``dp`` that do not divide the global batch, more
+            stages than blocks (each names the key).
+    """
+    base = base_setting(cfg, world, gpu)
+    sh = base.shape
+    if layout.get("ep", 1) != 1:
+        raise ConfigError(f"--layout ep={layout['ep']}: model '{cfg.model.name}' has no experts to split")
+    d = {k: layout.get(k, 1) for k in ("dp_replicate", "tp", "pp", "cp")}
     tp = d["tp"]
     if tp > gpu.gpus_per_node:
         raise ConfigError(f"--layout tp={tp}: tensor parallel stays inside a node of {gpu.gpus_per_node} GPUs")
-    if a.n_heads % tp or (a.n_kv_heads % tp and tp % a.n_kv_heads):
-        raise ConfigError(f"--layout tp={tp}: the model's heads (n_heads={a.n_heads}, "
-                          f"n_kv_heads={a.n_kv_heads}) do not divide by tp")
-    if d["pp"] > m.n_layers:
-        raise ConfigError(f"--layout pp={d['pp']}: more stages than the model's {m.n_layers} blocks")
+    if sh.n_heads % tp or (sh.n_kv_heads % tp and tp % sh.n_kv_heads):
+        raise ConfigError(f"--layout tp={tp}: the model's heads (n_heads={sh.n_heads}, "
+                          f"n_kv_heads={sh.n_kv_heads}) do not divide by tp")
+    if d["pp"] > sh.n_layers:
+        raise ConfigError(f"--layout pp={d['pp']}: more stages than the model's {sh.n_layers} blocks")
     rest = d["dp_replicate"] * tp * d["pp"] * d["cp"]
     given = ",".join(f"{k}={layout[k]}" for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp") if k in layout)
     if "dp_shard" not in layout and world % rest:
@@ -96,21 +137,14 @@ def config_setting(cfg: Any, world: int, gpu: GPUKind, layout: dict[str, Any]) -
     if rest * dp_shard != world:
         raise ConfigError(f"--layout {given}: dp_replicate*dp_shard*tp*pp*cp = {rest * dp_shard}, "
                           f"not --gpus {world}")
-    gbs, dp = int(cfg.trainer.global_batch_size), d["dp_replicate"] * dp_shard
+    gbs, dp = base.global_batch_size, d["dp_replicate"] * dp_shard
     if gbs % dp:
         raise ConfigError(f"--layout dp_shard={dp_shard}: data-parallel size {dp} does not divide "
                           f"trainer.global_batch_size={gbs}")
-    mbs = layout.get("mbs", int(cfg.trainer.micro_batch_size))
+    mbs = layout.get("mbs", base.micro_batch_size)
     if (gbs // dp) % mbs:
         raise ConfigError(f"--layout mbs={mbs}: does not divide the per-rank batch {gbs // dp}")
-    mode, _ = ac_mode(cfg.algorithms)
-    ac = layout.get("ac", mode if mode in ("none", "selective", "full") else "selective")
-    prec, gather, compiled = _precision(cfg)
-    p = cfg.pipeline
-    schedule = str(p.schedule) if d["pp"] > 1 else "1f1b"
-    return Setting(shape, gpu.name, world, dp_shard, gbs, mbs, int(cfg.trainer.seq_len), dp_replicate=d["dp_replicate"],
-                   tp=tp, pp=d["pp"], cp=d["cp"], ac=ac, precision=prec, fp8_all_gather=gather,
-                   compile=compiled, schedule=schedule, stages_per_rank=int(p.stages_per_rank or 1))
+    return at_layout(base, d["dp_replicate"], dp_shard, tp, d["pp"], d["cp"], layout.get("ac", base.ac), mbs)
 
 
 def layout_report(s: Setting, gpu: GPUKind, config: str, compare: bool = True) -> dict[str, Any]:
@@ -131,7 +165,7 @@ def layout_report(s: Setting, gpu: GPUKind, config: str, compare: bool = True) -
         if best is not None:
             out["best"] = {"layout": _text(best.setting), "tokens_per_second_per_gpu":
                            best.prediction.tokens_per_second_per_gpu, "versus": versus(best, v)}
-        pub = published_layout(s.shape.name.replace("llama3_", "llama3.1-").replace("_", "-"), s.world)
+        pub = published_layout(s.shape.name, s.world)
         if pub is not None:
             out["published"] = {"layout": _text(pub.setting), "measured_tokens_per_second_per_gpu":
                                 pub.tokens_per_second_per_gpu, "source": pub.source, "table": pub.table}

@@ -238,9 +238,14 @@ PUBLISHED_LAYOUTS: dict[tuple[str, int], Run] = {
 compiled), 70B on 256 (FSDP 32 x TP 8), 405B on 512 (FSDP 8 x TP 8 x PP 8, interleaved)."""
 
 
+PRESET_SHAPES = {"llama3_8b": "llama3.1-8b", "llama3_70b": "llama3.1-70b", "llama3_405b": "llama3.1-405b"}
+"""llmforge's model presets that are the published shapes (same widths, depth, vocabulary)."""
+
+
 def published_layout(shape_name: str, world: int) -> Optional[Run]:
-    """The published recipe for ``shape_name`` on ``world`` GPUs, or ``None``."""
-    return PUBLISHED_LAYOUTS.get((shape_name, world))
+    """The published recipe for ``shape_name`` (a shape's name or an llmforge preset) on
+    ``world`` GPUs, or ``None``."""
+    return PUBLISHED_LAYOUTS.get((PRESET_SHAPES.get(shape_name, shape_name), world))
 
 
 def with_layout(s: Setting, **degrees: int) -> Setting:

@@ -89,7 +89,7 @@ class CostParams:
 @dataclass(frozen=True)
 class Prediction:
     """Seconds per step of one rank by term, and what follows. ``terms``: compute, bubble,
-    fsdp (exposed), tp, pp, with the raw (before overlap) FSDP/CP traffic in ``overlapped``."""
+    data_parallel (FSDP / HSDP / CP, exposed), tp, pp, with the raw (before overlap) FSDP/CP traffic in ``overlapped``."""
 
     step_seconds: float
     tokens_per_second_per_gpu: float
@@ -185,7 +185,7 @@ def predict(s: Setting, p: CostParams) -> Prediction:
         sends = 2 * n_micro * s.stages_per_rank
         hidden = micro_tokens * sh.dim * 2.0 / s.tp
         pp = _collective(2, 2 * hidden * sends, sends, s.world // s.pp < node, gpu, p)
-    terms = {"compute": compute, "bubble": bubble, "fsdp": exposed_fsdp, "tp": tp, "pp": pp}
+    terms = {"compute": compute, "bubble": bubble, "data_parallel": exposed_fsdp, "tp": tp, "pp": pp}
     step = sum(terms.values())
     tps = tokens / step / s.world
     mfu = tps * model_flops_per_token(sh, s.seq_len) / gpu.bf16_flops

@@ -62,3 +62,17 @@ def test_plan_layout_predicts_one_layout_and_names_bad_keys():
         bad = run_main("plan", DEMO, "--gpus", gpus, "--layout", layout)
         assert bad.returncode == 2, (layout, bad.stdout)
         assert words in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_fidelity_benchmark_prints_the_stored_figures(capsys):
+    import importlib.util
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("planner_fidelity", REPO / "benchmarks" / "planner_fidelity.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main([]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == (f"held-out median error {HELD_OUT['median']:.0%} max {HELD_OUT['max']:.0%} over "
+                    f"{len(RUNS)} rows; published layouts chosen or within error 1 of 3")

@@ -76,3 +76,24 @@ def test_fidelity_benchmark_prints_the_stored_figures(capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last == (f"held-out median error {HELD_OUT['median']:.0%} max {HELD_OUT['max']:.0%} over "
                     f"{len(RUNS)} rows; published layouts chosen or within error 1 of 3")
+
+
+def test_comparisons_say_within_the_error_and_progress_prints_lines():
+    import io
+
+    from llmforge.planning.explain import Progress
+    from llmforge.planning.whatif import versus
+
+    base = Setting(LLAMA3_8B, "H100-SXM-80GB", 8, dp_shard=8, global_batch_size=16, micro_batch_size=2,
+                   seq_len=8192, ac="selective", compile=True)
+    near = assess(replace(base, micro_batch_size=1))  # same step by the model
+    far = assess(replace(base, dp_shard=1, tp=8, ac="full"))
+    assert f"within the model's error ({HELD_OUT['median']:.0%})" in versus(assess(base), near)
+    text = versus(assess(base), far)
+    assert "within" not in text and text.startswith("+") and "decided by" in text
+    out = io.StringIO()  # not a terminal: one line per group, with the time left after the first
+    progress = Progress(out)
+    for done in range(3):
+        progress(done, 3, f"tp={2 ** done} activation_checkpointing=none")
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3 and lines[0].startswith("plan: group 1 of 3: tp=1") and "s left)" in lines[1]

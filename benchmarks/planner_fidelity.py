@@ -67,7 +67,7 @@ def published_check(params: CostParams, error: float) -> tuple[int, int, list[st
                   f"    model's best: {layout_text(best.setting)}: {best.prediction.tokens_per_second_per_gpu:.0f} "
                   f"tok/s/GPU ({gap:+.0%}), {best.memory['total'] / 2**30:.1f} GiB; terms "
                   + ", ".join(f"{k} {v:.2f}s" for k, v in best.prediction.terms.items() if v)
-                  + f" vs published " + ", ".join(f"{k} {v:.2f}s" for k, v in pub.prediction.terms.items() if v)
+                  + " vs published " + ", ".join(f"{k} {v:.2f}s" for k, v in pub.prediction.terms.items() if v)
                   + f": {verdict}"]
     return ok, len(PUBLISHED_LAYOUTS), lines
 

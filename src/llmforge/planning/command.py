@@ -1,4 +1,4 @@
-"""``llmforge plan CONFIG [key=value ...] --gpus N [--gpu NAME | --cluster NAME] [--json] [--top K]``:
+"""``llmforge plan CONFIG [key=value ...] --gpus N [--gpu NAME | --cluster NAME] [--layout K=V,...] [--json] [--top K]``:
 the parser of :func:`llmforge.planning.planner.plan`'s command (the handler is
 :func:`llmforge.runs.auto_layout.plan_command`: a cluster's GPU type lives on the launcher side)."""
 
@@ -20,6 +20,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--cluster", default=None, metavar="NAME",
                    help="take the GPU kind and GPUs per node from this cluster of clusters.yaml "
                         "(its gpu_type, instance_type or accelerator)")
+    p.add_argument("--layout", default=None, metavar="K=V,...",
+                   help="predict one layout instead of planning: dp_shard=8,tp=8,pp=8[,dp_replicate=..,"
+                        "cp=..,ac=none|selective|full,mbs=..] (the calibrated analytic model, no simulation)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--top", type=int, default=8, metavar="K", help="layouts to print (default 8)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")

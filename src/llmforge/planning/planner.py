@@ -23,7 +23,10 @@ micro-batch size for a GPU count and a GPU kind.
    tensor-parallel bytes per rank are the same for the whole group. The winner (and, when it
    does not fit after all, the next ones) is then simulated with its own layout.
 3. Keep the layouts whose peak fits in ``(1 - HEADROOM)`` of the GPU memory and rank them by
-   the step-time model: compute at ``EFFICIENCY`` of the dense bf16 peak, FSDP / HSDP traffic
+   the calibrated step-time model (:mod:`llmforge.planning.step_model`, its constants fitted
+   on published measured runs: :mod:`llmforge.planning.calibration`; equal times: less traffic
+   first). Mixtures of experts and LoRA (which that model does not cover) keep the older one:
+   compute at ``EFFICIENCY`` of the dense bf16 peak, FSDP / HSDP traffic
    overlapped with compute (prefetch), tensor-parallel traffic not overlapped; a collective
    over ``n`` ranks moves ``(n-1)/n`` of its payload per rank (twice for an all-reduce) at the
    intra-node bandwidth when its group fits in a node, else the inter-node one.
@@ -60,9 +63,13 @@ from llmforge.planning.gpus import GPUKind
 from llmforge.planning.measure import Collective
 from llmforge.planning.depth import simulate_scaled
 from llmforge.planning.experts import ExpertShape, ep_degrees
+from llmforge.planning.calibration import FITTED
 from llmforge.planning.layout import AC_MODES, Layout
+from llmforge.planning.layout_arg import at_layout, calibrated_setting
+from llmforge.planning.published import Setting
 from llmforge.planning.simulate import StepMeasurement
 from llmforge.planning.stages import StageShape, forward_activations, pp_allowed, simulate_layout
+from llmforge.planning.step_model import predict
 from llmforge.plugin import meta_model
 
 HEADROOM = 0.10
@@ -93,6 +100,8 @@ class Candidate:
     tokens_per_second_per_gpu: Optional[float] = None
     mfu: Optional[float] = None
     simulated: bool = False
+    terms: Optional[dict[str, float]] = None  # seconds per step by term (calibrated model)
+    traffic: float = 0.0  # FSDP / CP / HSDP seconds before overlap: the tie-break
 
     def as_dict(self) -> dict[str, Any]:
         lo = self.layout
@@ -102,7 +111,8 @@ class Candidate:
                 "micro_batch_size": lo.micro_batch_size, "fits": self.status in ("chosen", "fits", "slower"),
                 "peak_bytes_per_rank": self.peak_bytes, "step_seconds": self.step_seconds,
                 "tokens_per_second_per_gpu": self.tokens_per_second_per_gpu, "mfu": self.mfu,
-                "simulated": self.simulated, "status": self.status, "reason": self.reason}
+                "simulated": self.simulated, "status": self.status, "reason": self.reason,
+                "terms_seconds": self.terms}
 
 
 @dataclass
@@ -115,10 +125,12 @@ class Plan:
     candidates: list[Candidate]
     references: dict[tuple[int, str], StepMeasurement]
     min_gpus: Optional[int] = None
+    calibrated: bool = False  # ranked by the calibrated step-time model
 
     def as_dict(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "gpu": self.gpu.name, "headroom": HEADROOM,
-                "efficiency": EFFICIENCY, "compile": "not simulated",
+                "step_model": "calibrated" if self.calibrated else "fixed efficiency",
+                "efficiency": None if self.calibrated else EFFICIENCY, "compile": "not simulated",
                 "chosen": self.chosen.as_dict() if self.chosen else None,
                 "candidates": [c.as_dict() for c in self.candidates if c is not self.chosen],
                 "simulations": {f"tp{tp}_{ac}": m.as_dict() for (tp, ac), m in self.references.items()},
@@ -269,15 +281,23 @@ def derive(ref: StepMeasurement, layout: Layout, gbs: int, gpu: GPUKind, exact: 
 
 
 def _score(cand: Candidate, peak: float, step: float, cfg: Any, world: int, gpu: GPUKind,
-           flops_per_token: float) -> None:
+           flops_per_token: float, base: Optional[Setting] = None) -> None:
     tokens = int(cfg.trainer.global_batch_size) * int(cfg.trainer.seq_len)
+    if base is not None:
+        lo = cand.layout
+        pr = predict(at_layout(base, lo.dp_replicate, lo.dp_shard, lo.tp, lo.pp, 1,
+                               lo.activation_checkpointing, lo.micro_batch_size), FITTED)
+        step, cand.terms, cand.traffic = pr.step_seconds, pr.terms, pr.overlapped
     cand.peak_bytes, cand.step_seconds = peak, step
     cand.tokens_per_second_per_gpu = tokens / step / world
     cand.mfu = flops_per_token * cand.tokens_per_second_per_gpu / gpu.bf16_flops
 
 
-def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scaled) -> Plan:
-    """Plan ``cfg`` on ``world`` GPUs of kind ``gpu`` (module docstring).
+def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scaled,
+         progress: Optional[Any] = None) -> Plan:
+    """Plan ``cfg`` on ``world`` GPUs of kind ``gpu`` (module docstring). ``progress(done, total,
+    what)`` is called before each ``(tp, activation checkpointing)`` group is simulated and once
+    at the end (``done == total``).
 
     Raises:
         ConfigError: no layout divides the batch or the model (see :func:`enumerate_layouts`),
@@ -293,9 +313,11 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
     budget = gpu.memory_bytes * (1 - HEADROOM)
     spec = get_spec(cfg.model.name)
     flops_per_token = float(spec.flops(model, int(cfg.trainer.seq_len)))
+    base = None if experts is not None else calibrated_setting(cfg, world, gpu)
     refs: dict[tuple[int, str], StepMeasurement] = {}
     skipped: dict[tuple[int, str], Candidate] = {}  # groups not simulated, with the reason
-    for tp in sorted({lo.tp for lo in layouts}):
+    groups = sorted({lo.tp for lo in layouts})
+    for g, tp in enumerate(groups):
         # the reference: no pipeline stages where the batch divides, else the fewest that do
         pp = min(lo.pp for lo in layouts if lo.tp == tp)
         mbs = min(lo.micro_batch_size for lo in layouts if lo.tp == tp and lo.pp == pp)
@@ -313,6 +335,8 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
             if (tp, AC_MODES[max(0, i - 1)]) in skipped and i:
                 skipped[tp, ac] = replace(skipped[tp, AC_MODES[i - 1]], layout=reference(ac))
                 continue
+            if progress is not None:
+                progress(g * len(AC_MODES) + i, len(groups) * len(AC_MODES), f"tp={tp} activation_checkpointing={ac}")
             try:
                 refs[tp, ac] = simulate_layout(simulate_fn, cfg, reference(ac), gbs)
             except ConfigError as exc:  # e.g. float8's FSDP all-gather without sharding
@@ -332,20 +356,23 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
             continue
         peak, step, _ = derive(refs[key], lo, gbs, gpu, **moe)
         cand = Candidate(lo)
-        _score(cand, peak, step, cfg, world, gpu, flops_per_token)
+        _score(cand, peak, step, cfg, world, gpu, flops_per_token, base)
         if peak > budget:
             cand.status, cand.reason = "does not fit", (f"peak {peak / 2**30:.1f} GiB > "
                                                         f"{budget / 2**30:.1f} GiB usable")
         cands.append(cand)
     dropped += list(skipped.values())
-    fitting = sorted((c for c in cands if c.status == "fits"), key=lambda c: c.step_seconds)
+    if progress is not None:
+        n = len(groups) * len(AC_MODES)
+        progress(n, n, "ranking")
+    fitting = sorted((c for c in cands if c.status == "fits"), key=lambda c: (c.step_seconds, c.traffic))
     chosen = None
     for cand in fitting[:MAX_CONFIRM]:  # the winner's own simulation, not a derived one
         ref = refs[cand.layout.tp, cand.layout.activation_checkpointing]
         own = replace(cand.layout, ep=1)  # ep > 1: derived from its ep=1 layout's simulation
         m = ref if ref.layout == own else simulate_layout(simulate_fn, cfg, own, gbs)
         peak, step, _ = derive(m, cand.layout, gbs, gpu, exact=True, **moe)
-        _score(cand, peak, step, cfg, world, gpu, flops_per_token)
+        _score(cand, peak, step, cfg, world, gpu, flops_per_token, base)
         cand.simulated = True
         if peak <= budget:
             chosen = cand
@@ -359,8 +386,8 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
                 c.status = "slower"
                 c.reason = f"{c.step_seconds / chosen.step_seconds:.3f}x the winner's step time"
     ordered = sorted(cands, key=lambda c: (c.status != "chosen", c.status == "does not fit",
-                                           c.step_seconds or 0.0))
-    out = Plan(world, gpu, chosen, ordered + dropped, refs)
+                                           c.step_seconds or 0.0, c.traffic))
+    out = Plan(world, gpu, chosen, ordered + dropped, refs, calibrated=base is not None)
     if chosen is None:
         out.min_gpus = smallest_fitting(out)
     return out

@@ -11,6 +11,8 @@ from omegaconf import OmegaConf
 
 from llmforge.config import load_config
 from llmforge.errors import ConfigError
+from llmforge.planning.calibration import model_error
+from llmforge.planning.explain import Progress, explain
 from llmforge.planning.gpus import GPUKind
 from llmforge.planning.layout_settings import winner_yaml
 from llmforge.planning.planner import EFFICIENCY, HEADROOM, Plan, plan
@@ -24,16 +26,18 @@ def _wrap(text: str, indent: str) -> list[str]:
     return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=indent + "  ")
 
 
-def report(p: Plan, config: str, seconds: float, top: int = 8, algorithms: Optional[list[dict]] = None) -> str:
+def report(p: Plan, config: str, seconds: float, top: int = 8, algorithms: Optional[list[dict]] = None,
+           why: Optional[list[str]] = None) -> str:
     """The text report, :data:`WIDTH` columns wide: header, the best ``top`` layouts (each with
     its status on a second line), how many more ``--json`` lists, the groups refused (one line
-    per reason), the winner's YAML (``algorithms``: the config's list, whose activation
-    checkpointing entry it replaces)."""
+    per reason), ``why`` (:func:`llmforge.planning.explain.explain`), the winner's YAML
+    (``algorithms``: the config's list, whose activation checkpointing entry it replaces)."""
     g = p.gpu
+    timing = (f"step time by the calibrated model (held-out error {model_error():.0%})" if p.calibrated
+              else f"compute at {EFFICIENCY:.0%} of {g.bf16_flops / 1e12:.0f} TFLOP/s bf16")
     lines = [f"plan: {config} on {p.world_size} x {g.name}",
              *_wrap(f"{(1 - HEADROOM) * g.memory_bytes / GIB:.1f} GiB usable per GPU ({1 - HEADROOM:.0%} of "
-                    f"{g.memory_bytes / 1e9:.0f} GB); compute at {EFFICIENCY:.0%} of "
-                    f"{g.bf16_flops / 1e12:.0f} TFLOP/s bf16; torch.compile not simulated; "
+                    f"{g.memory_bytes / 1e9:.0f} GB); {timing}; torch.compile's memory not simulated; "
                     f"{len(p.references)} (tp, activation checkpointing) groups simulated at 2 and 3 "
                     f"layers, scaled to the model's depth, in {seconds:.1f} s (docs/scale.md)", ""),
              f"{'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'pp':>3} {'ep':>3} {'AC':>9} {'mbs':>4} {'GiB':>6} "
@@ -58,6 +62,8 @@ def report(p: Plan, config: str, seconds: float, top: int = 8, algorithms: Optio
             reasons.setdefault((c.layout.tp, c.status, c.reason), []).append(c.layout.activation_checkpointing)
     for (tp, status, reason), modes in reasons.items():
         lines += _wrap(f"tp={tp} (activation checkpointing {', '.join(modes)}): {status}: {reason}", "  ")
+    for line in why or []:
+        lines += _wrap(line, "")
     if p.chosen is not None:
         lines += ["winner's YAML overrides:", winner_yaml(p.chosen, algorithms or [])]
     return "\n".join(lines)
@@ -74,12 +80,13 @@ def run_plan(config: str, overrides: list[str], gpus: int, gpu: GPUKind, *, as_j
     """
     cfg = load_config(config, overrides)
     t0 = time.perf_counter()
-    result = plan(cfg, gpus, gpu)
+    result = plan(cfg, gpus, gpu, progress=Progress())
     seconds = time.perf_counter() - t0
+    why = explain(result, cfg)
     if as_json:
-        print(json.dumps({**result.as_dict(), "seconds": seconds}, indent=1))
+        print(json.dumps({**result.as_dict(), "seconds": seconds, "why": why}, indent=1))
     else:
-        print(report(result, config, seconds, top, OmegaConf.to_container(cfg.algorithms)))
+        print(report(result, config, seconds, top, OmegaConf.to_container(cfg.algorithms), why))
     if result.chosen is None:
         where = (f"the smallest GPU count that would fit is {result.min_gpus} (memory only; "
                  f"trainer.global_batch_size may have to grow to divide it)" if result.min_gpus

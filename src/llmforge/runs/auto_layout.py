@@ -15,8 +15,10 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
+from llmforge.config import load_config
 from llmforge.errors import ConfigError
 from llmforge.planning.gpus import GPUKind, gpu_kind, gpu_kind_of_type
+from llmforge.planning.layout_arg import run_layout
 from llmforge.planning.layout_settings import layout_overrides
 from llmforge.planning.planner import plan
 from llmforge.planning.report import run_plan
@@ -49,6 +51,9 @@ def plan_command(args: Any) -> int:
     if args.cluster and args.gpu:
         raise ConfigError("--gpu and --cluster both name the GPU kind; pass one of them")
     gpu = cluster_gpu(get_cluster(args.cluster)) if args.cluster else gpu_kind(args.gpu or "H100-SXM-80GB")
+    if getattr(args, "layout", None):
+        cfg = load_config(args.config, list(args.overrides))
+        return run_layout(cfg, args.config, args.gpus, gpu, args.layout, as_json=args.json)
     return run_plan(args.config, list(args.overrides), args.gpus, gpu, as_json=args.json, top=args.top)
 
 

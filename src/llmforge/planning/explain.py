@@ -1,0 +1,103 @@
+"""Why ``llmforge plan`` chose its winner: the winner, the runner-up and the published recipe
+for the model and GPU count (when one is known), each with its memory and time and the step
+term that decides between them; "within the model's error" where the predicted difference is
+below the calibrated model's held-out error (:func:`llmforge.planning.calibration.model_error`).
+And the progress of a plan as it simulates (:class:`Progress`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Optional, TextIO
+
+from llmforge.planning.calibration import model_error
+from llmforge.planning.layout_arg import at_layout, calibrated_setting
+from llmforge.planning.published import published_layout
+from llmforge.planning.whatif import assess
+
+GIB = 1024**3
+
+
+def _layout(lo: Any) -> str:
+    parts = [f"dp_shard {lo.dp_shard}"] + [f"{k} {getattr(lo, k)}" for k in ("dp_replicate", "tp", "pp")
+                                           if getattr(lo, k) > 1]
+    return " x ".join(parts) + f", AC {lo.activation_checkpointing}, mbs {lo.micro_batch_size}"
+
+
+def _decides(a: Optional[dict], b: Optional[dict]) -> str:
+    """The term whose seconds differ most between two term dicts."""
+    if not a or not b:
+        return ""
+    k = max(a, key=lambda t: abs(a[t] - b.get(t, 0.0)))
+    if a[k] == b.get(k, 0.0):
+        return ""
+    return f"; decided by {k} ({a[k]:.3g} s against {b.get(k, 0.0):.3g} s per step)"
+
+
+def _compare(name: str, tps: float, peak: float, terms: Optional[dict], win: Any, error: float) -> str:
+    gap = win.tokens_per_second_per_gpu / tps - 1
+    verdict = (f"within the model's error ({error:.0%}): no winner between them" if abs(gap) <= error
+               else f"winner {gap:+.0%} tokens/s per GPU")
+    return (f"{name}: {tps:.0f} tokens/s per GPU, {peak / GIB:.1f} GiB ({(win.peak_bytes - peak) / GIB:+.1f} "
+            f"GiB for the winner); {verdict}{_decides(win.terms, terms)}")
+
+
+def explain(p: Any, cfg: Any) -> list[str]:
+    """Lines on the winner of plan ``p`` of ``cfg``, its runner-up and the published recipe."""
+    win = p.chosen
+    if win is None:
+        return []
+    error = model_error()
+    limit = max(win.terms, key=win.terms.get) if win.terms else "compute"
+    lines = [f"winner: {_layout(win.layout)}: {win.tokens_per_second_per_gpu:.0f} tokens/s per GPU, "
+             f"{win.peak_bytes / GIB:.1f} GiB, limited by {limit}"]
+    def key(c: Any) -> tuple:
+        lo = c.layout
+        return lo.dp_replicate, lo.dp_shard, lo.tp, lo.pp, lo.ep, lo.activation_checkpointing
+
+    # the best other layout (a micro-batch size alone is no alternative worth a line)
+    runner = next((c for c in p.candidates if c.status == "slower" and key(c) != key(win)), None)
+    if runner is not None:
+        lines.append(_compare(f"runner-up: {_layout(runner.layout)}", runner.tokens_per_second_per_gpu,
+                              runner.peak_bytes, runner.terms, win, error))
+    base = calibrated_setting(cfg, p.world_size, p.gpu) if p.calibrated else None
+    pub = published_layout(base.shape.name, p.world_size) if base is not None else None
+    if pub is not None:
+        s = pub.setting
+        where = f"published ({pub.source}, {pub.table}, measured {pub.tokens_per_second_per_gpu:.0f} tokens/s per GPU)"
+        if base.global_batch_size % (s.dp_replicate * s.dp_shard):
+            lines.append(f"{where}: dp_shard {s.dp_shard} x tp {s.tp} x pp {s.pp} does not divide this "
+                         f"config's trainer.global_batch_size={base.global_batch_size}")
+        else:
+            mbs = min(s.micro_batch_size, base.global_batch_size // (s.dp_replicate * s.dp_shard))
+            v = assess(at_layout(base, s.dp_replicate, s.dp_shard, s.tp, s.pp, s.cp, s.ac, mbs))
+            same = (win.layout.dp_replicate, win.layout.dp_shard, win.layout.tp, win.layout.pp) == \
+                (s.dp_replicate, s.dp_shard, s.tp, s.pp)
+            name = (f"{where}: dp_shard {s.dp_shard} x tp {s.tp} x pp {s.pp}, AC {s.ac}"
+                    + (" (the winner's degrees)" if same else ""))
+            lines.append(_compare(name + " at this config's batch (analytic memory)",
+                                  v.prediction.tokens_per_second_per_gpu, v.memory["total"],
+                                  v.prediction.terms, win, error))
+    return lines
+
+
+class Progress:
+    """``progress(done, total, what)`` for :func:`llmforge.planning.planner.plan`: a bar
+    rewritten in place on a terminal, one line per group otherwise, with the time left
+    (the mean time of the groups simulated so far times the groups left)."""
+
+    def __init__(self, stream: Optional[TextIO] = None) -> None:
+        self.stream, self.t0 = stream or sys.stderr, time.perf_counter()
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+
+    def __call__(self, done: int, total: int, what: str) -> None:
+        spent = time.perf_counter() - self.t0
+        left = f", about {spent / done * (total - done):.0f} s left" if done else ""
+        if self.tty:
+            bar = "#" * (20 * done // max(1, total))
+            end = "\n" if done >= total else ""
+            self.stream.write(f"\rplan: [{bar:<20}] {done}/{total} groups, {spent:.0f} s{left}: {what}\033[K{end}")
+        else:
+            self.stream.write(f"plan: group {min(done + 1, total)} of {total}: {what} ({spent:.0f} s so far{left})\n")
+        self.stream.flush()

@@ -1,0 +1,217 @@
+"""``llmforge plan CONFIG --gpus N --layout dp_shard=8,tp=8,pp=8[,dp_replicate=..,cp=..,ep=..,ac=..,mbs=..]``:
+one given layout predicted by the calibrated step-time model (memory per rank, tokens/s per
+GPU, MFU, the term that limits it), no simulation: an answer in a second to "how fast would my
+own layout be?".
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any, Optional
+
+from llmforge.errors import ConfigError
+from llmforge.models.memory_estimate import ac_mode
+from llmforge.models.spec import get_spec
+from llmforge.planning.calibration import model_error
+from llmforge.planning.gpus import GPUKind
+from llmforge.planning.published import Setting, Shape, published_layout
+from llmforge.planning.whatif import FIT_SHARE, assess, best_layout, versus
+from llmforge.plugin import meta_model
+
+KEYS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "ac", "mbs")
+"""Keys ``--layout`` takes; degrees left out are 1, ``ac`` and ``mbs`` the config's."""
+
+
+def parse_layout(text: str) -> dict[str, Any]:
+    """``key=value,...`` of :data:`KEYS` as a dict (degrees and ``mbs`` as ints).
+
+    Raises:
+        ConfigError: an unknown key, a missing ``=``, a value that is not a positive integer,
+            or ``ac`` not none / selective / full (each names the key).
+    """
+    out: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, eq, value = part.partition("=")
+        key = key.strip()
+        if key not in KEYS:
+            raise ConfigError(f"--layout: unknown key '{key}'; known: {', '.join(KEYS)}")
+        if not eq:
+            raise ConfigError(f"--layout: '{part}' has no value; write {key}=VALUE")
+        if key == "ac":
+            if value not in ("none", "selective", "full"):
+                raise ConfigError(f"--layout ac={value}: expected none, selective or full")
+            out[key] = value
+            continue
+        if not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"--layout {key}={value}: expected a positive integer")
+        out[key] = int(value)
+    return out
+
+
+def _precision(cfg: Any) -> tuple[str, bool, bool]:
+    """``(precision, fp8 all-gather, compiled)`` from the config's algorithms."""
+    prec, gather, compiled = "bf16", False, False
+    for a in cfg.algorithms or []:
+        if a.get("name") == "float8":
+            prec = "fp8_rowwise" if a.get("recipe", "tensorwise") == "rowwise" else "fp8_tensorwise"
+            gather = bool(a.get("enable_fsdp_float8_all_gather", a.get("fsdp_float8_all_gather", False)))
+        compiled = compiled or a.get("name") == "compile"
+    return prec, gather, compiled
+
+
+def base_setting(cfg: Any, world: int, gpu: GPUKind) -> Setting:
+    """``cfg``'s model shape and recipe (batch, sequence, precision, compile, pipeline
+    schedule, activation checkpointing) on ``world`` GPUs of ``gpu``, all ranks ``dp_shard``.
+
+    Raises:
+        ConfigError: a model with experts (the calibrated model covers dense decoders).
+    """
+    spec = get_spec(cfg.model.name)
+    model = meta_model(cfg)
+    if spec.expert_modules(model):
+        raise ConfigError(f"--layout: model '{cfg.model.name}' has experts; the calibrated step-time "
+                          "model covers dense decoders only (run llmforge plan without --layout)")
+    m = spec.get("memory_shape")(model)
+    a = model.args
+    shape = Shape(cfg.model.get("preset") or cfg.model.name, m.n_layers, m.dim, m.ffn_dim, a.n_heads,
+                  a.n_kv_heads, m.vocab_size, head_size=m.q_dim // a.n_heads)
+    mode, _ = ac_mode(cfg.algorithms)
+    prec, gather, compiled = _precision(cfg)
+    p = cfg.pipeline
+    return Setting(shape, gpu.name, world, world, int(cfg.trainer.global_batch_size),
+                   int(cfg.trainer.micro_batch_size), int(cfg.trainer.seq_len),
+                   ac=mode if mode in ("none", "selective", "full") else "selective", precision=prec,
+                   fp8_all_gather=gather, compile=compiled, schedule=str(p.schedule),
+                   stages_per_rank=int(p.stages_per_rank or 1))
+
+
+def calibrated_setting(cfg: Any, world: int, gpu: GPUKind) -> Optional[Setting]:
+    """:func:`base_setting`, or ``None`` where the calibrated model does not apply: experts,
+    LoRA (frozen weights: no weight gradients, no optimizer state), a model without
+    ``args.n_heads``."""
+    if any(a.get("name") == "lora" for a in cfg.algorithms or []):
+        return None
+    try:
+        return base_setting(cfg, world, gpu)
+    except (ConfigError, AttributeError):
+        return None
+
+
+def at_layout(base: Setting, dp_replicate: int, dp_shard: int, tp: int, pp: int, cp: int, ac: str,
+              mbs: int) -> Setting:
+    """``base`` with the given degrees, activation checkpointing and micro-batch size (the
+    schedule's virtual stages only with ``pp > 1``)."""
+    sched = {} if pp > 1 else {"schedule": "1f1b", "stages_per_rank": 1}
+    return replace(base, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, ac=ac,
+                   micro_batch_size=mbs, **sched)
+
+
+def config_setting(cfg: Any, world: int, gpu: GPUKind, layout: dict[str, Any]) -> Setting:
+    """The :class:`Setting` of ``cfg`` on ``world`` GPUs of ``gpu`` with ``layout``.
+
+    Raises:
+        ConfigError: a model with experts (the calibrated model covers dense decoders), ``ep``
+            other than 1, a product of degrees other than ``world``, ``tp`` that the model's heads
+            or the node refuse, ``mbs`` or ``dp`` that do not divide the global batch, more
+            stages than blocks (each names the key).
+    """
+    base = base_setting(cfg, world, gpu)
+    sh = base.shape
+    if layout.get("ep", 1) != 1:
+        raise ConfigError(f"--layout ep={layout['ep']}: model '{cfg.model.name}' has no experts to split")
+    d = {k: layout.get(k, 1) for k in ("dp_replicate", "tp", "pp", "cp")}
+    tp = d["tp"]
+    if tp > gpu.gpus_per_node:
+        raise ConfigError(f"--layout tp={tp}: tensor parallel stays inside a node of {gpu.gpus_per_node} GPUs")
+    if sh.n_heads % tp or (sh.n_kv_heads % tp and tp % sh.n_kv_heads):
+        raise ConfigError(f"--layout tp={tp}: the model's heads (n_heads={sh.n_heads}, "
+                          f"n_kv_heads={sh.n_kv_heads}) do not divide by tp")
+    if d["pp"] > sh.n_layers:
+        raise ConfigError(f"--layout pp={d['pp']}: more stages than the model's {sh.n_layers} blocks")
+    rest = d["dp_replicate"] * tp * d["pp"] * d["cp"]
+    given = ",".join(f"{k}={layout[k]}" for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp") if k in layout)
+    if "dp_shard" not in layout and world % rest:
+        raise ConfigError(f"--layout {given}: dp_replicate*tp*pp*cp = {rest} does not divide --gpus {world}")
+    dp_shard = layout.get("dp_shard", world // rest)
+    if rest * dp_shard != world:
+        raise ConfigError(f"--layout {given}: dp_replicate*dp_shard*tp*pp*cp = {rest * dp_shard}, "
+                          f"not --gpus {world}")
+    gbs, dp = base.global_batch_size, d["dp_replicate"] * dp_shard
+    if gbs % dp:
+        raise ConfigError(f"--layout dp_shard={dp_shard}: data-parallel size {dp} does not divide "
+                          f"trainer.global_batch_size={gbs}")
+    mbs = layout.get("mbs", base.micro_batch_size)
+    if (gbs // dp) % mbs:
+        raise ConfigError(f"--layout mbs={mbs}: does not divide the per-rank batch {gbs // dp}")
+    return at_layout(base, d["dp_replicate"], dp_shard, tp, d["pp"], d["cp"], layout.get("ac", base.ac), mbs)
+
+
+def layout_report(s: Setting, gpu: GPUKind, config: str, compare: bool = True) -> dict[str, Any]:
+    """The prediction of ``s`` as a dict (what ``--json`` prints); with ``compare``, the best
+    layout the analytic search finds and the published recipe for this model and GPU count."""
+    v = assess(s)
+    pr = v.prediction
+    out: dict[str, Any] = {
+        "config": config, "gpu": gpu.name, "world_size": s.world,
+        "layout": {"dp_replicate": s.dp_replicate, "dp_shard": s.dp_shard, "tp": s.tp, "pp": s.pp, "cp": s.cp,
+                   "ac": s.ac, "mbs": s.micro_batch_size},
+        "memory_bytes_per_rank": v.memory, "fits": v.fits, "fit_share": FIT_SHARE,
+        "tokens_per_second_per_gpu": pr.tokens_per_second_per_gpu, "mfu": pr.mfu,
+        "step_seconds": pr.step_seconds, "terms_seconds": pr.terms, "limit": pr.limit,
+        "model_error": model_error()}
+    if compare:
+        best = best_layout(s)
+        if best is not None:
+            out["best"] = {"layout": _text(best.setting), "tokens_per_second_per_gpu":
+                           best.prediction.tokens_per_second_per_gpu, "versus": versus(best, v)}
+        pub = published_layout(s.shape.name, s.world)
+        if pub is not None:
+            out["published"] = {"layout": _text(pub.setting), "measured_tokens_per_second_per_gpu":
+                                pub.tokens_per_second_per_gpu, "source": pub.source, "table": pub.table}
+    return out
+
+
+def _text(s: Setting) -> str:
+    parts = [f"dp_shard={s.dp_shard}"] + [f"{k}={getattr(s, k)}" for k in ("dp_replicate", "tp", "pp", "cp")
+                                           if getattr(s, k) > 1]
+    return ",".join(parts + [f"ac={s.ac}", f"mbs={s.micro_batch_size}"])
+
+
+def format_report(r: dict[str, Any]) -> str:
+    """The text of :func:`layout_report`."""
+    gib = 2**30
+    mem = r["memory_bytes_per_rank"]
+    terms = ", ".join(f"{k} {v:.3g} s" for k, v in r["terms_seconds"].items() if v)
+    lines = [f"layout {_text_of(r['layout'])} of {r['config']} on {r['world_size']} x {r['gpu']} "
+             f"(analytic; model error {r['model_error']:.0%} held out, docs/scale.md)",
+             f"  memory per rank {mem['total'] / gib:.1f} GiB (state {mem['state'] / gib:.1f}, gathered "
+             f"{mem['gathered'] / gib:.1f}, activations {mem['activations'] / gib:.1f}, logits "
+             f"{mem['logits'] / gib:.1f}): {'fits' if r['fits'] else 'does NOT fit'} in "
+             f"{r['fit_share']:.0%} of the GPU",
+             f"  {r['tokens_per_second_per_gpu']:.0f} tokens/s per GPU, MFU {r['mfu']:.1%}, step "
+             f"{r['step_seconds']:.3g} s: {terms}; limited by {r['limit']}"]
+    if "best" in r:
+        lines.append(f"  best layout found: {r['best']['layout']} at {r['best']['tokens_per_second_per_gpu']:.0f} "
+                     f"tokens/s per GPU ({r['best']['versus']})")
+    if "published" in r:
+        p = r["published"]
+        lines.append(f"  published: {p['layout']} measured {p['measured_tokens_per_second_per_gpu']:.0f} "
+                     f"tokens/s per GPU ({p['source']}, {p['table']})")
+    return "\n".join(lines)
+
+
+def _text_of(lo: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in lo.items() if v != 1 or k in ("dp_shard", "mbs"))
+
+
+def run_layout(cfg: Any, config: str, world: int, gpu: GPUKind, text: str, as_json: bool = False) -> int:
+    """Print the prediction of ``--layout text``; returns 0.
+
+    Raises:
+        ConfigError: a bad layout (:func:`parse_layout`, :func:`config_setting`).
+    """
+    s = config_setting(cfg, world, gpu, parse_layout(text))
+    r = layout_report(s, gpu, config)
+    print(json.dumps(r, indent=1) if as_json else format_report(r))
+    return 0

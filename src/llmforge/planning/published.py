@@ -1,0 +1,253 @@
+"""Published measured training runs as data: the ground truth the step-time model
+(:mod:`llmforge.planning.step_model`) is calibrated on (:mod:`llmforge.planning.calibration`).
+
+Every row is a number read in its source (``SOURCES``: repository file at a commit, its date);
+the setting is the one the source states, and where it states nothing, the default of the
+configuration file the source names (``Run.notes`` says which). No number here is estimated.
+
+GPU kinds: ``H100-96GB-500W`` is the power-limited H100 of Meta's Grand Teton hosts that
+torchtitan's benchmarks ran on (96 GB HBM2e, 500 W; "the actual peak TFLOPs number is between
+SXM and NVL, and we don't know its exact value"); the others are rows of
+:data:`llmforge.planning.gpus.GPU_KINDS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder-only transformer's shape: what FLOPs, bytes and collectives follow from."""
+
+    name: str
+    n_layers: int
+    dim: int
+    ffn_dim: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    head_size: int = 0  # 0: dim // n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.head_size or self.dim // self.n_heads
+
+    @property
+    def block_params(self) -> int:
+        """Parameters of one block: q, k, v, o projections and the SwiGLU's three matrices."""
+        hd = self.head_dim
+        return self.dim * hd * (2 * self.n_heads + 2 * self.n_kv_heads) + 3 * self.dim * self.ffn_dim
+
+    @property
+    def params(self) -> int:
+        """All parameters (untied input embedding and output layer; norms left out)."""
+        return self.n_layers * self.block_params + 2 * self.vocab_size * self.dim
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One training run's layout and recipe on a cluster.
+
+    ``global_batch_size`` in sequences of ``seq_len`` tokens; ``micro_batch_size`` sequences
+    per forward of one rank (``global_batch_size / (dp_replicate * dp_shard)`` split into
+    micro-batches, the pipeline's or gradient accumulation's); ``ac``: none | selective (per
+    operator) | full; ``precision``: bf16 | fp8_tensorwise | fp8_rowwise (float8 matmuls of the
+    linear layers, torchao; ``fp8_recompute_weight``: its ``force_recompute_fp8_weight_in_bwd``); ``schedule``: the pipeline schedule (``1f1b``,
+    ``interleaved_1f1b``) with ``stages_per_rank`` virtual stages.
+    """
+
+    shape: Shape
+    gpu: str
+    world: int
+    dp_shard: int
+    global_batch_size: int
+    micro_batch_size: int
+    seq_len: int
+    dp_replicate: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    ac: str = "none"
+    precision: str = "bf16"
+    fp8_all_gather: bool = False
+    fp8_recompute_weight: bool = False
+    compile: bool = False
+    async_tp: bool = False
+    schedule: str = "1f1b"
+    stages_per_rank: int = 1
+
+    def __post_init__(self) -> None:
+        degrees = self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+        if degrees != self.world:
+            raise ValueError(f"dp_replicate*dp_shard*tp*pp*cp = {degrees} != world {self.world}")
+
+
+@dataclass(frozen=True)
+class Source:
+    title: str
+    where: str
+    date: str
+
+
+@dataclass(frozen=True)
+class Run:
+    """A measured run: its setting, tokens/s per GPU as published, where it is read."""
+
+    setting: Setting
+    tokens_per_second_per_gpu: float
+    source: str
+    table: str
+    label: str
+    notes: str = ""
+    memory_gib: Optional[float] = None  # peak memory as published (torchtitan: max over ranks)
+
+
+LLAMA3_8B = Shape("llama3.1-8b", 32, 4096, 14336, 32, 8, 128256)
+LLAMA3_70B = Shape("llama3.1-70b", 80, 8192, 28672, 64, 8, 128256)
+LLAMA3_405B = Shape("llama3.1-405b", 126, 16384, 53248, 128, 8, 128256)
+# OLMo-core's olmo_{1,7,13}B = llama2_{1,7,13}B shapes (d_model, n_layers, n_heads; FFN
+# 8d/3 rounded up to 256), dolma2 tokenizer 100,278 padded to 100,352
+OLMO_1B = Shape("olmo-1b", 18, 2048, 5632, 16, 16, 100352)
+OLMO_7B = Shape("olmo-7b", 32, 4096, 11008, 32, 32, 100352)
+OLMO_13B = Shape("olmo-13b", 40, 5120, 13824, 40, 40, 100352)
+
+SOURCES: dict[str, Source] = {
+    "torchtitan-2024-12": Source(
+        "torchtitan benchmarks, Llama 3.1 8B/70B/405B on 8-512 H100 (Tables 1-6)",
+        "github.com/pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md "
+        "(torchtitan 9dec370; seq_len, AC, float8 defaults: train_configs/llama3_*.toml there)",
+        "2024-12-26"),
+    "torchtitan-asynctp-2025-06": Source(
+        "torchtitan async TP benchmarks, Llama 3.1 8B on 64 and 70B on 256 H100",
+        "github.com/pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md "
+        "(torchtitan 820504e; seq_len, float8 all-gather defaults: "
+        "torchtitan/models/llama3/train_configs/llama3_*.toml there)",
+        "2025-06-14"),
+    "trainy-h200-2025-06": Source(
+        "Trainy on WhiteFiber, Llama 3.1 8B on 32 and 64 H200 (torchtitan)",
+        "github.com/pytorch/torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md "
+        "(torchtitan e7c0cae; seq_len, AC: torchtitan/models/llama3/train_configs/llama3_8b.toml)",
+        "2025-06-13"),
+    "olmo-core-2024-09": Source(
+        "OLMo-core throughput table, OLMo 1B/7B/13B on H100",
+        "github.com/allenai/OLMo-core README.md at 8c03ca8 (batch sizes: src/scripts/train/"
+        "OLMo-*.py; 8 GPUs: the launch default num_nodes=1, num_gpus=8 of "
+        "src/olmo_core/internal/experiment.py; float8: Float8Config defaults, dynamic "
+        "tensorwise with FSDP float8 all-gather)",
+        "2024-09-26"),
+}
+
+
+def _tt(shape: Shape, world: int, tps: float, table: str, label: str, *, dp_shard: int, lbs: int,
+        seq: int = 8192, src: str = "torchtitan-2024-12", gpu: str = "H100-96GB-500W",
+        notes: str = "", mem: Optional[float] = None, **kw) -> Run:
+    """A torchtitan row: ``lbs`` is the local (per data-parallel rank) batch; with pipeline
+    stages it is split into ``pp`` micro-batches (torchtitan's default then)."""
+    pp = kw.get("pp", 1)
+    mbs = lbs // pp if pp > 1 else lbs
+    s = Setting(shape, gpu, world, dp_shard, lbs * dp_shard, mbs, seq, **kw)
+    return Run(s, tps, src, table, label, notes, mem)
+
+
+_T1 = dict(ac="selective")
+_FP8 = dict(compile=True, precision="fp8_tensorwise")
+_405 = dict(tp=8, pp=8, ac="full", async_tp=True, fp8_all_gather=True, **_FP8)
+
+RUNS: list[Run] = [
+    # torchtitan 2024-12, Table 1: 8B, 8 GPUs, local batch 2, selective (op) AC
+    _tt(LLAMA3_8B, 8, 5762, "Table 1", "8B fsdp8", dp_shard=8, lbs=2, mem=82.4, **_T1),
+    _tt(LLAMA3_8B, 8, 6667, "Table 1", "8B fsdp8 compile", dp_shard=8, lbs=2, mem=77.0, compile=True, **_T1),
+    _tt(LLAMA3_8B, 8, 8532, "Table 1", "8B fsdp8 compile fp8", dp_shard=8, lbs=2, mem=76.8, **_FP8, **_T1),
+    # Table 2: 8B, 8 GPUs, FSDP + CP + compile + float8, local batch 1, full AC
+    *[_tt(LLAMA3_8B, 8, tps, "Table 2", f"8B fsdp{8 // cp} cp{cp} seq{seq // 1024}k", dp_shard=8 // cp,
+          lbs=1, seq=seq, cp=cp, ac="full", mem=mem, **_FP8)
+      for cp, seq, tps, mem in ((1, 32768, 3890, 83.9), (2, 65536, 2540, 84.2), (4, 131072, 1071, 84.0),
+                                (8, 262144, 548, 84.5))],
+    # Table 3: 8B, 128 GPUs, local batch 2, selective AC
+    _tt(LLAMA3_8B, 128, 5605, "Table 3", "8B fsdp128", dp_shard=128, lbs=2, mem=67.0, **_T1),
+    _tt(LLAMA3_8B, 128, 6514, "Table 3", "8B fsdp128 compile", dp_shard=128, lbs=2, mem=62.0, compile=True, **_T1),
+    _tt(LLAMA3_8B, 128, 8380, "Table 3", "8B fsdp128 compile fp8", dp_shard=128, lbs=2, mem=61.8, **_FP8, **_T1),
+    # Table 4: 70B, 256 GPUs, FSDP 32 TP 8, compile, float8, local batch 16, full AC
+    _tt(LLAMA3_70B, 256, 829, "Table 4", "70B fsdp32 tp8 fp8", dp_shard=32, lbs=16, mem=71.9, tp=8, ac="full", **_FP8),
+    _tt(LLAMA3_70B, 256, 876, "Table 4", "70B fsdp32 tp8 fp8 asyncTP", dp_shard=32, lbs=16, mem=67.6, tp=8,
+        ac="full", async_tp=True, **_FP8),
+    # Table 5: 405B, 512 GPUs, FSDP 8 TP 8 PP 8, local batch 32, full AC; 8 micro-batches
+    # (torchtitan's default: the pp degree), interleaved: 2 stages per rank (its default split)
+    _tt(LLAMA3_405B, 512, 100, "Table 5", "405B fsdp8 tp8 pp8 1f1b", dp_shard=8, lbs=32, mem=82.5, **_405),
+    _tt(LLAMA3_405B, 512, 128, "Table 5", "405B fsdp8 tp8 pp8 interleaved", dp_shard=8, lbs=32, mem=72.7,
+        schedule="interleaved_1f1b", stages_per_rank=2, **_405),
+    # Table 6: 405B, 512 GPUs, TP 8 PP 8 + FSDP x CP, 1F1B, local batch 8, full AC
+    *[_tt(LLAMA3_405B, 512, tps, "Table 6", f"405B fsdp{8 // cp} cp{cp} tp8 pp8 seq{seq // 1024}k",
+          dp_shard=8 // cp, lbs=8, seq=seq, cp=cp, mem=mem, **_405)
+      for cp, seq, tps, mem in ((1, 32768, 76, 75.3), (2, 65536, 47, 75.9), (4, 131072, 31, 77.1),
+                                (8, 262144, 16, 84.9))],
+]
+
+_ASYNC = "torchtitan-asynctp-2025-06"
+for _prec, _v, _a in (("bf16", 597.3, 652.4), ("fp8_tensorwise", 809.8, 942.4), ("fp8_rowwise", 599.6, 624.8)):
+    for _async, _tps in ((False, _v), (True, _a)):
+        RUNS.append(_tt(LLAMA3_70B, 256, _tps, "70B table", f"70B fsdp32 tp8 {_prec}{' asyncTP' * _async}",
+                        dp_shard=32, lbs=16, tp=8, ac="full", compile=True, precision=_prec,
+                        async_tp=_async, src=_ASYNC))
+for _prec, _v, _a in (("bf16", 4378, 4809.4), ("fp8_tensorwise", 5078.1, 5570.1), ("fp8_rowwise", 3708.5, 3914.9)):
+    for _async, _tps in ((False, _v), (True, _a)):
+        RUNS.append(_tt(LLAMA3_8B, 64, _tps, "8B table", f"8B fsdp8 tp8 {_prec}{' asyncTP' * _async}",
+                        dp_shard=8, lbs=12, tp=8, ac="selective", compile=True, precision=_prec,
+                        async_tp=_async, src=_ASYNC))
+
+for _nodes, _tps, _mem in ((4, 10938, 47.96), (8, 10753, 46.97)):
+    RUNS.append(_tt(LLAMA3_8B, 8 * _nodes, _tps, "results", f"8B fsdp{8 * _nodes} H200 compile fp8",
+                    dp_shard=8 * _nodes, lbs=2, mem=_mem, gpu="H200-141GB", src="trainy-h200-2025-06",
+                    ac="selective", compile=True, precision="fp8_tensorwise", fp8_all_gather=True,
+                    fp8_recompute_weight=True))
+
+
+def _olmo(shape: Shape, tps: float, mbs: int, gbs: int, fp8: bool) -> Run:
+    s = Setting(shape, "H100-SXM-80GB", 8, 8, gbs, mbs, 4096, compile=True,
+                precision="fp8_tensorwise" if fp8 else "bf16", fp8_all_gather=fp8)
+    return Run(s, tps, "olmo-core-2024-09", "Official training scripts",
+               f"{shape.name} fsdp8 {'fp8' if fp8 else 'bf16'}",
+               "8 GPUs is the launch default; the README says 'a cluster with NVIDIA H100 GPUs'")
+
+
+RUNS += [_olmo(OLMO_1B, 44000, 4, 1024, False), _olmo(OLMO_1B, 51000, 4, 1024, True),
+         _olmo(OLMO_7B, 10000, 2, 1024, False), _olmo(OLMO_7B, 13000, 2, 1024, True),
+         _olmo(OLMO_13B, 4600, 1, 2048, False)]
+
+
+def run_labelled(label: str, source: str = "torchtitan-2024-12") -> Run:
+    """The row of ``source`` with ``label``.
+
+    Raises:
+        KeyError: no such row.
+    """
+    for r in RUNS:
+        if r.label == label and r.source == source:
+            return r
+    raise KeyError(f"no published run '{label}' in {source}")
+
+
+PUBLISHED_LAYOUTS: dict[tuple[str, int], Run] = {
+    ("llama3.1-8b", 8): run_labelled("8B fsdp8 compile"),
+    ("llama3.1-70b", 256): run_labelled("70B fsdp32 tp8 fp8"),
+    ("llama3.1-405b", 512): run_labelled("405B fsdp8 tp8 pp8 interleaved")}
+"""The layout torchtitan published as its recipe for each (model, GPU count): 8B on 8 (FSDP 8,
+compiled), 70B on 256 (FSDP 32 x TP 8), 405B on 512 (FSDP 8 x TP 8 x PP 8, interleaved)."""
+
+
+PRESET_SHAPES = {"llama3_8b": "llama3.1-8b", "llama3_70b": "llama3.1-70b", "llama3_405b": "llama3.1-405b"}
+"""llmforge's model presets that are the published shapes (same widths, depth, vocabulary)."""
+
+
+def published_layout(shape_name: str, world: int) -> Optional[Run]:
+    """The published recipe for ``shape_name`` (a shape's name or an llmforge preset) on
+    ``world`` GPUs, or ``None``."""
+    return PUBLISHED_LAYOUTS.get((PRESET_SHAPES.get(shape_name, shape_name), world))
+
+
+def with_layout(s: Setting, **degrees: int) -> Setting:
+    """``s`` with other degrees (and micro-batch size, AC): a what-if of the same recipe."""
+    return replace(s, **degrees)

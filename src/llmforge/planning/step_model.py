@@ -1,0 +1,195 @@
+"""The analytic step-time model: seconds per optimizer step of one rank for a
+:class:`~llmforge.planning.published.Setting`, split into the terms that make it, with the few
+constants of :class:`CostParams` (fitted in :mod:`llmforge.planning.calibration`).
+
+Terms (seconds per step, one rank):
+
+* **compute**: the rank's FLOPs (``global tokens x FLOPs per token / world``) at
+  ``matmul_efficiency / (1 + narrow_width / (d / tp))`` of the GPU's dense bf16 peak (attention
+  at ``attention_efficiency`` of that), times ``compile_speedup`` when compiled;
+  the linear layers' share divided again by ``fp8_*_speedup`` under float8. FLOPs per token:
+  ``6 x`` the matmul parameters (blocks and output layer) plus causal attention
+  ``6 L s d`` (fwd + bwd, half of the full ``12 L s d``: PaLM, Chowdhery et al. 2022 App. B);
+  activation checkpointing recomputes the forward: full ``x 4/3`` of everything, selective
+  (torchtitan's per-operator policy, every second matmul kept) ``x 7/6`` of the linear part.
+  A power-limited GPU kind (``-500W``) runs at ``power_limited_clock`` of its peak.
+* **pipeline bubble**: compute ``x bubble / (1 - bubble)``
+  (:func:`llmforge.parallel.pipeline.bubble_fraction`, the schedule's formula, nothing fitted).
+* **FSDP** (over ``dp_shard x cp`` ranks): per block two all-gathers of the weights (one with
+  pipeline stages: torchtitan keeps them after the forward) in bf16 (1 byte for float8
+  all-gather) and one reduce-scatter of fp32 gradients; **CP**: the ring passes the K, V shard
+  ``cp - 1`` times per block (forward, and twice in the backward); **HSDP**: an all-reduce of
+  the sharded gradient across replicas. These overlap with compute up to ``fsdp_overlap`` of
+  it; the rest is exposed.
+* **TP** (sequence parallel, Megatron-style): per block and micro-batch two all-gathers and two
+  reduce-scatters of ``mbs x s / cp x d`` activations forward, the same backward (and the
+  forward's again under full AC): exposed at ``tp_exposed`` (``async_tp_exposed`` with async
+  TP, whose matmuls hide part of it).
+* **PP**: each micro-batch's hidden states cross each virtual stage boundary forward and back,
+  exposed.
+
+Every collective costs ``latency + bytes_per_rank / (bandwidth x efficiency)`` by link (alpha-beta,
+Hockney 1994): NVLink when its group's ranks fit in a node (``tp`` innermost, then ``cp``, then
+``dp_shard``), the network otherwise; a ring over ``n`` ranks moves ``(n - 1) / n`` of the
+payload per rank (twice for an all-reduce).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from llmforge.parallel.pipeline import bubble_fraction
+from llmforge.planning.gpus import GPUKind, gpu_kind
+from llmforge.planning.published import Setting, Shape
+
+
+@dataclass(frozen=True)
+class CostParams:
+    """The step-time model's constants; none depends on the model or the run.
+
+    Attributes:
+        matmul_efficiency: achieved share of the dense bf16 peak, eager, of a wide matmul.
+        narrow_width: the per-rank model width ``d / tp`` at which the efficiency halves
+            (``efficiency / (1 + narrow_width / (d / tp))``: small matmuls and the per-layer
+            work that does not shrink with them).
+        attention_efficiency: attention's speed relative to the matmuls (flash attention).
+        compile_speedup: compute speed-up of ``torch.compile``.
+        fp8_tensorwise_speedup, fp8_rowwise_speedup: speed-up of the linear layers' matmuls
+            under float8 (tensorwise / rowwise scaling).
+        power_limited_clock: share of the SXM peak a ``-500W`` GPU kind runs at.
+        nvlink_latency, network_latency: seconds per collective call.
+        nvlink_efficiency, network_efficiency: achieved share of the GPU table's bandwidth.
+        fsdp_overlap: share of the compute that can hide FSDP / CP / HSDP traffic.
+        tp_exposed, async_tp_exposed: share of the tensor-parallel traffic left exposed.
+    """
+
+    matmul_efficiency: float = 0.45
+    narrow_width: float = 256.0
+    attention_efficiency: float = 0.7
+    compile_speedup: float = 1.15
+    fp8_tensorwise_speedup: float = 1.4
+    fp8_rowwise_speedup: float = 1.2
+    power_limited_clock: float = 0.85
+    nvlink_latency: float = 20e-6
+    network_latency: float = 40e-6
+    nvlink_efficiency: float = 0.7
+    network_efficiency: float = 0.7
+    fsdp_overlap: float = 0.9
+    tp_exposed: float = 1.0
+    async_tp_exposed: float = 0.5
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Seconds per step of one rank by term, and what follows. ``terms``: compute, bubble,
+    data_parallel (FSDP / HSDP / CP, exposed), tp, pp, with the raw (before overlap) FSDP/CP traffic in ``overlapped``."""
+
+    step_seconds: float
+    tokens_per_second_per_gpu: float
+    mfu: float
+    terms: dict[str, float]
+    overlapped: float
+
+    @property
+    def limit(self) -> str:
+        """The largest term: what the step waits on most."""
+        return max(self.terms, key=self.terms.get)
+
+
+def flops_per_token(shape: Shape, seq_len: int) -> tuple[float, float]:
+    """``(linear, attention)`` training FLOPs per token (forward + backward, no recomputation):
+    ``6 x`` the matmul parameters (blocks and output layer), causal attention ``6 L s d``."""
+    linear = 6.0 * (shape.n_layers * shape.block_params + shape.vocab_size * shape.dim)
+    attention = 6.0 * shape.n_layers * seq_len * shape.dim
+    return linear, attention
+
+
+def model_flops_per_token(shape: Shape, seq_len: int) -> float:
+    """FLOPs per token MFU is counted with: no recomputation, linear plus causal attention."""
+    return sum(flops_per_token(shape, seq_len))
+
+
+def _collective(n: int, payload: float, calls: float, intra: bool, gpu: GPUKind, p: CostParams,
+                all_reduce: bool = False) -> float:
+    """Seconds of ``calls`` ring collectives over ``n`` ranks moving ``payload`` bytes (summed,
+    unsharded size) in all."""
+    if n <= 1:
+        return 0.0
+    bw = gpu.intra_node_bw * p.nvlink_efficiency if intra else gpu.inter_node_bw * p.network_efficiency
+    lat = p.nvlink_latency if intra else p.network_latency
+    return calls * lat + (2.0 if all_reduce else 1.0) * payload * (n - 1) / n / bw
+
+
+def predict(s: Setting, p: CostParams) -> Prediction:
+    """The step of ``s`` under ``p`` (module docstring).
+
+    Raises:
+        ConfigError: unknown GPU kind in ``s.gpu``.
+    """
+    gpu = gpu_kind(s.gpu, "gpu")
+    sh = s.shape
+    node = gpu.gpus_per_node
+    dp = s.dp_replicate * s.dp_shard
+    n_micro = s.global_batch_size // dp // s.micro_batch_size
+    tokens = s.global_batch_size * s.seq_len
+    linear, attention = flops_per_token(sh, s.seq_len)
+    if s.ac == "full":
+        linear, attention = linear * 4 / 3, attention * 4 / 3
+    elif s.ac == "selective":
+        linear *= 7 / 6
+    clock = p.power_limited_clock if gpu.name.endswith("-500W") else 1.0
+    width = sh.dim / s.tp
+    efficiency = p.matmul_efficiency / (1 + p.narrow_width / width)
+    speed = gpu.bf16_flops * efficiency * clock * (p.compile_speedup if s.compile else 1.0)
+    fp8 = {"fp8_tensorwise": p.fp8_tensorwise_speedup, "fp8_rowwise": p.fp8_rowwise_speedup}.get(s.precision, 1.0)
+    compute = tokens / s.world * (linear / fp8 + attention / p.attention_efficiency) / speed
+    bubble_share = bubble_fraction(s.schedule, s.pp, n_micro, s.stages_per_rank) if s.pp > 1 else 0.0
+    bubble = compute * bubble_share / (1 - bubble_share)
+
+    layers = sh.n_layers / s.pp  # blocks on this rank
+    w_gather = 1.0 if s.fp8_all_gather and s.precision != "bf16" else 2.0
+    block = sh.block_params / s.tp
+    ends = 2 * sh.vocab_size * sh.dim / s.tp / s.pp  # embedding and output, on the end stages
+    local = block * layers + ends
+    fsdp_n = s.dp_shard * s.cp
+    fsdp_intra = fsdp_n * s.tp <= node
+    gathers = 1 if s.pp > 1 else 2
+    fsdp = (_collective(fsdp_n, local * w_gather * gathers, gathers * (layers + 1), fsdp_intra, gpu, p)
+            + _collective(fsdp_n, local * 4.0, layers + 1, fsdp_intra, gpu, p))
+    if s.dp_replicate > 1:
+        fsdp += _collective(s.dp_replicate, local * 4.0 / fsdp_n, layers + 1, s.world <= node, gpu, p,
+                            all_reduce=True)
+    micro_tokens = s.micro_batch_size * s.seq_len / s.cp
+    passes = 4 if s.ac == "full" else 3
+    if s.cp > 1:
+        kv = micro_tokens * 2 * sh.n_kv_heads * sh.head_dim * 2.0 / s.tp
+        # a ring pass sends the rank's K, V shard to the next rank, cp - 1 times per pass
+        fsdp += n_micro * layers * passes * (s.cp - 1) * _collective(
+            2, 2 * kv, 1, s.cp * s.tp <= node, gpu, p)
+    exposed_fsdp = max(0.0, fsdp - p.fsdp_overlap * compute)
+    tp = 0.0
+    if s.tp > 1:
+        calls = n_micro * layers * (12 if s.ac == "full" else 8)
+        act = micro_tokens * sh.dim * 2.0
+        tp = _collective(s.tp, act * calls, calls, s.tp <= node, gpu, p)
+        tp *= p.async_tp_exposed if s.async_tp else p.tp_exposed
+    pp = 0.0
+    if s.pp > 1:
+        sends = 2 * n_micro * s.stages_per_rank
+        hidden = micro_tokens * sh.dim * 2.0 / s.tp
+        pp = _collective(2, 2 * hidden * sends, sends, s.world // s.pp < node, gpu, p)
+    terms = {"compute": compute, "bubble": bubble, "data_parallel": exposed_fsdp, "tp": tp, "pp": pp}
+    step = sum(terms.values())
+    tps = tokens / step / s.world
+    mfu = tps * model_flops_per_token(sh, s.seq_len) / gpu.bf16_flops
+    return Prediction(step, tps, mfu, terms, fsdp)
+
+
+__all__ = ["CostParams", "Prediction", "flops_per_token", "model_flops_per_token", "predict"]

@@ -1,0 +1,142 @@
+"""Analytic what-if of a layout: memory per rank (:func:`memory_per_rank`), the calibrated
+step-time model's verdict (:func:`assess`), and the fastest layout that fits for a recipe
+(:func:`best_layout`). No simulation: formulas on the model's shape only, cheap enough to
+check every published run (``benchmarks/planner_fidelity.py``) and to answer
+``llmforge plan --layout`` at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Iterator, Optional
+
+from llmforge.planning.calibration import FITTED, model_error
+from llmforge.planning.gpus import gpu_kind
+from llmforge.planning.published import Setting
+from llmforge.planning.step_model import CostParams, Prediction, predict
+
+FIT_SHARE = 0.80
+"""Share of device memory a predicted peak may use and count as fitting: in 454 runs a
+predicted peak below about 80 % of device memory gave no out-of-memory failure (arXiv
+2411.06465); every published run here is predicted under it (a test checks)."""
+
+
+def memory_per_rank(s: Setting) -> dict[str, float]:
+    """Peak bytes of the most loaded rank (the first pipeline stage) by part, and ``total``.
+
+    * state: fp32 weights, fp32 gradients and two fp32 AdamW moments, 16 bytes per parameter,
+      split over ``tp x pp x dp_shard x cp`` (FSDP shards over ``dp_shard x cp``);
+    * gathered: two blocks' bf16 weights in use (current and prefetched) and the ends
+      (embedding, output) of the stage, ``/ tp``; with pipeline stages the whole stage's
+      (torchtitan keeps them gathered after the forward under pipeline parallelism); under
+      float8 the fp8 weights every block saves for its backward (1 byte per parameter of the
+      rank's blocks, ``/ tp``: torchao's default without ``force_recompute_fp8_weight_in_bwd``);
+    * activations of one micro-batch of ``mbs x s / cp`` tokens per block, bf16, ``/ tp``
+      (sequence parallel): none keeps ``6 d + q + 2 kv + 4 F`` per token eager (norm inputs
+      and outputs, q k v, attention output, the SwiGLU's four F-wide tensors), ``2 d + 2 q +
+      2 kv + 2 F`` compiled (the partitioner recomputes norm outputs, SiLU and the gate
+      product), selective (per operator)
+      ``2 d + 2 q + kv + F`` (:func:`llmforge.models.memory_estimate.analytic_peak`'s
+      policy) plus one block recomputed, full ``d`` plus one block recomputed; with pipeline
+      stages the first stage holds ``min(pp, micro-batches)`` micro-batches in flight (1F1B);
+    * logits: bf16 and fp32 log-probabilities of one micro-batch, ``6 V`` bytes per token
+      ``/ tp``, on the last stage (counted on the first one too: an upper bound).
+    """
+    sh = s.shape
+    shards = s.tp * s.pp * s.dp_shard * s.cp
+    state = sh.params * 16.0 / shards
+    ends = 2 * sh.vocab_size * sh.dim / s.pp
+    layers = sh.n_layers / s.pp
+    held = layers if s.pp > 1 else 2  # blocks whose gathered weights are held at the peak
+    gathered = (held * sh.block_params + ends) * 2.0 / s.tp if s.dp_shard * s.cp > 1 else 0.0
+    if s.precision != "bf16" and not s.fp8_recompute_weight:
+        gathered += layers * sh.block_params / s.tp
+    tokens = s.micro_batch_size * s.seq_len / s.cp
+    q, kv, d, f = sh.n_heads * sh.head_dim, sh.n_kv_heads * sh.head_dim, sh.dim, sh.ffn_dim
+    # compiled: the partitioner recomputes elementwise results (norm outputs, SiLU, the gate
+    # product) in the backward instead of saving them
+    keep = 2 * d + 2 * q + 2 * kv + 2 * f if s.compile else 6 * d + 2 * kv + 4 * f + q
+    none = tokens * keep * 2.0 / s.tp
+    per_block = {"none": none, "selective": tokens * (2 * d + 2 * q + kv + f) * 2.0 / s.tp,
+                 "full": tokens * d * 2.0 / s.tp}[s.ac]
+    n_micro = s.global_batch_size // (s.dp_replicate * s.dp_shard) // s.micro_batch_size
+    in_flight = min(s.pp, n_micro) if s.pp > 1 else 1
+    act = per_block * layers * in_flight + (none if s.ac != "none" else 0.0)
+    logits = tokens * sh.vocab_size * 6.0 / s.tp
+    out = {"state": state, "gathered": gathered, "activations": act, "logits": logits}
+    out["total"] = sum(out.values())
+    return out
+
+
+@dataclass(frozen=True)
+class Verdict:
+    setting: Setting
+    memory: dict[str, float]
+    fits: bool
+    prediction: Prediction
+
+
+def assess(s: Setting, p: CostParams = FITTED) -> Verdict:
+    """``s``'s memory per rank, whether it fits in :data:`FIT_SHARE` of the GPU, its step."""
+    mem = memory_per_rank(s)
+    fits = mem["total"] <= FIT_SHARE * gpu_kind(s.gpu, "gpu").memory_bytes
+    return Verdict(s, mem, fits, predict(s, p))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(s: Setting, node: int = 8) -> Iterator[Setting]:
+    """Every layout of ``s``'s GPUs and global batch: ``tp`` within a node dividing the heads,
+    ``pp`` up to the number of blocks (stages may hold one block more than others, as
+    torchtitan splits 126 blocks into 8; 1F1B, and interleaved with 2 stages per rank), the rest ``dp_shard``; AC none / selective / full; micro-batch sizes dividing the
+    per-rank batch (at least ``pp`` micro-batches with stages). ``cp`` and the recipe
+    (precision, compile, async TP) stay as in ``s``."""
+    sh = s.shape
+    for tp in _divisors(min(node, s.world)):
+        if sh.n_heads % tp or sh.n_kv_heads % tp and tp > sh.n_kv_heads and tp % sh.n_kv_heads:
+            continue
+        for pp in _divisors(s.world // tp // s.cp):
+            dp = s.world // tp // pp // s.cp
+            if s.global_batch_size % dp or pp > sh.n_layers:
+                continue
+            local = s.global_batch_size // dp
+            schedules = [("1f1b", 1)] + ([("interleaved_1f1b", 2)] if pp > 1 and 2 * pp <= sh.n_layers else [])
+            for mbs in _divisors(local):
+                if pp > 1 and local // mbs < pp:
+                    continue
+                for ac in ("none", "selective", "full"):
+                    for sched, v in schedules:
+                        yield replace(s, tp=tp, pp=pp, dp_shard=dp, dp_replicate=1, micro_batch_size=mbs,
+                                      ac=ac, schedule=sched, stages_per_rank=v)
+
+
+def best_layout(s: Setting, p: CostParams = FITTED) -> Optional[Verdict]:
+    """The fastest layout of :func:`layouts` that fits, or ``None``."""
+    best = None
+    for lo in layouts(s):
+        v = assess(lo, p)
+        if v.fits and (best is None or v.prediction.step_seconds < best.prediction.step_seconds):
+            best = v
+    return best
+
+
+def same_layout(a: Setting, b: Setting) -> bool:
+    """Same degrees (dp_replicate, dp_shard, tp, pp, cp): micro-batch and AC may differ."""
+    return (a.dp_replicate, a.dp_shard, a.tp, a.pp, a.cp) == (b.dp_replicate, b.dp_shard, b.tp, b.pp, b.cp)
+
+
+def versus(chosen: Verdict, other: Verdict, error: Optional[float] = None) -> str:
+    """One phrase comparing ``chosen`` with ``other``: its tokens/s difference, the term whose
+    seconds differ most (what decides), and, when the difference is below the model's
+    held-out error (``error``, default the stored one), that it is within the error."""
+    error = model_error() if error is None else error
+    gap = chosen.prediction.tokens_per_second_per_gpu / other.prediction.tokens_per_second_per_gpu - 1
+    a, b = chosen.prediction.terms, other.prediction.terms
+    # the terms are per step; steps of different layouts move the same global batch
+    key = max(a, key=lambda k: abs(a[k] - b[k]))
+    decided = f"{key} {a[key]:.3g} s against {b[key]:.3g} s"
+    if abs(gap) <= error:
+        return f"{gap:+.1%} tokens/s per GPU: within the model's error ({error:.0%}); {decided}"
+    return f"{gap:+.1%} tokens/s per GPU, decided by {decided}"

@@ -1,0 +1,99 @@
+"""The step-time model against published runs: nothing is fitted here; the stored constants
+(planning/fitted.py, written by ``benchmarks/planner_fidelity.py --refit``) must reproduce the
+held-out error the benchmark printed, so a change to the cost model that breaks the fit fails."""
+
+from dataclasses import replace
+
+import pytest
+
+from llmforge.planning.calibration import FITTED, HELD_OUT, held_out, summary
+from llmforge.planning.published import LLAMA3_8B, RUNS, SOURCES, Setting
+from llmforge.planning.step_model import predict
+from llmforge.planning.whatif import assess
+
+
+def test_held_out_error_is_the_stored_one():
+    stats = summary(held_out())
+    assert stats["n"] == len(RUNS) >= 30
+    assert stats["median"] == pytest.approx(HELD_OUT["median"], abs=6e-5)
+    assert stats["max"] == pytest.approx(HELD_OUT["max"], abs=6e-5)
+    # the figures docs/scale.md states (a worse model must update them knowingly)
+    assert stats["median"] <= 0.12 and stats["max"] <= 0.60
+
+
+def test_published_rows_are_sourced_and_predicted_to_fit():
+    assert {r.source for r in RUNS} == set(SOURCES)
+    assert len({(r.source, r.label) for r in RUNS}) == len(RUNS)
+    for r in RUNS:  # they ran: the memory model must not refuse them
+        v = assess(r.setting)
+        assert v.fits, (r.label, v.memory["total"] / 2**30)
+        if r.memory_gib:  # published peaks are the allocator's reserved bytes: an upper bound
+            assert v.memory["total"] / 2**30 < r.memory_gib * 1.1, r.label
+    with pytest.raises(ValueError, match="!= world 16"):
+        Setting(LLAMA3_8B, "H100-SXM-80GB", 16, dp_shard=4, global_batch_size=8, micro_batch_size=1, seq_len=8192)
+
+
+def test_step_terms_follow_the_layout():
+    base = Setting(LLAMA3_8B, "H100-SXM-80GB", 8, dp_shard=8, global_batch_size=16, micro_batch_size=2,
+                   seq_len=8192, ac="selective", compile=True)
+    p = predict(base, FITTED)
+    assert p.terms["bubble"] == p.terms["tp"] == p.terms["pp"] == 0.0 and p.limit == "compute"
+    tp = predict(replace(base, dp_shard=4, tp=2), FITTED)
+    assert tp.terms["tp"] > 0.0
+    staged = predict(replace(base, dp_shard=4, pp=2, micro_batch_size=1), FITTED)
+    # 1F1B, 2 stages, 4 micro-batches: bubble (p-1)/(m+p-1) = 1/5 of the stretched step
+    assert staged.terms["bubble"] == pytest.approx(staged.terms["compute"] / 4)
+    fp8 = predict(replace(base, precision="fp8_tensorwise"), FITTED)
+    assert fp8.tokens_per_second_per_gpu > p.tokens_per_second_per_gpu
+    assert 0.3 < p.mfu < 0.6
+
+
+def test_plan_layout_predicts_one_layout_and_names_bad_keys():
+    from conftest import DEMO, run_main
+
+    ok = run_main("plan", DEMO, "--gpus", "8", "--layout", "dp_shard=4,tp=2,ac=full,mbs=1")
+    assert ok.returncode == 0, ok.stderr
+    assert "layout dp_shard=4,tp=2,ac=full,mbs=1" in ok.stdout and "tokens/s per GPU, MFU" in ok.stdout
+    assert "memory per rank" in ok.stdout and "limited by" in ok.stdout and "best layout found" in ok.stdout
+    for layout, gpus, words in (("dp_shard=2,tp=2", "8", "--layout dp_shard=2,tp=2: dp_replicate*dp_shard*tp*pp*cp = 4, not --gpus 8"),
+                                ("tp=3", "6", "--layout tp=3: the model's heads (n_heads=8, n_kv_heads=4)"),
+                                ("dp_shard=8,bogus=1", "8", "--layout: unknown key 'bogus'"),
+                                ("dp_shard=4,mbs=3", "4", "--layout mbs=3: does not divide the per-rank batch 4")):
+        bad = run_main("plan", DEMO, "--gpus", gpus, "--layout", layout)
+        assert bad.returncode == 2, (layout, bad.stdout)
+        assert words in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_fidelity_benchmark_prints_the_stored_figures(capsys):
+    import importlib.util
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("planner_fidelity", REPO / "benchmarks" / "planner_fidelity.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main([]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == (f"held-out median error {HELD_OUT['median']:.0%} max {HELD_OUT['max']:.0%} over "
+                    f"{len(RUNS)} rows; published layouts chosen or within error 1 of 3")
+
+
+def test_comparisons_say_within_the_error_and_progress_prints_lines():
+    import io
+
+    from llmforge.planning.explain import Progress
+    from llmforge.planning.whatif import versus
+
+    base = Setting(LLAMA3_8B, "H100-SXM-80GB", 8, dp_shard=8, global_batch_size=16, micro_batch_size=2,
+                   seq_len=8192, ac="selective", compile=True)
+    near = assess(replace(base, micro_batch_size=1))  # same step by the model
+    far = assess(replace(base, dp_shard=1, tp=8, ac="full"))
+    assert f"within the model's error ({HELD_OUT['median']:.0%})" in versus(assess(base), near)
+    text = versus(assess(base), far)
+    assert "within" not in text and text.startswith("+") and "decided by" in text
+    out = io.StringIO()  # not a terminal: one line per group, with the time left after the first
+    progress = Progress(out)
+    for done in range(3):
+        progress(done, 3, f"tp={2 ** done} activation_checkpointing=none")
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3 and lines[0].startswith("plan: group 1 of 3: tp=1") and "s left)" in lines[1]

@@ -57,7 +57,9 @@ def explain(p: Any, cfg: Any) -> list[str]:
         return lo.dp_replicate, lo.dp_shard, lo.tp, lo.pp, lo.ep, lo.activation_checkpointing
 
     # the best other layout (a micro-batch size alone is no alternative worth a line)
-    runner = next((c for c in p.candidates if c.status == "slower" and key(c) != key(win)), None)
+    # (a candidate not timed, e.g. one process with nothing to communicate, is no runner-up)
+    runner = next((c for c in p.candidates if c.status == "slower" and key(c) != key(win)
+                   and c.tokens_per_second_per_gpu and c.peak_bytes is not None), None)
     if runner is not None:
         lines.append(_compare(f"runner-up: {_layout(runner.layout)}", runner.tokens_per_second_per_gpu,
                               runner.peak_bytes, runner.terms, win, error))

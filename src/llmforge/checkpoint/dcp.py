@@ -44,7 +44,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_state_dict, set_model_state_dict)
+                                                     get_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 
 from llmforge.checkpoint.atomic_save import (PendingSave, _barrier,
                                              _crash_point, _is_rank0, _write_failed)
@@ -153,6 +154,11 @@ def load_training_state(path: str | Path, model: nn.Module,
     """Load model and optimizer state (resharded to the current layout) from a checkpoint and
     return its ``trainer_state.json`` plus this rank's RNG state under ``"rng"`` (if saved).
 
+    Optimizer state the checkpoint lacks for a parameter (one that had no gradient before the
+    save: frozen, trained later, an expert no token reached) stays absent, as it was when the
+    checkpoint was saved: the optimizer creates it at the parameter's first step, exactly as
+    the uninterrupted run does. A parameter whose state was saved must have all of it.
+
     Args:
         plugin_state: ``{state_key: {name: tensor}}`` templates of plugins' own tensors; the
             entries the checkpoint holds are loaded into them in place, and the returned dict
@@ -161,8 +167,6 @@ def load_training_state(path: str | Path, model: nn.Module,
     Raises:
         FileNotFoundError: ``path`` is not a complete checkpoint.
     """
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
     path = Path(path)
     if not (path / COMPLETE).exists():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
@@ -170,16 +174,18 @@ def load_training_state(path: str | Path, model: nn.Module,
         flat = _saved_flat_optimizer(path)
         model_sd, optim_sd = get_state_dict(
             model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat))
+        optim_sd = _saved_optimizer_state(optim_sd, set(model_sd), path, flat)
         model_sd, adapters_only = _adapter_filter(model, model_sd, _saved_adapters_only(path))
         state = {"model": model_sd, "optim": optim_sd}
         found = _saved_plugin_keys(path, plugin_state or {})
         if found:
             state["plugins"] = {k: plugin_state[k] for k in found}  # type: ignore[index]
         safe_load(state, str(path))
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"],
-                       options=StateDictOptions(strict=not adapters_only,
-                                                flatten_optimizer_state_dict=flat))
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not adapters_only))
+        # not strict: parameters without saved state get none (_saved_optimizer_state)
+        set_optimizer_state_dict(model, optimizer, state["optim"],
+                                 options=StateDictOptions(strict=False, flatten_optimizer_state_dict=flat))
+        _drop_empty_optimizer_state(optimizer)
     else:
         load_model_weights(path, model, adapters_only=None)
     out = read_json(path, "trainer_state.json")
@@ -190,6 +196,43 @@ def load_training_state(path: str | Path, model: nn.Module,
     if rng_file.exists():
         out["rng"] = read_json(path, f"rng/{rng_file.name}")
     return out
+
+
+def _saved_optimizer_state(optim_sd: dict[str, Any], fqns: set[str], path: Path,
+                           flat: bool) -> dict[str, Any]:
+    """The load target ``optim_sd`` (from ``get_state_dict``, which gives every parameter
+    state) without the state of parameters the checkpoint holds none for. ``fqns``: the model's
+    state-dict keys; ``flat``: ``optim_sd`` is keyed ``state.<fqn>.<name>``, else nested
+    ``{"state": {fqn: {name: ...}}, "param_groups": [...]}``."""
+    saved = load_metadata(path / ".metadata").state_dict_metadata.keys()
+    with_state = {k[len("optim.state."):] for k in saved if k.startswith("optim.state.")}
+
+    def has_saved_state(fqn: str) -> bool:
+        return any(k.startswith(f"{fqn}.") for k in with_state)
+
+    if not flat:
+        states = optim_sd.get("state", {})
+        return {**optim_sd, "state": {fqn: v for fqn, v in states.items() if has_saved_state(fqn)}}
+
+    def owner(key: str) -> str:  # the longest parameter name that prefixes "<fqn>.<name>"
+        parts = key.split(".")
+        for end in range(len(parts) - 1, 0, -1):
+            if ".".join(parts[:end]) in fqns:
+                return ".".join(parts[:end])
+        return key.rsplit(".", 1)[0]
+
+    return {k: v for k, v in optim_sd.items()
+            if not k.startswith("state.") or has_saved_state(owner(k[len("state."):]))}
+
+
+def _drop_empty_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Remove per-parameter states that hold nothing: torch's unflattening of a per-parameter
+    (``flatten_optimizer``) state dict gives a parameter without saved state ``{name: {}}``
+    entries, which the optimizer would take for real state; absent, it starts the parameter
+    fresh at its first step."""
+    for param, st in list(optimizer.state.items()):
+        if all(isinstance(v, dict) and not v for v in st.values()):
+            del optimizer.state[param]
 
 
 def _saved_adapters_only(path: Path) -> Optional[bool]:

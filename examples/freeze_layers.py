@@ -51,11 +51,9 @@ class FreezeLayers(Algorithm):
         return name.startswith(self.prefixes)
 
     def before_optimizer_step(self, state: Any) -> None:
-        if state.step > self.steps:
-            return
-        frozen = 0
-        for name, p in state.model.named_parameters():
-            if self.frozen(name):
-                p.grad = None  # the optimizer skips a parameter without a gradient
-                frozen += p.numel()
-        state.metrics["train/frozen_params"] = frozen  # this rank's (pipeline: its stages')
+        frozen = state.step <= self.steps
+        state.metrics["train/frozen"] = float(frozen)
+        if frozen:
+            for name, p in state.model.named_parameters():  # a pipeline rank: its stages' only
+                if self.frozen(name):
+                    p.grad = None  # the optimizer skips a parameter without a gradient

@@ -14,20 +14,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DEMO, TINY_OVERRIDES
+from conftest import REPO, TINY_OVERRIDES
 from helpers.dist import torchrun, worker
 
-FREEZE = ("algorithms=[{name: examples.freeze_layers.FreezeLayers, prefixes: [tok_embeddings], "
-          "steps: 2}]")
+EXAMPLE = str(REPO / "examples" / "freeze_layers.yaml")  # FreezeLayers on tok_embeddings
 BASE = [*TINY_OVERRIDES, "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
         "trainer.max_steps=5", "trainer.log_every=1", "trainer.eval_every=0",
-        "trainer.eval_batches=1", "data.max_documents=6", FREEZE]
+        "trainer.eval_batches=1", "data.max_documents=6", "algorithms.0.steps=2"]
 LAYOUTS = {"one": [], "fsdp2": ["strategy.name=fsdp2"], "pp2": ["strategy.pp=2"]}
 
 
 def runs(out: Path, layout: str) -> dict[str, list[str]]:
     """The uninterrupted run (saves at 2 and 4) and the two resumed from its checkpoints."""
-    base = ["train", DEMO, *BASE, *LAYOUTS[layout], f"run.output_dir={out}"]
+    base = ["train", EXAMPLE, *BASE, *LAYOUTS[layout], f"run.output_dir={out}"]
     ckpts = out / f"{layout}_ref" / "checkpoints"
     return {f"{layout}_ref": [*base, f"run.name={layout}_ref", "checkpoint.save_every=2"],
             **{f"{layout}_from{s}": [*base, f"run.name={layout}_from{s}",
@@ -60,12 +59,12 @@ def assert_resumed_exactly(out: Path, layout: str) -> None:
         assert all(torch.equal(weights[k], weights_ref[k]) for k in weights_ref), (layout, s)
     # frozen at steps 1-2 only (the 1-based state.step of before_optimizer_step)
     recs = [json.loads(x) for x in (ref / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in recs if r.get("train/frozen_params")] == [1, 2]
+    assert [r["train/frozen"] for r in recs if "train/frozen" in r] == [1.0, 1.0, 0.0, 0.0, 0.0]
 
 def test_frozen_then_unfrozen_checkpoints_resume_exactly_one_process(tmp_path, monkeypatch):
     from llmforge.cli import main
 
-    monkeypatch.syspath_prepend(str(Path(DEMO).parents[1]))  # examples/ as PYTHONPATH=. finds it
+    monkeypatch.syspath_prepend(str(REPO))  # examples/ as PYTHONPATH=. finds it
     for name, argv in runs(tmp_path, "one").items():
         assert main(argv) == 0, name
     assert_resumed_exactly(tmp_path, "one")
@@ -80,3 +79,37 @@ def test_frozen_then_unfrozen_checkpoints_resume_exactly_fsdp2_and_pp2(tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for layout in ("fsdp2", "pp2"):
         assert_resumed_exactly(tmp_path, layout)
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["nested", "per_parameter"])
+def test_optimizer_state_absent_at_save_stays_absent(tmp_path, flat):
+    """The checkpoint functions alone, both optimizer layouts (per-parameter: pipeline stages):
+    a parameter AdamW never stepped loads without state and its first step equals the
+    uninterrupted one's."""
+    from torch import nn
+
+    from llmforge.checkpoint.dcp import load_training_state, save_checkpoint
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    def step(model, opt, frozen):
+        model(torch.ones(3, 4)).square().sum().backward()
+        for p in (model[0].parameters() if frozen else ()):
+            p.grad = None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    model, opt = build()
+    step(model, opt, frozen=True)
+    save_checkpoint(tmp_path, 1, model, opt, {"step": 1}, {}, flatten_optimizer=flat)
+    step(model, opt, frozen=False)
+    again, opt2 = build()
+    load_training_state(tmp_path / "step_00000001", again, opt2)
+    assert [len(opt2.state[p]) for p in again.parameters()] == [0, 0, 3, 3]
+    assert opt2.state[again[1].weight]["step"].item() == 1
+    step(again, opt2, frozen=False)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    assert opt2.state[again[0].weight]["step"].item() == 1

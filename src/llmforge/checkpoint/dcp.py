@@ -44,8 +44,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+                                                     get_optimizer_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
 from llmforge.checkpoint.atomic_save import (PendingSave, _barrier,
                                              _crash_point, _is_rank0, _write_failed)
@@ -174,7 +174,7 @@ def load_training_state(path: str | Path, model: nn.Module,
         flat = _saved_flat_optimizer(path)
         model_sd, optim_sd = get_state_dict(
             model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat))
-        optim_sd = _saved_optimizer_state(optim_sd, set(model_sd), path, flat)
+        optim_sd, absent = _saved_optimizer_state(optim_sd, set(model_sd), path, flat)
         model_sd, adapters_only = _adapter_filter(model, model_sd, _saved_adapters_only(path))
         state = {"model": model_sd, "optim": optim_sd}
         found = _saved_plugin_keys(path, plugin_state or {})
@@ -182,6 +182,7 @@ def load_training_state(path: str | Path, model: nn.Module,
             state["plugins"] = {k: plugin_state[k] for k in found}  # type: ignore[index]
         safe_load(state, str(path))
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not adapters_only))
+        _forget_optimizer_state(model, optimizer, absent)
         # not strict: parameters without saved state get none (_saved_optimizer_state)
         set_optimizer_state_dict(model, optimizer, state["optim"],
                                  options=StateDictOptions(strict=False, flatten_optimizer_state_dict=flat))
@@ -198,12 +199,12 @@ def load_training_state(path: str | Path, model: nn.Module,
     return out
 
 
-def _saved_optimizer_state(optim_sd: dict[str, Any], fqns: set[str], path: Path,
-                           flat: bool) -> dict[str, Any]:
-    """The load target ``optim_sd`` (from ``get_state_dict``, which gives every parameter
-    state) without the state of parameters the checkpoint holds none for. ``fqns``: the model's
-    state-dict keys; ``flat``: ``optim_sd`` is keyed ``state.<fqn>.<name>``, else nested
-    ``{"state": {fqn: {name: ...}}, "param_groups": [...]}``."""
+def _saved_optimizer_state(optim_sd: dict[str, Any], fqns: set[str],
+                           path: Path, flat: bool) -> tuple[dict[str, Any], set[str]]:
+    """``(target, absent)``: the load target ``optim_sd`` (from ``get_state_dict``, which gives
+    every parameter state) without the state of the parameters the checkpoint holds none for,
+    and those parameters' names. ``fqns``: the model's state-dict keys; ``flat``: ``optim_sd``
+    is keyed ``state.<fqn>.<name>``, else nested ``{"state": {fqn: {name: ...}}, ...}``."""
     saved = load_metadata(path / ".metadata").state_dict_metadata.keys()
     with_state = {k[len("optim.state."):] for k in saved if k.startswith("optim.state.")}
 
@@ -212,7 +213,8 @@ def _saved_optimizer_state(optim_sd: dict[str, Any], fqns: set[str], path: Path,
 
     if not flat:
         states = optim_sd.get("state", {})
-        return {**optim_sd, "state": {fqn: v for fqn, v in states.items() if has_saved_state(fqn)}}
+        absent = {fqn for fqn in states if not has_saved_state(fqn)}
+        return {**optim_sd, "state": {f: v for f, v in states.items() if f not in absent}}, absent
 
     def owner(key: str) -> str:  # the longest parameter name that prefixes "<fqn>.<name>"
         parts = key.split(".")
@@ -221,17 +223,34 @@ def _saved_optimizer_state(optim_sd: dict[str, Any], fqns: set[str], path: Path,
                 return ".".join(parts[:end])
         return key.rsplit(".", 1)[0]
 
-    return {k: v for k, v in optim_sd.items()
-            if not k.startswith("state.") or has_saved_state(owner(k[len("state."):]))}
+    owners = {k: owner(k[len("state."):]) for k in optim_sd if k.startswith("state.")}
+    absent = {f for f in owners.values() if not has_saved_state(f)}
+    return {k: v for k, v in optim_sd.items() if owners.get(k) not in absent}, absent
+
+
+def _forget_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                            absent: set[str]) -> None:
+    """Remove the optimizer's state of the parameters named in ``absent`` (``get_state_dict``
+    created it to build the load target). torch's loading of a per-parameter
+    (``flatten_optimizer``) state dict asks every state name the optimizer holds for a
+    parameter; with none held, a parameter without saved state loads as ``{}``: fresh, as in
+    the run that saved the checkpoint. The names are the ones DCP uses, from the nested state
+    dict's groups (same order as ``optimizer.param_groups``)."""
+    if not absent:
+        return
+    groups = get_optimizer_state_dict(model, optimizer)["param_groups"]
+    for group, named in zip(optimizer.param_groups, groups):
+        for param, fqn in zip(group["params"], named["params"]):
+            if fqn in absent:
+                optimizer.state.pop(param, None)
 
 
 def _drop_empty_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Remove per-parameter states that hold nothing: torch's unflattening of a per-parameter
-    (``flatten_optimizer``) state dict gives a parameter without saved state ``{name: {}}``
-    entries, which the optimizer would take for real state; absent, it starts the parameter
-    fresh at its first step."""
+    """Remove the ``{}`` states a load leaves for parameters without saved state: absent,
+    they are what they were in the run that saved the checkpoint (the optimizer treats both
+    alike; the next save then holds no keys for them either)."""
     for param, st in list(optimizer.state.items()):
-        if all(isinstance(v, dict) and not v for v in st.values()):
+        if not st:
             del optimizer.state[param]
 
 

@@ -196,3 +196,31 @@ def test_one_meta_model_per_run(tmp_path, capsys, monkeypatch):
     assert len(plugin.meta_model(cfg).layers) == 1  # another model config, another model
     longer = load_config(DEMO, [*TINY_OVERRIDES, "variables.seq_len=128"])  # an interpolated key
     assert plugin.meta_model(longer).max_seq_len == 128
+
+
+def test_nproc_prints_a_preflight_warning_once(tmp_path, monkeypatch, capsys):
+    """`--nproc 2` (issue 49.4): the launcher prints the warm-up warning; its workers, which
+    resolve the same config again in fresh processes (here: their pre-flight, with the
+    environment the launcher gives them), do not repeat it."""
+    import os
+
+    import llmforge.job.nproc as nproc
+
+    validate_module = sys.modules["llmforge.config.validate"]  # the package exports the function
+
+    def workers(n, argv):  # each worker: a fresh process that resolves the run at its start
+        for rank in range(n):
+            monkeypatch.setattr(validate_module, "_WARNED", set())
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n)}
+            monkeypatch.setattr(os, "environ", env)
+            resolve_run(load_config(argv[1], [a for a in argv[2:] if not a.startswith("--")]),
+                        check_dir=False)
+        return 0
+
+    monkeypatch.setattr(nproc, "launch_local", workers)
+    assert main(["train", DEMO, *TINY_OVERRIDES, f"run.output_dir={tmp_path}", "trainer.max_steps=5",
+                 "scheduler.warmup_steps=50", "--nproc", "2"]) == 0
+    warnings = [x for x in capsys.readouterr().err.splitlines() if x.startswith("warning:")]
+    assert warnings == ["warning: scheduler.warmup_steps (50) > trainer.max_steps (5): the learning "
+                        "rate only warms up and never reaches optimizer.lr; for a whole schedule "
+                        "warm up for about a tenth of the steps: scheduler.warmup_steps=1"]

@@ -206,10 +206,14 @@ def _saved_optimizer_state(optim_sd: dict[str, Any], fqns: set[str],
     and those parameters' names. ``fqns``: the model's state-dict keys; ``flat``: ``optim_sd``
     is keyed ``state.<fqn>.<name>``, else nested ``{"state": {fqn: {name: ...}}, ...}``."""
     saved = load_metadata(path / ".metadata").state_dict_metadata.keys()
-    with_state = {k[len("optim.state."):] for k in saved if k.startswith("optim.state.")}
+    prefixes = set()  # every dotted prefix of "<fqn>.<name>" of the saved optimizer state
+    for key in saved:
+        if key.startswith("optim.state."):
+            parts = key[len("optim.state."):].split(".")
+            prefixes.update(".".join(parts[:end]) for end in range(1, len(parts)))
 
     def has_saved_state(fqn: str) -> bool:
-        return any(k.startswith(f"{fqn}.") for k in with_state)
+        return fqn in prefixes
 
     if not flat:
         states = optim_sd.get("state", {})

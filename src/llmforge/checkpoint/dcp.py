@@ -155,7 +155,7 @@ def load_training_state(path: str | Path, model: nn.Module,
     return its ``trainer_state.json`` plus this rank's RNG state under ``"rng"`` (if saved).
 
     Optimizer state the checkpoint lacks for a parameter (one that had no gradient before the
-    save: frozen, trained later, an expert no token reached) stays absent, as it was when the
+    save: frozen, or trained later) stays absent, as it was when the
     checkpoint was saved: the optimizer creates it at the parameter's first step, exactly as
     the uninterrupted run does. A parameter whose state was saved must have all of it.
 

@@ -61,6 +61,7 @@ def assert_resumed_exactly(out: Path, layout: str) -> None:
     recs = [json.loads(x) for x in (ref / "metrics.jsonl").read_text().splitlines()]
     assert [r["train/frozen"] for r in recs if "train/frozen" in r] == [1.0, 1.0, 0.0, 0.0, 0.0]
 
+
 def test_frozen_then_unfrozen_checkpoints_resume_exactly_one_process(tmp_path, monkeypatch):
     from llmforge.cli import main
 

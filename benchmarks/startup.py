@@ -5,7 +5,8 @@
     python benchmarks/startup.py --smoke
 
 Targets: ``--help`` and a config error (a typo'd key) under 0.5 s: the config is loaded and
-checked before torch, Lightning and datasets are imported; ``--dry-run`` output in a few
+checked before torch, Lightning and datasets are imported; an unknown ``model.preset`` or an
+impossible model shape (``n_kv_heads`` not dividing ``n_heads``) under 1 s, checked as early; ``--dry-run`` output in a few
 seconds (it builds the model on the meta device, so it imports torch); the first optimizer
 step of ``llmforge train yamls/demo_cpu.yaml`` under 10 s, the one-time corpus download
 excluded (a warm-up run fills the cache first).
@@ -72,6 +73,12 @@ def main() -> int:
     demo = str(REPO / "yamls" / "demo_cpu.yaml")
     errors = [time_command("train", demo, "trainer.max_stepz=3", expect=2)
               for _ in range(1 if args.smoke else 5)]
+    # an unknown preset and an impossible shape: the families' light config.py checks them
+    # before torch too (issue 49.4; they came after torch, 15-27 s on a busy machine)
+    presets = [time_command("train", demo, "model.preset=llama3_9b", expect=2)
+               for _ in range(1 if args.smoke else 5)]
+    shapes = [time_command("train", demo, "model.n_kv_heads=3", expect=2)
+              for _ in range(1 if args.smoke else 5)]
     dries = [time_command("train", demo, "--dry-run", expect=0) for _ in range(1 if args.smoke else 2)]
     with tempfile.TemporaryDirectory() as tmp:
         if not args.smoke:  # the smoke run only proves the script runs
@@ -79,6 +86,8 @@ def main() -> int:
         firsts = [time_first_step(Path(tmp), f"r{i}", extra) for i in range(1 if args.smoke else 2)]
     print(f"llmforge --help          median {statistics.median(helps):.3f} s   (target < 0.5 s)")
     print(f"config error (typo)      median {statistics.median(errors):.3f} s   (target < 0.5 s)")
+    print(f"model.preset error       median {statistics.median(presets):.3f} s   (target < 1 s)")
+    print(f"model shape error        median {statistics.median(shapes):.3f} s   (target < 1 s)")
     print(f"--dry-run output         median {statistics.median(dries):.2f} s")
     print(f"first optimizer step     median {statistics.median(firsts):.2f} s   (target < 10 s, caches warm)")
     return 0

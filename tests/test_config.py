@@ -361,6 +361,19 @@ def test_warmup_longer_than_the_run_is_a_warning_not_an_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("warning: scheduler.warmup_steps (100) > trainer.max_steps (10)")
     assert "scheduler.warmup_steps=1" in err
+    # one advice for every length (issue 49.4: max_steps=5 was told 0, max_steps=10 told 1)
+    validate(cfg_with("scheduler.warmup_steps=100", "trainer.max_steps=5", tmp_path=tmp_path))
+    assert capsys.readouterr().err.rstrip().endswith("a tenth of the steps: scheduler.warmup_steps=1")
+    validate(cfg_with("scheduler.warmup_steps=100", "trainer.max_steps=50", tmp_path=tmp_path))
+    assert capsys.readouterr().err.rstrip().endswith("scheduler.warmup_steps=5")
+
+
+def test_workers_of_the_nproc_launcher_do_not_repeat_its_warnings(tmp_path, capsys, monkeypatch):
+    from llmforge.config.validate import WARNINGS_SHOWN_ENV
+
+    monkeypatch.setenv(WARNINGS_SHOWN_ENV, "1")  # what `--nproc N` gives its workers
+    validate(cfg_with("scheduler.warmup_steps=99", "trainer.max_steps=7", tmp_path=tmp_path))
+    assert capsys.readouterr().err == ""
 
 
 def test_validate_accepts_edges(tmp_path):

@@ -67,19 +67,25 @@ def test_config_errors_come_before_the_heavy_imports(tmp_path):
     cases = [[DEMO, "trainer.max_stepz=3"],
              [DEMO, f"run.output_dir={tmp_path / 'runs'}"],
              [DEMO, "tokenizer.type=huggingface", f"tokenizer.path={tmp_path / 'nope.json'}"],
-             [DEMO, "trainer.global_batch_size=10"]]
+             [DEMO, "trainer.global_batch_size=10"],
+             [DEMO, "model.preset=llama3_9b"],  # the families' light config checks (issue 49.4)
+             [DEMO, "model.n_kv_heads=3"],
+             [DEMO, "model.name=qwen3", "model.preset=qwen3_9b"]]
     code = ("import json, sys; from llmforge.cli import main\n"
             f"codes = [main(['train', *c]) for c in {cases!r}]\n"
             "print(json.dumps([codes, [m for m in ('torch', 'lightning', 'datasets') if m in sys.modules]]))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           cwd=tmp_path, env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"})
     codes, heavy = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert codes == [2, 2, 2, 2] and heavy == [], proc.stderr
+    assert codes == [2] * 7 and heavy == [], proc.stderr
     errors = proc.stderr.strip().splitlines()
     assert "trainer.max_steps" in errors[0]
     assert "already holds a run" in errors[1] and str(used) in errors[1]
     assert "tokenizer.path" in errors[2] and "nope.json" in errors[2]
     assert "global_batch_size=10" in errors[3]
+    assert errors[4].startswith("error: model.preset: unknown preset 'llama3_9b'. Valid presets: debug,")
+    assert errors[5] == "error: model.n_heads (8) must be divisible by model.n_kv_heads (3)"
+    assert errors[6].startswith("error: model.preset: unknown qwen3 preset 'qwen3_9b'")
     assert (used / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
@@ -190,3 +196,31 @@ def test_one_meta_model_per_run(tmp_path, capsys, monkeypatch):
     assert len(plugin.meta_model(cfg).layers) == 1  # another model config, another model
     longer = load_config(DEMO, [*TINY_OVERRIDES, "variables.seq_len=128"])  # an interpolated key
     assert plugin.meta_model(longer).max_seq_len == 128
+
+
+def test_nproc_prints_a_preflight_warning_once(tmp_path, monkeypatch, capsys):
+    """`--nproc 2` (issue 49.4): the launcher prints the warm-up warning; its workers, which
+    resolve the same config again in fresh processes (here: their pre-flight, with the
+    environment the launcher gives them), do not repeat it."""
+    import os
+
+    import llmforge.job.nproc as nproc
+
+    validate_module = sys.modules["llmforge.config.validate"]  # the package exports the function
+
+    def workers(n, argv):  # each worker: a fresh process that resolves the run at its start
+        for rank in range(n):
+            monkeypatch.setattr(validate_module, "_WARNED", set())
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n)}
+            monkeypatch.setattr(os, "environ", env)
+            resolve_run(load_config(argv[1], [a for a in argv[2:] if not a.startswith("--")]),
+                        check_dir=False)
+        return 0
+
+    monkeypatch.setattr(nproc, "launch_local", workers)
+    assert main(["train", DEMO, *TINY_OVERRIDES, f"run.output_dir={tmp_path}", "trainer.max_steps=5",
+                 "scheduler.warmup_steps=50", "--nproc", "2"]) == 0
+    warnings = [x for x in capsys.readouterr().err.splitlines() if x.startswith("warning:")]
+    assert warnings == ["warning: scheduler.warmup_steps (50) > trainer.max_steps (5): the learning "
+                        "rate only warms up and never reaches optimizer.lr; for a whole schedule "
+                        "warm up for about a tenth of the steps: scheduler.warmup_steps=1"]

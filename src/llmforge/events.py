@@ -15,8 +15,10 @@ micro-batch)::
     │                           may be replaced or gain terms; state.metrics may gain entries
     ├─ BEFORE_BACKWARD     x n
     ├─ AFTER_BACKWARD      x n
-    BEFORE_OPTIMIZER_STEP       gradients reduced and clipped, state.grad_norm; may set
-                                state.skip_step (no optimizer or schedule step for this batch)
+    BEFORE_OPTIMIZER_STEP       gradients reduced and clipped, state.grad_norm; state.step is the
+                                step being taken (1-based); may set state.skip_step (no optimizer
+                                or schedule step for this batch) or a parameter's grad to None
+                                (the optimizer skips it: docs/research.md)
     AFTER_OPTIMIZER_STEP        weights updated (unless skipped)
     BEFORE_EVALUATION / AFTER_EVALUATION   around each evaluation; state.eval_metrics after it
     STEP_RECORDED               the step's record is written (loggers); last event of a step;
@@ -38,7 +40,8 @@ are collected once per fit).
 Plugin state: ``state_dict()``/``load_state_dict()`` (Lightning's ``Callback`` protocol; plain
 JSON values, in ``trainer_state.json``) and ``sharded_state_dict()``/
 ``load_sharded_state_dict()`` (tensors, sharded like the weights, in the DCP checkpoint) are
-saved in every checkpoint and restored on resume.
+saved in every checkpoint under the plugin's ``state_key`` (the class name unless the class
+defines it; two plugins with state under one key are refused) and restored on resume.
 """
 
 from __future__ import annotations

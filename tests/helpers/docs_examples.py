@@ -6,6 +6,28 @@ import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+RESEARCH = REPO / "docs" / "research.md"
+
+
+def code_block(doc: Path, marker: str) -> str:
+    """The code block of ``doc`` whose first line starts with ``marker`` (e.g.
+    ``# my_lab/module.py``), as written, up to its closing fence."""
+    text = doc.read_text()
+    assert marker in text, f"{doc} has no code block starting with {marker!r}"
+    return marker + text.split(marker, 1)[1].split("```", 1)[0]
+
+
+def write_research_package(folder: Path) -> list[str]:
+    """Write every ``# my_lab/NAME.py`` block of docs/research.md to ``folder/my_lab/NAME.py``
+    (a package importable with ``folder`` on ``sys.path``); returns the module names."""
+    import re
+
+    names = re.findall(r"^# my_lab/(\w+)\.py", RESEARCH.read_text(), flags=re.M)
+    (folder / "my_lab").mkdir(parents=True, exist_ok=True)
+    (folder / "my_lab" / "__init__.py").write_text("")
+    for name in names:
+        (folder / "my_lab" / f"{name}.py").write_text(code_block(RESEARCH, f"# my_lab/{name}.py"))
+    return [f"my_lab.{n}" for n in names]
 
 
 def grad_noise() -> types.ModuleType:

@@ -9,6 +9,8 @@
 * ``meta.json``: each algorithm's ``checkpoint_meta(cfg)`` under ``plugins.<name>``; when a
   plugin declares ``adapters_only``: ``adapters_only: true``, ``adapters_by`` (its names) and
   ``base`` (:func:`base_pointer`: what rebuilds the frozen base);
+* one key per plugin: :func:`check_state_keys` refuses two plugins with state under one
+  ``state_key`` (two instances of one class, unless each sets its own ``state_key``);
 * resume: :func:`check_resume` refuses a checkpoint the run cannot continue (adapters vs full,
   another base) and asks each plugin's ``check_resume``; :func:`dropped_states` names the
   saved states of plugins the run no longer has (the checkpointer says so).
@@ -21,11 +23,12 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import torch
+from lightning.pytorch.callbacks import Callback
 
 from llmforge.checkpoint.dcp import read_json
 from llmforge.checkpoint.safe_load import load_metadata
 from llmforge.errors import ConfigError
-from llmforge.plugin import has_adapters
+from llmforge.plugin import Algorithm, has_adapters
 
 MAX_PLAIN_TENSOR = 65536
 """Largest tensor (elements) a plain state may hold; bigger ones belong in sharded_state_dict."""
@@ -54,6 +57,38 @@ def _decode(obj: Any) -> Any:
     if isinstance(obj, list):
         return [_decode(v) for v in obj]
     return obj
+
+
+def has_state(plugin: Any) -> bool:
+    """Whether ``plugin`` saves anything: its class overrides ``state_dict`` (Lightning's
+    ``Callback``) or ``sharded_state_dict`` (:class:`~llmforge.plugin.Algorithm`)."""
+    cls = type(plugin)
+    plain = getattr(cls, "state_dict", None) is not getattr(Callback, "state_dict", None)
+    sharded = getattr(cls, "sharded_state_dict", None) not in (None, Algorithm.sharded_state_dict)
+    return plain or sharded
+
+
+def check_state_keys(callbacks: Iterable[Any]) -> None:
+    """Refuse two plugins with state under one ``state_key`` (Lightning's ``Callback.state_key``,
+    by default the class name): the second would overwrite the first's state in every
+    checkpoint and both would resume with one of them.
+
+    Raises:
+        ConfigError: naming the key and how to give each instance its own.
+    """
+    seen: dict[str, Any] = {}
+    for cb in callbacks:
+        if not has_state(cb):
+            continue
+        key = cb.state_key
+        if key in seen:
+            raise ConfigError(
+                f"algorithms/callbacks: two plugins with state save it under one key '{key}' "
+                f"({type(seen[key]).__qualname__} and {type(cb).__qualname__}), so one would "
+                "overwrite the other in every checkpoint; list the plugin once, or give each "
+                "instance its own key with a state_key property (e.g. "
+                "return f\"{type(self).__qualname__}[{self.key}]\"; see docs/research.md)")
+        seen[key] = cb
 
 
 def plain_states(callbacks: Iterable[Any], skip: Any = None) -> dict[str, Any]:

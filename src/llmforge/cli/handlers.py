@@ -23,6 +23,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     ``--nproc`` launcher's check and training."""
     # the config machinery (omegaconf, yaml) after argument parsing: `llmforge --help` stays fast
     from llmforge.config import load_config
+    from llmforge.config.validate import WARNINGS_SHOWN_ENV
     from llmforge.preflight.resolve import resolve_run
 
     cfg = load_config(args.config, args.overrides)
@@ -60,10 +61,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         argv = ["train", args.config, *args.overrides, f"trainer.devices={args.nproc}"]
         argv += ["--overwrite"] * args.overwrite + ["--debug"] * args.debug
         trainer.lock_run_dir()  # held here for the whole run; the workers inherit its token
+        # the workers check the same config: its warnings were printed here, once
+        shown = os.environ.get(WARNINGS_SHOWN_ENV)
+        os.environ[WARNINGS_SHOWN_ENV] = "1"
         try:
             return launch_local(args.nproc, argv)
         finally:
             trainer.run_lock.release()
+            if shown is None:
+                os.environ.pop(WARNINGS_SHOWN_ENV, None)
     summary = trainer.fit()
     if trainer.is_rank_zero():
         _print_summary(summary)

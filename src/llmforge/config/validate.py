@@ -210,13 +210,18 @@ def _check_pipeline(p: Any) -> None:
 
 _WARNED: set[str] = set()
 
+WARNINGS_SHOWN_ENV = "LLMFORGE_PREFLIGHT_WARNED"
+"""Set (to ``1``) by the ``--nproc`` launcher for its workers: it has already printed the
+pre-flight warnings of the same config, so the workers do not print them again."""
+
 
 def warn_once(message: str) -> None:
-    """Print ``warning: MESSAGE`` on stderr once per process, on global rank 0 only."""
+    """Print ``warning: MESSAGE`` on stderr once per process, on global rank 0 only, and not
+    in the workers of ``--nproc N`` (the launcher printed it: :data:`WARNINGS_SHOWN_ENV`)."""
     import os
     import sys
 
-    if message in _WARNED or os.environ.get("RANK", "0") != "0":
+    if message in _WARNED or os.environ.get("RANK", "0") != "0" or os.environ.get(WARNINGS_SHOWN_ENV):
         return
     _WARNED.add(message)
     print(f"warning: {message}", file=sys.stderr, flush=True)
@@ -267,10 +272,11 @@ def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
     _require(t.gc_every >= 0, "trainer.gc_every", ">= 0 (0 = Python's own collector)", t.gc_every)
     _require(sch.warmup_steps >= 0, "scheduler.warmup_steps", ">= 0", sch.warmup_steps)
     if sch.warmup_steps > t.max_steps:
+        # one rule for every length: a tenth of the steps, at least one
         warn_once(f"scheduler.warmup_steps ({sch.warmup_steps}) > trainer.max_steps "
                   f"({t.max_steps}): the learning rate only warms up and never reaches "
-                  f"optimizer.lr; for a whole schedule set scheduler.warmup_steps="
-                  f"{max(0, t.max_steps // 10)}")
+                  f"optimizer.lr; for a whole schedule warm up for about a tenth of the steps: "
+                  f"scheduler.warmup_steps={max(1, t.max_steps // 10)}")
     _require(0 <= sch.min_lr_ratio <= 1, "scheduler.min_lr_ratio", "in [0, 1]", sch.min_lr_ratio)
     _require(0 < sch.decay_fraction <= 1, "scheduler.decay_fraction", "in (0, 1]", sch.decay_fraction)
 

@@ -11,6 +11,8 @@ give the same greedy tokens.
 from __future__ import annotations
 
 import inspect
+import sys
+import weakref
 from typing import Callable, List, Optional
 
 import torch
@@ -67,6 +69,22 @@ def supports_kv_cache(model: nn.Module) -> bool:
     return all("cache" in inspect.signature(b.forward).parameters for b in blocks)
 
 
+_TOLD_UNCACHED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+"""Models :func:`generate` has said it decodes uncached (once each, not once per sample)."""
+
+
+def no_kv_cache_reason(model: nn.Module) -> str:
+    """Why :func:`supports_kv_cache` is False for ``model`` (``""`` when it is True): the
+    first ``forward`` without a ``cache`` argument, or no ``blocks()``."""
+    blocks = model.blocks() if callable(getattr(model, "blocks", None)) else None
+    if not blocks:
+        return f"{type(model).__name__} has no blocks()"
+    for obj in (model, *blocks):
+        if "cache" not in inspect.signature(obj.forward).parameters:
+            return f"{type(obj).__name__}.forward takes no cache argument"
+    return ""
+
+
 def _model_device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
@@ -92,7 +110,8 @@ def generate(model: nn.Module, prompt_ids: List[int], max_new_tokens: int,
         eos_id: stop after this id is generated (it is included in the result).
         generator: RNG for sampling (its device is where sampling runs); None = global RNG.
         use_cache: decode with a :class:`KVCache` when the model supports one
-            (:func:`supports_kv_cache`); the tokens are the same either way.
+            (:func:`supports_kv_cache`); the tokens are the same either way. A model that
+            does not is decoded uncached, with one line on stderr saying why (once per model).
         on_token: called with each new id as soon as it is chosen (streaming output).
 
     Raises:
@@ -121,6 +140,12 @@ def generate(model: nn.Module, prompt_ids: List[int], max_new_tokens: int,
     cache = None
     if use_cache and supports_kv_cache(model) and max_len is not None:
         cache = KVCache(len(model.blocks()), max_len)
+    elif use_cache and not supports_kv_cache(model) and model not in _TOLD_UNCACHED:
+        # the same tokens, but every one recomputes the context: say so once per model
+        _TOLD_UNCACHED.add(model)
+        print(f"generate: decoding without a KV cache ({no_kv_cache_reason(model)}); a block "
+              "whose forward takes (x, rope, mask=None, cache=None) and passes them to its "
+              "attention decodes cached (docs/research.md)", file=sys.stderr)
     was_training = model.training
     model.eval()
     try:

@@ -8,6 +8,11 @@ folder (``models/llama3/``, ``models/qwen3/``) whose spec bundles
   unknown key with the closest one, wrong type);
 * ``build``: ``build(model_cfg) -> nn.Module`` (the factory contract of :mod:`llmforge.models`);
 * ``presets``: preset name -> shape (documentation and ``--dry-run``);
+* ``check_config``: optional ``check_config(model_cfg)``, the light check of the ``model:``
+  keys (preset name, shape) raising :class:`~llmforge.errors.ConfigError`; run when the run is
+  resolved, before torch is imported, so a bad shape fails in a fraction of a second (the
+  built-ins: their ``*_args_from_config``; a derived spec with other keys sets its own or
+  ``None``);
 * ``blocks``: the repeated blocks FSDP2, activation checkpointing and compile wrap (default:
   ``model.blocks()``);
 * ``tp_plan``: optional ``tp_plan(model, tp_mesh) -> model`` applying tensor parallelism, and
@@ -122,6 +127,7 @@ class ModelSpec:
     build: Ref
     config_cls: Optional[type] = None
     presets: Mapping[str, Any] = field(default_factory=dict)
+    check_config: Ref = None
     model_cls: Ref = None
     blocks: Ref = None
     tp_plan: Ref = None
@@ -143,6 +149,15 @@ class ModelSpec:
         if fn is not None and not callable(getattr(model, "blocks", None)):
             object.__setattr__(model, "blocks", lambda: list(fn(model)))
         return model
+
+    def check(self, cfg: Any) -> None:
+        """Run ``check_config`` on the ``model:`` section ``cfg`` (nothing without one).
+
+        Raises:
+            ConfigError: from the family's check (unknown preset, impossible shape)."""
+        fn = self.get("check_config")
+        if fn is not None:
+            fn(cfg)
 
     def get(self, member: str) -> Any:
         """A member with import paths resolved (``None`` when the family has none)."""

@@ -26,6 +26,7 @@ from llmforge.checkpoint.resume_changes import check_resume_changes, resume_chan
 from llmforge.config.redaction import config_to_dict, redact
 from llmforge.config.validate import BatchPlan, validate
 from llmforge.errors import ConfigError
+from llmforge.models.spec import get_spec
 from llmforge.parallel.mesh import ParallelDims
 from llmforge.parallel.threads import choose_num_threads
 from llmforge.paths import check_printable
@@ -249,7 +250,8 @@ def resolve_run(cfg: DictConfig, *, overwrite: bool = False, check_dir: bool = T
         environ: the environment (default ``os.environ``) for a launcher's world size.
 
     Raises:
-        ConfigError: the first invalid setting (see :func:`llmforge.config.validate`), a run
+        ConfigError: the first invalid setting (see :func:`llmforge.config.validate`), an
+            unknown ``model.preset`` or impossible model shape (the family's ``check_config``), a run
             name that is not one folder, a control character in a name or path, a missing
             tokenizer file, a used run directory, a run directory (or ``checkpoint.dir``) that is
             a symbolic link, a non-empty folder that is not an llmforge run
@@ -272,6 +274,7 @@ def resolve_run(cfg: DictConfig, *, overwrite: bool = False, check_dir: bool = T
     if not dry_run:  # a dry run sizes a cluster's config anywhere
         _check_files(out)
     notes = _hf_shape(out, dry_run)
+    get_spec(out.model.name).check(out.model)  # preset and shape, by the family's light check
     run_dir = Path(out.run.output_dir) / out.run.name
     ckpt_dir = Path(out.checkpoint.dir) if out.checkpoint.dir else run_dir / "checkpoints"
     local = int(env.get("LOCAL_WORLD_SIZE") or t.devices)

@@ -29,7 +29,9 @@ class Evaluation:
         """Mean loss per target token on the fixed evaluation set (see
         :meth:`LLMDataModule.eval_dataloader`), reduced over data-parallel ranks; the events
         ``BEFORE_EVALUATION``, then ``BEFORE_FORWARD`` .. ``AFTER_LOSS`` per batch with
-        ``state.training = False``, then ``AFTER_EVALUATION``.
+        ``state.training = False`` and the module (``self``, the model with it) in eval mode,
+        so an overridden :meth:`~llmforge.training.module.LLMModule.compute_loss` tells an
+        evaluation by ``self.training``, then ``AFTER_EVALUATION``.
 
         Returns ``{"eval/loss": nats per token, "eval/perplexity": exp(loss)}``, or ``None``
         without a validation split.
@@ -43,7 +45,9 @@ class Evaluation:
         self.event(Event.BEFORE_EVALUATION)
         if self.pp_schedule is not None:  # pipeline stages: the schedule's forward-only pass
             return self._finish_evaluation(self.pipeline_evaluate(loader))
-        modes = eval_mode(self.model)  # restore_modes gives each submodule its own mode back
+        # the module itself too: a compute_loss override tells evaluation by `self.training`;
+        # restore_modes gives each submodule its own mode back
+        modes = eval_mode(self)
         loss_sum = torch.zeros((), device=self.device)
         count = torch.zeros((), device=self.device)
         for i, batch in enumerate(loader):

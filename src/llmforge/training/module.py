@@ -164,6 +164,10 @@ class LLMModule(AuxLosses, Evaluation, GradientSteps, PipelineSteps, L.Lightning
             ``(loss_sum, n_targets)``: scalar tensors; the step divides by the number of target
             tokens of the whole accumulation window, so micro-batches with different target
             counts weigh each token equally.
+
+        Training and evaluation both call it; during an evaluation the module is in eval mode
+        (``self.training`` is ``False``, as is ``self.state.training``), so an override adds a
+        training-only term under ``if self.training:`` and ``eval/loss`` stays comparable.
         """
         loss_sum = cross_entropy_sum(logits.flatten(0, 1), labels.flatten(), IGNORE_INDEX)
         return loss_sum, (labels != IGNORE_INDEX).sum()

@@ -176,7 +176,7 @@ class PipelineSteps:
             count += self._pp_targets
             group.clear()
 
-        modes = eval_mode(self.model)
+        modes = eval_mode(self)  # the module too: compute_loss overrides read self.training
         rows = 0
         for i, batch in enumerate(loader):
             if i >= self.cfg.trainer.eval_batches:

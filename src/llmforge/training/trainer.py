@@ -32,6 +32,7 @@ from llmforge.callbacks.threads import EVERY_SECONDS, ThreadWatch
 from llmforge.checkpoint import list_checkpoints, read_json
 from llmforge.checkpoint.init_from import check_initial_weights
 from llmforge.checkpoint.layout import is_checkpoint_folder
+from llmforge.checkpoint.plugins import check_state_keys
 from llmforge.config import config_to_dict, load_config, redact, save_config
 from llmforge.config.schema import PRECISIONS
 from llmforge.data.datamodule import LLMDataModule
@@ -303,6 +304,7 @@ class Trainer(DataBuilders):
         # everything that can fail on bad input runs before an old run is deleted (--overwrite)
         # (loggers too: a missing SDK or API key; building one writes nothing, see build_loggers)
         callbacks, loggers = self.build_callbacks(), self.build_loggers()
+        check_state_keys(callbacks)  # two plugins' states under one key: refused, not overwritten
         docs = self.build_documents()
         self.tokenizer = self.build_tokenizer(docs)
         cached_tokens = self.cached_tokens(docs, self.tokenizer)

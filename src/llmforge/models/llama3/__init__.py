@@ -2,11 +2,12 @@
 ``model.py`` (the decoder), ``parallelize.py`` (tensor-parallel plan), ``hf.py`` (Hugging Face
 adapter), bundled by :data:`LLAMA3`. Importing this package imports no torch."""
 
-from llmforge.models.llama3.config import PRESETS, Llama3Config, memory_shape
+from llmforge.models.llama3.config import PRESETS, Llama3Config, llama_args_from_config, memory_shape
 from llmforge.models.spec import family_spec
 
 __all__ = ["LLAMA3"]
 
 LLAMA3 = family_spec("llama3", __name__, model="Llama", build="build_llama", hf_adapter="LlamaHFAdapter",
                      config_cls=Llama3Config, presets=PRESETS, memory_shape=memory_shape,
+                     check_config=llama_args_from_config,
                      description="Llama 3 / 3.1 / 3.2 decoder (Meta's layout and names)")

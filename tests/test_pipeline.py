@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch.distributed as dist
-from conftest import DEMO, REPO, TINY_OVERRIDES, run_cli
+from conftest import DEMO, REPO, TINY_OVERRIDES, run_cli, run_main
 from helpers.dist import torchrun, worker
 
 from llmforge.cli import main
@@ -282,3 +282,28 @@ def test_pp2_sigkill_resumes_bit_exact(tmp_path):
     # coef 1e-4 x logsumexp^2 (~ln(1024)^2): the last stage's value, not rank 0's zero
     assert all(r["train/z_loss"] > 1e-3 for r in records.values()), records
     assert (run_dir / "checkpoints" / "step_00000006" / "COMPLETE").exists()
+
+
+@pytest.mark.slow
+def test_pp_checkpoints_resume_across_splits_and_in_one_process(tmp_path):
+    """``pipeline.*`` is a layout, like the world size (issue 50.3): a one-process run's step-2
+    checkpoint resumes at pp=2 with ``pipeline.split: [[0], [1, 2]]`` (no ``allow_config_changes``),
+    and that run's step-4 checkpoint resumes in one process (``pipeline.split`` back to
+    ``balanced``); both continue within 1e-5 of the uninterrupted one-process run."""
+    common = [*TINY_OVERRIDES, "model.n_layers=3", "trainer.max_steps=6", "trainer.log_every=1",
+              "trainer.eval_every=0", "checkpoint.save_every=2", f"run.output_dir={tmp_path}"]
+    ref = run_main("train", DEMO, *common, "run.name=ref")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    pp = run_cli("train", DEMO, *common, "run.name=pp", "strategy.pp=2", "pipeline.split=[[0],[1,2]]",
+                 f"checkpoint.resume={tmp_path / 'ref' / 'checkpoints' / 'step_00000002'}",
+                 "--nproc", "2", timeout=400)
+    assert pp.returncode == 0, pp.stderr[-4000:]
+    assert "pipeline.split 'balanced' -> [[0], [1, 2]]" in pp.stderr + pp.stdout  # reported, not refused
+    one = run_main("train", DEMO, *common, "run.name=one",
+                   f"checkpoint.resume={tmp_path / 'pp' / 'checkpoints' / 'step_00000004'}")
+    assert one.returncode == 0, one.stderr[-3000:]
+    want, got_pp, got_one = (_records(tmp_path / n) for n in ("ref", "pp", "one"))
+    assert sorted(got_pp) == [3, 4, 5, 6] and sorted(got_one) == [5, 6]
+    for got in (got_pp, got_one):
+        for step, rec in got.items():
+            assert abs(rec["train/loss"] - want[step]["train/loss"]) < 1e-5, (step, rec, want[step])

@@ -28,7 +28,7 @@ MAY_CHANGE = (
     "run.name", "run.output_dir", "run.group", "run.tags",
     "trainer.micro_batch_size", "trainer.devices", "trainer.num_nodes", "trainer.accelerator",
     "trainer.log_every", "trainer.eval_every", "trainer.eval_batches", "trainer.progress_bar",
-    "trainer.num_threads", "trainer.gc_every", "trainer.malloc_tuning",
+    "trainer.num_threads", "trainer.gc_every", "trainer.malloc_tuning", "trainer.nan_guard",
     "strategy.", "pipeline.", "checkpoint.", "compute.", "scheduling.", "loggers", "callbacks", "imports",
     "data.num_workers", "data.token_cache", "optimizer.implementation", "variables.",
 )

@@ -3,14 +3,14 @@
 checks), ``hf.py`` (Hugging Face adapter), bundled by :data:`QWEN3_MOE`. Importing this package
 imports no torch."""
 
-from llmforge.models.qwen3_moe.config import PRESETS, Qwen3MoeConfig, memory_shape
+from llmforge.models.qwen3_moe.config import PRESETS, Qwen3MoeConfig, check_tokens, memory_shape
 from llmforge.models.spec import family_spec
 
 __all__ = ["QWEN3_MOE"]
 
 QWEN3_MOE = family_spec("qwen3_moe", __name__, model="Qwen3Moe", build="build_qwen3_moe",
                         hf_adapter="Qwen3MoeHFAdapter", config_cls=Qwen3MoeConfig, presets=PRESETS,
-                        memory_shape=memory_shape,
+                        memory_shape=memory_shape, check_tokens=check_tokens,
                         active_params="llmforge.models.qwen3_moe.model:active_params",
                         experts="llmforge.models.qwen3_moe.model:expert_modules",
                         description="Qwen3-MoE decoder (Qwen3 attention, softmax top-k experts)")

@@ -36,6 +36,15 @@ def test_split_blocks_balanced_lighter_ends_and_explicit():
         split_blocks(6, 4, "balanced", stages_per_rank=2)
     with pytest.raises(ConfigError, match="blocks 0..3 once, in order"):
         split_blocks(4, 2, [[0, 2], [1, 3]])
+    # issue 50.6: only the fixes that can work are suggested
+    with pytest.raises(ConfigError) as exc:
+        split_blocks(6, 4, "balanced", world_size=4)
+    assert str(exc.value).endswith("use strategy.pp in [1, 2] with 1 stage(s) per rank, "
+                                   "pipeline.split=lighter_ends, or an explicit pipeline.split list of 4 runs of blocks")
+    with pytest.raises(ConfigError) as exc:
+        split_blocks(5, 2, "lighter_ends", world_size=2)  # 7 units: no lighter ends; balanced neither
+    assert str(exc.value).endswith("into parts of 2 or more; use an explicit pipeline.split list "
+                                   "of 2 runs of blocks")
 
 
 def test_bubble_fractions_follow_the_papers():
@@ -64,6 +73,11 @@ BASE = ["train", DEMO, "model.n_layers=4", "--dry-run", "--nproc", "2"]
     (["strategy.pp=3"], ["strategy.pp=3 does not divide the world size 2", "use one of 1, 2"]),
     (["strategy.pp=2", "model.n_layers=3"], ["2 stages do not divide the model's 3 blocks",
                                              "strategy.pp in [1]"]),
+    # more stages than blocks: neither lighter_ends nor an explicit split can work (issue 50.6)
+    (["strategy.pp=4", "model.n_layers=2", "--nproc", "4"],
+     ["4 stages do not divide the model's 2 blocks evenly (pipeline.split=balanced); use "
+      "strategy.pp in [1, 2] with 1 stage(s) per rank, or a model of 4 or more blocks (a stage "
+      "holds at least one)"]),
     (["strategy.pp=2", "pipeline.schedule=interleaved_1f1b", "model.n_layers=6"],
      ["4 stages do not divide the model's 6 blocks"]),
     (["strategy.pp=2", "pipeline.schedule=zbv", "trainer.global_batch_size=16",

@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import REPO  # noqa: E402
 from llmforge.cli import main  # noqa: E402
+from llmforge.errors import ConfigError  # noqa: E402
 from llmforge.models.qwen3_moe.moe import MoE  # noqa: E402
 from helpers.hf_files import safetensors_of  # noqa: E402
 
@@ -186,6 +187,16 @@ def test_bad_moe_keys_exit_2_naming_the_key(tmp_path, capsys, override, message)
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_ep_on_a_spec_with_experts_but_none_built_says_the_layers_are_dense():
+    from llmforge.parallel.expert import check_expert_parallel
+
+    with pytest.raises(ConfigError, match=r"strategy.ep=2: model 'mine' has no expert layers \(this "
+                                          r"configuration of it has none: every layer is dense"):
+        check_expert_parallel([], 2, "mine", declared=True)
+    with pytest.raises(ConfigError, match=r"its ModelSpec declares no experts\); use strategy.ep=1"):
+        check_expert_parallel([], 2, "llama3")
 
 
 def moe_module(**model):

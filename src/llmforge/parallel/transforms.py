@@ -165,7 +165,9 @@ def check_strategy(cfg: Any, dims: Any) -> None:
         ctx = ModelContext(cfg=cfg, mesh=None, dims=dims, device=torch.device("meta"))
         if dims.tp > 1:
             _check_tp(model, ctx)
-        check_expert_parallel(_spec(cfg).expert_modules(model), dims.ep, cfg.model.name)
+        spec = _spec(cfg)
+        check_expert_parallel(spec.expert_modules(model), dims.ep, cfg.model.name,
+                              declared=spec.get("experts") is not None)
 
 
 def _check_tp(model: nn.Module, ctx: ModelContext) -> None:

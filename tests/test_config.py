@@ -376,6 +376,18 @@ def test_workers_of_the_nproc_launcher_do_not_repeat_its_warnings(tmp_path, caps
     assert capsys.readouterr().err == ""
 
 
+def test_muon_keys_with_adamw_are_one_warning_naming_them(tmp_path, capsys):
+    """Issue 50.6: optimizer.muon_* keys were ignored without a word under optimizer.name=adamw."""
+    validate(cfg_with("optimizer.muon_lr=0.0123", "optimizer.muon_ns_steps=7", tmp_path=tmp_path))
+    err = capsys.readouterr().err
+    assert err == ("warning: optimizer.muon_lr=0.0123, optimizer.muon_ns_steps=7 set, but "
+                   "optimizer.name=adamw ignores the muon_* keys; set optimizer.name=muon to use "
+                   "them, or remove them\n")
+    validate(cfg_with("optimizer.name=muon", "optimizer.muon_lr=0.0123", tmp_path=tmp_path))
+    validate(cfg_with("optimizer.muon_momentum=0.95", tmp_path=tmp_path))  # the default: no warning
+    assert capsys.readouterr().err == ""
+
+
 def test_validate_accepts_edges(tmp_path):
     cfg = cfg_with("scheduler.warmup_steps=0", "trainer.max_steps=1", "trainer.eval_every=0",
                    "data.val_fraction=0", "scheduler.min_lr_ratio=0", "scheduler.decay_fraction=1",

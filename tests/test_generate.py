@@ -83,6 +83,15 @@ def test_generate_cli_streams_and_reports_speed(tmp_path, capsys, monkeypatch):
     assert outs[False].out == outs[True].out and outs[False].out.startswith("ROMEO.")
     assert "12 tokens in" in outs[False].err and "KV cache on" in outs[False].err
     assert "tokens/s, KV cache off" in outs[True].err
+    # issue 50.6: max_seq_len 64 (TINY_OVERRIDES) and "ROMEO." = BOS + 5 ids: 58 new tokens fit
+    assert main(["generate", str(tmp_path / "g"), "--prompt", "ROMEO.", "--max-new-tokens", "300",
+                 "--temperature", "0"]) == 0
+    long = capsys.readouterr()
+    assert long.err.startswith("generate: stopping after 58 new tokens, at the model's context length "
+                               "of 64 (max_seq_len; the prompt takes 6), not the 300 asked")
+    assert "\n58 tokens in" in long.err and long.out.startswith(outs[False].out.rstrip("\n"))
+    assert main(["generate", str(tmp_path / "g"), "--prompt", "ROMEO. " * 70, "--max-new-tokens", "3"]) == 2
+    assert "model's context is 64 (its max_seq_len): nothing fits after it" in capsys.readouterr().err
 
 
 def test_generate_runs_a_compiled_model_eager():

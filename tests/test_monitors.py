@@ -173,6 +173,47 @@ def test_nan_guard_stops_a_diverging_run_and_keeps_the_last_checkpoint(tmp_path)
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.slow
+def test_a_nan_run_stops_by_default_and_keeps_the_last_finite_checkpoint(tmp_path):
+    """Issue 50.4: ``optimizer.lr=1e30`` with no callback listed (``trainer.nan_guard`` on by
+    default): step 1 trains, step 2's gradient norm is NaN -> exit 3 naming step 2 and how to go
+    on; step 1's checkpoint is the newest and its weights are finite (no final save of the NaN
+    state). ``trainer.nan_guard=false`` trains through, as before."""
+    args = ["train", str(REPO / "yamls" / "demo_cpu.yaml"), *TINY_OVERRIDES, "optimizer.lr=1e30",
+            "trainer.max_steps=3", "trainer.eval_every=0", "trainer.log_every=1"]
+    proc = run_main(*args, f"run.output_dir={tmp_path}", "checkpoint.save_every=1")
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    [line] = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert line.startswith("error: training diverged at step 2: train/grad_norm = nan"), line
+    assert "step_00000001, is intact" in line and "trainer.nan_guard=false" in line
+    assert "loss_spike_guard" in line and "done:" not in proc.stdout + proc.stderr
+    run_dir = tmp_path / "demo_cpu"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000001"]
+
+    from llmforge.checkpoint.run_dir import load_for_inference
+
+    model, _, _ = load_for_inference(run_dir)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    off = run_main(*args, f"run.output_dir={tmp_path / 'off'}", "trainer.nan_guard=false",
+                   "checkpoint.save_final=false")
+    assert off.returncode == 0 and "train/loss nan" in off.stdout + off.stderr, off.stderr[-3000:]
+
+
+def test_the_checkpointer_refuses_non_finite_weights(tmp_path):
+    """With the guard on, a save of weights an update made infinite raises before writing."""
+    from llmforge.callbacks.checkpointing import Checkpointer
+
+    model = torch.nn.Linear(2, 2)
+    ckpt = Checkpointer(tmp_path, finite_only=True)
+    ckpt._check_finite(4, model)  # finite: nothing raised
+    with torch.no_grad():
+        model.weight[0, 1] = float("inf")
+    with pytest.raises(TrainingDiverged, match=r"at step 4: its update made weights non-finite; "
+                                               r"their checkpoint was not written \(no checkpoint"):
+        ckpt.save(SimpleNamespace(global_step=4), SimpleNamespace(model=model))
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---------------------------------------- early stopping, lr, memory, samples, profiler, snapshot
 def test_monitor_callbacks_in_one_run(tmp_path, capsys):
     from llmforge import Trainer

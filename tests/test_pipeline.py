@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch.distributed as dist
-from conftest import DEMO, REPO, TINY_OVERRIDES, run_cli
+from conftest import DEMO, REPO, TINY_OVERRIDES, run_cli, run_main
 from helpers.dist import torchrun, worker
 
 from llmforge.cli import main
@@ -36,6 +36,15 @@ def test_split_blocks_balanced_lighter_ends_and_explicit():
         split_blocks(6, 4, "balanced", stages_per_rank=2)
     with pytest.raises(ConfigError, match="blocks 0..3 once, in order"):
         split_blocks(4, 2, [[0, 2], [1, 3]])
+    # issue 50.6: only the fixes that can work are suggested
+    with pytest.raises(ConfigError) as exc:
+        split_blocks(6, 4, "balanced", world_size=4)
+    assert str(exc.value).endswith("use strategy.pp in [1, 2] with 1 stage(s) per rank, "
+                                   "pipeline.split=lighter_ends, or an explicit pipeline.split list of 4 runs of blocks")
+    with pytest.raises(ConfigError) as exc:
+        split_blocks(5, 2, "lighter_ends", world_size=2)  # 7 units: no lighter ends; balanced neither
+    assert str(exc.value).endswith("into parts of 2 or more; use an explicit pipeline.split list "
+                                   "of 2 runs of blocks")
 
 
 def test_bubble_fractions_follow_the_papers():
@@ -64,6 +73,11 @@ BASE = ["train", DEMO, "model.n_layers=4", "--dry-run", "--nproc", "2"]
     (["strategy.pp=3"], ["strategy.pp=3 does not divide the world size 2", "use one of 1, 2"]),
     (["strategy.pp=2", "model.n_layers=3"], ["2 stages do not divide the model's 3 blocks",
                                              "strategy.pp in [1]"]),
+    # more stages than blocks: neither lighter_ends nor an explicit split can work (issue 50.6)
+    (["strategy.pp=4", "model.n_layers=2", "--nproc", "4"],
+     ["4 stages do not divide the model's 2 blocks evenly (pipeline.split=balanced); use "
+      "strategy.pp in [1, 2] with 1 stage(s) per rank, or a model of 4 or more blocks (a stage "
+      "holds at least one)"]),
     (["strategy.pp=2", "pipeline.schedule=interleaved_1f1b", "model.n_layers=6"],
      ["4 stages do not divide the model's 6 blocks"]),
     (["strategy.pp=2", "pipeline.schedule=zbv", "trainer.global_batch_size=16",
@@ -282,3 +296,28 @@ def test_pp2_sigkill_resumes_bit_exact(tmp_path):
     # coef 1e-4 x logsumexp^2 (~ln(1024)^2): the last stage's value, not rank 0's zero
     assert all(r["train/z_loss"] > 1e-3 for r in records.values()), records
     assert (run_dir / "checkpoints" / "step_00000006" / "COMPLETE").exists()
+
+
+@pytest.mark.slow
+def test_pp_checkpoints_resume_across_splits_and_in_one_process(tmp_path):
+    """``pipeline.*`` is a layout, like the world size (issue 50.3): a one-process run's step-2
+    checkpoint resumes at pp=2 with ``pipeline.split: [[0], [1, 2]]`` (no ``allow_config_changes``),
+    and that run's step-4 checkpoint resumes in one process (``pipeline.split`` back to
+    ``balanced``); both continue within 1e-5 of the uninterrupted one-process run."""
+    common = [*TINY_OVERRIDES, "model.n_layers=3", "trainer.max_steps=6", "trainer.log_every=1",
+              "trainer.eval_every=0", "checkpoint.save_every=2", f"run.output_dir={tmp_path}"]
+    ref = run_main("train", DEMO, *common, "run.name=ref")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    pp = run_cli("train", DEMO, *common, "run.name=pp", "strategy.pp=2", "pipeline.split=[[0],[1,2]]",
+                 f"checkpoint.resume={tmp_path / 'ref' / 'checkpoints' / 'step_00000002'}",
+                 "--nproc", "2", timeout=400)
+    assert pp.returncode == 0, pp.stderr[-4000:]
+    assert "pipeline.split 'balanced' -> [[0], [1, 2]]" in pp.stderr + pp.stdout  # reported, not refused
+    one = run_main("train", DEMO, *common, "run.name=one",
+                   f"checkpoint.resume={tmp_path / 'pp' / 'checkpoints' / 'step_00000004'}")
+    assert one.returncode == 0, one.stderr[-3000:]
+    want, got_pp, got_one = (_records(tmp_path / n) for n in ("ref", "pp", "one"))
+    assert sorted(got_pp) == [3, 4, 5, 6] and sorted(got_one) == [5, 6]
+    for got in (got_pp, got_one):
+        for step, rec in got.items():
+            assert abs(rec["train/loss"] - want[step]["train/loss"]) < 1e-5, (step, rec, want[step])

@@ -117,6 +117,27 @@ def test_unknown_gpu_lists_known_ones(capsys):
     assert "MI300X-192GB" in err and "Traceback" not in err
 
 
+def test_gpu_counts_past_the_maximum_and_top_below_1_exit_2_at_once(capsys):
+    """Issue 50.6: ``--gpus 2**31`` searched divisors over the whole range (no answer); the
+    planner takes at most MAX_GPUS and enumerates divisors in O(sqrt(n))."""
+    import time
+
+    from llmforge.planning.planner import MAX_GPUS, _divisors
+
+    start = time.perf_counter()
+    assert cli.main(["plan", DEMO, "--gpus", "2147483648"]) == 2
+    assert time.perf_counter() - start < 5
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: --gpus 2147483648: the planner takes 1 to 131,072 GPUs (above the largest "
+                   "clusters built); pass a GPU count in that range")
+    for top in ("0", "-1"):
+        assert cli.main(["plan", DEMO, "--gpus", "8", "--top", top]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"error: --top {top}: the number of layouts to print must be >= 1 (default 8)")
+    assert MAX_GPUS == 2**17 and _divisors(2**31) == [2**i for i in range(32)]
+    assert _divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36] and _divisors(2**31 - 1) == [1, 2**31 - 1]
+
+
 def test_world_size_that_divides_nothing_names_key_and_nearest_sizes(capsys):
     # 6 GPUs: tp 1 (dp 6) and tp 2 (dp 3) do not divide 8 sequences; tp 3, 6 do not divide a node
     assert cli.main(["plan", DEMO, *TINY, "--gpus", "6"]) == 2

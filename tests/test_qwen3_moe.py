@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from conftest import REPO  # noqa: E402
 from llmforge.cli import main  # noqa: E402
+from llmforge.errors import ConfigError  # noqa: E402
 from llmforge.models.qwen3_moe.moe import MoE  # noqa: E402
 from helpers.hf_files import safetensors_of  # noqa: E402
 from helpers.moe import moe_module  # noqa: E402
@@ -173,12 +174,30 @@ def test_dry_run_prints_total_and_active_parameters(capsys):
     ("model.router_bias_update_rate=-0.1", "model.router_bias_update_rate must be a finite number >= 0"),
     ("model.mlp_only_layers=[7]", "model.mlp_only_layers must be a list of layer indices from 0 to 3"),
     ("strategy.tp=3 trainer.devices=3 strategy.name=fsdp2", "strategy.tp=3 must divide model.n_heads (8)"),
+    # issue 50.6: no layer with experts, and a capacity that leaves less than a token per expert
+    ("model.decoder_sparse_step=5", "model.decoder_sparse_step=5 is larger than the 4 layers"),
+    ("model.mlp_only_layers=[0,1,2,3] strategy.ep=2 strategy.name=fsdp2 trainer.devices=2",
+     "model.mlp_only_layers=[0, 1, 2, 3] makes every layer that model.decoder_sparse_step=1 would "
+     "give experts dense"),
+    # a micro-batch of 8 x 256 tokens, top-2 of 8 experts: 0.001 x 2048 x 2 / 8 = 0.512
+    ("model.capacity_factor=0.001", "model.capacity_factor=0.001 leaves 0.512 tokens per expert in a "
+     "forward of 2,048 tokens"),
 ])
 def test_bad_moe_keys_exit_2_naming_the_key(tmp_path, capsys, override, message):
     code = main(["train", MOE_DEMO, "--dry-run", *override.split(), f"run.output_dir={tmp_path}"])
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_ep_on_a_spec_with_experts_but_none_built_says_the_layers_are_dense():
+    from llmforge.parallel.expert import check_expert_parallel
+
+    with pytest.raises(ConfigError, match=r"strategy.ep=2: model 'mine' has no expert layers \(this "
+                                          r"configuration of it has none: every layer is dense"):
+        check_expert_parallel([], 2, "mine", declared=True)
+    with pytest.raises(ConfigError, match=r"its ModelSpec declares no experts\); use strategy.ep=1"):
+        check_expert_parallel([], 2, "llama3")
 
 
 def test_aux_losses_through_the_events_in_process():

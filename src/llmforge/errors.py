@@ -36,3 +36,9 @@ class TrainingDiverged(LLMForgeError):
     """
 
     exit_code = 3
+    hint = ("Lower optimizer.lr, lengthen scheduler.warmup_steps or set trainer.gradient_clip_val, "
+            "then resume from it (checkpoint.resume=auto checkpoint.allow_config_changes=true); "
+            "to skip such steps instead, add algorithms: [{name: loss_spike_guard}] (it skips "
+            "a non-finite step once it has min_history steps); to train on regardless, set "
+            "trainer.nan_guard=false")
+    """How to continue: printed after the message by every raiser."""

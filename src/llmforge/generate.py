@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -10,6 +11,7 @@ import torch
 
 from llmforge.checkpoint.run_dir import load_for_inference
 from llmforge.data.chat import build_chat_template
+from llmforge.errors import ConfigError
 from llmforge.models.sampling import generate, supports_kv_cache
 from llmforge.parallel.threads import choose_num_threads
 
@@ -45,9 +47,15 @@ def sample_text(path: str | Path, prompt: str, *, max_new_tokens: int = 200,
     ``trust_code``: import the research code the run's config names (``--trust-code``; see
     :mod:`llmforge.checkpoint.run_dir`).
 
+    Generation stops at the model's context length (its ``max_seq_len``, the positions its RoPE
+    table holds): when the prompt plus ``max_new_tokens`` would pass it, fewer tokens are
+    generated and one line on stderr says how many and why (``stats["context_stop"]`` is then
+    True).
+
     Raises:
         ConfigError: ``chat`` and the run's tokenizer lacks the template's special tokens; the
-            run's config names code and ``trust_code`` is False.
+            run's config names code and ``trust_code`` is False; the prompt alone fills the
+            model's context.
     """
     import time
 
@@ -60,6 +68,7 @@ def sample_text(path: str | Path, prompt: str, *, max_new_tokens: int = 200,
         ids, stop = template.prompt_ids([{"role": "user", "content": prompt}]), template.stop_id
     else:
         ids = tok.encode(prompt, bos=True)
+    requested, max_new_tokens = max_new_tokens, _fit_context(model, len(ids), max_new_tokens)
     hidden = (tok.eos_id, stop)
     kept: list[int] = []
     shown = [""]
@@ -82,5 +91,24 @@ def sample_text(path: str | Path, prompt: str, *, max_new_tokens: int = 200,
         on_text(text[len(shown[0]):])
     if stats is not None:
         stats.update(tokens=len(new), seconds=seconds, tokens_per_second=len(new) / max(seconds, 1e-9),
-                     kv_cache=use_cache and supports_kv_cache(model), threads=threads)
+                     kv_cache=use_cache and supports_kv_cache(model), threads=threads,
+                     context_stop=max_new_tokens < requested)
     return text
+
+
+def _fit_context(model: torch.nn.Module, prompt_tokens: int, max_new_tokens: int) -> int:
+    """The new tokens that fit the model's context after the prompt (a line on stderr when
+    fewer than asked). A model without an int ``max_seq_len`` has no limit here."""
+    max_len = getattr(model, "max_seq_len", None)
+    if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len <= 0:
+        return max_new_tokens
+    room = max_len - prompt_tokens
+    if room <= 0 and max_new_tokens > 0:
+        raise ConfigError(f"the prompt is {prompt_tokens} tokens and the model's context is {max_len} "
+                          "(its max_seq_len): nothing fits after it; shorten the prompt")
+    if max_new_tokens > room:
+        print(f"generate: stopping after {room} new tokens, at the model's context length of "
+              f"{max_len} (max_seq_len; the prompt takes {prompt_tokens}), not the {max_new_tokens} "
+              "asked: its positions (RoPE) go no further", file=sys.stderr, flush=True)
+        return room
+    return max_new_tokens

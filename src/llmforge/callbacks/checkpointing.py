@@ -26,12 +26,13 @@ from lightning.pytorch.callbacks import Callback
 
 from llmforge import __version__, signals
 from llmforge.callbacks._util import say
+from llmforge.checkpoint import latest_checkpoint
 from llmforge.checkpoint.dcp import PendingSave, load_training_state, prune_checkpoints, save_checkpoint
 from llmforge.checkpoint.plugins import (check_resume, checkpoint_meta, dropped_states, plain_states,
                                          restore_plain_states, restore_sharded_states, sharded_states)
 from llmforge.checkpoint.rng import capture_rng, restore_rng
 from llmforge.checkpoint.safe_load import CheckpointShapeError, resume_shape_error
-from llmforge.errors import ConfigError
+from llmforge.errors import ConfigError, TrainingDiverged
 from llmforge.parallel.lightning_private import optimizer_step_progress
 from llmforge.signals import StopRequested
 
@@ -65,6 +66,9 @@ class Checkpointer(Callback):
         resume_from: a complete checkpoint to load at the start of training.
         config: the resolved config, secrets redacted (into ``meta.json`` with its hash; a
             resume compares it, see :mod:`llmforge.checkpoint.resume_changes`).
+        finite_only: before each save, check that every weight is finite (all ranks agree);
+            if not, raise :class:`~llmforge.errors.TrainingDiverged` instead of writing, so the
+            last finite checkpoint stays the newest (on with ``trainer.nan_guard``).
     """
 
     order = -1000  # first at FIT_START: the others see the resumed state
@@ -73,8 +77,9 @@ class Checkpointer(Callback):
                  save_every_minutes: Optional[float] = None, save_final: bool = True,
                  keep_last_n: Optional[int] = None, async_save: bool = False,
                  resume_from: Optional[str | Path] = None, config: Optional[dict] = None,
-                 on_resumed: Optional[Callable[[], None]] = None) -> None:
+                 on_resumed: Optional[Callable[[], None]] = None, finite_only: bool = False) -> None:
         self.dir = Path(dir)
+        self.finite_only = finite_only
         self.on_resumed = on_resumed  # called once the resume checkpoint has loaded
         self.save_every, self.save_every_minutes = save_every, save_every_minutes
         self.save_final, self.keep_last_n, self.async_save = save_final, keep_last_n, async_save
@@ -97,11 +102,32 @@ class Checkpointer(Callback):
             self.pending = None
             prune_checkpoints(self.dir, self.keep_last_n)
 
+    def _check_finite(self, step: int, model: Any) -> None:
+        """Raise :class:`TrainingDiverged` when a weight of any rank is not finite."""
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+        checks = [torch.isfinite(t).all() for t in local if t.numel()]
+        flag = torch.stack(checks).all().float() if checks else torch.tensor(1.0)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # every rank refuses the same save
+        if bool(flag.item()):
+            return
+        last = latest_checkpoint(self.dir)
+        where = f"the last complete checkpoint, {last}, stays the newest" if last else "no checkpoint was written"
+        raise TrainingDiverged(
+            f"training diverged at step {step}: its update made weights non-finite; their checkpoint "
+            f"was not written ({where}). {TrainingDiverged.hint}")
+
     def save(self, trainer: Any, pl_module: Any) -> Path:
-        """Save now (every rank must call it); returns the checkpoint folder."""
+        """Save now (every rank must call it); returns the checkpoint folder.
+
+        Raises:
+            TrainingDiverged: ``finite_only`` and a weight is NaN or infinite (nothing written).
+        """
         start = time.perf_counter()
         self._finish_pending()  # at most one save in flight
         step = trainer.global_step
+        if self.finite_only:
+            self._check_finite(step, pl_module.model)
         opt = trainer.optimizers[0] if trainer.optimizers else None
         sched = trainer.lr_scheduler_configs[0].scheduler if trainer.lr_scheduler_configs else None
         dims = pl_module.model_context().dims

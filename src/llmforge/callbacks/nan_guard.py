@@ -1,6 +1,7 @@
 """``nan_guard``: stop at the first non-finite loss or gradient norm, before the update.
 
-YAML::
+On by default (``trainer.nan_guard: true`` adds one with the defaults below; ``false`` is the
+explicit opt-out). An entry in ``callbacks:`` configures it instead::
 
     callbacks:
       - name: nan_guard
@@ -13,7 +14,9 @@ last handler (a step another handler skipped, e.g. by ``loss_spike_guard``, is n
 checked: it changes nothing), and raises
 :class:`llmforge.errors.TrainingDiverged` (``llmforge train`` exits with code 3). The bad
 update is never applied and no checkpoint is written from that state: the last complete
-checkpoint stays as it was.
+checkpoint stays as it was; with the guard on, the checkpointer also refuses to write
+non-finite weights (:class:`llmforge.callbacks.checkpointing.Checkpointer`, ``finite_only``).
+Cost: one host sync of one scalar per step (the loss and the norm are checked together).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+import torch
 from lightning.pytorch.callbacks import Callback
 
 from llmforge.callbacks.checkpointing import Checkpointer
@@ -68,8 +72,20 @@ class NaNGuard(Callback):
             out.append(f"train/grad_norm = {norm}")
         return out
 
+    def _all_finite(self, metrics: dict[str, Any]) -> bool:
+        """One host sync for the usual case: the loss and the norm finite together."""
+        values = [metrics.get("train/loss")] + ([metrics.get("train/grad_norm")] if self.check_grad_norm else [])
+        tensors = [torch.as_tensor(v, dtype=torch.float32).reshape(())
+                   for v in values if v is not None]
+        if not tensors:
+            return True
+        device = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
+        return bool(torch.isfinite(torch.stack([t.to(device) for t in tensors])).all())
+
     def before_optimizer_step(self, state: Any) -> None:
-        bad = [] if state.skip_step else self.problems(state.metrics)
+        if state.skip_step or (self.max_loss is None and self._all_finite(state.metrics)):
+            return
+        bad = self.problems(state.metrics)
         if not bad:
             return
         trainer, step = state.trainer, state.step
@@ -77,8 +93,7 @@ class NaNGuard(Callback):
         where = f"the last complete checkpoint, {ckpt}, is intact" if ckpt else "no checkpoint was written before it"
         raise TrainingDiverged(
             f"training diverged at step {step}: {', '.join(bad)}; stopped before the update of this "
-            f"step (nothing was saved from it; {where}). Try a lower optimizer.lr, a longer "
-            "scheduler.warmup_steps or trainer.gradient_clip_val")
+            f"step (nothing was saved from it; {where}). {TrainingDiverged.hint}")
 
     @staticmethod
     def _last_checkpoint(trainer: Any) -> Optional[str]:

@@ -3,8 +3,9 @@
 A checkpoint's ``meta.json`` holds the resolved config it was trained with (secrets redacted;
 older checkpoints: the run directory's ``config.yaml``) and its world size. At resume,
 :func:`resume_changes` lists every key that differs. Keys in :data:`MAY_CHANGE` leave an exact
-resume exact (logging, checkpointing, the world size and mesh: DCP reshards the state and the
-global batch stays the same); every other difference (the schedule's length, the batch size,
+resume exact (logging, checkpointing, the world size and mesh, the pipeline's stages and
+schedule: DCP reshards the state, parameters keep the model's own names under every split, and
+the global batch stays the same); every other difference (the schedule's length, the batch size,
 the optimizer, data, model, seed) changes what training computes, so the run is refused unless
 ``checkpoint.allow_config_changes=true``. docs/resume.md lists the keys for users. Read
 without torch, so ``llmforge train`` refuses before its heavy imports.
@@ -27,8 +28,8 @@ MAY_CHANGE = (
     "run.name", "run.output_dir", "run.group", "run.tags",
     "trainer.micro_batch_size", "trainer.devices", "trainer.num_nodes", "trainer.accelerator",
     "trainer.log_every", "trainer.eval_every", "trainer.eval_batches", "trainer.progress_bar",
-    "trainer.num_threads", "trainer.gc_every", "trainer.malloc_tuning",
-    "strategy.", "checkpoint.", "compute.", "scheduling.", "loggers", "callbacks", "imports",
+    "trainer.num_threads", "trainer.gc_every", "trainer.malloc_tuning", "trainer.nan_guard",
+    "strategy.", "pipeline.", "checkpoint.", "compute.", "scheduling.", "loggers", "callbacks", "imports",
     "data.num_workers", "data.token_cache", "optimizer.implementation", "variables.",
 )
 """Keys (or ``section.`` prefixes) that may differ at resume without changing the result.

@@ -228,6 +228,12 @@ class TrainerSettings:
     """Extra keyword arguments for that class."""
     progress_bar: bool = True
     """Show the rich progress bar."""
+    nan_guard: bool = True
+    """Stop at the first step whose ``train/loss`` or ``train/grad_norm`` is not finite, before
+    its update (exit code 3, naming the step), and never save a checkpoint of non-finite weights:
+    the last finite checkpoint stays the newest. A ``callbacks: [{name: nan_guard, ...}]`` entry
+    configures it (``check_grad_norm``, ``max_loss``); false = train on through NaN (the explicit
+    opt-out). See docs/callbacks.md."""
     num_threads: Optional[int] = None
     """Compute (intra-op) threads per process; null = the cores this process may use
     (``os.sched_getaffinity``) divided among the node's processes, less the cores other

@@ -8,14 +8,14 @@ naming the key and a fix. Nothing is rounded silently.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from llmforge.config.mixture import mixture_entries
 from llmforge.config.parallel_schema import PIPELINE_SCHEDULES, PIPELINE_SPLITS
 from llmforge.config.schema import (ACCELERATORS, DATA_SOURCES, DATA_TASKS,
                                     OPTIMIZER_IMPLEMENTATIONS, OPTIMIZERS, OVERLONG, PRECISIONS,
-                                    SCHEDULES, STRATEGIES, TOKENIZER_TYPES)
+                                    SCHEDULES, STRATEGIES, TOKENIZER_TYPES, OptimizerConfig)
 from llmforge.errors import ConfigError
 
 __all__ = ["BatchPlan", "data_parallel_size", "plan_batch", "validate"]
@@ -227,6 +227,16 @@ def warn_once(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
+def _warn_unused_muon_keys(opt: Any) -> None:
+    """One warning naming the ``optimizer.muon_*`` keys set away from their defaults while
+    another optimizer (which ignores them) is chosen."""
+    given = [f"optimizer.{f.name}={getattr(opt, f.name)}" for f in fields(OptimizerConfig)
+             if f.name.startswith("muon_") and getattr(opt, f.name, f.default) != f.default]
+    if given:
+        warn_once(f"{', '.join(given)} set, but optimizer.name={opt.name} ignores the muon_* keys; "
+                  "set optimizer.name=muon to use them, or remove them")
+
+
 def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
     """Check value ranges and allowed names, then return :func:`plan_batch`'s plan.
 
@@ -263,6 +273,8 @@ def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
     _require(opt.muon_ns_dtype in (None, "bfloat16", "float32"), "optimizer.muon_ns_dtype",
              "bfloat16, float32 or null", opt.muon_ns_dtype)
     _require(0 < opt.muon_ns_steps < 100, "optimizer.muon_ns_steps", "in [1, 99], e.g. 5", opt.muon_ns_steps)
+    if opt.name != "muon":
+        _warn_unused_muon_keys(opt)
     _require(0 <= cfg.run.seed < 2**32, "run.seed", "in [0, 2**32)", cfg.run.seed)
     _require(cfg.data.num_workers >= 0, "data.num_workers", ">= 0", cfg.data.num_workers)
     _require(cfg.data.max_documents is None or cfg.data.max_documents > 0, "data.max_documents",

@@ -28,6 +28,10 @@ folder (``models/llama3/``, ``models/qwen3/``) whose spec bundles
   keeps before the blocks (the embedding) and the last keeps after them (final norm, output);
   the other stages set them to ``None`` and the model's forward skips them
   (:mod:`llmforge.parallel.pipeline`).
+* ``check_tokens``: optional ``check_tokens(model_cfg, tokens)`` raising
+  :class:`~llmforge.errors.ConfigError` when a forward of ``tokens`` tokens on one rank (a
+  micro-batch) cannot work for the ``model:`` section (a mixture of experts: a capacity below
+  one token per expert); checked before anything is built.
 * ``experts``: optional ``experts(model) -> list[nn.Module]``, the expert layers: what expert
   parallelism (``strategy.ep``, :mod:`llmforge.parallel.expert`) splits. Each has an int
   ``num_experts`` ``E``, parameters stacked by expert on dim 0 (``[E, ...]``) and
@@ -138,6 +142,7 @@ class ModelSpec:
     active_params: Ref = None
     stage_ends: tuple = (("tok_embeddings",), ("norm", "output"))
     experts: Ref = None
+    check_tokens: Ref = None
     description: str = ""
 
     def __call__(self, cfg: Any, **kwargs: Any) -> Any:

@@ -85,14 +85,18 @@ class ExpertParallel:
                                  input_fn=self._dispatch, output_fn=self._combine)
 
 
-def check_expert_parallel(experts: list[nn.Module], ep: int, model_name: str) -> None:
-    """Raises ConfigError: ``ep > 1`` and the model has no expert layers, or ``ep`` does not
-    divide a layer's ``num_experts`` (the message lists the degrees that do)."""
+def check_expert_parallel(experts: list[nn.Module], ep: int, model_name: str,
+                          declared: bool = False) -> None:
+    """Raises ConfigError: ``ep > 1`` and the model has no expert layers (``declared``: its
+    ModelSpec has an ``experts`` hook, so this configuration left every layer dense), or ``ep``
+    does not divide a layer's ``num_experts`` (the message lists the degrees that do)."""
     if ep == 1:
         return
     if not experts:
-        raise ConfigError(f"strategy.ep={ep}: model '{model_name}' has no expert layers (its "
-                          "ModelSpec declares no experts); use strategy.ep=1")
+        why = ("this configuration of it has none: every layer is dense (check the model: keys "
+               "that choose the sparse layers)" if declared else "its ModelSpec declares no experts")
+        raise ConfigError(f"strategy.ep={ep}: model '{model_name}' has no expert layers ({why}); "
+                          "use strategy.ep=1")
     for n in sorted({int(m.num_experts) for m in experts}):
         if n % ep:
             ok = [d for d in range(1, n + 1) if n % d == 0]

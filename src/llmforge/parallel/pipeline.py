@@ -115,29 +115,43 @@ def split_blocks(n_blocks: int, n_stages: int, split: Any, stages_per_rank: int 
             consecutive runs covering every block once.
     """
     v = max(1, int(stages_per_rank))
+    units = n_blocks + 2  # lighter_ends: the embedding and the output count as a block each
 
-    def fits(total: int) -> str:
-        ok = [d // v for d in _divisors(total) if d % v == 0
+    def lighter_ok(stages: int) -> bool:
+        return stages >= 2 and units % stages == 0 and units // stages >= 2
+
+    def fits(ok_stages: Any) -> str:
+        ok = [d // v for d in range(v, n_blocks + 1, v) if ok_stages(d)
               and (world_size is None or world_size % (d // v) == 0)]
-        return ", ".join(map(str, ok)) or "none"
+        return ", ".join(map(str, ok))
+
+    def fixes(this: str, degrees: str) -> str:
+        """Only the fixes that work for these stages and blocks: the degrees, then the splits."""
+        fixes = [f"strategy.pp in [{degrees}] with {v} stage(s) per rank"] if degrees else []
+        if this != "balanced" and n_blocks % n_stages == 0:
+            fixes.append("pipeline.split=balanced")
+        if this != "lighter_ends" and lighter_ok(n_stages):
+            fixes.append("pipeline.split=lighter_ends")
+        if n_stages <= n_blocks:
+            fixes.append(f"an explicit pipeline.split list of {n_stages} runs of blocks")
+        else:
+            fixes.append(f"a model of {n_stages} or more blocks (a stage holds at least one)")
+        return "use " + ", ".join(fixes[:-1]) + (", or " if len(fixes) > 1 else "") + fixes[-1]
 
     if isinstance(split, str):
         if split == "balanced":
             if n_blocks % n_stages:
                 raise ConfigError(
                     f"strategy.pp x pipeline.stages_per_rank = {n_stages} stages do not divide the "
-                    f"model's {n_blocks} blocks evenly (pipeline.split=balanced); use strategy.pp in "
-                    f"[{fits(n_blocks)}] with {v} stage(s) per rank, pipeline.split=lighter_ends, or "
-                    "an explicit pipeline.split list")
+                    f"model's {n_blocks} blocks evenly (pipeline.split=balanced); "
+                    f"{fixes('balanced', fits(lambda d: n_blocks % d == 0))}")
             return _counts_to_split([n_blocks // n_stages] * n_stages)
         if split == "lighter_ends":
-            units = n_blocks + 2
-            if units % n_stages or n_stages < 2 or units // n_stages < 2:
+            if not lighter_ok(n_stages):
                 raise ConfigError(
                     f"pipeline.split=lighter_ends: {n_stages} stages must divide the model's "
                     f"{n_blocks} blocks + 2 (embedding, output) = {units} into parts of 2 or more; "
-                    f"use strategy.pp in [{fits(units)}] with {v} stage(s) per rank, or "
-                    "pipeline.split=balanced")
+                    f"{fixes('lighter_ends', fits(lighter_ok))}")
             counts = [units // n_stages] * n_stages
             counts[0] -= 1
             counts[-1] -= 1

@@ -145,22 +145,29 @@ def check_strategy(cfg: Any, dims: Any) -> None:
 
     Raises:
         ConfigError: ``single`` with several processes, ``ddp`` with sharding, a
-            tensor-parallel degree the model's heads (or tied embeddings) do not allow, or an
+            tensor-parallel degree the model's heads (or tied embeddings) do not allow, an
             expert-parallel degree on a model without experts or not dividing its
-            ``num_experts``.
+            ``num_experts``, or a micro-batch the model's ``check_tokens`` refuses.
     """
     if cfg.strategy.name == "single" and dims.world_size > 1:
         raise ConfigError(f"strategy.name=single runs one process, but the world size is "
                           f"{dims.world_size}; use strategy.name=ddp or fsdp2")
     strategy_transforms(cfg, dims)
+    plan = plan_batch(cfg, dims.world_size)
+    rows = plan.micro_batch_size
     if dims.pp > 1:
-        pipeline_layout(cfg, dims)
+        rows = plan.local_batch_size // pipeline_layout(cfg, dims).microbatches
+    check_tokens = _spec(cfg).get("check_tokens")
+    if check_tokens is not None:
+        check_tokens(cfg.model, rows * plan.seq_len)
     if dims.tp > 1 or dims.ep > 1:
         model = meta_model(cfg)
         ctx = ModelContext(cfg=cfg, mesh=None, dims=dims, device=torch.device("meta"))
         if dims.tp > 1:
             _check_tp(model, ctx)
-        check_expert_parallel(_spec(cfg).expert_modules(model), dims.ep, cfg.model.name)
+        spec = _spec(cfg)
+        check_expert_parallel(spec.expert_modules(model), dims.ep, cfg.model.name,
+                              declared=spec.get("experts") is not None)
 
 
 def _check_tp(model: nn.Module, ctx: ModelContext) -> None:

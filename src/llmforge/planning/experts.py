@@ -4,6 +4,7 @@ the ``ep=1`` simulation (step 4 of :mod:`llmforge.planning.planner`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -62,4 +63,5 @@ def ep_degrees(shape: Optional[ExpertShape], dp_shard: int) -> list[int]:
     of experts."""
     if shape is None:
         return [1]
-    return [d for d in range(1, dp_shard + 1) if dp_shard % d == 0 and shape.num_experts % d == 0]
+    both = math.gcd(dp_shard, shape.num_experts)  # the common divisors: few steps at any world size
+    return [d for d in range(1, both + 1) if both % d == 0]

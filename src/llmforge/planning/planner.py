@@ -81,6 +81,21 @@ EFFICIENCY = 0.5
 FSDP2 Llama step on H100 reaches 40-55 % MFU: torchtitan's published benchmarks)."""
 
 P2P_LATENCY = 10e-6
+
+MAX_GPUS = 131_072
+"""The most GPUs the planner takes (2**17, above the largest clusters built so far, about
+100,000 GPUs): the simulation's fake process group and meshes grow with the world size."""
+
+
+def check_gpus(world: int, what: str = "--gpus") -> None:
+    """Refuse a world size outside ``1..MAX_GPUS`` at once, before any config is read.
+
+    Raises:
+        ConfigError: names ``what`` and the value, and the range that works.
+    """
+    if not 1 <= world <= MAX_GPUS:
+        raise ConfigError(f"{what} {world}: the planner takes 1 to {MAX_GPUS:,} GPUs (above the largest "
+                          f"clusters built); pass a GPU count in that range")
 """Seconds a point-to-point send between pipeline stages costs at least (a small NCCL message
 between nodes takes about 5-20 microseconds): what keeps a tiny model off pipeline stages."""
 
@@ -138,7 +153,9 @@ class Plan:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n`` in ascending order, in O(sqrt(n)) steps (``--gpus 2**31``: 46,341)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def tp_degrees(cfg: Any, world: int, gpus_per_node: int) -> tuple[list[int], dict[int, str]]:
@@ -301,8 +318,10 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
 
     Raises:
         ConfigError: no layout divides the batch or the model (see :func:`enumerate_layouts`),
-            or every layout refused by the config's own checks (the first refusal).
+            or every layout refused by the config's own checks (the first refusal), or
+            ``world`` outside 1..MAX_GPUS.
     """
+    check_gpus(world, "the world size")
     experts = ExpertShape.of(cfg)
     layouts, dropped = enumerate_layouts(cfg, world, gpu.gpus_per_node, experts)
     width = 4 if cfg.trainer.precision == "fp32" else 2

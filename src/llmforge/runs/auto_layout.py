@@ -20,7 +20,7 @@ from llmforge.errors import ConfigError
 from llmforge.planning.gpus import GPUKind, gpu_kind, gpu_kind_of_type
 from llmforge.planning.layout_arg import run_layout
 from llmforge.planning.layout_settings import layout_overrides
-from llmforge.planning.planner import plan
+from llmforge.planning.planner import check_gpus, plan
 from llmforge.planning.report import run_plan
 from llmforge.runs.cluster_types import Cluster
 from llmforge.runs.clusters import get_cluster
@@ -46,8 +46,9 @@ def cluster_gpu(cluster: Cluster) -> GPUKind:
 
 def plan_command(args: Any) -> int:
     """``llmforge plan``: the GPU row from ``--gpu`` (default H100), else from ``--cluster``."""
-    if args.gpus < 1:
-        raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
+    check_gpus(args.gpus)  # at once: a divisor search over 2**31 GPUs took minutes
+    if args.top < 1:
+        raise ConfigError(f"--top {args.top}: the number of layouts to print must be >= 1 (default 8)")
     if args.cluster and args.gpu:
         raise ConfigError("--gpu and --cluster both name the GPU kind; pass one of them")
     gpu = cluster_gpu(get_cluster(args.cluster)) if args.cluster else gpu_kind(args.gpu or "H100-SXM-80GB")

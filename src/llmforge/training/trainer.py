@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from llmforge import registry
 from llmforge.algorithms.loading import build_algorithms
-from llmforge.callbacks import Checkpointer, GarbageCollection, RichProgress, SpeedMonitor
+from llmforge.callbacks import Checkpointer, GarbageCollection, NaNGuard, RichProgress, SpeedMonitor
 from llmforge.callbacks.threads import EVERY_SECONDS, ThreadWatch
 from llmforge.checkpoint import list_checkpoints, read_json
 from llmforge.checkpoint.init_from import check_initial_weights
@@ -215,16 +215,19 @@ class Trainer(DataBuilders):
             raise ConfigError(f"trainer.module_kwargs: {exc}") from exc
 
     def build_callbacks(self) -> list[Any]:
-        """The algorithms, speed monitor, progress bar, checkpointer, then ``callbacks:``.
+        """The algorithms, speed monitor, NaN guard, progress bar, checkpointer, then ``callbacks:``.
 
         The speed monitor is always there: a ``speed_monitor`` entry (or a subclass of
         :class:`SpeedMonitor`) in ``callbacks:`` replaces the default one instead of adding a
-        second."""
+        second; so does a ``nan_guard`` entry for the NaN guard of ``trainer.nan_guard``."""
         ck = self.cfg.checkpoint
         extra = build_callbacks(self.cfg)
         speed = next((c for c in extra if isinstance(c, SpeedMonitor)), None)
         extra = [c for c in extra if c is not speed]
         cbs: list[Any] = [speed or SpeedMonitor()]
+        has_guard = any(isinstance(c, NaNGuard) for c in extra)  # a `nan_guard` entry configures it
+        if self.cfg.trainer.nan_guard and not has_guard:
+            cbs.append(NaNGuard())
         if self.cfg.trainer.gc_every > 0:
             cbs.append(GarbageCollection(self.cfg.trainer.gc_every))
         if self.watch_threads():
@@ -235,7 +238,7 @@ class Trainer(DataBuilders):
                                 save_every_minutes=ck.save_every_minutes, save_final=ck.save_final,
                                 keep_last_n=ck.keep_last_n, async_save=ck.async_save,
                                 resume_from=self.resume_path, config=redact(config_to_dict(self.cfg)),
-                                on_resumed=self.finish_resume))
+                                on_resumed=self.finish_resume, finite_only=has_guard or self.cfg.trainer.nan_guard))
         if os.environ.get("LLMFORGE_RUN_ID") and self.is_rank_zero():  # started by `llmforge launch`
             cbs.append(RunTracker(os.environ["LLMFORGE_RUN_ID"]))
         return list(self.algorithms) + cbs + extra  # algorithms are Lightning callbacks too

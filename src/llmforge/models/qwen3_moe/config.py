@@ -29,7 +29,7 @@ from llmforge.models.qwen3.config import Qwen3Args, Qwen3Config, qwen3_args_from
 from llmforge.models.spec import MemoryShape
 
 __all__ = ["Qwen3MoeConfig", "Qwen3MoeArgs", "PRESETS", "qwen3_moe_args_from_config", "memory_shape",
-           "is_sparse_layer"]
+           "is_sparse_layer", "check_tokens"]
 
 
 @dataclass
@@ -154,7 +154,43 @@ def qwen3_moe_args_from_config(cfg: Any) -> Qwen3MoeArgs:
         raise ConfigError(f"model.mlp_only_layers must be a list of layer indices from 0 to "
                           f"{a.n_layers - 1}; got {layers!r}")
     a.mlp_only_layers = list(layers)
+    if not any(is_sparse_layer(a, i) for i in range(a.n_layers)):
+        if a.decoder_sparse_step > a.n_layers:
+            why = (f"model.decoder_sparse_step={a.decoder_sparse_step} is larger than the "
+                   f"{a.n_layers} layers (layer i has experts when i + 1 is a multiple of it); "
+                   f"use 1 to {a.n_layers}")
+        else:
+            why = (f"model.mlp_only_layers={a.mlp_only_layers} makes every layer that "
+                   f"model.decoder_sparse_step={a.decoder_sparse_step} would give experts dense; "
+                   "leave at least one out")
+        raise ConfigError(f"model: this Qwen3-MoE has no layer with experts: {why}, or use "
+                          "model.name=qwen3 for a dense model")
     return a
+
+
+def check_tokens(model_cfg: Any, tokens: int) -> None:
+    """The spec's ``check_tokens`` hook: refuse a ``capacity_factor`` that leaves less than one
+    token per expert in a forward of ``tokens`` tokens on one rank (a micro-batch: rows x
+    seq_len). An expert takes ``ceil(capacity_factor x tokens x k / E)`` assignments
+    (:class:`llmforge.models.qwen3_moe.moe.MoE`): below 1 nearly every token is dropped.
+
+    Raises:
+        ConfigError: names ``model.capacity_factor``, the tokens per expert it leaves and the
+            smallest factor that gives one.
+    """
+    a = qwen3_moe_args_from_config(model_cfg)
+    cf = a.capacity_factor
+    if cf is None:
+        return
+    per_expert = cf * tokens * a.num_experts_per_tok / a.num_experts
+    if per_expert < 1:
+        least = a.num_experts / (tokens * a.num_experts_per_tok)
+        raise ConfigError(
+            f"model.capacity_factor={cf:g} leaves {per_expert:.3g} tokens per expert in a forward "
+            f"of {tokens:,} tokens (capacity_factor x tokens x num_experts_per_tok / num_experts = "
+            f"{cf:g} x {tokens} x {a.num_experts_per_tok} / {a.num_experts}): nearly every token "
+            f"would be dropped; use at least {least:.3g} (one token per expert), typically 1.0 to "
+            "2.0, or null for dropless routing")
 
 
 def memory_shape(model: Any) -> MemoryShape:

@@ -1,0 +1,129 @@
+"""One writer per run directory for the whole process tree (issue 47.2), on real processes:
+``--nproc 2`` workers die with a SIGKILLed launcher (alone or with its process group), so an
+immediate ``checkpoint.resume=auto`` never trains beside orphans; a crashed run's data-loader
+workers do not hold its lock; a run that another process completed while this one prepared is
+refused under the lock."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import DEMO, REPO, TINY_OVERRIDES, run_main
+from llmforge.job.torchrun import proc_table
+from llmforge.run_guard import LOCK, TOKEN_ENV
+
+# a constant schedule: trainer.max_steps may change on resume without allow_config_changes
+LONG = ["scheduler.name=constant", "scheduler.warmup_steps=0", "trainer.log_every=1",
+        "checkpoint.save_every=1", "checkpoint.keep_last_n=2", "trainer.eval_every=0"]
+
+
+def start(tmp_path: Path, *extra: str) -> subprocess.Popen:
+    """``llmforge train`` in a session of its own (its process group is its pid)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    env.pop(TOKEN_ENV, None)
+    return subprocess.Popen([sys.executable, "-m", "llmforge", "train", DEMO, *TINY_OVERRIDES, *LONG,
+                             f"run.output_dir={tmp_path}", "run.name=r", *extra],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def steps(ckpts: Path) -> list[int]:
+    return sorted(int(p.parent.name.split("_")[1]) for p in ckpts.glob("step_*/COMPLETE"))
+
+
+def wait_for_checkpoint(proc: subprocess.Popen, ckpts: Path, after: int, timeout: float = 240) -> int:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        done = [s for s in steps(ckpts) if s > after]
+        if done:
+            return done[-1]
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.05)
+    raise AssertionError(f"no checkpoint after step {after} within {timeout} s")
+
+
+def descendants(pid: int) -> list[int]:
+    table = proc_table() or {}
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        kids = [p for p, (pp, _, state) in table.items() if pp == parent and state not in "ZX"]
+        found += kids
+        todo += kids
+    return found
+
+
+def alive(pids: list[int]) -> list[int]:
+    table = proc_table() or {}
+    return [p for p in pids if p in table and table[p][2] not in "ZX"]
+
+
+def gone_within(pids: list[int], seconds: float) -> list[int]:
+    end = time.monotonic() + seconds
+    while alive(pids) and time.monotonic() < end:
+        time.sleep(0.05)
+    return alive(pids)
+
+
+def test_nproc_workers_die_with_a_killed_launcher_and_resume_agrees(tmp_path):
+    """SIGKILL of the launcher, then of a resumed run's whole process group: each time both
+    ranks (sessions of their own) end with it, the next resume=auto trains from the newest
+    checkpoint, and metrics.jsonl ends where checkpoints/ ends with no step written twice."""
+    run, ckpts = tmp_path / "r", tmp_path / "r" / "checkpoints"
+    newest = 0
+    for how in ("launcher", "group"):
+        extra = ["checkpoint.resume=auto"] * (how == "group")
+        launcher = start(tmp_path, "--nproc", "2", "trainer.max_steps=100000", *extra)
+        try:
+            newest = wait_for_checkpoint(launcher, ckpts, newest)
+            workers = [p for p in descendants(launcher.pid) if p in (proc_table() or {})]
+            ranks = [p for p in workers if (proc_table() or {})[p][0] == launcher.pid]
+            assert len(ranks) == 2, workers
+            (os.kill(launcher.pid, signal.SIGKILL) if how == "launcher"
+             else os.killpg(launcher.pid, signal.SIGKILL))
+            launcher.wait()
+            assert gone_within(ranks, 5) == [], f"{how}: ranks {ranks} outlived their launcher"
+        finally:
+            for p in alive(descendants(launcher.pid)):
+                os.kill(p, signal.SIGKILL)
+            launcher.wait()
+        newest = max(steps(ckpts))
+    final = newest + 1
+    proc = start(tmp_path, "--nproc", "2", "checkpoint.resume=auto", f"trainer.max_steps={final}")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    records = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records == sorted(set(records)) and records[-1] == final, records
+    assert max(steps(ckpts)) == final and (run / LOCK).read_text() == ""
+
+
+def test_a_crashed_runs_loader_workers_do_not_hold_its_lock(tmp_path):
+    """SIGKILL of a run with 2 data-loader workers: the workers (forked with the lock's open
+    file) would hold the lock for seconds; they closed it, so resume=auto at once trains."""
+    proc = start(tmp_path, "trainer.max_steps=100000", "data.num_workers=2")
+    ckpts = tmp_path / "r" / "checkpoints"
+    loaders: list[int] = []
+    try:
+        newest = wait_for_checkpoint(proc, ckpts, 0)
+        loaders = descendants(proc.pid)
+        assert len(loaders) >= 2, loaders
+        proc.kill()
+        proc.wait()
+        assert alive(loaders)  # torch's loader workers notice their parent's death within 5 s
+        got = run_main("train", DEMO, *TINY_OVERRIDES, *LONG, f"run.output_dir={tmp_path}", "run.name=r",
+                       "data.num_workers=2", "checkpoint.resume=auto", f"trainer.max_steps={newest + 1}")
+        assert got.returncode == 0, got.stderr
+        assert f"took over the lock of {tmp_path / 'r'} left by pid {proc.pid}" in got.stderr
+        assert "waiting" not in got.stderr
+        assert max(steps(ckpts)) == newest + 1
+    finally:
+        proc.kill()
+        proc.wait()
+        for p in alive(loaders):
+            os.kill(p, signal.SIGKILL)

@@ -127,3 +127,47 @@ def test_a_crashed_runs_loader_workers_do_not_hold_its_lock(tmp_path):
         proc.wait()
         for p in alive(loaders):
             os.kill(p, signal.SIGKILL)
+
+
+def test_a_run_completed_while_this_one_prepared_is_not_written(tmp_path, monkeypatch):
+    """The check-then-lock race made deterministic: this ``train`` resolves an empty run
+    directory, and another one trains it to the end before this one takes the lock (a hook
+    there). Under the lock the directory is checked again: exit 2, the other run's files
+    byte-identical. A newer checkpoint appearing before a resume=auto takes the lock is refused
+    the same way."""
+    from llmforge.training.run_files import recheck_run_dir
+    from llmforge.training.trainer import Trainer
+
+    args = ["train", DEMO, *TINY_OVERRIDES, "trainer.max_steps=1", "scheduler.warmup_steps=0",
+            f"run.output_dir={tmp_path}", "run.name=r"]
+    run = tmp_path / "r"
+    lock_run_dir = Trainer.lock_run_dir
+    other: dict = {}
+
+    def paused_here(self):  # what another process does while this one is between check and lock
+        monkeypatch.setattr(Trainer, "lock_run_dir", lock_run_dir)
+        other["result"] = run_main(*args)
+        other["files"] = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != LOCK}
+        lock_run_dir(self)
+
+    monkeypatch.setattr(Trainer, "lock_run_dir", paused_here)
+    got = run_main(*args)
+    assert other["result"].returncode == 0, other["result"].stderr
+    assert got.returncode == 2 and got.stderr.splitlines()[-1] == (
+        f"error: run directory {run} changed while this command prepared (it held no run, now it "
+        "holds one): another process wrote it before this one took its lock; nothing was written: "
+        "run the command again"), got.stderr
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != LOCK} == other["files"]
+
+    step1 = run / "checkpoints" / "step_00000001"
+    newer = run / "checkpoints" / "step_00000002"
+    newer.mkdir()
+    (newer / "COMPLETE").write_text("")
+    try:
+        recheck_run_dir(run, run / "checkpoints", True, step1, auto=True)
+    except Exception as exc:  # noqa: BLE001 - the message is the point
+        assert str(exc) == (f"run directory {run} changed while this command prepared (the newest "
+                            f"checkpoint was {step1}, now it is {newer}): another process wrote it "
+                            "before this one took its lock; nothing was written: run the command again")
+    else:
+        raise AssertionError("a newer checkpoint was not noticed")

@@ -171,3 +171,22 @@ def test_a_run_completed_while_this_one_prepared_is_not_written(tmp_path, monkey
                             "before this one took its lock; nothing was written: run the command again")
     else:
         raise AssertionError("a newer checkpoint was not noticed")
+
+
+def test_a_worker_whose_launcher_already_ended_stops():
+    """die_with_launcher: set under its real parent, it returns True and removes the variable;
+    started for a launcher that is not its parent (it died before the prctl call: the worker was
+    re-parented) the worker kills itself, as the death signal would have."""
+    from llmforge.job.torchrun import LAUNCHER_ENV
+
+    code = ("import os; from llmforge.job.torchrun import die_with_launcher, LAUNCHER_ENV\n"
+            "print(die_with_launcher(), LAUNCHER_ENV in os.environ, flush=True)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    for launcher, want in ((os.getpid(), 0), (1, -signal.SIGKILL)):
+        proc = subprocess.run([sys.executable, "-c", code], env={**env, LAUNCHER_ENV: str(launcher)},
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == want, proc.stderr
+        if want == 0:
+            assert proc.stdout == "True False\n"
+        else:
+            assert proc.stderr == "llmforge: the launcher (pid 1) has ended; this worker stops\n"

@@ -25,6 +25,7 @@ llmforge's handlers yet (its interpreter is still starting) gets it once it has 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import sys
@@ -55,8 +56,6 @@ def die_with_launcher(environ: Optional[dict] = None) -> bool:
     raw = env.pop(LAUNCHER_ENV, None)
     if not raw or not sys.platform.startswith("linux"):
         return False
-    import ctypes
-
     try:
         expected = int(raw)
         libc = ctypes.CDLL(None, use_errno=True)

@@ -127,7 +127,8 @@ def test_processes_the_holder_started_are_its_run(tmp_path, monkeypatch):
     token = os.environ[TOKEN_ENV]
     try:
         text = (run / LOCK).read_text()  # world-readable: the token's SHA-256 only
-        assert token not in text and json.loads(text)["token_sha256"] == hashlib.sha256(token.encode()).hexdigest()
+        assert token not in text
+        assert json.loads(text)["token_sha256"] == hashlib.sha256(token.encode()).hexdigest()
         for forged in ("", json.loads(text)["token_sha256"]):  # what a reader of the file could pass
             monkeypatch.setenv(TOKEN_ENV, forged)
             with pytest.raises(RunDirBusy):

@@ -233,12 +233,14 @@ def _carriers(holder: Optional[dict[str, Any]]) -> list[int]:
         if state in (b"Z", b"X"):
             continue
         for var in env.split(b"\0"):
-            if var.startswith(prefix) and _token_hash(var[len(prefix):].decode("utf-8", "replace")) == want:
+            token = var[len(prefix):].decode("utf-8", "replace") if var.startswith(prefix) else None
+            if token is not None and _token_hash(token) == want:
                 found.append(int(entry.name))
     return sorted(found)
 
 
-def _wait_for_leftovers(path: Path, fd: int, holder: Optional[dict[str, Any]], locked: bool) -> tuple[bool, list[int]]:
+def _wait_for_leftovers(path: Path, fd: int, holder: Optional[dict[str, Any]],
+                        locked: bool) -> tuple[bool, list[int]]:
     """A dead holder's lock: wait up to :data:`WAIT_S` for the processes it started to end and
     (when ``locked`` is false) for the lock to be free, with one line on stderr. Returns whether
     ``fd`` now holds the lock and the pids still running with the holder's token."""

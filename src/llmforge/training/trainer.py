@@ -164,9 +164,10 @@ class Trainer(DataBuilders):
         """
         if self.is_rank_zero():
             self.run_lock.acquire()
+            auto = self.cfg.checkpoint.resume == "auto" and not self.overwrite
             try:  # under the lock, before the first write: what was checked still holds
                 recheck_run_dir(self.run_dir, self.checkpoint_dir, self.run.run_dir_used,
-                                self.run.resume_from, self.cfg.checkpoint.resume == "auto" and not self.overwrite)
+                                self.run.resume_from, auto)
             except BaseException:
                 self.run_lock.release()
                 raise

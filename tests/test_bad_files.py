@@ -186,3 +186,22 @@ def test_a_damaged_config_yaml_is_exit_2_naming_the_file_and_key(tmp_path, capsy
         assert code == 2 and str(tmp_path / name) in line and words in line, line
     assert line.startswith("error: trainer.seed: "), line
     assert not (tmp_path / "demo_cpu").exists()
+
+
+def test_an_hf_index_naming_a_file_outside_its_folder_is_refused(tmp_path):
+    """``model.safetensors.index.json`` may name ``../secret`` or a shard linked out of the
+    folder; neither is opened (exit 2, the index named). A damaged index is named too."""
+    from llmforge.checkpoint.hf import load_hf_weights
+    from llmforge.errors import ConfigError
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (tmp_path / "secret").write_text("not weights")
+    (hf / "linked.safetensors").symlink_to(tmp_path / "secret")
+    index = hf / "model.safetensors.index.json"
+    for names, words in ((["../secret"], "lies outside"), (["linked.safetensors"], "lies outside"),
+                         (None, "cannot be read (RecursionError)")):
+        index.write_text('{"weight_map": {"w": "%s"}}' % names[0] if names else "[" * 100_000)
+        with pytest.raises(ConfigError) as info:
+            load_hf_weights(torch.nn.Linear(1, 1), hf)
+        assert info.value.exit_code == 2 and str(index) in str(info.value) and words in str(info.value)

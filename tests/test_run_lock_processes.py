@@ -16,7 +16,7 @@ from pathlib import Path
 
 from conftest import DEMO, REPO, TINY_OVERRIDES, run_main
 from llmforge.job.torchrun import proc_table
-from llmforge.run_guard import LOCK, TOKEN_ENV
+from llmforge.run_guard import LAUNCHER_ENV, LOCK, TOKEN_ENV
 
 # a constant schedule: trainer.max_steps may change on resume without allow_config_changes
 LONG = ["scheduler.name=constant", "scheduler.warmup_steps=0", "trainer.log_every=1",
@@ -174,19 +174,18 @@ def test_a_run_completed_while_this_one_prepared_is_not_written(tmp_path, monkey
 
 
 def test_a_worker_whose_launcher_already_ended_stops():
-    """die_with_launcher: set under its real parent, it returns True and removes the variable;
-    started for a launcher that is not its parent (it died before the prctl call: the worker was
-    re-parented) the worker kills itself, as the death signal would have."""
-    from llmforge.job.torchrun import LAUNCHER_ENV
-
+    """die_with_launcher: under its real launcher it returns True and removes the variable; for a
+    launcher that has ended (it died before the prctl call: the worker was re-parented) the
+    worker kills itself, as the death signal would have; a live process that is not its parent
+    (a variable inherited from further up) is not its launcher: nothing happens."""
     code = ("import os; from llmforge.job.torchrun import die_with_launcher, LAUNCHER_ENV\n"
             "print(die_with_launcher(), LAUNCHER_ENV in os.environ, flush=True)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
-    for launcher, want in ((os.getpid(), 0), (1, -signal.SIGKILL)):
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    for launcher, code_out in ((os.getpid(), (0, "True False\n")), (1, (0, "False False\n")),
+                               (ended.pid, (-signal.SIGKILL, ""))):
         proc = subprocess.run([sys.executable, "-c", code], env={**env, LAUNCHER_ENV: str(launcher)},
                               capture_output=True, text=True, timeout=60)
-        assert proc.returncode == want, proc.stderr
-        if want == 0:
-            assert proc.stdout == "True False\n"
-        else:
-            assert proc.stderr == "llmforge: the launcher (pid 1) has ended; this worker stops\n"
+        assert (proc.returncode, proc.stdout) == code_out, proc.stderr
+    assert proc.stderr == f"llmforge: the launcher (pid {ended.pid}) has ended; this worker stops\n"

@@ -16,7 +16,8 @@ itself stays in the holder's environment). A second process gets :class:`RunDirB
 naming the holder. The kernel drops the lock when its process dies, so a lock left by a killed
 process is free: the next run takes it over and says whose it was. Processes started by the
 holder (torchrun's workers under ``--nproc``, Lightning's re-run ranks) inherit the token in
-:data:`TOKEN_ENV` and are recognized as the same run; in a job started by any other launcher
+:data:`TOKEN_ENV` and are recognized as the same run, and die with the holder
+(:data:`LAUNCHER_ENV`); in a job started by any other launcher
 only rank 0 takes the lock (the caller decides, see :meth:`llmforge.Trainer.setup`).
 
 **The whole process tree.** Processes forked by the holder (data-loader workers) close their
@@ -51,13 +52,18 @@ from typing import Any, Optional, Sequence
 from llmforge.errors import ConfigError
 from llmforge.paths import is_special_file
 
-__all__ = ["LOCK", "MARK", "TOKEN_ENV", "RunDirBusy", "RunLock", "check_run_dir", "clear_run_dir",
+__all__ = ["LAUNCHER_ENV", "LOCK", "MARK", "TOKEN_ENV", "RunDirBusy", "RunLock", "check_run_dir",
+           "clear_run_dir",
            "is_run_dir", "mark_run_dir", "peek_holder", "refuse_file_link", "refuse_link"]
 
 MARK = ".llmforge-run"
 LOCK = ".llmforge-lock"
 TOKEN_ENV = "LLMFORGE_RUN_LOCK"
 """Environment variable with the lock holder's token, inherited by the processes it starts."""
+LAUNCHER_ENV = "LLMFORGE_LAUNCHER_PID"
+"""Environment variable with the pid of the process that started a worker (the lock holder, or
+llmforge's torchrun launcher): the worker dies with it
+(:func:`llmforge.job.torchrun.die_with_launcher`)."""
 WAIT_S = 30.0
 """How long taking over a dead holder's lock waits for the processes it left (seconds): the
 data-loader workers of a killed process notice within 5 s (torch's watchdog)."""
@@ -381,6 +387,7 @@ class RunLock:
         os.pwrite(fd, (json.dumps(info) + "\n").encode("utf-8"), 0)
         os.fsync(fd)
         os.environ[TOKEN_ENV] = self.token = token
+        os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks it starts die with it
         return self
 
     def release(self) -> None:
@@ -398,6 +405,8 @@ class RunLock:
             os.close(fd)  # closing the only descriptor drops the flock
             if os.environ.get(TOKEN_ENV) == self.token:
                 del os.environ[TOKEN_ENV]
+            if os.environ.get(LAUNCHER_ENV) == str(os.getpid()):
+                del os.environ[LAUNCHER_ENV]
 
     def __del__(self) -> None:  # a Trainer set up but never fit, then dropped
         try:

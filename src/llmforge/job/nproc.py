@@ -20,7 +20,8 @@ from typing import Sequence
 
 from llmforge import signals
 from llmforge.errors import LLMForgeError
-from llmforge.job.torchrun import LAUNCHER_ENV, _forward_usr1, exit_code, signal_exit_code
+from llmforge.job.torchrun import _forward_usr1, exit_code, signal_exit_code
+from llmforge.run_guard import LAUNCHER_ENV
 
 
 def launch_local(nproc: int, argv: Sequence[str]) -> int:
@@ -55,4 +56,6 @@ def launch_local(nproc: int, argv: Sequence[str]) -> int:
         return signal_exit_code(int(exc.sigval))
     except Exception as exc:  # rendezvous or agent failure
         raise LLMForgeError(f"--nproc {nproc}: the local launcher failed: {exc}") from exc
+    finally:
+        os.environ.pop(LAUNCHER_ENV, None)
     return 0

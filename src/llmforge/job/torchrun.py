@@ -34,12 +34,10 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 from llmforge.parallel.threads import TORCHRUN_SET_OMP
+from llmforge.run_guard import LAUNCHER_ENV
 from llmforge.signals import exit_code_for, STOP_SIGNALS
 
 FORWARD_WAIT_S = 60.0
-LAUNCHER_ENV = "LLMFORGE_LAUNCHER_PID"
-"""The pid of the launcher that started this worker (set by the launcher, read once by
-:func:`die_with_launcher`)."""
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -47,7 +45,8 @@ def die_with_launcher(environ: Optional[dict] = None) -> bool:
     """In a worker started by llmforge's launcher (:data:`LAUNCHER_ENV` set): have the kernel
     SIGKILL this process when its parent ends (``prctl(PR_SET_PDEATHSIG)``, Linux), then check
     that the parent is still that launcher, since it may have died before the call (the process
-    then kills itself the same way). The variable is removed, so processes this one starts do not
+    then kills itself the same way; a launcher that runs but is not its parent is not its
+    launcher: nothing is set). The variable is removed, so processes this one starts do not
     take this one's launcher for theirs. Returns whether the death signal is set.
 
     SIGKILL, not SIGTERM: the launcher's end means the run crashed; a worker that went on to save
@@ -63,10 +62,19 @@ def die_with_launcher(environ: Optional[dict] = None) -> bool:
             return False
     except (ValueError, OSError, AttributeError):
         return False
-    if os.getppid() != expected:  # the launcher died before the call: do what it would have done
-        print(f"llmforge: the launcher (pid {expected}) has ended; this worker stops",
-              file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+    if os.getppid() != expected:
+        try:
+            os.kill(expected, 0)
+        except ProcessLookupError:  # the launcher died before the call: do what it would have done
+            print(f"llmforge: the launcher (pid {expected}) has ended; this worker stops",
+                  file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        except (PermissionError, OverflowError):
+            pass
+        # it runs, but is not this process's parent: the variable came from further up (a
+        # process that started this one's parent); not this process's launcher
+        libc.prctl(_PR_SET_PDEATHSIG, 0, 0, 0, 0)
+        return False
     return True
 
 

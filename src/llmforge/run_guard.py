@@ -276,10 +276,13 @@ def _held_by_the_dead(holder: Optional[dict[str, Any]]) -> bool:
 
 def peek_holder(path: Path) -> None:
     """Check, without taking it, that no other live process holds ``path``'s lock (the early
-    check of ``llmforge train``, before the run directory is read).
+    check of ``llmforge train``, before the run directory is read). When the holder has ended
+    but processes it started remain (they hold the lock, or carry its token), it waits for them
+    up to :data:`WAIT_S` seconds, saying so on stderr.
 
     Raises:
-        RunDirBusy: another process of another run holds it.
+        RunDirBusy: another process of another run holds it, or the processes a dead holder
+            started are still there after :data:`WAIT_S` seconds (their pids named).
         ConfigError: the lock or the mark is a link, a pipe or a folder (:func:`refuse_file_link`).
     """
     refuse_file_link(path / MARK)  # what acquire would write through: refused early

@@ -65,6 +65,16 @@ def damage(run: Path, kind: str) -> Path:
         (ckpt / "trainer_state.json").write_text('{"step": 2, "tok')
     elif kind == "meta":
         (ckpt / "meta.json").write_bytes(b"\xff\xfe{")
+    elif kind == "huge_metadata":  # BINBYTES8 of 2**62 bytes: the unpickler allocates them
+        (ckpt / ".metadata").write_bytes(b"\x80\x04\x8e" + (2 ** 62).to_bytes(8, "little") + b"xx")
+    elif kind == "deep_state":
+        (ckpt / "trainer_state.json").write_text("[" * 100_000 + "]" * 100_000)
+    elif kind == "linked_shard":  # a shard linked to a file outside: neither read nor sized
+        shard = next(ckpt.glob("*.distcp"))
+        outside = run.parent / "outside.bin"
+        outside.write_bytes(shard.read_bytes() * 2)
+        shard.unlink()
+        shard.symlink_to(outside)
     return ckpt
 
 
@@ -75,6 +85,9 @@ def damage(run: Path, kind: str) -> Path:
     ("trainer_state", "resume", "trainer_state.json cannot be read (JSONDecodeError"),
     ("meta", "inspect", "meta.json cannot be read (UnicodeDecodeError"),
     ("meta", "generate", "meta.json cannot be read"),
+    ("huge_metadata", "generate", ".metadata cannot be read (MemoryError"),
+    ("deep_state", "resume", "trainer_state.json cannot be read (RecursionError"),
+    ("linked_shard", "generate", "__0_0.distcp is a symbolic link out of the checkpoint folder"),
 ])
 def test_damaged_checkpoint_is_exit_2_naming_the_file(trained, tmp_path, capsys, kind, command, named):
     run = tmp_path / "base"
@@ -157,3 +170,38 @@ def test_trainer_module_that_is_not_a_class(tmp_path, capsys):
                            "trainer.module=os.path.join"], capsys)
     assert code == 2 and "trainer.module: 'os.path.join' is a function" in line, line
     assert not (tmp_path / "demo_cpu").exists()
+
+
+def test_a_damaged_config_yaml_is_exit_2_naming_the_file_and_key(tmp_path, capsys):
+    """Nesting past Python's recursion (RecursionError), nesting OmegaConf cannot hold, and an
+    integer of 5,000 digits (ValueError) were exit 1; each names the file (and the key)."""
+    cases = {"deep_list.yaml": ("trainer: " + "[" * 5000 + "]" * 5000, "is nested too deeply to read"),
+             "deep_map.yaml": ("trainer: " + "{x: " * 40 + "1" + "}" * 40,
+                               "nests more than 32 levels of mappings and lists"),
+             "digits.yaml": (f"base: {DEMO}\ntrainer:\n  seed: {'9' * 5000}\n",
+                             "at line 3, column 9: an integer of 5000 digits (at most 4300 are read)")}
+    for name, (text, words) in cases.items():
+        (tmp_path / name).write_text(text)
+        code, line = run_main(["train", str(tmp_path / name), f"run.output_dir={tmp_path}"], capsys)
+        assert code == 2 and str(tmp_path / name) in line and words in line, line
+    assert line.startswith("error: trainer.seed: "), line
+    assert not (tmp_path / "demo_cpu").exists()
+
+
+def test_an_hf_index_naming_a_file_outside_its_folder_is_refused(tmp_path):
+    """``model.safetensors.index.json`` may name ``../secret`` or a shard linked out of the
+    folder; neither is opened (exit 2, the index named). A damaged index is named too."""
+    from llmforge.checkpoint.hf import load_hf_weights
+    from llmforge.errors import ConfigError
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (tmp_path / "secret").write_text("not weights")
+    (hf / "linked.safetensors").symlink_to(tmp_path / "secret")
+    index = hf / "model.safetensors.index.json"
+    for names, words in ((["../secret"], "lies outside"), (["linked.safetensors"], "lies outside"),
+                         (None, "cannot be read (RecursionError)")):
+        index.write_text('{"weight_map": {"w": "%s"}}' % names[0] if names else "[" * 100_000)
+        with pytest.raises(ConfigError) as info:
+            load_hf_weights(torch.nn.Linear(1, 1), hf)
+        assert info.value.exit_code == 2 and str(index) in str(info.value) and words in str(info.value)

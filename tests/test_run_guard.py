@@ -2,6 +2,7 @@
 (``llmforge.run_guard``): ``--overwrite`` leaves user folders and symlinked runs intact, a second
 writer exits 2 naming the holder, a killed holder's lock is taken over."""
 
+import hashlib
 import json
 import os
 import socket
@@ -119,11 +120,19 @@ def test_a_second_writer_exits_2_naming_the_holder_and_a_killed_holders_lock_is_
 
 
 def test_processes_the_holder_started_are_its_run(tmp_path, monkeypatch):
-    """torchrun's workers under --nproc and Lightning's re-run ranks inherit the holder's token."""
+    """torchrun's workers under --nproc and Lightning's re-run ranks inherit the holder's token;
+    the lock file holds only its hash, which does not pass for it."""
     run = tmp_path / "r"
     lock = RunLock(run).acquire()
     token = os.environ[TOKEN_ENV]
     try:
+        text = (run / LOCK).read_text()  # world-readable: the token's SHA-256 only
+        assert token not in text
+        assert json.loads(text)["token_sha256"] == hashlib.sha256(token.encode()).hexdigest()
+        for forged in ("", json.loads(text)["token_sha256"]):  # what a reader of the file could pass
+            monkeypatch.setenv(TOKEN_ENV, forged)
+            with pytest.raises(RunDirBusy):
+                RunLock(run).acquire()
         monkeypatch.delenv(TOKEN_ENV)
         with pytest.raises(RunDirBusy):
             peek_holder(run)

@@ -386,6 +386,10 @@ def read_json(path: str | Path, name: str) -> dict[str, Any]:
         raise CheckpointReadError(f"{file} cannot be read ({type(exc).__name__}: {exc}); the "
                                   "checkpoint is damaged: use an older one "
                                   "(checkpoint.resume=PATH)") from None
+    except (RecursionError, MemoryError) as exc:  # nested deeper than json's recursion allows
+        raise CheckpointReadError(f"{file} cannot be read ({type(exc).__name__}: nested too deeply "
+                                  "or too large); the checkpoint is damaged: use an older one "
+                                  "(checkpoint.resume=PATH)") from None
     if not isinstance(data, dict):
         raise CheckpointReadError(f"{file} holds {type(data).__name__}, not a JSON object; the "
                                   "checkpoint is damaged")

@@ -14,6 +14,7 @@ under the key the installed transformers reads), ``generation_config.json`` and 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -132,8 +133,19 @@ def _shard_files(path: Path) -> dict[str, Path]:
     """HF key -> safetensors file."""
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {k: path / v for k, v in weight_map.items()}
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            files = {str(k): path / v for k, v in weight_map.items()}
+        except (OSError, ValueError, RecursionError, MemoryError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"model.init_from: {index} cannot be read ({type(exc).__name__}); "
+                              "it is damaged: download the model again") from None
+        root = os.path.realpath(path)
+        for file in set(files.values()):  # a name like ../x, or a link, must not leave the folder
+            if os.path.commonpath([os.path.realpath(file), root]) != root:
+                raise ConfigError(f"model.init_from: {index} names {file}, which lies outside {path} "
+                                  "(a path or symbolic link out of the folder); refused: a model "
+                                  "folder reads only its own files")
+        return files
     single = path / "model.safetensors"
     if not single.exists():
         raise ConfigError(f"model.init_from: no model.safetensors or index in {path}")

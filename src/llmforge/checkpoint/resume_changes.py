@@ -125,9 +125,9 @@ def _saved_config(ckpt: Path) -> tuple[Optional[dict], str]:
     meta_file = ckpt / "meta.json"
     try:
         meta = json.loads(meta_file.read_text(encoding="utf-8")) if meta_file.exists() else {}
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"checkpoint.resume: {meta_file} cannot be read ({exc}); resume from "
-                          "another checkpoint (checkpoint.resume=PATH)") from None
+    except (OSError, ValueError, RecursionError, MemoryError) as exc:
+        raise ConfigError(f"checkpoint.resume: {meta_file} cannot be read ({type(exc).__name__}: {exc}); "
+                          "resume from another checkpoint (checkpoint.resume=PATH)") from None
     world = {"_world_size": meta["world_size"]} if meta.get("world_size") else {}
     if isinstance(meta.get("config"), dict):
         return {**meta["config"], **world}, "meta.json"
@@ -137,8 +137,8 @@ def _saved_config(ckpt: Path) -> tuple[Optional[dict], str]:
 
         try:
             data = yaml.safe_load(run_config.read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError):
-            data = None
+        except (OSError, yaml.YAMLError, ValueError, RecursionError, MemoryError):
+            data = None  # compared by world size only; loading the run reads it and says why
         if isinstance(data, dict):
             return {**data, **world}, str(run_config)
     return (world or None), "no saved config"

@@ -112,9 +112,13 @@ def load_metadata(path: str | os.PathLike, fs: Any = None) -> Any:
         raise CheckpointReadError(f"{source} is missing: not a complete torch.distributed."
                                   "checkpoint folder (was the save interrupted?)") from exc
     except (OSError, EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError,
-            IndexError, KeyError) as exc:
+            IndexError, KeyError, OverflowError) as exc:
         raise CheckpointReadError(f"{source} cannot be read ({type(exc).__name__}: {exc}); the "
                                   "checkpoint is truncated or corrupt") from exc
+    except (MemoryError, RecursionError) as exc:  # a damaged length or nesting in the pickle
+        raise CheckpointReadError(f"{source} cannot be read ({type(exc).__name__}: it asks for more "
+                                  "memory or nesting than any checkpoint's metadata); the checkpoint "
+                                  "is corrupt") from None
     from torch.distributed.checkpoint.metadata import Metadata
 
     if not isinstance(metadata, Metadata):
@@ -156,6 +160,7 @@ def check_shards(folder: str | os.PathLike, metadata: Any) -> None:
             transformed.add(fqn)
     for rel, size in sorted(need.items()):
         file = os.path.join(folder, rel)
+        _no_link_out(folder, file)
         have = os.path.getsize(file) if os.path.isfile(file) else None
         if have is None or have < size:
             what = "is missing" if have is None else f"is truncated ({have:,} of {size:,} bytes)"
@@ -176,6 +181,20 @@ def check_shards(folder: str | os.PathLike, metadata: Any) -> None:
 
 
 _MAX_COMPRESSION = 1000
+
+
+def _no_link_out(folder: str | os.PathLike, file: str) -> None:
+    """``file`` (a path inside ``folder`` by name) also lies inside it once symbolic links are
+    resolved: a shard linked to another file would be read, and its size told, as the
+    checkpoint's.
+
+    Raises:
+        CheckpointReadError: it resolves outside ``folder``."""
+    real, root = os.path.realpath(file), os.path.realpath(folder)
+    if os.path.commonpath([real, root]) != root:
+        raise CheckpointReadError(f"{file} is a symbolic link out of the checkpoint folder {folder}; "
+                                  "refused (a checkpoint reads only its own files): copy the file "
+                                  "into the folder if it belongs there")
 
 
 def _inside(folder: str | os.PathLike, rel: Any, source: str) -> str:
@@ -221,6 +240,7 @@ class SafeReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         path = self.fs.concat_path(self.path, ".metadata")
+        _no_link_out(str(self.path), str(path))
         metadata = load_metadata(path, self.fs)
         check_shards(str(self.path), metadata)
         if getattr(metadata, "storage_meta", None) is None:

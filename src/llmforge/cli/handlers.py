@@ -12,6 +12,7 @@ from typing import Any
 
 from llmforge.cli.runs_commands import RUN_COMMANDS
 from llmforge.errors import ConfigError, LLMForgeError
+from llmforge.job.torchrun import die_with_launcher
 from llmforge.planning.gpus import gpu_kind
 from llmforge.quiet import quiet_libraries
 from llmforge.runs.plot import plot_runs
@@ -21,6 +22,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     """Load and resolve the run before the heavy imports (a typo fails in a fraction of a
     second), then build the Trainer: its one start-up sequence serves the dry run, the
     ``--nproc`` launcher's check and training."""
+    die_with_launcher()  # a worker of `--nproc` or llmforge.job.torchrun: ends with its launcher
     # the config machinery (omegaconf, yaml) after argument parsing: `llmforge --help` stays fast
     from llmforge.config import load_config
     from llmforge.config.validate import WARNINGS_SHOWN_ENV

@@ -15,6 +15,7 @@ Raises :class:`~llmforge.errors.ConfigError` naming the file (and line, column) 
 from __future__ import annotations
 
 import re
+import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,21 @@ class _Loader(yaml.SafeLoader):
                 )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node):  # noqa: D102
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
+            digits = sum(c.isdigit() for c in str(node.value))
+            raise yaml.constructor.ConstructorError(
+                None, None, f"an integer of {digits} digits (at most {sys.get_int_max_str_digits()} "
+                "are read)", node.start_mark) from None
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
+MAX_DEPTH = 32
+"""Deepest nesting of mappings and lists a config file may have (the schema's is 4; OmegaConf
+recurses once per level and fails near 100)."""
 
 
 _FLOAT_TAG = "tag:yaml.org,2002:float"
@@ -122,20 +138,68 @@ def _load(text: str, shown: str) -> Any:
         loader.dispose()
 
 
+def _key_at(text: str, index: int) -> str:
+    """The dotted key of the value that starts at character ``index`` of a YAML text ('' when
+    it is not found)."""
+    try:
+        todo = [(yaml.compose(text, Loader=_Loader), "")]
+    except (yaml.YAMLError, RecursionError):
+        return ""
+    while todo:
+        node, key = todo.pop()
+        if node is None:
+            continue
+        if node.start_mark.index == index and isinstance(node, yaml.ScalarNode):
+            return key
+        if isinstance(node, yaml.MappingNode):
+            todo += [(v, f"{key}.{k.value}".lstrip(".")) for k, v in node.value]
+        elif isinstance(node, yaml.SequenceNode):
+            todo += [(v, f"{key}[{i}]") for i, v in enumerate(node.value)]
+    return ""
+
+
+def _too_deep(data: object) -> str | None:
+    """The dotted key of the first value nested deeper than :data:`MAX_DEPTH`, or None."""
+    todo = [(data, "", 0)]
+    while todo:
+        value, key, depth = todo.pop()
+        items = (value.items() if isinstance(value, dict) else
+                 ((f"[{i}]", v) for i, v in enumerate(value)) if isinstance(value, list) else ())
+        for k, v in items:
+            sub = f"{key}{k}" if str(k).startswith("[") else f"{key}.{k}".lstrip(".")
+            if depth + 1 > MAX_DEPTH:
+                return sub
+            todo.append((v, sub, depth + 1))
+    return None
+
+
 def _read_yaml(path: Path, shown: str, referrer: str | None) -> dict:
     if not path.is_file():
         by = f" (the base of {referrer})" if referrer else ""
         what = "is a directory, not a file" if path.is_dir() else "not found"
         raise ConfigError(f"config file {shown}{by} {what}")
+    text = ""
     try:
         if path.stat().st_size > MAX_BYTES:
             raise ConfigError(f"config file {shown} is larger than {MAX_BYTES >> 20} MiB; a config "
                               "holds settings, not data: give data files under data.path")
-        data = _load(path.read_text(encoding="utf-8"), shown)
+        text = path.read_text(encoding="utf-8")
+        data = _load(text, shown)
     except yaml.YAMLError as exc:
-        raise _yaml_error(exc, shown) from None
+        error = _yaml_error(exc, shown)
+        mark = getattr(exc, "problem_mark", None)
+        key = _key_at(text, mark.index) if mark is not None and "digits" in str(exc) else ""
+        raise (ConfigError(f"{key}: {error}") if key else error) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read config file {shown}: {exc}") from None
+    except (RecursionError, MemoryError):
+        raise ConfigError(f"config file {shown} is nested too deeply to read (more than "
+                          f"{MAX_DEPTH} levels of mappings and lists are refused); the file is "
+                          "damaged or not a config") from None
+    deep = _too_deep(data)
+    if deep is not None:
+        raise ConfigError(f"{deep}: config file {shown} nests more than {MAX_DEPTH} levels of "
+                          "mappings and lists; the file is damaged or not a config")
     if data is None:  # an empty file would silently train the defaults
         by = f" (the base of {referrer})" if referrer else ""
         raise ConfigError(f"config file {shown}{by} is empty; write at least one section (e.g. "

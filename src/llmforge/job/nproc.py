@@ -6,10 +6,14 @@ The parent is torch's elastic agent (``torch.distributed.launcher.elastic_launch
 MASTER_ADDR, ...), which Lightning detects. Each worker chooses its compute threads from the
 cores it may use, its share of them and its data workers
 (:func:`llmforge.parallel.threads.choose_num_threads`; ``OMP_NUM_THREADS`` if set).
+This process holds the run's lock; its workers die with it
+(:func:`llmforge.job.torchrun.die_with_launcher`), so a SIGKILL of the launcher leaves no rank
+training beside the run that resumes it.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import uuid
 from typing import Sequence
@@ -17,6 +21,7 @@ from typing import Sequence
 from llmforge import signals
 from llmforge.errors import LLMForgeError
 from llmforge.job.torchrun import _forward_usr1, exit_code, signal_exit_code
+from llmforge.run_guard import LAUNCHER_ENV
 
 
 def launch_local(nproc: int, argv: Sequence[str]) -> int:
@@ -38,6 +43,8 @@ def launch_local(nproc: int, argv: Sequence[str]) -> int:
     # and SIGUSR1 (SLURM's warning) is forwarded as llmforge.job.torchrun does
     signals.uninstall()
     signal.signal(signal.SIGUSR1, _forward_usr1)
+    # the workers die with this process (it holds the run's lock): die_with_launcher
+    os.environ[LAUNCHER_ENV] = str(os.getpid())
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
                           monitor_interval=0.1)
@@ -49,4 +56,6 @@ def launch_local(nproc: int, argv: Sequence[str]) -> int:
         return signal_exit_code(int(exc.sigval))
     except Exception as exc:  # rendezvous or agent failure
         raise LLMForgeError(f"--nproc {nproc}: the local launcher failed: {exc}") from exc
+    finally:
+        os.environ.pop(LAUNCHER_ENV, None)
     return 0

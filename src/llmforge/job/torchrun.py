@@ -12,6 +12,11 @@ preemption (llmforge exits 75 after saving) from a crash. This runs torch's own 
   ``--shutdown-timeout`` seconds for them): 75 or 130, what llmforge's workers exit with on it
   (they save first when training); 128 + N for another signal N.
 
+Its workers die with it: it names itself in :data:`LAUNCHER_ENV`, and each worker's
+``llmforge train`` asks the kernel for SIGKILL when its parent ends
+(:func:`die_with_launcher`). torch's agent starts the workers in sessions of their own, so a
+SIGKILL of the launcher (or of its process group) would otherwise leave them training.
+
 SIGUSR1 — what SLURM sends before a time limit — is forwarded to every worker's process group
 (workers are session leaders) instead of killing the launcher. A worker that has not installed
 llmforge's handlers yet (its interpreter is still starting) gets it once it has (within
@@ -20,6 +25,7 @@ llmforge's handlers yet (its interpreter is still starting) gets it once it has 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import sys
@@ -28,9 +34,48 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 from llmforge.parallel.threads import TORCHRUN_SET_OMP
+from llmforge.run_guard import LAUNCHER_ENV
 from llmforge.signals import exit_code_for, STOP_SIGNALS
 
 FORWARD_WAIT_S = 60.0
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_launcher(environ: Optional[dict] = None) -> bool:
+    """In a worker started by llmforge's launcher (:data:`LAUNCHER_ENV` set): have the kernel
+    SIGKILL this process when its parent ends (``prctl(PR_SET_PDEATHSIG)``, Linux), then check
+    that the parent is still that launcher, since it may have died before the call (the process
+    then kills itself the same way; a launcher that runs but is not its parent is not its
+    launcher: nothing is set). The variable is removed, so processes this one starts do not
+    take this one's launcher for theirs. Returns whether the death signal is set.
+
+    SIGKILL, not SIGTERM: the launcher's end means the run crashed; a worker that went on to save
+    would write beside the run that resumes it (the lock died with the launcher)."""
+    env = os.environ if environ is None else environ
+    raw = env.pop(LAUNCHER_ENV, None)
+    if not raw or not sys.platform.startswith("linux"):
+        return False
+    try:
+        expected = int(raw)
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return False
+    except (ValueError, OSError, AttributeError):
+        return False
+    if os.getppid() != expected:
+        try:
+            os.kill(expected, 0)
+        except ProcessLookupError:  # the launcher died before the call: do what it would have done
+            print(f"llmforge: the launcher (pid {expected}) has ended; this worker stops",
+                  file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        except (PermissionError, OverflowError):
+            pass
+        # it runs, but is not this process's parent: the variable came from further up (a
+        # process that started this one's parent); not this process's launcher
+        libc.prctl(_PR_SET_PDEATHSIG, 0, 0, 0, 0)
+        return False
+    return True
 
 
 def proc_table() -> Optional[dict[int, tuple[int, int, str]]]:
@@ -115,6 +160,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     signal.signal(signal.SIGUSR1, _forward_usr1)
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # the workers die with this process
     args = torchrun.parse_args(list(sys.argv[1:] if argv is None else argv))
     if "OMP_NUM_THREADS" not in os.environ:  # torchrun will set 1: let the workers choose
         os.environ[TORCHRUN_SET_OMP] = "1"

@@ -1,6 +1,6 @@
 """Checks and repairs of a run's files at start: the metrics file cut back to a resume's step,
-a damaged resume checkpoint named before anything is built, the tokenizer cache key and the
-tokenizer check of ``model.init_from``."""
+a damaged resume checkpoint named before anything is built, the run directory checked again
+under its lock, the tokenizer cache key and the tokenizer check of ``model.init_from``."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Optional
 
 from llmforge.checkpoint.dcp import check_checkpoint
+from llmforge.checkpoint.layout import latest_checkpoint
 from llmforge.checkpoint.run_dir import resolve_checkpoint
 from llmforge.checkpoint.safe_load import CheckpointReadError
 from llmforge.data.tokenizers import load_saved, Tokenizer
 from llmforge.errors import ConfigError, LLMForgeError
 
-__all__ = ["check_init_from_tokenizer", "check_resumable", "truncate_metrics"]
+__all__ = ["check_init_from_tokenizer", "check_resumable", "recheck_run_dir", "truncate_metrics"]
 
 
 def _inside(path: Path, parent: Path) -> bool:
@@ -99,3 +100,32 @@ def check_resumable(path: Path, complete: list[Path]) -> None:
             raise
         raise CheckpointReadError(f"{exc}; the previous checkpoint is "
                                   f"checkpoint.resume={older[-1]}") from None
+
+
+def recheck_run_dir(run_dir: Path, checkpoint_dir: Path, used: bool, resume_from: Optional[Path],
+                    auto: bool) -> None:
+    """Under the run directory's lock, before the first write: the directory is still as it was
+    when the run was resolved (before the lock was taken, while data, tokenizer and model were
+    prepared). Another process may have trained into it meanwhile; writing now would replace its
+    config, metrics and tokenizer.
+
+    Args:
+        used: whether it held a run then (``metrics.jsonl`` or a complete checkpoint).
+        resume_from: the checkpoint chosen then (``checkpoint.resume``), or None.
+        auto: ``checkpoint.resume=auto`` without ``--overwrite`` (the newest complete
+            checkpoint is compared too).
+
+    Raises:
+        ConfigError: it changed; nothing was written, running the command again decides anew.
+    """
+    newest = latest_checkpoint(checkpoint_dir)
+    now_used = (run_dir / "metrics.jsonl").exists() or newest is not None
+    if now_used != used or (auto and newest != resume_from):
+        if auto and newest != resume_from:
+            was, now = (f"the newest checkpoint was {resume_from or 'none'}",
+                        f"it is {newest or 'none'}")
+        else:
+            was, now = ("it held a run", "it holds none") if used else ("it held no run", "it holds one")
+        raise ConfigError(f"run directory {run_dir} changed while this command prepared ({was}, now "
+                          f"{now}): another process wrote it before this one took its lock; nothing "
+                          "was written: run the command again")

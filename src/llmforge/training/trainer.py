@@ -51,7 +51,7 @@ from llmforge.registry import build_entries
 from llmforge.run_guard import RunLock, clear_run_dir, mark_run_dir
 from llmforge.training.entries import build_callbacks, module_class
 from llmforge.training.run_data import DataBuilders
-from llmforge.training.run_files import _inside, check_resumable, truncate_metrics
+from llmforge.training.run_files import _inside, check_resumable, recheck_run_dir, truncate_metrics
 
 __all__ = ["Trainer"]
 
@@ -160,9 +160,18 @@ class Trainer(DataBuilders):
 
         Raises:
             RunDirBusy: another process holds it (the message names its host, pid, start time).
+            ConfigError: the run directory changed since the run was resolved (another process
+                trained into it before the lock was taken; :func:`recheck_run_dir`).
         """
         if self.is_rank_zero():
             self.run_lock.acquire()
+            auto = self.cfg.checkpoint.resume == "auto" and not self.overwrite
+            try:  # under the lock, before the first write: what was checked still holds
+                recheck_run_dir(self.run_dir, self.checkpoint_dir, self.run.run_dir_used,
+                                self.run.resume_from, auto)
+            except BaseException:
+                self.run_lock.release()
+                raise
 
     def prepare_run_dir(self, used: bool) -> None:
         """Create and mark the run directory and write the resolved config (secrets redacted).

@@ -124,7 +124,8 @@ class DataConfig:
     paths: List[str] = field(default_factory=list)
     """``files``: several paths or globs."""
     format: Optional[str] = None
-    """``files``: text, json or parquet; inferred from the file extension when null."""
+    """``files``: text, json or parquet; inferred from the file extension when null; ``mds``: an
+    MDS folder (LLM Foundry's shards), read by ``llmforge data prepare`` only (docs/data.md)."""
     name: Optional[str] = None
     """``hub``: the dataset configuration (e.g. ``en`` for allenai/c4)."""
     split: str = "train"

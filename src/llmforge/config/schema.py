@@ -284,6 +284,9 @@ class SchedulerConfig:
     """Final learning rate as a fraction of the peak."""
     decay_fraction: float = 0.2
     """``wsd``: share of the steps after warmup spent decaying (linearly) at the end."""
+    warmup_from_zero: bool = False
+    """Warm up from 0 as Composer does (``lr = peak * step / warmup_steps``, so the first step
+    has lr 0) instead of from ``peak / warmup_steps``; ``llmforge convert foundry`` sets it."""
 
 
 @dataclass

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from llmforge.config.foundry.context import Clock, Conversion
+from llmforge.config.foundry.context import Clock, Conversion, parse_time
 
 _SDK_LOGGERS = {"wandb": "wandb", "comet_ml": "comet", "mlflow": "mlflow", "tensorboard": "tensorboard"}
 # Foundry logger kwargs -> llmforge logger kwargs
@@ -88,6 +89,17 @@ def convert_loggers(c: Conversion) -> None:
     c.set("loggers", out)
 
 
+def _interval(c: Conversion, clock: Clock, key: str, dst: str, fallback: Any, what: str) -> None:
+    """An interval in steps; in epochs without ``--steps-per-epoch``, ``fallback`` (reported)."""
+    value = c.take(key)
+    if parse_time(value, key)[1] == "ep" and clock.steps_per_epoch is None:
+        c.map(key, dst, fallback, f"{value!r} is in epochs, whose length the converter does not know: "
+              f"llmforge {what} (pass --steps-per-epoch N to convert it)")
+        return
+    steps, how = clock.steps(value, key)
+    c.map(key, dst, steps, how)
+
+
 def convert_checkpoints(c: Conversion, clock: Clock) -> None:
     """``save_folder``, ``save_interval``, ``save_num_checkpoints_to_keep``, ``autoresume``,
     ``load_path``; evaluation (``eval_interval``, ``eval_subset_num_batches``, ...)."""
@@ -98,8 +110,7 @@ def convert_checkpoints(c: Conversion, clock: Clock) -> None:
               "Composer's" if "://" not in folder else "object-store checkpoint folders: mount the "
               "bucket or save locally; llmforge writes checkpoints to a filesystem path")
     if c.has("save_interval"):
-        steps, how = clock.steps(c.take("save_interval"), "save_interval")
-        c.map("save_interval", "checkpoint.save_every", steps, how)
+        _interval(c, clock, "save_interval", "checkpoint.save_every", None, "saves at the end only")
     keep = c.take("save_num_checkpoints_to_keep")
     if keep is not None:
         c.map("save_num_checkpoints_to_keep", "checkpoint.keep_last_n", None if keep < 0 else max(1, keep),
@@ -123,8 +134,7 @@ def convert_checkpoints(c: Conversion, clock: Clock) -> None:
         if c.has(key):
             c.drop(key, why, nearest)
     if c.has("eval_interval"):
-        steps, how = clock.steps(c.take("eval_interval"), "eval_interval")
-        c.map("eval_interval", "trainer.eval_every", steps, how)
+        _interval(c, clock, "eval_interval", "trainer.eval_every", 0, "evaluates at step 0 and at the end only")
     if c.has("eval_first"):
         c.change("eval_first", "evaluation at step 0", "llmforge always evaluates at step 0 and at the end")
     n = c.take("eval_subset_num_batches")

@@ -30,6 +30,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+import fsspec
 import numpy as np
 
 from llmforge.data.documents import DocumentSplits
@@ -51,8 +52,6 @@ TOKENS_BYTES_DTYPE = np.int64
 
 def _read(path: str, storage_options: Optional[dict] = None) -> bytes:
     if "://" in path:
-        import fsspec
-
         with fsspec.open(path, "rb", **(storage_options or {})) as f:
             return f.read()
     return Path(path).read_bytes()
@@ -60,8 +59,6 @@ def _read(path: str, storage_options: Optional[dict] = None) -> bytes:
 
 def _exists(path: str, storage_options: Optional[dict] = None) -> bool:
     if "://" in path:
-        import fsspec
-
         fs, root = fsspec.core.url_to_fs(path, **(storage_options or {}))
         return fs.exists(root)
     return Path(path).is_file()

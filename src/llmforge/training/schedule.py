@@ -57,4 +57,4 @@ def build_scheduler(optimizer: Optimizer, cfg, max_steps: int) -> LambdaLR:
     return LambdaLR(optimizer, lambda s: lr_multiplier(
         s, name=cfg.name, max_steps=max_steps, warmup_steps=cfg.warmup_steps,
         min_lr_ratio=cfg.min_lr_ratio, decay_fraction=cfg.decay_fraction,
-        warmup_from_zero=cfg.get("warmup_from_zero", False)))
+        warmup_from_zero=bool(getattr(cfg, "warmup_from_zero", False))))

@@ -170,6 +170,22 @@ def test_every_callback_and_logger_is_mapped_or_reported(tmp_path, tokenizer):
     assert any((tmp_path / "runs" / "mon" / "tb").iterdir())
 
 
+def test_qwen3_checkpoint_and_epochs_with_steps_per_epoch(tmp_path):
+    hf = tmp_path / "qwen"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    data = yaml.safe_load((FOUNDRY / "llama_finetune.yaml").read_text())
+    data["variables"]["model_name_or_path"] = str(hf)
+    data["max_duration"], data["eval_interval"], data["callbacks"] = "2ep", "500sp", ["not", "a", "mapping"]
+    (tmp_path / "in.yaml").write_text(yaml.safe_dump(data))
+    cfg, report = _convert(tmp_path / "in.yaml", tmp_path / "out.yaml", "--steps-per-epoch", "5")
+    assert cfg["model"] == {"name": "qwen3", "init_from": f"hf:{hf}"}
+    # 2 epochs x 5 steps; 500 samples / 8 per step = 62.5 -> 63; t_warmup 0.25dur of 10 -> 2
+    assert (cfg["trainer"]["max_steps"], cfg["trainer"]["eval_every"], cfg["scheduler"]["warmup_steps"]) == (10, 63, 2)
+    assert "  callbacks: expected LLM Foundry's mapping" in report
+    assert "has no tokenizer.json" in report and "DATA_DIR/train.jsonl" in cfg["data"]["path"]
+
+
 @pytest.mark.parametrize("edit,key", [
     (None, "trainer"),  # an llmforge YAML
     ({"train_loader": None}, "train_loader"),

@@ -112,6 +112,10 @@ class Conversion:
         self.used.add(key)
         return value
 
+    def touched(self, key: str) -> bool:
+        """Whether ``key`` or a key below it was read (a section partly mapped)."""
+        return key in self.used or any(u.startswith(key + ".") for u in self.used)
+
     def set(self, key: str, value: Any) -> None:
         """Write ``value`` at the dotted llmforge ``key``."""
         node = self.out

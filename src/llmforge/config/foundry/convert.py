@@ -108,7 +108,7 @@ def convert(path: str | Path, *, steps_per_epoch: Optional[int] = None,
     for key in c.leftovers():
         c.drop(key, "not a key the converter knows", "none (check docs/migrating_from_composer.md)")
     c.defaults()
-    c.out = {k: c.out[k] for k in _ORDER if k in c.out}
+    c.out = {k: c.out[k] for k in _ORDER if k in c.out and c.out[k] != []}
     return c
 
 

@@ -60,7 +60,7 @@ def convert_text(c: Conversion, prepared: str | None, tokenizer: dict) -> None:
             c.drop("eval_loader.dataset", "evaluation reads the prepared folder's val split, which "
                    "comes from the same source", "data.val_split when preparing, or data.val_fraction")
         for key in c.peek(eds, {}) or {}:
-            if f"{eds}.{key}" not in c.used:
+            if not c.touched(f"{eds}.{key}"):
                 c.drop(f"{eds}.{key}", "evaluation windows are read in order", "none")
         _loader_knobs(c, "eval_loader")
     if val_split is None:
@@ -79,7 +79,7 @@ def convert_text(c: Conversion, prepared: str | None, tokenizer: dict) -> None:
         if c.has(f"{ds}.{key}"):
             c.drop(f"{ds}.{key}", why, nearest)
     for key in c.peek(ds, {}) or {}:
-        if f"{ds}.{key}" not in c.used:
+        if not c.touched(f"{ds}.{key}"):
             c.drop(f"{ds}.{key}", "a StreamingTextDataset setting llmforge does not have", "data.*")
 
 
@@ -145,11 +145,15 @@ def convert_finetuning(c: Conversion) -> None:
             c.drop("eval_loader.dataset", "llmforge evaluates on a share of the training examples "
                    "(or a Hub dataset's named split)", "data.val_fraction")
         for key in c.peek("eval_loader.dataset", {}) or {}:
-            if f"eval_loader.dataset.{key}" not in c.used:
+            if not c.touched(f"eval_loader.dataset.{key}"):
                 c.drop(f"eval_loader.dataset.{key}", "set by the training loader's mapping", "data.*")
         _loader_knobs(c, "eval_loader")
+    if c.has(f"{ds}.shuffle") or c.has(f"{ds}.shuffle_seed"):
+        for key in ("shuffle", "shuffle_seed"):
+            if c.has(f"{ds}.{key}"):
+                c.drop(f"{ds}.{key}", "the order of the examples is fixed by run.seed", "run.seed")
     for key in c.peek(ds, {}) or {}:
-        if f"{ds}.{key}" not in c.used and key not in ("max_seq_len",):
+        if not c.touched(f"{ds}.{key}"):
             c.drop(f"{ds}.{key}", "a Foundry finetuning setting llmforge does not have", "data.* (docs/sft.md)")
 
 

@@ -197,7 +197,9 @@ def convert_tokenizer(c: Conversion) -> None:
     else:
         c.set("tokenizer.type", "huggingface")
         c.map("tokenizer.name", "tokenizer.path", f"{name}/tokenizer.json")
-        c.todo.append(f"download the tokenizer {name} (huggingface-cli download {name} tokenizer.json "
+        c.todo.append(f"{folder} has no tokenizer.json: save one there (transformers' AutoTokenizer"
+                      ".save_pretrained) or set tokenizer.path" if folder.is_dir() else
+                      f"download the tokenizer {name} (huggingface-cli download {name} tokenizer.json "
                       "--local-dir DIR) and set tokenizer.path: DIR/tokenizer.json")
     kwargs = c.peek("tokenizer.kwargs") or {}
     for key in kwargs:

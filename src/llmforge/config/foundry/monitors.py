@@ -21,6 +21,9 @@ _LOGGER_KEYS = {"wandb": {"project": "project", "entity": "entity", "name": "nam
 def convert_callbacks(c: Conversion, clock: Clock) -> None:
     """``callbacks:`` (a mapping of name -> kwargs)."""
     callbacks = c.peek("callbacks") or {}
+    if not isinstance(callbacks, dict):
+        c.drop("callbacks", "expected LLM Foundry's mapping of callback name -> kwargs", "callbacks:")
+        return
     for name, kwargs in callbacks.items():
         key, kwargs = f"callbacks.{name}", dict(kwargs or {})
         out = c.out.setdefault("callbacks", [])
@@ -62,6 +65,10 @@ def convert_loggers(c: Conversion) -> None:
     """``loggers:`` (a mapping of name -> kwargs); llmforge's jsonl metrics file stays on."""
     loggers = c.peek("loggers") or {}
     out = [{"name": "jsonl"}]
+    c.set("loggers", out)
+    if not isinstance(loggers, dict):
+        c.drop("loggers", "expected LLM Foundry's mapping of logger name -> kwargs", "loggers:")
+        return
     for name, kwargs in loggers.items():
         key, kwargs = f"loggers.{name}", dict(kwargs or {})
         if name not in _SDK_LOGGERS:

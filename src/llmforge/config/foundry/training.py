@@ -88,7 +88,7 @@ def convert_optimizer(c: Conversion) -> None:
     else:
         c.map("optimizer.weight_decay", "optimizer.weight_decay", wd, scope.lstrip("; ") if wd else "")
     for key in c.peek("optimizer", {}) or {}:
-        if f"optimizer.{key}" not in c.used:
+        if not c.touched(f"optimizer.{key}"):
             c.drop(f"optimizer.{key}", "not a setting of llmforge's AdamW",
                    "optimizer.* (docs/optimizers.md)")
 
@@ -184,7 +184,7 @@ def convert_fsdp(c: Conversion, precision: str) -> None:
             value = c.take(f"fsdp_config.{key}")
             c.map(f"fsdp_config.{key}", "strategy.dp_shard" if "shard" in key else "strategy.dp_replicate", value)
     for key in cfg:
-        if f"fsdp_config.{key}" not in c.used:
+        if not c.touched(f"fsdp_config.{key}"):
             c.drop(f"fsdp_config.{key}", "an FSDP1 setting; FSDP2 (per-parameter sharding) has no "
                    "such knob or does it always", "strategy.* (docs/parallelism.md)")
 
@@ -193,6 +193,9 @@ def convert_algorithms(c: Conversion) -> None:
     """``algorithms:`` (a mapping of name -> kwargs). Composer clips no gradients unless the
     ``gradient_clipping`` algorithm is listed, so llmforge's default clip is turned off."""
     algos = c.peek("algorithms") or {}
+    if not isinstance(algos, dict):
+        c.drop("algorithms", "expected LLM Foundry's mapping of algorithm name -> kwargs", "algorithms:")
+        algos = {}
     clip = algos.get("gradient_clipping") if isinstance(algos, dict) else None
     if clip is None:
         c.set("trainer.gradient_clip_val", None)

@@ -9,6 +9,8 @@ from llmforge.config.foundry.context import Clock, Conversion, parse_time
 
 _SDK_LOGGERS = {"wandb": "wandb", "comet_ml": "comet", "mlflow": "mlflow", "tensorboard": "tensorboard"}
 # Foundry logger kwargs -> llmforge logger kwargs
+# (composer.loggers: WandBLogger, CometMLLogger, MLFlowLogger, TensorboardLogger; wandb's
+# init_kwargs and comet's exp_kwargs are read as if they were top-level kwargs)
 _LOGGER_KEYS = {"wandb": {"project": "project", "entity": "entity", "name": "name", "group": "group",
                           "tags": "tags", "mode": "mode", "notes": "notes"},
                 "comet_ml": {"project_name": "project", "workspace": "workspace", "name": "name",
@@ -77,6 +79,8 @@ def convert_loggers(c: Conversion) -> None:
             continue
         entry = {"name": _SDK_LOGGERS[name]}
         notes = []
+        for nested in ("init_kwargs", "exp_kwargs"):
+            kwargs.update(kwargs.pop(nested, None) or {})
         for k, v in kwargs.items():
             dst = _LOGGER_KEYS[name].get(k)
             if name == "comet_ml" and k == "online":

@@ -71,6 +71,14 @@ def test_mds_bad_input_exits_2_naming_the_key(mds_root, tmp_path):
     assert r.returncode == 2 and "no MDS split 'test'" in r.stderr and "train, val" in r.stderr
     r = run_main("data", "prepare", str(mds_root / "tokens"), str(tmp_path / "b"), "--workers", "1")
     assert r.returncode == 2 and "tokenizer.type" in r.stderr and "token ids" in r.stderr
+    from tokenizers import Tokenizer, models
+
+    small = tmp_path / "small.json"  # a tokenizer of 4 ids: the MDS tokens use up to 255
+    Tokenizer(models.WordLevel({"<s>": 0, "</s>": 1, "a": 2, "[UNK]": 3}, unk_token="[UNK]")).save(str(small))
+    r = run_main("data", "prepare", str(mds_root / "tokens"), str(tmp_path / "d"), "tokenizer.type=huggingface",
+                 f"tokenizer.path={small}", "--workers", "1")
+    assert r.returncode == 2 and "outside the tokenizer's" in r.stderr, r.stderr
+    assert not list((tmp_path / "d").rglob("*.tmp")) and not list((tmp_path / "d").rglob("*.bin"))
     r = run_main("data", "prepare", str(mds_root / "text"), str(tmp_path / "c"), "data.text_field=body",
                  "--workers", "1")
     assert r.returncode == 2 and "data.text_field" in r.stderr and "id, text" in r.stderr

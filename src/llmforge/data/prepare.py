@@ -77,6 +77,9 @@ def write_shard(tok: Any, texts: list[str], path: Path, max_chars: int = PIECE_C
                 digest.update(ids)
                 tokens += len(ids)
         os.replace(tmp, path)
+    except DataError:  # a token id out of range: no partial shard either
+        tmp.unlink(missing_ok=True)
+        raise
     except OSError as exc:  # a full disk: no partial shard; the finished ones and progress.json stay
         tmp.unlink(missing_ok=True)
         raise write_failed(exc, tmp, "the shards written so far are kept: free space and run the "
@@ -97,10 +100,11 @@ def _ids(tok: Any, docs: list, dtype: np.dtype, max_chars: int, path: Path) -> I
         yield from iter_packed(tok, docs, dtype, max_chars)
         return
     for ids in docs:
-        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= tok.vocab_size):
-            raise DataError(f"data: a token row for {path.name} holds id {int(ids.max())} (or "
-                            f"{int(ids.min())}), outside the tokenizer's {tok.vocab_size} ids; set "
-                            "tokenizer.type/path to the tokenizer that wrote the MDS tokens")
+        bad = [int(x) for x in (ids.min(), ids.max()) if not 0 <= x < tok.vocab_size] if len(ids) else []
+        if bad:
+            raise DataError(f"tokenizer.path: a token row of {path.parent.name}/{path.name} holds id "
+                            f"{bad[0]}, outside the tokenizer's {tok.vocab_size} ids; name the tokenizer "
+                            "that wrote the MDS tokens (tokenizer.type/tokenizer.path)")
         yield ids.astype(dtype)
 
 

@@ -114,3 +114,14 @@ def test_adamw_kernels_by_implementation():
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     for got in weights[1:]:
         torch.testing.assert_close(got, weights[0], rtol=1e-5, atol=1e-6)
+
+
+def test_warmup_from_zero_is_composers_warmup():
+    """scheduler.warmup_from_zero: lr = peak * step / warmup (Composer's LinearScheduler inside
+    its *_with_warmup schedulers), then the same decay as without it."""
+    from llmforge.training.schedule import lr_multiplier
+
+    kw = dict(name="cosine", max_steps=10, warmup_steps=4, min_lr_ratio=0.1)
+    assert [lr_multiplier(s, warmup_from_zero=True, **kw) for s in range(5)] == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert [lr_multiplier(s, **kw) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_multiplier(7, warmup_from_zero=True, **kw) == lr_multiplier(7, **kw)

@@ -39,3 +39,10 @@ def grad_noise() -> types.ModuleType:
     module = types.ModuleType("my_lab.grad_noise")
     exec(compile(code, str(doc), "exec"), module.__dict__)  # the docs' own text: trusted
     return module
+
+
+def confidence_penalty_source() -> str:
+    """docs/migrating_from_composer.md's ported algorithm (``# my_lab/confidence_penalty.py``)."""
+    doc = REPO / "docs" / "migrating_from_composer.md"
+    marker = "# my_lab/confidence_penalty.py"
+    return marker + doc.read_text().split(marker, 1)[1].split("```", 1)[0]

@@ -3,7 +3,8 @@
 
 ``CONFIG_OR_SOURCE`` is a run's YAML (its ``data:`` and ``tokenizer:`` sections are used, with
 the overrides) or a file, glob or URL of documents (``data.source=files``, the default
-tokenizer unless overridden, e.g. ``tokenizer.type=huggingface tokenizer.path=...``).
+tokenizer unless overridden, e.g. ``tokenizer.type=huggingface tokenizer.path=...``), or an MDS
+folder (mosaicml-streaming's format: ``data.format=mds`` is set, see :mod:`llmforge.data.mds`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ def add_parser(sub: Any) -> None:
     d_sub = d.add_subparsers(dest="data_command", required=True)
     p = d_sub.add_parser("prepare", help="tokenize a corpus once into token shards (data.source: prepared)")
     p.add_argument("source", metavar="CONFIG_OR_SOURCE",
-                   help="a run's YAML, or documents: a file, glob or URL (txt, jsonl, parquet, csv)")
+                   help="a run's YAML, or documents: a file, glob or URL (txt, jsonl, parquet, csv), "
+                        "or an MDS folder (LLM Foundry's shards; docs/data.md)")
     p.add_argument("out", metavar="OUT", help="output folder (new, empty, or an interrupted prepare), "
                    "or an fsspec URL (s3://bucket/out, gs://...: prepared locally, then uploaded)")
     p.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. tokenizer.vocab_size=32000")
@@ -43,13 +45,15 @@ def load_prepare_config(source: str, overrides: list[str]) -> Any:
     from llmforge.config import load_config
     from llmforge.config.overrides import _apply_override
     from llmforge.config.schema import TrainConfig
+    from llmforge.data.mds import is_mds  # numpy, datasets: after --help
 
     if source.endswith((".yaml", ".yml")):
         return load_config(source, overrides)
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.structured(TrainConfig)
-    for item in ["data.source=files", f"data.path={source}", *overrides]:
+    mds = ["data.format=mds"] if is_mds(source) else []  # LLM Foundry's MDS folder (docs/data.md)
+    for item in ["data.source=files", f"data.path={source}", *mds, *overrides]:
         _apply_override(cfg, item)
     OmegaConf.resolve(cfg)
     return cfg

@@ -222,6 +222,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    if args.convert_command == "foundry":
+        return _convert_foundry(args)
+
     from llmforge.checkpoint.convert import from_hf, to_hf  # heavy (torch): off the CLI's fast path
 
     out = Path(args.out)
@@ -235,6 +238,23 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print(f"wrote {written}")
     else:
         print(f"wrote {from_hf(args.path, args.out, overwrite=args.overwrite)}")
+    return 0
+
+
+def _convert_foundry(args: argparse.Namespace) -> int:
+    """``convert foundry``: the YAML to OUT (or stdout), the report to stdout (or stderr)."""
+    from llmforge.config.foundry import write_converted  # omegaconf, yaml: off the --help path
+
+    if args.steps_per_epoch is not None and args.steps_per_epoch < 1:
+        raise ConfigError(f"--steps-per-epoch must be >= 1, got {args.steps_per_epoch}")
+    text, report = write_converted(args.path, args.out, overwrite=args.overwrite,
+                                   steps_per_epoch=args.steps_per_epoch, prepared=args.prepared)
+    if args.out is None:
+        sys.stdout.write(text)
+        print(report, file=sys.stderr)
+        return 0
+    print(f"wrote {args.out}: {report}")
+    print(f"check it: llmforge train {args.out} --dry-run")
     return 0
 
 

@@ -81,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     add_trust_code(e)
     add_debug(e)
 
-    v = sub.add_parser("convert", help="Hugging Face <-> llmforge weights")
+    v = sub.add_parser("convert", help="Hugging Face <-> llmforge weights; LLM Foundry YAMLs")
     cv_sub = v.add_subparsers(dest="convert_command", required=True)
     th = cv_sub.add_parser("to-hf", help="write config.json + safetensors + tokenizer for transformers")
     th.add_argument("path", help="run directory or checkpoint folder")
@@ -102,6 +102,19 @@ def _parser() -> argparse.ArgumentParser:
     fh.add_argument("--overwrite", action="store_true",
                     help="replace the llmforge run in OUT (never one that holds PATH)")
     add_debug(fh)
+
+    ff = cv_sub.add_parser("foundry", help="turn an LLM Foundry (Composer) training YAML into an "
+                           "llmforge YAML, with a report of every key (docs/migrating_from_composer.md)")
+    ff.add_argument("path", metavar="IN.yaml", help="the LLM Foundry training YAML")
+    ff.add_argument("-o", "--out", default=None, metavar="OUT.yaml",
+                    help="write the llmforge YAML here (default: print it) and the report to stdout")
+    ff.add_argument("--steps-per-epoch", type=int, default=None, metavar="N",
+                    help="optimizer steps in one pass over the training data (for times in ep)")
+    ff.add_argument("--prepared", default=None, metavar="DIR",
+                    help="where `llmforge data prepare` writes an MDS loader's token shards "
+                         "(default: the MDS folder + -llmforge)")
+    ff.add_argument("--overwrite", action="store_true", help="replace OUT.yaml if it exists")
+    add_debug(ff)
 
     c = sub.add_parser("checkpoint", help="inspect or consolidate a checkpoint")
     ck_sub = c.add_subparsers(dest="checkpoint_command", required=True)

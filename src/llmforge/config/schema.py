@@ -124,7 +124,8 @@ class DataConfig:
     paths: List[str] = field(default_factory=list)
     """``files``: several paths or globs."""
     format: Optional[str] = None
-    """``files``: text, json or parquet; inferred from the file extension when null."""
+    """``files``: text, json or parquet; inferred from the file extension when null; ``mds``: an
+    MDS folder (LLM Foundry's shards), read by ``llmforge data prepare`` only (docs/data.md)."""
     name: Optional[str] = None
     """``hub``: the dataset configuration (e.g. ``en`` for allenai/c4)."""
     split: str = "train"
@@ -289,6 +290,9 @@ class SchedulerConfig:
     """Final learning rate as a fraction of the peak."""
     decay_fraction: float = 0.2
     """``wsd``: share of the steps after warmup spent decaying (linearly) at the end."""
+    warmup_from_zero: bool = False
+    """Warm up from 0 as Composer does (``lr = peak * step / warmup_steps``, so the first step
+    has lr 0) instead of from ``peak / warmup_steps``; ``llmforge convert foundry`` sets it."""
 
 
 @dataclass

@@ -26,6 +26,7 @@ from llmforge.data.packing import PIECE_CHARS, iter_packed, token_dtype
 from llmforge.data.prepared import tokenizer_fingerprint
 from llmforge.data.prepared_checks import FORMAT, MANIFEST, parse_manifest
 from llmforge.data.file_identity import describe_files
+from llmforge.data.mds import mds_documents, mds_files
 from llmforge.data.remote import _check_store_out, _remote_size, _upload, open_store
 from llmforge.data.shakespeare import cache_root
 from llmforge.data.sources import (_resolve_files, iter_texts, load_documents, read_rows,
@@ -71,18 +72,40 @@ def write_shard(tok: Any, texts: list[str], path: Path, max_chars: int = PIECE_C
     digest, tokens = hashlib.sha256(), 0
     try:
         with open(tmp, "wb") as f:
-            for ids in iter_packed(tok, texts, token_dtype(tok.vocab_size), max_chars):
+            for ids in _ids(tok, texts, token_dtype(tok.vocab_size), max_chars, path):
                 f.write(ids.data)
                 digest.update(ids)
                 tokens += len(ids)
         os.replace(tmp, path)
+    except DataError:  # a token id out of range: no partial shard either
+        tmp.unlink(missing_ok=True)
+        raise
     except OSError as exc:  # a full disk: no partial shard; the finished ones and progress.json stay
         tmp.unlink(missing_ok=True)
         raise write_failed(exc, tmp, "the shards written so far are kept: free space and run the "
                                      "same command again to continue") from None
     return {"file": f"{path.parent.name}/{path.name}", "tokens": tokens, "sha256": digest.hexdigest(),
             "documents": len(texts),
-            "bytes": sum(len(t) if t.isascii() else len(t.encode("utf-8", "replace")) for t in texts)}
+            "bytes": sum(t.nbytes if isinstance(t, np.ndarray) else len(t) if t.isascii()
+                         else len(t.encode("utf-8", "replace")) for t in texts)}
+
+
+def _ids(tok: Any, docs: list, dtype: np.dtype, max_chars: int, path: Path) -> Iterator[np.ndarray]:
+    """The ids of a shard: texts packed as ``[BOS] doc [EOS]`` (:func:`iter_packed`); token
+    rows (an MDS ``tokens`` column) as they are, since their writer placed BOS/EOS already.
+
+    Raises:
+        DataError: a token id outside the tokenizer's vocabulary."""
+    if not docs or not isinstance(docs[0], np.ndarray):
+        yield from iter_packed(tok, docs, dtype, max_chars)
+        return
+    for ids in docs:
+        bad = [int(x) for x in (ids.min(), ids.max()) if not 0 <= x < tok.vocab_size] if len(ids) else []
+        if bad:
+            raise DataError(f"tokenizer.path: a token row of {path.parent.name}/{path.name} holds id "
+                            f"{bad[0]}, outside the tokenizer's {tok.vocab_size} ids; name the tokenizer "
+                            "that wrote the MDS tokens (tokenizer.type/tokenizer.path)")
+        yield ids.astype(dtype)
 
 
 def _pool_shard(args: tuple[list[str], str]) -> dict[str, Any]:
@@ -92,7 +115,7 @@ def _pool_shard(args: tuple[list[str], str]) -> dict[str, Any]:
 def _blocks(ds: Any, size: int, files: Any = ()) -> Iterator[list[str]]:
     block: list[str] = []
     for row in read_rows(ds, files):  # an unreadable file: DataError naming it
-        block.append(row["text"])
+        block.append(row["text"] if "text" in row else row["tokens"])  # MDS token rows
         if len(block) == size:
             yield block
             block = []
@@ -104,6 +127,8 @@ def source_files(cfg: Any) -> list[dict[str, Any]]:
     """``[{path, bytes, sha256}]`` of a ``files`` source (a hub dataset: its name)."""
     if cfg.data.source != "files":
         return [{"path": f"{cfg.data.source}:{cfg.data.path or ''}:{cfg.data.name or ''}"}]
+    if cfg.data.format == "mds":  # the split indexes name and size every shard
+        return describe_files(mds_files(cfg.data))
     return describe_files(_resolve_files(cfg.data))
 
 
@@ -203,7 +228,14 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
                                 show_progress=show_progress)
     out = Path(out)
     cfg.data.streaming = True  # read lazily: a corpus never sits in memory
-    docs = load_documents(cfg.data, cfg.run.seed, by_line=True)
+    if cfg.data.format == "mds":  # LLM Foundry's MDS shards (llmforge.data.mds)
+        docs = mds_documents(cfg.data, cfg.run.seed)
+        if docs.train.kind == "tokens" and cfg.tokenizer.type == "train_bpe":
+            raise DataError(f"tokenizer.type: {cfg.data.path} holds token ids (an MDS 'tokens' "
+                            "column); name the tokenizer that wrote them (tokenizer.type=huggingface "
+                            "tokenizer.path=.../tokenizer.json) instead of train_bpe")
+    else:
+        docs = load_documents(cfg.data, cfg.run.seed, by_line=True)
     if next(read_rows(docs.train, docs.files), None) is None:
         raise DataError(f"data: the source ({cfg.data.source} {cfg.data.path or ''}) holds no "
                         f"non-empty document; nothing was written to {out}")

@@ -93,6 +93,10 @@ def _check_url(url: str) -> None:
 def _file_format(cfg: Any, files: list[str]) -> str:
     if cfg.format:
         fmt = {"txt": "text", "jsonl": "json"}.get(cfg.format, cfg.format)
+        if fmt == "mds":
+            raise DataError(f"data.format: mds is read by `llmforge data prepare` only; prepare "
+                            f"{cfg.path} once (llmforge data prepare {cfg.path} OUT) and train with "
+                            "data.source=prepared data.path=OUT")
         if fmt not in {"text", "json", "parquet", "csv"}:
             raise DataError(f"data.format: '{cfg.format}' is not one of text, json, parquet, csv")
         return fmt

@@ -1,0 +1,169 @@
+"""``llmforge convert foundry IN.yaml [-o OUT.yaml]``: an LLM Foundry training YAML as the
+llmforge YAML of the same run, with a report of every key (mapped, mapped with a difference,
+not mapped with the reason and the nearest llmforge setting).
+
+The input is data: its ``variables:`` and ``${...}`` references are resolved with OmegaConf,
+and a resolver call (``${oc.env:HOME}``) is refused; no code in it is run or imported.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from llmforge.config.foundry.context import Conversion
+from llmforge.config.foundry.data import convert_loaders
+from llmforge.config.foundry.model import convert_model, convert_tokenizer
+from llmforge.config.foundry.monitors import (convert_callbacks, convert_checkpoints,
+                                              convert_identity, convert_loggers)
+from llmforge.config.foundry.training import (batch_and_duration, convert_algorithms,
+                                              convert_fsdp, convert_optimizer,
+                                              convert_precision, convert_scheduler)
+from llmforge.config.loader import _RESOLVER, load_config
+from llmforge.config.yaml_files import _read_yaml
+from llmforge.errors import ConfigError
+
+REQUIRED = ("model", "train_loader", "max_duration", "global_train_batch_size")
+"""Top-level keys every LLM Foundry training YAML has (``scripts/train/train.py``)."""
+_ORDER = ("run", "model", "tokenizer", "data", "trainer", "optimizer", "scheduler", "strategy",
+          "checkpoint", "algorithms", "callbacks", "loggers")
+
+
+def read_foundry(path: str | Path) -> dict:
+    """The Foundry YAML at ``path`` with its interpolations resolved.
+
+    Raises:
+        ConfigError: unreadable or malformed YAML, a resolver call, a reference to a missing
+            key, or a file that is not a Foundry training YAML (names the key)."""
+    shown = str(path)
+    data = _read_yaml(Path(path), shown, None)
+
+    def refuse(node: Any, where: str) -> None:
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for k, v in items:
+            here = f"{where}.{k}" if where else str(k)
+            if isinstance(v, str) and (m := _RESOLVER.search(v)):
+                raise ConfigError(f"{shown}: {here} calls the resolver '{m.group(1)}'; the converter "
+                                  "reads no environment: write the value itself")
+            refuse(v, here)
+
+    refuse(data, "")
+    if "trainer" in data or "data" in data:
+        raise ConfigError(f"{shown}: has '{'trainer' if 'trainer' in data else 'data'}:', an llmforge "
+                          "section: this is not an LLM Foundry YAML (train it with llmforge train)")
+    for key in REQUIRED:
+        if key not in data:
+            raise ConfigError(f"{key}: {shown} has no '{key}:', so it is not an LLM Foundry training "
+                              f"YAML (those have {', '.join(REQUIRED)})")
+    for key in ("model", "train_loader"):
+        if not isinstance(data[key], dict) or "name" not in data[key]:
+            raise ConfigError(f"{key}.name: {shown}'s {key} must be a mapping with a name "
+                              "(e.g. mpt_causal_lm / text), as in LLM Foundry")
+    try:
+        resolved = OmegaConf.to_container(OmegaConf.create(data), resolve=True)
+    except OmegaConfBaseException as exc:
+        where = getattr(exc, "full_key", None) or "?"
+        raise ConfigError(f"{where}: {shown}: {str(exc).splitlines()[0]}") from None
+    return resolved  # type: ignore[return-value]
+
+
+def convert(path: str | Path, *, steps_per_epoch: Optional[int] = None,
+            prepared: Optional[str] = None) -> Conversion:
+    """Convert the Foundry YAML at ``path``; the result's ``out`` is the llmforge config (a
+    dict) and its lists are the report.
+
+    Args:
+        steps_per_epoch: optimizer steps in one pass over the training data (for ``ep`` times).
+        prepared: where ``llmforge data prepare`` writes an MDS loader's token shards (default:
+            the MDS folder + ``-llmforge``).
+
+    Raises:
+        ConfigError: not Foundry's format, an unknown model or loader, an unparseable time
+            string, a duration in epochs without ``steps_per_epoch`` (each names the key)."""
+    c = Conversion(read_foundry(path))
+    if c.has("variables"):
+        c.used.add("variables")  # resolved into the values above
+        c.mapped.append(("variables", "resolved into the values that refer to them", ""))
+    convert_identity(c)
+    convert_model(c)
+    convert_tokenizer(c)
+    clock = batch_and_duration(c, steps_per_epoch)
+    if c.out["model"]["name"] == "llama3" and "init_from" not in c.out["model"]:
+        c.set("model.max_seq_len", max(c.out["model"].get("max_seq_len") or 0, clock.seq_len))
+    convert_optimizer(c)
+    convert_scheduler(c, clock)
+    convert_precision(c)
+    convert_fsdp(c, c.out["trainer"].get("precision", "fp32"))
+    convert_algorithms(c)
+    convert_loaders(c, prepared)
+    convert_callbacks(c, clock)
+    convert_loggers(c)
+    convert_checkpoints(c, clock)
+    for key in c.leftovers():
+        c.drop(key, "not a key the converter knows", "none (check docs/migrating_from_composer.md)")
+    c.defaults()
+    c.out = {k: c.out[k] for k in _ORDER if k in c.out and c.out[k] != []}
+    return c
+
+
+def report(c: Conversion) -> str:
+    """The closing report: counts, then the differences, the keys not mapped and what to do."""
+    lines = [f"{len(c.mapped)} keys mapped, {len(c.changed)} mapped with a difference, "
+             f"{len(c.unmapped)} not mapped"]
+    if c.changed:
+        lines.append("mapped with a difference:")
+        lines += [f"  {k} -> {what}" + (f": {note}" if note else "") for k, what, note in c.changed]
+    if c.unmapped:
+        lines.append("not mapped (reason; nearest llmforge setting):")
+        lines += [f"  {k}: {why}; nearest: {nearest}" for k, why, nearest in c.unmapped]
+    if c.todo:
+        lines.append("to do before training:")
+        lines += [f"  - {t}" for t in c.todo]
+    return "\n".join(lines)
+
+
+def render(c: Conversion, source: str) -> str:
+    """The output YAML: the report as a comment header, then the config."""
+    head = [f"# llmforge YAML converted from the LLM Foundry YAML {source} by `llmforge convert foundry`."]
+    head += [f"# {line}" for line in report(c).splitlines()]
+    body = yaml.safe_dump(c.out, sort_keys=False, default_flow_style=False, width=100)
+    return "\n".join(head) + "\n\n" + body
+
+
+def write_converted(src: str, out: Optional[str], *, overwrite: bool = False,
+                    steps_per_epoch: Optional[int] = None, prepared: Optional[str] = None) -> tuple[str, str]:
+    """Convert ``src`` and write it to ``out`` (``None``: return it only). The text is loaded
+    with llmforge's schema before it is written, so what is written loads.
+
+    Returns:
+        ``(yaml_text, report)``.
+
+    Raises:
+        ConfigError: as :func:`convert`; ``out`` exists and ``overwrite`` is false."""
+    if out is not None and Path(out).exists() and not overwrite:
+        raise ConfigError(f"-o: {out} already exists; choose another file or pass --overwrite")
+    c = convert(src, steps_per_epoch=steps_per_epoch, prepared=prepared)
+    text = render(c, src)
+    where = Path(out).parent if out else Path(tempfile.gettempdir())
+    where.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".yaml", dir=where, prefix=".foundry-")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        try:
+            load_config(tmp)
+        except ConfigError as exc:  # a converter bug: say so, write nothing
+            raise ConfigError(f"the converted YAML does not load ({exc}); please report this with "
+                              f"{src}") from None
+        if out is not None:
+            os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return text, report(c)

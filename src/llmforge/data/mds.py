@@ -1,0 +1,286 @@
+"""Reading MDS folders (mosaicml-streaming's format, what LLM Foundry trains on) for
+``llmforge data prepare``.
+
+mosaicml-streaming 0.13.0 cannot be installed beside this stack (it pins ``transformers<5`` and
+``numpy<2.2`` and pulls torchvision, which moves torch), so this module reads the documented
+format itself (streaming's ``docs/source/preparing_datasets/dataset_format.md`` and
+``streaming/base/format/mds``):
+
+- ``FOLDER/index.json``: ``{"version": 2, "shards": [{"format": "mds", "column_names",
+  "column_encodings", "column_sizes" (bytes, null = variable), "compression" (null, ``gz``,
+  ``bz2``, ``zstd``, ``br``, ``snappy``, with an optional ``:level``), "raw_data": {"basename"},
+  "zip_data": {"basename"} | null, "samples"}, ...]}``.
+- a raw shard: ``uint32 n``, ``n + 1`` uint32 byte offsets (absolute; sample ``i`` is
+  ``[off[i], off[i+1])``), then the samples. A sample is the uint32 sizes of its variable-size
+  columns, then each column's bytes in ``column_names`` order.
+- encodings read: ``str`` (UTF-8), ``bytes``, ``int`` (int64), the numpy scalars (``int32``,
+  ``uint16``, ...), ``str_int``, ``json``, ``ndarray[:DTYPE[:SHAPE]]`` (dynamic dtype: one byte
+  code; dynamic shape: one byte ``ndim << 2 | shape dtype code``, then the shape). Other
+  columns (images, ``pkl``) are skipped unread, never unpickled.
+
+A folder is one split (``index.json`` in it) or a parent of split folders (``train/index.json``,
+``val/index.json``: LLM Foundry's layout, ``data.split`` / ``data.val_split`` choose).
+"""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import json
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import fsspec
+import numpy as np
+
+from llmforge.data.documents import DocumentSplits
+from llmforge.data.remote import plain_options
+from llmforge.data.sources import hash_str, held_out
+from llmforge.errors import DataError
+
+INDEX = "index.json"
+
+_NDARRAY_DTYPES = {8: "uint8", 9: "int8", 16: "uint16", 17: "int16", 18: "float16", 32: "uint32",
+                   33: "int32", 34: "float32", 64: "uint64", 65: "int64", 66: "float64"}
+_SHAPE_DTYPES = {0: "uint8", 1: "uint16", 2: "uint32", 3: "uint64"}
+_SCALARS = {"uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
+            "float16", "float32", "float64"}
+TOKENS_BYTES_DTYPE = np.int64
+"""dtype of a ``bytes``-encoded ``tokens`` column (LLM Foundry's ``concat_tokens`` wrote
+``np.int64`` ids as bytes before it switched to ``ndarray:int32``)."""
+
+
+def _read(path: str, storage_options: Optional[dict] = None) -> bytes:
+    if "://" in path:
+        with fsspec.open(path, "rb", **(storage_options or {})) as f:
+            return f.read()
+    return Path(path).read_bytes()
+
+
+def _exists(path: str, storage_options: Optional[dict] = None) -> bool:
+    if "://" in path:
+        fs, root = fsspec.core.url_to_fs(path, **(storage_options or {}))
+        return fs.exists(root)
+    return Path(path).is_file()
+
+
+def is_mds(path: Any, storage_options: Optional[dict] = None) -> bool:
+    """Whether ``path`` (a folder or URL) is an MDS split (``index.json`` in it) or holds MDS
+    split folders (``*/index.json``, local folders only)."""
+    if not isinstance(path, str) or not path:
+        return False
+    base = path.rstrip("/")
+    try:
+        if _exists(f"{base}/{INDEX}", storage_options):
+            return True
+    except (OSError, ValueError, ImportError):
+        return False
+    return "://" not in path and Path(path).is_dir() and any(Path(path).glob(f"*/{INDEX}"))
+
+
+def split_folder(root: str, split: str, storage_options: Optional[dict] = None) -> str:
+    """The MDS folder of ``split``: ``root`` itself when it holds ``index.json`` (one split;
+    only ``train`` is then known), else ``root/split``.
+
+    Raises:
+        DataError: no such split (names the splits there).
+    """
+    base = root.rstrip("/")
+    if _exists(f"{base}/{INDEX}", storage_options):
+        if split != "train":
+            raise DataError(f"data.val_split: {root} is one MDS split (index.json in it), so it has "
+                            f"no '{split}' split; unset data.val_split (data.val_fraction holds out)")
+        return base
+    if _exists(f"{base}/{split}/{INDEX}", storage_options):
+        return f"{base}/{split}"
+    known = sorted(p.parent.name for p in Path(root).glob(f"*/{INDEX}")) if "://" not in root else []
+    raise DataError(f"data.split: {root} has no MDS split '{split}' ({split}/{INDEX}); splits there: "
+                    f"{', '.join(known) or 'none'}")
+
+
+def _decompress(algo: Optional[str], data: bytes, where: str) -> bytes:
+    name = (algo or "").split(":")[0]
+    if not name:
+        return data
+    if name == "gz":
+        return gzip.decompress(data)
+    if name == "bz2":
+        return bz2.decompress(data)
+    modules = {"zstd": ("zstd", "zstd"), "br": ("brotli", "Brotli"), "snappy": ("snappy", "python-snappy")}
+    if name not in modules:
+        raise DataError(f"{where}: unknown MDS compression '{algo}' (known: gz, bz2, zstd, br, snappy)")
+    module, package = modules[name]
+    try:
+        lib = __import__(module)
+    except ImportError:
+        raise DataError(f"{where}: its shards are {name}-compressed; pip install {package} "
+                        "(or write the MDS folder with compression gz or none)") from None
+    return lib.decompress(data)
+
+
+def decode(encoding: str, data: bytes, where: str) -> Any:
+    """One MDS column value from its bytes.
+
+    Raises:
+        DataError: an encoding this reader does not read (names the column)."""
+    if encoding == "str":
+        return data.decode("utf-8")
+    if encoding == "bytes":
+        return data
+    if encoding == "int":
+        return int(np.frombuffer(data, np.int64)[0])
+    if encoding in _SCALARS:
+        return np.frombuffer(data, encoding)[0].item()
+    if encoding in ("str_int", "str_float", "str_decimal"):
+        return data.decode("utf-8")
+    if encoding == "json":
+        return json.loads(data.decode("utf-8"))
+    if encoding.startswith("ndarray"):
+        parts = encoding.split(":")
+        pos, dtype = 0, parts[1] if len(parts) > 1 and parts[1] else None
+        if dtype is None:
+            dtype, pos = _NDARRAY_DTYPES[data[0]], 1
+        if len(parts) > 2:
+            shape = tuple(int(x) for x in parts[2].split(","))
+        else:
+            byte = data[pos]
+            ndim, code = byte >> 2, byte % 4
+            size = ndim * (1 << code)
+            shape = tuple(int(x) for x in np.frombuffer(data[pos + 1:pos + 1 + size], _SHAPE_DTYPES[code]))
+            pos += 1 + size
+        return np.frombuffer(data[pos:], dtype).reshape(shape)
+    raise DataError(f"{where}: MDS encoding '{encoding}' is not read by llmforge (text columns: str; "
+                    "token columns: ndarray or bytes)")
+
+
+def iter_samples(folder: str, columns: tuple[str, ...], storage_options: Optional[dict] = None
+                 ) -> Iterator[dict[str, Any]]:
+    """The samples of the MDS split ``folder`` in shard order, with only ``columns`` decoded.
+
+    Raises:
+        DataError: index.json missing or damaged, a shard missing, a column absent."""
+    where = folder.rstrip("/")
+    try:
+        index = json.loads(_read(f"{where}/{INDEX}", storage_options))
+        shards = index["shards"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"data.path: {where}/{INDEX} is not a readable MDS index ({exc})") from None
+    for k, shard in enumerate(shards):
+        if shard.get("format", "mds") != "mds":
+            raise DataError(f"data.path: {where} shard {k} has format '{shard.get('format')}'; llmforge "
+                            "reads MDS shards only (convert xsv/json shards with streaming's tools)")
+        names, encodings, sizes = shard["column_names"], shard["column_encodings"], shard["column_sizes"]
+        missing = [c for c in columns if c not in names]
+        if missing:
+            raise DataError(f"data.text_field: {where} has no column {', '.join(missing)}; its columns "
+                            f"are {', '.join(names)} (text: data.text_field; pre-tokenised: 'tokens')")
+        zipped = shard.get("zip_data")
+        name = (zipped or shard["raw_data"])["basename"]
+        try:
+            raw = _decompress(shard.get("compression") if zipped else None,
+                              _read(f"{where}/{name}", storage_options), f"{where}/{name}")
+        except OSError as exc:
+            raise DataError(f"data.path: cannot read MDS shard {where}/{name} ({exc})") from None
+        n = int(np.frombuffer(raw[:4], np.uint32)[0])
+        offsets = np.frombuffer(raw[4:8 + 4 * n], np.uint32)
+        for i in range(n):
+            sample = raw[offsets[i]:offsets[i + 1]]
+            pos, lengths = 0, []
+            for size in sizes:
+                if size is None:
+                    lengths.append(int(np.frombuffer(sample[pos:pos + 4], np.uint32)[0]))
+                    pos += 4
+                else:
+                    lengths.append(size)
+            row = {}
+            for col, enc, length in zip(names, encodings, lengths):
+                if col in columns:
+                    row[col] = decode(enc, sample[pos:pos + length], f"{where} column {col}")
+                pos += length
+            yield row
+
+
+class MDSSplit:
+    """An MDS split as documents, re-iterable: rows ``{"text": str}`` from a text column, or
+    ``{"tokens": 1-D int64 array}`` from a pre-tokenised one (``ndarray`` or ``bytes`` of
+    :data:`TOKENS_BYTES_DTYPE`), each optionally filtered by ``keep(row) -> bool``."""
+
+    def __init__(self, folder: str, column: str, storage_options: Optional[dict] = None,
+                 keep: Any = None, limit: Optional[int] = None) -> None:
+        self.folder, self.column, self.storage_options = folder, column, storage_options
+        self.keep, self.limit = keep, limit
+        self.kind = "tokens" if column == "tokens" else "text"
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        seen = 0
+        for sample in iter_samples(self.folder, (self.column,), self.storage_options):
+            if self.limit is not None and seen >= self.limit:
+                return
+            seen += 1
+            value = sample[self.column]
+            if self.kind == "tokens":
+                ids = (np.frombuffer(value, TOKENS_BYTES_DTYPE) if isinstance(value, bytes)
+                       else np.asarray(value).reshape(-1))
+                row: dict[str, Any] = {"tokens": ids.astype(np.int64)}
+            else:
+                if not isinstance(value, str):
+                    raise DataError(f"data.text_field: column '{self.column}' of {self.folder} is not "
+                                    "text (str); for token ids name the column 'tokens'")
+                row = {"text": value}
+            if self.keep is None or self.keep(row):
+                yield row
+
+
+def token_column(folder: str, text_field: str, storage_options: Optional[dict] = None) -> str:
+    """The column to read: ``text_field`` when the split has it, else ``tokens`` when it has
+    that (LLM Foundry's pre-tokenised ``concat_tokens`` output).
+
+    Raises:
+        DataError: neither column is there."""
+    try:
+        index = json.loads(_read(f"{folder.rstrip('/')}/{INDEX}", storage_options))
+        names = index["shards"][0]["column_names"] if index["shards"] else []
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise DataError(f"data.path: {folder}/{INDEX} is not a readable MDS index ({exc})") from None
+    if text_field in names:
+        return text_field
+    if "tokens" in names:
+        return "tokens"
+    raise DataError(f"data.text_field: {folder} has no column '{text_field}' nor 'tokens'; its "
+                    f"columns are {', '.join(names) or 'none'}")
+
+
+def mds_files(cfg: Any) -> list[str]:
+    """The ``index.json`` of each split a prepare of ``cfg`` (the ``data:`` section) reads:
+    what identifies the source in the prepared manifest (a shard's name and size are in it)."""
+    so = plain_options(cfg.storage_options) or None
+    splits = [cfg.split] + ([cfg.val_split] if cfg.val_split else [])
+    return [f"{split_folder(cfg.path, s, so)}/{INDEX}" for s in splits]
+
+
+def mds_documents(cfg: Any, seed: int) -> DocumentSplits:
+    """``data:`` with ``format: mds`` as train and validation documents for ``data prepare``:
+    ``data.split`` (and ``data.val_split``) folders of ``data.path``, or, without a
+    ``val_split``, ``data.val_fraction`` of the documents held out by their content
+    (:func:`llmforge.data.sources.held_out`; token rows by their bytes).
+
+    Raises:
+        DataError: the split or the column is missing (names them)."""
+    so = plain_options(cfg.storage_options) or None
+    train_dir = split_folder(cfg.path, cfg.split, so)
+    column = token_column(train_dir, cfg.text_field, so)
+
+    def held(row: dict[str, Any]) -> bool:
+        text = row["text"] if "text" in row else row["tokens"].tobytes().hex()
+        return held_out(text, cfg.val_fraction, seed)
+
+    if cfg.val_split:
+        train = MDSSplit(train_dir, column, so, limit=cfg.max_documents)
+        val: Optional[MDSSplit] = MDSSplit(split_folder(cfg.path, cfg.val_split, so), column, so)
+    elif cfg.val_fraction > 0:
+        train = MDSSplit(train_dir, column, so, keep=lambda row: not held(row), limit=cfg.max_documents)
+        val = MDSSplit(train_dir, column, so, keep=held, limit=cfg.max_documents)
+    else:
+        train, val = MDSSplit(train_dir, column, so, limit=cfg.max_documents), None
+    return DocumentSplits(train, val, fingerprint=hash_str(f"mds-{cfg.path}-{cfg.split}-{column}"),
+                          files=(train_dir,))

@@ -191,10 +191,11 @@ def test_runs_commands_on_an_empty_or_unknown_run_exit_2(home, capsys):
     assert main(["runs", "logs", done.id]) == 2 and "no log" in capsys.readouterr().err
 
 
-def test_readme_clusters_example_parses(tmp_path):
+def test_launch_doc_clusters_example_parses(tmp_path):
+    """docs/launch.md's clusters.yaml example, as written."""
     from llmforge.runs.clusters import load_clusters
 
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "launch.md").read_text()
     block = text.split("**Clusters**", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
     (tmp_path / "clusters.yaml").write_text(block)
     clusters = load_clusters(tmp_path / "clusters.yaml", detect=False)

@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="run N local processes (torchrun's launcher; gloo on CPU, NCCL on GPUs)")
     t.add_argument("--overwrite", action="store_true",
                    help="delete an existing run directory of the same run.name first (only one "
-                        "llmforge made: README, 'What --overwrite deletes')")
+                        "llmforge made: docs/guarantees.md, 'What --overwrite deletes')")
     add_debug(t)
 
     g = sub.add_parser("generate", help="sample text from a trained run or checkpoint")

@@ -1,7 +1,7 @@
-"""The README's table of YAML keys, generated from the schema's field docstrings.
+"""The table of YAML keys in docs/configuration.md, generated from the schema's field docstrings.
 
-``python -m llmforge.config.docs`` prints the table; ``tests/test_docs.py`` checks that the
-README holds exactly this table between the ``<!-- keys:begin -->`` and ``<!-- keys:end -->``
+``python -m llmforge.config.docs`` prints the table; ``tests/test_docs.py`` checks that
+docs/configuration.md holds exactly this table between the ``<!-- keys:begin -->`` and ``<!-- keys:end -->``
 markers, so the documentation cannot drift from the schema.
 """
 

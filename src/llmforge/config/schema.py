@@ -3,7 +3,7 @@
 The schema is a tree of dataclasses used as an OmegaConf *structured config*: loading a YAML
 merges it onto :class:`TrainConfig`, so unknown keys and wrong types are rejected with the key
 path (see :mod:`llmforge.config.loader`). The parallel-layout sections (``strategy:``,
-``pipeline:``) live in :mod:`llmforge.config.parallel_schema`. The README's key table is checked against the
+``pipeline:``) live in :mod:`llmforge.config.parallel_schema`. The key table of docs/configuration.md is checked against the
 docstrings here by ``tests/test_docs.py``.
 
 Sizes are in sequences unless a name says tokens; a sequence is ``seq_len`` tokens.

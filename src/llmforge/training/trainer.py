@@ -39,6 +39,7 @@ from llmforge.data.mixture import MixtureTokens, PreparedMixture
 from llmforge.data.tokenizers import Tokenizer
 from llmforge.errors import ConfigError
 from llmforge.job.tracker import RunTracker
+from llmforge.parallel.fault_tolerance import ReplicaGroup, check_lighthouse, import_torchft
 from llmforge.parallel.strategy import LLMParallelStrategy
 from llmforge.parallel.threads import available_cores, explicit_threads, machine_wide
 from llmforge.parallel.transforms import check_strategy, strategy_transforms
@@ -235,6 +236,8 @@ class Trainer(DataBuilders):
                                 keep_last_n=ck.keep_last_n, async_save=ck.async_save,
                                 resume_from=self.resume_path, config=redact(config_to_dict(self.cfg)),
                                 on_resumed=self.finish_resume))
+        if self.cfg.fault_tolerance.enabled:
+            cbs.append(ReplicaGroup(self.cfg.fault_tolerance, self.batch_for_step))
         if os.environ.get("LLMFORGE_RUN_ID") and self.is_rank_zero():  # started by `llmforge launch`
             cbs.append(RunTracker(os.environ["LLMFORGE_RUN_ID"]))
         return list(self.algorithms) + cbs + extra  # algorithms are Lightning callbacks too
@@ -303,6 +306,9 @@ class Trainer(DataBuilders):
         # everything that can fail on bad input runs before an old run is deleted (--overwrite)
         # (loggers too: a missing SDK or API key; building one writes nothing, see build_loggers)
         callbacks, loggers = self.build_callbacks(), self.build_loggers()
+        if self.cfg.fault_tolerance.enabled:  # before the run directory is touched
+            import_torchft()
+            check_lighthouse(self.cfg.fault_tolerance.lighthouse)
         docs = self.build_documents()
         self.tokenizer = self.build_tokenizer(docs)
         cached_tokens = self.cached_tokens(docs, self.tokenizer)

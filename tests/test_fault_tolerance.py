@@ -1,0 +1,137 @@
+"""Fault-tolerant replica groups (``fault_tolerance:``, torchft): 2 groups x 1 gloo process
+with a real lighthouse. Bad input in-process; without a failure the groups give the losses of
+a plain 2-rank DDP run; with one group SIGKILLed the other keeps training, the restarted group
+rejoins from its live state and stays bit-equal to it."""
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DEMO, TINY_OVERRIDES, run_main
+from helpers.dist import free_port, lighthouse, llmforge, torchrun
+
+pytest.importorskip("torchft", reason="needs the llmforge[ft] extra")
+
+# 4 of Shakespeare's texts: every process tokenizes its data (see test_parallel.py)
+COMMON = [*TINY_OVERRIDES, "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_batches=1",
+          "data.max_documents=4", "optimizer.eps=1e-6"]
+
+
+def ft_args(port: int, group: int, out: Path, *extra: str) -> list[str]:
+    return ["train", DEMO, *COMMON, f"run.output_dir={out}", f"run.name=g{group}",
+            "fault_tolerance.enabled=true", f"fault_tolerance.replica_id={group}",
+            f"fault_tolerance.lighthouse=http://127.0.0.1:{port}", "fault_tolerance.timeout_s=20",
+            "fault_tolerance.quorum_timeout_s=60", *extra]
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "train/loss" in r]
+
+
+def wait_all(procs: list, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except Exception:
+            p.kill()
+            codes.append(p.wait())
+    return codes
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    from llmforge.checkpoint.run_dir import load_model
+
+    ckpts = sorted((run_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    return load_model(ckpts[-1], trust_code=True)[0].state_dict()
+
+
+def test_fault_tolerance_bad_input(tiny_overrides, tmp_path):
+    base = ["train", DEMO, *tiny_overrides, "fault_tolerance.enabled=true"]
+    cases = {
+        "fault_tolerance.min_replicas": ["fault_tolerance.min_replicas=3"],
+        "strategy.name=ddp": ["strategy.name=ddp", "trainer.devices=2"],
+        "fault_tolerance.lighthouse": [f"fault_tolerance.lighthouse=http://127.0.0.1:{free_port()}"],
+    }
+    for key, extra in cases.items():
+        res = run_main(*base, *extra)
+        assert res.returncode == 2, (key, res.stderr[-2000:])
+        assert key in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("metrics.jsonl"))
+
+
+def test_two_groups_equal_ddp(tmp_path):
+    """No failure: 2 groups (each 1 process, half of the global batch) = 2-rank DDP."""
+    steps = ["trainer.max_steps=4"]
+    port = free_port()
+    house = lighthouse(port, min_replicas=2)  # both groups in every quorum from step 1
+    try:
+        procs = [llmforge(*ft_args(port, g, tmp_path, *steps), log=tmp_path / f"g{g}.log") for g in (0, 1)]
+        codes = wait_all(procs, 400)
+    finally:
+        house.kill()
+    logs = "".join((tmp_path / f"g{g}.log").read_text()[-3000:] for g in (0, 1))
+    assert codes == [0, 0], logs
+    ddp = torchrun("-m", "llmforge", "train", DEMO, *COMMON, *steps, f"run.output_dir={tmp_path}",
+                   "run.name=ddp", "strategy.name=ddp", "trainer.devices=2", timeout=400)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    g0, g1, ref = (records(tmp_path / n) for n in ("g0", "g1", "ddp"))
+    assert [r["step"] for r in g0] == [1, 2, 3, 4] and all(r["ft/participants"] == 2 for r in g0)
+    assert [r["train/loss"] for r in g0] == [r["train/loss"] for r in g1]  # bit-equal groups
+    for a, b in zip(g0, ref):
+        assert abs(a["train/loss"] - b["train/loss"]) < 1e-5, (a, b)
+        assert abs(a["train/grad_norm"] - b["train/grad_norm"]) < 1e-5, (a, b)
+    assert g0[-1]["train/tokens_seen"] == ref[-1]["train/tokens_seen"]
+
+
+def test_kill_one_group_and_rejoin(tmp_path):
+    """SIGKILL group 1 at step 3: group 0 never stops; group 1, restarted, receives the live
+    state from group 0, rejoins, and is bit-equal to it from then on; no step is missing."""
+    max_steps, kill_at = 30, 3
+    slow = "callbacks=[{name: tests.helpers.slow.SlowSteps, seconds: 0.5}]"  # group 0's pace
+    port = free_port()
+    house = lighthouse(port, min_replicas=1)
+    try:
+        args = [f"trainer.max_steps={max_steps}"]
+        g0 = llmforge(*ft_args(port, 0, tmp_path, *args, slow), log=tmp_path / "g0.log")
+        g1 = llmforge(*ft_args(port, 1, tmp_path, *args), log=tmp_path / "g1.log")
+        deadline = time.monotonic() + 300
+        while len(records(tmp_path / "g1")) < kill_at and g1.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(g1.pid, signal.SIGKILL)
+        g1.wait()
+        killed = time.monotonic()
+        step_at_kill = len(records(tmp_path / "g0"))
+        while len(records(tmp_path / "g0")) < step_at_kill + 2 and time.monotonic() < deadline:
+            time.sleep(0.1)  # the survivor commits steps alone before the restart
+        g1 = llmforge(*ft_args(port, 1, tmp_path, *args, "checkpoint.resume=auto"),
+                      log=tmp_path / "g1.log")
+        codes = wait_all([g0, g1], 400)
+    finally:
+        house.kill()
+    logs = "".join((tmp_path / f"g{g}.log").read_text()[-3000:] for g in (0, 1))
+    assert codes == [0, 0], logs
+    survivor, rejoined = records(tmp_path / "g0"), records(tmp_path / "g1")
+    assert [r["step"] for r in survivor] == list(range(1, max_steps + 1)), logs  # none missing
+    alone = [r["step"] for r in survivor if r["ft/participants"] == 1]
+    assert alone and survivor[-1]["ft/participants"] == 2, [r["ft/participants"] for r in survivor]
+    first = rejoined[0]["step"]
+    assert first > step_at_kill + 1 and [r["step"] for r in rejoined] == list(range(first, max_steps + 1))
+    by_step = {r["step"]: r for r in survivor}
+    for r in rejoined:  # the same averaged gradient, so the same weights, after every step
+        s = by_step[r["step"]]
+        assert (r["train/loss"], r["train/grad_norm"], r["train/lr"]) == \
+            (s["train/loss"], s["train/grad_norm"], s["train/lr"]), (r, s)
+    a, b = final_weights(tmp_path / "g0"), final_weights(tmp_path / "g1")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # never stopped: no step of the survivor waited for the restart
+    slowest = max(r["time/step_seconds"] for r in survivor)
+    assert slowest < (time.monotonic() - killed) / 2, slowest

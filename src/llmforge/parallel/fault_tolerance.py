@@ -24,6 +24,7 @@ protected) are in docs/fault_tolerance.md.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import random
 import socket
@@ -49,6 +50,12 @@ class QuorumLost(LLMForgeError):
     exit_code = 75
 
 
+def _drop_nccl_notice(record: logging.LogRecord) -> bool:
+    # torchft warns at every new quorum that NCCL's flight recorder cannot be reset: not a
+    # CPU/gloo concern, and noise in every replica group's log
+    return "flight recorder" not in record.getMessage()
+
+
 def import_torchft() -> Any:
     """The ``torchft`` module.
 
@@ -56,6 +63,7 @@ def import_torchft() -> Any:
         ConfigError: torchft is not installed (``pip install 'llmforge[ft]'``)."""
     # torchft's Rust side logs every quorum and commit at INFO; warnings and errors still show
     os.environ.setdefault("RUST_LOG", "warn")
+    logging.getLogger("torchft.manager").addFilter(_drop_nccl_notice)
     try:  # an optional dependency, imported when a run asks for it
         return importlib.import_module("torchft")
     except ImportError as exc:

@@ -94,6 +94,8 @@ class ReplicaGroup(Callback):
             ``timeout_s``, ``quorum_timeout_s``).
         batch_for_step: ``step (1-based) -> batch`` this group reads at that step (its shard of
             the global batch), used after a rejoin, when the loader's own position is behind.
+        save: saves a checkpoint of the current step and returns its folder; called before
+            :class:`QuorumLost` ends the run.
 
     Attributes:
         manager: the ``torchft.Manager`` (from fit start).
@@ -103,9 +105,11 @@ class ReplicaGroup(Callback):
     name = "fault_tolerance"
     order = 10_000  # the last BEFORE_OPTIMIZER_STEP handler: the commit sees every skip vote
 
-    def __init__(self, ft: Any, batch_for_step: Callable[[int], Any]) -> None:
+    def __init__(self, ft: Any, batch_for_step: Callable[[int], Any],
+                 save: Optional[Callable[[], Any]] = None) -> None:
         self.ft = ft
         self.batch_for_step = batch_for_step
+        self.save = save
         self.manager: Any = None
         self.store: Any = None
         self.module: Any = None
@@ -175,9 +179,13 @@ class ReplicaGroup(Callback):
         try:
             self.manager.start_quorum(timeout=timedelta(seconds=float(self.ft.quorum_timeout_s)))
         except Exception as exc:  # torchft raises a plain RuntimeError/TimeoutError
+            saved = self.save() if self.save is not None else None
+            where = f"saved the checkpoint of step {state.step - 1} in {saved}" if saved else "nothing saved"
             raise QuorumLost(f"no quorum of replica groups within fault_tolerance.quorum_timeout_s="
-                             f"{self.ft.quorum_timeout_s} at step {state.step} (lighthouse "
-                             f"{self.ft.lighthouse}): {exc}") from exc
+                             f"{self.ft.quorum_timeout_s} s before step {state.step} (lighthouse "
+                             f"{self.ft.lighthouse}: {str(exc).splitlines()[0][:200]}); {where}; "
+                             "exit code 75 (restart the lighthouse, then the groups with "
+                             "checkpoint.resume=auto)") from exc
         if self.loader_behind:  # the state (and the step) came from a peer
             state.step = self.trainer.global_step + 1
             state.batch = self.batch_for_step(state.step)

@@ -231,13 +231,14 @@ class Trainer(DataBuilders):
             cbs.append(ThreadWatch(worker_cores(self.cfg.data), announce=self.is_rank_zero()))
         if self.cfg.trainer.progress_bar:
             cbs.append(RichProgress())
-        cbs.append(Checkpointer(self.checkpoint_dir, save_every=ck.save_every,
+        cbs.append(checkpointer := Checkpointer(self.checkpoint_dir, save_every=ck.save_every,
                                 save_every_minutes=ck.save_every_minutes, save_final=ck.save_final,
                                 keep_last_n=ck.keep_last_n, async_save=ck.async_save,
                                 resume_from=self.resume_path, config=redact(config_to_dict(self.cfg)),
                                 on_resumed=self.finish_resume))
         if self.cfg.fault_tolerance.enabled:
-            cbs.append(ReplicaGroup(self.cfg.fault_tolerance, self.batch_for_step))
+            cbs.append(ReplicaGroup(self.cfg.fault_tolerance, self.batch_for_step,
+                                    save=lambda: checkpointer.save_now(self.lightning, self.module)))
         if os.environ.get("LLMFORGE_RUN_ID") and self.is_rank_zero():  # started by `llmforge launch`
             cbs.append(RunTracker(os.environ["LLMFORGE_RUN_ID"]))
         return list(self.algorithms) + cbs + extra  # algorithms are Lightning callbacks too

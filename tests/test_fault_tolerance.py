@@ -68,28 +68,39 @@ def test_fault_tolerance_bad_input(tiny_overrides, tmp_path):
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("metrics.jsonl"))
 
 
-def test_two_groups_equal_ddp(tmp_path):
-    """No failure: 2 groups (each 1 process, half of the global batch) = 2-rank DDP."""
-    steps = ["trainer.max_steps=4"]
+def test_two_groups_equal_ddp_then_lighthouse_lost(tmp_path):
+    """No failure: 2 groups (each 1 process, half of the global batch) = 2-rank DDP. Then the
+    lighthouse dies: both groups save a checkpoint and exit 75 within quorum_timeout_s."""
+    steps = ["scheduler.name=constant"]  # the reference's 4 steps have the groups' lr
     port = free_port()
     house = lighthouse(port, min_replicas=2)  # both groups in every quorum from step 1
     try:
-        procs = [llmforge(*ft_args(port, g, tmp_path, *steps), log=tmp_path / f"g{g}.log") for g in (0, 1)]
-        codes = wait_all(procs, 400)
+        procs = [llmforge(*ft_args(port, g, tmp_path, *steps, "trainer.max_steps=1000",
+                                   "fault_tolerance.quorum_timeout_s=10"), log=tmp_path / f"g{g}.log")
+                 for g in (0, 1)]
+        deadline = time.monotonic() + 300
+        while min(len(records(tmp_path / f"g{g}")) for g in (0, 1)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
     finally:
         house.kill()
+    codes = wait_all(procs, 120)
     logs = "".join((tmp_path / f"g{g}.log").read_text()[-3000:] for g in (0, 1))
-    assert codes == [0, 0], logs
-    ddp = torchrun("-m", "llmforge", "train", DEMO, *COMMON, *steps, f"run.output_dir={tmp_path}",
-                   "run.name=ddp", "strategy.name=ddp", "trainer.devices=2", timeout=400)
+    assert codes == [75, 75], logs
+    for g in (0, 1):
+        last = records(tmp_path / f"g{g}")[-1]["step"]
+        assert (tmp_path / f"g{g}" / "checkpoints" / f"step_{last:08d}").is_dir(), logs
+        assert "fault_tolerance.quorum_timeout_s" in (tmp_path / f"g{g}.log").read_text()
+    ddp = torchrun("-m", "llmforge", "train", DEMO, *COMMON, *steps, "trainer.max_steps=4",
+                   f"run.output_dir={tmp_path}", "run.name=ddp", "strategy.name=ddp",
+                   "trainer.devices=2", timeout=400)
     assert ddp.returncode == 0, ddp.stderr[-3000:]
-    g0, g1, ref = (records(tmp_path / n) for n in ("g0", "g1", "ddp"))
+    g0, g1, ref = (records(tmp_path / n)[:4] for n in ("g0", "g1", "ddp"))
     assert [r["step"] for r in g0] == [1, 2, 3, 4] and all(r["ft/participants"] == 2 for r in g0)
     assert [r["train/loss"] for r in g0] == [r["train/loss"] for r in g1]  # bit-equal groups
-    for a, b in zip(g0, ref):
+    for a, b in zip(g0, ref, strict=True):
         assert abs(a["train/loss"] - b["train/loss"]) < 1e-5, (a, b)
         assert abs(a["train/grad_norm"] - b["train/grad_norm"]) < 1e-5, (a, b)
-    assert g0[-1]["train/tokens_seen"] == ref[-1]["train/tokens_seen"]
+        assert a["train/tokens_seen"] == b["train/tokens_seen"]
 
 
 def test_kill_one_group_and_rejoin(tmp_path):

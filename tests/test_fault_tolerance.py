@@ -68,6 +68,39 @@ def test_fault_tolerance_bad_input(tiny_overrides, tmp_path):
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("metrics.jsonl"))
 
 
+def test_rejoin_batch_is_the_loaders(tiny_overrides):
+    """What a rejoined group reads at step s (``Trainer.batch_for_step``) is what its loader
+    yields at step s: group 1 of 2 reads its half of each global batch, the other half is
+    group 0's (no window read twice within a step)."""
+    import socket
+
+    from llmforge import Trainer
+
+    with socket.socket() as listener:  # a lighthouse address that accepts connections
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        batches = {}
+        for group in (0, 1):
+            trainer = Trainer.from_yaml(DEMO, [*tiny_overrides, "data.max_documents=4", f"run.name=g{group}",
+                                               "fault_tolerance.enabled=true",
+                                               f"fault_tolerance.replica_id={group}",
+                                               f"fault_tolerance.lighthouse=http://127.0.0.1:{port}"])
+            trainer.setup()
+            try:
+                trainer.datamodule.setup("fit")
+                loader = iter(trainer.datamodule.train_dataloader())
+                batches[group] = [next(loader) for _ in range(3)]
+                for step, batch in enumerate(batches[group], start=1):
+                    assert torch.equal(trainer.batch_for_step(step), batch), step
+            finally:
+                trainer.run_lock.release()
+    assert batches[0][0].shape == (8, 65)  # half of the global batch of 16 windows of 64 + 1
+    for a, b in zip(batches[0], batches[1]):
+        rows = {tuple(r.tolist()) for r in torch.cat([a, b])}
+        assert len(rows) == 16
+
+
 def test_two_groups_equal_ddp_then_lighthouse_lost(tmp_path):
     """No failure: 2 groups (each 1 process, half of the global batch) = 2-rank DDP. Then the
     lighthouse dies: both groups save a checkpoint and exit 75 within quorum_timeout_s."""

@@ -130,6 +130,8 @@ def kill_and_rejoin(common: list[str], work: Path, kill_at: int, steps: int) -> 
     house = lighthouse(port, min_replicas=1)
     try:
         g0 = start(group_args(common, port, 0, work), work / "g0.log")
+        while not records(work / "g0") and g0.poll() is None:
+            time.sleep(0.05)  # group 0 first: it holds every step (a later group heals from it)
         g1 = start(group_args(common, port, 1, work), work / "g1.log")
         while len(records(work / "g1")) < kill_at:
             if g1.poll() is not None or g0.poll() is not None:

@@ -7,12 +7,15 @@
 quorum and a commit vote per step, gradients through torchft's gloo group) against a plain
 2-rank DDP run (off), same global batch and steps; the median of
 ``throughput/tokens_per_second`` over the steps after ``--warmup``; R = on / off.
-(2) Kill and rejoin: a lighthouse (min_replicas 1), groups 0 and 1; group 1 is SIGKILLed at step
-``--kill-at``, restarted once group 0 has committed 2 steps alone; S = seconds from the
-restart to group 1's first committed step (its first record). "Survivor never stopped": group
-0 recorded every step 1..N, exited 0, and none of its steps took as long as the restart did.
-"Rejoined bit-equal": from its rejoin on, group 1's loss, gradient norm and lr equal group 0's
-at every step, and both final checkpoints hold the same weights bit for bit.
+(2) Kill and rejoin: a lighthouse (min_replicas 1), groups 0 and 1; the group that did not start
+the run (the survivor is the one holding step 1) is SIGKILLed after its ``--kill-at``-th step and
+restarted once the survivor has committed 2 steps alone; S = seconds from the restart to the
+killed group's first committed step (its first new record). "Survivor never stopped": it
+recorded every step 1..N, exited 0, and none of its steps took as long as the restart did.
+"Rejoined bit-equal": from its rejoin on, the restarted group's loss, gradient norm and lr equal
+the survivor's at every step, and both final checkpoints hold the same weights bit for bit. On
+the demo model a step is slow enough for the survivor to outlast the restart; ``--pace`` (0.5 s
+in ``--smoke``) slows every step of the kill run by that much (``tests.helpers.slow``).
 
 Ends with one line: ``survivor never stopped: yes|no; rejoined bit-equal: yes|no; overhead R;
 rejoin S s``.
@@ -124,47 +127,50 @@ def final_weights(run_dir: Path) -> dict:
 
 
 def kill_and_rejoin(common: list[str], work: Path, kill_at: int, steps: int) -> dict:
+    """Start groups 0 and 1; SIGKILL the one that did not start the run (the other holds step
+    1) after its ``kill_at``-th step, restart it once the survivor committed 2 steps alone."""
     import torch
 
     port = free_port()
     house = lighthouse(port, min_replicas=1)
     try:
-        g0 = start(group_args(common, port, 0, work), work / "g0.log")
-        while not records(work / "g0") and g0.poll() is None:
-            time.sleep(0.05)  # group 0 first: it holds every step (a later group heals from it)
-        g1 = start(group_args(common, port, 1, work), work / "g1.log")
-        while len(records(work / "g1")) < kill_at:
-            if g1.poll() is not None or g0.poll() is not None:
+        procs = [start(group_args(common, port, g, work), work / f"g{g}.log") for g in (0, 1)]
+        while min(len(records(work / f"g{g}")) for g in (0, 1)) < kill_at:
+            if any(p.poll() is not None for p in procs):
                 raise SystemExit("a group ended before the kill; see " + str(work))
             time.sleep(0.05)
-        os.kill(g1.pid, signal.SIGKILL)
-        g1.wait()
-        last = max(r["step"] for r in records(work / "g1"))  # the restart drops these records
-        at_kill = len(records(work / "g0"))
-        while len(records(work / "g0")) < at_kill + 2 and g0.poll() is None:
+        survivor = 0 if records(work / "g0")[0]["step"] == 1 else 1
+        victim = 1 - survivor
+        os.kill(procs[victim].pid, signal.SIGKILL)
+        procs[victim].wait()
+        last = records(work / f"g{victim}")[-1]["step"]  # the restart drops these records
+        at_kill = len(records(work / f"g{survivor}"))
+        while len(records(work / f"g{survivor}")) < at_kill + 2 and procs[survivor].poll() is None:
             time.sleep(0.05)
         restarted = time.monotonic()
-        g1 = start(group_args(common, port, 1, work, "checkpoint.resume=auto"), work / "g1.log")
-        while (max((r["step"] for r in records(work / "g1")), default=0) <= last
-               and g1.poll() is None and g0.poll() is None):
+        procs[victim] = start(group_args(common, port, victim, work, "checkpoint.resume=auto"),
+                              work / f"g{victim}.log")
+        while (max((r["step"] for r in records(work / f"g{victim}")), default=0) <= last
+               and all(p.poll() is None for p in procs)):
             time.sleep(0.05)
         rejoin_s = time.monotonic() - restarted
-        finish([g0, g1], 1800, work)
+        finish(procs, 1800, work)
     finally:
         house.kill()
-    survivor, rejoined = records(work / "g0"), records(work / "g1")
-    by_step = {r["step"]: r for r in survivor}
+    kept, rejoined = records(work / f"g{survivor}"), records(work / f"g{victim}")
+    rejoined = [r for r in rejoined if r["step"] > last]
+    by_step = {r["step"]: r for r in kept}
     keys = ("train/loss", "train/grad_norm", "train/lr")
     same_steps = bool(rejoined) and all(
         r["step"] in by_step and all(r[k] == by_step[r["step"]][k] for k in keys) for r in rejoined)
     a, b = final_weights(work / "g0"), final_weights(work / "g1")
     same_weights = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    never_stopped = ([r["step"] for r in survivor] == list(range(1, steps + 1))
-                     and max(r["time/step_seconds"] for r in survivor) < rejoin_s)
+    slowest = max(r["time/step_seconds"] for r in kept)
+    never_stopped = [r["step"] for r in kept] == list(range(1, steps + 1)) and slowest < rejoin_s
     return {"never_stopped": never_stopped, "bit_equal": same_steps and same_weights,
             "rejoin_s": rejoin_s, "rejoined_at": rejoined[0]["step"] if rejoined else None,
-            "alone_steps": sum(r["ft/participants"] == 1 for r in survivor),
-            "max_survivor_step_s": max(r["time/step_seconds"] for r in survivor)}
+            "killed_after": last, "alone_steps": sum(r["ft/participants"] == 1 for r in kept if r["step"] > last),
+            "max_survivor_step_s": slowest}
 
 
 def main() -> None:
@@ -172,16 +178,16 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny model, few steps (test suite)")
     ap.add_argument("--steps", type=int, default=None, help="steps of each run (default 30; smoke 12)")
     ap.add_argument("--kill-steps", type=int, default=None,
-                    help="steps of the kill-and-rejoin run (default 80; smoke 40)")
-    ap.add_argument("--kill-at", type=int, default=3, help="group 1's step at which it is killed")
+                    help="steps of the kill-and-rejoin run (default 80; smoke 50)")
+    ap.add_argument("--kill-at", type=int, default=3, help="steps the killed group records before the kill")
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the tokens/s median")
     ap.add_argument("--pace", type=float, default=None,
-                    help="seconds group 0 sleeps after each step of the kill run, so it outlasts "
-                         "the restart (default 0; smoke 0.5)")
+                    help="seconds each group sleeps after each step of the kill run, so the survivor "
+                         "outlasts the restart (default 0; smoke 0.5)")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
     opts = ap.parse_args()
     steps = opts.steps or (12 if opts.smoke else 30)
-    kill_steps = opts.kill_steps or (40 if opts.smoke else 80)
+    kill_steps = opts.kill_steps or (50 if opts.smoke else 80)
     pace = opts.pace if opts.pace is not None else (0.5 if opts.smoke else 0.0)
     common = [*BASE, *(SMOKE if opts.smoke else [])]
     work = Path(tempfile.mkdtemp(prefix="llmforge-ft-"))
@@ -191,11 +197,12 @@ def main() -> None:
         print(f"tokens/s: fault tolerance off (2-rank DDP) {off:,.0f}, on (2 groups x 1) {on:,.0f}; "
               f"on/off {ratio:.2f} (median over steps {opts.warmup + 1}..{steps})", flush=True)
         kill_common = [*common, f"trainer.max_steps={kill_steps}"]
-        if pace > 0:  # the survivor's pace only; the rejoined group follows it through the quorum
+        if pace > 0:
             kill_common.append(f"callbacks=[{{name: tests.helpers.slow.SlowSteps, seconds: {pace}}}]")
         res = kill_and_rejoin(kill_common, work / "kill", opts.kill_at, kill_steps)
-        print(f"kill at step {opts.kill_at} of {kill_steps}: group 0 alone for {res['alone_steps']} steps "
-              f"(slowest step {res['max_survivor_step_s']:.2f} s); group 1 restarted, first committed "
+        print(f"killed after step {res['killed_after']} of {kill_steps}: the survivor alone for "
+              f"{res['alone_steps']} steps "
+              f"(slowest step {res['max_survivor_step_s']:.2f} s); the killed group restarted, first committed "
               f"step {res['rejoined_at']} after {res['rejoin_s']:.1f} s", flush=True)
         yes = {True: "yes", False: "no"}
         print(f"survivor never stopped: {yes[res['never_stopped']]}; rejoined bit-equal: "

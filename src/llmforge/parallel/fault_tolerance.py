@@ -28,6 +28,7 @@ import logging
 import os
 import random
 import socket
+import time
 from datetime import timedelta
 from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
@@ -71,19 +72,24 @@ def import_torchft() -> Any:
                           f"(torchft==0.2.0); importing it failed: {exc}") from exc
 
 
-def check_lighthouse(address: str, timeout_s: float = 5.0) -> None:
-    """Open (and close) a TCP connection to the lighthouse at ``address`` (``http://HOST:PORT``).
+def check_lighthouse(address: str, wait_s: float = 5.0) -> None:
+    """Connect to the lighthouse at ``address`` (``http://HOST:PORT``), retrying for ``wait_s``
+    seconds (a lighthouse started beside the groups may still be coming up).
 
     Raises:
         ConfigError: it cannot be reached; names ``fault_tolerance.lighthouse``."""
     parts = urlsplit(address)
-    try:
-        with socket.create_connection((parts.hostname or "", parts.port or 80), timeout=timeout_s):
-            pass
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"fault_tolerance.lighthouse={address}: cannot reach it ({exc}); start "
-                          f"one (`torchft_lighthouse --min_replicas 1 --bind {parts.netloc}`) or "
-                          "fix the address") from exc
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with socket.create_connection((parts.hostname or "", parts.port or 80), timeout=wait_s):
+                return
+        except (OSError, ValueError) as exc:
+            if time.monotonic() >= deadline or isinstance(exc, ValueError):
+                raise ConfigError(f"fault_tolerance.lighthouse={address}: cannot reach it ({exc}); "
+                                  f"start one (`torchft_lighthouse --min_replicas 1 --bind "
+                                  f"{parts.netloc}`) or fix the address") from exc
+            time.sleep(0.2)
 
 
 class ReplicaGroup(Callback):
@@ -116,6 +122,7 @@ class ReplicaGroup(Callback):
         self.trainer: Any = None
         self.rejoined_at: Optional[int] = None
         self.loader_behind = False  # after a rejoin the loader's batches are not this step's
+        self.resumed: Optional[dict[str, int]] = None  # torchft's state from a disk checkpoint
 
     # ---------------------------------------------------------------- set-up
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -136,6 +143,18 @@ class ReplicaGroup(Callback):
             store_port=self.store.port, lighthouse_addr=str(ft.lighthouse),
             replica_id=f"llmforge_{int(ft.replica_id)}",
             init_sync=False)  # every group initializes the same weights from run.seed
+        if self.resumed:  # a disk checkpoint loaded at fit start
+            self.manager.load_state_dict(self.resumed)
+
+    # torchft's own step (committed steps) travels in llmforge's checkpoints, as torchft asks
+    # of periodic checkpoints: groups restarted from disk together then agree on who is behind
+    def state_dict(self) -> dict[str, Any]:
+        return {"torchft": dict(self.manager.state_dict())} if self.manager is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.resumed = state_dict.get("torchft")
+        if self.manager is not None and self.resumed:
+            self.manager.load_state_dict(self.resumed)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         self.shutdown()

@@ -5,8 +5,8 @@
 
 (1) Overhead: tokens/s of 2 replica groups x 1 process (fault tolerance on: a lighthouse, a
 quorum and a commit vote per step, gradients through torchft's gloo group) against a plain
-2-rank DDP run (off), same global batch and steps; the median of
-``throughput/tokens_per_second`` over the steps after ``--warmup``; R = on / off.
+2-rank DDP run (off), same global batch and steps; the median over the steps after
+``--warmup`` of the run's tokens per step over the step's seconds; R = on / off.
 (2) Kill and rejoin: a lighthouse (min_replicas 1), groups 0 and 1; the group that did not start
 the run (the survivor is the one holding step 1) is SIGKILLed after its ``--kill-at``-th step and
 restarted once the survivor has committed 2 steps alone; S = seconds from the restart to the
@@ -101,8 +101,12 @@ def finish(procs: list[subprocess.Popen], timeout: float, work: Path) -> None:
 
 
 def tokens_per_second(run_dir: Path, warmup: int) -> float:
-    return statistics.median(r["throughput/tokens_per_second"] for r in records(run_dir)
-                             if r["step"] > warmup)
+    """Median over the steps after ``warmup`` of the run's tokens per step (the growth of
+    ``train/tokens_seen``: every participating group's, or every DDP rank's) over the step's
+    seconds. (A group's ``throughput/tokens_per_second`` counts that group's tokens only.)"""
+    recs = records(run_dir)
+    return statistics.median((b["train/tokens_seen"] - a["train/tokens_seen"]) / b["time/step_seconds"]
+                             for a, b in zip(recs, recs[1:]) if b["step"] > warmup)
 
 
 def overhead(common: list[str], work: Path, warmup: int) -> tuple[float, float]:

@@ -212,16 +212,23 @@ class ReplicaGroup(Callback):
     def after_backward(self, state: Any) -> None:
         if state.micro_batch != state.n_micro - 1:
             return
-        grads = [p.grad for p in state.module.model.parameters() if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self._sum(flat)
-        flat /= max(1, self.manager.num_participants())
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        # every trainable parameter, in one order on all groups: a gradient one group lacks (a
+        # parameter its batch did not reach) is zeros, so the buffers line up
+        params = [p for p in state.module.model.parameters() if p.requires_grad]
+        n = max(1, self.manager.num_participants())
+        for bucket in _buckets(params):
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                              for p in bucket])
+            self._sum(flat)
+            flat /= n
+            offset = 0
+            for p in bucket:
+                piece = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if p.grad is None:
+                    p.grad = piece.clone()
+                else:
+                    p.grad.copy_(piece)
 
     def before_optimizer_step(self, state: Any) -> None:
         m = self.manager
@@ -247,3 +254,22 @@ class ReplicaGroup(Callback):
         work = self.manager.allreduce(t, reduce_op=torch.distributed.ReduceOp.SUM)
         work.wait()
         return t
+
+
+BUCKET_ELEMENTS = 1 << 25
+"""Gradient elements per all-reduce across groups (128 MiB in fp32): one flat copy of at most
+this size lives beside the gradients."""
+
+
+def _buckets(params: list) -> list[list]:
+    """``params`` cut into runs of one dtype and at most :data:`BUCKET_ELEMENTS` elements (a
+    larger parameter is a bucket of its own), in order."""
+    out: list[list] = []
+    size = 0
+    for p in params:
+        if not out or p.dtype != out[-1][0].dtype or size + p.numel() > BUCKET_ELEMENTS:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += p.numel()
+    return out

@@ -93,7 +93,7 @@ SLOW_FILES = {
     "test_algorithms_train.py": 66, "test_events_train.py": 64, "test_muon.py": 50,
     "test_prepared.py": 50, "test_sft.py": 44, "test_hf.py": 75, "test_runs_signals.py": 40,
     "test_eval_harness.py": 40, "test_batch_size_warmup.py": 40, "test_loggers.py": 40,
-    "test_plan_shipped.py": 290, "test_planning.py": 150,
+    "test_plan_shipped.py": 290, "test_planning.py": 150, "test_fault_tolerance.py": 170,
 }
 FILE_SECONDS_KEY = "llmforge/file_seconds"
 _ran: dict[str, float] = {}

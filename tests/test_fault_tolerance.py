@@ -66,6 +66,9 @@ def test_fault_tolerance_bad_input(tiny_overrides, tmp_path):
         assert res.returncode == 2, (key, res.stderr[-2000:])
         assert key in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("metrics.jsonl"))
+    dry = run_main(*base, "--dry-run")  # no lighthouse needed: nothing trains
+    assert dry.returncode == 0 and "replica group   0 of 2" in dry.stdout, dry.stdout + dry.stderr
+    assert "8 of the 16 sequences per step" in dry.stdout
 
 
 def test_rejoin_batch_is_the_loaders(tiny_overrides):

@@ -62,7 +62,8 @@ def test_config_errors_come_before_the_heavy_imports(tmp_path):
     datasets were never imported."""
     used = tmp_path / "runs" / "demo_cpu"
     used.mkdir(parents=True)
-    (used / "config.yaml").write_text("run: {name: demo_cpu}\n")  # a run of a version before the mark
+    # a run of a version before the mark: the config llmforge saved for it, beside its metrics
+    (used / "config.yaml").write_text("run: {name: demo_cpu}\nmodel: {name: llama3}\ntrainer: {max_steps: 1}\n")
     (used / "metrics.jsonl").write_text('{"step": 1}\n')
     cases = [[DEMO, "trainer.max_stepz=3"],
              [DEMO, f"run.output_dir={tmp_path / 'runs'}"],

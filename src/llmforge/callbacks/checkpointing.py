@@ -158,6 +158,14 @@ class Checkpointer(Callback):
         self.save_seconds.append(time.perf_counter() - start)
         return self.pending.final if self.pending is not None else self.last_path  # type: ignore[return-value]
 
+    def save_now(self, trainer: Any, pl_module: Any) -> Optional[Path]:
+        """Save the current step unless it is saved already, and wait for the write (a run
+        about to exit, e.g. a replica group that lost its quorum); returns the checkpoint."""
+        if self.last_saved_step != trainer.global_step:
+            self.save(trainer, pl_module)
+        self._finish_pending()
+        return self.last_path
+
     # ---------------------------------------------------------------- resuming
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         signals.own(trainer)  # before fit installs Lightning's SIGTERM handler

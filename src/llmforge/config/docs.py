@@ -20,7 +20,7 @@ SECTIONS = {
     "data": schema.DataConfig, "trainer": schema.TrainerSettings,
     "optimizer": schema.OptimizerConfig, "scheduler": schema.SchedulerConfig,
     "strategy": schema.StrategyConfig, "strategy.mixed_precision": schema.MixedPrecisionConfig,
-    "pipeline": schema.PipelineConfig,
+    "pipeline": schema.PipelineConfig, "fault_tolerance": schema.FaultToleranceConfig,
     "checkpoint": schema.CheckpointConfig,
     "compute": schema.ComputeConfig, "scheduling": schema.SchedulingConfig,
 }

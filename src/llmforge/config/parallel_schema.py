@@ -78,3 +78,28 @@ class PipelineConfig:
     one block fewer, as they also hold the embedding and the output layer: the stages must
     divide blocks + 2), or an explicit list of block-index lists, one per stage, e.g.
     ``[[0, 1], [2, 3]]``."""
+
+
+@dataclass
+class FaultToleranceConfig:
+    """``fault_tolerance:`` — data-parallel replica groups that survive the loss of one of them
+    (torchft; the optional extra ``llmforge[ft]``). Each replica group is one ordinary llmforge
+    job; across groups gradients are averaged through torchft's managed process group and the
+    optimizer step commits only when the quorum agrees. See docs/fault_tolerance.md."""
+
+    enabled: bool = False
+    """Run this job as one replica group of a fault-tolerant run."""
+    replica_groups: int = 2
+    """Replica groups of the whole run (the data is split into this many shards;
+    ``trainer.global_batch_size`` is the batch of all of them together)."""
+    replica_id: int = 0
+    """This job's group, ``0 .. replica_groups - 1`` (its data shard and torchft replica id)."""
+    min_replicas: int = 1
+    """Fewest groups with which a step may commit (torchft ``min_replica_size``)."""
+    lighthouse: str = "http://127.0.0.1:29510"
+    """Address of the torchft lighthouse (``torchft_lighthouse --bind HOST:PORT``), which must be
+    reachable when the run starts."""
+    timeout_s: float = 60.0
+    """Seconds a collective, a commit vote or a checkpoint transfer between groups may take."""
+    quorum_timeout_s: float = 120.0
+    """Seconds to wait for a quorum of groups before the step fails."""

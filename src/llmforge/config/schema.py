@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from llmforge import registry
-from llmforge.config.parallel_schema import MixedPrecisionConfig, PipelineConfig, StrategyConfig  # noqa: F401 (schema names)
+from llmforge.config.parallel_schema import (  # noqa: F401 (schema names)
+    FaultToleranceConfig, MixedPrecisionConfig, PipelineConfig, StrategyConfig)
 
 # Allowed values, each listed once next to its key; validate.py, the schedule, the tokenizer and
 # SFT loaders and the Trainer import them from here.
@@ -360,6 +361,7 @@ class TrainConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     compute: ComputeConfig = field(default_factory=ComputeConfig)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)

@@ -115,9 +115,13 @@ def data_parallel_size(cfg: Any, world_size: Optional[int] = 1) -> int:
 def plan_batch(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
     """Derive gradient accumulation and per-rank sizes from ``cfg.trainer`` and the strategy.
 
+    With ``fault_tolerance.enabled`` the global batch is that of all replica groups together:
+    one group's ranks hold ``global_batch_size / replica_groups`` sequences per step, and
+    ``dp_size`` stays the group's own.
+
     Raises:
         ConfigError: micro_batch_size or seq_len is not positive, or global_batch_size is not a
-            positive multiple of micro_batch_size x data-parallel size (the message gives the
+            positive multiple of micro_batch_size x data-parallel size (x replica groups) (the message gives the
             numbers and the nearest valid values), or a strategy size error (see
             :func:`data_parallel_size`).
     """
@@ -129,13 +133,17 @@ def plan_batch(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
     if seq <= 0:
         raise ConfigError(f"trainer.seq_len must be > 0, got {seq}")
     dp = data_parallel_size(cfg, world)
-    unit = mbs * dp
+    # fault-tolerant replica groups split the global batch too (each group is one job of `world`)
+    ft = cfg.get("fault_tolerance")
+    groups = int(ft.replica_groups) if ft is not None and ft.enabled else 1
+    unit = mbs * dp * groups
     if gbs <= 0 or gbs % unit:
         lower = (max(gbs, 0) // unit) * unit
         tries = f"{lower} or {lower + unit}" if lower > 0 else f"{unit}"
+        across = f" x fault_tolerance.replica_groups ({groups})" if groups > 1 else ""
         raise ConfigError(
             f"trainer.global_batch_size={gbs} must be a multiple of micro_batch_size ({mbs}) x "
-            f"data-parallel size ({dp}) = {unit}; try {tries}"
+            f"data-parallel size ({dp}){across} = {unit}; try {tries}"
         )
     accum = gbs // unit
     return BatchPlan(
@@ -334,4 +342,42 @@ def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
 
     for section in ("algorithms", "callbacks", "loggers"):
         _check_entries(section, getattr(cfg, section))
+    if cfg.get("fault_tolerance") is not None and cfg.fault_tolerance.enabled:
+        _check_fault_tolerance(cfg, _resolve_world(cfg, world_size))
     return plan_batch(cfg, world_size)
+
+
+def _check_fault_tolerance(cfg: Any, world: int) -> None:
+    """``fault_tolerance:`` against itself and the run: what this version supports (one
+    process per replica group, data whose position is the step). The lighthouse is reached at
+    the run's start (:func:`llmforge.parallel.fault_tolerance.check_lighthouse`)."""
+    ft = cfg.fault_tolerance
+    _require(_is_int(ft.replica_groups) and ft.replica_groups >= 1, "fault_tolerance.replica_groups",
+             "an integer >= 1", ft.replica_groups)
+    _require(_is_int(ft.min_replicas) and 1 <= ft.min_replicas, "fault_tolerance.min_replicas",
+             "an integer >= 1", ft.min_replicas)
+    if ft.min_replicas > ft.replica_groups:
+        raise ConfigError(f"fault_tolerance.min_replicas ({ft.min_replicas}) must be <= "
+                          f"fault_tolerance.replica_groups ({ft.replica_groups}): no quorum could "
+                          f"ever commit a step; e.g. fault_tolerance.min_replicas=1")
+    _require(_is_int(ft.replica_id) and 0 <= ft.replica_id < ft.replica_groups,
+             "fault_tolerance.replica_id", f"in [0, {ft.replica_groups - 1}] (one per replica group)",
+             ft.replica_id)
+    for key in ("timeout_s", "quorum_timeout_s"):
+        v = ft[key]
+        _require(0 < v < float("inf"), f"fault_tolerance.{key}", "> 0 and finite (seconds)", v)
+    host = str(ft.lighthouse).split("://", 1)
+    if len(host) != 2 or host[0] not in ("http", "https") or ":" not in host[1]:
+        raise ConfigError(f"fault_tolerance.lighthouse must be an address http://HOST:PORT (where "
+                          f"`torchft_lighthouse --bind HOST:PORT` listens), got {ft.lighthouse!r}")
+    if cfg.strategy.name not in ("auto", "single") or world != 1:
+        raise ConfigError(
+            f"fault_tolerance.enabled runs each replica group as one process here, but "
+            f"strategy.name={cfg.strategy.name} with world size {world} was asked for: FSDP2/DDP "
+            "inside a group is not supported yet; set strategy.name=auto and trainer.devices=1 "
+            "(more groups via fault_tolerance.replica_groups)")
+    if cfg.data.streaming or cfg.data.mixture or cfg.data.task != "pretrain":
+        raise ConfigError(
+            "fault_tolerance.enabled needs data whose position is the step (in-memory "
+            "pretraining windows) so a rejoining group reads exactly its next batch; "
+            "data.streaming, data.mixture and data.task=sft are not supported with it yet")

@@ -113,6 +113,13 @@ def dry_run_report(run: Any, algorithms: list[Any], device_memory_gib: Optional[
         f" ({cfg.trainer.precision}, sharded {mem.shards}x; activations not included)",
     ]
     lines += mixture_report(cfg, plan.tokens_per_step)  # data.mixture: share and tokens per source
+    ft = cfg.get("fault_tolerance")
+    if ft is not None and ft.enabled:  # docs/fault_tolerance.md
+        lines.insert(lines.index(next(x for x in lines if x.startswith("global batch"))) + 1,
+                     f"replica group   {ft.replica_id} of {ft.replica_groups} (torchft, lighthouse "
+                     f"{ft.lighthouse}): {plan.local_batch_size * plan.dp_size} of the "
+                     f"{plan.global_batch_size} sequences per step; commits with >= {ft.min_replicas} "
+                     "group(s)")
     extra = [(a, a.dry_run_lines(cfg, plan, device_memory_gib)) for a in algorithms]
     if any(lines_ and getattr(a, "replaces_memory_estimate", False) for a, lines_ in extra):
         lines = [x for x in lines if not x.startswith("memory/device")]

@@ -4,13 +4,15 @@ mixin, so a ``Trainer`` subclass still overrides any ``build_*`` method alone.""
 
 from __future__ import annotations
 
+from itertools import islice
 from typing import Any, Optional
 
+from torch.utils.data import default_collate
 
 from llmforge.checkpoint import read_json
 from llmforge.data.chat import build_chat_template
 from llmforge.data.datamodule import LLMDataModule, in_memory_tokens
-from llmforge.data.packing import check_split_sizes
+from llmforge.data.packing import ShardedSampler, check_split_sizes
 from llmforge.data.mixture import PreparedMixture
 from llmforge.data.mixture_sources import check_one_tokenizer, open_mixture
 from llmforge.data.prepared import check_tokenizer, open_prepared, PreparedSplits, PreparedWindows
@@ -150,7 +152,9 @@ class DataBuilders:
                       local_batch_size=self.plan.local_batch_size,
                       micro_batch_size=t.micro_batch_size, eval_batches=t.eval_batches,
                       seed=self.cfg.run.seed, num_workers=self.cfg.data.num_workers)
-        d = self.cfg.data
+        d, ft = self.cfg.data, self.cfg.fault_tolerance
+        if ft.enabled:  # one process per group (validate): the group's shard of the global batch
+            common.update(dp_rank=int(ft.replica_id), dp_size=int(ft.replica_groups))
         if d.task == "sft":
             return SFTDataModule(docs, tokenizer, template=build_chat_template(d.chat_template, tokenizer),
                                  packed=d.packed, overlong=d.overlong,
@@ -158,3 +162,16 @@ class DataBuilders:
         return LLMDataModule(docs, tokenizer, resume_dir=self.resume_path,
                              allow_source_changes=self.cfg.checkpoint.allow_config_changes,
                              token_cache=self.token_cache(), cached_tokens=cached_tokens, **common)
+
+    def batch_for_step(self, step: int) -> Any:
+        """This rank's training batch of optimizer step ``step`` (1-based): what the loader
+        yields at that step (:class:`ShardedSampler`'s slice of global batch ``step - 1``,
+        collated), read directly; ``LongTensor[local_batch_size, seq_len + 1]``. A replica
+        group that rejoined a fault-tolerant run at another step than its loader's reads its
+        batches here (:class:`llmforge.parallel.fault_tolerance.ReplicaGroup`)."""
+        dm = self.datamodule
+        windows = dm.train_windows
+        sampler = ShardedSampler(len(windows), dm.dp_rank, dm.dp_size, dm.seed,
+                                 start_step=step - 1, local_batch=dm.local_batch_size)
+        rows = [windows[i] for i in islice(iter(sampler), dm.local_batch_size)]
+        return default_collate(rows)

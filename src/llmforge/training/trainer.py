@@ -40,6 +40,7 @@ from llmforge.data.mixture import MixtureTokens, PreparedMixture
 from llmforge.data.tokenizers import Tokenizer
 from llmforge.errors import ConfigError
 from llmforge.job.tracker import RunTracker
+from llmforge.parallel.fault_tolerance import ReplicaGroup, check_lighthouse, import_torchft
 from llmforge.parallel.strategy import LLMParallelStrategy
 from llmforge.parallel.threads import available_cores, explicit_threads, machine_wide
 from llmforge.parallel.transforms import check_strategy, strategy_transforms
@@ -243,11 +244,14 @@ class Trainer(DataBuilders):
             cbs.append(ThreadWatch(worker_cores(self.cfg.data), announce=self.is_rank_zero()))
         if self.cfg.trainer.progress_bar:
             cbs.append(RichProgress())
-        cbs.append(Checkpointer(self.checkpoint_dir, save_every=ck.save_every,
+        cbs.append(checkpointer := Checkpointer(self.checkpoint_dir, save_every=ck.save_every,
                                 save_every_minutes=ck.save_every_minutes, save_final=ck.save_final,
                                 keep_last_n=ck.keep_last_n, async_save=ck.async_save,
                                 resume_from=self.resume_path, config=redact(config_to_dict(self.cfg)),
                                 on_resumed=self.finish_resume, finite_only=has_guard or self.cfg.trainer.nan_guard))
+        if self.cfg.fault_tolerance.enabled:
+            cbs.append(ReplicaGroup(self.cfg.fault_tolerance, self.batch_for_step,
+                                    save=lambda: checkpointer.save_now(self.lightning, self.module)))
         if os.environ.get("LLMFORGE_RUN_ID") and self.is_rank_zero():  # started by `llmforge launch`
             cbs.append(RunTracker(os.environ["LLMFORGE_RUN_ID"]))
         return list(self.algorithms) + cbs + extra  # algorithms are Lightning callbacks too
@@ -317,6 +321,9 @@ class Trainer(DataBuilders):
         # (loggers too: a missing SDK or API key; building one writes nothing, see build_loggers)
         callbacks, loggers = self.build_callbacks(), self.build_loggers()
         check_state_keys(callbacks)  # two plugins' states under one key: refused, not overwritten
+        if self.cfg.fault_tolerance.enabled:  # before the run directory is touched
+            import_torchft()
+            check_lighthouse(self.cfg.fault_tolerance.lighthouse)
         docs = self.build_documents()
         self.tokenizer = self.build_tokenizer(docs)
         cached_tokens = self.cached_tokens(docs, self.tokenizer)

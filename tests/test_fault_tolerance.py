@@ -1,0 +1,191 @@
+"""Fault-tolerant replica groups (``fault_tolerance:``, torchft): 2 groups x 1 gloo process
+with a real lighthouse. Bad input in-process; without a failure the groups give the losses of
+a plain 2-rank DDP run; with one group SIGKILLed the other keeps training, the restarted group
+rejoins from its live state and stays bit-equal to it."""
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DEMO, TINY_OVERRIDES, run_main
+from helpers.dist import free_port, lighthouse, llmforge, torchrun
+
+pytest.importorskip("torchft", reason="needs the llmforge[ft] extra")
+
+# 4 of Shakespeare's texts: every process tokenizes its data (see test_parallel.py)
+COMMON = [*TINY_OVERRIDES, "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_batches=1",
+          "data.max_documents=4", "optimizer.eps=1e-6"]
+
+
+def ft_args(port: int, group: int, out: Path, *extra: str) -> list[str]:
+    return ["train", DEMO, *COMMON, f"run.output_dir={out}", f"run.name=g{group}",
+            "fault_tolerance.enabled=true", f"fault_tolerance.replica_id={group}",
+            f"fault_tolerance.lighthouse=http://127.0.0.1:{port}", "fault_tolerance.timeout_s=20",
+            "fault_tolerance.quorum_timeout_s=60", *extra]
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "train/loss" in r]
+
+
+def wait_all(procs: list, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except Exception:
+            p.kill()
+            codes.append(p.wait())
+    return codes
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    from llmforge.checkpoint.run_dir import load_model
+
+    ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
+    return load_model(ckpts[-1], trust_code=True)[0].state_dict()
+
+
+def test_fault_tolerance_bad_input(tiny_overrides, tmp_path):
+    base = ["train", DEMO, *tiny_overrides, "fault_tolerance.enabled=true"]
+    cases = {
+        "fault_tolerance.min_replicas": ["fault_tolerance.min_replicas=3"],
+        "strategy.name=ddp": ["strategy.name=ddp", "trainer.devices=2"],
+        "fault_tolerance.lighthouse": [f"fault_tolerance.lighthouse=http://127.0.0.1:{free_port()}"],
+    }
+    for key, extra in cases.items():
+        res = run_main(*base, *extra)
+        assert res.returncode == 2, (key, res.stderr[-2000:])
+        assert key in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("metrics.jsonl"))
+    dry = run_main(*base, "--dry-run")  # no lighthouse needed: nothing trains
+    assert dry.returncode == 0 and "replica group   0 of 2" in dry.stdout, dry.stdout + dry.stderr
+    assert "8 of the 16 sequences per step" in dry.stdout
+
+
+def test_rejoin_batch_is_the_loaders(tiny_overrides):
+    """What a rejoined group reads at step s (``Trainer.batch_for_step``) is what its loader
+    yields at step s: group 1 of 2 reads its half of each global batch, the other half is
+    group 0's (no window read twice within a step)."""
+    import socket
+
+    from llmforge import Trainer
+
+    with socket.socket() as listener:  # a lighthouse address that accepts connections
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        batches = {}
+        for group in (0, 1):
+            trainer = Trainer.from_yaml(DEMO, [*tiny_overrides, "data.max_documents=4", f"run.name=g{group}",
+                                               "fault_tolerance.enabled=true",
+                                               f"fault_tolerance.replica_id={group}",
+                                               f"fault_tolerance.lighthouse=http://127.0.0.1:{port}"])
+            trainer.setup()
+            try:
+                trainer.datamodule.setup("fit")
+                loader = iter(trainer.datamodule.train_dataloader())
+                batches[group] = [next(loader) for _ in range(3)]
+                for step, batch in enumerate(batches[group], start=1):
+                    assert torch.equal(trainer.batch_for_step(step), batch), step
+            finally:
+                trainer.run_lock.release()
+    assert batches[0][0].shape == (8, 65)  # half of the global batch of 16 windows of 64 + 1
+    for a, b in zip(batches[0], batches[1]):
+        rows = {tuple(r.tolist()) for r in torch.cat([a, b])}
+        assert len(rows) == 16
+
+
+def test_two_groups_equal_ddp_then_lighthouse_lost(tmp_path):
+    """No failure: 2 groups (each 1 process, half of the global batch) = 2-rank DDP. Then the
+    lighthouse dies: both groups save a checkpoint and exit 75 within quorum_timeout_s."""
+    steps = ["scheduler.name=constant"]  # the reference's 4 steps have the groups' lr
+    port = free_port()
+    house = lighthouse(port, min_replicas=2)  # both groups in every quorum from step 1
+    try:
+        procs = [llmforge(*ft_args(port, g, tmp_path, *steps, "trainer.max_steps=1000",
+                                   "fault_tolerance.quorum_timeout_s=10"), log=tmp_path / f"g{g}.log")
+                 for g in (0, 1)]
+        deadline = time.monotonic() + 300
+        while min(len(records(tmp_path / f"g{g}")) for g in (0, 1)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        house.kill()
+    codes = wait_all(procs, 120)
+    logs = "".join((tmp_path / f"g{g}.log").read_text()[-3000:] for g in (0, 1))
+    assert codes == [75, 75], logs
+    for g in (0, 1):
+        last = records(tmp_path / f"g{g}")[-1]["step"]
+        assert (tmp_path / f"g{g}" / "checkpoints" / f"step_{last:08d}").is_dir(), logs
+        assert "fault_tolerance.quorum_timeout_s" in (tmp_path / f"g{g}.log").read_text()
+    ddp = torchrun("-m", "llmforge", "train", DEMO, *COMMON, *steps, "trainer.max_steps=4",
+                   f"run.output_dir={tmp_path}", "run.name=ddp", "strategy.name=ddp",
+                   "trainer.devices=2", timeout=400)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    g0, g1, ref = (records(tmp_path / n)[:4] for n in ("g0", "g1", "ddp"))
+    assert [r["step"] for r in g0] == [1, 2, 3, 4] and all(r["ft/participants"] == 2 for r in g0)
+    assert [r["train/loss"] for r in g0] == [r["train/loss"] for r in g1]  # bit-equal groups
+    for a, b in zip(g0, ref, strict=True):
+        assert abs(a["train/loss"] - b["train/loss"]) < 1e-5, (a, b)
+        assert abs(a["train/grad_norm"] - b["train/grad_norm"]) < 1e-5, (a, b)
+        assert a["train/tokens_seen"] == b["train/tokens_seen"]
+
+
+def test_kill_one_group_and_rejoin(tmp_path):
+    """SIGKILL one group after its 3rd step: the other never stops; the killed group,
+    restarted, receives the live state from the survivor, rejoins, and is bit-equal to it from
+    then on; no step is missing from the survivor's records."""
+    max_steps, kill_at = 50, 3
+    # both groups paced, so the survivor outlasts the restart (alone it would finish in seconds)
+    args = [f"trainer.max_steps={max_steps}", "callbacks=[{name: tests.helpers.slow.SlowSteps, seconds: 0.5}]"]
+    port = free_port()
+    house = lighthouse(port, min_replicas=1)
+    try:
+        procs = [llmforge(*ft_args(port, g, tmp_path, *args), log=tmp_path / f"g{g}.log") for g in (0, 1)]
+        deadline = time.monotonic() + 300
+        while min(len(records(tmp_path / f"g{g}")) for g in (0, 1)) < kill_at and time.monotonic() < deadline:
+            time.sleep(0.1)
+        # the survivor holds step 1 (a group that started later healed from it and began later)
+        survivor = 0 if records(tmp_path / "g0")[0]["step"] == 1 else 1
+        victim = 1 - survivor
+        os.kill(procs[victim].pid, signal.SIGKILL)
+        procs[victim].wait()
+        last = records(tmp_path / f"g{victim}")[-1]["step"]
+        step_at_kill = len(records(tmp_path / f"g{survivor}"))
+        while len(records(tmp_path / f"g{survivor}")) < step_at_kill + 2 and time.monotonic() < deadline:
+            time.sleep(0.1)  # the survivor commits steps alone before the restart
+        procs[victim] = llmforge(*ft_args(port, victim, tmp_path, *args, "checkpoint.resume=auto"),
+                                 log=tmp_path / f"g{victim}.log")
+        restarted = time.monotonic()
+        while (max((r["step"] for r in records(tmp_path / f"g{victim}")), default=0) <= last
+               and procs[victim].poll() is None and time.monotonic() < deadline):
+            time.sleep(0.1)
+        rejoin_s = time.monotonic() - restarted
+        codes = wait_all(procs, 400)
+    finally:
+        house.kill()
+    logs = "".join((tmp_path / f"g{g}.log").read_text()[-3000:] for g in (0, 1))
+    assert codes == [0, 0], logs
+    kept, rejoined = records(tmp_path / f"g{survivor}"), records(tmp_path / f"g{victim}")
+    assert [r["step"] for r in kept] == list(range(1, max_steps + 1)), logs  # none missing
+    alone = [r["step"] for r in kept if r["step"] > last and r["ft/participants"] == 1]
+    assert alone and kept[-1]["ft/participants"] == 2, [r["ft/participants"] for r in kept]
+    first = rejoined[0]["step"]
+    assert first > step_at_kill + 1 and [r["step"] for r in rejoined] == list(range(first, max_steps + 1))
+    by_step = {r["step"]: r for r in kept}
+    for r in rejoined:  # the same averaged gradient, so the same weights, after every step
+        s = by_step[r["step"]]
+        assert (r["train/loss"], r["train/grad_norm"], r["train/lr"]) == \
+            (s["train/loss"], s["train/grad_norm"], s["train/lr"]), (r, s)
+    a, b = final_weights(tmp_path / "g0"), final_weights(tmp_path / "g1")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # never stopped: none of the survivor's steps waited for the restart to rejoin
+    assert max(r["time/step_seconds"] for r in kept) < rejoin_s, (rejoin_s, logs)

@@ -34,7 +34,7 @@ def test_router_statistics_leave_padding_out():
     module.model.eval()  # a forward that counts no load, before the bias moves
     with torch.no_grad():
         ce = F.cross_entropy(module.model(ids).flatten(0, 1), labels.flatten(), ignore_index=-100)
-    module.model_after_optimizer_step()
+    module.step.model_after_optimizer_step()
     assert len(logits) == 2 and logits[0].shape == (16, 4)
     mask = real.reshape(-1)
     lb = 0.3 * load_balancing_loss_func(tuple(logits), 4, 2, attention_mask=real)

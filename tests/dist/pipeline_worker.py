@@ -119,10 +119,10 @@ def train(mod, cfg, batches, dp_rank, dp, opt=None, first_step=1, save_to=None):
         computed = set(st.metrics)
         mod.event(Event.BEFORE_OPTIMIZER_STEP)
         if mod.pp_schedule is not None:
-            mod.pp_agree_on_step(set(st.metrics) - computed, set(aux))
+            mod.step.agree_on_step(set(st.metrics) - computed, set(aux))
         if not st.skip_step:
             opt.step()
-            mod.model_after_optimizer_step()  # loss-free balancing: each stage's own routers
+            mod.step.model_after_optimizer_step()  # loss-free balancing: each stage's own routers
         opt.zero_grad(set_to_none=True)
         mod.event(Event.AFTER_OPTIMIZER_STEP)
         losses.append(float(st.metrics["train/loss"]))
@@ -170,8 +170,8 @@ def eval_loss(mod, batch):
             mb = mod.plan.micro_batch_size  # per tensor: the rows taken together matter)
             sums = [mod.compute_loss(mod(x[i:i + mb]), y[i:i + mb]) for i in range(0, len(x), mb)]
             return (sum(s[0] for s in sums) / sum(s[1] for s in sums)).item()
-        mod._run_schedule(x, y, train=False)
-        return (mod.pp_all_reduce(mod._pp_loss) / mod.pp_all_reduce(mod._pp_targets.float())).item()
+        mod.step.run_schedule(x, y, train=False)
+        return (mod.step.pp_all_reduce(mod.step.loss_sum) / mod.step.pp_all_reduce(mod.step.target_count.float())).item()
 
 
 def packed_rows(batches):

@@ -41,7 +41,7 @@ def test_router_statistics_leave_padding_out():
     lb_all = 0.3 * load_balancing_loss_func(tuple(logits), 4, 2)  # what padding made it before
     z = 0.01 * sum((torch.logsumexp(g, -1) ** 2)[mask].sum() for g in logits) / (2 * mask.sum())
     assert abs(loss_sum.item() / n.item() - (ce + lb + z).item()) < 1e-6
-    aux = module.aux_step_metrics(n.float(), 1)
+    aux = module.step.aux_step_metrics(n.float())
     assert aux["train/aux/load_balancing"].item() == pytest.approx(lb.item(), abs=1e-6)
     assert aux["train/aux/router_z"].item() == pytest.approx(z.item(), abs=1e-7)
     assert abs(lb - lb_all) > 1e-3  # the padding would change the loss

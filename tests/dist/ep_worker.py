@@ -64,7 +64,7 @@ def train(mod, batches, rows):
         opt.zero_grad()
         mod.step.model_after_optimizer_step()  # loss-free balancing: the bias moves by the step's load
         losses.append((mod.dp_all_reduce(loss) / n).item())
-        aux.append({k: v.item() for k, v in mod.aux_step_metrics(n, mod.state.n_micro).items()})
+        aux.append({k: v.item() for k, v in mod.step.aux_step_metrics(n).items()})
     return losses, aux, norms, opt
 
 

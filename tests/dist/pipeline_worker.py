@@ -114,7 +114,7 @@ def train(mod, cfg, batches, dp_rank, dp, opt=None, first_step=1, save_to=None):
         loss, n = mod.forward_backward(batch)
         st.grad_norm = mod.clip_gradients_(opt)
         st.metrics.update({"train/loss": mod.dp_all_reduce(loss) / n, "train/grad_norm": st.grad_norm})
-        aux = mod.aux_step_metrics(n, st.n_micro)  # the router losses and the expert load
+        aux = mod.step.aux_step_metrics(n)  # the router losses and the expert load
         st.metrics.update(aux)
         computed = set(st.metrics)
         mod.event(Event.BEFORE_OPTIMIZER_STEP)

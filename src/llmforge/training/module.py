@@ -1,12 +1,10 @@
 """``LLMModule``: the LightningModule that trains a causal language model.
 
-One Lightning training step is one optimizer step (manual optimization), run by the step object
+One Lightning training step is one optimizer step (manual optimization) of
+``micro_batch_size * gradient_accumulation_steps`` windows, run by the step object
 ``configure_model`` chooses from the resolved mesh (:mod:`llmforge.training.steps`: the
-micro-batch step, or the pipeline step under ``strategy.pp > 1``): the batch holds
-``local_batch_size = micro_batch_size * gradient_accumulation_steps`` windows of
-``seq_len + 1`` tokens; the step runs the micro-batches, normalizes the loss by the number of
-target tokens in the whole accumulation window (over all data-parallel ranks), clips the
-gradient norm once, steps the optimizer and the schedule once.
+micro-batch step, or the pipeline step under ``strategy.pp > 1``); the module keeps the model,
+the loss, the events and Lightning's hooks.
 
 Research code subclasses it and overrides :meth:`build_model`, :meth:`compute_loss`,
 :meth:`forward`, :meth:`training_step` or :meth:`configure_optimizers`, then names the class in
@@ -53,7 +51,7 @@ class LLMModule(L.LightningModule):
             ``state.metrics``); callbacks add theirs and the module writes them to every logger
             at the end of a logging step.
         state: the :class:`llmforge.events.State` every event handler receives.
-        history: every record written to the loggers (``list[dict]``), for the closing summary.
+        history: every record written to the loggers, for the closing summary.
         step: the :class:`~llmforge.training.steps.Step` that runs each optimizer step (the
             micro-batch step until :meth:`configure_model` chooses from the mesh).
     """
@@ -73,11 +71,9 @@ class LLMModule(L.LightningModule):
         self.train_start_time: Optional[float] = None
         self.step_tokens = 0  # tokens (inputs, all ranks) of the last step
         self.state = State(cfg=cfg, module=self)  # what every event handler sees
-        self.model_flops_per_token: Any = None  # the whole model's, when model is a stage (MFU)
         self.dispatch: Optional[Dispatcher] = Dispatcher()  # set up at fit start (setup_events)
         self.step: Step = MicroBatchStep(self)
 
-    # ----------------------------------------------------------------- model
     def build_model(self) -> nn.Module:
         """Build the model from ``cfg.model`` with the registered factory (called on meta)."""
         factory = registry.models.get(self.cfg.model.name, key="model.name")
@@ -85,8 +81,7 @@ class LLMModule(L.LightningModule):
 
     @property
     def mesh(self) -> Any:
-        """The strategy's device mesh (dims dp_replicate, dp_shard, tp; flattened dp), or None.
-        Without a Lightning trainer (tests, Fabric) it is whatever ``mesh_override`` holds."""
+        """The strategy's device mesh, or None; without a trainer ``mesh_override``."""
         if self.mesh_override is not None or attached_trainer(self) is None:
             return self.mesh_override
         return strategy_mesh(self.trainer.strategy)
@@ -121,18 +116,15 @@ class LLMModule(L.LightningModule):
                 token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``tokens: LongTensor[B, T] -> logits: FloatTensor[B, T, vocab_size]``.
 
-        ``doc_ids: LongTensor[B, T]`` (packed SFT rows): the document of each token; the model
-        restarts positions and masks attention per document (:meth:`Llama.forward`).
-        ``token_mask: BoolTensor[B, T]`` (SFT rows; False = padding): passed on to a model that
-        declares ``takes_token_mask`` (routers leave padding out of their statistics), dropped
-        for others. Without either the model is called as ``model(tokens)``."""
+        ``doc_ids: LongTensor[B, T]`` (packed SFT rows): each token's document (positions and
+        attention restart per document). ``token_mask: BoolTensor[B, T]`` (False = padding):
+        for a model that declares ``takes_token_mask``, dropped for others."""
         assert self.model is not None, "configure_model() has not run"
         kwargs = {} if doc_ids is None else {"doc_ids": doc_ids}
         if token_mask is not None and getattr(self.model, "takes_token_mask", False):
             kwargs["token_mask"] = token_mask
         return self.model(tokens, **kwargs)
 
-    # ------------------------------------------------------------------ loss
     def compute_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed cross-entropy over target tokens and their count (``F.cross_entropy``'s value,
         with a leaner backward: :func:`llmforge.training.cross_entropy.cross_entropy_sum`).
@@ -142,18 +134,15 @@ class LLMModule(L.LightningModule):
             labels: ``[B, T]``; ``-100`` marks positions without a target.
 
         Returns:
-            ``(loss_sum, n_targets)``: scalar tensors; the step divides by the number of target
-            tokens of the whole accumulation window, so micro-batches with different target
-            counts weigh each token equally.
+            ``(loss_sum, n_targets)``: scalar tensors; the step divides by the target tokens of
+            the whole accumulation window, so every token weighs the same.
 
-        Training and evaluation both call it; during an evaluation the module is in eval mode
-        (``self.training`` is ``False``, as is ``self.state.training``), so an override adds a
+        Evaluation calls it in eval mode (``self.training`` is ``False``): an override adds a
         training-only term under ``if self.training:`` and ``eval/loss`` stays comparable.
         """
         loss_sum = cross_entropy_sum(logits.flatten(0, 1), labels.flatten(), IGNORE_INDEX)
         return loss_sum, (labels != IGNORE_INDEX).sum()
 
-    # -------------------------------------------------------------- training
     def backward_loss(self, loss: torch.Tensor) -> None:
         """Backward through Lightning (precision, strategy hooks), or plain without a trainer."""
         if attached_trainer(self) is not None:
@@ -165,7 +154,6 @@ class LLMModule(L.LightningModule):
     doc_ids = staticmethod(batch_doc_ids)  # packed SFT rows' document ids, or None
     token_mask = staticmethod(batch_token_mask)  # SFT rows' real tokens, or None
 
-    # ---------------------------------------------------------------- events
     def setup_events(self, plugins: Optional[Sequence[Any]] = None) -> None:
         """Collect the event handlers of ``plugins`` (default: the Lightning trainer's
         callbacks, which include the algorithms) in their documented order
@@ -183,20 +171,10 @@ class LLMModule(L.LightningModule):
         """Run every handler of ``event`` on :attr:`state`."""
         self.dispatch(event, self.state)
 
-    # ---------------------------------------------- the step (thin delegations)
     def forward_backward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Every micro-batch of one optimizer step forward and backward: ``(loss_sum,
         n_targets)`` (:meth:`Step.forward_backward <llmforge.training.steps.Step.forward_backward>`)."""
         return self.step.forward_backward(batch)
-
-    def micro_batch_loss(self, index: int, inputs: torch.Tensor, labels: torch.Tensor,
-                         doc_ids: Optional[torch.Tensor], token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """One micro-batch's forward and loss events (:meth:`MicroBatchStep.micro_batch_loss`)."""
-        return self.step.micro_batch_loss(index, inputs, labels, doc_ids, token_mask)
-
-    def outputs_loss(self) -> torch.Tensor:
-        """The loss events on ``state.outputs`` (:meth:`Step.outputs_loss`)."""
-        return self.step.outputs_loss()
 
     def clip_gradients_(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """Clip the global gradient norm once per step; returns it before clipping."""
@@ -206,10 +184,6 @@ class LLMModule(L.LightningModule):
         """Sum ``t`` over the data-parallel ranks (identity in one process)."""
         return self.step.dp_all_reduce(t)
 
-    def aux_step_metrics(self, total_targets: torch.Tensor, n_micro: int = 1) -> dict[str, Any]:
-        """The step's auxiliary records (:meth:`AuxRecords.step_metrics`); empties them."""
-        return self.step.aux_step_metrics(total_targets)
-
     @property
     def pp_schedule(self) -> Any:
         """The pipeline schedule of the pipeline step, else ``None``."""
@@ -217,14 +191,10 @@ class LLMModule(L.LightningModule):
 
     @torch.no_grad()
     def evaluate(self) -> Optional[dict[str, float]]:
-        """Mean loss per target token on the fixed evaluation set (see
-        :meth:`LLMDataModule.eval_dataloader`), reduced over data-parallel ranks, through the
-        events (:meth:`Step.evaluate`; ``state.training`` is False and the module in eval mode,
-        so an overridden :meth:`compute_loss` tells an evaluation by ``self.training``).
-
-        Returns ``{"eval/loss": nats per token, "eval/perplexity": exp(loss)}``, or ``None``
-        without a validation split.
-        """
+        """``{"eval/loss": nats per target token, "eval/perplexity"}`` on the fixed evaluation
+        set (:meth:`LLMDataModule.eval_dataloader`) over all data-parallel ranks, through the
+        events, the module in eval mode (:meth:`Step.evaluate`); ``None`` without a validation
+        split."""
         dm = self.trainer.datamodule
         loader = dm.eval_dataloader() if dm is not None else None
         return None if loader is None else self.step.evaluate(loader)
@@ -241,12 +211,9 @@ class LLMModule(L.LightningModule):
         scheduler = build_scheduler(optimizer, self.cfg.scheduler, self.cfg.trainer.max_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    # --------------------------------------------------------------- logging
     def log_record(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
         """Turn tensors into floats, write one record to every logger and keep it in history."""
-        record: dict[str, Any] = {}
-        for k, v in metrics.items():
-            record[k] = v.item() if isinstance(v, torch.Tensor) else v
+        record = {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
         self.history.append({"step": step, **record})
         for logger in self.loggers:
             logger.log_metrics(record, step=step)
@@ -261,16 +228,14 @@ class LLMModule(L.LightningModule):
         return step == self.cfg.trainer.max_steps or (every > 0 and step % every == 0)
 
     def setup(self, stage: str) -> None:
-        """After the data module's ``setup``, before :meth:`configure_model`: the heap the data
-        path freed goes back to the kernel, then the allocator is tuned for the steps
-        (``trainer.malloc_tuning``; :mod:`llmforge.training.host_malloc`)."""
+        """After the data module's ``setup``: the heap the data path freed goes back to the
+        kernel, then the allocator is tuned (:mod:`llmforge.training.host_malloc`)."""
         release_free_heap()
         if self.cfg.trainer.malloc_tuning:
             tune_host_malloc()
 
     def on_fit_start(self) -> None:
-        """Put the :class:`~llmforge.training.bridge.EventBridge` first in the trainer's
-        callbacks and collect the event handlers (:mod:`llmforge.training.bridge`)."""
+        """The :class:`~llmforge.training.bridge.EventBridge` first, then :meth:`setup_events`."""
         put_first(self.trainer, self)
         self.setup_events()
 

@@ -59,7 +59,7 @@ class MicroBatchStep(Step):
         if st.training:
             self.aux.record(module.model)
         self.event(Event.AFTER_FORWARD)
-        return module.outputs_loss()
+        return self.outputs_loss()
 
     def forward_backward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Run every micro-batch of one optimizer step forward and backward
@@ -84,7 +84,7 @@ class MicroBatchStep(Step):
         for i in range(n_micro):
             sl = slice(i * mb, (i + 1) * mb)
             with self.no_sync(i == n_micro - 1):
-                module.micro_batch_loss(i, inputs[sl], labels[sl], optional(doc_ids, sl),
+                self.micro_batch_loss(i, inputs[sl], labels[sl], optional(doc_ids, sl),
                                         optional(token_mask, sl))
                 self.event(Event.BEFORE_BACKWARD)
                 # the logits [b, T, V] go before backward: the loss's graph keeps what it needs
@@ -115,7 +115,7 @@ class MicroBatchStep(Step):
                 inputs, labels = module.split_batch(batch)
                 doc_ids = module.doc_ids(batch)
                 with module.trainer.precision_plugin.forward_context():
-                    s = module.micro_batch_loss(i, inputs.to(module.device), labels.to(module.device),
+                    s = self.micro_batch_loss(i, inputs.to(module.device), labels.to(module.device),
                                                 None if doc_ids is None else doc_ids.to(module.device))
                 st.outputs, st.aux_losses = None, {}
                 loss_sum += s.float()

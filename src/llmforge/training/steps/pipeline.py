@@ -138,7 +138,7 @@ class PipelineStep(Step):
             self.aux.record(model, carry)  # e.g. the dropped fraction over all stages
         st.inputs, st.labels, st.doc_ids, st.outputs, st.aux_losses = None, target, None, output, aux
         self.event(Event.AFTER_FORWARD)
-        loss = self.module.outputs_loss()
+        loss = self.outputs_loss()
         self.loss_sum = self.loss_sum + loss.detach().float()
         self.target_count = self.target_count + st.n_targets
         st.outputs = None  # the logits must not outlive their micro-batch

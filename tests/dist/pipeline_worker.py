@@ -23,10 +23,12 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from llmforge.algorithms.chunked_cross_entropy import ChunkedCrossEntropy
 from llmforge.algorithms.loading import build_algorithms
 from llmforge.checkpoint.dcp import load_training_state, save_checkpoint
 from llmforge.config.schema import TrainConfig, model_config_class
 from llmforge.config.validate import plan_batch
+from llmforge.errors import ConfigError
 from llmforge.events import Event
 from llmforge.parallel.mesh import ParallelDims, build_mesh
 from llmforge.parallel.transforms import strategy_transforms
@@ -245,6 +247,13 @@ def main(out):
         if ema:  # this rank's stage's average against the one-process run's
             report[name + "_ema"] = {"names": len(ema), "of": len(ref_ema[ref]), "max_diff": max(
                 (v - ref_ema[ref][k]).abs().max().item() for k, v in ema.items())}
+        if name == "1f1b":  # the fit-start check of the real pipeline step (no handlers here)
+            try:
+                mod.setup_events([ChunkedCrossEntropy()])
+                report["refusal"] = None
+            except ConfigError as exc:
+                report["refusal"] = [str(exc), exc.exit_code]
+            mod.setup_events([])
         report["seconds"][name] = time.perf_counter() - start
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(report, f)

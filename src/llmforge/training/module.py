@@ -164,7 +164,7 @@ class LLMModule(L.LightningModule):
         if plugins is None:
             plugins = list(self.trainer.callbacks) if attached_trainer(self) is not None else []
         self.dispatch = Dispatcher(plugins)
-        self.dispatch.check_fires(self.step.fires, self.step.layout(), self.step.remedy())
+        self.dispatch.check_fires(self.step.fires, self.step.layout(), self.step.remedy)
         self.state.trainer = attached_trainer(self)
 
     def event(self, event: Event) -> None:

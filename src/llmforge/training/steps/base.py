@@ -45,13 +45,18 @@ class Step:
     def state(self) -> Any:
         return self.module.state
 
-    def layout(self) -> str:
-        """The run's layout in words, for messages (``the pipeline step (strategy.pp=2)``)."""
-        return f"the {self.kind} step"
+    remedy: ClassVar[str] = ""
+    """How a run leaves this step for one that fires every event (for messages)."""
 
-    def remedy(self) -> str:
-        """How a run leaves this step for one that fires every event (for messages)."""
-        return ""
+    @classmethod
+    def layout_of(cls, dims: Any) -> str:
+        """The layout in words, for messages (``the pipeline step (strategy.pp=2)``), from the
+        run's :class:`~llmforge.parallel.mesh.ParallelDims`."""
+        return f"the {cls.kind} step"
+
+    def layout(self) -> str:
+        """:meth:`layout_of` this step's run."""
+        return self.layout_of(None)
 
     def event(self, event: Event) -> None:
         self.module.event(event)

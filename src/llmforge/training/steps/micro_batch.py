@@ -23,7 +23,8 @@ class MicroBatchStep(Step):
     kind = "micro-batch"
     fires = EVERY_EVENT
 
-    def layout(self) -> str:
+    @classmethod
+    def layout_of(cls, dims: Any) -> str:
         return "the micro-batch step (strategy.pp=1)"
 
     def no_sync(self, last_micro_batch: bool) -> Any:

@@ -60,7 +60,7 @@ class PipelineStep(Step):
     def __init__(self, module: Any, ctx: Any) -> None:
         super().__init__(module)
         model, cfg = module.model, module.cfg
-        self.pp = ctx.dims.pp
+        self.dims = ctx.dims
         self.pipeline = layout = pipeline_layout(cfg, ctx.dims)
         stages = layout.stages_of_rank(ctx.mesh["pp"].get_local_rank())
         self.stages = (0 in stages, layout.num_stages - 1 in stages)
@@ -73,11 +73,14 @@ class PipelineStep(Step):
         whole = meta_model(cfg)  # the whole model's FLOPs for MFU (no memory)
         module.model_flops_per_token = lambda seq_len: spec.flops(whole, seq_len)
 
-    def layout(self) -> str:
-        return f"the pipeline step (strategy.pp={self.pp})"
+    remedy = "set strategy.pp=1"
 
-    def remedy(self) -> str:
-        return "set strategy.pp=1"
+    @classmethod
+    def layout_of(cls, dims: Any) -> str:
+        return f"the pipeline step (strategy.pp={dims.pp if dims is not None else '>1'})"
+
+    def layout(self) -> str:
+        return self.layout_of(self.dims)
 
     def pp_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the pipeline ranks (a value only the last stage has reaches all)."""

@@ -1,8 +1,9 @@
 """The event contract: what an algorithm or callback may see and change during training.
 
 Composer's ``composer/core/event.py`` is the anchor. One optimizer step of
-:class:`llmforge.training.module.LLMModule` is this fixed sequence (``x n`` = once per
-micro-batch)::
+:class:`llmforge.training.module.LLMModule` under the micro-batch step (``strategy.pp = 1``;
+the pipeline step's differences are in the table below) is this fixed sequence (``x n`` = once
+per micro-batch)::
 
     BATCH_START                 state.batch: this rank's windows; may be replaced
     ├─ BEFORE_FORWARD      x n  state.inputs / labels / doc_ids of the micro-batch; may be replaced
@@ -33,22 +34,27 @@ checkpointer loads it as the first handler of this event), ``FIT_END`` (training
 
 What each step fires (:mod:`llmforge.training.steps`; ``Step.fires``)::
 
-    event                      MicroBatchStep (pp = 1)     PipelineStep (pp > 1)
-    BATCH_START                once per step               once per step, every rank
-    BEFORE_FORWARD             per micro-batch             never (the first stage's inputs are
-                                                           sent before any handler could see them)
-    AFTER_FORWARD .. AFTER_LOSS  per micro-batch           per micro-batch, on the last stage's
-                                                           ranks only (state.inputs is None)
-    BEFORE_BACKWARD, AFTER_BACKWARD  per micro-batch       once per step, around the schedule
-                                                           (forwards and backwards interleave)
-    BEFORE_OPTIMIZER_STEP ..   once per step               once per step; the last stage's plugin
-    STEP_RECORDED, evaluation                              metrics and any skip reach every stage
-    BEFORE_LOAD, FIT_*         once per fit                once per fit
+    event                    MicroBatchStep (pp = 1)  PipelineStep (pp > 1)
+    BATCH_START              once per step            once per step, on every rank
+    BEFORE_FORWARD           per micro-batch          never: the first stage's inputs are sent
+                                                      before a handler could change them
+    AFTER_FORWARD,           per micro-batch          per micro-batch, in order, on the ranks
+    BEFORE_LOSS, AFTER_LOSS                           of the last stage (state.inputs is None)
+    BEFORE_BACKWARD,         per micro-batch          once per step, around the schedule (its
+    AFTER_BACKWARD                                    forwards and backwards interleave)
+    BEFORE_OPTIMIZER_STEP    once per step            once per step; afterwards the last stage's
+                                                      plugin metrics and any skip on every rank
+    AFTER_OPTIMIZER_STEP,    once per step /          the same
+    STEP_RECORDED,           per evaluation
+    BEFORE/AFTER_EVALUATION
+    BEFORE_LOAD, FIT_*       once per fit             the same
 
-At fit start (:meth:`Dispatcher.check_fires`) a plugin that handles an event its run's step
-never fires is refused with a one-line :class:`~llmforge.errors.ConfigError` (exit 2) naming the
-plugin, the event and the layout, rather than sit idle; e.g. ``chunked_cross_entropy`` (which
-hands the labels to the head at ``BEFORE_FORWARD``) under ``strategy.pp > 1``.
+Before the run starts (:func:`llmforge.training.steps.check_plugins`, on the algorithms) and
+at fit start (:meth:`Dispatcher.check_fires`, on every callback) a plugin that handles an event
+its run's step never fires is refused with a one-line :class:`~llmforge.errors.ConfigError`
+(exit 2) naming the plugin, the event and the layout, rather than sit idle; e.g.
+``chunked_cross_entropy`` (which hands the labels to the head at ``BEFORE_FORWARD``) under
+``strategy.pp > 1``.
 
 A plugin handles an event by defining the method of the event's name
 (``def after_loss(self, state): ...``); :class:`Event` values are those names. Several plugins

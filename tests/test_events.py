@@ -270,9 +270,9 @@ def test_z_loss_with_chunked_cross_entropy_in_the_module_equals_z_loss_alone():
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
     chunked.state.training = False  # evaluation: the pure cross-entropy, no z term
     with torch.no_grad():
-        ev = chunked.micro_batch_loss(0, *chunked.split_batch(batches(1, 32)[0][:2]), None)
+        ev = chunked.step.micro_batch_loss(0, *chunked.split_batch(batches(1, 32)[0][:2]), None)
         plain.state.training = False
-        ref = plain.micro_batch_loss(0, *plain.split_batch(batches(1, 32)[0][:2]), None)
+        ref = plain.step.micro_batch_loss(0, *plain.split_batch(batches(1, 32)[0][:2]), None)
     torch.testing.assert_close(ev, ref, rtol=1e-6, atol=1e-5)
 
 

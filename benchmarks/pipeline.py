@@ -87,7 +87,7 @@ def worker(args: argparse.Namespace) -> None:
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
         losses.append(float(loss / n))
-    bubble = mod.pp_layout.bubble() if world > 1 else 0.0
+    bubble = mod.step.pipeline.bubble() if world > 1 else 0.0
     if world == 1 or dist.get_rank() == 0:
         print(json.dumps({"seconds_per_step": statistics.median(times), "losses": losses,
                           "bubble": bubble, "stages": world}), flush=True)

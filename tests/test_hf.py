@@ -101,6 +101,10 @@ def test_convert_cli_round_trip(tmp_path):
     (tmp_path / "run" / "hf").mkdir()
     for f in path.iterdir():
         (tmp_path / "run" / "hf" / f.name).write_bytes(f.read_bytes())
+    linked = tmp_path / "snapshot"
+    linked.mkdir()
+    for f in (tmp_path / "run" / "hf").iterdir():
+        (linked / f.name).symlink_to(f)
     before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
     refused = run_main("convert", "to-hf", str(tmp_path / "run"), str(foreign), "--overwrite")
     assert refused.returncode == 2 and refused.stderr.startswith(
@@ -110,6 +114,9 @@ def test_convert_cli_round_trip(tmp_path):
     assert refused.returncode == 2 and refused.stderr.startswith(
         f"error: PATH={src} lies inside {(tmp_path / 'run').resolve()} (OUT), which --overwrite would "
         "delete before PATH is read"), refused.stderr
+    # ... nor a source whose files link into OUT (a Hugging Face cache snapshot's layout)
+    refused = run_main("convert", "from-hf", str(linked), str(tmp_path / "run"), "--overwrite")
+    assert refused.returncode == 2 and "lies inside" in refused.stderr, refused.stderr
     assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
 
 

@@ -34,14 +34,14 @@ def test_router_statistics_leave_padding_out():
     module.model.eval()  # a forward that counts no load, before the bias moves
     with torch.no_grad():
         ce = F.cross_entropy(module.model(ids).flatten(0, 1), labels.flatten(), ignore_index=-100)
-    module.model_after_optimizer_step()
+    module.step.model_after_optimizer_step()
     assert len(logits) == 2 and logits[0].shape == (16, 4)
     mask = real.reshape(-1)
     lb = 0.3 * load_balancing_loss_func(tuple(logits), 4, 2, attention_mask=real)
     lb_all = 0.3 * load_balancing_loss_func(tuple(logits), 4, 2)  # what padding made it before
     z = 0.01 * sum((torch.logsumexp(g, -1) ** 2)[mask].sum() for g in logits) / (2 * mask.sum())
     assert abs(loss_sum.item() / n.item() - (ce + lb + z).item()) < 1e-6
-    aux = module.aux_step_metrics(n.float(), 1)
+    aux = module.step.aux_step_metrics(n.float())
     assert aux["train/aux/load_balancing"].item() == pytest.approx(lb.item(), abs=1e-6)
     assert aux["train/aux/router_z"].item() == pytest.approx(z.item(), abs=1e-7)
     assert abs(lb - lb_all) > 1e-3  # the padding would change the loss

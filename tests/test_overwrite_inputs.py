@@ -45,6 +45,16 @@ def test_overwrite_refuses_to_clear_what_the_run_reads(tmp_path, capsys):
         (["run.name=ip", "tokenizer.type=huggingface", f"tokenizer.path={runs / 'ip' / 'notes.txt'}"],
          f"tokenizer.path={runs / 'ip' / 'notes.txt'} lies inside {ip} (run.name)"),
     ]
+    # a breaker's spellings: a mixture entry's paths, a wildcard above the run, fsspec's local URLs
+    cases += [
+        (["run.name=ip", "data.source=files",
+          f"data.mixture=[{{source: files, paths: [{runs / 'ip' / 'notes.txt'}], weight: 1}}]"],
+         f"data.mixture[0].paths={runs / 'ip' / 'notes.txt'} lies inside {ip} (run.name)"),
+        (["run.name=ip", "data.source=files", f"data.path={runs}/i?/*.txt"],
+         f"data.path={runs}/i?/*.txt lies inside {ip} (run.name)"),
+        (["run.name=ip", "data.source=files", f"data.path=local://{runs / 'ip'}/*.txt"],
+         f"data.path=local://{runs / 'ip'}/*.txt lies inside {ip} (run.name)"),
+    ]
     for extra, says in cases:
         assert train(runs, *extra, "--overwrite") == 2, extra
         err = capsys.readouterr().err
@@ -57,6 +67,10 @@ def test_overwrite_refuses_to_clear_what_the_run_reads(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith(f"error: checkpoint.dir={other_ckpts} lies inside another llmforge run, "
                               f"{(runs / 'other').resolve()}; its checkpoints are that run's to keep"), err
+    # a run inside another run's folder (whose --overwrite would delete it) is refused
+    assert train(runs / "other", "run.name=inner") == 2
+    assert capsys.readouterr().err.startswith(f"error: run.name: {runs / 'other' / 'inner'} lies inside "
+                                              f"another llmforge run, {(runs / 'other').resolve()}")
     assert files(tmp_path) == before
 
 

@@ -209,7 +209,8 @@ def test_every_schedule_and_layout_equals_one_process(tmp_path, nproc, layouts):
     every stage, each stage's EMA equal to one process's for its own weights. ``resume_*``
     (4 ranks): the FSDP2 x PP (2 x 2) checkpoint of step 3 resumed at pp=4, with FSDP2 over 4
     ranks and in one process continues with steps 4-5 of one process. On 2 ranks each layout's
-    forward-only evaluation after training equals one process's loss within 1e-5."""
+    forward-only evaluation after training equals one process's loss within 1e-5, and the
+    pipeline step refuses chunked_cross_entropy at fit start (it fires no BEFORE_FORWARD)."""
     proc = torchrun(worker("pipeline_worker.py"), str(tmp_path), nproc=nproc, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(nproc)]
@@ -240,6 +241,12 @@ def test_every_schedule_and_layout_equals_one_process(tmp_path, nproc, layouts):
     if nproc == 4:
         return
     r0, r1 = reports
+    # the pipeline step fires no BEFORE_FORWARD: chunked_cross_entropy is refused at fit start
+    for report in reports:
+        msg, code = report["refusal"]
+        assert code == 2 and "\n" not in msg and msg.startswith(
+            "plugin chunked_cross_entropy handles before_forward, which the pipeline step "
+            "(strategy.pp=2) never fires"), msg
     # evaluation after training: every schedule's forward-only pass (the V schedules' too)
     for name in layouts:
         assert abs(r0[name + "_eval"] - r0["ref_eval_" + r0[name + "_ref"]]) < 1e-5, name

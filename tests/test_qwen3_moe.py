@@ -230,12 +230,12 @@ def test_aux_losses_through_the_events_in_process():
     for k, p in module.model.named_parameters():
         torch.testing.assert_close(got[k], p.grad, atol=1e-6, rtol=1e-5)
     assert got["layers.0.feed_forward.router.weight"].abs().sum() > 0
-    metrics = module.aux_step_metrics(n.float(), 1)
+    metrics = module.step.aux_step_metrics(n.float())
     assert metrics["train/aux_loss"].item() == pytest.approx(seen["load_balancing"] + seen["router_z"], abs=1e-6)
 
     module.state.training = False  # evaluation: no auxiliary term in the loss
     with torch.no_grad():
-        ev = module.micro_batch_loss(0, batch[:, :-1], batch[:, 1:], None)
+        ev = module.step.micro_batch_loss(0, batch[:, :-1], batch[:, 1:], None)
     assert abs(ev.item() / n.item() - ce.item()) < 1e-6
 
 

@@ -82,3 +82,26 @@ def test_a_type_error_from_an_environment_variable_never_prints_its_value(tmp_pa
     assert main(["train", str(cfg), "--dry-run"]) == 2
     assert capsys.readouterr().err == ("error: trainer.max_steps: expected an integer, got a string "
                                        "from interpolation '${oc.env:HOOK}'\n")
+
+
+def test_choice_errors_and_echoes_of_secret_keys_print_no_value(tmp_path, capsys, monkeypatch):
+    """A value from ${oc.env:...} or from a secret key, echoed by a choice or type error of
+    another key, is printed as *** (issue 47: no message prints an environment value); a
+    bearer token and header strings are redacted where they stand and wherever else they appear."""
+    hook = "https://hooks.example.com/T0/" + "W4" * 10
+    monkeypatch.setenv("HOOK", hook)
+    cases = [("trainer.precision=${oc.env:HOOK}", "error: trainer.precision: expected one of "),
+             ("data.source=${oc.env:HOOK}", "error: data.source: expected one of "),
+             ("trainer.max_steps=${data.storage_options.headers.Cookie}", "error: trainer.max_steps: ")]
+    for override, says in cases:
+        assert main(["train", DEMO, "data.storage_options.headers.Cookie=sid-PLANTED-42", override,
+                     "--dry-run"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(says) and "***" in err and hook not in err and "PLANTED" not in err, err
+    token = "tok-" + "Z9" * 8
+    shown = redact({"h": {"Authorization": f"Bearer {token}"}, "tags": [token],
+                    "list": ["Cookie: sid=abcdefgh", f"Authorization: Bearer {token}"],
+                    "path": f"/x/https:/h/f.json?X-Amz-Signature=abcdef12"})
+    assert shown == {"h": {"Authorization": "***"}, "tags": ["***"],
+                     "list": ["Cookie: ***", "Authorization: ***"],
+                     "path": "/x/https:/h/f.json?X-Amz-Signature=***"}

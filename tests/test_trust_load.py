@@ -365,7 +365,13 @@ def test_a_shared_run_reads_none_of_your_files_and_none_of_your_environment(
         rc, out, err = _main(["generate", str(run), "--prompt", "hi", "--trust-code"], capsys)
         assert rc == 2 and "id_rsa must be a mapping of sections" in err and err.endswith("got a string\n"), err
         assert not any(s in out + err for s in secrets)
-    written = [p for p in tmp_path.rglob("*") if p.is_file() and home not in p.parents]
+    if how == "env":  # a config.yaml that links to a file of yours is not read either
+        (run / "config.yaml").unlink()
+        (run / "config.yaml").symlink_to(home / ".ssh" / "id_rsa")
+        rc, out, err = _main(COMMANDS["generate"](run, tmp_path), capsys)
+        assert rc == 2 and err.startswith(f"error: {run / 'config.yaml'} is a symbolic link"), err
+        assert not any(s in out + err for s in secrets)
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and not p.is_symlink() and home not in p.parents]
     assert not [p for p in written for s in secrets if s.encode() in p.read_bytes()]
 
 

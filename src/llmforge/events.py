@@ -1,8 +1,9 @@
 """The event contract: what an algorithm or callback may see and change during training.
 
 Composer's ``composer/core/event.py`` is the anchor. One optimizer step of
-:class:`llmforge.training.module.LLMModule` is this fixed sequence (``x n`` = once per
-micro-batch)::
+:class:`llmforge.training.module.LLMModule` under the micro-batch step (``strategy.pp = 1``;
+the pipeline step's differences are in the table below) is this fixed sequence (``x n`` = once
+per micro-batch)::
 
     BATCH_START                 state.batch: this rank's windows; may be replaced
     ├─ BEFORE_FORWARD      x n  state.inputs / labels / doc_ids of the micro-batch; may be replaced
@@ -31,6 +32,30 @@ checkpointer loads it as the first handler of this event), ``FIT_END`` (training
 ``FIT_START`` took; ``FIT_END`` does not follow). Evaluation runs ``BEFORE_FORWARD`` to ``AFTER_LOSS`` too, with
 ``state.training = False`` (an extra loss term such as z-loss stays out of ``eval/loss``).
 
+What each step fires (:mod:`llmforge.training.steps`; ``Step.fires``)::
+
+    event                    MicroBatchStep (pp = 1)  PipelineStep (pp > 1)
+    BATCH_START              once per step            once per step, on every rank
+    BEFORE_FORWARD           per micro-batch          never: the first stage's inputs are sent
+                                                      before a handler could change them
+    AFTER_FORWARD,           per micro-batch          per micro-batch, in order, on the ranks
+    BEFORE_LOSS, AFTER_LOSS                           of the last stage (state.inputs is None)
+    BEFORE_BACKWARD,         per micro-batch          once per step, around the schedule (its
+    AFTER_BACKWARD                                    forwards and backwards interleave)
+    BEFORE_OPTIMIZER_STEP    once per step            once per step; afterwards the last stage's
+                                                      plugin metrics and any skip on every rank
+    AFTER_OPTIMIZER_STEP,    once per step /          the same
+    STEP_RECORDED,           per evaluation
+    BEFORE/AFTER_EVALUATION
+    BEFORE_LOAD, FIT_*       once per fit             the same
+
+Before the run starts (:func:`llmforge.training.steps.check_plugins`, on the algorithms) and
+at fit start (:meth:`Dispatcher.check_fires`, on every callback) a plugin that handles an event
+its run's step never fires is refused with a one-line :class:`~llmforge.errors.ConfigError`
+(exit 2) naming the plugin, the event and the layout, rather than sit idle; e.g.
+``chunked_cross_entropy`` (which hands the labels to the head at ``BEFORE_FORWARD``) under
+``strategy.pp > 1``.
+
 A plugin handles an event by defining the method of the event's name
 (``def after_loss(self, state): ...``); :class:`Event` values are those names. Several plugins
 on one event run by ascending ``order`` (class attribute, default 0), then by ``name``: never
@@ -52,7 +77,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from llmforge.errors import LLMForgeError
+from llmforge.errors import ConfigError, LLMForgeError
 
 IGNORE_INDEX = -100
 """The label of a position without a target (padding, prompts of SFT rows, masked tokens):
@@ -235,6 +260,25 @@ class Dispatcher:
         raise PluginError(f"state.loss after {events[-1].value} is {what}, not a scalar tensor "
                           f"(set by one of: {who or 'no plugin'}); keep it a 0-dim tensor, e.g. "
                           "state.loss = state.loss + term.sum()")
+
+    def check_fires(self, fires: Iterable[Event], layout: str, remedy: str = "") -> None:
+        """Refuse a plugin whose handler would never run: one that handles an event outside
+        ``fires`` (the run's step's ``Step.fires``; ``layout`` names the step in the message,
+        ``remedy`` the other way out, e.g. ``set strategy.pp=1``).
+
+        Raises:
+            ConfigError: naming the first such plugin, its events and ``layout``.
+        """
+        fired = set(fires)
+        for plugin in self.plugins:
+            idle = [e.value for e in Event if e not in fired and handles(plugin, e)]
+            if idle:
+                cls = type(plugin)
+                name = getattr(plugin, "name", None)
+                label = name if isinstance(name, str) else f"{cls.__module__}.{cls.__qualname__}"
+                raise ConfigError(f"plugin {label} handles {', '.join(idle)}, which {layout} never "
+                                  f"fires (llmforge.events): remove {label} from the run"
+                                  + (f" or {remedy}" if remedy else ""))
 
     def has(self, event: Event) -> bool:
         return bool(self.handlers[event])

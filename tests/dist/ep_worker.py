@@ -62,9 +62,9 @@ def train(mod, batches, rows):
         norms.append(mod.clip_gradients_(opt).item())
         opt.step()
         opt.zero_grad()
-        mod.model_after_optimizer_step()  # loss-free balancing: the bias moves by the step's load
+        mod.step.model_after_optimizer_step()  # loss-free balancing: the bias moves by the step's load
         losses.append((mod.dp_all_reduce(loss) / n).item())
-        aux.append({k: v.item() for k, v in mod.aux_step_metrics(n, mod.state.n_micro).items()})
+        aux.append({k: v.item() for k, v in mod.step.aux_step_metrics(n).items()})
     return losses, aux, norms, opt
 
 

@@ -23,10 +23,12 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from llmforge.algorithms.chunked_cross_entropy import ChunkedCrossEntropy
 from llmforge.algorithms.loading import build_algorithms
 from llmforge.checkpoint.dcp import load_training_state, save_checkpoint
 from llmforge.config.schema import TrainConfig, model_config_class
 from llmforge.config.validate import plan_batch
+from llmforge.errors import ConfigError
 from llmforge.events import Event
 from llmforge.parallel.mesh import ParallelDims, build_mesh
 from llmforge.parallel.transforms import strategy_transforms
@@ -114,15 +116,15 @@ def train(mod, cfg, batches, dp_rank, dp, opt=None, first_step=1, save_to=None):
         loss, n = mod.forward_backward(batch)
         st.grad_norm = mod.clip_gradients_(opt)
         st.metrics.update({"train/loss": mod.dp_all_reduce(loss) / n, "train/grad_norm": st.grad_norm})
-        aux = mod.aux_step_metrics(n, st.n_micro)  # the router losses and the expert load
+        aux = mod.step.aux_step_metrics(n)  # the router losses and the expert load
         st.metrics.update(aux)
         computed = set(st.metrics)
         mod.event(Event.BEFORE_OPTIMIZER_STEP)
         if mod.pp_schedule is not None:
-            mod.pp_agree_on_step(set(st.metrics) - computed, set(aux))
+            mod.step.agree_on_step(set(st.metrics) - computed, set(aux))
         if not st.skip_step:
             opt.step()
-            mod.model_after_optimizer_step()  # loss-free balancing: each stage's own routers
+            mod.step.model_after_optimizer_step()  # loss-free balancing: each stage's own routers
         opt.zero_grad(set_to_none=True)
         mod.event(Event.AFTER_OPTIMIZER_STEP)
         losses.append(float(st.metrics["train/loss"]))
@@ -170,8 +172,8 @@ def eval_loss(mod, batch):
             mb = mod.plan.micro_batch_size  # per tensor: the rows taken together matter)
             sums = [mod.compute_loss(mod(x[i:i + mb]), y[i:i + mb]) for i in range(0, len(x), mb)]
             return (sum(s[0] for s in sums) / sum(s[1] for s in sums)).item()
-        mod._run_schedule(x, y, train=False)
-        return (mod.pp_all_reduce(mod._pp_loss) / mod.pp_all_reduce(mod._pp_targets.float())).item()
+        mod.step.run_schedule(x, y, train=False)
+        return (mod.step.pp_all_reduce(mod.step.loss_sum) / mod.step.pp_all_reduce(mod.step.target_count.float())).item()
 
 
 def packed_rows(batches):
@@ -245,6 +247,13 @@ def main(out):
         if ema:  # this rank's stage's average against the one-process run's
             report[name + "_ema"] = {"names": len(ema), "of": len(ref_ema[ref]), "max_diff": max(
                 (v - ref_ema[ref][k]).abs().max().item() for k, v in ema.items())}
+        if name == "1f1b":  # the fit-start check of the real pipeline step (no handlers here)
+            try:
+                mod.setup_events([ChunkedCrossEntropy()])
+                report["refusal"] = None
+            except ConfigError as exc:
+                report["refusal"] = [str(exc), exc.exit_code]
+            mod.setup_events([])
         report["seconds"][name] = time.perf_counter() - start
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(report, f)

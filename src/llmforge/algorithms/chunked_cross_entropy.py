@@ -24,7 +24,9 @@ parameters and state-dict keys, so checkpoints and exports are unchanged); at
 ``BEFORE_FORWARD`` the micro-batch's labels are handed to the head, which then returns the
 summed loss instead of logits, and at ``BEFORE_LOSS`` that becomes ``state.loss`` (the default
 cross-entropy is skipped). Without labels (``generate``, export) the head is a plain Linear.
-Evaluation uses it too (no gradients). Composes with FSDP2 (the head is in the root unit, its
+Evaluation uses it too (no gradients). Under pipeline stages (``strategy.pp > 1``) it is refused
+at fit start: the pipeline step fires no ``BEFORE_FORWARD`` (:mod:`llmforge.events`), so the
+labels would never reach the head and the full logits would come back. Composes with FSDP2 (the head is in the root unit, its
 weight is unsharded during the root's forward and gets the gradient like any other) and with
 per-block ``compile`` (the head is not compiled). Tensor parallelism is refused: its output
 layer is column-sharded over the vocabulary and would need a loss-parallel reduction.
@@ -142,11 +144,13 @@ class ChunkedLossHead(nn.Linear):
     """``nn.Linear`` that, when handed labels (:attr:`pending_labels`), returns the summed
     cross-entropy of its output (a scalar) instead of the logits.
 
-    ``pending_z_coef`` (set with the labels, by ``z_loss`` in training) adds that weight x the
-    z-loss to the returned loss; ``last_z_sum`` is then ``sum(logsumexp(logits)^2)`` over the
-    target tokens of that forward (detached)."""
+    ``pending_z_coef`` (set with the labels of a training micro-batch to ``z_coef``, which
+    ``z_loss`` sets at fit start) adds that weight x the z-loss to the returned loss;
+    ``last_z_sum`` is then ``sum(logsumexp(logits)^2)`` over the target tokens of that forward
+    (detached)."""
 
     pending_labels: Optional[torch.Tensor] = None
+    z_coef: float = 0.0
     pending_z_coef: float = 0.0
     last_z_sum: Optional[torch.Tensor] = None
     chunk_size: int = 1024
@@ -233,6 +237,7 @@ class ChunkedCrossEntropy(Algorithm):
     def before_forward(self, state: Any) -> None:
         if self.head is not None:
             self.head.pending_labels = state.labels
+            self.head.pending_z_coef = self.head.z_coef if state.training else 0.0
 
     def before_loss(self, state: Any) -> None:
         if self.head is not None and state.outputs.dim() == 0:

@@ -15,9 +15,10 @@ target token (``coef * mean(log(Z)^2)``), so ``train/loss - train/z_loss`` is th
 
 With ``chunked_cross_entropy`` the logits never exist whole: ``log(Z)`` is at hand per chunk, so
 the chunked head adds the term and its gradient itself (``2 coef log(Z) softmax``, as Liger's
-fused linear cross-entropy does with its ``lse_square_scale``); at ``BEFORE_FORWARD`` of a
-training micro-batch this plugin hands the head ``coef``, and ``state.loss`` from
-``BEFORE_LOSS`` on already holds the term. Loss and gradients equal the unchunked ones within
+fused linear cross-entropy does with its ``lse_square_scale``); at ``FIT_START`` this plugin
+hands the head ``coef`` (``chunked_cross_entropy`` passes it on with the labels of training
+micro-batches), and ``state.loss`` from ``BEFORE_LOSS`` on already holds the term. It handles
+no ``BEFORE_FORWARD`` itself, so it also runs under the pipeline step (``strategy.pp > 1``). Loss and gradients equal the unchunked ones within
 1e-6 (float32).
 """
 
@@ -72,13 +73,11 @@ class ZLoss(Algorithm):
         model = state.model
         self.head = None if model is None else next(
             (m for m in model.modules() if isinstance(m, ChunkedLossHead)), None)
+        if self.head is not None:  # the head adds the term chunk by chunk, in training
+            self.head.z_coef = self.coef
 
     def batch_start(self, state: Any) -> None:
         self._sum = 0.0
-
-    def before_forward(self, state: Any) -> None:
-        if self.head is not None and state.training:
-            self.head.pending_z_coef = self.coef  # the head adds the term chunk by chunk
 
     def after_loss(self, state: Any) -> None:
         if not state.training:

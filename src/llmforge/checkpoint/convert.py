@@ -47,7 +47,7 @@ def to_hf(path: str | Path, out: str | Path, dtype: Optional[str] = None,
         WriteError: a file could not be written (e.g. a full disk); nothing of ``out`` that this
             call created is left.
     """
-    out = Path(out)
+    out = Path(os.path.abspath(out))  # "." and "e1/sub/.." name their folder: the swap needs a name
     replace = check_export_dir(out, "OUT", overwrite)
     if replace:
         refuse_overlap([("OUT", out)], [("PATH", str(path))])

@@ -24,6 +24,7 @@ the YAML list's:
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -65,7 +66,9 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
         raise ConfigError(f"{p}: checkpoint found, but no config.yaml in its run directory")
     if not (p / "config.yaml").exists():
         raise ConfigError(f"{p}: not a run directory (no config.yaml) and not a checkpoint (no {COMPLETE})")
-    section = _read_yaml(p / "config.yaml", str(p / "config.yaml"), None).get("checkpoint")
+    # a linked config.yaml is not read here (load_run_config refuses it without --trust-code)
+    linked = (p / "config.yaml").is_symlink()
+    section = None if linked else _read_yaml(p / "config.yaml", str(p / "config.yaml"), None).get("checkpoint")
     folder = section.get("dir") if isinstance(section, dict) else None
     ckpt_root = Path(folder) if isinstance(folder, str) and folder else p / "checkpoints"
     ckpt = latest_checkpoint(ckpt_root)
@@ -86,6 +89,10 @@ def load_run_config(run_dir: Path, trust_code: bool = False) -> Any:
             run directory or a resolver; or an invalid config.
     """
     path = Path(run_dir) / "config.yaml"
+    if not trust_code and path.is_symlink():  # a link would read any file of yours as the config
+        raise ConfigError(f"{path} is a symbolic link (to {os.path.realpath(path)}); a run directory "
+                          "from elsewhere reads none of your files: pass --trust-code if you made "
+                          "this link yourself")
     with registry.untrusted(path, trust_code):  # and reads no file outside it, no environment
         cfg = load_config(path, confine=None if trust_code else Path(run_dir))
         registry.import_modules(cfg.imports)

@@ -34,10 +34,11 @@ from llmforge.quiet import quiet_libraries
 
 
 def _scrub(message: str) -> str:
-    """An error message without URL credentials or the environment's credential values."""
-    from llmforge.config.redaction import redact  # omegaconf: not imported for --help
+    """An error message without URL credentials, the environment's credential values, or a
+    value the config interpolated from the environment or held under a secret key."""
+    from llmforge.config.redaction import scrub_message  # omegaconf: not imported for --help
 
-    return redact({"message": message})["message"]
+    return scrub_message(message)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -24,11 +24,12 @@ from typing import Any, Sequence, Union
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationKeyError, InterpolationValidationError, OmegaConfBaseException
+from omegaconf.resolvers.oc import env as _oc_env
 
 from llmforge.config.keycheck import _ROOT, _bad_type, _check, _describe, _join, _omega_message, _schema_type
 from llmforge.config.model_typing import _model_class, _root_for
 from llmforge.config.overrides import _apply_override
-from llmforge.config.redaction import config_to_dict, redact
+from llmforge.config.redaction import _secret_values, config_to_dict, redact, remember_secret_values
 from llmforge.config.schema import TrainConfig, model_config_class
 from llmforge.config.yaml_files import _Dumper, _read_chain, _type_name
 from llmforge.errors import ConfigError
@@ -37,6 +38,18 @@ __all__ = ["load_config", "read_config", "resolve_config", "save_config", "struc
 
 
 # ------------------------------------------------------------------------------- interpolation
+def _env(*args: Any) -> Any:
+    """OmegaConf's ``oc.env``, remembering the value it gives: no error message prints it
+    (a type or choice error would echo a webhook URL or a token under any variable name)."""
+    value = _oc_env(*args)
+    if isinstance(value, str):
+        remember_secret_values([value])
+    return value
+
+
+OmegaConf.register_resolver("oc.env", _env, replace=True, annotation_validation="off")
+
+
 def _check_interpolations(node: Any, root: Any, path: str = "") -> None:
     keys = range(len(node)) if isinstance(node, ListConfig) else list(node.keys())
     for k in keys:
@@ -143,6 +156,7 @@ def read_config(path: str | Path, overrides: Sequence[str] = (), *,
                 raise ConfigError(f"{shown}: {_omega_message(exc)}") from None
         for item in overrides:
             _apply_override(cfg, item)
+        remember_secret_values(_secret_values(OmegaConf.to_container(cfg, resolve=False), set()))
         _check_interpolations(cfg, cfg)
     finally:
         _ROOT.reset(token)
@@ -168,6 +182,8 @@ def resolve_config(cfg: DictConfig, *, in_place: bool = False) -> DictConfig:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"cannot resolve the config: {_omega_message(exc)}") from None
+    # a secret key's value echoed through ${...} into another key's error is not printed either
+    remember_secret_values(_secret_values(OmegaConf.to_container(cfg), set()))
     return cfg
 
 

@@ -24,7 +24,8 @@ from omegaconf.errors import OmegaConfBaseException
 from llmforge.config.keycheck import _omega_message
 from llmforge.errors import ConfigError
 
-__all__ = ["is_secret_key", "redact", "redact_argv", "scrub_url_credentials"]
+__all__ = ["is_secret_key", "redact", "redact_argv", "remember_secret_values", "scrub_message",
+           "scrub_url_credentials"]
 
 
 # cookies, passphrases and the signatures of pre-signed URLs (X-Amz-Signature, Azure's sig=)
@@ -61,14 +62,42 @@ def _env_names(key: Any, value: Any) -> bool:
         isinstance(x, str) and _ENV_NAME.match(x) for x in value)
 
 
+_SCHEME_WORD = re.compile(r"(?i)^(bearer|basic|token|digest|negotiate)\s+(\S+)$")
+
+
+def _add_secret(value: Any, out: set) -> None:
+    """``value`` (and, for ``Bearer TOKEN``, the bare token; for a mapping or list, each of its
+    members) into ``out``: the token of a header appears bare elsewhere (``${variables.tok}``)."""
+    if isinstance(value, dict):
+        for v in value.values():
+            _add_secret(v, out)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _add_secret(v, out)
+    elif isinstance(value, (str, int)) and len(str(value)) >= 6:
+        out.add(str(value))
+        m = _SCHEME_WORD.match(str(value).strip())
+        if m and len(m.group(2)) >= 6:
+            out.add(m.group(2))
+
+
+_REMEMBERED: set = set()
+
+
+def remember_secret_values(values: Any) -> None:
+    """Values never to print in a message, whatever key they reach (the environment variables
+    a config interpolated, the values under its secret keys): :func:`scrub_message` removes
+    them for the rest of the process (files keep them: a path from the environment stays a
+    path in ``config.yaml``)."""
+    _add_secret(list(values), _REMEMBERED)
+
+
 def _secret_values(container: Any, out: set) -> set:
     """Every non-trivial string held under a secret-looking key, at any depth."""
     if isinstance(container, dict):
         for k, v in container.items():
             if is_secret_key(k) and not _env_names(k, v):
-                for item in (v if isinstance(v, (list, tuple)) else [v]):
-                    if isinstance(item, (str, int)) and len(str(item)) >= 6:
-                        out.add(str(item))
+                _add_secret(v, out)
             _secret_values(v, out)
     elif isinstance(container, (list, tuple)):
         for v in container:
@@ -86,8 +115,11 @@ def _env_secret_values() -> set:
 # user:password@ or a bare token@ (https://ghp_xxx@github.com, s3://KEY@bucket), also after the
 # extra slash fsspec puts in front of a path (memory:///KEY:SECRET@bucket in datasets' errors)
 _URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)(/?)[^/\s@]+@")
-# a URL's query parameters: name=value after ? or & (or ;)
-_URL_QUERY = re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^\s?#'\"<>]*\?)([^\s#'\"<>]*)")
+# a query's parameters: name=value after ? and & (or ;), with or without the URL's scheme (a
+# path printed through pathlib loses one of its slashes; an "extension" keeps only the query)
+_URL_QUERY = re.compile(r"(\?)([^\s#'\"<>\]]*)")
+# a header written as one string (a list item, a whole value): "Authorization: Bearer X"
+_HEADER_LINE = re.compile(r"(?i)^(\s*[a-z][a-z0-9_-]*)(\s*:\s*)(\S[^\n]*)$")
 _QUERY_PARAM = re.compile(r"([^=&;]+)=([^&;]*)")
 
 
@@ -97,12 +129,17 @@ def _scrub_query(match: re.Match) -> str:
     return match[1] + params
 
 
+def _scrub_header(match: re.Match) -> str:
+    return f"{match[1]}{match[2]}***" if is_secret_key(match[1].strip()) else match[0]
+
+
 def scrub_url_credentials(text: str) -> str:
     """``scheme://user:password@host/...`` -> ``scheme://***@host/...``, and the values of
     secret query parameters of a URL (a pre-signed object-store URL's ``X-Amz-Signature``,
     ``X-Amz-Credential``, ``X-Amz-Security-Token``, Azure's ``sig``, ``token=``, ``key=``:
     :func:`is_secret_key`) -> ``***``, anywhere in ``text``."""
-    return _URL_QUERY.sub(_scrub_query, _URL_USERINFO.sub(r"\1\2***@", text))
+    text = _URL_QUERY.sub(_scrub_query, _URL_USERINFO.sub(r"\1\2***@", text))
+    return _HEADER_LINE.sub(_scrub_header, text) if ":" in text else text  # the whole string only
 
 
 def _scrub(container: Any, values: set) -> Any:
@@ -146,6 +183,13 @@ def redact(container: Any) -> Any:
         container = config_to_dict(container)
     values = _secret_values(container, set()) | _env_secret_values()
     return _scrub(_redact_keys(container), values)
+
+
+def scrub_message(text: str) -> str:
+    """An error message as the CLI prints it: :func:`redact`'s rules, and none of the values
+    :func:`remember_secret_values` was given (an ``${oc.env:NAME}`` value a type or choice
+    error would echo, whatever the variable's name)."""
+    return _scrub(text, _env_secret_values() | _REMEMBERED)
 
 
 def _redact_keys(container: Any) -> Any:

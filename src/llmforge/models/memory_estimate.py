@@ -180,7 +180,7 @@ def analytic_peak(cfg: Any, plan: Any, dims: Any, stage: Optional[StageShare] = 
       resharded after the forward), in ``strategy.mixed_precision.param_dtype`` (else the
       weights' dtype), divided by ``tp``;
     * gradients, optimizer: :func:`estimate_memory` (sharded: FSDP2 reduce-scatters every
-      micro-batch of gradient accumulation, :meth:`llmforge.training.module.LLMModule.no_sync`);
+      micro-batch of gradient accumulation, :meth:`llmforge.training.steps.MicroBatchStep.no_sync`);
     * activations: :func:`estimate_activations` of one micro-batch for the run's activation
       checkpointing (``selective`` per operator: what the policy saves, see below, plus one
       block recomputed; ``layer``: full on every ``every``-th block);

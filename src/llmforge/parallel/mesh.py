@@ -109,6 +109,16 @@ def dp_coordinates(mesh: Any) -> tuple[int, int]:
     return dp.get_local_rank(), dp.size()
 
 
+def mesh_dims(mesh: Any) -> "ParallelDims":
+    """The :class:`ParallelDims` of a built ``mesh`` (all ones for ``None``, one process)."""
+    if mesh is None:
+        return ParallelDims(1, 1, 1, 1)
+    sizes = [mesh[d].size() for d in ("dp_replicate", "dp_shard", "tp")]
+    pp = pp_size(mesh)
+    ep = mesh["ep"].size() if "ep" in (mesh.mesh_dim_names or ()) else 1
+    return ParallelDims(*sizes, world_size=sizes[0] * sizes[1] * sizes[2] * pp, pp=pp, ep=ep)
+
+
 def pp_size(mesh: Any) -> int:
     """The pipeline degree of ``mesh`` (1 without a mesh or without a ``pp`` dim)."""
     if mesh is None or "pp" not in (mesh.mesh_dim_names or ()):

@@ -31,7 +31,7 @@ class _StageModule(nn.Module):
     * An ``FSDPModule`` stage behind a plain module: ``PipelineStage`` treats an FSDP module
       its own way (every micro-batch's gradients kept unsharded, one reduce-scatter after the
       last), which costs the whole stage's unsharded gradients; llmforge reduce-scatters every
-      micro-batch, as in gradient accumulation without stages (``LLMModule.no_sync``).
+      micro-batch, as in gradient accumulation without stages (``MicroBatchStep.no_sync``).
     * ``carry`` (a model with ``aux_carry()``, the auxiliary-loss channel of
       :mod:`llmforge.models`): the stage returns ``(output, carry)``, its own ``aux_carry()``
       plus the one the stage before sent (none on the first stage), so the last stage's loss

@@ -265,7 +265,7 @@ def derive(ref: StepMeasurement, layout: Layout, gbs: int, gpu: GPUKind, exact: 
     fsdp = replicas = exposed = 0.0
     for c in ref.collectives:
         if c.mesh_dim.startswith("dp_shard"):
-            # FSDP2 all-gathers and reduce-scatters every micro-batch (LLMModule.no_sync), the
+            # FSDP2 all-gathers and reduce-scatters every micro-batch (MicroBatchStep.no_sync), the
             # rank's 1 / pp of the blocks; replicated weights (dp_shard 1) all-reduce once
             c2 = c if exact else replace(c, bytes=c.bytes * n_micro / n_micro_ref * r.pp / lo.pp)
             fsdp += _seconds(c2, lo.dp_shard, world, gpu, lo.dp_shard * lo.tp)

@@ -30,8 +30,8 @@ from llmforge.models.spec import get_spec
 from llmforge.parallel.mesh import ParallelDims
 from llmforge.parallel.threads import choose_num_threads
 from llmforge.paths import check_printable
-from llmforge.run_guard import (check_run_dir, peek_holder, refuse_link, refuse_overlap,
-                                refuse_run_inside_run)
+from llmforge.run_guard import (check_run_dir, peek_holder, refuse_link, refuse_nested_runs,
+                                refuse_overlap, refuse_run_inside_run)
 
 __all__ = ["ResolvedRun", "detect_world_size", "resolve_run", "check_names_and_paths",
            "check_no_secret_in_folders", "check_run_name", "worker_cores"]
@@ -51,7 +51,7 @@ INPUT_KEYS = ("model.init_from", "checkpoint.resume", "tokenizer.path", "data.pa
 
 def input_paths(cfg: DictConfig) -> list[tuple[str, str]]:
     """``(key, path)`` of every path the run reads (:data:`INPUT_KEYS` and each
-    ``data.mixture[i].path``); ``checkpoint.resume: auto`` names none."""
+    ``data.mixture[i].path``/``paths``); ``checkpoint.resume: auto`` names none."""
     found: list[tuple[str, str]] = []
     for key in INPUT_KEYS:
         value = OmegaConf.select(cfg, key, default=None)
@@ -59,8 +59,11 @@ def input_paths(cfg: DictConfig) -> list[tuple[str, str]]:
             if isinstance(item, str) and item and not (key == "checkpoint.resume" and item == "auto"):
                 found.append((key, item))
     for i, entry in enumerate(cfg.data.mixture or []):
-        if isinstance(entry.get("path"), str):
-            found.append((f"data.mixture[{i}].path", entry.get("path")))
+        for key in ("path", "paths"):
+            value = entry.get(key)
+            for item in value if OmegaConf.is_list(value) or isinstance(value, list) else [value]:
+                if isinstance(item, str) and item:
+                    found.append((f"data.mixture[{i}].{key}", item))
     return found
 
 
@@ -203,6 +206,7 @@ def _run_dir_state(cfg: DictConfig, run_dir: Path, ckpt_dir: Path, overwrite: bo
     overwrite, an incomplete resume path, and a resume whose changes break exactness."""
     ck = cfg.checkpoint
     check_run_dir(run_dir, "run.name")
+    refuse_nested_runs(run_dir, "run.name", clearing=overwrite)
     if ck.dir:  # llmforge's checkpoints in it, and nothing else, are what --overwrite deletes
         refuse_link(ckpt_dir, "checkpoint.dir")
         refuse_run_inside_run(ckpt_dir, run_dir, "checkpoint.dir")

@@ -39,8 +39,9 @@ readable by the process that is refused, from the file the lock is on.
 from llmforge.run_guard.lock import LAUNCHER_ENV, LOCK, TOKEN_ENV, WAIT_S, RunDirBusy, RunLock, peek_holder
 from llmforge.run_guard.marks import (EXPORT_MARK, MARK, check_export_dir, check_run_dir, clear_run_dir,
                                       is_run_dir, mark_run_dir, refuse_file_link, refuse_link,
-                                      refuse_overlap, refuse_run_inside_run)
+                                      refuse_nested_runs, refuse_overlap, refuse_run_inside_run)
 
 __all__ = ["EXPORT_MARK", "LAUNCHER_ENV", "LOCK", "MARK", "TOKEN_ENV", "WAIT_S", "RunDirBusy", "RunLock",
            "check_export_dir", "check_run_dir", "clear_run_dir", "is_run_dir", "mark_run_dir",
-           "peek_holder", "refuse_file_link", "refuse_link", "refuse_overlap", "refuse_run_inside_run"]
+           "peek_holder", "refuse_file_link", "refuse_link", "refuse_nested_runs", "refuse_overlap",
+           "refuse_run_inside_run"]

@@ -10,12 +10,14 @@ to-hf --overwrite`` replaces only a folder it exported itself (:data:`EXPORT_MAR
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import glob
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable
 
 import yaml
 
@@ -23,7 +25,8 @@ from llmforge.errors import ConfigError
 from llmforge.paths import is_special_file
 
 __all__ = ["EXPORT_MARK", "LOCK", "MARK", "check_export_dir", "check_run_dir", "clear_run_dir", "is_run_dir",
-           "mark_run_dir", "refuse_file_link", "refuse_link", "refuse_overlap", "refuse_run_inside_run"]
+           "mark_run_dir", "refuse_file_link", "refuse_link", "refuse_nested_runs", "refuse_overlap",
+           "refuse_run_inside_run"]
 
 MARK = ".llmforge-run"
 LOCK = ".llmforge-lock"
@@ -110,42 +113,55 @@ def refuse_overlap(cleared: Iterable[tuple[str, Path]], inputs: Iterable[tuple[s
 
     ``--overwrite`` deletes before the new run reads its inputs: fine-tuning a run in place
     (``model.init_from`` = the run being replaced), a round trip ``convert from-hf RUN/hf RUN``,
-    would delete the very files it needs. Paths are compared after links and ``~`` are resolved.
+    would delete the very files it needs. Paths are compared after links and ``~`` are resolved;
+    a glob is expanded (and its folder before the first wildcard checked too, so a pattern that
+    spans the cleared folder is refused); the files directly in an input folder are followed
+    through their links (a Hugging Face cache snapshot links its files elsewhere); local URLs
+    (``file://``, ``local://``, ``simplecache::file://``) are local paths.
 
     Args:
         cleared: ``(key, folder)`` pairs ``flag`` will delete (e.g. ``("run.name", runs/ip)``).
         inputs: ``(key, path)`` pairs the command reads (``model.init_from``, ``tokenizer.path``,
-            ``data.path``, ...); URLs and empty values are skipped, a glob is checked by the
-            folder before its first wildcard.
+            ``data.path``, ...); remote URLs and empty values are skipped.
 
     Raises:
         ConfigError: naming both keys and both paths (exit 2); nothing is deleted.
     """
     cleared = [(key, _real(folder)) for key, folder in cleared]
     for in_key, value in inputs:
-        local = _local_part(value)
-        if local is None:
-            continue
-        path = _real(local)
-        for out_key, folder in cleared:
-            if path == folder or folder in path.parents:
-                raise ConfigError(
-                    f"{in_key}={value} lies inside {folder} ({out_key}), which {flag} would delete "
-                    f"before {in_key} is read; copy it elsewhere first, or choose another {out_key}")
+        for path in _local_paths(value):
+            for out_key, folder in cleared:
+                if path == folder or folder in path.parents:
+                    raise ConfigError(
+                        f"{in_key}={value} lies inside {folder} ({out_key}), which {flag} would "
+                        f"delete before {in_key} is read; copy it elsewhere first, or choose "
+                        f"another {out_key}")
 
 
-def _local_part(value: Any) -> Optional[str]:
-    """The local path a config value names (``hf:PATH`` -> PATH; a glob -> its folder), or None
-    for a URL or an empty value."""
+_LOCAL_SCHEMES = ("file://", "local://")
+
+
+def _local_paths(value: Any) -> list[Path]:
+    """The real local paths a config value names: itself (``hf:PATH`` -> PATH), a glob's folder
+    and matches, an input folder's own files; none for a remote URL or an empty value."""
     if not isinstance(value, (str, os.PathLike)) or not str(value):
-        return None
-    text = str(value).removeprefix("hf:").removeprefix("file://")
+        return []
+    text = str(value).removeprefix("hf:").split("::")[-1]  # fsspec chains: the last is the store
+    for scheme in _LOCAL_SCHEMES:
+        text = text.removeprefix(scheme)
     if "://" in text:
-        return None
-    for i, ch in enumerate(text):
-        if ch in "*?[":
-            return os.path.dirname(text[:i]) or "."
-    return text
+        return []
+    wild = next((i for i, ch in enumerate(text) if ch in "*?["), None)
+    if wild is not None:
+        found = [_real(os.path.dirname(text[:wild]) or ".")]
+        found += [_real(m) for m in glob.glob(os.path.expanduser(text), recursive=True)[:10_000]]
+        return found
+    path = _real(text)
+    found = [path]
+    if path.is_dir():
+        with contextlib.suppress(OSError):
+            found += [_real(entry) for entry in list(Path(os.path.expanduser(text)).iterdir())[:10_000]]
+    return found
 
 
 def refuse_run_inside_run(path: Path, run_dir: Path, key: str) -> None:
@@ -163,6 +179,24 @@ def refuse_run_inside_run(path: Path, run_dir: Path, key: str) -> None:
             raise ConfigError(f"{key}={path} lies inside another llmforge run, {folder}; its "
                               f"checkpoints are that run's to keep: choose a {key} outside it (or "
                               f"leave {key} unset for {run_dir}/checkpoints)")
+
+
+def refuse_nested_runs(run_dir: Path, key: str, clearing: bool) -> None:
+    """Refuse a run directory inside another llmforge run (that run's ``--overwrite`` would
+    delete it), and, when ``clearing`` it, one that holds other runs two levels down.
+
+    Raises:
+        ConfigError: naming ``key`` and the other run's folder (exit 2).
+    """
+    for folder in _real(run_dir).parents:
+        if folder.is_dir() and is_run_dir(folder):
+            raise ConfigError(f"{key}: {run_dir} lies inside another llmforge run, {folder}, whose "
+                              "--overwrite would delete it: choose a run.output_dir outside it")
+    if clearing and run_dir.is_dir():
+        inner = [m.parent for pattern in (f"*/{MARK}", f"*/*/{MARK}") for m in run_dir.glob(pattern)]
+        if inner:
+            raise ConfigError(f"{key}: {run_dir} holds another llmforge run, {inner[0]}, which "
+                              "--overwrite would delete with it: move that run out first")
 
 
 def check_export_dir(path: Path, key: str, overwrite: bool) -> bool:

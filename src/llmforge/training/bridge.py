@@ -35,11 +35,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from lightning.pytorch.callbacks import Callback
 
 from llmforge.events import Event
 
-__all__ = ["EventBridge", "put_first"]
+__all__ = ["EventBridge", "evaluate_before_training", "publish_evaluation", "put_first", "record_step"]
 
 
 class EventBridge(Callback):
@@ -77,3 +78,62 @@ def put_first(trainer: Any, module: Any) -> EventBridge:
     bridge.module = module
     trainer.callbacks[:] = [bridge, *(c for c in trainer.callbacks if c is not bridge)]
     return bridge
+
+
+def publish_evaluation(module: Any, metrics: dict[str, float], before_training: bool = False) -> None:
+    """Hand an evaluation's metrics to Lightning the Lightning way: ``module.log`` (so
+    ``trainer.callback_metrics`` holds them) and the callbacks' ``on_validation_end`` hook,
+    which Lightning's own ``EarlyStopping``/``ModelCheckpoint(monitor=...)`` check. llmforge
+    evaluates outside Lightning's validation loop (a fixed set, every ``trainer.eval_every``
+    steps, and step 0), so it calls the hook itself.
+
+    ``before_training``: the step-0 evaluation, from ``on_train_start``, where Lightning allows
+    no step-level ``self.log`` (and an epoch-level value would come back at the epoch's end in
+    place of the last evaluation's): the values go into ``trainer.callback_metrics`` directly,
+    where the next evaluation's ``self.log`` replaces them."""
+    trainer = module.trainer
+    if before_training:
+        trainer.callback_metrics.update({k: torch.tensor(float(v)) for k, v in metrics.items()})
+    else:
+        for key, value in metrics.items():
+            module.log(key, float(value), on_step=True, on_epoch=False, logger=False, sync_dist=False)
+    for cb in trainer.callbacks:
+        if type(cb).on_validation_end is not Callback.on_validation_end:
+            cb.on_validation_end(trainer, module)
+
+
+def evaluate_before_training(module: Any) -> None:
+    """``LLMModule.on_train_start``: after ``FIT_START`` (a resumed checkpoint is loaded) and
+    the Lightning callbacks' ``on_train_start``, the evaluation of step 0 (a fresh run only)."""
+    trainer, st = module.trainer, module.state
+    if st.trainer is None:  # a subclass's on_fit_start skipped super()
+        bridge = put_first(trainer, module)
+        module.setup_events()
+        bridge.on_train_start(trainer, module)  # Lightning's loop over the callbacks is past
+    st.step = trainer.global_step
+    if trainer.global_step == 0:
+        metrics = module.evaluate()
+        if metrics:
+            module.log_record(0, metrics)
+            publish_evaluation(module, metrics, before_training=True)
+
+
+def record_step(module: Any) -> None:
+    """``LLMModule.on_train_batch_end`` (after every callback's): evaluate when due, write the
+    record, then the event ``STEP_RECORDED`` (the checkpointer saves there, so a checkpoint of
+    step N never exists without step N's record in the loggers)."""
+    trainer = module.trainer
+    step = trainer.global_step
+    # a callback that ends the run after this step (Lightning's Timer, ...) gets the final
+    # evaluation a run that reaches trainer.max_steps gets (one that stops on an
+    # evaluation's result sets should_stop during it, after this check)
+    stopping = bool(trainer.should_stop) and step < module.cfg.trainer.max_steps
+    if module.is_eval_step(step) or stopping:
+        evaluated = module.evaluate() or {}
+        module.step_metrics.update(evaluated)
+        if evaluated:
+            publish_evaluation(module, evaluated)
+    if module.is_log_step(step) or any(k.startswith("eval/") for k in module.step_metrics):
+        module.log_record(step, module.step_metrics)
+    module.state.step = step
+    module.event(Event.STEP_RECORDED)

@@ -51,6 +51,7 @@ from llmforge.quiet import quiet_libraries
 from llmforge.registry import build_entries
 from llmforge.run_guard import RunLock, clear_run_dir, mark_run_dir
 from llmforge.training.entries import build_callbacks, module_class
+from llmforge.training.steps import check_plugins
 from llmforge.training.run_data import DataBuilders
 from llmforge.training.run_files import _inside, check_resumable, recheck_run_dir, truncate_metrics
 
@@ -81,6 +82,7 @@ class Trainer(DataBuilders):
         registry.import_modules(cfg.imports)
         check_strategy(cfg, self.dims)  # reject impossible strategy settings up front
         self.algorithms = self.build_algorithms()  # instantiated and checked before any allocation
+        check_plugins(self.algorithms, self.dims)  # each handler fires under the run's step
         module_class(cfg)
         self.run_dir, self.checkpoint_dir = self.run.run_dir, self.run.checkpoint_dir
         check_writable_dir(self.run_dir, "run.output_dir")  # before data and tokenizer, not after

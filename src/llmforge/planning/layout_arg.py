@@ -10,6 +10,7 @@ import json
 from dataclasses import replace
 from typing import Any, Optional
 
+from llmforge import registry
 from llmforge.errors import ConfigError
 from llmforge.models.memory_estimate import ac_mode
 from llmforge.models.spec import get_spec
@@ -86,11 +87,22 @@ def base_setting(cfg: Any, world: int, gpu: GPUKind) -> Setting:
                    stages_per_rank=int(p.stages_per_rank or 1))
 
 
+def _algorithm_class(name: Any) -> Any:
+    """The registered class of an ``algorithms:`` entry's name, or None (an import path, an
+    unknown name: the run's own checks name those)."""
+    try:
+        return registry.algorithms.get(str(name), key="algorithms", registered_only=True)
+    except (ConfigError, KeyError):
+        return None
+
+
 def calibrated_setting(cfg: Any, world: int, gpu: GPUKind) -> Optional[Setting]:
     """:func:`base_setting`, or ``None`` where the calibrated model does not apply: experts,
-    LoRA (frozen weights: no weight gradients, no optimizer state), a model without
+    an algorithm that replaces the memory estimate (adapters on frozen weights: no weight
+    gradients, no optimizer state; ``Algorithm.replaces_memory_estimate``), a model without
     ``args.n_heads``."""
-    if any(a.get("name") == "lora" for a in cfg.algorithms or []):
+    if any(getattr(_algorithm_class(a.get("name")), "replaces_memory_estimate", False)
+           for a in cfg.algorithms or []):
         return None
     try:
         return base_setting(cfg, world, gpu)

@@ -25,8 +25,8 @@ micro-batch size for a GPU count and a GPU kind.
 3. Keep the layouts whose peak fits in ``(1 - HEADROOM)`` of the GPU memory and rank them by
    the calibrated step-time model (:mod:`llmforge.planning.step_model`, its constants fitted
    on published measured runs: :mod:`llmforge.planning.calibration`; equal times: less traffic
-   first). Mixtures of experts and LoRA (which that model does not cover) keep the older one:
-   compute at ``EFFICIENCY`` of the dense bf16 peak, FSDP / HSDP traffic
+   first). Mixtures of experts and adapter training (which that model does not cover) keep the
+   older one: compute at ``EFFICIENCY`` of the dense bf16 peak, FSDP / HSDP traffic
    overlapped with compute (prefetch), tensor-parallel traffic not overlapped; a collective
    over ``n`` ranks moves ``(n-1)/n`` of its payload per rank (twice for an all-reduce) at the
    intra-node bandwidth when its group fits in a node, else the inter-node one.

@@ -397,6 +397,15 @@ def test_alias_bombs_and_huge_configs_are_refused_at_once(tmp_path, capsys):
         assert err == (f"error: {path}: its aliases (*name) and merge keys (<<) expand to more than "
                        "200,000 values; a config repeats a section by an alias, not by aliases of "
                        "aliases: write the values out, or use ${...} interpolation\n"), err
+    # ${...} references of references grow as fast (a breaker's variant): refused before resolving
+    refs = "  s0: xxxxxxxxxx\n" + "".join(f"  s{i}: '{'${variables.s%d}' % (i - 1) * 10}'\n" for i in range(1, 9))
+    path = tmp_path / "refs.yaml"
+    path.write_text(f"base: {DEMO}\nvariables:\n{refs}")
+    start = time.monotonic()
+    assert main(["train", str(path), "--dry-run"]) == 2 and time.monotonic() - start < 5
+    assert capsys.readouterr().err == ("error: variables: its ${...} interpolations would resolve to more "
+                                       "than 10,000,000 characters (references of references); write the "
+                                       "values out instead\n")
     big = tmp_path / "big.yaml"
     big.write_text("variables:\n  blob: '" + "x" * (5 << 20) + "'\n")
     assert main(["train", str(big), "--dry-run"]) == 2

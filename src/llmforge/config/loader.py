@@ -107,6 +107,55 @@ def structured_config(model: Union[str, type, None] = None) -> DictConfig:
     return cfg
 
 
+MAX_RESOLVED = 10_000_000
+"""Most characters (and values) a config may resolve to: ``${...}`` references of references
+(``s1: '${s0}${s0}...'``, ``s2: '${s1}${s1}...'``) grow as fast as YAML aliases do."""
+_REF = re.compile(r"\$\{([^${}:\s]+)\}")
+
+
+def _check_expansion(raw: Any) -> None:
+    """Refuse a config whose interpolations would resolve to more than :data:`MAX_RESOLVED`
+    characters, counted on the unresolved values in time linear in their number (each
+    referenced value's size is computed once).
+
+    Raises:
+        ConfigError: naming the first top-level key past the bound.
+    """
+    memo: dict[str, int] = {}
+
+    def lookup(ref: str) -> Any:
+        node: Any = raw
+        for part in ref.split("."):
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node
+
+    def size(value: Any, path: str) -> int:
+        if path in memo:
+            return memo[path]
+        memo[path] = 0  # a cycle counts nothing here (OmegaConf names it)
+        if isinstance(value, str):
+            total = len(_REF.sub("", value)) + sum(size(lookup(r), r) for r in _REF.findall(value))
+        elif isinstance(value, dict):
+            total = 1 + sum(size(v, f"{path}.{k}".lstrip(".")) for k, v in value.items())
+        elif isinstance(value, list):
+            total = 1 + sum(size(v, f"{path}.{i}".lstrip(".")) for i, v in enumerate(value))
+        else:
+            total = 1
+        memo[path] = total = min(total, MAX_RESOLVED + 1)
+        return total
+
+    for key, value in raw.items():
+        if size(value, str(key)) > MAX_RESOLVED:
+            raise ConfigError(f"{key}: its ${{...}} interpolations would resolve to more than "
+                              f"{MAX_RESOLVED:,} characters (references of references); write the "
+                              "values out instead")
+
+
 # ${name:...}: a resolver call (oc.env reads the environment); ${a.b} is a plain reference
 _RESOLVER = re.compile(r"\$\{\s*([A-Za-z_][\w.]*)\s*:")
 
@@ -156,7 +205,9 @@ def read_config(path: str | Path, overrides: Sequence[str] = (), *,
                 raise ConfigError(f"{shown}: {_omega_message(exc)}") from None
         for item in overrides:
             _apply_override(cfg, item)
-        remember_secret_values(_secret_values(OmegaConf.to_container(cfg, resolve=False), set()))
+        raw = OmegaConf.to_container(cfg, resolve=False)
+        remember_secret_values(_secret_values(raw, set()))
+        _check_expansion(raw)  # before anything resolves: references of references explode
         _check_interpolations(cfg, cfg)
     finally:
         _ROOT.reset(token)

@@ -62,6 +62,16 @@ def run_main(*args: str, cwd: Path | None = None, env: dict | None = None) -> Si
     return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
+@pytest.fixture(autouse=True)
+def _no_leftover_process_group():
+    """A test that plans in-process leaves the simulation's fake process group behind; the next
+    test on the same xdist worker that starts its own group would find one already there."""
+    yield
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 TINY_OVERRIDES = [
     "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
     "model.multiple_of=32", "tokenizer.vocab_size=1024", "tokenizer.train_max_bytes=2000000",

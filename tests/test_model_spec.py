@@ -108,6 +108,8 @@ def test_docs_model_in_your_own_package_trains(tmp_path, monkeypatch, capsys):
         yaml.replace("../yamls/demo_cpu.yaml", str(REPO / "yamls" / "demo_cpu.yaml")))
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))  # PYTHONPATH=.
+    for name in [k for k in sys.modules if k == "my_lab" or k.startswith("my_lab.")]:
+        monkeypatch.delitem(sys.modules, name)  # another test file's my_lab on this worker
     try:
         cfg = "my_lab/scaled.yaml"
         assert main(["train", cfg, "model.logit_scal=2", "--dry-run"]) == 2

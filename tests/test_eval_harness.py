@@ -112,6 +112,9 @@ def test_llmforge_eval_runs_a_local_task_and_writes_the_score(trained):
     bad = run_main("eval", str(run_dir), "--tasks", "tiny_bad", "--include-path", str(broken / "tiny_bad.yaml"))
     assert bad.returncode == 2 and "could not run tiny_bad (task YAMLs in" in bad.stderr, bad.stderr[-2000:]
     assert "nosuchfilter" in bad.stderr and "Traceback" not in bad.stderr
+    # a hub task with the hub offline (the suite sets HF_DATASETS_OFFLINE=1): exit 2, not 1
+    bad = run_main("eval", str(run_dir), "--tasks", "hellaswag", "--limit", "1")
+    assert bad.returncode == 2 and "could not fetch the data of hellaswag" in bad.stderr, bad.stderr[-2000:]
     for args, words in [(["--limit", "1.5"], "--limit must be a whole count"),
                         (["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "foo"], "--device")]:
         bad = run_main("eval", str(run_dir), "--tasks", "tiny_mc", *args)

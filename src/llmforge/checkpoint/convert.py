@@ -103,7 +103,7 @@ def from_hf(path: str | Path, out: str | Path, overwrite: bool = False) -> Path:
                           "--overwrite to replace it")
     if used:  # a round trip (convert from-hf RUN/hf RUN) would delete its own source first
         refuse_overlap([("OUT", out)], [("PATH", str(src))])
-    fields = model_overrides_from_hf(read_hf_config(src))
+    fields = model_overrides_from_hf(read_hf_config(src, key="PATH"))
     cfg = structured_config(fields["name"])
     for key, value in fields.items():
         cfg.model[key] = value

@@ -80,19 +80,20 @@ def adapter_for_hf(hf: dict[str, Any], where: Any = "config.json") -> Any:
 
 
 # ----------------------------------------------------------------------------- config
-def read_hf_config(path: str | Path) -> dict[str, Any]:
-    """``config.json`` of an HF checkpoint folder.
+def read_hf_config(path: str | Path, key: str = "model.init_from") -> dict[str, Any]:
+    """``config.json`` of an HF checkpoint folder; ``key`` names where the folder came from in
+    the messages (``model.init_from``, or ``PATH`` of ``convert from-hf``).
 
     Raises:
         ConfigError: missing or unreadable file, or a model type no family reads.
     """
     file = Path(path) / "config.json"
     if not file.exists():
-        raise ConfigError(f"model.init_from: {file} not found (expected a Hugging Face model folder)")
+        raise ConfigError(f"{key}: {file} not found (expected a Hugging Face model folder)")
     try:
         cfg = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"model.init_from: cannot read {file}: {exc}") from None
+        raise ConfigError(f"{key}: cannot read {file}: {exc}") from None
     adapter_for_hf(cfg, file)
     return cfg
 

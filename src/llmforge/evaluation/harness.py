@@ -328,6 +328,10 @@ def evaluate_harness(model: torch.nn.Module, tokenizer: Any, tasks: Sequence[str
     except Exception as e:  # bad task data or template: missing file, Jinja errors, ...
         import jinja2
 
+        if isinstance(e, ConnectionError):  # a hub task's data with no network (HF offline)
+            raise ConfigError(f"eval: lm-eval could not fetch the data of {', '.join(tasks)} (no "
+                              "network, or HF_DATASETS_OFFLINE=1): download it where the hub is "
+                              "reachable first, or give local task YAMLs with --include-path") from e
         if not isinstance(e, (FileNotFoundError, ValueError, KeyError, jinja2.TemplateError)):
             raise
         where = f" (task YAMLs in {', '.join(paths)})" if paths else ""

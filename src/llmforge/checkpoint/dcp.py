@@ -43,13 +43,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, get_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from llmforge.checkpoint.atomic_save import (PendingSave, _barrier,
                                              _crash_point, _is_rank0, _write_failed)
 from llmforge.checkpoint.layout import COMPLETE, list_checkpoints, step_name
+from llmforge.checkpoint.optimizer_state import (drop_empty_optimizer_state, forget_optimizer_state,
+                                                  saved_flat_optimizer, saved_optimizer_state)
 from llmforge.checkpoint.safe_load import CheckpointReadError, SafeReader, check_regular, load_metadata, safe_load
 from llmforge.checkpoint.state_files import check_meta, check_rng, check_trainer_state
 from llmforge.errors import ConfigError
@@ -171,10 +172,10 @@ def load_training_state(path: str | Path, model: nn.Module,
     if not (path / COMPLETE).exists():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
     if optimizer is not None:
-        flat = _saved_flat_optimizer(path)
+        flat = saved_flat_optimizer(path)
         model_sd, optim_sd = get_state_dict(
             model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat))
-        optim_sd, absent = _saved_optimizer_state(optim_sd, set(model_sd), path, flat)
+        optim_sd, absent = saved_optimizer_state(optim_sd, set(model_sd), path, flat)
         model_sd, adapters_only = _adapter_filter(model, model_sd, _saved_adapters_only(path))
         state = {"model": model_sd, "optim": optim_sd}
         found = _saved_plugin_keys(path, plugin_state or {})
@@ -182,11 +183,11 @@ def load_training_state(path: str | Path, model: nn.Module,
             state["plugins"] = {k: plugin_state[k] for k in found}  # type: ignore[index]
         safe_load(state, str(path))
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not adapters_only))
-        _forget_optimizer_state(model, optimizer, absent)
-        # not strict: parameters without saved state get none (_saved_optimizer_state)
+        forget_optimizer_state(model, optimizer, absent)
+        # not strict: parameters without saved state get none (saved_optimizer_state)
         set_optimizer_state_dict(model, optimizer, state["optim"],
                                  options=StateDictOptions(strict=False, flatten_optimizer_state_dict=flat))
-        _drop_empty_optimizer_state(optimizer)
+        drop_empty_optimizer_state(optimizer)
     else:
         load_model_weights(path, model, adapters_only=None)
     out = read_json(path, "trainer_state.json")
@@ -199,78 +200,11 @@ def load_training_state(path: str | Path, model: nn.Module,
     return out
 
 
-def _saved_optimizer_state(optim_sd: dict[str, Any], fqns: set[str],
-                           path: Path, flat: bool) -> tuple[dict[str, Any], set[str]]:
-    """``(target, absent)``: the load target ``optim_sd`` (from ``get_state_dict``, which gives
-    every parameter state) without the state of the parameters the checkpoint holds none for,
-    and those parameters' names. ``fqns``: the model's state-dict keys; ``flat``: ``optim_sd``
-    is keyed ``state.<fqn>.<name>``, else nested ``{"state": {fqn: {name: ...}}, ...}``."""
-    saved = load_metadata(path / ".metadata").state_dict_metadata.keys()
-    prefixes = set()  # every dotted prefix of "<fqn>.<name>" of the saved optimizer state
-    for key in saved:
-        if key.startswith("optim.state."):
-            parts = key[len("optim.state."):].split(".")
-            prefixes.update(".".join(parts[:end]) for end in range(1, len(parts)))
-
-    def has_saved_state(fqn: str) -> bool:
-        return fqn in prefixes
-
-    if not flat:
-        states = optim_sd.get("state", {})
-        absent = {fqn for fqn in states if not has_saved_state(fqn)}
-        return {**optim_sd, "state": {f: v for f, v in states.items() if f not in absent}}, absent
-
-    def owner(key: str) -> str:  # the longest parameter name that prefixes "<fqn>.<name>"
-        parts = key.split(".")
-        for end in range(len(parts) - 1, 0, -1):
-            if ".".join(parts[:end]) in fqns:
-                return ".".join(parts[:end])
-        return key.rsplit(".", 1)[0]
-
-    owners = {k: owner(k[len("state."):]) for k in optim_sd if k.startswith("state.")}
-    absent = {f for f in owners.values() if not has_saved_state(f)}
-    return {k: v for k, v in optim_sd.items() if owners.get(k) not in absent}, absent
-
-
-def _forget_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
-                            absent: set[str]) -> None:
-    """Remove the optimizer's state of the parameters named in ``absent`` (``get_state_dict``
-    created it to build the load target). torch's loading of a per-parameter
-    (``flatten_optimizer``) state dict asks every state name the optimizer holds for a
-    parameter; with none held, a parameter without saved state loads as ``{}``: fresh, as in
-    the run that saved the checkpoint. The names are the ones DCP uses, from the nested state
-    dict's groups (same order as ``optimizer.param_groups``)."""
-    if not absent:
-        return
-    groups = get_optimizer_state_dict(model, optimizer)["param_groups"]
-    for group, named in zip(optimizer.param_groups, groups):
-        for param, fqn in zip(group["params"], named["params"]):
-            if fqn in absent:
-                optimizer.state.pop(param, None)
-
-
-def _drop_empty_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Remove the ``{}`` states a load leaves for parameters without saved state: absent,
-    they are what they were in the run that saved the checkpoint (the optimizer treats both
-    alike; the next save then holds no keys for them either)."""
-    for param, st in list(optimizer.state.items()):
-        if not st:
-            del optimizer.state[param]
-
-
 def _saved_adapters_only(path: Path) -> Optional[bool]:
     """``meta.json``'s ``adapters_only`` (``None`` without a meta.json: decide by the model)."""
     if not (path / "meta.json").exists():
         return None
     return bool(read_json(path, "meta.json").get("adapters_only"))
-
-
-def _saved_flat_optimizer(path: Path) -> bool:
-    """Whether the checkpoint's optimizer state is keyed per parameter (``save_checkpoint(...,
-    flatten_optimizer=True)``): it then has no ``optim.param_groups.<i>.params`` lists."""
-    names = load_metadata(path / ".metadata").state_dict_metadata.keys()
-    groups = [n for n in names if n.startswith("optim.param_groups.")]
-    return bool(groups) and not any(n.endswith(".params") for n in groups)
 
 
 def _saved_plugin_keys(path: Path, templates: dict[str, Any]) -> list[str]:

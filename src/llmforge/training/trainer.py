@@ -10,7 +10,6 @@ Subclass it and override any ``build_*`` method to change one piece; the rest st
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -19,8 +18,6 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import lightning as L
-from lightning.pytorch.callbacks import Timer
-from lightning.pytorch.callbacks import EarlyStopping as LightningEarlyStopping
 from lightning.pytorch.loggers import Logger
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -52,6 +49,7 @@ from llmforge.registry import build_entries
 from llmforge.run_guard import RunLock, clear_run_dir, mark_run_dir
 from llmforge.training.entries import build_callbacks, module_class
 from llmforge.training.steps import check_plugins
+from llmforge.training.summary import run_summary
 from llmforge.training.run_data import DataBuilders
 from llmforge.training.run_files import _inside, check_resumable, recheck_run_dir, truncate_metrics
 
@@ -364,59 +362,6 @@ class Trainer(DataBuilders):
             self.run_lock.release()
         return self.summary(time.perf_counter() - start)
 
-    def earlier_eval(self) -> dict[str, Any]:
-        """After a resume: the run's first evaluation record (step 0 of the first attempt) from
-        ``metrics.jsonl``, the closing line's baseline; ``{}`` for a fresh run, without a jsonl
-        logger or when the file cannot be read."""
-        path = self.run_dir / "metrics.jsonl"
-        if self.run.resume_from is None or not path.is_file():
-            return {}
-        try:
-            with open(path, encoding="utf-8") as f:
-                for line in f:
-                    record = json.loads(line)
-                    if "eval/loss" in record:
-                        return record
-        except (OSError, ValueError):
-            pass
-        return {}
-
-    def stopped_by(self) -> Optional[str]:
-        """What ended the run before ``trainer.max_steps`` (a callback that set
-        ``trainer.should_stop``), in words; ``None`` when it reached them."""
-        if self.lightning.global_step >= self.cfg.trainer.max_steps:
-            return None
-        for cb in self.lightning.callbacks:
-            left = cb.time_remaining("train") if isinstance(cb, Timer) else None  # None: no duration
-            if left is not None and left <= 0.0:
-                return "Lightning's Timer: its duration passed"
-            if getattr(cb, "stopped_step", None) is not None:  # llmforge's early_stopping
-                return f"{type(cb).__name__}: eval/loss stopped improving"
-            if isinstance(cb, LightningEarlyStopping) and cb.wait_count >= cb.patience:
-                return f"Lightning's EarlyStopping: {cb.monitor} stopped improving"
-        return "a callback set trainer.should_stop"
-
     def summary(self, seconds: float) -> dict[str, Any]:
-        history = self.module.history
-        train = [r for r in history if "train/loss" in r]
-        ckpt = next((c.last_path for c in self.lightning.callbacks if isinstance(c, Checkpointer)), None)
-        last_eval = self.module.last_eval or {}
-        evals = [r for r in history if "eval/loss" in r]
-        first_eval = self.earlier_eval() or (evals[0] if evals else {})
-        if evals and first_eval.get("step") == evals[-1]["step"]:
-            first_eval = {}  # one evaluation only: nothing to compare it with
-        return {
-            "steps": self.lightning.global_step,
-            "max_steps": int(self.cfg.trainer.max_steps),
-            "resumed_step": self.resumed_step,
-            "stopped_by": self.stopped_by(),
-            "tokens": self.module.tokens_seen,
-            "seconds": seconds,
-            "final_train_loss": train[-1]["train/loss"] if train else None,
-            "initial_eval_loss": first_eval.get("eval/loss"),
-            "initial_eval_step": first_eval.get("step"),
-            "final_eval_loss": last_eval.get("eval/loss"),
-            "run_dir": str(self.run_dir),
-            "checkpoint": str(ckpt) if ckpt else None,
-            "data_task": self.cfg.data.task,
-        }
+        """The closing summary (:func:`llmforge.training.summary.run_summary`)."""
+        return run_summary(self, seconds)

@@ -212,3 +212,22 @@ def test_bad_foundry_input_exits_2_naming_the_key(tmp_path, edit, key):
     r = run_main("convert", "foundry", str(src), "-o", str(tmp_path / "out.yaml"))
     assert r.returncode == 2 and key in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "out.yaml").exists()
+
+
+def test_peft_config_becomes_the_plugin_that_takes_it(tmp_path):
+    """PEFT's LoRA settings become a `lora` entry through Algorithm.from_peft_config (the
+    converter names no plugin); an adapter kind no plugin takes is reported, not guessed."""
+    src = yaml.safe_load(_fill("llama_finetune.yaml", tmp_path, HF_DIR="meta-llama/Llama-3.1-8B",
+                               DATA_DIR=str(tmp_path)).read_text())
+    for peft_type, want in (("LORA", {"name": "lora", "rank": 4, "alpha": 8, "dropout": 0.05}),
+                            ("IA3", None)):
+        src["model"]["peft_config"] = {"peft_type": peft_type, "r": 4, "lora_alpha": 8,
+                                       "lora_dropout": 0.05, "target_modules": ["q_proj"]}
+        path = tmp_path / f"{peft_type}.yaml"
+        path.write_text(yaml.safe_dump(src))
+        cfg, report = _convert(path, tmp_path / f"{peft_type}_out.yaml")
+        algos = [a for a in cfg.get("algorithms", []) if a["name"] == "lora"]
+        assert algos == ([want] if want else []), algos
+        assert "  model.peft_config" in report
+        if want is None:
+            assert "no llmforge algorithm takes peft_type 'IA3'" in report

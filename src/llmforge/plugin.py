@@ -19,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -304,4 +304,11 @@ class Algorithm(Callback):
     def dry_run_lines(self, cfg: Any, plan: Any, device_memory_gib: Optional[float]) -> list[str]:
         """Lines for ``llmforge train --dry-run`` (e.g. trainable parameters, memory)."""
         return []
+
+    @classmethod
+    def from_peft_config(cls, peft_config: Mapping[str, Any]) -> Optional[dict[str, Any]]:
+        """``llmforge convert foundry``: this plugin's ``algorithms:`` entry (``{"name": ...,
+        **kwargs}``) for a PEFT adapter config (LLM Foundry's ``model.peft_config``, PEFT's
+        ``adapter_config.json`` keys), or ``None`` when the adapter is not of this plugin's kind."""
+        return None
 

@@ -295,3 +295,12 @@ class LoRA(Algorithm):
         """Rank, trainable/frozen counts and the per-device memory of a LoRA run
         (:func:`llmforge.algorithms.lora.memory.lora_lines`)."""
         return lora_lines(self, cfg, plan, device_memory_gib)
+
+    @classmethod
+    def from_peft_config(cls, peft_config: Any) -> Optional[dict[str, Any]]:
+        """PEFT's LoRA settings (``peft_type`` absent or ``LORA``; ``r``, ``lora_alpha``,
+        ``lora_dropout``) as a ``lora`` entry; target modules stay llmforge's defaults."""
+        if str(peft_config.get("peft_type") or "LORA").upper() != "LORA":
+            return None
+        names = {"r": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout"}
+        return {"name": cls.name, **{new: peft_config[old] for old, new in names.items() if old in peft_config}}

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from llmforge import registry
 from llmforge.config.foundry.context import Conversion
 from llmforge.errors import ConfigError
 
@@ -74,13 +75,21 @@ def convert_hf_model(c: Conversion) -> None:
         if c.has(f"model.{key}"):
             c.drop(f"model.{key}", why, nearest)
     if c.has("model.peft_config"):
-        peft = c.peek("model.peft_config") or {}
-        kwargs = {k: peft[k] for k in ("r", "lora_alpha", "lora_dropout") if k in peft}
-        names = {"r": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout"}
-        alg = {"name": "lora", **{names[k]: v for k, v in kwargs.items()}}
-        c.out.setdefault("algorithms", []).append(alg)
-        c.change("model.peft_config", f"algorithms: {alg}", "PEFT's LoRA becomes llmforge's lora "
-                 "algorithm; target modules are llmforge's defaults (docs/algorithms)")
+        convert_peft(c, c.peek("model.peft_config") or {})
+
+
+def convert_peft(c: Conversion, peft: Any) -> None:
+    """``model.peft_config`` becomes the ``algorithms:`` entry of the first registered plugin
+    whose :meth:`~llmforge.plugin.Algorithm.from_peft_config` takes it (no plugin is named here)."""
+    for plugin in registry.algorithms.matching(lambda a: callable(getattr(a, "from_peft_config", None))):
+        alg = plugin.from_peft_config(peft)
+        if alg is not None:
+            c.out.setdefault("algorithms", []).append(alg)
+            c.change("model.peft_config", f"algorithms: {alg}", f"PEFT's adapter becomes llmforge's "
+                     f"{alg['name']} algorithm; target modules are llmforge's defaults (docs/algorithms)")
+            return
+    c.drop("model.peft_config", f"no llmforge algorithm takes peft_type {peft.get('peft_type')!r}",
+           "an algorithm plugin with from_peft_config (docs/algorithms)")
 
 
 def convert_mpt_model(c: Conversion) -> None:

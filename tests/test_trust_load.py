@@ -411,3 +411,32 @@ def test_alias_bombs_and_huge_configs_are_refused_at_once(tmp_path, capsys):
     assert main(["train", str(big), "--dry-run"]) == 2
     assert capsys.readouterr().err == (f"error: config file {big} is larger than 4 MiB; a config holds "
                                        "settings, not data: give data files under data.path\n")
+
+
+@pytest.mark.parametrize("how", ["checkpoint_dir", "meta_link", "folder_link"])
+def test_a_shared_run_reads_no_checkpoint_of_yours(template, tmp_path, monkeypatch, capsys, how):
+    """A shared run whose ``checkpoint.dir`` names your run's checkpoints, or whose checkpoint
+    holds a link to a file or folder of yours: every loading command exits 2 naming it and
+    ``--trust-code``, before reading anything."""
+    import shutil
+
+    yours = tmp_path / "yours"
+    shutil.copytree(template / "checkpoints", yours)
+    edit = ((lambda d, m: d["checkpoint"].update(dir=str(yours))) if how == "checkpoint_dir"
+            else (lambda d, m: None))
+    run, _, _ = _crafted(template, tmp_path, monkeypatch, edit)
+    ckpt = next((run / "checkpoints").glob("step_*"))
+    if how == "meta_link":
+        (ckpt / "meta.json").unlink()
+        (ckpt / "meta.json").symlink_to(next(yours.glob("step_*")) / "meta.json")
+    if how == "folder_link":
+        shutil.rmtree(ckpt / "rng")
+        (ckpt / "rng").symlink_to(yours)
+    for command in COMMANDS:
+        rc, out, err = _main(COMMANDS[command](run, tmp_path), capsys)
+        assert rc == 2 and err.count("\n") == 1 and "--trust-code" in err, err
+        if how == "checkpoint_dir":
+            assert err.startswith(f"error: {run / 'config.yaml'}: checkpoint.dir leads outside the run "
+                                  f"directory (to {yours})"), err
+        else:
+            assert "is a symbolic link to " in err and str(yours) in err, err

@@ -41,7 +41,7 @@ from llmforge.errors import ConfigError
 from llmforge.events import plugin_order
 from llmforge.parallel.init import seeded_init
 
-__all__ = ["resolve_checkpoint", "load_run_config", "inference_plugins", "export_order",
+__all__ = ["resolve_checkpoint", "confine_run_files", "load_run_config", "inference_plugins", "export_order",
            "load_model", "load_for_inference"]
 
 _HOOKS = ("inference_model", "export_model", "export_adapters")
@@ -75,6 +75,37 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
     if ckpt is None:
         raise ConfigError(f"{p}: the run has no complete checkpoint under {ckpt_root}")
     return p, ckpt
+
+
+def _inside(path: Path, roots: Sequence[Path]) -> bool:
+    real = Path(os.path.realpath(path))
+    return any(real == r or real.is_relative_to(r) for r in roots)
+
+
+def confine_run_files(named: str | Path, run_dir: Path, ckpt: Path) -> None:
+    """Without ``--trust-code``: what a run directory from elsewhere makes llmforge read stays
+    inside it. The checkpoint (from ``checkpoint.dir``) must lie in ``run_dir`` unless ``named``
+    (the path the user gave) is that checkpoint; no file or folder in the checkpoint or the
+    ``tokenizer`` folder may be a link leading outside those. Cheap: names only, nothing read.
+
+    Raises:
+        ConfigError: naming the key or the linked file and ``--trust-code``.
+    """
+    roots = [Path(os.path.realpath(run_dir))]
+    if Path(os.path.realpath(named)) == Path(os.path.realpath(ckpt)):
+        roots.append(Path(os.path.realpath(ckpt)))  # the user named this checkpoint folder
+    hint = ("a run directory from elsewhere reads none of your files: pass --trust-code if "
+            "this is your own run")
+    if not _inside(ckpt, roots):
+        raise ConfigError(f"{run_dir / 'config.yaml'}: checkpoint.dir leads outside the run directory "
+                          f"(to {os.path.realpath(ckpt.parent)}); {hint}")
+    for folder in (ckpt, run_dir / "tokenizer"):
+        for top, dirs, files in os.walk(folder):
+            for name in dirs + files:
+                entry = Path(top) / name
+                if entry.is_symlink() and not _inside(entry, roots):
+                    raise ConfigError(f"{entry} is a symbolic link to {os.path.realpath(entry)}, "
+                                      f"outside the run; {hint}")
 
 
 def load_run_config(run_dir: Path, trust_code: bool = False) -> Any:
@@ -154,10 +185,13 @@ def load_model(path: str | Path, device: str = "cpu", with_plugins: bool = False
 
     Raises:
         ConfigError: the run's config names code and ``trust_code`` is False (see the module
-            doc), or the checkpoint does not fit the model.
+            doc), its checkpoint or files lead outside it (:func:`confine_run_files`), or the
+            checkpoint does not fit the model.
         ConfigError: no run directory or checkpoint at ``path`` (exit 2).
     """
     run_dir, ckpt = resolve_checkpoint(path)
+    if not trust_code:
+        confine_run_files(path, run_dir, ckpt)
     cfg = load_run_config(run_dir, trust_code)
     meta = read_json(ckpt, "meta.json") if (ckpt / "meta.json").exists() else {}
     source = run_dir / "config.yaml"

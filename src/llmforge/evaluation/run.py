@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from llmforge.checkpoint.dcp import read_json
-from llmforge.checkpoint.run_dir import load_for_inference, resolve_checkpoint
+from llmforge.checkpoint.run_dir import confine_run_files, load_for_inference, resolve_checkpoint
 from llmforge.evaluation.harness import evaluate_harness, import_lm_eval
 from llmforge.generate import use_inference_threads
 from llmforge.loggers.jsonl import JsonlLogger
@@ -48,6 +48,8 @@ def evaluate_run(path: str | Path, tasks: Sequence[str], *, include_path: Sequen
     import_lm_eval()  # say which extra is missing before loading weights
     tasks = [t.strip() for t in tasks if t and t.strip()]
     run_dir, ckpt = resolve_checkpoint(path)
+    if not trust_code:  # before meta.json is read
+        confine_run_files(path, run_dir, ckpt)
     for name in ("eval_harness.jsonl", "metrics.jsonl"):  # appended to: never through a link
         refuse_file_link(run_dir / name)
     if device == "cpu":  # training's thread rule (a busy machine's cores are not all free)

@@ -20,8 +20,8 @@ GIB = 1024**3
 
 
 def _layout(lo: Any) -> str:
-    parts = [f"dp_shard {lo.dp_shard}"] + [f"{k} {getattr(lo, k)}" for k in ("dp_replicate", "tp", "pp")
-                                           if getattr(lo, k) > 1]
+    parts = [f"dp_shard {lo.dp_shard}"] + [f"{k} {getattr(lo, k)}" for k in ("dp_replicate", "tp", "pp", "cp")
+                                           if getattr(lo, k, 1) > 1]
     return " x ".join(parts) + f", AC {lo.activation_checkpointing}, mbs {lo.micro_batch_size}"
 
 
@@ -54,7 +54,7 @@ def explain(p: Any, cfg: Any) -> list[str]:
              f"{win.peak_bytes / GIB:.1f} GiB, limited by {limit}"]
     def key(c: Any) -> tuple:
         lo = c.layout
-        return lo.dp_replicate, lo.dp_shard, lo.tp, lo.pp, lo.ep, lo.activation_checkpointing
+        return lo.dp_replicate, lo.dp_shard, lo.tp, lo.pp, lo.ep, lo.cp, lo.activation_checkpointing
 
     # the best other layout (a micro-batch size alone is no alternative worth a line)
     # (a candidate not timed, e.g. one process with nothing to communicate, is no runner-up)

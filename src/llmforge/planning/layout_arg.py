@@ -180,7 +180,7 @@ def layout_report(s: Setting, gpu: GPUKind, config: str, compare: bool = True) -
         if best is not None:
             out["best"] = {"layout": _text(best.setting), "tokens_per_second_per_gpu":
                            best.prediction.tokens_per_second_per_gpu, "versus": versus(best, v)}
-        pub = published_layout(s.shape.name, s.world)
+        pub = published_layout(s.shape.name, s.world, s.seq_len)
         if pub is not None:
             out["published"] = {"layout": _text(pub.setting), "measured_tokens_per_second_per_gpu":
                                 pub.tokens_per_second_per_gpu, "source": pub.source, "table": pub.table}

@@ -246,10 +246,19 @@ PRESET_SHAPES = {"llama3_8b": "llama3.1-8b", "llama3_70b": "llama3.1-70b", "llam
 """llmforge's model presets that are the published shapes (same widths, depth, vocabulary)."""
 
 
-def published_layout(shape_name: str, world: int) -> Optional[Run]:
+LONG_CONTEXT_LAYOUTS: dict[tuple[str, int, int], Run] = {
+    (r.setting.shape.name, r.setting.world, r.setting.seq_len): r for r in RUNS
+    if r.table in ("Table 2", "Table 6") and r.setting.cp > 1}
+"""torchtitan's context-parallel rows by (model, GPU count, sequence length): 8B on 8 H100 with
+FSDP x CP 2 / 4 / 8 at 64K / 128K / 256K tokens, 405B on 512 with TP 8 x PP 8 x CP."""
+
+
+def published_layout(shape_name: str, world: int, seq_len: int = 0) -> Optional[Run]:
     """The published recipe for ``shape_name`` (a shape's name or an llmforge preset) on
-    ``world`` GPUs, or ``None``."""
-    return PUBLISHED_LAYOUTS.get((PRESET_SHAPES.get(shape_name, shape_name), world))
+    ``world`` GPUs (at ``seq_len`` tokens, when a context-parallel row has that length), or
+    ``None``."""
+    name = PRESET_SHAPES.get(shape_name, shape_name)
+    return LONG_CONTEXT_LAYOUTS.get((name, world, seq_len)) or PUBLISHED_LAYOUTS.get((name, world))
 
 
 def with_layout(s: Setting, **degrees: int) -> Setting:

@@ -111,6 +111,10 @@ def test_plan_estimates_cp_from_its_cp1_twin():
     extra = attention_extra_bytes(LLAMA3_8B, "all_gather", 1, SEQ, lo.cp, lo.tp, lo.activation_checkpointing, 32)
     assert win.peak_bytes == pytest.approx(twin_peak - 100 * GIB * (1 - 1 / lo.cp) + extra)
     assert win.as_dict()["cp"] == lo.cp and f"\n  cp: {lo.cp}\n" in winner_yaml(win, [])
+    # on 2 GPUs nothing fits; cp 2 halves the 100 GiB (52 of 67.1 GiB usable left), and the
+    # 120 GiB of state then needs 8 shards: 8 GPUs, not "fits at no GPU count"
+    small = plan(cfg, 2, gpu_kind("h100"), simulate_fn=stand_in)
+    assert small.chosen is None and small.min_gpus == 8
 
 
 def test_plan_layout_cp(capsys):

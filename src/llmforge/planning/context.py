@@ -18,7 +18,7 @@ simulates the twin and applies these terms (:func:`peak_delta`), and says so in 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
@@ -134,5 +134,16 @@ def peak_delta(ref: StepMeasurement, layout: Layout, shape: Shape, seq_len: int,
     return tokens * (1 / layout.cp - 1) + extra
 
 
+def fitting_cp(m: StepMeasurement, budget: float, seq_len: int) -> Optional[int]:
+    """The smallest ``cp`` of :func:`cp_degrees` (any GPU count) at which the part of ``m``'s
+    peak that does not shrink with ``dp_shard`` fits in ``budget`` bytes, its per-token part
+    sliced ``1 / cp``; ``None`` where none does or ``seq_len`` is 0 (no ``cp`` search)."""
+    rest = m.peak_bytes - m.sharded_state
+    for cp in cp_degrees(seq_len, seq_len, 1, "all_gather") if seq_len else []:
+        if rest - per_token_bytes(m) * (1 - 1 / cp) < budget:
+            return cp
+    return None
+
+
 __all__ = ["ESTIMATED", "MIN_TOKENS_PER_RANK", "MODES", "attention_extra_bytes", "check_cp", "cp_degrees",
-           "cp_of", "peak_delta", "per_token_bytes", "twin"]
+           "cp_of", "fitting_cp", "peak_delta", "per_token_bytes", "twin"]

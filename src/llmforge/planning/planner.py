@@ -71,7 +71,8 @@ from llmforge.planning.measure import Collective
 from llmforge.planning.depth import simulate_scaled
 from llmforge.planning.experts import ExpertShape, ep_degrees
 from llmforge.planning.calibration import FITTED
-from llmforge.planning.context import ESTIMATED, cp_degrees, cp_of, peak_delta, twin
+from llmforge.planning.context import (ESTIMATED, cp_degrees, cp_of, fitting_cp, peak_delta, per_token_bytes,
+                                       twin)
 from llmforge.planning.layout import AC_MODES, Layout
 from llmforge.planning.layout_arg import at_layout, calibrated_setting
 from llmforge.planning.published import Setting
@@ -428,25 +429,29 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
                                            c.step_seconds or 0.0, c.traffic))
     out = Plan(world, gpu, chosen, ordered + dropped, refs, calibrated=base is not None)
     if chosen is None:
-        out.min_gpus = smallest_fitting(out)
+        out.min_gpus = smallest_fitting(out, moe["seq_len"] if base is not None else 0)
     return out
 
 
-def smallest_fitting(p: Plan) -> Optional[int]:
+def smallest_fitting(p: Plan, seq_len: int = 0) -> Optional[int]:
     """The smallest GPU count (whole nodes beyond one node) at which some measured
     ``(tp, activation checkpointing)`` group fits at ``micro_batch_size=1``, from the
     references of ``p``: only the sharded model state shrinks with more GPUs (``dp_shard``
     grows), the rest of the peak stays. Memory only: ``global_batch_size`` may have to grow to
     divide the larger data-parallel size. ``None``: nothing fits at any size (the unsharded
-    rest alone exceeds the GPU)."""
+    rest alone exceeds the GPU). ``seq_len`` (configs whose plan searches ``cp``): where the
+    rest does not fit, the smallest ``cp`` that slices it to fit
+    (:func:`llmforge.planning.context.fitting_cp`; the attention mode's buffers left out)."""
     budget = p.gpu.memory_bytes * (1 - HEADROOM)
     best = None
     for (tp, _), m in p.references.items():
         rest = m.peak_bytes - m.sharded_state
-        if rest >= budget:
+        cp = fitting_cp(m, budget, seq_len) if rest >= budget and m.layout.pp == 1 else 1
+        if cp is None or rest - per_token_bytes(m) * (1 - 1 / cp) >= budget:
             continue
+        rest -= per_token_bytes(m) * (1 - 1 / cp)
         shard = max(1, math.ceil(m.sharded_state * m.layout.dp_shard / (budget - rest)))
-        n = shard * tp * m.layout.pp
+        n = math.ceil(shard / cp) * cp * tp * m.layout.pp  # FSDP2 shards over dp_shard x cp
         if n > p.gpu.gpus_per_node:
             n = math.ceil(n / p.gpu.gpus_per_node) * p.gpu.gpus_per_node
         best = n if best is None else min(best, n)

@@ -20,8 +20,8 @@ GIB = 1024**3
 
 
 def _layout(lo: Any) -> str:
-    parts = [f"dp_shard {lo.dp_shard}"] + [f"{k} {getattr(lo, k)}" for k in ("dp_replicate", "tp", "pp")
-                                           if getattr(lo, k) > 1]
+    parts = [f"dp_shard {lo.dp_shard}"] + [f"{k} {getattr(lo, k)}" for k in ("dp_replicate", "tp", "pp", "cp")
+                                           if getattr(lo, k, 1) > 1]
     return " x ".join(parts) + f", AC {lo.activation_checkpointing}, mbs {lo.micro_batch_size}"
 
 
@@ -54,7 +54,7 @@ def explain(p: Any, cfg: Any) -> list[str]:
              f"{win.peak_bytes / GIB:.1f} GiB, limited by {limit}"]
     def key(c: Any) -> tuple:
         lo = c.layout
-        return lo.dp_replicate, lo.dp_shard, lo.tp, lo.pp, lo.ep, lo.activation_checkpointing
+        return lo.dp_replicate, lo.dp_shard, lo.tp, lo.pp, lo.ep, lo.cp, lo.activation_checkpointing
 
     # the best other layout (a micro-batch size alone is no alternative worth a line)
     # (a candidate not timed, e.g. one process with nothing to communicate, is no runner-up)
@@ -64,7 +64,7 @@ def explain(p: Any, cfg: Any) -> list[str]:
         lines.append(_compare(f"runner-up: {_layout(runner.layout)}", runner.tokens_per_second_per_gpu,
                               runner.peak_bytes, runner.terms, win, error))
     base = calibrated_setting(cfg, p.world_size, p.gpu) if p.calibrated else None
-    pub = published_layout(base.shape.name, p.world_size) if base is not None else None
+    pub = published_layout(base.shape.name, p.world_size, base.seq_len) if base is not None else None
     if pub is not None:
         s = pub.setting
         where = f"published ({pub.source}, {pub.table}, measured {pub.tokens_per_second_per_gpu:.0f} tokens/s per GPU)"
@@ -74,9 +74,10 @@ def explain(p: Any, cfg: Any) -> list[str]:
         else:
             mbs = min(s.micro_batch_size, base.global_batch_size // (s.dp_replicate * s.dp_shard))
             v = assess(at_layout(base, s.dp_replicate, s.dp_shard, s.tp, s.pp, s.cp, s.ac, mbs))
-            same = (win.layout.dp_replicate, win.layout.dp_shard, win.layout.tp, win.layout.pp) == \
-                (s.dp_replicate, s.dp_shard, s.tp, s.pp)
-            name = (f"{where}: dp_shard {s.dp_shard} x tp {s.tp} x pp {s.pp}, AC {s.ac}"
+            same = (win.layout.dp_replicate, win.layout.dp_shard, win.layout.tp, win.layout.pp, win.layout.cp) == \
+                (s.dp_replicate, s.dp_shard, s.tp, s.pp, s.cp)
+            cp = f" x cp {s.cp}" if s.cp > 1 else ""
+            name = (f"{where}: dp_shard {s.dp_shard} x tp {s.tp} x pp {s.pp}{cp}, AC {s.ac}"
                     + (" (the winner's degrees)" if same else ""))
             lines.append(_compare(name + " at this config's batch (analytic memory)",
                                   v.prediction.tokens_per_second_per_gpu, v.memory["total"],

@@ -28,7 +28,11 @@ AC_ENTRIES = {"selective": {"name": "activation_checkpointing", "mode": "selecti
 
 @dataclass(frozen=True)
 class Layout:
-    """A parallel layout: ``dp_replicate * dp_shard * tp * pp`` = world size.
+    """A parallel layout: ``dp_replicate * dp_shard * tp * pp * cp`` = world size.
+
+    ``cp`` (context parallelism) splits every sequence over ``cp`` ranks; FSDP2 shards over
+    ``dp_shard x cp``. The simulation runs ``cp=1`` only; the planner estimates ``cp > 1`` from
+    the ``cp=1`` twin (:mod:`llmforge.planning.context`).
 
     ``ep`` (expert parallelism) borrows ``dp_shard`` ranks: it divides ``dp_shard`` and leaves
     the world size alone. The simulation runs ``ep=1`` only; the planner derives ``ep > 1``.
@@ -50,20 +54,25 @@ class Layout:
     micro_batch_size: int
     pp: int = 1
     ep: int = 1
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
 
 
 def refuse_ep(layout: Layout) -> None:
     """Raises ConfigError: ``layout.ep > 1``, which the simulation cannot run (the fake process
     group's all-to-all carries no token counts to dispatch by); ``llmforge plan`` derives ep
-    layouts from the ep=1 simulation instead."""
+    layouts from the ep=1 simulation instead. Likewise ``layout.cp > 1`` (not simulated yet)."""
     if layout.ep != 1:
         raise ConfigError(f"strategy.ep={layout.ep}: the simulation (--dry-run --simulate) runs "
                           "strategy.ep=1 only (a fake process group carries no token counts to "
                           "dispatch by); `llmforge plan` estimates ep from the ep=1 step")
+    if layout.cp != 1:
+        raise ConfigError(f"strategy.cp={layout.cp}: the simulation (--dry-run --simulate) runs "
+                          "strategy.cp=1 only; `llmforge plan` estimates cp from the cp=1 step "
+                          "with dp_shard x cp shards")
 
 
 def pipeline_settings(cfg: Any, pp: int) -> dict[str, Any]:
@@ -96,6 +105,8 @@ def layout_config(cfg: Any, layout: Layout, n_layers: Optional[int] = None) -> A
     s.name = "fsdp2" if layout.world_size > 1 else s.name
     s.dp_replicate, s.dp_shard, s.tp = layout.dp_replicate, layout.dp_shard, layout.tp
     s.ep, s.pp = layout.ep, layout.pp
+    if "cp" in s:  # the schema's strategy.cp (context parallelism): the simulated layout's
+        s.cp = layout.cp
     out.trainer.micro_batch_size = layout.micro_batch_size
     # the world size the checks derive from the trainer (devices x nodes) is the layout's
     out.trainer.devices, out.trainer.num_nodes = layout.world_size, 1

@@ -15,6 +15,7 @@ from llmforge.errors import ConfigError
 from llmforge.models.memory_estimate import ac_mode
 from llmforge.models.spec import get_spec
 from llmforge.planning.calibration import model_error
+from llmforge.planning.context import check_cp, cp_of
 from llmforge.planning.gpus import GPUKind
 from llmforge.planning.published import Setting, Shape, published_layout
 from llmforge.planning.whatif import FIT_SHARE, assess, best_layout, versus
@@ -84,7 +85,7 @@ def base_setting(cfg: Any, world: int, gpu: GPUKind) -> Setting:
                    int(cfg.trainer.micro_batch_size), int(cfg.trainer.seq_len),
                    ac=mode if mode in ("none", "selective", "full") else "selective", precision=prec,
                    fp8_all_gather=gather, compile=compiled, schedule=str(p.schedule),
-                   stages_per_rank=int(p.stages_per_rank or 1))
+                   stages_per_rank=int(p.stages_per_rank or 1), cp_mode=cp_of(cfg)[1])
 
 
 def _algorithm_class(name: Any) -> Any:
@@ -125,8 +126,9 @@ def config_setting(cfg: Any, world: int, gpu: GPUKind, layout: dict[str, Any]) -
     Raises:
         ConfigError: a model with experts (the calibrated model covers dense decoders), ``ep``
             other than 1, a product of degrees other than ``world``, ``tp`` that the model's heads
-            or the node refuse, ``mbs`` or ``dp`` that do not divide the global batch, more
-            stages than blocks (each names the key).
+            or the node refuse, ``cp`` that does not divide the GPUs or the sequence (in ``2 x cp``
+            chunks; :func:`llmforge.planning.context.check_cp`), ``mbs`` or ``dp`` that do not
+            divide the global batch, more stages than blocks (each names the key).
     """
     base = base_setting(cfg, world, gpu)
     sh = base.shape
@@ -139,6 +141,7 @@ def config_setting(cfg: Any, world: int, gpu: GPUKind, layout: dict[str, Any]) -
     if sh.n_heads % tp or (sh.n_kv_heads % tp and tp % sh.n_kv_heads):
         raise ConfigError(f"--layout tp={tp}: the model's heads (n_heads={sh.n_heads}, "
                           f"n_kv_heads={sh.n_kv_heads}) do not divide by tp")
+    check_cp(d["cp"], base.seq_len, world, sh.n_heads // tp, base.cp_mode)
     if d["pp"] > sh.n_layers:
         raise ConfigError(f"--layout pp={d['pp']}: more stages than the model's {sh.n_layers} blocks")
     rest = d["dp_replicate"] * tp * d["pp"] * d["cp"]
@@ -177,7 +180,7 @@ def layout_report(s: Setting, gpu: GPUKind, config: str, compare: bool = True) -
         if best is not None:
             out["best"] = {"layout": _text(best.setting), "tokens_per_second_per_gpu":
                            best.prediction.tokens_per_second_per_gpu, "versus": versus(best, v)}
-        pub = published_layout(s.shape.name, s.world)
+        pub = published_layout(s.shape.name, s.world, s.seq_len)
         if pub is not None:
             out["published"] = {"layout": _text(pub.setting), "measured_tokens_per_second_per_gpu":
                                 pub.tokens_per_second_per_gpu, "source": pub.source, "table": pub.table}

@@ -14,7 +14,7 @@ from llmforge.planning.layout import AC_ENTRIES
 
 def layout_settings(cand: Candidate, algorithms: list[dict]) -> dict[str, Any]:
     """The settings that give the layout of ``cand``, as a nested mapping of config keys:
-    ``strategy`` (``fsdp2`` and the degrees, ``pp`` included), ``trainer.micro_batch_size`` and the
+    ``strategy`` (``fsdp2`` and the degrees, ``pp`` included; ``ep`` and ``cp`` when above 1), ``trainer.micro_batch_size`` and the
     ``algorithms`` list with its activation checkpointing entry replaced (the other entries,
     ``compile`` included, as they were). The one source of :func:`layout_overrides` and
     :func:`winner_yaml`."""
@@ -23,7 +23,8 @@ def layout_settings(cand: Candidate, algorithms: list[dict]) -> dict[str, Any]:
     if lo.activation_checkpointing != "none":
         algos.append(AC_ENTRIES[lo.activation_checkpointing])
     return {"strategy": {"name": "fsdp2", "dp_replicate": lo.dp_replicate, "dp_shard": lo.dp_shard,
-                         "tp": lo.tp, "pp": lo.pp, **({"ep": lo.ep} if lo.ep > 1 else {})},
+                         "tp": lo.tp, "pp": lo.pp, **({"ep": lo.ep} if lo.ep > 1 else {}),
+                         **({"cp": lo.cp} if lo.cp > 1 else {})},
             "trainer": {"micro_batch_size": lo.micro_batch_size},
             "algorithms": algos}
 

@@ -48,6 +48,13 @@ micro-batch size for a GPU count and a GPU kind.
    virtual stage, not overlapped (inter-node when a node holds fewer than ``world / pp`` GPUs;
    whole under TP), each send at least :data:`P2P_LATENCY`. A ``pp`` winner is
    confirmed by simulating its first and its last stage's rank.
+6. Context parallelism (``cp``, :mod:`llmforge.planning.context`): searched without pipeline
+   stages for dense decoders the calibrated model covers, when sequences are long enough
+   (:data:`~llmforge.planning.context.MIN_TOKENS_PER_RANK` tokens per rank). A ``cp`` layout
+   is estimated from its ``cp=1`` twin (``dp_shard x cp`` shards, the same model state): the
+   twin's per-token memory ``/ cp`` plus the attention mode's buffers; its step time by the
+   calibrated model (:func:`llmforge.planning.step_model.context_parallel_seconds`). The
+   simulation does not run ``cp > 1``: a ``cp`` winner is reported as estimated, not simulated.
 """
 
 from __future__ import annotations
@@ -64,6 +71,8 @@ from llmforge.planning.measure import Collective
 from llmforge.planning.depth import simulate_scaled
 from llmforge.planning.experts import ExpertShape, ep_degrees
 from llmforge.planning.calibration import FITTED
+from llmforge.planning.context import (ESTIMATED, cp_degrees, cp_of, fitting_cp, peak_delta, per_token_bytes,
+                                       twin)
 from llmforge.planning.layout import AC_MODES, Layout
 from llmforge.planning.layout_arg import at_layout, calibrated_setting
 from llmforge.planning.published import Setting
@@ -121,7 +130,7 @@ class Candidate:
     def as_dict(self) -> dict[str, Any]:
         lo = self.layout
         return {"dp_replicate": lo.dp_replicate, "dp_shard": lo.dp_shard, "tp": lo.tp, "pp": lo.pp,
-                "ep": lo.ep,
+                "ep": lo.ep, "cp": lo.cp,
                 "activation_checkpointing": lo.activation_checkpointing,
                 "micro_batch_size": lo.micro_batch_size, "fits": self.status in ("chosen", "fits", "slower"),
                 "peak_bytes_per_rank": self.peak_bytes, "step_seconds": self.step_seconds,
@@ -179,10 +188,12 @@ def tp_degrees(cfg: Any, world: int, gpus_per_node: int) -> tuple[list[int], dic
 
 
 def enumerate_layouts(cfg: Any, world: int, gpus_per_node: int,
-                      experts: Optional[ExpertShape] = None) -> tuple[list[Layout], list[Candidate]]:
+                      experts: Optional[ExpertShape] = None,
+                      search_cp: bool = False) -> tuple[list[Layout], list[Candidate]]:
     """Every layout of ``world`` GPUs (with ``experts``: every ``ep`` too; pipeline degrees
     ``pp`` that the model's blocks, the schedule and the micro-batches allow, none with tied
-    embeddings), and the dropped ones (status ``does not divide``).
+    embeddings; with ``search_cp``, every ``cp`` of :func:`llmforge.planning.context.cp_degrees`
+    without pipeline stages), and the dropped ones (status ``does not divide``).
 
     Raises:
         ConfigError: no tensor-parallel degree divides the model and the node (names the key
@@ -193,12 +204,14 @@ def enumerate_layouts(cfg: Any, world: int, gpus_per_node: int,
     model = meta_model(cfg)
     n_blocks = len(get_spec(cfg.model.name).model_blocks(model))
     tied = bool(getattr(getattr(model, "args", None), "tie_embeddings", False))
+    seq, mode = int(cfg.trainer.seq_len), cp_of(cfg)[1]
+    heads = int(getattr(getattr(model, "args", None), "n_heads", 1))
     out, dropped = [], []
-    for tp in tps:
-        for pp in _divisors(world // tp) if not tied else [1]:
-            dp = world // (tp * pp)
+    for tp, pp in ((tp, pp) for tp in tps for pp in (_divisors(world // tp) if not tied else [1])):
+        for cp in cp_degrees(seq, world // tp, heads // tp, mode) if search_cp and pp == 1 else [1]:
+            dp = world // (tp * pp * cp)
             if gbs % dp:
-                if pp == 1:
+                if pp == 1 and cp == 1:
                     dropped.append(Candidate(Layout(1, dp, tp, "none", 1), "does not divide",
                                              f"trainer.global_batch_size={gbs} is not a multiple of dp={dp}"
                                              f"{' without pipeline stages' if n_blocks > 1 and not tied else ''}"))
@@ -209,7 +222,7 @@ def enumerate_layouts(cfg: Any, world: int, gpus_per_node: int,
                 for ep in ep_degrees(experts, dp // rep):
                     for ac in AC_MODES:
                         for mbs in mbs_ok:
-                            out.append(Layout(rep, dp // rep, tp, ac, mbs, pp=pp, ep=ep))
+                            out.append(Layout(rep, dp // rep, tp, ac, mbs, pp=pp, ep=ep, cp=cp))
     for tp, why in refused.items():
         dropped.append(Candidate(Layout(1, world // tp if world % tp == 0 else 1, tp, "none", 1),
                                  "does not divide", why))
@@ -302,7 +315,7 @@ def _score(cand: Candidate, peak: float, step: float, cfg: Any, world: int, gpu:
     tokens = int(cfg.trainer.global_batch_size) * int(cfg.trainer.seq_len)
     if base is not None:
         lo = cand.layout
-        pr = predict(at_layout(base, lo.dp_replicate, lo.dp_shard, lo.tp, lo.pp, 1,
+        pr = predict(at_layout(base, lo.dp_replicate, lo.dp_shard, lo.tp, lo.pp, lo.cp,
                                lo.activation_checkpointing, lo.micro_batch_size), FITTED)
         step, cand.terms, cand.traffic = pr.step_seconds, pr.terms, pr.overlapped
     cand.peak_bytes, cand.step_seconds = peak, step
@@ -323,7 +336,9 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
     """
     check_gpus(world, "the world size")
     experts = ExpertShape.of(cfg)
-    layouts, dropped = enumerate_layouts(cfg, world, gpu.gpus_per_node, experts)
+    base = None if experts is not None else calibrated_setting(cfg, world, gpu)
+    # context parallelism: dense decoders that the calibrated model covers (module docstring, 6)
+    layouts, dropped = enumerate_layouts(cfg, world, gpu.gpus_per_node, experts, search_cp=base is not None)
     width = 4 if cfg.trainer.precision == "fp32" else 2
     model = meta_model(cfg)
     moe = {"experts": experts, "seq_len": int(cfg.trainer.seq_len), "width": width,
@@ -332,13 +347,12 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
     budget = gpu.memory_bytes * (1 - HEADROOM)
     spec = get_spec(cfg.model.name)
     flops_per_token = float(spec.flops(model, int(cfg.trainer.seq_len)))
-    base = None if experts is not None else calibrated_setting(cfg, world, gpu)
     refs: dict[tuple[int, str], StepMeasurement] = {}
     skipped: dict[tuple[int, str], Candidate] = {}  # groups not simulated, with the reason
     groups = sorted({lo.tp for lo in layouts})
     for g, tp in enumerate(groups):
         # the reference: no pipeline stages where the batch divides, else the fewest that do
-        pp = min(lo.pp for lo in layouts if lo.tp == tp)
+        pp = min((lo.pp for lo in layouts if lo.tp == tp and lo.cp == 1), default=1)
         mbs = min(lo.micro_batch_size for lo in layouts if lo.tp == tp and lo.pp == pp)
 
         def reference(ac: str) -> Layout:
@@ -373,7 +387,8 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
         key = (lo.tp, lo.activation_checkpointing)
         if key not in refs:
             continue
-        peak, step, _ = derive(refs[key], lo, gbs, gpu, **moe)
+        peak, step, _ = derive(refs[key], twin(lo), gbs, gpu, **moe)
+        peak += peak_delta(refs[key], lo, base.shape, moe["seq_len"], base.cp_mode, width) if lo.cp > 1 else 0.0
         cand = Candidate(lo)
         _score(cand, peak, step, cfg, world, gpu, flops_per_token, base)
         if peak > budget:
@@ -388,18 +403,24 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
     chosen = None
     for cand in fitting[:MAX_CONFIRM]:  # the winner's own simulation, not a derived one
         ref = refs[cand.layout.tp, cand.layout.activation_checkpointing]
-        own = replace(cand.layout, ep=1)  # ep > 1: derived from its ep=1 layout's simulation
-        m = ref if ref.layout == own else simulate_layout(simulate_fn, cfg, own, gbs)
-        peak, step, _ = derive(m, cand.layout, gbs, gpu, exact=True, **moe)
+        own = replace(twin(cand.layout), ep=1)  # ep > 1: derived from its ep=1 layout's simulation
+        lo = cand.layout  # cp > 1: its cp=1 twin simulated (where the batch divides it), cp estimated
+        exact = ref.layout == own or gbs % (own.dp_replicate * own.dp_shard) == 0
+        m = ref if ref.layout == own or not exact else simulate_layout(simulate_fn, cfg, own, gbs)
+        peak, step, _ = derive(m, twin(lo), gbs, gpu, exact=exact, **moe)
+        if lo.cp > 1:
+            peak += peak_delta(m, lo, base.shape, moe["seq_len"], base.cp_mode, width)
+            cand.reason = ESTIMATED.format(cp=lo.cp, twin=own.dp_shard, mode=base.cp_mode)
         _score(cand, peak, step, cfg, world, gpu, flops_per_token, base)
-        cand.simulated = True
+        cand.simulated = lo.cp == 1
         if peak <= budget:
             chosen = cand
             break
-        cand.status, cand.reason = "does not fit", (f"simulated peak {peak / 2**30:.1f} GiB > "
-                                                    f"{budget / 2**30:.1f} GiB usable")
+        cand.status, cand.reason = "does not fit", (f"{'simulated' if lo.cp == 1 else 'estimated'} peak "
+                                                    f"{peak / 2**30:.1f} GiB > {budget / 2**30:.1f} GiB usable")
     if chosen is not None:
-        chosen.status, chosen.reason = "chosen", "fastest layout that fits"
+        chosen.status = "chosen"
+        chosen.reason = "fastest layout that fits" + (f"; {chosen.reason}" if chosen.layout.cp > 1 else "")
         for c in cands:
             if c.status == "fits" and c is not chosen:
                 c.status = "slower"
@@ -408,25 +429,29 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
                                            c.step_seconds or 0.0, c.traffic))
     out = Plan(world, gpu, chosen, ordered + dropped, refs, calibrated=base is not None)
     if chosen is None:
-        out.min_gpus = smallest_fitting(out)
+        out.min_gpus = smallest_fitting(out, moe["seq_len"] if base is not None else 0)
     return out
 
 
-def smallest_fitting(p: Plan) -> Optional[int]:
+def smallest_fitting(p: Plan, seq_len: int = 0) -> Optional[int]:
     """The smallest GPU count (whole nodes beyond one node) at which some measured
     ``(tp, activation checkpointing)`` group fits at ``micro_batch_size=1``, from the
     references of ``p``: only the sharded model state shrinks with more GPUs (``dp_shard``
     grows), the rest of the peak stays. Memory only: ``global_batch_size`` may have to grow to
     divide the larger data-parallel size. ``None``: nothing fits at any size (the unsharded
-    rest alone exceeds the GPU)."""
+    rest alone exceeds the GPU). ``seq_len`` (configs whose plan searches ``cp``): where the
+    rest does not fit, the smallest ``cp`` that slices it to fit
+    (:func:`llmforge.planning.context.fitting_cp`; the attention mode's buffers left out)."""
     budget = p.gpu.memory_bytes * (1 - HEADROOM)
     best = None
     for (tp, _), m in p.references.items():
         rest = m.peak_bytes - m.sharded_state
-        if rest >= budget:
+        cp = fitting_cp(m, budget, seq_len) if rest >= budget and m.layout.pp == 1 else 1
+        if cp is None or rest - per_token_bytes(m) * (1 - 1 / cp) >= budget:
             continue
+        rest -= per_token_bytes(m) * (1 - 1 / cp)
         shard = max(1, math.ceil(m.sharded_state * m.layout.dp_shard / (budget - rest)))
-        n = shard * tp * m.layout.pp
+        n = math.ceil(shard / cp) * cp * tp * m.layout.pp  # FSDP2 shards over dp_shard x cp
         if n > p.gpu.gpus_per_node:
             n = math.ceil(n / p.gpu.gpus_per_node) * p.gpu.gpus_per_node
         best = n if best is None else min(best, n)

@@ -55,7 +55,10 @@ class Setting:
     micro-batches, the pipeline's or gradient accumulation's); ``ac``: none | selective (per
     operator) | full; ``precision``: bf16 | fp8_tensorwise | fp8_rowwise (float8 matmuls of the
     linear layers, torchao; ``fp8_recompute_weight``: its ``force_recompute_fp8_weight_in_bwd``); ``schedule``: the pipeline schedule (``1f1b``,
-    ``interleaved_1f1b``) with ``stages_per_rank`` virtual stages.
+    ``interleaved_1f1b``) with ``stages_per_rank`` virtual stages. ``cp_mode``: how ``cp > 1``
+    ranks attend across their slices: ``all_gather`` (K/V gathered; llmforge's default),
+    ``ulysses`` (all-to-all to head-sharded) or ``ring`` (torch's experimental ring
+    ``context_parallel``, which torchtitan's published cp rows ran).
     """
 
     shape: Shape
@@ -78,6 +81,7 @@ class Setting:
     async_tp: bool = False
     schedule: str = "1f1b"
     stages_per_rank: int = 1
+    cp_mode: str = "all_gather"
 
     def __post_init__(self) -> None:
         degrees = self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
@@ -163,7 +167,7 @@ RUNS: list[Run] = [
     _tt(LLAMA3_8B, 8, 8532, "Table 1", "8B fsdp8 compile fp8", dp_shard=8, lbs=2, mem=76.8, **_FP8, **_T1),
     # Table 2: 8B, 8 GPUs, FSDP + CP + compile + float8, local batch 1, full AC
     *[_tt(LLAMA3_8B, 8, tps, "Table 2", f"8B fsdp{8 // cp} cp{cp} seq{seq // 1024}k", dp_shard=8 // cp,
-          lbs=1, seq=seq, cp=cp, ac="full", mem=mem, **_FP8)
+          lbs=1, seq=seq, cp=cp, ac="full", mem=mem, cp_mode="ring", **_FP8)
       for cp, seq, tps, mem in ((1, 32768, 3890, 83.9), (2, 65536, 2540, 84.2), (4, 131072, 1071, 84.0),
                                 (8, 262144, 548, 84.5))],
     # Table 3: 8B, 128 GPUs, local batch 2, selective AC
@@ -181,7 +185,7 @@ RUNS: list[Run] = [
         schedule="interleaved_1f1b", stages_per_rank=2, **_405),
     # Table 6: 405B, 512 GPUs, TP 8 PP 8 + FSDP x CP, 1F1B, local batch 8, full AC
     *[_tt(LLAMA3_405B, 512, tps, "Table 6", f"405B fsdp{8 // cp} cp{cp} tp8 pp8 seq{seq // 1024}k",
-          dp_shard=8 // cp, lbs=8, seq=seq, cp=cp, mem=mem, **_405)
+          dp_shard=8 // cp, lbs=8, seq=seq, cp=cp, mem=mem, cp_mode="ring", **_405)
       for cp, seq, tps, mem in ((1, 32768, 76, 75.3), (2, 65536, 47, 75.9), (4, 131072, 31, 77.1),
                                 (8, 262144, 16, 84.9))],
 ]
@@ -242,10 +246,19 @@ PRESET_SHAPES = {"llama3_8b": "llama3.1-8b", "llama3_70b": "llama3.1-70b", "llam
 """llmforge's model presets that are the published shapes (same widths, depth, vocabulary)."""
 
 
-def published_layout(shape_name: str, world: int) -> Optional[Run]:
+LONG_CONTEXT_LAYOUTS: dict[tuple[str, int, int], Run] = {
+    (r.setting.shape.name, r.setting.world, r.setting.seq_len): r for r in RUNS
+    if r.table in ("Table 2", "Table 6") and r.setting.cp > 1}
+"""torchtitan's context-parallel rows by (model, GPU count, sequence length): 8B on 8 H100 with
+FSDP x CP 2 / 4 / 8 at 64K / 128K / 256K tokens, 405B on 512 with TP 8 x PP 8 x CP."""
+
+
+def published_layout(shape_name: str, world: int, seq_len: int = 0) -> Optional[Run]:
     """The published recipe for ``shape_name`` (a shape's name or an llmforge preset) on
-    ``world`` GPUs, or ``None``."""
-    return PUBLISHED_LAYOUTS.get((PRESET_SHAPES.get(shape_name, shape_name), world))
+    ``world`` GPUs (at ``seq_len`` tokens, when a context-parallel row has that length), or
+    ``None``."""
+    name = PRESET_SHAPES.get(shape_name, shape_name)
+    return LONG_CONTEXT_LAYOUTS.get((name, world, seq_len)) or PUBLISHED_LAYOUTS.get((name, world))
 
 
 def with_layout(s: Setting, **degrees: int) -> Setting:

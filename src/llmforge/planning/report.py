@@ -40,12 +40,12 @@ def report(p: Plan, config: str, seconds: float, top: int = 8, algorithms: Optio
                     f"{g.memory_bytes / 1e9:.0f} GB); {timing}; torch.compile's memory not simulated; "
                     f"{len(p.references)} (tp, activation checkpointing) groups simulated at 2 and 3 "
                     f"layers, scaled to the model's depth, in {seconds:.1f} s (docs/scale.md)", ""),
-             f"{'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'pp':>3} {'ep':>3} {'AC':>9} {'mbs':>4} {'GiB':>6} "
+             f"{'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'pp':>3} {'ep':>3} {'cp':>3} {'AC':>9} {'mbs':>4} {'GiB':>6} "
              f"{'tok/s/GPU':>10} {'MFU':>6}"]
     measured = [c for c in p.candidates if c.peak_bytes is not None]
     for c in measured[:top]:
         lo = c.layout
-        lines.append(f"{lo.dp_replicate:>6} {lo.dp_shard:>8} {lo.tp:>3} {lo.pp:>3} {lo.ep:>3} "
+        lines.append(f"{lo.dp_replicate:>6} {lo.dp_shard:>8} {lo.tp:>3} {lo.pp:>3} {lo.ep:>3} {lo.cp:>3} "
                      f"{lo.activation_checkpointing:>9} {lo.micro_batch_size:>4} {c.peak_bytes / GIB:>6.1f} "
                      f"{c.tokens_per_second_per_gpu:>10.0f} {c.mfu:>6.1%}")
         lines += _wrap(f"{c.status}{' (simulated)' if c.simulated else ''}"

@@ -18,9 +18,11 @@ Terms (seconds per step, one rank):
 * **FSDP** (over ``dp_shard x cp`` ranks): per block two all-gathers of the weights (one with
   pipeline stages: torchtitan keeps them after the forward) in bf16 (1 byte for float8
   all-gather) and one reduce-scatter of fp32 gradients; **CP**: the ring passes the K, V shard
-  ``cp - 1`` times per block (forward, and twice in the backward); **HSDP**: an all-reduce of
-  the sharded gradient across replicas. These overlap with compute up to ``fsdp_overlap`` of
-  it; the rest is exposed.
+  ``cp - 1`` times per block (forward, and twice in the backward; ``cp_mode: ring``, the mode
+  of the published cp rows); **HSDP**: an all-reduce of the sharded gradient across replicas.
+  These overlap with compute up to ``fsdp_overlap`` of it; the rest is exposed.
+* **CP** (``all_gather``, ``ulysses``): the K/V all-gather and gradient reduce-scatter, or the
+  all-to-alls, per block and micro-batch, exposed (:func:`context_parallel_seconds`).
 * **TP** (sequence parallel, Megatron-style): per block and micro-batch two all-gathers and two
   reduce-scatters of ``mbs x s / cp x d`` activations forward, the same backward (and the
   forward's again under full AC): exposed at ``tp_exposed`` (``async_tp_exposed`` with async
@@ -89,7 +91,7 @@ class CostParams:
 @dataclass(frozen=True)
 class Prediction:
     """Seconds per step of one rank by term, and what follows. ``terms``: compute, bubble,
-    data_parallel (FSDP / HSDP / CP, exposed), tp, pp, with the raw (before overlap) FSDP/CP traffic in ``overlapped``."""
+    data_parallel (FSDP / HSDP / ring CP, exposed), tp, pp, cp (all_gather / ulysses), with the raw (before overlap) FSDP/CP traffic in ``overlapped``."""
 
     step_seconds: float
     tokens_per_second_per_gpu: float
@@ -125,6 +127,37 @@ def _collective(n: int, payload: float, calls: float, intra: bool, gpu: GPUKind,
     bw = gpu.intra_node_bw * p.nvlink_efficiency if intra else gpu.inter_node_bw * p.network_efficiency
     lat = p.nvlink_latency if intra else p.network_latency
     return calls * lat + (2.0 if all_reduce else 1.0) * payload * (n - 1) / n / bw
+
+
+def context_parallel_seconds(s: Setting, p: CostParams) -> float:
+    """Exposed seconds of context parallelism's collectives for one block and one micro-batch
+    (0 for ``cp=1`` and for ``ring``, whose passes overlap with compute like FSDP's traffic).
+
+    * ``all_gather`` (Llama 3, Dubey et al. 2024 §3.3.2): the forward all-gathers the K and V
+      of the whole sequence (``mbs x s x 2 kv_heads x head_dim``, bf16, ``/ tp``) before the
+      block's attention, the backward reduce-scatters their gradients (the same bytes), full
+      activation checkpointing all-gathers once more when it recomputes the forward;
+    * ``ulysses`` (Jacobs et al. 2023, DeepSpeed-Ulysses): four all-to-alls per block, q, k, v
+      to head-sharded and the attention output back, forward and backward (six with full
+      AC), each moving the rank's ``mbs x s / cp`` tokens of ``q + 2 kv`` (resp. ``q``) widths.
+
+    Both sit on the attention's critical path (exposed); each costs the ring collectives'
+    alpha-beta time over ``cp`` ranks (:func:`_collective`), on NVLink when ``cp x tp`` ranks
+    fit in a node.
+    """
+    if s.cp <= 1 or s.cp_mode == "ring":
+        return 0.0
+    gpu, sh = gpu_kind(s.gpu, "gpu"), s.shape
+    intra = s.cp * s.tp <= gpu.gpus_per_node
+    kv = 2 * sh.n_kv_heads * sh.head_dim
+    if s.cp_mode == "ulysses":
+        widths = 2 * sh.n_heads * sh.head_dim + kv  # q, k, v in, the output (q wide) back
+        passes = 3 if s.ac == "full" else 2
+        local = s.micro_batch_size * s.seq_len / s.cp
+        return _collective(s.cp, passes * local * widths * 2.0 / s.tp, 2 * passes, intra, gpu, p)
+    full = s.micro_batch_size * s.seq_len * kv * 2.0 / s.tp  # K, V of the whole sequence
+    calls = 3 if s.ac == "full" else 2
+    return _collective(s.cp, calls * full, calls, intra, gpu, p)
 
 
 def predict(s: Setting, p: CostParams) -> Prediction:
@@ -168,7 +201,7 @@ def predict(s: Setting, p: CostParams) -> Prediction:
                             all_reduce=True)
     micro_tokens = s.micro_batch_size * s.seq_len / s.cp
     passes = 4 if s.ac == "full" else 3
-    if s.cp > 1:
+    if s.cp > 1 and s.cp_mode == "ring":
         kv = micro_tokens * 2 * sh.n_kv_heads * sh.head_dim * 2.0 / s.tp
         # a ring pass sends the rank's K, V shard to the next rank, cp - 1 times per pass
         fsdp += n_micro * layers * passes * (s.cp - 1) * _collective(
@@ -185,11 +218,14 @@ def predict(s: Setting, p: CostParams) -> Prediction:
         sends = 2 * n_micro * s.stages_per_rank
         hidden = micro_tokens * sh.dim * 2.0 / s.tp
         pp = _collective(2, 2 * hidden * sends, sends, s.world // s.pp < node, gpu, p)
-    terms = {"compute": compute, "bubble": bubble, "data_parallel": exposed_fsdp, "tp": tp, "pp": pp}
+    cp = context_parallel_seconds(s, p) * n_micro * layers
+    terms = {"compute": compute, "bubble": bubble, "data_parallel": exposed_fsdp, "tp": tp, "pp": pp,
+             "cp": cp}
     step = sum(terms.values())
     tps = tokens / step / s.world
     mfu = tps * model_flops_per_token(sh, s.seq_len) / gpu.bf16_flops
     return Prediction(step, tps, mfu, terms, fsdp)
 
 
-__all__ = ["CostParams", "Prediction", "flops_per_token", "model_flops_per_token", "predict"]
+__all__ = ["CostParams", "Prediction", "context_parallel_seconds", "flops_per_token", "model_flops_per_token",
+           "predict"]

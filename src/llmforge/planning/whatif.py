@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 from llmforge.planning.calibration import FITTED, model_error
+from llmforge.planning.context import attention_extra_bytes
 from llmforge.planning.gpus import gpu_kind
 from llmforge.planning.published import Setting
 from llmforge.planning.step_model import CostParams, Prediction, predict
@@ -39,6 +40,9 @@ def memory_per_rank(s: Setting) -> dict[str, float]:
       ``2 d + 2 q + kv + F`` (:func:`llmforge.models.memory_estimate.analytic_peak`'s
       policy) plus one block recomputed, full ``d`` plus one block recomputed; with pipeline
       stages the first stage holds ``min(pp, micro-batches)`` micro-batches in flight (1F1B);
+      with ``cp > 1`` plus what the attention mode adds (the all-gathered K/V of the whole
+      sequence, or Ulysses' all-to-all buffers:
+      :func:`llmforge.planning.context.attention_extra_bytes`);
     * logits: bf16 and fp32 log-probabilities of one micro-batch, ``6 V`` bytes per token
       ``/ tp``, on the last stage (counted on the first one too: an upper bound).
     """
@@ -62,6 +66,7 @@ def memory_per_rank(s: Setting) -> dict[str, float]:
     n_micro = s.global_batch_size // (s.dp_replicate * s.dp_shard) // s.micro_batch_size
     in_flight = min(s.pp, n_micro) if s.pp > 1 else 1
     act = per_block * layers * in_flight + (none if s.ac != "none" else 0.0)
+    act += attention_extra_bytes(sh, s.cp_mode, s.micro_batch_size, s.seq_len, s.cp, s.tp, s.ac, layers)
     logits = tokens * sh.vocab_size * 6.0 / s.tp
     out = {"state": state, "gathered": gathered, "activations": act, "logits": logits}
     out["total"] = sum(out.values())

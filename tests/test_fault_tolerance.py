@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import DEMO, TINY_OVERRIDES, run_main
-from helpers.dist import free_port, lighthouse, llmforge, torchrun
+from helpers.dist import free_port, llmforge, torchrun
+
+from llmforge.parallel.fault_tolerance import start_lighthouse
 
 pytest.importorskip("torchft", reason="needs the llmforge[ft] extra")
 
@@ -109,7 +111,7 @@ def test_two_groups_equal_ddp_then_lighthouse_lost(tmp_path):
     lighthouse dies: both groups save a checkpoint and exit 75 within quorum_timeout_s."""
     steps = ["scheduler.name=constant"]  # the reference's 4 steps have the groups' lr
     port = free_port()
-    house = lighthouse(port, min_replicas=2)  # both groups in every quorum from step 1
+    house = start_lighthouse(port, min_replicas=2)  # both groups in every quorum from step 1
     try:
         procs = [llmforge(*ft_args(port, g, tmp_path, *steps, "trainer.max_steps=1000",
                                    "fault_tolerance.quorum_timeout_s=10"), log=tmp_path / f"g{g}.log")
@@ -147,7 +149,7 @@ def test_kill_one_group_and_rejoin(tmp_path):
     # both groups paced, so the survivor outlasts the restart (alone it would finish in seconds)
     args = [f"trainer.max_steps={max_steps}", "callbacks=[{name: tests.helpers.slow.SlowSteps, seconds: 0.5}]"]
     port = free_port()
-    house = lighthouse(port, min_replicas=1)
+    house = start_lighthouse(port, min_replicas=1)
     try:
         procs = [llmforge(*ft_args(port, g, tmp_path, *args), log=tmp_path / f"g{g}.log") for g in (0, 1)]
         deadline = time.monotonic() + 300

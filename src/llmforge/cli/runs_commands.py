@@ -67,7 +67,8 @@ def add_parsers(sub: Any, runs_sub: Any) -> None:
     st = runs_sub.add_parser("stop", help="stop a run (it saves a checkpoint and exits 75)")
     st.add_argument("run", metavar="RUN")
     st.add_argument("--no-wait", action="store_true", help="return after signalling")
-    st.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for the processes")
+    st.add_argument("--timeout", type=float, default=180.0,
+                    help="grace period: seconds after SIGTERM before any process still alive gets SIGKILL")
     _debug(st)
     de = runs_sub.add_parser("delete", help="remove a run's record (--purge: and its run directory)")
     de.add_argument("run", metavar="RUN")

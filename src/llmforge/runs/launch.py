@@ -193,8 +193,10 @@ def refresh(registry: RunRegistry) -> list[str]:
 
 def stop(ref: str, *, wait: bool = True, timeout: float = 180.0,
          registry: Optional[RunRegistry] = None) -> RunRecord:
-    """Stop a run through its backend: SIGTERM to a local run's workers (they save and exit 75;
-    waits up to ``timeout`` seconds), or cancel the scheduler job.
+    """Stop a run through its backend: SIGTERM to a local run's workers (they save and exit 75),
+    SIGKILL to any of its processes still alive ``timeout`` seconds later (the grace period;
+    recorded as a ``kill`` event); or cancel the scheduler job (every job of a fault-tolerant
+    run: its replica groups and its lighthouse).
 
     Raises:
         RunNotFound: no such run. ConfigError: the run is not active. LLMForgeError: processes
@@ -206,9 +208,16 @@ def stop(ref: str, *, wait: bool = True, timeout: float = 180.0,
     if not run.active:
         raise ConfigError(f"run {run.id} is already {run.status}; nothing to stop")
     registry.update(run.id, stop_requested=1, event=("stop", "stop requested"))
-    if not backend_of(run).cancel(run, wait=wait, timeout=timeout):
+    backend = backend_of(run)
+    if not backend.cancel(run, wait=wait, timeout=timeout):
         return registry.get(run.id)
-    registry.set_status(run.id, "stopped", "stopped by llmforge runs stop", only_if_active=True)
+    killed = getattr(backend, "killed", None)  # the local backend escalates to SIGKILL
+    if killed:
+        registry.update(run.id, event=("kill", f"processes {', '.join(map(str, killed))} did not exit "
+                                               f"within {timeout:.0f}s of SIGTERM: SIGKILLed"))
+    registry.set_status(run.id, "stopped", "stopped by llmforge runs stop" +
+                        (f" (SIGKILL after {timeout:.0f}s for {len(killed)} processes)" if killed else ""),
+                        only_if_active=True)
     return registry.get(run.id)
 
 

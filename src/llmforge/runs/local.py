@@ -163,13 +163,32 @@ class LocalBackend(Backend):
             return None, ""  # the supervisor and the training record the status themselves
         return "gone", f"process group {run.pgid} is gone without a final status (killed?)"
 
+    kill_wait_s = 10.0
+    """Seconds to wait for the processes to vanish after SIGKILL."""
+
     def cancel(self, run: RunRecord, *, wait: bool = True, timeout: float = 180.0) -> bool:
+        """SIGTERM to the run's workers (they save and exit 75); after ``timeout`` seconds (the
+        grace period) SIGKILL to every process of the run still alive (the pids are then in
+        :attr:`killed`, which ``runs stop`` records). A fault-tolerant run's processes are its
+        supervisor's descendants too: every replica group and the lighthouse.
+
+        Raises:
+            LLMForgeError: processes survived SIGKILL for :attr:`kill_wait_s` seconds (in
+                uninterruptible sleep, say)."""
+        self.killed: list[int] = []
         pids = signal_run(run.pgid, signal.SIGTERM) if run.pgid else []
-        if not wait:
-            return False
-        if not wait_gone(pids, timeout):
+        if not wait or wait_gone(pids, timeout):
+            return wait
+        left = sorted(set(p for p in pids if _exists(p)) | set(run_pids(run.pgid or 0)))
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                self.killed.append(pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if not wait_gone(left, self.kill_wait_s):
             raise LLMForgeError(f"run {run.id}: processes {run_pids(run.pgid or 0)} still alive "
-                                f"{timeout:.0f}s after SIGTERM")
+                                f"{self.kill_wait_s:.0f}s after SIGKILL (SIGTERM {timeout:.0f}s before)")
         return True
 
     def where(self) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEMO, TINY_OVERRIDES, run_main
+from conftest import DEMO, REPO, TINY_OVERRIDES, run_main
 from helpers.dist import free_port, llmforge, torchrun
 
 from llmforge.parallel.fault_tolerance import start_lighthouse
@@ -191,3 +191,46 @@ def test_kill_one_group_and_rejoin(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # never stopped: none of the survivor's steps waited for the restart to rejoin
     assert max(r["time/step_seconds"] for r in kept) < rejoin_s, (rejoin_s, logs)
+
+
+def test_launch_local_groups_describe_and_stop(tmp_path):
+    """`llmforge launch` on local starts the lighthouse and one torchrun job per replica group;
+    `runs describe` shows each group's state, participants and last committed step; `runs stop`
+    stops every group and the lighthouse (SIGKILL for any left after the grace period)."""
+    from llmforge.job.records import RunRegistry
+    from llmforge.runs import local
+
+    home, out = tmp_path / "home", tmp_path / "runs"
+    home.mkdir()
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])  # tests.helpers.slow
+    env = {"LLMFORGE_HOME": str(home), "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    port = free_port()
+    res = run_main("launch", DEMO, *COMMON, f"run.output_dir={out}", "run.name=ft", "trainer.max_steps=1000",
+                   "fault_tolerance.enabled=true", f"fault_tolerance.lighthouse=http://127.0.0.1:{port}",
+                   "callbacks=[{name: tests.helpers.slow.SlowSteps, seconds: 0.3}]", cwd=REPO, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"replica groups: 2 jobs beside it (ft-g0, ft-g1), lighthouse http://127.0.0.1:{port}" in res.stdout
+    run = RunRegistry(home / "runs.db").get(res.stdout.split()[1])
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not all(
+                len(r) >= 2 and r[-1]["ft/participants"] == 2 for r in (records(out / f"ft-g{g}") for g in (0, 1))):
+            time.sleep(0.2)
+        shown = run_main("runs", "describe", run.id, env=env)
+        assert shown.returncode == 0, shown.stderr
+        rows = {ln.split()[0]: ln.split() for ln in shown.stdout.split("replica groups")[1].splitlines()[2:4]}
+        assert f"replica groups (lighthouse http://127.0.0.1:{port}, min_replicas 1)" in shown.stdout, shown.stdout
+        for g in ("0", "1"):  # group, state, restarts, step, participants, committed, run dir
+            assert rows[g][1:3] == ["running", "0"] and rows[g][4] == "2", shown.stdout
+            assert int(rows[g][5]) >= 1 and rows[g][6] == str(out / f"ft-g{g}"), shown.stdout
+        stopped = run_main("runs", "stop", run.id, "--timeout", "120", env=env)
+        assert stopped.returncode == 0 and stopped.stdout.startswith(f"{run.id}: stopped"), \
+            stopped.stdout + stopped.stderr
+        assert local.wait_gone(local.run_pids(run.pgid or 0), 30)  # every group and the lighthouse
+        state = json.loads((out / "ft" / "ft_groups.json").read_text())
+        assert [g["status"] for g in state["groups"]] == ["stopped", "stopped"], state
+        for g in (0, 1):  # each group saved its checkpoint on the stop
+            assert list((out / f"ft-g{g}" / "checkpoints").glob("step_*")), g
+    finally:
+        for pid in local.run_pids(run.pgid or 0):
+            os.kill(pid, signal.SIGKILL)

@@ -23,6 +23,7 @@ import yaml
 from llmforge.config import config_to_dict, load_config, redact
 from llmforge.config.loader import read_config, resolve_config
 from llmforge.errors import ConfigError, LLMForgeError
+from llmforge.job.ft_groups import group_names
 from llmforge.job.records import llmforge_home, new_run_id, RunRecord, RunRegistry
 from llmforge.run_guard import check_run_dir
 from llmforge.runs.backend import Backend, backend_for, backend_of
@@ -93,8 +94,22 @@ def prepare(config_path: str, overrides: Sequence[str] = (), *, cluster: Optiona
         "max_retries": max_retries, "summary": plan.summary(), "cluster_type": target.type,
         "data_workers": int(cfg.data.num_workers),
     }
+    ft = cfg.get("fault_tolerance")
+    if ft is not None and ft.enabled:
+        spec["fault_tolerance"] = ft_spec(cfg, Path(spec["run_dir"]))
     check_job(raw, cfg, spec, backend, local_files=backend.runs_here)
     return cfg, target, plan, spec
+
+
+def ft_spec(cfg: Any, run_dir: Path) -> dict[str, Any]:
+    """The launch of a fault-tolerant run (docs/fault_tolerance.md): the lighthouse the launch
+    starts (at ``fault_tolerance.lighthouse``'s port) and one job per replica group, each with
+    its own run directory beside ``run_dir`` (``<run.name>-g<G>``: runs never nest)."""
+    ft = cfg.fault_tolerance
+    names = group_names(str(cfg.run.name), int(ft.replica_groups))
+    return {"replica_groups": int(ft.replica_groups), "min_replicas": int(ft.min_replicas),
+            "lighthouse": str(ft.lighthouse),
+            "groups": [{"name": n, "run_dir": str(run_dir.parent / n)} for n in names]}
 
 
 def _asks_for_auto(config_path: str, overrides: Sequence[str]) -> bool:
@@ -128,6 +143,12 @@ def _check_run_dir(spec: dict[str, Any], cfg: Any, registry: RunRegistry, backen
     for other in registry.list():
         if other.active and other.run_dir == spec["run_dir"]:
             raise ConfigError(f"run {other.id} is {other.status} in {run_dir}; choose another run.name")
+    for group in (spec.get("fault_tolerance") or {}).get("groups", []):  # each group's own folder
+        folder = Path(group["run_dir"])
+        check_run_dir(folder, "run.name")
+        if ((folder / "metrics.jsonl").exists() or (folder / "checkpoints").is_dir()) and not cfg.checkpoint.resume:
+            raise ConfigError(f"run directory {folder} (replica group {group['name']}) already holds a run: "
+                              "choose another run.name, or continue it with llmforge runs restart RUN")
 
 
 def submit(run: RunRecord, cluster: Cluster, registry: RunRegistry) -> RunRecord:
@@ -273,4 +294,4 @@ def wait_for(run_id: str, statuses: Sequence[str], timeout: float,
 
 
 __all__ = ["LaunchResult", "launch", "prepare", "refresh", "restart", "stop", "submit", "wait_for",
-           "definition"]
+           "definition", "ft_spec"]

@@ -18,11 +18,14 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Mapping, Optional
+from urllib.parse import urlsplit
 
 from llmforge.errors import LLMForgeError
+from llmforge.job.ft_groups import group_overrides
 from llmforge.job.records import RunRecord
 from llmforge.job.supervisor import torchrun_command
 from llmforge.job.torchrun import proc_table as _proc_table
+from llmforge.parallel.fault_tolerance import lighthouse_command
 from llmforge.run_guard import mark_run_dir
 from llmforge.runs.backend import Backend
 from llmforge.runs.cluster_types import LocalCluster
@@ -136,6 +139,8 @@ class LocalBackend(Backend):
     runs_here = True
 
     def render(self, run_id: str, name: str, spec: dict[str, Any], resumption: int = 0) -> str:
+        if spec.get("fault_tolerance"):
+            return self.render_groups(spec, resumption)
         cmd = torchrun_command(spec, resume=resumption > 0)
         env = ", ".join(spec["secrets"]) or "none"
         log = shlex.quote(f"{spec['run_dir']}/logs/resumption-{resumption}.log")
@@ -143,6 +148,22 @@ class LocalBackend(Backend):
         # so that a printed line is the one command it stands for
         return (f"# local: a detached supervisor runs, in {shlex.quote(spec['workdir'])} (output in "
                 f"{log}; secrets forwarded: {env}):\n" + shlex.join(cmd) + "\n")
+
+    def render_groups(self, spec: dict[str, Any], resumption: int) -> str:
+        """A fault-tolerant run: the lighthouse and one torchrun per replica group
+        (:mod:`llmforge.job.ft_groups`)."""
+        ft = spec["fault_tolerance"]
+        where = urlsplit(ft["lighthouse"])
+        house = lighthouse_command(f"{where.hostname}:{where.port}", ft["min_replicas"])
+        lines = [f"# local: a detached supervisor runs, in {shlex.quote(spec['workdir'])}, torchft's lighthouse "
+                 f"(output in {shlex.quote(spec['run_dir'] + '/logs/lighthouse.log')}):",
+                 shlex.join([Path(house[0]).name, *house[1:]])]
+        for g in range(len(ft["groups"])):
+            cmd = torchrun_command({**spec, "overrides": group_overrides(spec, g)}, resume=resumption > 0)
+            log = shlex.quote(f"{spec['run_dir']}/logs/group-{g}.log")
+            lines += [f"# replica group {g} (output in {log}; restarted alone when lost, up to "
+                      f"scheduling.max_retries={spec.get('max_retries', 0)} times):", shlex.join(cmd)]
+        return "\n".join(lines) + "\n"
 
     def job_environment(self, spec: dict[str, Any], env: Optional[Mapping[str, str]] = None) -> dict[str, str]:
         out = job_environment(spec["secrets"], env)

@@ -61,6 +61,7 @@ def test_fault_tolerance_bad_input(tiny_overrides, tmp_path):
     cases = {
         "fault_tolerance.min_replicas": ["fault_tolerance.min_replicas=3"],
         "strategy.name=ddp": ["strategy.name=ddp", "trainer.devices=2"],
+        "strategy.name=fsdp2": ["strategy.name=fsdp2", "trainer.devices=2"],  # no FSDP2 inside a group
         "fault_tolerance.lighthouse": [f"fault_tolerance.lighthouse=http://127.0.0.1:{free_port()}"],
     }
     for key, extra in cases.items():

@@ -372,10 +372,12 @@ def _check_fault_tolerance(cfg: Any, world: int) -> None:
                           f"`torchft_lighthouse --bind HOST:PORT` listens), got {ft.lighthouse!r}")
     if cfg.strategy.name not in ("auto", "single") or world != 1:
         raise ConfigError(
-            f"fault_tolerance.enabled runs each replica group as one process here, but "
-            f"strategy.name={cfg.strategy.name} with world size {world} was asked for: FSDP2/DDP "
-            "inside a group is not supported yet; set strategy.name=auto and trainer.devices=1 "
-            "(more groups via fault_tolerance.replica_groups)")
+            f"fault_tolerance.enabled runs each replica group as one process, but "
+            f"strategy.name={cfg.strategy.name} with world size {world} was asked for: FSDP2, DDP, "
+            "TP or PP inside a replica group is not supported by this version of llmforge "
+            "(see docs/fault_tolerance.md); set strategy.name=auto and trainer.devices=1 "
+            "and scale with fault_tolerance.replica_groups, or turn fault_tolerance.enabled off "
+            "for an HSDP run (strategy.dp_replicate x strategy.dp_shard)")
     if cfg.data.streaming or cfg.data.mixture or cfg.data.task != "pretrain":
         raise ConfigError(
             "fault_tolerance.enabled needs data whose position is the step (in-memory "

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import DEMO, REPO, TINY_OVERRIDES, run_main
-from helpers.dist import free_port, llmforge, torchrun
+from helpers.dist import free_port, llmforge, torchrun, torchrun_job
 
 from llmforge.parallel.fault_tolerance import start_lighthouse
 
@@ -235,3 +235,54 @@ def test_launch_local_groups_describe_and_stop(tmp_path):
     finally:
         for pid in local.run_pids(run.pgid or 0):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_two_groups_of_two_fsdp2_ranks_equal_hsdp_then_kill_and_rejoin(tmp_path):
+    """2 groups x 2 processes, FSDP2 inside each group, torchft's managed group across them
+    (the replicate dimension). min_replicas 2: both groups in every step. Steps 1..3 without a
+    failure equal a plain 4-rank HSDP run (dp_replicate=2, dp_shard=2) within 1e-5; then group 1
+    is SIGKILLed (its launcher and both workers), restarted, receives the live shards from
+    group 0 rank by rank, and from its rejoin on equals group 0 bit for bit at every step."""
+    max_steps, kill_at = 10, 3
+    fsdp = ["strategy.name=fsdp2", "trainer.devices=2", "scheduler.name=constant", f"trainer.max_steps={max_steps}",
+            "fault_tolerance.min_replicas=2", "fault_tolerance.quorum_timeout_s=400"]
+    port = free_port()
+    house = start_lighthouse(port, min_replicas=2)
+    try:
+        procs = [torchrun_job("-m", "llmforge", *ft_args(port, g, tmp_path, *fsdp), nproc=2,
+                              log=tmp_path / f"g{g}.log") for g in (0, 1)]
+        deadline = time.monotonic() + 500
+        while len(records(tmp_path / "g1")) < kill_at and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in procs), (tmp_path / "g1.log").read_text()[-3000:]
+            time.sleep(0.1)
+        procs[1].kill()  # the launcher: its workers die with it (PR_SET_PDEATHSIG)
+        procs[1].wait()
+        last = records(tmp_path / "g1")[-1]["step"]
+        procs[1] = torchrun_job("-m", "llmforge", *ft_args(port, 1, tmp_path, *fsdp, "checkpoint.resume=auto"),
+                                nproc=2, log=tmp_path / "g1.log")
+        codes = wait_all(procs, 500)
+    finally:
+        house.kill()
+    logs = "".join((tmp_path / f"g{g}.log").read_text()[-3000:] for g in (0, 1))
+    assert codes == [0, 0], logs
+    kept, rejoined = records(tmp_path / "g0"), records(tmp_path / "g1")
+    assert [r["step"] for r in kept] == list(range(1, max_steps + 1)), logs
+    first = min(r["step"] for r in rejoined if r["step"] > last)
+    by_step = {r["step"]: r for r in kept}
+    after = [r for r in rejoined if r["step"] >= first]
+    assert [r["step"] for r in after] == list(range(first, max_steps + 1))
+    for r in after:  # the same averaged shards, so the same weights, after every step
+        s = by_step[r["step"]]
+        assert (r["train/loss"], r["train/grad_norm"], r["ft/participants"]) == \
+            (s["train/loss"], s["train/grad_norm"], 2), (r, s)
+    a, b = final_weights(tmp_path / "g0"), final_weights(tmp_path / "g1")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    hsdp = torchrun("-m", "llmforge", "train", DEMO, *COMMON, "scheduler.name=constant",
+                    f"trainer.max_steps={kill_at}", f"run.output_dir={tmp_path}", "run.name=hsdp",
+                    "strategy.name=fsdp2", "strategy.dp_replicate=2", "strategy.dp_shard=2", "trainer.devices=4",
+                    nproc=4, timeout=500)
+    assert hsdp.returncode == 0, hsdp.stderr[-3000:]
+    for a, b in zip(kept[:kill_at], records(tmp_path / "hsdp"), strict=True):
+        assert a["ft/participants"] == 2 and abs(a["train/loss"] - b["train/loss"]) < 1e-5, (a, b)
+        assert abs(a["train/grad_norm"] - b["train/grad_norm"]) < 1e-5, (a, b)
+        assert a["train/tokens_seen"] == b["train/tokens_seen"], (a, b)

@@ -54,3 +54,16 @@ def llmforge(*args: str, log: Path, env: dict | None = None) -> subprocess.Popen
     with open(log, "ab") as out:
         return subprocess.Popen([sys.executable, "-m", "llmforge", *args], stdout=out,
                                 stderr=subprocess.STDOUT, env=full_env, cwd=REPO)
+
+
+def torchrun_job(*args: str, nproc: int, log: Path, env: dict | None = None) -> subprocess.Popen:
+    """Start llmforge's launcher (``python -m llmforge.job.torchrun --standalone``, torchrun's
+    arguments; its workers die with it) with NPROC workers running ARGS, output into ``log``;
+    the caller waits. A SIGKILL of the returned process ends every worker of the job."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")]),
+                **(env or {})}
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "llmforge.job.torchrun", "--standalone",
+                                 "--nproc-per-node", str(nproc), *args], stdout=out,
+                                stderr=subprocess.STDOUT, env=full_env, cwd=REPO)

@@ -61,7 +61,7 @@ def test_fault_tolerance_bad_input(tiny_overrides, tmp_path):
     cases = {
         "fault_tolerance.min_replicas": ["fault_tolerance.min_replicas=3"],
         "strategy.name=ddp": ["strategy.name=ddp", "trainer.devices=2"],
-        "strategy.name=fsdp2": ["strategy.name=fsdp2", "trainer.devices=2"],  # no FSDP2 inside a group
+        "strategy.name=fsdp2": ["strategy.name=fsdp2", "strategy.tp=2", "trainer.devices=2"],  # FSDP2 alone
         "fault_tolerance.lighthouse": [f"fault_tolerance.lighthouse=http://127.0.0.1:{free_port()}"],
     }
     for key, extra in cases.items():
@@ -244,7 +244,8 @@ def test_two_groups_of_two_fsdp2_ranks_equal_hsdp_then_kill_and_rejoin(tmp_path)
     is SIGKILLed (its launcher and both workers), restarted, receives the live shards from
     group 0 rank by rank, and from its rejoin on equals group 0 bit for bit at every step."""
     max_steps, kill_at = 10, 3
-    fsdp = ["strategy.name=fsdp2", "trainer.devices=2", "scheduler.name=constant", f"trainer.max_steps={max_steps}",
+    fsdp = ["strategy.name=fsdp2", "trainer.devices=2", "trainer.micro_batch_size=4", "scheduler.name=constant",
+            f"trainer.max_steps={max_steps}",
             "fault_tolerance.min_replicas=2", "fault_tolerance.quorum_timeout_s=400"]
     port = free_port()
     house = start_lighthouse(port, min_replicas=2)
@@ -277,7 +278,7 @@ def test_two_groups_of_two_fsdp2_ranks_equal_hsdp_then_kill_and_rejoin(tmp_path)
             (s["train/loss"], s["train/grad_norm"], 2), (r, s)
     a, b = final_weights(tmp_path / "g0"), final_weights(tmp_path / "g1")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    hsdp = torchrun("-m", "llmforge", "train", DEMO, *COMMON, "scheduler.name=constant",
+    hsdp = torchrun("-m", "llmforge", "train", DEMO, *COMMON, "scheduler.name=constant", "trainer.micro_batch_size=4",
                     f"trainer.max_steps={kill_at}", f"run.output_dir={tmp_path}", "run.name=hsdp",
                     "strategy.name=fsdp2", "strategy.dp_replicate=2", "strategy.dp_shard=2", "trainer.devices=4",
                     nproc=4, timeout=500)

@@ -10,7 +10,10 @@ Lightning callback acting on llmforge's events) does what torchft prescribes for
    one of the quorum's step (``batch_for_step``), so its data position follows the step.
 2. ``AFTER_BACKWARD`` of the last micro-batch: every gradient is summed over the participating
    groups through torchft's managed process group and divided by their number (one flat
-   buffer), before clipping, so each group clips and steps the same averaged gradient.
+   buffer), before clipping, so each group clips and steps the same averaged gradient. With
+   FSDP2 inside a group each rank runs its own Manager and sums its gradients' local shards
+   (already reduce-scattered in the group) with the same rank of the other groups: HSDP's
+   replicate dimension; a rejoining rank receives its shards from the same rank of a peer.
 3. ``BEFORE_OPTIMIZER_STEP`` (after every other handler): ``train/loss`` averaged over the
    participants, then ``Manager.should_commit()``; a step the quorum does not commit (a peer
    died during it, too few replicas, an error) is skipped like any skipped step of llmforge:

@@ -35,8 +35,8 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
@@ -123,7 +123,7 @@ def start_lighthouse(port: int, host: str = "127.0.0.1", min_replicas: int = 1, 
     """Start torchft's lighthouse on ``HOST:PORT`` (:func:`lighthouse_command`) and return its
     process once it accepts connections; the caller stops it (``proc.kill()``).
 
-    The one lighthouse starter of llmforge: ``llmforge launch`` (``fault_tolerance.launch``),
+    The one lighthouse starter of llmforge: ``llmforge launch`` (:mod:`llmforge.job.ft_groups`),
     ``benchmarks/ft.py`` and the tests use it. ``log``: a file for its output (else discarded);
     ``detach``: in a session of its own (it outlives the caller's terminal and process group).
 

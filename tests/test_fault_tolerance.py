@@ -196,8 +196,9 @@ def test_kill_one_group_and_rejoin(tmp_path):
 
 def test_launch_local_groups_describe_and_stop(tmp_path):
     """`llmforge launch` on local starts the lighthouse and one torchrun job per replica group;
-    `runs describe` shows each group's state, participants and last committed step; `runs stop`
-    stops every group and the lighthouse (SIGKILL for any left after the grace period)."""
+    `runs describe` shows each group's state, participants and last committed step; a group
+    whose launcher is SIGKILLed is restarted alone (scheduling.max_retries=1) and rejoins;
+    `runs stop` stops every group and the lighthouse."""
     from llmforge.job.records import RunRegistry
     from llmforge.runs import local
 
@@ -207,6 +208,7 @@ def test_launch_local_groups_describe_and_stop(tmp_path):
     env = {"LLMFORGE_HOME": str(home), "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     port = free_port()
     res = run_main("launch", DEMO, *COMMON, f"run.output_dir={out}", "run.name=ft", "trainer.max_steps=1000",
+                   "scheduling.max_retries=1",
                    "fault_tolerance.enabled=true", f"fault_tolerance.lighthouse=http://127.0.0.1:{port}",
                    "callbacks=[{name: tests.helpers.slow.SlowSteps, seconds: 0.3}]", cwd=REPO, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -224,6 +226,17 @@ def test_launch_local_groups_describe_and_stop(tmp_path):
         for g in ("0", "1"):  # group, state, restarts, step, participants, committed, run dir
             assert rows[g][1:3] == ["running", "0"] and rows[g][4] == "2", shown.stdout
             assert int(rows[g][5]) >= 1 and rows[g][6] == str(out / f"ft-g{g}"), shown.stdout
+        # a lost group: the supervisor restarts it alone, it rejoins from the other
+        group1 = json.loads((out / "ft" / "ft_groups.json").read_text())["groups"][1]
+        last = records(out / "ft-g1")[-1]["step"]
+        os.kill(group1["pid"], signal.SIGKILL)  # its launcher: the workers die with it
+        while time.monotonic() < deadline and not any(
+                r["step"] > last + 1 and r["ft/participants"] == 2 for r in records(out / "ft-g1")):
+            time.sleep(0.2)
+        state = json.loads((out / "ft" / "ft_groups.json").read_text())
+        assert [(g["status"], g["restarts"]) for g in state["groups"]] == [("running", 0), ("running", 1)], state
+        assert any(e["kind"] == "restart" and "replica group 1: exit code -9; restart 1/1" in e["detail"]
+                   for e in RunRegistry(home / "runs.db").events(run.id))
         stopped = run_main("runs", "stop", run.id, "--timeout", "120", env=env)
         assert stopped.returncode == 0 and stopped.stdout.startswith(f"{run.id}: stopped"), \
             stopped.stdout + stopped.stderr

@@ -342,3 +342,16 @@ def test_stop_escalates_to_sigkill_for_a_process_that_ignores_sigterm(home, caps
     finally:
         if job.poll() is None:
             job.kill()
+
+
+def test_logs_of_a_fault_tolerant_local_run_are_group_0s(home, capsys):
+    run_dir = home / "runs" / "ft"
+    (run_dir / "logs").mkdir(parents=True)
+    spec = {"fault_tolerance": {"groups": [{"name": "ft-g0"}, {"name": "ft-g1"}]}}
+    run = RunRegistry().create("ft", "local", "local", spec=spec, run_dir=str(run_dir))
+    assert main(["runs", "logs", run.id]) == 2
+    assert capsys.readouterr().err == (f"error: no log {run_dir}/logs/group-0.log (resumptions of this run: 0..0); "
+                                       f"replica group 0's log; the other groups': {run_dir}/logs/group-1.log; "
+                                       f"the lighthouse's: {run_dir}/logs/lighthouse.log\n")
+    (run_dir / "logs" / "group-0.log").write_text("step 1\n")
+    assert main(["runs", "logs", run.id]) == 0 and capsys.readouterr().out == "step 1\n"

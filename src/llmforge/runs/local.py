@@ -212,6 +212,17 @@ class LocalBackend(Backend):
                                 f"{self.kill_wait_s:.0f}s after SIGKILL (SIGTERM {timeout:.0f}s before)")
         return True
 
+    def logs(self, run: RunRecord, resumption: int) -> tuple[Path, str]:
+        """A fault-tolerant run's log is replica group 0's (``logs/group-0.log``; the hint names
+        the other groups' and the lighthouse's); else the resumption's."""
+        ft = run.spec.get("fault_tolerance")
+        if not ft:
+            return super().logs(run, resumption)
+        folder = Path(run.run_dir or "") / "logs"
+        others = [str(folder / f"group-{g}.log") for g in range(1, len(ft["groups"]))]
+        return folder / "group-0.log", (f"; replica group 0's log; the other groups': {', '.join(others)}; "
+                                        f"the lighthouse's: {folder / 'lighthouse.log'}")
+
     def where(self) -> str:
         gpus = self.cluster.gpus_per_node if self.cluster else 0
         return "this machine" + ("" if gpus else " (CPU processes, gloo)")

@@ -39,6 +39,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from llmforge.parallel.fault_tolerance import start_lighthouse  # noqa: E402  (after the path)
+
 DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
 BASE = ["trainer.progress_bar=false", "trainer.eval_every=0", "trainer.eval_batches=1",
         "trainer.log_every=1", "data.num_workers=0", "scheduler.warmup_steps=2"]
@@ -53,22 +55,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def lighthouse(port: int, min_replicas: int) -> subprocess.Popen:
-    exe = shutil.which("torchft_lighthouse") or str(Path(sys.executable).parent / "torchft_lighthouse")
-    proc = subprocess.Popen([exe, "--min_replicas", str(min_replicas), "--join_timeout_ms", "1000",
-                             "--heartbeat_timeout_ms", "2000", "--quorum_tick_ms", "100",
-                             "--bind", f"127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise SystemExit(f"torchft_lighthouse did not start on port {port}")
 
 
 def start(args: list[str], log: Path, nproc: int = 1) -> subprocess.Popen:
@@ -114,7 +100,7 @@ def overhead(common: list[str], work: Path, warmup: int) -> tuple[float, float]:
     finish([start([*common, f"run.output_dir={work}", "run.name=ddp", "strategy.name=ddp",
                    "trainer.devices=2"], work / "ddp.log", nproc=2)], 1800, work)
     port = free_port()
-    house = lighthouse(port, min_replicas=2)  # both groups in every step
+    house = start_lighthouse(port, min_replicas=2)  # both groups in every step
     try:
         finish([start(group_args(common, port, g, work / "on"), work / f"on{g}.log") for g in (0, 1)],
                1800, work)
@@ -136,7 +122,7 @@ def kill_and_rejoin(common: list[str], work: Path, kill_at: int, steps: int) -> 
     import torch
 
     port = free_port()
-    house = lighthouse(port, min_replicas=1)
+    house = start_lighthouse(port, min_replicas=1)
     try:
         procs = [start(group_args(common, port, g, work), work / f"g{g}.log") for g in (0, 1)]
         while min(len(records(work / f"g{g}")) for g in (0, 1)) < kill_at:

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEMO, TINY_OVERRIDES, run_main
-from helpers.dist import free_port, lighthouse, llmforge, torchrun
+from conftest import DEMO, REPO, TINY_OVERRIDES, run_main
+from helpers.dist import free_port, llmforge, torchrun, torchrun_job
+
+from llmforge.parallel.fault_tolerance import start_lighthouse
 
 pytest.importorskip("torchft", reason="needs the llmforge[ft] extra")
 
@@ -59,6 +61,7 @@ def test_fault_tolerance_bad_input(tiny_overrides, tmp_path):
     cases = {
         "fault_tolerance.min_replicas": ["fault_tolerance.min_replicas=3"],
         "strategy.name=ddp": ["strategy.name=ddp", "trainer.devices=2"],
+        "strategy.name=fsdp2": ["strategy.name=fsdp2", "strategy.tp=2", "trainer.devices=2"],  # FSDP2 alone
         "fault_tolerance.lighthouse": [f"fault_tolerance.lighthouse=http://127.0.0.1:{free_port()}"],
     }
     for key, extra in cases.items():
@@ -109,7 +112,7 @@ def test_two_groups_equal_ddp_then_lighthouse_lost(tmp_path):
     lighthouse dies: both groups save a checkpoint and exit 75 within quorum_timeout_s."""
     steps = ["scheduler.name=constant"]  # the reference's 4 steps have the groups' lr
     port = free_port()
-    house = lighthouse(port, min_replicas=2)  # both groups in every quorum from step 1
+    house = start_lighthouse(port, min_replicas=2)  # both groups in every quorum from step 1
     try:
         procs = [llmforge(*ft_args(port, g, tmp_path, *steps, "trainer.max_steps=1000",
                                    "fault_tolerance.quorum_timeout_s=10"), log=tmp_path / f"g{g}.log")
@@ -147,7 +150,7 @@ def test_kill_one_group_and_rejoin(tmp_path):
     # both groups paced, so the survivor outlasts the restart (alone it would finish in seconds)
     args = [f"trainer.max_steps={max_steps}", "callbacks=[{name: tests.helpers.slow.SlowSteps, seconds: 0.5}]"]
     port = free_port()
-    house = lighthouse(port, min_replicas=1)
+    house = start_lighthouse(port, min_replicas=1)
     try:
         procs = [llmforge(*ft_args(port, g, tmp_path, *args), log=tmp_path / f"g{g}.log") for g in (0, 1)]
         deadline = time.monotonic() + 300
@@ -189,3 +192,111 @@ def test_kill_one_group_and_rejoin(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # never stopped: none of the survivor's steps waited for the restart to rejoin
     assert max(r["time/step_seconds"] for r in kept) < rejoin_s, (rejoin_s, logs)
+
+
+def test_launch_local_groups_describe_and_stop(tmp_path):
+    """`llmforge launch` on local starts the lighthouse and one torchrun job per replica group;
+    `runs describe` shows each group's state, participants and last committed step; a group
+    whose launcher is SIGKILLed is restarted alone (scheduling.max_retries=1) and rejoins;
+    `runs stop` stops every group and the lighthouse."""
+    from llmforge.job.records import RunRegistry
+    from llmforge.runs import local
+
+    home, out = tmp_path / "home", tmp_path / "runs"
+    home.mkdir()
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])  # tests.helpers.slow
+    env = {"LLMFORGE_HOME": str(home), "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    port = free_port()
+    res = run_main("launch", DEMO, *COMMON, f"run.output_dir={out}", "run.name=ft", "trainer.max_steps=1000",
+                   "scheduling.max_retries=1",
+                   "fault_tolerance.enabled=true", f"fault_tolerance.lighthouse=http://127.0.0.1:{port}",
+                   "callbacks=[{name: tests.helpers.slow.SlowSteps, seconds: 0.3}]", cwd=REPO, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"replica groups: 2 jobs beside it (ft-g0, ft-g1), lighthouse http://127.0.0.1:{port}" in res.stdout
+    run = RunRegistry(home / "runs.db").get(res.stdout.split()[1])
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not all(
+                len(r) >= 2 and r[-1]["ft/participants"] == 2 for r in (records(out / f"ft-g{g}") for g in (0, 1))):
+            time.sleep(0.2)
+        shown = run_main("runs", "describe", run.id, env=env)
+        assert shown.returncode == 0, shown.stderr
+        rows = {ln.split()[0]: ln.split() for ln in shown.stdout.split("replica groups")[1].splitlines()[2:4]}
+        assert f"replica groups (lighthouse http://127.0.0.1:{port}, min_replicas 1)" in shown.stdout, shown.stdout
+        for g in ("0", "1"):  # group, state, restarts, step, participants, committed, run dir
+            assert rows[g][1:3] == ["running", "0"] and rows[g][4] == "2", shown.stdout
+            assert int(rows[g][5]) >= 1 and rows[g][6] == str(out / f"ft-g{g}"), shown.stdout
+        # a lost group: the supervisor restarts it alone, it rejoins from the other
+        group1 = json.loads((out / "ft" / "ft_groups.json").read_text())["groups"][1]
+        last = records(out / "ft-g1")[-1]["step"]
+        os.kill(group1["pid"], signal.SIGKILL)  # its launcher: the workers die with it
+        while time.monotonic() < deadline and not any(
+                r["step"] > last + 1 and r["ft/participants"] == 2 for r in records(out / "ft-g1")):
+            time.sleep(0.2)
+        state = json.loads((out / "ft" / "ft_groups.json").read_text())
+        assert [(g["status"], g["restarts"]) for g in state["groups"]] == [("running", 0), ("running", 1)], state
+        assert any(e["kind"] == "restart" and "replica group 1: exit code -9; restart 1/1" in e["detail"]
+                   for e in RunRegistry(home / "runs.db").events(run.id))
+        stopped = run_main("runs", "stop", run.id, "--timeout", "120", env=env)
+        assert stopped.returncode == 0 and stopped.stdout.startswith(f"{run.id}: stopped"), \
+            stopped.stdout + stopped.stderr
+        assert local.wait_gone(local.run_pids(run.pgid or 0), 30)  # every group and the lighthouse
+        state = json.loads((out / "ft" / "ft_groups.json").read_text())
+        assert [g["status"] for g in state["groups"]] == ["stopped", "stopped"], state
+        for g in (0, 1):  # each group saved its checkpoint on the stop
+            assert list((out / f"ft-g{g}" / "checkpoints").glob("step_*")), g
+    finally:
+        for pid in local.run_pids(run.pgid or 0):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_two_groups_of_two_fsdp2_ranks_equal_hsdp_then_kill_and_rejoin(tmp_path):
+    """2 groups x 2 processes, FSDP2 inside each group, torchft's managed group across them
+    (the replicate dimension). min_replicas 2: both groups in every step. Steps 1..3 without a
+    failure equal a plain 4-rank HSDP run (dp_replicate=2, dp_shard=2) within 1e-5; then group 1
+    is SIGKILLed (its launcher and both workers), restarted, receives the live shards from
+    group 0 rank by rank, and from its rejoin on equals group 0 bit for bit at every step."""
+    max_steps, kill_at = 10, 3
+    fsdp = ["strategy.name=fsdp2", "trainer.devices=2", "trainer.micro_batch_size=4", "scheduler.name=constant",
+            f"trainer.max_steps={max_steps}",
+            "fault_tolerance.min_replicas=2", "fault_tolerance.quorum_timeout_s=400"]
+    port = free_port()
+    house = start_lighthouse(port, min_replicas=2)
+    try:
+        procs = [torchrun_job("-m", "llmforge", *ft_args(port, g, tmp_path, *fsdp), nproc=2,
+                              log=tmp_path / f"g{g}.log") for g in (0, 1)]
+        deadline = time.monotonic() + 500
+        while len(records(tmp_path / "g1")) < kill_at and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in procs), (tmp_path / "g1.log").read_text()[-3000:]
+            time.sleep(0.1)
+        procs[1].kill()  # the launcher: its workers die with it (PR_SET_PDEATHSIG)
+        procs[1].wait()
+        last = records(tmp_path / "g1")[-1]["step"]
+        procs[1] = torchrun_job("-m", "llmforge", *ft_args(port, 1, tmp_path, *fsdp, "checkpoint.resume=auto"),
+                                nproc=2, log=tmp_path / "g1.log")
+        codes = wait_all(procs, 500)
+    finally:
+        house.kill()
+    logs = "".join((tmp_path / f"g{g}.log").read_text()[-3000:] for g in (0, 1))
+    assert codes == [0, 0], logs
+    kept, rejoined = records(tmp_path / "g0"), records(tmp_path / "g1")
+    assert [r["step"] for r in kept] == list(range(1, max_steps + 1)), logs
+    first = min(r["step"] for r in rejoined if r["step"] > last)
+    by_step = {r["step"]: r for r in kept}
+    after = [r for r in rejoined if r["step"] >= first]
+    assert [r["step"] for r in after] == list(range(first, max_steps + 1))
+    for r in after:  # the same averaged shards, so the same weights, after every step
+        s = by_step[r["step"]]
+        assert (r["train/loss"], r["train/grad_norm"], r["ft/participants"]) == \
+            (s["train/loss"], s["train/grad_norm"], 2), (r, s)
+    a, b = final_weights(tmp_path / "g0"), final_weights(tmp_path / "g1")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    hsdp = torchrun("-m", "llmforge", "train", DEMO, *COMMON, "scheduler.name=constant", "trainer.micro_batch_size=4",
+                    f"trainer.max_steps={kill_at}", f"run.output_dir={tmp_path}", "run.name=hsdp",
+                    "strategy.name=fsdp2", "strategy.dp_replicate=2", "strategy.dp_shard=2", "trainer.devices=4",
+                    nproc=4, timeout=500)
+    assert hsdp.returncode == 0, hsdp.stderr[-3000:]
+    for a, b in zip(kept[:kill_at], records(tmp_path / "hsdp"), strict=True):
+        assert a["ft/participants"] == 2 and abs(a["train/loss"] - b["train/loss"]) < 1e-5, (a, b)
+        assert abs(a["train/grad_norm"] - b["train/grad_norm"]) < 1e-5, (a, b)
+        assert a["train/tokens_seen"] == b["train/tokens_seen"], (a, b)

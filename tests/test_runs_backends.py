@@ -10,6 +10,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -321,3 +322,36 @@ def test_default_cancel_calls_stop_job_and_scheduler_variables_join_the_environm
     assert env == {"HF_TOKEN": "x", "LLMFORGE_RUN_ID": "<set by the job>",
                    "LLMFORGE_HOME": "<set by the job>", "PYTHONUNBUFFERED": "<set by the job>",
                    "QUEUE_RANK": "<set by the queue>"}
+
+
+def test_stop_escalates_to_sigkill_for_a_process_that_ignores_sigterm(home, capsys):
+    # a local run's process that ignores SIGTERM (sh's `trap '' TERM` is inherited by sleep)
+    job = subprocess.Popen(["sh", "-c", "trap '' TERM; sleep 60 & wait; sleep 60"], start_new_session=True)
+    try:
+        reg = RunRegistry()
+        run = reg.create("stuck", "local", "local", pgid=job.pid)
+        reg.set_status(run.id, "running", "training started")
+        time.sleep(0.3)  # sh has set its trap
+        assert main(["runs", "stop", run.id, "--timeout", "1"]) == 0
+        assert job.wait(timeout=5) == -9  # SIGTERM ignored, SIGKILL after the 1 s grace period
+        now = reg.get(run.id)
+        assert now.status == "stopped" and now.message is None
+        kill = [e for e in reg.events(run.id) if e["kind"] == "kill"]
+        assert len(kill) == 1 and str(job.pid) in kill[0]["detail"] and "within 1s of SIGTERM" in kill[0]["detail"]
+        assert capsys.readouterr().out == f"{run.id}: stopped\n"
+    finally:
+        if job.poll() is None:
+            job.kill()
+
+
+def test_logs_of_a_fault_tolerant_local_run_are_group_0s(home, capsys):
+    run_dir = home / "runs" / "ft"
+    (run_dir / "logs").mkdir(parents=True)
+    spec = {"fault_tolerance": {"groups": [{"name": "ft-g0"}, {"name": "ft-g1"}]}}
+    run = RunRegistry().create("ft", "local", "local", spec=spec, run_dir=str(run_dir))
+    assert main(["runs", "logs", run.id]) == 2
+    assert capsys.readouterr().err == (f"error: no log {run_dir}/logs/group-0.log (resumptions of this run: 0..0); "
+                                       f"replica group 0's log; the other groups': {run_dir}/logs/group-1.log; "
+                                       f"the lighthouse's: {run_dir}/logs/lighthouse.log\n")
+    (run_dir / "logs" / "group-0.log").write_text("step 1\n")
+    assert main(["runs", "logs", run.id]) == 0 and capsys.readouterr().out == "step 1\n"

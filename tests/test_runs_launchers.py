@@ -377,3 +377,60 @@ def test_a_percent_in_the_run_directory_is_literal_in_sbatch_output(home):
     output = [shlex.split(ln[len("#SBATCH "):])[0] for ln in lines if ln.startswith("#SBATCH --output=")]
     assert output == ["--output=/r/100%%u/logs/slurm-%j.log"]
     assert "mkdir -p /r/100%u/logs" in lines  # the folder itself is the literal name
+
+
+def test_fault_tolerant_slurm_launch_is_a_lighthouse_job_and_one_job_per_group(home, tmp_path, monkeypatch, capsys):
+    """No controller: fake sbatch/squeue/scancel record their arguments. The lighthouse's job
+    goes first; each group's job starts after it, reads its host and names it to the training."""
+    from llmforge.cli import main
+    from llmforge.job.records import RunRegistry
+    from llmforge.run_guard.marks import is_run_dir
+    from llmforge.runs.launch import launch
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fakes = {"sbatch": 'n=$(cat "$D/n" 2>/dev/null || echo 100); n=$((n + 1)); echo $n > "$D/n"; '
+                       'echo "$@" >> "$D/sbatch.args"; echo $n',
+             "squeue": 'echo "$@" >> "$D/squeue.args"; echo RUNNING', "scancel": 'echo "$@" >> "$D/scancel.args"'}
+    for name, body in fakes.items():
+        (bin_dir / name).write_text(f'#!/bin/sh\nD="$(dirname "$0")"\n{body}\n')
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    out = tmp_path / "runs"
+    res = launch(DEMO, [f"run.output_dir={out}", "run.name=ft", "fault_tolerance.enabled=true",
+                        "fault_tolerance.replica_groups=2", "fault_tolerance.lighthouse=http://127.0.0.1:29600"],
+                 cluster="big", gpus=1)
+    run = RunRegistry().get(res.run.id)
+    assert run.job_id == "101,102,103" and run.status == "pending"
+    launch_dir = out / "ft" / "launch"
+    calls = (bin_dir / "sbatch.args").read_text().splitlines()
+    assert calls == [f"--parsable {launch_dir}/lighthouse.sh",
+                     f"--parsable --dependency=after:101 {launch_dir}/group-0.sh",
+                     f"--parsable --dependency=after:101 {launch_dir}/group-1.sh"]
+    house = (launch_dir / "lighthouse.sh").read_text()
+    for line in ("#SBATCH --job-name=ft-lighthouse", "#SBATCH --nodes=1", "#SBATCH --ntasks=1",
+                 "#SBATCH --partition=gpu", "#SBATCH --time=04:00:00", "source /opt/venv/bin/activate",
+                 'hostname > "$HOST_FILE.tmp" && mv "$HOST_FILE.tmp" "$HOST_FILE"',
+                 "exec torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000 --heartbeat_timeout_ms 2000 "
+                 "--quorum_tick_ms 100 --bind 0.0.0.0:29600"):
+        assert line in house.splitlines(), line
+    assert "gpus-per-node" not in house and "--requeue" not in house
+    for g in (0, 1):
+        script = (launch_dir / f"group-{g}.sh").read_text()
+        check = subprocess.run(["bash", "-n", str(launch_dir / f"group-{g}.sh")], capture_output=True, text=True)
+        assert check.returncode == 0, check.stderr
+        for line in (f"#SBATCH --job-name=ft-g{g}", "#SBATCH --gpus-per-node=h100:1", "#SBATCH --requeue",
+                     f"#SBATCH --output={out}/ft-g{g}/logs/slurm-%j.log", f"HOST_FILE={launch_dir}/lighthouse.host",
+                     'LIGHTHOUSE_HOST=$(cat "$HOST_FILE")'):
+            assert line in script.splitlines(), (g, line)
+        assert (f"fault_tolerance.replica_id={g} run.name=ft-g{g} checkpoint.resume=auto "
+                '"fault_tolerance.lighthouse=http://$LIGHTHOUSE_HOST:29600"') in script
+        assert ("unset LLMFORGE_RUN_ID" in script) == (g == 1)  # group 0 reports the run's status
+        assert is_run_dir(out / f"ft-g{g}")  # marked: the script makes its logs/ before training
+    assert main(["runs", "describe", run.id]) == 0
+    shown = capsys.readouterr().out
+    assert "replica groups (lighthouse http://127.0.0.1:29600, min_replicas 1)" in shown
+    for g in (0, 1):
+        assert f"  {g:<6} running    -         -      -             -          {out}/ft-g{g}" in shown, shown
+    assert main(["runs", "stop", run.id]) == 0
+    assert (bin_dir / "scancel.args").read_text().split() == ["101", "102", "103"]

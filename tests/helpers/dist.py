@@ -45,30 +45,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def lighthouse(port: int, min_replicas: int = 1, heartbeat_ms: int = 2000,
-               join_ms: int = 1000) -> subprocess.Popen:
-    """Start torchft's lighthouse (``torchft_lighthouse``, from the ``llmforge[ft]`` extra) on
-    127.0.0.1:PORT; the caller stops it. Returns once it accepts connections (10 s at most)."""
-    import shutil
-    import socket
-    import time
-
-    exe = shutil.which("torchft_lighthouse") or str(Path(sys.executable).parent / "torchft_lighthouse")
-    proc = subprocess.Popen([exe, "--min_replicas", str(min_replicas), "--join_timeout_ms", str(join_ms),
-                             "--heartbeat_timeout_ms", str(heartbeat_ms), "--quorum_tick_ms", "100",
-                             "--bind", f"127.0.0.1:{port}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"torchft_lighthouse did not listen on port {port}")
-
-
 def llmforge(*args: str, log: Path, env: dict | None = None) -> subprocess.Popen:
     """Start ``python -m llmforge ARGS`` (one process, this checkout's ``src`` first on
     ``PYTHONPATH``, one compute thread) with stdout and stderr into ``log``; the caller waits."""
@@ -77,4 +53,17 @@ def llmforge(*args: str, log: Path, env: dict | None = None) -> subprocess.Popen
                 **(env or {})}
     with open(log, "ab") as out:
         return subprocess.Popen([sys.executable, "-m", "llmforge", *args], stdout=out,
+                                stderr=subprocess.STDOUT, env=full_env, cwd=REPO)
+
+
+def torchrun_job(*args: str, nproc: int, log: Path, env: dict | None = None) -> subprocess.Popen:
+    """Start llmforge's launcher (``python -m llmforge.job.torchrun --standalone``, torchrun's
+    arguments; its workers die with it) with NPROC workers running ARGS, output into ``log``;
+    the caller waits. A SIGKILL of the returned process ends every worker of the job."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")]),
+                **(env or {})}
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "llmforge.job.torchrun", "--standalone",
+                                 "--nproc-per-node", str(nproc), *args], stdout=out,
                                 stderr=subprocess.STDOUT, env=full_env, cwd=REPO)

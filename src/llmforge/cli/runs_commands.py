@@ -67,7 +67,8 @@ def add_parsers(sub: Any, runs_sub: Any) -> None:
     st = runs_sub.add_parser("stop", help="stop a run (it saves a checkpoint and exits 75)")
     st.add_argument("run", metavar="RUN")
     st.add_argument("--no-wait", action="store_true", help="return after signalling")
-    st.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for the processes")
+    st.add_argument("--timeout", type=float, default=180.0,
+                    help="grace period: seconds after SIGTERM before any process still alive gets SIGKILL")
     _debug(st)
     de = runs_sub.add_parser("delete", help="remove a run's record (--purge: and its run directory)")
     de.add_argument("run", metavar="RUN")
@@ -114,6 +115,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     where = f"job {run.job_id}" if run.job_id else f"process group {run.pgid}"
     print(f"launched {run.id} on {run.cluster} ({where}): {res.plan.summary()}")
     print(f"run directory: {run.run_dir}")
+    ft = run.spec.get("fault_tolerance")
+    if ft:  # docs/fault_tolerance.md
+        print(f"replica groups: {len(ft['groups'])} jobs beside it ({', '.join(g['name'] for g in ft['groups'])}), "
+              f"lighthouse {ft['lighthouse']}; their state: llmforge runs describe {run.id}")
     print(f"follow: llmforge runs logs {run.id} --follow | status: llmforge runs list | "
           f"stop: llmforge runs stop {run.id}")
     return 0
@@ -223,6 +228,8 @@ def cmd_describe(args: argparse.Namespace) -> int:
              f"{r.last_loss if r.last_loss is not None else '-'}"]
     if r.message:
         lines.append(f"message      {r.message}")
+    if r.spec.get("fault_tolerance"):
+        lines += _group_lines(r)
     lines.append("\ntimeline")
     for e in registry.events(r.id):
         lines.append(f"  {_time(e['time'])}  {e['kind']:<10} {e['detail'] or ''}")
@@ -234,6 +241,35 @@ def cmd_describe(args: argparse.Namespace) -> int:
     lines.append(yaml.safe_dump(r.config, sort_keys=False).rstrip())
     print("\n".join(lines))
     return 0
+
+
+def _group_lines(r: Any) -> list[str]:
+    """A fault-tolerant run's replica groups: state (the local supervisor's ``ft_groups.json``,
+    or SLURM's view of each group's job), restarts, and from each group's ``metrics.jsonl`` its
+    last step, that step's participants and its last committed step."""
+    from llmforge.job.ft_groups import group_progress, read_state  # lazy: see the module doc
+    from llmforge.runs.slurm import job_state  # lazy: see the module doc
+
+    ft = r.spec["fault_tolerance"]
+    state = read_state(r.run_dir) or {}
+    kept = {g["id"]: g for g in state.get("groups", [])}
+    jobs = (r.job_id or "").split(",")[1:] if r.kind == "slurm" else []
+    lines = [f"\nreplica groups (lighthouse {state.get('lighthouse', ft['lighthouse'])}, min_replicas "
+             f"{ft['min_replicas']})",
+             f"  {'group':<6} {'state':<10} {'restarts':<9} {'step':<6} {'participants':<13} "
+             f"{'committed':<10} run dir"]
+    for g, group in enumerate(ft["groups"]):
+        if g in kept:
+            status, restarts = kept[g]["status"], str(kept[g]["restarts"])
+        elif g < len(jobs):
+            status, restarts = (job_state(jobs[g]).split() or ["gone"])[0].lower(), "-"
+        else:
+            status, restarts = "-", "-"
+        p = group_progress(group["run_dir"])
+        cell = ["-" if p[k] is None else str(p[k]) for k in ("step", "participants", "committed")]
+        lines.append(f"  {g:<6} {status:<10} {restarts:<9} {cell[0]:<6} {cell[1]:<13} {cell[2]:<10} "
+                     f"{group['run_dir']}")
+    return lines
 
 
 def cmd_logs(args: argparse.Namespace) -> int:

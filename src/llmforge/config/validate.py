@@ -370,12 +370,19 @@ def _check_fault_tolerance(cfg: Any, world: int) -> None:
     if len(host) != 2 or host[0] not in ("http", "https") or ":" not in host[1]:
         raise ConfigError(f"fault_tolerance.lighthouse must be an address http://HOST:PORT (where "
                           f"`torchft_lighthouse --bind HOST:PORT` listens), got {ft.lighthouse!r}")
-    if cfg.strategy.name not in ("auto", "single") or world != 1:
+    st = cfg.strategy
+    # FSDP2 over the group's processes (the group's shard dimension; across groups torchft's
+    # managed group is the replicate dimension); nothing else inside a group
+    fsdp_only = (st.name in ("auto", "fsdp2") and int(st.dp_replicate) == 1 and int(st.tp) == 1
+                 and int(st.pp) == 1 and int(st.get("cp", 1)) == 1 and int(st.get("ep", 1)) == 1)
+    if not (world == 1 and st.name in ("auto", "single")) and not (world > 1 and fsdp_only):
         raise ConfigError(
-            f"fault_tolerance.enabled runs each replica group as one process here, but "
-            f"strategy.name={cfg.strategy.name} with world size {world} was asked for: FSDP2/DDP "
-            "inside a group is not supported yet; set strategy.name=auto and trainer.devices=1 "
-            "(more groups via fault_tolerance.replica_groups)")
+            f"fault_tolerance.enabled: a replica group runs one process or FSDP2 over its "
+            f"processes, but strategy.name={st.name} (dp_replicate={st.dp_replicate}, tp={st.tp}, "
+            f"pp={st.pp}) with world size {world} was asked for: DDP, TP, PP, CP, EP or "
+            "dp_replicate inside a replica group are not supported (see docs/fault_tolerance.md); "
+            "use strategy.name=fsdp2 (or auto) with dp_replicate=1 inside each group, and "
+            "fault_tolerance.replica_groups for the replicate dimension")
     if cfg.data.streaming or cfg.data.mixture or cfg.data.task != "pretrain":
         raise ConfigError(
             "fault_tolerance.enabled needs data whose position is the step (in-memory "

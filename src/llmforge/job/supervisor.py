@@ -17,6 +17,9 @@ anything else (killed process, crash)     restarted up to ``scheduling.max_retri
 
 SIGTERM, SIGINT and SIGHUP to the supervisor mean "stop": it keeps waiting for the workers
 (which save and exit 75) and does not restart them.
+
+A fault-tolerant run (the spec's ``fault_tolerance`` entry) runs its lighthouse and one torchrun
+per replica group instead, and restarts a lost group alone (:mod:`llmforge.job.ft_groups`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from llmforge.errors import LLMForgeError
+from llmforge.job.ft_groups import GroupSupervisor, group_progress
 from llmforge.job.records import RunNotFound, RunRecord, RunRegistry
 from llmforge.signals import EXIT_PREEMPTED
 
@@ -104,6 +109,8 @@ class Supervisor:
             if self.stop_requested():  # stopped before (re)starting: nothing to save
                 self.registry.set_status(self.run_id, "stopped", "stop requested before training started")
                 return 0
+            if run.spec.get("fault_tolerance"):
+                return self.supervise_groups(run)
             code = self.run_once(run)
             run = self.registry.get(self.run_id)
             max_retries = int(run.spec.get("max_retries", 0))
@@ -123,6 +130,25 @@ class Supervisor:
                 why += f" after {run.retries} restart(s)"
             self.registry.set_status(self.run_id, status, why, exit_code=code)
             return code
+
+
+    def supervise_groups(self, run: RunRecord) -> int:
+        """A fault-tolerant run: the lighthouse and its replica groups until all have ended."""
+        groups = len(run.spec["fault_tolerance"]["groups"])
+        self.registry.set_status(self.run_id, "running", f"lighthouse {run.spec['fault_tolerance']['lighthouse']} "
+                                 f"and {groups} replica groups", pgid=os.getpgid(0), exit_code=None,
+                                 **({"started_at": time.time()} if run.started_at is None else {}))
+        keeper = GroupSupervisor(run.spec, Path(run.run_dir or "."), torchrun_command, self.stop_requested,
+                                 lambda kind, detail: self.registry.update(self.run_id, event=(kind, detail)))
+        try:
+            status, code = keeper.run(resume=run.resumptions > 0 or bool(run.spec.get("resume")))
+        except LLMForgeError as exc:
+            self.registry.set_status(self.run_id, "failed", str(exc), message=str(exc), exit_code=1)
+            return 1
+        done = ", ".join(f"group {g['id']} {g['status']}" for g in keeper.groups)
+        last = max((group_progress(g["run_dir"])["committed"] or 0 for g in keeper.groups), default=0)
+        self.registry.set_status(self.run_id, status, done, exit_code=code, **({"last_step": last} if last else {}))
+        return code
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -10,7 +10,10 @@ Lightning callback acting on llmforge's events) does what torchft prescribes for
    one of the quorum's step (``batch_for_step``), so its data position follows the step.
 2. ``AFTER_BACKWARD`` of the last micro-batch: every gradient is summed over the participating
    groups through torchft's managed process group and divided by their number (one flat
-   buffer), before clipping, so each group clips and steps the same averaged gradient.
+   buffer), before clipping, so each group clips and steps the same averaged gradient. With
+   FSDP2 inside a group each rank runs its own Manager and sums its gradients' local shards
+   (already reduce-scattered in the group) with the same rank of the other groups: HSDP's
+   replicate dimension; a rejoining rank receives its shards from the same rank of a peer.
 3. ``BEFORE_OPTIMIZER_STEP`` (after every other handler): ``train/loss`` averaged over the
    participants, then ``Manager.should_commit()``; a step the quorum does not commit (a peer
    died during it, too few replicas, an error) is skipped like any skipped step of llmforge:
@@ -27,20 +30,26 @@ import importlib
 import logging
 import os
 import random
+import shutil
 import socket
+import subprocess
+import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
+from torch.distributed.tensor import DTensor
 
 from llmforge.errors import ConfigError, LLMForgeError
 from llmforge.parallel.lightning_private import optimizer_step_progress
 
-__all__ = ["QuorumLost", "ReplicaGroup", "check_lighthouse", "import_torchft"]
+__all__ = ["QuorumLost", "ReplicaGroup", "check_lighthouse", "import_torchft", "lighthouse_command",
+           "start_lighthouse"]
 
 
 class QuorumLost(LLMForgeError):
@@ -92,6 +101,68 @@ def check_lighthouse(address: str, wait_s: float = 5.0) -> None:
             time.sleep(0.2)
 
 
+def lighthouse_command(bind: str, min_replicas: int = 1, join_timeout_ms: int = 1000,
+                       heartbeat_timeout_ms: int = 2000, quorum_tick_ms: int = 100,
+                       exe: Optional[str] = None) -> list[str]:
+    """The argument list of torchft's lighthouse (``torchft_lighthouse``, from the wheel of the
+    ``llmforge[ft]`` extra) listening on ``bind`` (``HOST:PORT``).
+
+    ``join_timeout_ms``: how long a quorum waits for stragglers beyond ``min_replicas`` (torchft's
+    default, 60 s, would make a rejoin wait a minute; 1 s here); ``heartbeat_timeout_ms``: a
+    group silent this long is dead. ``exe`` defaults to the one beside this interpreter."""
+    exe = exe or shutil.which("torchft_lighthouse") or str(Path(sys.executable).parent / "torchft_lighthouse")
+    return [exe, "--min_replicas", str(int(min_replicas)), "--join_timeout_ms", str(int(join_timeout_ms)),
+            "--heartbeat_timeout_ms", str(int(heartbeat_timeout_ms)),
+            "--quorum_tick_ms", str(int(quorum_tick_ms)), "--bind", bind]
+
+
+def start_lighthouse(port: int, host: str = "127.0.0.1", min_replicas: int = 1, *,
+                     join_timeout_ms: int = 1000, heartbeat_timeout_ms: int = 2000,
+                     wait_s: float = 30.0, log: Optional[Path] = None,
+                     detach: bool = False) -> subprocess.Popen:
+    """Start torchft's lighthouse on ``HOST:PORT`` (:func:`lighthouse_command`) and return its
+    process once it accepts connections; the caller stops it (``proc.kill()``).
+
+    The one lighthouse starter of llmforge: ``llmforge launch`` (:mod:`llmforge.job.ft_groups`),
+    ``benchmarks/ft.py`` and the tests use it. ``log``: a file for its output (else discarded);
+    ``detach``: in a session of its own (it outlives the caller's terminal and process group).
+
+    Raises:
+        LLMForgeError: the executable is missing (``pip install 'llmforge[ft]'``), or nothing
+            listens on the port within ``wait_s`` seconds (the port is taken, say).
+    """
+    cmd = lighthouse_command(f"{host}:{int(port)}", min_replicas, join_timeout_ms, heartbeat_timeout_ms)
+    try:  # something already listening there would pass the readiness check below
+        socket.create_connection((host, int(port)), timeout=1).close()
+    except OSError:
+        pass
+    else:
+        raise LLMForgeError(f"cannot start a torchft lighthouse on {host}:{port}: the port is taken")
+    out = open(log, "ab") if log is not None else subprocess.DEVNULL
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=detach)
+    except OSError as exc:
+        raise LLMForgeError(f"cannot start the torchft lighthouse {cmd[0]} ({exc}): "
+                            "pip install 'llmforge[ft]'") from exc
+    finally:
+        if log is not None:
+            out.close()  # the child holds its own copy
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return proc
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    proc.wait()
+    raise LLMForgeError(f"the torchft lighthouse did not listen on {host}:{port} within {wait_s:.0f} s "
+                        f"(exit {proc.returncode}; is the port taken?)")
+
+
 class ReplicaGroup(Callback):
     """This job's membership in a fault-tolerant run (see the module docstring).
 
@@ -131,16 +202,25 @@ class ReplicaGroup(Callback):
         ft = self.ft
         self.trainer, self.module = trainer, pl_module
         timeout = timedelta(seconds=float(ft.timeout_s))
-        # each group's store must exist before its Manager (torchrun would provide one)
-        self.store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True,
-                                                wait_for_workers=False, timeout=timeout)
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # FSDP2 inside the group: one Manager per rank, on the store of the group's torchrun
+            # (MASTER_ADDR/MASTER_PORT); rank r of every group meets in torchft's managed group
+            rank, world = dist.get_rank(), dist.get_world_size()
+            where: dict[str, Any] = {"store_addr": os.environ["MASTER_ADDR"],
+                                     "store_port": int(os.environ["MASTER_PORT"])}
+        else:  # one process: its store must exist before its Manager (torchrun would give one)
+            rank, world = 0, 1
+            self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                       timeout=timeout)
+            where = {"store_addr": "127.0.0.1", "store_port": self.store.port}
         self.manager = torchft.Manager(
             pg=torchft.ProcessGroupGloo(timeout=timeout), load_state_dict=self.load_peer_state,
             state_dict=self.peer_state, min_replica_size=int(ft.min_replicas),
             use_async_quorum=False,  # heal before the forward: the step runs on the peer's state
             timeout=timeout, quorum_timeout=timedelta(seconds=float(ft.quorum_timeout_s)),
-            connect_timeout=timeout, rank=0, world_size=1, store_addr="127.0.0.1",
-            store_port=self.store.port, lighthouse_addr=str(ft.lighthouse),
+            connect_timeout=timeout, rank=rank, world_size=world, **where,
+            lighthouse_addr=str(ft.lighthouse),
             replica_id=f"llmforge_{int(ft.replica_id)}",
             init_sync=False)  # every group initializes the same weights from run.seed
         if self.resumed:  # a disk checkpoint loaded at fit start
@@ -172,7 +252,9 @@ class ReplicaGroup(Callback):
         """What a rejoining group receives (references; torchft serves them until the next
         commit): weights, optimizer, schedule, step, tokens seen, RNG."""
         m, t = self.module, self.trainer
-        return {"model": m.model.state_dict(), "optimizer": t.optimizers[0].state_dict(),
+        # FSDP2: this rank's shards as plain tensors (a DTensor pickles its mesh); the peer's
+        # rank of the same group rank holds the same shards
+        return {"model": _local(m.model.state_dict()), "optimizer": _local(t.optimizers[0].state_dict()),
                 "scheduler": t.lr_scheduler_configs[0].scheduler.state_dict(),
                 "step": int(t.global_step), "tokens_seen": int(m.tokens_seen),
                 "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
@@ -181,8 +263,12 @@ class ReplicaGroup(Callback):
     def load_peer_state(self, sd: dict[str, Any]) -> None:
         """Load :meth:`peer_state` of a healthy peer (torchft calls it while healing)."""
         m, t = self.module, self.trainer
-        m.model.load_state_dict(sd["model"])
-        t.optimizers[0].load_state_dict(sd["optimizer"])
+        with torch.no_grad():
+            for key, value in m.model.state_dict().items():
+                _as_local(value).copy_(sd["model"][key])
+        optimizer = t.optimizers[0]
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        optimizer.load_state_dict(_sharded_like(sd["optimizer"], params))
         t.lr_scheduler_configs[0].scheduler.load_state_dict(sd["scheduler"])
         progress = optimizer_step_progress(t)  # global_step is derived from it
         progress.ready = progress.completed = int(sd["step"])
@@ -209,26 +295,30 @@ class ReplicaGroup(Callback):
             state.step = self.trainer.global_step + 1
             state.batch = self.batch_for_step(state.step)
 
+    @torch.no_grad()
     def after_backward(self, state: Any) -> None:
         if state.micro_batch != state.n_micro - 1:
             return
         # every trainable parameter, in one order on all groups: a gradient one group lacks (a
         # parameter its batch did not reach) is zeros, so the buffers line up
+        # FSDP2: each gradient's local shard (already reduce-scattered inside the group), the
+        # same shard on rank r of every group: HSDP's replicate all-reduce
         params = [p for p in state.module.model.parameters() if p.requires_grad]
+        grads = [_as_local(p.grad) if p.grad is not None else torch.zeros_like(_as_local(p)) for p in params]
         n = max(1, self.manager.num_participants())
-        for bucket in _buckets(params):
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                              for p in bucket])
+        for bucket in _buckets(grads):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
             self._sum(flat)
             flat /= n
             offset = 0
-            for p in bucket:
-                piece = flat[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
-                if p.grad is None:
-                    p.grad = piece.clone()
-                else:
-                    p.grad.copy_(piece)
+            for g in bucket:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        for p, g in zip(params, grads):  # a parameter without a gradient takes the average
+            if p.grad is None:
+                p.grad = (DTensor.from_local(g, p.device_mesh, p.placements, run_check=False,
+                                             shape=p.shape, stride=p.stride())
+                          if isinstance(p, DTensor) else g)
 
     def before_optimizer_step(self, state: Any) -> None:
         m = self.manager
@@ -254,6 +344,36 @@ class ReplicaGroup(Callback):
         work = self.manager.allreduce(t, reduce_op=torch.distributed.ReduceOp.SUM)
         work.wait()
         return t
+
+
+def _as_local(t: Any) -> Any:
+    """This rank's shard of a DTensor (its storage), or ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _local(tree: Any) -> Any:
+    """``tree`` (dicts, lists, tuples) with every DTensor replaced by this rank's shard."""
+    if isinstance(tree, dict):
+        return {k: _local(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_local(v) for v in tree)
+    return _as_local(tree)
+
+
+def _sharded_like(optim_sd: dict[str, Any], params: list) -> dict[str, Any]:
+    """An optimizer state dict of local shards (:func:`_local`) made loadable by this rank's
+    optimizer: each state tensor shaped like its DTensor parameter's shard becomes a DTensor
+    on that parameter's mesh and placements (state ids index ``params`` in param-group order)."""
+    state = {}
+    for idx, entry in optim_sd["state"].items():
+        p = params[int(idx)]
+        if isinstance(p, DTensor):
+            entry = {k: (DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
+                                            shape=p.shape, stride=p.stride())
+                         if isinstance(v, torch.Tensor) and v.shape == p.to_local().shape else v)
+                     for k, v in entry.items()}
+        state[idx] = entry
+    return {**optim_sd, "state": state}
 
 
 BUCKET_ELEMENTS = 1 << 25

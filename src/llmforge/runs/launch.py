@@ -23,6 +23,7 @@ import yaml
 from llmforge.config import config_to_dict, load_config, redact
 from llmforge.config.loader import read_config, resolve_config
 from llmforge.errors import ConfigError, LLMForgeError
+from llmforge.job.ft_groups import group_names
 from llmforge.job.records import llmforge_home, new_run_id, RunRecord, RunRegistry
 from llmforge.run_guard import check_run_dir
 from llmforge.runs.backend import Backend, backend_for, backend_of
@@ -93,8 +94,22 @@ def prepare(config_path: str, overrides: Sequence[str] = (), *, cluster: Optiona
         "max_retries": max_retries, "summary": plan.summary(), "cluster_type": target.type,
         "data_workers": int(cfg.data.num_workers),
     }
+    ft = cfg.get("fault_tolerance")
+    if ft is not None and ft.enabled:
+        spec["fault_tolerance"] = ft_spec(cfg, Path(spec["run_dir"]))
     check_job(raw, cfg, spec, backend, local_files=backend.runs_here)
     return cfg, target, plan, spec
+
+
+def ft_spec(cfg: Any, run_dir: Path) -> dict[str, Any]:
+    """The launch of a fault-tolerant run (docs/fault_tolerance.md): the lighthouse the launch
+    starts (at ``fault_tolerance.lighthouse``'s port) and one job per replica group, each with
+    its own run directory beside ``run_dir`` (``<run.name>-g<G>``: runs never nest)."""
+    ft = cfg.fault_tolerance
+    names = group_names(str(cfg.run.name), int(ft.replica_groups))
+    return {"replica_groups": int(ft.replica_groups), "min_replicas": int(ft.min_replicas),
+            "lighthouse": str(ft.lighthouse),
+            "groups": [{"name": n, "run_dir": str(run_dir.parent / n)} for n in names]}
 
 
 def _asks_for_auto(config_path: str, overrides: Sequence[str]) -> bool:
@@ -128,6 +143,12 @@ def _check_run_dir(spec: dict[str, Any], cfg: Any, registry: RunRegistry, backen
     for other in registry.list():
         if other.active and other.run_dir == spec["run_dir"]:
             raise ConfigError(f"run {other.id} is {other.status} in {run_dir}; choose another run.name")
+    for group in (spec.get("fault_tolerance") or {}).get("groups", []):  # each group's own folder
+        folder = Path(group["run_dir"])
+        check_run_dir(folder, "run.name")
+        if ((folder / "metrics.jsonl").exists() or (folder / "checkpoints").is_dir()) and not cfg.checkpoint.resume:
+            raise ConfigError(f"run directory {folder} (replica group {group['name']}) already holds a run: "
+                              "choose another run.name, or continue it with llmforge runs restart RUN")
 
 
 def submit(run: RunRecord, cluster: Cluster, registry: RunRegistry) -> RunRecord:
@@ -193,8 +214,10 @@ def refresh(registry: RunRegistry) -> list[str]:
 
 def stop(ref: str, *, wait: bool = True, timeout: float = 180.0,
          registry: Optional[RunRegistry] = None) -> RunRecord:
-    """Stop a run through its backend: SIGTERM to a local run's workers (they save and exit 75;
-    waits up to ``timeout`` seconds), or cancel the scheduler job.
+    """Stop a run through its backend: SIGTERM to a local run's workers (they save and exit 75),
+    SIGKILL to any of its processes still alive ``timeout`` seconds later (the grace period;
+    recorded as a ``kill`` event); or cancel the scheduler job (every job of a fault-tolerant
+    run: its replica groups and its lighthouse).
 
     Raises:
         RunNotFound: no such run. ConfigError: the run is not active. LLMForgeError: processes
@@ -206,9 +229,16 @@ def stop(ref: str, *, wait: bool = True, timeout: float = 180.0,
     if not run.active:
         raise ConfigError(f"run {run.id} is already {run.status}; nothing to stop")
     registry.update(run.id, stop_requested=1, event=("stop", "stop requested"))
-    if not backend_of(run).cancel(run, wait=wait, timeout=timeout):
+    backend = backend_of(run)
+    if not backend.cancel(run, wait=wait, timeout=timeout):
         return registry.get(run.id)
-    registry.set_status(run.id, "stopped", "stopped by llmforge runs stop", only_if_active=True)
+    killed = getattr(backend, "killed", None)  # the local backend escalates to SIGKILL
+    if killed:
+        registry.update(run.id, event=("kill", f"processes {', '.join(map(str, killed))} did not exit "
+                                               f"within {timeout:.0f}s of SIGTERM: SIGKILLed"))
+    registry.set_status(run.id, "stopped", "stopped by llmforge runs stop" +
+                        (f" (SIGKILL after {timeout:.0f}s for {len(killed)} processes)" if killed else ""),
+                        only_if_active=True)
     return registry.get(run.id)
 
 
@@ -264,4 +294,4 @@ def wait_for(run_id: str, statuses: Sequence[str], timeout: float,
 
 
 __all__ = ["LaunchResult", "launch", "prepare", "refresh", "restart", "stop", "submit", "wait_for",
-           "definition"]
+           "definition", "ft_spec"]

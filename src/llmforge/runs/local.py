@@ -18,11 +18,14 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Mapping, Optional
+from urllib.parse import urlsplit
 
 from llmforge.errors import LLMForgeError
+from llmforge.job.ft_groups import group_overrides
 from llmforge.job.records import RunRecord
 from llmforge.job.supervisor import torchrun_command
 from llmforge.job.torchrun import proc_table as _proc_table
+from llmforge.parallel.fault_tolerance import lighthouse_command
 from llmforge.run_guard import mark_run_dir
 from llmforge.runs.backend import Backend
 from llmforge.runs.cluster_types import LocalCluster
@@ -136,6 +139,8 @@ class LocalBackend(Backend):
     runs_here = True
 
     def render(self, run_id: str, name: str, spec: dict[str, Any], resumption: int = 0) -> str:
+        if spec.get("fault_tolerance"):
+            return self.render_groups(spec, resumption)
         cmd = torchrun_command(spec, resume=resumption > 0)
         env = ", ".join(spec["secrets"]) or "none"
         log = shlex.quote(f"{spec['run_dir']}/logs/resumption-{resumption}.log")
@@ -143,6 +148,22 @@ class LocalBackend(Backend):
         # so that a printed line is the one command it stands for
         return (f"# local: a detached supervisor runs, in {shlex.quote(spec['workdir'])} (output in "
                 f"{log}; secrets forwarded: {env}):\n" + shlex.join(cmd) + "\n")
+
+    def render_groups(self, spec: dict[str, Any], resumption: int) -> str:
+        """A fault-tolerant run: the lighthouse and one torchrun per replica group
+        (:mod:`llmforge.job.ft_groups`)."""
+        ft = spec["fault_tolerance"]
+        where = urlsplit(ft["lighthouse"])
+        house = lighthouse_command(f"{where.hostname}:{where.port}", ft["min_replicas"])
+        lines = [f"# local: a detached supervisor runs, in {shlex.quote(spec['workdir'])}, torchft's lighthouse "
+                 f"(output in {shlex.quote(spec['run_dir'] + '/logs/lighthouse.log')}):",
+                 shlex.join([Path(house[0]).name, *house[1:]])]
+        for g in range(len(ft["groups"])):
+            cmd = torchrun_command({**spec, "overrides": group_overrides(spec, g)}, resume=resumption > 0)
+            log = shlex.quote(f"{spec['run_dir']}/logs/group-{g}.log")
+            lines += [f"# replica group {g} (output in {log}; restarted alone when lost, up to "
+                      f"scheduling.max_retries={spec.get('max_retries', 0)} times):", shlex.join(cmd)]
+        return "\n".join(lines) + "\n"
 
     def job_environment(self, spec: dict[str, Any], env: Optional[Mapping[str, str]] = None) -> dict[str, str]:
         out = job_environment(spec["secrets"], env)
@@ -163,14 +184,44 @@ class LocalBackend(Backend):
             return None, ""  # the supervisor and the training record the status themselves
         return "gone", f"process group {run.pgid} is gone without a final status (killed?)"
 
+    kill_wait_s = 10.0
+    """Seconds to wait for the processes to vanish after SIGKILL."""
+
     def cancel(self, run: RunRecord, *, wait: bool = True, timeout: float = 180.0) -> bool:
+        """SIGTERM to the run's workers (they save and exit 75); after ``timeout`` seconds (the
+        grace period) SIGKILL to every process of the run still alive (the pids are then in
+        :attr:`killed`, which ``runs stop`` records). A fault-tolerant run's processes are its
+        supervisor's descendants too: every replica group and the lighthouse.
+
+        Raises:
+            LLMForgeError: processes survived SIGKILL for :attr:`kill_wait_s` seconds (in
+                uninterruptible sleep, say)."""
+        self.killed: list[int] = []
         pids = signal_run(run.pgid, signal.SIGTERM) if run.pgid else []
-        if not wait:
-            return False
-        if not wait_gone(pids, timeout):
+        if not wait or wait_gone(pids, timeout):
+            return wait
+        left = sorted(set(p for p in pids if _exists(p)) | set(run_pids(run.pgid or 0)))
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                self.killed.append(pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if not wait_gone(left, self.kill_wait_s):
             raise LLMForgeError(f"run {run.id}: processes {run_pids(run.pgid or 0)} still alive "
-                                f"{timeout:.0f}s after SIGTERM")
+                                f"{self.kill_wait_s:.0f}s after SIGKILL (SIGTERM {timeout:.0f}s before)")
         return True
+
+    def logs(self, run: RunRecord, resumption: int) -> tuple[Path, str]:
+        """A fault-tolerant run's log is replica group 0's (``logs/group-0.log``; the hint names
+        the other groups' and the lighthouse's); else the resumption's."""
+        ft = run.spec.get("fault_tolerance")
+        if not ft:
+            return super().logs(run, resumption)
+        folder = Path(run.run_dir or "") / "logs"
+        others = [str(folder / f"group-{g}.log") for g in range(1, len(ft["groups"]))]
+        return folder / "group-0.log", (f"; replica group 0's log; the other groups': {', '.join(others)}; "
+                                        f"the lighthouse's: {folder / 'lighthouse.log'}")
 
     def where(self) -> str:
         gpus = self.cluster.gpus_per_node if self.cluster else 0

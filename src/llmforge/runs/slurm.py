@@ -20,12 +20,17 @@ import re
 import shlex
 import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, List, Mapping, Optional
+from urllib.parse import urlsplit
 
 from llmforge.errors import LLMForgeError
+from llmforge.job.ft_groups import group_overrides
 from llmforge.job.records import RunRecord
+from llmforge.parallel.fault_tolerance import lighthouse_command
 from llmforge.paths import check_printable
-from llmforge.runs.backend import JOB_VARIABLES, Backend, train_args
+from llmforge.run_guard import mark_run_dir
+from llmforge.runs.backend import JOB_VARIABLES, Backend, files_dir, train_args
 from llmforge.runs.cluster_types import Cluster, ClusterError
 
 # Non-secret variables a job needs from the submitting environment (exported by name if set).
@@ -84,14 +89,16 @@ def export_names(spec: dict[str, Any], env: Any = None) -> list[str]:
 
 
 def sbatch_script(run_id: str, name: str, spec: dict[str, Any], cluster: SlurmCluster,
-                  base_resumption: int = 0) -> str:
+                  base_resumption: int = 0, prelude: str = "", shell_args: str = "") -> str:
     """The sbatch script of a run (names of secrets only, never values).
 
     Every value is quoted with :func:`shlex.quote`, in the ``#SBATCH`` lines too (sbatch's
     parser of those lines groups single- or double-quoted text as a shell does); a value with a
     control character is refused, as a newline would end the ``#SBATCH`` block and start a shell
     line. The cluster's ``sbatch`` options and ``setup`` lines are written as given: they are the
-    clusters file's own shell.
+    clusters file's own shell. ``prelude`` (shell lines run before the training) and
+    ``shell_args`` (appended to the training's arguments, expanded by the shell) are llmforge's
+    own (a replica group's wait for its lighthouse: :func:`ft_scripts`).
 
     Raises:
         ConfigError: the run name, run directory, rendered values or cluster fields hold a
@@ -130,7 +137,7 @@ def sbatch_script(run_id: str, name: str, spec: dict[str, Any], cluster: SlurmCl
                 f"--nproc-per-node={per_node}", "--rdzv-backend=c10d"]
     command = " ".join(q(a) for a in torchrun)
     command += f' --rdzv-endpoint="$HEAD_NODE:{int(cluster.port)}" --rdzv-id="$SLURM_JOB_ID" \\\n    '
-    command += " ".join(q(a) for a in train_args(spec))
+    command += " ".join(q(a) for a in train_args(spec)) + (f" {shell_args}" if shell_args else "")
     lines += ["",
               "set -uo pipefail",
               f"export LLMFORGE_RUN_ID={q(run_id)}",
@@ -144,6 +151,8 @@ def sbatch_script(run_id: str, name: str, spec: dict[str, Any], cluster: SlurmCl
               f"cd {q(spec['workdir'])}"]
     if cluster.setup:
         lines += ["", cluster.setup.rstrip(), ""]
+    if prelude:
+        lines += [prelude.rstrip()]
     lines += ['echo "== llmforge: job $SLURM_JOB_ID, resumption $RESUMPTION, rendezvous '
               f'$HEAD_NODE:{int(cluster.port)}, $(date)" >> "$LOG"',
               f"srun --export=ALL --kill-on-bad-exit=1 --nodes={nodes} --ntasks-per-node=1 \\\n  {command} \\\n"
@@ -158,14 +167,14 @@ def sbatch_script(run_id: str, name: str, spec: dict[str, Any], cluster: SlurmCl
     return "\n".join(lines)
 
 
-def submit(script_path: str) -> str:
-    """``sbatch --parsable SCRIPT``; returns the job id.
+def submit(script_path: str, *options: str) -> str:
+    """``sbatch --parsable [OPTIONS] SCRIPT``; returns the job id.
 
     Raises:
         LLMForgeError: sbatch is missing or refuses the job (its message is included).
     """
     try:
-        out = subprocess.run(["sbatch", "--parsable", script_path], capture_output=True, text=True,
+        out = subprocess.run(["sbatch", "--parsable", *options, script_path], capture_output=True, text=True,
                              timeout=120)
     except FileNotFoundError as exc:
         raise LLMForgeError("sbatch not found: run llmforge launch on a SLURM login node") from exc
@@ -175,13 +184,14 @@ def submit(script_path: str) -> str:
 
 
 def cancel(job_id: str) -> None:
-    """``scancel JOB``: SLURM sends SIGTERM to every task (llmforge saves and exits 75), then kills.
+    """``scancel JOB...``: SLURM sends SIGTERM to every task (llmforge saves and exits 75), then
+    kills. ``job_id``: one id, or several joined by commas (a fault-tolerant run's jobs).
 
     Raises:
         LLMForgeError: scancel is missing or fails.
     """
     try:
-        out = subprocess.run(["scancel", str(job_id)], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(["scancel", *str(job_id).split(",")], capture_output=True, text=True, timeout=60)
     except FileNotFoundError as exc:
         raise LLMForgeError("scancel not found: run this on a SLURM login node") from exc
     if out.returncode != 0:
@@ -193,6 +203,93 @@ def setup_variables(setup: str) -> list[str]:
     return re.findall(r"(?m)(?:^|[;&|]\s*|\bexport\s+)([A-Za-z_][A-Za-z0-9_]*)=", setup or "")
 
 
+LIGHTHOUSE_WAIT_S = 600
+"""Seconds a replica group's job waits for its lighthouse's host file before it gives up."""
+
+
+def ft_scripts(run_id: str, name: str, spec: dict[str, Any], cluster: SlurmCluster,
+               base_resumption: int = 0) -> dict[str, str]:
+    """The sbatch scripts of a fault-tolerant run, by file name: ``lighthouse.sh`` (one task on
+    one node, no GPU: torchft's lighthouse, which writes its node's hostname into
+    ``<run_dir>/launch/lighthouse.host``) and ``group-<G>.sh`` per replica group (the run's
+    ordinary script for that group's overrides and run directory; it waits for the host file,
+    then trains with ``fault_tolerance.lighthouse=http://<that host>:<port>``).
+
+    One SLURM job per group rather than one heterogeneous job: SLURM requeues, cancels and
+    schedules a heterogeneous job as one unit, so losing one group's node would requeue every
+    group; separate jobs let SLURM requeue (``--requeue``) the lost group alone while the
+    others go on, which is the point of replica groups. Only group 0's job reports to the run
+    registry (``LLMFORGE_RUN_ID``), so one group's end is not taken for the run's.
+
+    Raises:
+        ConfigError: as :func:`sbatch_script`.
+    """
+    q = shlex.quote
+    ft = spec["fault_tolerance"]
+    port = int(urlsplit(ft["lighthouse"]).port or 29510)
+    host_file = spec["run_dir"] + "/launch/lighthouse.host"
+    for key, value in (("run.name", name), ("run.output_dir", spec["run_dir"]), ("run id", run_id),
+                       ("launch folder", spec["workdir"]),
+                       *((f"clusters.yaml {cluster.name}.{k}", getattr(cluster, k) or "")
+                         for k in ("partition", "account", "time_limit"))):
+        check_printable(str(value), key)
+    house = ["#!/bin/bash",
+             f"# llmforge launch: run {run_id} on cluster {cluster.name}: torchft's lighthouse for "
+             f"{len(ft['groups'])} replica groups",
+             f"#SBATCH --job-name={q(name + '-lighthouse')}"]
+    house += [f"#SBATCH --{k.replace('_', '-') if k != 'time_limit' else 'time'}={q(getattr(cluster, k))}"
+              for k in ("partition", "account", "time_limit") if getattr(cluster, k)]
+    house += ["#SBATCH --nodes=1", "#SBATCH --ntasks=1", "#SBATCH --cpus-per-task=1",
+              f"#SBATCH --output={q(spec['run_dir'].replace('%', '%%') + '/logs/lighthouse-%j.log')}",
+              f"#SBATCH --export={','.join(export_names(spec)) or 'NONE'}",
+              *(f"#SBATCH {opt}" for opt in cluster.sbatch), "", "set -uo pipefail", f"cd {q(spec['workdir'])}"]
+    if cluster.setup:
+        house += ["", cluster.setup.rstrip(), ""]
+    cmd = lighthouse_command(f"0.0.0.0:{port}", ft["min_replicas"], exe="torchft_lighthouse")
+    house += [f"HOST_FILE={q(host_file)}",
+              '# the groups read the host from this file (written once the job runs here)',
+              'hostname > "$HOST_FILE.tmp" && mv "$HOST_FILE.tmp" "$HOST_FILE"',
+              "exec " + " ".join(q(a) for a in cmd), ""]
+    out = {"lighthouse.sh": "\n".join(house)}
+    wait = "\n".join([
+        f"HOST_FILE={q(host_file)}",
+        f'for _ in $(seq {LIGHTHOUSE_WAIT_S}); do [ -s "$HOST_FILE" ] && break; sleep 1; done',
+        f'[ -s "$HOST_FILE" ] || {{ echo "== no lighthouse host in $HOST_FILE after {LIGHTHOUSE_WAIT_S} s" '
+        '>> "$LOG"; exit 1; }',
+        'LIGHTHOUSE_HOST=$(cat "$HOST_FILE")'])
+    for g, group in enumerate(ft["groups"]):
+        prelude = wait if g == 0 else wait + "\nunset LLMFORGE_RUN_ID  # group 0 reports the run's status"
+        gspec = {**spec, "overrides": group_overrides(spec, g), "run_dir": group["run_dir"]}
+        out[f"group-{g}.sh"] = sbatch_script(run_id, group["name"], gspec, cluster, base_resumption, prelude=prelude,
+                                             shell_args=f'"fault_tolerance.lighthouse=http://$LIGHTHOUSE_HOST:{port}"')
+    return out
+
+
+def ft_submit(run: RunRecord, cluster: SlurmCluster) -> list[str]:
+    """Write :func:`ft_scripts` under ``<run_dir>/launch/`` and submit them: the lighthouse first,
+    then each group with ``--dependency=after:<lighthouse job>`` (it starts once the lighthouse
+    has). Returns the job ids, the lighthouse's first.
+
+    Raises:
+        LLMForgeError: sbatch refused a job (the jobs already submitted are cancelled).
+    """
+    folder = files_dir(run.spec)
+    (folder / "lighthouse.host").unlink(missing_ok=True)  # never an earlier launch's host
+    paths = []
+    for file, text in ft_scripts(run.id, run.name, run.spec, cluster, run.resumptions).items():
+        paths.append(folder / file)
+        paths[-1].write_text(text, encoding="utf-8")
+    for group in run.spec["fault_tolerance"]["groups"]:
+        mark_run_dir(Path(group["run_dir"]))  # the script makes its logs/ folder before training
+    jobs = [submit(str(paths[0]))]
+    try:
+        jobs += [submit(str(p), f"--dependency=after:{jobs[0]}") for p in paths[1:]]
+    except LLMForgeError:
+        cancel(",".join(jobs))
+        raise
+    return jobs
+
+
 class SlurmBackend(Backend):
     """``slurm``: an sbatch script (:func:`sbatch_script`) submitted with ``sbatch``."""
 
@@ -202,7 +299,17 @@ class SlurmBackend(Backend):
     definition_file = "sbatch-{resumption}.sh"
 
     def render(self, run_id: str, name: str, spec: dict[str, Any], resumption: int = 0) -> str:
+        if spec.get("fault_tolerance"):  # the lighthouse's script, then each group's
+            return "\n".join(f"# ==== {file} ====\n{text}" for file, text in
+                             ft_scripts(run_id, name, spec, self.cluster, resumption).items())
         return sbatch_script(run_id, name, spec, self.cluster, resumption)  # type: ignore[arg-type]
+
+    def submit(self, run: RunRecord) -> tuple[dict[str, Any], str]:
+        if not run.spec.get("fault_tolerance"):
+            return super().submit(run)
+        jobs = ft_submit(run, self.cluster)  # type: ignore[arg-type]
+        return {"job_id": ",".join(jobs)}, (f"SLURM jobs {', '.join(jobs)} (the lighthouse, then replica "
+                                            f"groups 0..{len(jobs) - 2})")
 
     def job_environment(self, spec: dict[str, Any], env: Optional[Mapping[str, str]] = None) -> dict[str, str]:
         env = os.environ if env is None else env
@@ -218,13 +325,14 @@ class SlurmBackend(Backend):
     def poll(self, run: RunRecord) -> tuple[Optional[str], str]:
         if not run.job_id:
             return None, ""
-        state = job_state(run.job_id)
-        if state == "":
+        state = job_state(run.job_id)  # one line per job still queued
+        states = state.split()
+        if not states:
             return "gone", f"SLURM job {run.job_id} left the queue without a final status"
-        if state.split()[0] in HELD:
-            return "pending", f"SLURM holds job {run.job_id} ({state})"
-        if state.split()[0] in RUNNING:
-            return "running", f"SLURM job {run.job_id} is {state}"
+        if any(s in RUNNING for s in states):
+            return "running", f"SLURM job {run.job_id} is {' '.join(states)}"
+        if all(s in HELD for s in states):
+            return "pending", f"SLURM holds job {run.job_id} ({' '.join(states)})"
         return None, ""
 
     def stop_job(self, job_id: str) -> None:

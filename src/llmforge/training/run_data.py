@@ -4,6 +4,8 @@ mixin, so a ``Trainer`` subclass still overrides any ``build_*`` method alone.""
 
 from __future__ import annotations
 
+import os
+
 from itertools import islice
 from typing import Any, Optional
 
@@ -153,8 +155,10 @@ class DataBuilders:
                       micro_batch_size=t.micro_batch_size, eval_batches=t.eval_batches,
                       seed=self.cfg.run.seed, num_workers=self.cfg.data.num_workers)
         d, ft = self.cfg.data, self.cfg.fault_tolerance
-        if ft.enabled:  # one process per group (validate): the group's shard of the global batch
-            common.update(dp_rank=int(ft.replica_id), dp_size=int(ft.replica_groups))
+        if ft.enabled:  # the group's shard of the global batch, cut again by its FSDP2 ranks
+            # (validate: FSDP2 alone inside a group, so the data-parallel rank is the rank)
+            dp, rank = int(self.plan.dp_size), int(os.environ.get("RANK", 0))
+            common.update(dp_rank=int(ft.replica_id) * dp + rank, dp_size=int(ft.replica_groups) * dp)
         if d.task == "sft":
             return SFTDataModule(docs, tokenizer, template=build_chat_template(d.chat_template, tokenizer),
                                  packed=d.packed, overlong=d.overlong,

@@ -13,6 +13,7 @@ from typing import Iterator, Optional
 from llmforge.planning.calibration import FITTED, model_error
 from llmforge.planning.gpus import gpu_kind
 from llmforge.planning.published import Setting
+from llmforge.planning.stages import in_flight
 from llmforge.planning.step_model import CostParams, Prediction, predict
 
 FIT_SHARE = 0.80
@@ -38,7 +39,9 @@ def memory_per_rank(s: Setting) -> dict[str, float]:
       product), selective (per operator)
       ``2 d + 2 q + kv + F`` (:func:`llmforge.models.memory_estimate.analytic_peak`'s
       policy) plus one block recomputed, full ``d`` plus one block recomputed; with pipeline
-      stages the first stage holds ``min(pp, micro-batches)`` micro-batches in flight (1F1B);
+      stages the first stage holds the micro-batches in flight of its schedule
+      (:func:`llmforge.planning.stages.in_flight`: ``min(pp, micro-batches)`` under 1F1B, more
+      interleaved);
     * logits: bf16 and fp32 log-probabilities of one micro-batch, ``6 V`` bytes per token
       ``/ tp``, on the last stage (counted on the first one too: an upper bound).
     """
@@ -60,8 +63,8 @@ def memory_per_rank(s: Setting) -> dict[str, float]:
     per_block = {"none": none, "selective": tokens * (2 * d + 2 * q + kv + f) * 2.0 / s.tp,
                  "full": tokens * d * 2.0 / s.tp}[s.ac]
     n_micro = s.global_batch_size // (s.dp_replicate * s.dp_shard) // s.micro_batch_size
-    in_flight = min(s.pp, n_micro) if s.pp > 1 else 1
-    act = per_block * layers * in_flight + (none if s.ac != "none" else 0.0)
+    held = in_flight(s.schedule, s.pp, n_micro, s.stages_per_rank)
+    act = per_block * layers * held + (none if s.ac != "none" else 0.0)
     logits = tokens * sh.vocab_size * 6.0 / s.tp
     out = {"state": state, "gathered": gathered, "activations": act, "logits": logits}
     out["total"] = sum(out.values())
@@ -112,10 +115,13 @@ def layouts(s: Setting, node: int = 8) -> Iterator[Setting]:
                                       ac=ac, schedule=sched, stages_per_rank=v)
 
 
-def best_layout(s: Setting, p: CostParams = FITTED) -> Optional[Verdict]:
-    """The fastest layout of :func:`layouts` that fits, or ``None``."""
+def best_layout(s: Setting, p: CostParams = FITTED, same_degrees: bool = False) -> Optional[Verdict]:
+    """The fastest layout of :func:`layouts` that fits, or ``None``; ``same_degrees``: only
+    those with ``s``'s degrees (:func:`same_layout`: AC, micro-batch and schedule free)."""
     best = None
     for lo in layouts(s):
+        if same_degrees and not same_layout(lo, s):
+            continue
         v = assess(lo, p)
         if v.fits and (best is None or v.prediction.step_seconds < best.prediction.step_seconds):
             best = v

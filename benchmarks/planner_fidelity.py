@@ -4,7 +4,10 @@ Every row of ``llmforge.planning.published.RUNS`` with its measured tokens/s per
 prediction of the constants fitted on all rows, and the held-out prediction (constants fitted
 without the row's whole source: leave one source out) with its error; the fitted constants;
 the published recipes (8B on 8, 70B on 256, 405B on 512 GPUs) against the layout the model
-would choose among all that fit; and one closing line::
+would choose among all that fit (the published degrees at their best activation checkpointing
+and micro-batch); whether every published run is predicted to fit in ``FIT_SHARE`` of its GPU
+and the fullest one's share (the evidence that threshold was chosen from); the held-out rows
+over 25 %; and one closing line::
 
     held-out median error X% max Y% over N rows; published layouts chosen or within error K of M
 

@@ -4,7 +4,10 @@ Every row of ``llmforge.planning.published.RUNS`` with its measured tokens/s per
 prediction of the constants fitted on all rows, and the held-out prediction (constants fitted
 without the row's whole source: leave one source out) with its error; the fitted constants;
 the published recipes (8B on 8, 70B on 256, 405B on 512 GPUs) against the layout the model
-would choose among all that fit; and one closing line::
+would choose among all that fit (the published degrees at their best activation checkpointing
+and micro-batch); whether every published run is predicted to fit in ``FIT_SHARE`` of its GPU
+and the fullest one's share (the evidence that threshold was chosen from); the held-out rows
+over 25 %; and one closing line::
 
     held-out median error X% max Y% over N rows; published layouts chosen or within error K of M
 
@@ -23,9 +26,13 @@ from pathlib import Path
 
 from llmforge.planning import calibration
 from llmforge.planning.calibration import fit, fit_folds, held_out, summary
+from llmforge.planning.gpus import gpu_kind
 from llmforge.planning.published import PUBLISHED_LAYOUTS, RUNS, SOURCES
 from llmforge.planning.step_model import CostParams, predict
-from llmforge.planning.whatif import assess, best_layout, same_layout
+from llmforge.planning.whatif import FIT_SHARE, assess, best_layout, same_layout
+
+MISS = 0.25
+"""A held-out error above this is listed as a miss (the goal's maximum)."""
 
 FITTED_PY = Path(__file__).resolve().parents[1] / "src" / "llmforge" / "planning" / "fitted.py"
 
@@ -50,26 +57,43 @@ def layout_text(s) -> str:
 
 
 def published_check(params: CostParams, error: float) -> tuple[int, int, list[str]]:
-    """``(K, M, lines)``: of the M published recipes, K are the layout the model chooses
-    (same degrees) or predicted within ``error`` of it."""
+    """``(K, M, lines)``: of the M published layouts (their degrees), K are the degrees the
+    model chooses or the fastest recipe at those degrees (AC, micro-batch, schedule free, as in
+    :func:`same_layout`) is predicted within ``error`` of the model's best."""
     lines, ok = [], 0
     for (name, world), run in PUBLISHED_LAYOUTS.items():
         pub, best = assess(run.setting, params), best_layout(run.setting, params)
-        gap = best.prediction.tokens_per_second_per_gpu / pub.prediction.tokens_per_second_per_gpu - 1
+        at = best_layout(run.setting, params, same_degrees=True)
+        gap = best.prediction.tokens_per_second_per_gpu / at.prediction.tokens_per_second_per_gpu - 1
         chosen = same_layout(best.setting, run.setting)
         good = chosen or gap <= error
         ok += good
         verdict = "chosen" if chosen else ("within the model's error" if good else "NOT within the error")
+
+        def terms(v) -> str:
+            return ", ".join(f"{k} {t:.2f}s" for k, t in v.prediction.terms.items() if t)
+
         lines += [f"{name} on {world}: published {layout_text(run.setting)}: predicted "
                   f"{pub.prediction.tokens_per_second_per_gpu:.0f} tok/s/GPU (measured "
                   f"{run.tokens_per_second_per_gpu:.0f}), {pub.memory['total'] / 2**30:.1f} GiB, limit "
                   f"{pub.prediction.limit}",
+                  f"    best at its degrees: {layout_text(at.setting)}: {at.prediction.tokens_per_second_per_gpu:.0f} "
+                  f"tok/s/GPU, {at.memory['total'] / 2**30:.1f} GiB; {terms(at)}",
                   f"    model's best: {layout_text(best.setting)}: {best.prediction.tokens_per_second_per_gpu:.0f} "
-                  f"tok/s/GPU ({gap:+.0%}), {best.memory['total'] / 2**30:.1f} GiB; terms "
-                  + ", ".join(f"{k} {v:.2f}s" for k, v in best.prediction.terms.items() if v)
-                  + " vs published " + ", ".join(f"{k} {v:.2f}s" for k, v in pub.prediction.terms.items() if v)
-                  + f": {verdict}"]
+                  f"tok/s/GPU ({gap:+.0%}), {best.memory['total'] / 2**30:.1f} GiB; {terms(best)}: {verdict}"]
     return ok, len(PUBLISHED_LAYOUTS), lines
+
+
+def memory_check() -> str:
+    """One line: whether every published run is predicted to fit (they ran), the largest
+    predicted peak as a share of its GPU, and the threshold (:data:`FIT_SHARE`)."""
+    shares = [(assess(r.setting).memory["total"] / gpu_kind(r.setting.gpu, "gpu").memory_bytes, r)
+              for r in RUNS]
+    top, run = max(shares, key=lambda x: x[0])
+    fit = sum(share <= FIT_SHARE for share, _ in shares)
+    return (f"memory: {fit} of {len(RUNS)} published runs predicted to fit; the largest predicted "
+            f"peak is {top:.1%} of its GPU ({run.label}); fits below {FIT_SHARE:.0%} (arXiv "
+            f"2411.06465: no out-of-memory failure below about 80 % in 454 runs)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,8 +125,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {k:<24} {v:.4g}")
     stats = summary(errors)
     ok, m, lines = published_check(params, stats["median"])
-    print("\npublished recipes against the model's choice (memory per rank analytic, fits under 80 %):")
+    print(f"\n{memory_check()}")
+    print(f"\npublished layouts against the model's choice (memory per rank analytic, fits under "
+          f"{FIT_SHARE:.0%}; the degrees decide, AC and micro-batch free on both sides):")
     print("\n".join(lines))
+    misses = [e for e in errors if abs(e.error) > MISS]
+    print(f"\nheld-out rows over {MISS:.0%}: " + "; ".join(f"{e.run.label} ({e.run.source}) {e.error:+.0%}"
+                                                       for e in misses) + " (why: docs/scale.md)")
     print(f"\nheld-out median error {stats['median']:.0%} max {stats['max']:.0%} over {stats['n']} rows; "
           f"published layouts chosen or within error {ok} of {m}")
     return 0

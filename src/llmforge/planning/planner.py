@@ -55,6 +55,10 @@ micro-batch size for a GPU count and a GPU kind.
    twin's per-token memory ``/ cp`` plus the attention mode's buffers; its step time by the
    calibrated model (:func:`llmforge.planning.step_model.context_parallel_seconds`). The
    simulation does not run ``cp > 1``: a ``cp`` winner is reported as estimated, not simulated.
+
+Where each step lives: enumeration (step 1) in :mod:`llmforge.planning.search`, the
+derivation from a reference simulation (steps 2, 4, 5) in :mod:`llmforge.planning.derive`,
+the ranking and the confirmation (step 3) here.
 """
 
 from __future__ import annotations
@@ -63,80 +67,34 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-
 from llmforge.errors import ConfigError
 from llmforge.models.spec import get_spec
 from llmforge.planning.gpus import GPUKind
-from llmforge.planning.measure import Collective
 from llmforge.planning.depth import simulate_scaled
-from llmforge.planning.experts import ExpertShape, ep_degrees
+from llmforge.planning.derive import EFFICIENCY, P2P_LATENCY, derive
+from llmforge.planning.experts import ExpertShape
 from llmforge.planning.calibration import FITTED
-from llmforge.planning.context import (ESTIMATED, cp_degrees, cp_of, fitting_cp, peak_delta, per_token_bytes,
-                                       twin)
+from llmforge.planning.context import ESTIMATED, fitting_cp, peak_delta, per_token_bytes, twin
 from llmforge.planning.layout import AC_MODES, Layout
 from llmforge.planning.layout_arg import at_layout, calibrated_setting
 from llmforge.planning.published import Setting
+from llmforge.planning.search import (MAX_GPUS, Candidate, _divisors, check_gpus, enumerate_layouts,
+                                      tp_degrees)
 from llmforge.planning.simulate import StepMeasurement
-from llmforge.planning.stages import StageShape, forward_activations, pp_allowed, simulate_layout
+from llmforge.planning.stages import StageShape, simulate_layout
 from llmforge.planning.step_model import predict
 from llmforge.plugin import meta_model
+
+__all__ = ["EFFICIENCY", "HEADROOM", "MAX_CONFIRM", "MAX_GPUS", "P2P_LATENCY", "Candidate", "Plan",
+           "_divisors", "check_gpus", "derive", "enumerate_layouts", "plan", "smallest_fitting",
+           "tp_degrees"]
 
 HEADROOM = 0.10
 """Share of GPU memory kept free: the CUDA context, NCCL buffers and the caching allocator's
 fragmentation, none of which the simulation sees."""
 
-EFFICIENCY = 0.5
-"""Fraction of the dense bf16 peak that the step's FLOPs are assumed to run at (a well-tuned
-FSDP2 Llama step on H100 reaches 40-55 % MFU: torchtitan's published benchmarks)."""
-
-P2P_LATENCY = 10e-6
-
-MAX_GPUS = 131_072
-"""The most GPUs the planner takes (2**17, above the largest clusters built so far, about
-100,000 GPUs): the simulation's fake process group and meshes grow with the world size."""
-
-
-def check_gpus(world: int, what: str = "--gpus") -> None:
-    """Refuse a world size outside ``1..MAX_GPUS`` at once, before any config is read.
-
-    Raises:
-        ConfigError: names ``what`` and the value, and the range that works.
-    """
-    if not 1 <= world <= MAX_GPUS:
-        raise ConfigError(f"{what} {world}: the planner takes 1 to {MAX_GPUS:,} GPUs (above the largest "
-                          f"clusters built); pass a GPU count in that range")
-"""Seconds a point-to-point send between pipeline stages costs at least (a small NCCL message
-between nodes takes about 5-20 microseconds): what keeps a tiny model off pipeline stages."""
-
 MAX_CONFIRM = 3
 """Layouts simulated with their own degrees after the ranking, best first, until one fits."""
-
-
-@dataclass
-class Candidate:
-    """A layout and the planner's verdict. Times in seconds, memory in bytes."""
-
-    layout: Layout
-    status: str = "fits"  # chosen | fits | does not fit | does not divide | refused | not measured | slower
-    reason: str = ""
-    peak_bytes: Optional[float] = None
-    step_seconds: Optional[float] = None
-    tokens_per_second_per_gpu: Optional[float] = None
-    mfu: Optional[float] = None
-    simulated: bool = False
-    terms: Optional[dict[str, float]] = None  # seconds per step by term (calibrated model)
-    traffic: float = 0.0  # FSDP / CP / HSDP seconds before overlap: the tie-break
-
-    def as_dict(self) -> dict[str, Any]:
-        lo = self.layout
-        return {"dp_replicate": lo.dp_replicate, "dp_shard": lo.dp_shard, "tp": lo.tp, "pp": lo.pp,
-                "ep": lo.ep, "cp": lo.cp,
-                "activation_checkpointing": lo.activation_checkpointing,
-                "micro_batch_size": lo.micro_batch_size, "fits": self.status in ("chosen", "fits", "slower"),
-                "peak_bytes_per_rank": self.peak_bytes, "step_seconds": self.step_seconds,
-                "tokens_per_second_per_gpu": self.tokens_per_second_per_gpu, "mfu": self.mfu,
-                "simulated": self.simulated, "status": self.status, "reason": self.reason,
-                "terms_seconds": self.terms}
 
 
 @dataclass
@@ -159,155 +117,6 @@ class Plan:
                 "candidates": [c.as_dict() for c in self.candidates if c is not self.chosen],
                 "simulations": {f"tp{tp}_{ac}": m.as_dict() for (tp, ac), m in self.references.items()},
                 "smallest_fitting_gpus": self.min_gpus}
-
-
-def _divisors(n: int) -> list[int]:
-    """The divisors of ``n`` in ascending order, in O(sqrt(n)) steps (``--gpus 2**31``: 46,341)."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return small + [n // d for d in reversed(small) if d * d != n]
-
-
-def tp_degrees(cfg: Any, world: int, gpus_per_node: int) -> tuple[list[int], dict[int, str]]:
-    """Tensor-parallel degrees that divide both the node and the world and that the model
-    allows; the refused ones with the reason (from the family's ``check_tp``)."""
-    spec = get_spec(cfg.model.name)
-    model = meta_model(cfg)
-    ok, refused = [], {}
-    for tp in _divisors(math.gcd(world, gpus_per_node)):
-        check = spec.get("check_tp") if tp > 1 else None
-        try:
-            if tp > 1 and spec.tp_plan is None:
-                raise ConfigError(f"model '{cfg.model.name}' has no tensor-parallel plan")
-            if check is not None:
-                check(model, tp)
-        except ConfigError as exc:
-            refused[tp] = str(exc)
-            continue
-        ok.append(tp)
-    return ok, refused
-
-
-def enumerate_layouts(cfg: Any, world: int, gpus_per_node: int,
-                      experts: Optional[ExpertShape] = None,
-                      search_cp: bool = False) -> tuple[list[Layout], list[Candidate]]:
-    """Every layout of ``world`` GPUs (with ``experts``: every ``ep`` too; pipeline degrees
-    ``pp`` that the model's blocks, the schedule and the micro-batches allow, none with tied
-    embeddings; with ``search_cp``, every ``cp`` of :func:`llmforge.planning.context.cp_degrees`
-    without pipeline stages), and the dropped ones (status ``does not divide``).
-
-    Raises:
-        ConfigError: no tensor-parallel degree divides the model and the node (names the key
-            and the nearest world sizes that work).
-    """
-    gbs = int(cfg.trainer.global_batch_size)
-    tps, refused = tp_degrees(cfg, world, gpus_per_node)
-    model = meta_model(cfg)
-    n_blocks = len(get_spec(cfg.model.name).model_blocks(model))
-    tied = bool(getattr(getattr(model, "args", None), "tie_embeddings", False))
-    seq, mode = int(cfg.trainer.seq_len), cp_of(cfg)[1]
-    heads = int(getattr(getattr(model, "args", None), "n_heads", 1))
-    out, dropped = [], []
-    for tp, pp in ((tp, pp) for tp in tps for pp in (_divisors(world // tp) if not tied else [1])):
-        for cp in cp_degrees(seq, world // tp, heads // tp, mode) if search_cp and pp == 1 else [1]:
-            dp = world // (tp * pp * cp)
-            if gbs % dp:
-                if pp == 1 and cp == 1:
-                    dropped.append(Candidate(Layout(1, dp, tp, "none", 1), "does not divide",
-                                             f"trainer.global_batch_size={gbs} is not a multiple of dp={dp}"
-                                             f"{' without pipeline stages' if n_blocks > 1 and not tied else ''}"))
-                continue
-            mbs_ok = [mbs for mbs in _divisors(gbs // dp)
-                      if pp == 1 or pp_allowed(cfg, pp, n_blocks, gbs // dp, mbs, world) is None]
-            for rep in _divisors(dp):
-                for ep in ep_degrees(experts, dp // rep):
-                    for ac in AC_MODES:
-                        for mbs in mbs_ok:
-                            out.append(Layout(rep, dp // rep, tp, ac, mbs, pp=pp, ep=ep, cp=cp))
-    for tp, why in refused.items():
-        dropped.append(Candidate(Layout(1, world // tp if world % tp == 0 else 1, tp, "none", 1),
-                                 "does not divide", why))
-    if not out:
-        near = [n for n in range(max(1, world - 64), world + 65) if n != world
-                and any(gbs % (n // tp) == 0 for tp in _divisors(math.gcd(n, gpus_per_node)) if tp in tps or tp == 1)]
-        nearest = sorted(near, key=lambda n: abs(n - world))[:2]
-        why = "".join(f"; tp={tp} refused: {r}" for tp, r in refused.items())
-        hint = (f"nearest GPU counts that do: {', '.join(map(str, sorted(nearest)))}" if nearest else
-                f"no GPU count within 64 of {world} does: raise trainer.global_batch_size to a "
-                f"multiple of the data-parallel size (e.g. {world})")
-        raise ConfigError(f"--gpus {world}: no layout divides trainer.global_batch_size={gbs} "
-                          f"(tp within a node of {gpus_per_node}: {tps or 'none allowed'}{why}); {hint}")
-    return out, dropped
-
-
-def _seconds(c: Collective, n_ranks: int, world: int, gpu: GPUKind, span: int) -> float:
-    if n_ranks <= 1:
-        return 0.0
-    bw = gpu.intra_node_bw if span <= gpu.gpus_per_node or world <= gpu.gpus_per_node else gpu.inter_node_bw
-    factor = 2.0 if c.kind == "all_reduce" else 1.0
-    return factor * c.bytes * (n_ranks - 1) / n_ranks / bw
-
-
-def derive(ref: StepMeasurement, layout: Layout, gbs: int, gpu: GPUKind, exact: bool = False,
-           experts: Optional[ExpertShape] = None, seq_len: int = 0, width: int = 2,
-           stages: Optional[StageShape] = None) -> tuple[float, float, float]:
-    """``(peak_bytes, step_seconds, flops_per_rank)`` of ``layout`` from the reference
-    measurement of its ``(tp, activation checkpointing)`` group (module docstring, step 2);
-    ``exact``: ``ref`` is the layout's own simulation (at ``ep=1``: no memory scaling). With
-    ``experts`` (a mixture of experts): FLOPs from the active parameters and, for ``ep > 1``,
-    step 4 of the module docstring (``seq_len`` tokens per sequence, ``width`` bytes per
-    activation and gathered weight element). ``stages``: the pipeline schedule of ``pp``
-    layouts (step 5)."""
-    lo, r = layout, ref.layout
-    dp = lo.dp_replicate * lo.dp_shard
-    n_micro = gbs // dp // lo.micro_batch_size
-    n_micro_ref = gbs // (r.dp_replicate * r.dp_shard) // r.micro_batch_size
-    if exact:
-        peak = ref.peak_bytes
-    else:
-        rest = ref.peak_bytes - ref.sharded_state
-        ratio = lo.micro_batch_size / r.micro_batch_size
-        # a rank holds 1 / pp of the blocks, sharded dp_shard ways
-        peak = ref.sharded_state * (r.dp_shard * r.pp) / (lo.dp_shard * lo.pp)
-        if lo.pp == r.pp:
-            peak += rest * ratio
-        else:  # one micro-batch's activations of the rank's blocks, times those in flight
-            act = forward_activations(ref)
-            held = stages.in_flight(lo.pp, n_micro) if stages is not None else 1.0
-            peak += (rest - act) * ratio + act * ratio * r.pp / lo.pp * held
-    world = lo.world_size
-    fsdp = replicas = exposed = 0.0
-    for c in ref.collectives:
-        if c.mesh_dim.startswith("dp_shard"):
-            # FSDP2 all-gathers and reduce-scatters every micro-batch (MicroBatchStep.no_sync), the
-            # rank's 1 / pp of the blocks; replicated weights (dp_shard 1) all-reduce once
-            c2 = c if exact else replace(c, bytes=c.bytes * n_micro / n_micro_ref * r.pp / lo.pp)
-            fsdp += _seconds(c2, lo.dp_shard, world, gpu, lo.dp_shard * lo.tp)
-            if not exact and lo.dp_replicate > 1 and c.kind == "reduce_scatter":
-                syncs = n_micro if lo.dp_shard > 1 else 1
-                ar = Collective("all_reduce", "dp_replicate", lo.dp_replicate, 1,
-                                c.bytes / n_micro_ref * r.pp / lo.pp * syncs / lo.dp_shard)
-                replicas += _seconds(ar, lo.dp_replicate, world, gpu, world)
-        elif c.mesh_dim == "dp_replicate":
-            replicas += _seconds(c, lo.dp_replicate, world, gpu, world)
-        elif c.mesh_dim == "tp":
-            exposed += _seconds(c, lo.tp, world, gpu, lo.tp)
-    flops = ref.flops if experts is None else ref.formula_flops
-    if experts is not None and lo.ep > 1:
-        ep = lo.ep
-        peak -= 2 * experts.gathered_experts * width * (1 - 1 / ep)
-        fsdp *= 1 - experts.expert_fraction * (1 - 1 / ep)  # a rank gathers its E / ep experts
-        exchanges = (6 if lo.activation_checkpointing == "full" else 4) * experts.sparse_layers * n_micro
-        rows = lo.micro_batch_size * seq_len * experts.top_k
-        a2a = Collective("all_to_all", "ep", ep, exchanges, exchanges * rows * experts.dim * width)
-        exposed += _seconds(a2a, ep, world, gpu, ep * lo.tp)  # sends (ep - 1) / ep of the rows
-    compute = flops / (gpu.bf16_flops * EFFICIENCY)
-    if lo.pp > 1 and stages is not None:
-        # the bubble stretches the compute; neighbouring stages are world / pp ranks apart
-        compute /= 1 - stages.bubble(lo.pp, n_micro)
-        bw = gpu.intra_node_bw if world // lo.pp < gpu.gpus_per_node else gpu.inter_node_bw
-        sends = 2 * n_micro * stages.stages_per_rank  # each virtual stage's, forward and backward
-        exposed += sends * (stages.p2p_bytes(lo.micro_batch_size, seq_len, width) / bw + P2P_LATENCY)
-    return peak, max(compute, fsdp + replicas) + exposed, flops
 
 
 def _score(cand: Candidate, peak: float, step: float, cfg: Any, world: int, gpu: GPUKind,

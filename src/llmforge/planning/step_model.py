@@ -17,10 +17,13 @@ Terms (seconds per step, one rank):
   (:func:`llmforge.parallel.pipeline.bubble_fraction`, the schedule's formula, nothing fitted).
 * **FSDP** (over ``dp_shard x cp`` ranks): per block two all-gathers of the weights (one with
   pipeline stages: torchtitan keeps them after the forward) in bf16 (1 byte for float8
-  all-gather) and one reduce-scatter of fp32 gradients; **CP**: the ring passes the K, V shard
+  all-gather) and one reduce-scatter of fp32 gradients, every micro-batch without pipeline
+  stages (FSDP2 reshards after each forward and reduces after each backward), once per step
+  with them; **CP**: the ring passes the K, V shard
   ``cp - 1`` times per block (forward, and twice in the backward; ``cp_mode: ring``, the mode
-  of the published cp rows); **HSDP**: an all-reduce of the sharded gradient across replicas.
-  These overlap with compute up to ``fsdp_overlap`` of it; the rest is exposed.
+  of the published cp rows); **HSDP**: an all-reduce of
+  the sharded gradient across replicas (as often as the reduce-scatter). These overlap with compute up to ``fsdp_overlap`` of
+  it; the rest is exposed.
 * **CP** (``all_gather``, ``ulysses``): the K/V all-gather and gradient reduce-scatter, or the
   all-to-alls, per block and micro-batch, exposed (:func:`context_parallel_seconds`).
 * **TP** (sequence parallel, Megatron-style): per block and micro-batch two all-gathers and two
@@ -194,11 +197,16 @@ def predict(s: Setting, p: CostParams) -> Prediction:
     fsdp_n = s.dp_shard * s.cp
     fsdp_intra = fsdp_n * s.tp <= node
     gathers = 1 if s.pp > 1 else 2
-    fsdp = (_collective(fsdp_n, local * w_gather * gathers, gathers * (layers + 1), fsdp_intra, gpu, p)
-            + _collective(fsdp_n, local * 4.0, layers + 1, fsdp_intra, gpu, p))
+    # without stages FSDP2 reshards after each micro-batch's forward and reduce-scatters after
+    # each backward (torchtitan, llmforge's MicroBatchStep); the pipeline keeps them for the step
+    syncs = 1 if s.pp > 1 else n_micro
+    fsdp = (_collective(fsdp_n, local * w_gather * gathers * syncs, gathers * (layers + 1) * syncs,
+                        fsdp_intra, gpu, p)
+            + _collective(fsdp_n, local * 4.0 * syncs, (layers + 1) * syncs, fsdp_intra, gpu, p))
     if s.dp_replicate > 1:
-        fsdp += _collective(s.dp_replicate, local * 4.0 / fsdp_n, layers + 1, s.world <= node, gpu, p,
-                            all_reduce=True)
+        reps = syncs if fsdp_n > 1 else 1  # replicated weights (DDP) all-reduce once per step
+        fsdp += _collective(s.dp_replicate, local * 4.0 / fsdp_n * reps, (layers + 1) * reps,
+                            s.world <= node, gpu, p, all_reduce=True)
     micro_tokens = s.micro_batch_size * s.seq_len / s.cp
     passes = 4 if s.ac == "full" else 3
     if s.cp > 1 and s.cp_mode == "ring":

@@ -14,6 +14,7 @@ from llmforge.planning.calibration import FITTED, model_error
 from llmforge.planning.context import attention_extra_bytes
 from llmforge.planning.gpus import gpu_kind
 from llmforge.planning.published import Setting
+from llmforge.planning.stages import in_flight
 from llmforge.planning.step_model import CostParams, Prediction, predict
 
 FIT_SHARE = 0.80
@@ -39,7 +40,9 @@ def memory_per_rank(s: Setting) -> dict[str, float]:
       product), selective (per operator)
       ``2 d + 2 q + kv + F`` (:func:`llmforge.models.memory_estimate.analytic_peak`'s
       policy) plus one block recomputed, full ``d`` plus one block recomputed; with pipeline
-      stages the first stage holds ``min(pp, micro-batches)`` micro-batches in flight (1F1B);
+      stages the first stage holds the micro-batches in flight of its schedule
+      (:func:`llmforge.planning.stages.in_flight`: ``min(pp, micro-batches)`` under 1F1B, more
+      interleaved);
       with ``cp > 1`` plus what the attention mode adds (the all-gathered K/V of the whole
       sequence, or Ulysses' all-to-all buffers:
       :func:`llmforge.planning.context.attention_extra_bytes`);
@@ -64,8 +67,8 @@ def memory_per_rank(s: Setting) -> dict[str, float]:
     per_block = {"none": none, "selective": tokens * (2 * d + 2 * q + kv + f) * 2.0 / s.tp,
                  "full": tokens * d * 2.0 / s.tp}[s.ac]
     n_micro = s.global_batch_size // (s.dp_replicate * s.dp_shard) // s.micro_batch_size
-    in_flight = min(s.pp, n_micro) if s.pp > 1 else 1
-    act = per_block * layers * in_flight + (none if s.ac != "none" else 0.0)
+    flight = in_flight(s.schedule, s.pp, n_micro, s.stages_per_rank)
+    act = per_block * layers * flight + (none if s.ac != "none" else 0.0)
     act += attention_extra_bytes(sh, s.cp_mode, s.micro_batch_size, s.seq_len, s.cp, s.tp, s.ac, layers)
     logits = tokens * sh.vocab_size * 6.0 / s.tp
     out = {"state": state, "gathered": gathered, "activations": act, "logits": logits}
@@ -117,10 +120,13 @@ def layouts(s: Setting, node: int = 8) -> Iterator[Setting]:
                                       ac=ac, schedule=sched, stages_per_rank=v)
 
 
-def best_layout(s: Setting, p: CostParams = FITTED) -> Optional[Verdict]:
-    """The fastest layout of :func:`layouts` that fits, or ``None``."""
+def best_layout(s: Setting, p: CostParams = FITTED, same_degrees: bool = False) -> Optional[Verdict]:
+    """The fastest layout of :func:`layouts` that fits, or ``None``; ``same_degrees``: only
+    those with ``s``'s degrees (:func:`same_layout`: AC, micro-batch and schedule free)."""
     best = None
     for lo in layouts(s):
+        if same_degrees and not same_layout(lo, s):
+            continue
         v = assess(lo, p)
         if v.fits and (best is None or v.prediction.step_seconds < best.prediction.step_seconds):
             best = v

@@ -44,11 +44,13 @@ def launch(out: Path, runs: dict[str, list[str]], nproc: int) -> None:
 @pytest.fixture(scope="module")
 def cp_runs(tmp_path_factory):
     """One process (``ref``), then ONE 2-process launch: cp=2 all_gather (``ag``, saving every 4
-    steps), cp=2 ulysses (``uly``) and cp=2 resuming ref's step-4 checkpoint (``from1``); then
+    steps), cp=2 ulysses (``uly``), cp=2 with chunked cross-entropy (``cce``: it acts on each
+    rank's slice) and cp=2 resuming ref's step-4 checkpoint (``from1``); then
     ag's step-4 checkpoint resumed at cp=1 in this process (``to1``)."""
     out = tmp_path_factory.mktemp("cp")
     assert train_here(out, "ref", SAVE).returncode == 0
     launch(out, {"ag": CP2, "uly": [*CP2, "context_parallel.mode=ulysses"],
+                 "cce": ["strategy.cp=2", "algorithms=[{name: chunked_cross_entropy, chunk_size: 16}]"],
                  "from1": [*CP2, f"checkpoint.resume={out / 'ref/checkpoints/step_00000004'}"]}, 2)
     resumed = train_here(out, "to1", f"checkpoint.resume={out / 'ag/checkpoints/step_00000004'}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -57,11 +59,12 @@ def cp_runs(tmp_path_factory):
 
 @pytest.mark.slow
 def test_cp2_equals_one_process_and_resumes_across_cp(cp_runs):
-    """8 steps of cp=2 in both modes: losses and eval losses within 1e-5 of one process; a cp=2
-    checkpoint continues at cp=1 and a cp=1 one at cp=2 with the reference's losses."""
+    """8 steps of cp=2 in both modes (and with chunked cross-entropy): losses and eval losses
+    within 1e-5 of one process; a cp=2 checkpoint continues at cp=1 and a cp=1 one at cp=2 with
+    the reference's losses."""
     ref = losses(cp_runs / "ref")
     assert sorted(ref) == list(range(1, 9))
-    for name in ("ag", "uly"):
+    for name in ("ag", "uly", "cce"):
         got = losses(cp_runs / name)
         assert sorted(got) == sorted(ref), name
         for s in ref:
@@ -118,6 +121,8 @@ def test_load_balanced_slices():
       "--nproc", "4"], "context_parallel.mode=ulysses splits the 6 query heads over strategy.cp=4"),
     (["strategy.cp=2", "strategy.name=ddp", "--nproc", "2"], "strategy.name=ddp cannot"),
     (["strategy.cp=2", "context_parallel.mode=ring", "--nproc", "2"], "context_parallel.mode"),
+    (["strategy.cp=2", "algorithms=[{name: seq_length_warmup, min_seq_len: 6, step_size: 8}]",
+      "--nproc", "2"], "seq_length_warmup under strategy.cp=2 needs min_seq_len (6)"),
 ])
 def test_bad_context_parallel_settings_exit_2_naming_the_key(tmp_path, extra, needle):
     out = run_main("train", DEMO, *BASE, f"run.output_dir={tmp_path}", *extra)

@@ -25,6 +25,7 @@ from test_resume import BASE, assert_bit_exact, kill_at, losses, train, train_he
 
 SAVE = "checkpoint.save_every=4"
 CP2 = ["strategy.cp=2", SAVE]
+AC = "algorithms=[{name: activation_checkpointing}]"  # recomputes the collectives in backward
 
 
 def evals(run_dir: Path) -> list[float]:
@@ -44,12 +45,12 @@ def launch(out: Path, runs: dict[str, list[str]], nproc: int) -> None:
 @pytest.fixture(scope="module")
 def cp_runs(tmp_path_factory):
     """One process (``ref``), then ONE 2-process launch: cp=2 all_gather (``ag``, saving every 4
-    steps), cp=2 ulysses (``uly``), cp=2 with chunked cross-entropy (``cce``: it acts on each
+    steps), cp=2 ulysses with activation checkpointing (``uly``), cp=2 with chunked cross-entropy (``cce``: it acts on each
     rank's slice) and cp=2 resuming ref's step-4 checkpoint (``from1``); then
     ag's step-4 checkpoint resumed at cp=1 in this process (``to1``)."""
     out = tmp_path_factory.mktemp("cp")
     assert train_here(out, "ref", SAVE).returncode == 0
-    launch(out, {"ag": CP2, "uly": [*CP2, "context_parallel.mode=ulysses"],
+    launch(out, {"ag": CP2, "uly": [*CP2, "context_parallel.mode=ulysses", AC],
                  "cce": ["strategy.cp=2", "algorithms=[{name: chunked_cross_entropy, chunk_size: 16}]"],
                  "from1": [*CP2, f"checkpoint.resume={out / 'ref/checkpoints/step_00000004'}"]}, 2)
     resumed = train_here(out, "to1", f"checkpoint.resume={out / 'ag/checkpoints/step_00000004'}")

@@ -13,8 +13,8 @@ Two modes (``context_parallel.mode``), each an attention hook the step installs 
 attention modules (:func:`install_attention`; the model itself knows no ranks):
 
 * ``all_gather`` (Llama 3 paper, Dubey et al. 2024, sec. 3.3.2): every layer all-gathers K and
-  V of the whole sequence over cp (backward: their gradients reduce-scattered), then the local
-  queries attend to all keys with the mask of their global indices. Communication per layer:
+  V of the whole sequence over cp (backward: their gradients reduce-scattered), then each local
+  chunk attends causally to the keys up to its end (packed rows: the document mask). Communication per layer:
   K and V of the whole sequence; memory: K/V of the whole sequence (``O(T)``); any head count.
 * ``ulysses`` (DeepSpeed-Ulysses, Jacobs et al. 2023, arXiv:2309.14509): all-to-all from
   sequence- to head-sharded (q, k, v), attention of the whole sequence on ``H / cp`` heads,
@@ -29,7 +29,9 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from llmforge.errors import ConfigError
 from llmforge.models.decoder import GQAttention, attend
@@ -122,35 +124,54 @@ class ContextParallelAttention:
         self.group, self.mode = group, mode
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.mask: Optional[torch.Tensor] = None
+        self.ready = False
 
     def local_index(self, seq_len: int, device: Optional[torch.device] = None) -> torch.Tensor:
         """This rank's global token indices ``[seq_len / cp]`` (:func:`load_balanced_index`)."""
         return load_balanced_index(seq_len, self.cp, self.rank, device)
 
     def prepare(self, seq_len: int, doc_ids: Optional[torch.Tensor], device: torch.device) -> None:
-        """Build the boolean attention mask of the next forward (True = may attend): the local
-        queries against the gathered keys ``[B|1, 1, t, T]`` (``all_gather``), or the gathered
-        sequence against itself ``[B|1, 1, T, T]`` (``ulysses``); a key is visible when its
-        global index is not after the query's and, with ``doc_ids [B, T]`` (whole rows), when
-        it lies in the same document run (:func:`~llmforge.models.masks.document_runs`)."""
+        """Get ready for the next forward over rows of ``seq_len`` tokens.
+
+        Without ``doc_ids`` no mask is built: the gathered sequence is put back in global order
+        (``order``) and attention is causal SDPA (``ulysses``) or, per local chunk, SDPA with
+        the lower-right causal bias over the keys up to the chunk's end (``all_gather``), so no
+        ``t x T`` mask is ever materialized where the kernel supports the bias. With
+        ``doc_ids [B, T]`` (packed rows, whole) a boolean mask (True = may attend) is built as
+        the one-process model builds its document mask: the local queries against the gathered
+        keys ``[B, 1, t, T]`` (``all_gather``) or the gathered sequence against itself
+        ``[B, 1, T, T]`` (``ulysses``); a key is visible when its global index is not after the
+        query's and it lies in the same document run (:func:`~llmforge.models.masks.document_runs`)."""
         keys = gathered_index(seq_len, self.cp, device)
-        queries = self.local_index(seq_len, device) if self.mode == "all_gather" else keys
-        mask = (keys[None, :] <= queries[:, None])[None, None]
+        self.keys, self.order = keys, torch.argsort(keys)
+        self.mask = None
         if doc_ids is not None:
+            queries = self.local_index(seq_len, device) if self.mode == "all_gather" else keys
             runs = document_runs(doc_ids.to(device))
-            mask = mask & (runs[:, queries][:, None, :, None] == runs[:, keys][:, None, None, :])
-        self.mask = mask
+            self.mask = (keys[None, :] <= queries[:, None])[None, None] \
+                & (runs[:, queries][:, None, :, None] == runs[:, keys][:, None, None, :])
+        self.ready = True
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_rep: int) -> torch.Tensor:
-        assert self.mask is not None, "ContextParallelAttention.prepare() has not run"
+        assert self.ready, "ContextParallelAttention.prepare() has not run"
         if self.mode == "all_gather":
             k, v = _GatherSeq.apply(k, self.group), _GatherSeq.apply(v, self.group)
-            return attend(q, k, v, n_rep, mask=self.mask)
+            if self.mask is not None:
+                return attend(q, k, v, n_rep, mask=self.mask)
+            k, v = k.index_select(1, self.order), v.index_select(1, self.order)  # global order
+            c = q.shape[1] // 2  # this rank's two chunks: global blocks r and 2 cp - 1 - r
+            ends = ((self.rank + 1) * c, (2 * self.cp - self.rank) * c)
+            return torch.cat([_causal_lower_right(q[:, i * c:(i + 1) * c], k[:, :end], v[:, :end], n_rep)
+                              for i, end in enumerate(ends)], dim=1)
         if k.shape[2] % self.cp:  # kv heads do not split over cp: repeat them to the query heads
             k, v = (t.repeat_interleave(n_rep, dim=2) for t in (k, v))
             n_rep = 1
         q, k, v = (self._to_heads(t) for t in (q, k, v))
-        out = attend(q, k, v, n_rep, mask=self.mask)  # [B, T, H/cp * hd]
+        if self.mask is not None:
+            out = attend(q, k, v, n_rep, mask=self.mask)  # [B, T, H/cp * hd]
+        else:  # in global order the mask is plain causal
+            q, k, v = (t.index_select(1, self.order) for t in (q, k, v))
+            out = attend(q, k, v, n_rep).index_select(1, self.keys)  # back to gathered order
         return self._to_sequence(out, q.shape[2], q.shape[3])
 
     def _to_heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,6 +190,19 @@ class ContextParallelAttention:
         blocks = y.reshape(b, self.cp, t, heads, hd).permute(1, 0, 2, 3, 4)
         out = _AllToAll.apply(blocks.contiguous(), self.group)  # [cp, B, t, heads, hd]
         return out.permute(1, 2, 0, 3, 4).reshape(b, t, self.cp * heads * hd)
+
+
+def _causal_lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Attention of the last ``q.shape[1]`` positions of a sequence over its first ``k.shape[1]``
+    keys (global order), causal: ``q [B, c, H, hd]``, ``k, v [B, s, K, hd]`` (``s >= c``) ->
+    ``[B, c, H * hd]``. torch's lower-right causal bias (``torch.nn.attention.bias``) lets SDPA
+    kernels that support it skip the mask; others materialize ``c x s``."""
+    b, c = q.shape[0], q.shape[1]
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if n_rep > 1:
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(c, k.shape[2]))
+    return out.transpose(1, 2).reshape(b, c, -1)
 
 
 def attention_modules(model: nn.Module) -> list[GQAttention]:

@@ -88,15 +88,17 @@ def test_sigkill_during_cp2_then_resume_is_bit_exact(cp_runs):
 
 
 @pytest.mark.slow
-def test_cp_composes_with_fsdp2_and_tp_on_four_processes(cp_runs):
+def test_cp_composes_with_fsdp2_tp_and_pp_on_four_processes(cp_runs):
     """ONE 4-process launch: FSDP2 x CP (dp_shard 2 x cp 2), CP x TP (cp 2 x tp 2, both modes;
     ulysses splits the 2 query heads of a tp rank), ulysses at cp=4 (2 kv heads: repeated to
-    the 4 query heads): 8 steps within 1e-5 of one process."""
+    the 4 query heads), CP x PP (cp 2 x pp 2, the slices through the 1F1B schedule): 8 steps
+    within 1e-5 of one process."""
     out = cp_runs / "four"
     out.mkdir()
     runs = {"fsdp_cp": ["strategy.cp=2"], "cp_tp": ["strategy.cp=2", "strategy.tp=2"],
             "cp_tp_uly": ["strategy.cp=2", "strategy.tp=2", "context_parallel.mode=ulysses"],
-            "cp4_uly": ["strategy.cp=4", "context_parallel.mode=ulysses"]}
+            "cp4_uly": ["strategy.cp=4", "context_parallel.mode=ulysses"],
+            "cp_pp": ["strategy.cp=2", "strategy.pp=2"]}
     launch(out, runs, 4)
     ref = losses(cp_runs / "ref")
     for name in runs:
@@ -122,6 +124,8 @@ def test_load_balanced_slices():
       "--nproc", "4"], "context_parallel.mode=ulysses splits the 6 query heads over strategy.cp=4"),
     (["strategy.cp=2", "strategy.name=ddp", "--nproc", "2"], "strategy.name=ddp cannot"),
     (["strategy.cp=2", "context_parallel.mode=ring", "--nproc", "2"], "context_parallel.mode"),
+    (["strategy.cp=2", "strategy.pp=2", "data.task=sft", "--nproc", "4"],
+     "strategy.cp=2 with strategy.pp=2 takes rows without documents"),
     (["strategy.cp=2", "algorithms=[{name: seq_length_warmup, min_seq_len: 6, step_size: 8}]",
       "--nproc", "2"], "seq_length_warmup under strategy.cp=2 needs min_seq_len (6)"),
 ])

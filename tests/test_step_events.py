@@ -36,16 +36,20 @@ from llmforge.algorithms.loading import build_algorithms
 from llmforge.errors import ConfigError
 from llmforge.events import Event, handles
 from llmforge.parallel.mesh import ParallelDims
-from llmforge.training.steps import (ContextParallelStep, MicroBatchStep, PipelineStep, check_plugins,
-                                     step_class)
+from llmforge.training.steps import (ContextParallelPipelineStep, ContextParallelStep, MicroBatchStep,
+                                     PipelineStep, check_plugins, step_class)
 
 from algo_harness import VOCAB, batches, make_module
 from conftest import DEMO, TINY_OVERRIDES, run_main
 
 DIMS = {"micro-batch": ParallelDims(1, 1, 1, 1),
         "pipeline": ParallelDims(1, 1, 1, 2, pp=2),
-        "context-parallel": ParallelDims(1, 1, 1, 2, cp=2)}
-REFUSED = {("pipeline", "ChunkedCrossEntropy")}  # hands the labels to the head at BEFORE_FORWARD
+        "context-parallel": ParallelDims(1, 1, 1, 2, cp=2),
+        "context-parallel pipeline": ParallelDims(1, 1, 1, 4, pp=2, cp=2)}
+# hands the labels to the head at BEFORE_FORWARD, which no pipeline step fires
+REFUSED = {("pipeline", "ChunkedCrossEntropy"): "the pipeline step (strategy.pp=2)",
+           ("context-parallel pipeline", "ChunkedCrossEntropy"): "the pipeline step (strategy.pp=2, "
+                                                                  "strategy.cp=2)"}
 
 
 def builtin_plugins() -> list[type]:
@@ -63,8 +67,10 @@ def builtin_plugins() -> list[type]:
 def test_what_each_step_fires():
     assert step_class(DIMS["micro-batch"]) is MicroBatchStep and step_class(DIMS["pipeline"]) is PipelineStep
     assert step_class(DIMS["context-parallel"]) is ContextParallelStep
+    assert step_class(DIMS["context-parallel pipeline"]) is ContextParallelPipelineStep
     assert MicroBatchStep.fires == ContextParallelStep.fires == frozenset(Event)
     assert frozenset(Event) - PipelineStep.fires == {Event.BEFORE_FORWARD}
+    assert ContextParallelPipelineStep.fires == PipelineStep.fires
 
 
 def test_every_builtin_plugin_under_every_step_kind_runs_or_is_refused():
@@ -82,8 +88,8 @@ def test_every_builtin_plugin_under_every_step_kind_runs_or_is_refused():
                 check_plugins([plugin], dims)
             msg = str(err.value)
             assert err.value.exit_code == 2 and "\n" not in msg
-            assert msg == ("plugin chunked_cross_entropy handles before_forward, which the pipeline "
-                           "step (strategy.pp=2) never fires (llmforge.events): remove "
+            assert msg == (f"plugin chunked_cross_entropy handles before_forward, which "
+                           f"{REFUSED[kind, cls.__name__]} never fires (llmforge.events): remove "
                            "chunked_cross_entropy from the run or set strategy.pp=1")
 
 

@@ -222,11 +222,13 @@ def _check_context_parallel(cfg: Any) -> None:
     if s.name in ("ddp", "single"):
         raise ConfigError(f"strategy.cp={cp} shards the model over dp_shard x cp with FSDP2; "
                           f"strategy.name={s.name} cannot: set strategy.name=fsdp2 (or auto)")
-    for key, why in (("pp", "the pipeline step does not slice sequences yet"),
-                     ("ep", "expert weights would need FSDP2 over efsdp x cp")):
-        if int(s.get(key, 1)) > 1:
-            raise ConfigError(f"strategy.cp={cp} with strategy.{key}={s.get(key)} is not supported "
-                              f"({why}); set strategy.{key}=1 or strategy.cp=1")
+    if int(s.get("ep", 1)) > 1:
+        raise ConfigError(f"strategy.cp={cp} with strategy.ep={s.ep} is not supported (expert "
+                          "weights would need FSDP2 over efsdp x cp); set strategy.ep=1 or strategy.cp=1")
+    if int(s.get("pp", 1)) > 1 and cfg.data.get("task") == "sft" and cfg.data.get("packed", True):
+        raise ConfigError(f"strategy.cp={cp} with strategy.pp={s.pp} takes rows without documents "
+                          "(the schedule would need each micro-batch's document mask); set "
+                          "data.packed=false, strategy.pp=1 or strategy.cp=1")
 
 
 def _check_pipeline(p: Any) -> None:

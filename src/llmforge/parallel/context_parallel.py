@@ -29,9 +29,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from llmforge.errors import ConfigError
 from llmforge.models.decoder import GQAttention, attend
@@ -133,10 +131,12 @@ class ContextParallelAttention:
     def prepare(self, seq_len: int, doc_ids: Optional[torch.Tensor], device: torch.device) -> None:
         """Get ready for the next forward over rows of ``seq_len`` tokens.
 
-        Without ``doc_ids`` no mask is built: the gathered sequence is put back in global order
-        (``order``) and attention is causal SDPA (``ulysses``) or, per local chunk, SDPA with
-        the lower-right causal bias over the keys up to the chunk's end (``all_gather``), so no
-        ``t x T`` mask is ever materialized where the kernel supports the bias. With
+        Without ``doc_ids`` the gathered sequence is put back in global order (``order``):
+        ``ulysses`` then runs plain causal SDPA (no mask), ``all_gather`` attends each local
+        chunk of ``c = T / (2 cp)`` tokens to the keys up to its end under a lower-right causal
+        mask (``chunk_masks``, ``[c, end]`` bool, about ``T^2 / (2 cp)`` in all, built once per
+        forward and shared by the layers; torch's ``causal_lower_right`` bias would avoid it
+        on GPU kernels, but is a tensor subclass that fails under dispatch modes). With
         ``doc_ids [B, T]`` (packed rows, whole) a boolean mask (True = may attend) is built as
         the one-process model builds its document mask: the local queries against the gathered
         keys ``[B, 1, t, T]`` (``all_gather``) or the gathered sequence against itself
@@ -145,6 +145,11 @@ class ContextParallelAttention:
         keys = gathered_index(seq_len, self.cp, device)
         self.keys, self.order = keys, torch.argsort(keys)
         self.mask = None
+        c = seq_len // (2 * self.cp)
+        # each local chunk against the keys up to its end, lower-right causal: [c, end]
+        self.chunk_masks = [torch.arange(end, device=device)[None, :]
+                            <= torch.arange(end - c, end, device=device)[:, None]
+                            for end in ((self.rank + 1) * c, (2 * self.cp - self.rank) * c)]
         if doc_ids is not None:
             queries = self.local_index(seq_len, device) if self.mode == "all_gather" else keys
             runs = document_runs(doc_ids.to(device))
@@ -160,9 +165,8 @@ class ContextParallelAttention:
                 return attend(q, k, v, n_rep, mask=self.mask)
             k, v = k.index_select(1, self.order), v.index_select(1, self.order)  # global order
             c = q.shape[1] // 2  # this rank's two chunks: global blocks r and 2 cp - 1 - r
-            ends = ((self.rank + 1) * c, (2 * self.cp - self.rank) * c)
-            return torch.cat([_causal_lower_right(q[:, i * c:(i + 1) * c], k[:, :end], v[:, :end], n_rep)
-                              for i, end in enumerate(ends)], dim=1)
+            return torch.cat([attend(q[:, i * c:(i + 1) * c], k[:, :m.shape[1]], v[:, :m.shape[1]],
+                                     n_rep, mask=m) for i, m in enumerate(self.chunk_masks)], dim=1)
         if k.shape[2] % self.cp:  # kv heads do not split over cp: repeat them to the query heads
             k, v = (t.repeat_interleave(n_rep, dim=2) for t in (k, v))
             n_rep = 1
@@ -190,19 +194,6 @@ class ContextParallelAttention:
         blocks = y.reshape(b, self.cp, t, heads, hd).permute(1, 0, 2, 3, 4)
         out = _AllToAll.apply(blocks.contiguous(), self.group)  # [cp, B, t, heads, hd]
         return out.permute(1, 2, 0, 3, 4).reshape(b, t, self.cp * heads * hd)
-
-
-def _causal_lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """Attention of the last ``q.shape[1]`` positions of a sequence over its first ``k.shape[1]``
-    keys (global order), causal: ``q [B, c, H, hd]``, ``k, v [B, s, K, hd]`` (``s >= c``) ->
-    ``[B, c, H * hd]``. torch's lower-right causal bias (``torch.nn.attention.bias``) lets SDPA
-    kernels that support it skip the mask; others materialize ``c x s``."""
-    b, c = q.shape[0], q.shape[1]
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    if n_rep > 1:
-        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(c, k.shape[2]))
-    return out.transpose(1, 2).reshape(b, c, -1)
 
 
 def attention_modules(model: nn.Module) -> list[GQAttention]:

@@ -66,10 +66,6 @@ class MicroBatchStep(Step):
             return module(st.inputs)
         return module(st.inputs, st.doc_ids, st.token_mask)
 
-    def gradient_ranks(self) -> int:
-        """The ranks the data-parallel wrapper averages gradients over (``dp_size``)."""
-        return self.module.plan.dp_size
-
     def forward_backward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Run every micro-batch of one optimizer step forward and backward
         (:meth:`LLMModule.forward_backward` documents ``batch`` and the returns).

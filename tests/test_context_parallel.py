@@ -8,7 +8,6 @@ under cp=2 are in test_sft.py's 2-process launch; the event contract in test_ste
 """
 
 import json
-import signal
 from pathlib import Path
 
 import pytest

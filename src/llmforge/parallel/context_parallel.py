@@ -14,8 +14,9 @@ attention modules (:func:`install_attention`; the model itself knows no ranks):
 
 * ``all_gather`` (Llama 3 paper, Dubey et al. 2024, sec. 3.3.2): every layer all-gathers K and
   V of the whole sequence over cp (backward: their gradients reduce-scattered), then each local
-  chunk attends causally to the keys up to its end (packed rows: the document mask). Communication per layer:
-  K and V of the whole sequence; memory: K/V of the whole sequence (``O(T)``); any head count.
+  chunk attends causally to the keys up to its end (packed rows: the document mask).
+  Communication per layer: K and V of the whole sequence; memory: K/V of the whole sequence
+  (``O(T)``) and the chunks' causal masks; any head count.
 * ``ulysses`` (DeepSpeed-Ulysses, Jacobs et al. 2023, arXiv:2309.14509): all-to-all from
   sequence- to head-sharded (q, k, v), attention of the whole sequence on ``H / cp`` heads,
   all-to-all back. Communication per layer: four all-to-alls of ``1 / cp`` of the activations

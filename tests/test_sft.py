@@ -406,21 +406,25 @@ def test_sft_from_a_pretrained_run_and_bad_line_exit_2(tmp_path, capsys):
 @pytest.mark.slow
 def test_packed_sft_same_losses_under_tensor_parallel_and_fsdp2(tmp_path):
     """doc_ids (positions + block-diagonal mask) pass through TP (2 processes, sequence
-    parallel) and FSDP2 (2 processes) unchanged: the losses equal one process within 1e-5.
-    One process runs in this process; TP and FSDP2 in ONE 2-process torchrun launch
-    (tests/dist/train_worker.py runs both in sequence)."""
+    parallel), FSDP2 (2 processes) and context parallelism (cp=2, both modes: each rank's
+    slice keeps its per-document positions and the mask of the whole row) unchanged: the
+    losses equal one process within 1e-5. One process runs in this process; the others in ONE
+    2-process torchrun launch (tests/dist/train_worker.py runs them in sequence)."""
     data = make_instructions(tmp_path / "instructions.jsonl", 120)
     args = ["train", str(REPO / "yamls" / "demo_cpu_sft.yaml"), *sft_args(tmp_path, data),
             "trainer.max_steps=3", "scheduler.warmup_steps=0", "trainer.micro_batch_size=4",
             "data.val_fraction=0"]
     assert main([*args, "run.name=single"]) == 0
     runs = {"tp2": [*args, "run.name=tp2", "strategy.tp=2"],
-            "fsdp2": [*args, "run.name=fsdp2", "strategy.name=fsdp2"]}
+            "fsdp2": [*args, "run.name=fsdp2", "strategy.name=fsdp2"],
+            "cp2": [*args, "run.name=cp2", "strategy.cp=2"],
+            "cp2_ulysses": [*args, "run.name=cp2_ulysses", "strategy.cp=2",
+                            "context_parallel.mode=ulysses"]}
     (tmp_path / "runs.json").write_text(json.dumps(runs))
     proc = torchrun(worker("train_worker.py"), str(tmp_path), str(tmp_path / "runs.json"), timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = {name: [r["train/loss"] for r in records(tmp_path / name) if "train/loss" in r]
-           for name in ("single", "tp2", "fsdp2")}
+           for name in ("single", *runs)}
     assert len(out["single"]) == 3
-    for name in ("tp2", "fsdp2"):
+    for name in runs:
         assert out[name] == pytest.approx(out["single"], abs=1e-5), (name, out)

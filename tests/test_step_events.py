@@ -8,7 +8,11 @@ test_monitors.py, test_events*.py, test_resume.py); under the pipeline step, the
 multi-process run of tests/dist/pipeline_worker.py (z_loss, ema, loss_spike_guard, float8, lora,
 compile, activation checkpointing against one process; the fit-start refusal of
 chunked_cross_entropy by the real ``PipelineStep``) and test_pipeline.py's pp=2 CLI run (the
-checkpointer, z_loss, the speed monitor and NaN guard every run has).
+checkpointer, z_loss, the speed monitor and NaN guard every run has). Under the context-parallel
+step (every event fires, the forward and loss events on the rank's slice): chunked
+cross-entropy below (the CP step on a one-rank gloo group) and in test_context_parallel.py's
+cp=2 run (the loss of one process); seq_length_warmup's check refuses lengths 2 x cp does not
+divide (test_algorithms.py); the rest act as under the micro-batch step, whose code it runs.
 """
 
 from __future__ import annotations
@@ -17,8 +21,12 @@ import importlib
 import inspect
 import pkgutil
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -28,14 +36,20 @@ from llmforge.algorithms.loading import build_algorithms
 from llmforge.errors import ConfigError
 from llmforge.events import Event, handles
 from llmforge.parallel.mesh import ParallelDims
-from llmforge.training.steps import MicroBatchStep, PipelineStep, check_plugins, step_class
+from llmforge.training.steps import (ContextParallelPipelineStep, ContextParallelStep, MicroBatchStep,
+                                     PipelineStep, check_plugins, step_class)
 
 from algo_harness import VOCAB, batches, make_module
 from conftest import DEMO, TINY_OVERRIDES, run_main
 
 DIMS = {"micro-batch": ParallelDims(1, 1, 1, 1),
-        "pipeline": ParallelDims(1, 1, 1, 2, pp=2)}
-REFUSED = {("pipeline", "ChunkedCrossEntropy")}  # hands the labels to the head at BEFORE_FORWARD
+        "pipeline": ParallelDims(1, 1, 1, 2, pp=2),
+        "context-parallel": ParallelDims(1, 1, 1, 2, cp=2),
+        "context-parallel pipeline": ParallelDims(1, 1, 1, 4, pp=2, cp=2)}
+# hands the labels to the head at BEFORE_FORWARD, which no pipeline step fires
+REFUSED = {("pipeline", "ChunkedCrossEntropy"): "the pipeline step (strategy.pp=2)",
+           ("context-parallel pipeline", "ChunkedCrossEntropy"): "the pipeline step (strategy.pp=2, "
+                                                                  "strategy.cp=2)"}
 
 
 def builtin_plugins() -> list[type]:
@@ -52,8 +66,11 @@ def builtin_plugins() -> list[type]:
 
 def test_what_each_step_fires():
     assert step_class(DIMS["micro-batch"]) is MicroBatchStep and step_class(DIMS["pipeline"]) is PipelineStep
-    assert MicroBatchStep.fires == frozenset(Event)
+    assert step_class(DIMS["context-parallel"]) is ContextParallelStep
+    assert step_class(DIMS["context-parallel pipeline"]) is ContextParallelPipelineStep
+    assert MicroBatchStep.fires == ContextParallelStep.fires == frozenset(Event)
     assert frozenset(Event) - PipelineStep.fires == {Event.BEFORE_FORWARD}
+    assert ContextParallelPipelineStep.fires == PipelineStep.fires
 
 
 def test_every_builtin_plugin_under_every_step_kind_runs_or_is_refused():
@@ -71,8 +88,8 @@ def test_every_builtin_plugin_under_every_step_kind_runs_or_is_refused():
                 check_plugins([plugin], dims)
             msg = str(err.value)
             assert err.value.exit_code == 2 and "\n" not in msg
-            assert msg == ("plugin chunked_cross_entropy handles before_forward, which the pipeline "
-                           "step (strategy.pp=2) never fires (llmforge.events): remove "
+            assert msg == (f"plugin chunked_cross_entropy handles before_forward, which "
+                           f"{REFUSED[kind, cls.__name__]} never fires (llmforge.events): remove "
                            "chunked_cross_entropy from the run or set strategy.pp=1")
 
 
@@ -108,13 +125,35 @@ class _LargestLogits(TorchDispatchMode):
         return out
 
 
+def _context_parallel(module, store):
+    """``module`` runs the context-parallel step on a one-rank gloo group (this process)."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1, 1, 1, 1), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+    mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+    module.mesh_override = mesh
+    module.step = ContextParallelStep(module, SimpleNamespace(dims=ParallelDims(1, 1, 1, 1, cp=1), mesh=mesh))
+
+
+@pytest.mark.parametrize("kind", ["micro-batch", "context-parallel"])
 @pytest.mark.parametrize("algorithms", [[], [{"name": "chunked_cross_entropy", "chunk_size": 16}]])
-def test_chunked_cross_entropy_acts_under_the_micro_batch_step(algorithms):
-    """The micro-batch step fires BEFORE_FORWARD, so the head gets the labels: no tensor of more
-    than one chunk's logits (16 tokens x vocab) exists, against the whole micro-batch's (2 x 32
+def test_chunked_cross_entropy_acts_under_the_micro_batch_and_context_parallel_steps(algorithms, kind, tmp_path):
+    """The micro-batch step (and the context-parallel one, which hands the head the labels of
+    the rank's slice) fires BEFORE_FORWARD, so the head gets the labels: no tensor of more than
+    one chunk's logits (16 tokens x vocab) exists, against the whole micro-batch's (2 x 32
     tokens) without the plugin; the loss is the same."""
     ref, module = make_module([]), make_module(algorithms)
     module.model.load_state_dict(ref.model.state_dict())
+    if kind == "context-parallel":
+        _context_parallel(module, tmp_path / "store")
+    try:
+        _chunked_acts(ref, module, algorithms)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _chunked_acts(ref, module, algorithms):
     module.setup_events(build_algorithms(module.cfg))
     module.event(Event.FIT_START)
     batch = batches(1, module.cfg.trainer.seq_len)[0]

@@ -49,6 +49,14 @@ What each step fires (:mod:`llmforge.training.steps`; ``Step.fires``)::
     BEFORE/AFTER_EVALUATION
     BEFORE_LOAD, FIT_*       once per fit             the same
 
+The context-parallel step (``strategy.cp > 1``, a micro-batch step on each rank's slice of
+every sequence) fires every event as ``MicroBatchStep`` does; from ``BEFORE_FORWARD`` to
+``AFTER_BACKWARD`` ``state.inputs``, ``labels``, ``doc_ids`` and ``token_mask`` are the rank's
+slice (``[b, T / cp]``: chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp``), ``state.outputs`` its
+logits and ``state.loss`` / ``state.n_targets`` its summed loss and targets;
+``state.total_targets`` and ``train/loss`` count the whole rows. ``BATCH_START`` sees the whole
+rows, which every cp rank of a data-parallel rank holds.
+
 Before the run starts (:func:`llmforge.training.steps.check_plugins`, on the algorithms) and
 at fit start (:meth:`Dispatcher.check_fires`, on every callback) a plugin that handles an event
 its run's step never fires is refused with a one-line :class:`~llmforge.errors.ConfigError`

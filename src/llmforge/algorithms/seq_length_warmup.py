@@ -48,8 +48,9 @@ class SeqLengthWarmup(Algorithm):
         step_size: lengths are multiples of it (>= 1).
 
     Raises:
-        ConfigError: a bad value, ``min_seq_len`` or ``step_size`` above ``trainer.seq_len``, or
-            ``data.task=sft`` (truncation would cut the responses, the only targets).
+        ConfigError: a bad value, ``min_seq_len`` or ``step_size`` above ``trainer.seq_len``,
+            ``data.task=sft`` (truncation would cut the responses, the only targets), or under
+            ``strategy.cp > 1`` a ``min_seq_len`` or ``step_size`` that ``2 x cp`` does not divide.
     """
 
     name = "seq_length_warmup"
@@ -71,6 +72,12 @@ class SeqLengthWarmup(Algorithm):
             # cuts the response, so early steps would train on few or no tokens
             raise ConfigError("algorithms: seq_length_warmup truncates each row, which cuts the "
                               "responses (the only targets) of data.task=sft rows; drop it for SFT")
+        cp = int(getattr(run.dims, "cp", 1))
+        if cp > 1 and (self.min_seq_len % (2 * cp) or self.step_size % (2 * cp)):
+            # the context-parallel step cuts every row into 2 x cp chunks, at every length
+            raise ConfigError(f"algorithms: seq_length_warmup under strategy.cp={cp} needs min_seq_len "
+                              f"({self.min_seq_len}) and step_size ({self.step_size}) divisible by "
+                              f"2 x cp = {2 * cp}; set both to multiples of {2 * cp}")
         if self.step_size > int(cfg.trainer.seq_len):  # every warmup length would be min_seq_len
             raise ConfigError(f"algorithms: seq_length_warmup.step_size={self.step_size} exceeds "
                               f"trainer.seq_len={cfg.trainer.seq_len}; lower it (e.g. 8)")

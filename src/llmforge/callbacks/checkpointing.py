@@ -137,7 +137,8 @@ class Checkpointer(Callback):
                  "scheduler": sched.state_dict() if sched is not None else None,
                  "callbacks": plain_states(trainer.callbacks, self)}
         meta = {"tokens_seen": pl_module.tokens_seen, "world_size": trainer.world_size,
-                "mesh": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp},
+                "mesh": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
+                         "tp": dims.tp},
                 "config_hash": self.config_hash, "llmforge_version": __version__,
                 "config": self.config}
         cfg = getattr(pl_module, "cfg", None)

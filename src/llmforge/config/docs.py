@@ -20,7 +20,8 @@ SECTIONS = {
     "data": schema.DataConfig, "trainer": schema.TrainerSettings,
     "optimizer": schema.OptimizerConfig, "scheduler": schema.SchedulerConfig,
     "strategy": schema.StrategyConfig, "strategy.mixed_precision": schema.MixedPrecisionConfig,
-    "pipeline": schema.PipelineConfig, "fault_tolerance": schema.FaultToleranceConfig,
+    "pipeline": schema.PipelineConfig, "context_parallel": schema.ContextParallelConfig,
+    "fault_tolerance": schema.FaultToleranceConfig,
     "checkpoint": schema.CheckpointConfig,
     "compute": schema.ComputeConfig, "scheduling": schema.SchedulingConfig,
 }

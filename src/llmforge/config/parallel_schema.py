@@ -48,6 +48,12 @@ class StrategyConfig:
     them by all-to-all. Borrows ranks from dp_shard (torchtitan's rule; here not from tp): ep
     must divide dp_shard and the model's num_experts; expert weights are FSDP2-sharded over the
     other dp_shard / ep ranks. 1 for a model without experts."""
+    cp: int = 1
+    """Context-parallel degree: every sequence is cut into ``2 x cp`` chunks and each of the cp
+    ranks holds two (one from the head, its mirror from the tail, balancing the causal mask's
+    work); attention across the slices as ``context_parallel.mode`` says. The cp ranks of one
+    data-parallel rank read the same rows; FSDP2 shards over ``dp_shard x cp``. ``2 x cp`` must
+    divide ``trainer.seq_len``. See docs/parallelism.md."""
     reshard_after_forward: bool = True
     """FSDP2: free unsharded parameters after forward (ZeRO-3) or keep them (ZeRO-2)."""
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
@@ -78,6 +84,23 @@ class PipelineConfig:
     one block fewer, as they also hold the embedding and the output layer: the stages must
     divide blocks + 2), or an explicit list of block-index lists, one per stage, e.g.
     ``[[0, 1], [2, 3]]``."""
+
+
+CONTEXT_PARALLEL_MODES = ("all_gather", "ulysses")
+"""Allowed ``context_parallel.mode`` values (llmforge.parallel.context_parallel)."""
+
+
+@dataclass
+class ContextParallelConfig:
+    """``context_parallel:`` — how attention crosses the sequence slices of ``strategy.cp > 1``
+    (ignored at ``cp=1``); see docs/parallelism.md."""
+
+    mode: str = "all_gather"
+    """``all_gather``: every layer all-gathers keys and values over the cp ranks and attends its
+    local queries to the whole sequence (Llama 3 paper, sec. 3.3.2; any head count);
+    ``ulysses``: all-to-all from sequence- to head-sharded, attention of the whole sequence on
+    heads / cp heads, all-to-all back (DeepSpeed-Ulysses, arXiv:2309.14509; query heads per
+    tensor-parallel rank must divide by cp, kv heads are repeated when they do not)."""
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional
 
 from llmforge import registry
 from llmforge.config.parallel_schema import (  # noqa: F401 (schema names)
-    FaultToleranceConfig, MixedPrecisionConfig, PipelineConfig, StrategyConfig)
+    ContextParallelConfig, FaultToleranceConfig, MixedPrecisionConfig, PipelineConfig, StrategyConfig)
 
 # Allowed values, each listed once next to its key; validate.py, the schedule, the tokenizer and
 # SFT loaders and the Trainer import them from here.
@@ -361,6 +361,7 @@ class TrainConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     compute: ComputeConfig = field(default_factory=ComputeConfig)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from llmforge.config.mixture import mixture_entries
-from llmforge.config.parallel_schema import PIPELINE_SCHEDULES, PIPELINE_SPLITS
+from llmforge.config.parallel_schema import CONTEXT_PARALLEL_MODES, PIPELINE_SCHEDULES, PIPELINE_SPLITS
 from llmforge.config.schema import (ACCELERATORS, DATA_SOURCES, DATA_TASKS,
                                     OPTIMIZER_IMPLEMENTATIONS, OPTIMIZERS, OVERLONG, PRECISIONS,
                                     SCHEDULES, STRATEGIES, TOKENIZER_TYPES, OptimizerConfig)
@@ -59,10 +59,12 @@ def data_parallel_size(cfg: Any, world_size: Optional[int] = 1) -> int:
     """Data-parallel size ``dp_replicate * dp_shard`` from ``cfg.strategy`` for ``world_size``
     processes (None: ``trainer.devices * trainer.num_nodes``); ``dp_shard=-1`` takes the rest,
     ``world_size // (pp * dp_replicate * tp)``. With ``strategy.pp > 1`` the sizes below are
-    those of one pipeline stage (``world_size // pp`` ranks).
+    those of one pipeline stage (``world_size // pp`` ranks), and with ``strategy.cp > 1`` those
+    of one context-parallel rank (the cp ranks of a data-parallel rank share its rows).
 
     Raises:
-        ConfigError: pp, tp, dp_replicate or dp_shard is not positive (dp_shard may be -1), pp
+        ConfigError: pp, cp, tp, dp_replicate or dp_shard is not positive, cp does not divide
+            the world size, (dp_shard may be -1), pp
             or tp does not divide the world size, or dp_replicate x dp_shard x tp != world size; the message
             names the sizes and a setting that works.
     """
@@ -79,6 +81,14 @@ def data_parallel_size(cfg: Any, world_size: Optional[int] = 1) -> int:
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise ConfigError(f"strategy.ep must be an integer >= 1 (1 = no expert parallelism), got {ep!r}")
     world //= pp  # the ranks of one pipeline stage; the other dims multiply to this
+    cp = s.get("cp", 1)
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ConfigError(f"strategy.cp must be an integer >= 1 (1 = no context parallelism), got {cp!r}")
+    if world % cp:
+        options = ", ".join(map(str, _divisors(world)))
+        raise ConfigError(f"strategy.cp={cp} does not divide the world size {world}"
+                          f"{' / strategy.pp' if pp > 1 else ''}; use one of {options}")
+    world //= cp  # the cp ranks of one data-parallel rank read the same rows
     tp, rep, shard = int(s.tp), int(s.dp_replicate), int(s.dp_shard)
     if tp < 1:
         raise ConfigError(f"strategy.tp must be >= 1, got {tp}")
@@ -191,6 +201,34 @@ def _check_entries(section: str, entries: Any) -> None:
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_context_parallel(cfg: Any) -> None:
+    """``strategy.cp`` and ``context_parallel:`` against the sequence and the other degrees
+    (the checks against the model's heads are :func:`llmforge.parallel.context_parallel.check_context_parallel`'s)."""
+    cp, mode = cfg.strategy.get("cp", 1), cfg.get("context_parallel", {}).get("mode", "all_gather")
+    _one_of("context_parallel.mode", mode, CONTEXT_PARALLEL_MODES)
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ConfigError(f"strategy.cp must be an integer >= 1 (1 = no context parallelism), got {cp!r}")
+    if cp == 1:
+        return
+    seq = int(cfg.trainer.seq_len)
+    if seq % (2 * cp):
+        fit = max(2 * cp, seq // (2 * cp) * 2 * cp)
+        raise ConfigError(f"strategy.cp={cp} cuts every sequence into 2 x cp = {2 * cp} chunks (load "
+                          f"balance of the causal mask), which must divide trainer.seq_len={seq}; "
+                          f"use trainer.seq_len={fit} or a cp that divides it by 2 x cp")
+    s = cfg.strategy
+    if s.name in ("ddp", "single"):
+        raise ConfigError(f"strategy.cp={cp} shards the model over dp_shard x cp with FSDP2; "
+                          f"strategy.name={s.name} cannot: set strategy.name=fsdp2 (or auto)")
+    if int(s.get("ep", 1)) > 1:
+        raise ConfigError(f"strategy.cp={cp} with strategy.ep={s.ep} is not supported (expert "
+                          "weights would need FSDP2 over efsdp x cp); set strategy.ep=1 or strategy.cp=1")
+    if int(s.get("pp", 1)) > 1 and cfg.data.get("task") == "sft" and cfg.data.get("packed", True):
+        raise ConfigError(f"strategy.cp={cp} with strategy.pp={s.pp} takes rows without documents "
+                          "(the schedule would need each micro-batch's document mask); set "
+                          "data.packed=false, strategy.pp=1 or strategy.cp=1")
 
 
 def _check_pipeline(p: Any) -> None:
@@ -306,6 +344,7 @@ def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
     if cfg.strategy.name == "ddp" and cfg.strategy.get("ep", 1) != 1:
         raise ConfigError(f"strategy.ep={cfg.strategy.ep} borrows ranks of the FSDP2 shard group, "
                           "which strategy.name=ddp does not have; set strategy.name=fsdp2 (or auto)")
+    _check_context_parallel(cfg)
     _one_of("data.source", cfg.data.source, DATA_SOURCES)
     vf = cfg.data.val_fraction
     _require(0 <= vf < 1, "data.val_fraction", "in [0, 1)", vf)

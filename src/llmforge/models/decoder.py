@@ -92,9 +92,18 @@ class GQAttention(nn.Module):
         # -1 heads: under tensor parallelism each rank holds H/tp and K/tp heads
         return tuple(t.view(bsz, seqlen, -1, self.head_dim) for t in qkv)
 
+    context_attention: Optional[Callable[..., torch.Tensor]] = None
+    """A hook that replaces :func:`attend` when the sequence is split over ranks (context
+    parallelism installs one: :mod:`llmforge.parallel.context_parallel`):
+    ``hook(q, k, v, n_rep) -> [B, T, H * hd]`` with the rotated local ``q, k, v``; it builds its
+    own mask. None (the default) = :func:`attend`."""
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: Optional[torch.Tensor], cache: Any) -> torch.Tensor:
-        """Rotated ``q, k, v`` -> ``wo(attend(...))`` ``[B, T, D]`` (see :func:`attend`)."""
+        """Rotated ``q, k, v`` -> ``wo(attend(...))`` ``[B, T, D]`` (see :func:`attend`, or the
+        :attr:`context_attention` hook when one is installed; not with a KV cache)."""
+        if self.context_attention is not None and cache is None:
+            return self.wo(self.context_attention(q, k, v, self.n_rep))
         return self.wo(attend(q, k, v, self.n_rep, mask=mask, cache=cache))
 
 
@@ -240,8 +249,12 @@ class DecoderLM:
     """Whether :meth:`forward` uses ``token_mask`` (a family with routers sets it True; the
     trainer passes the batch's padding mask only to such a model)."""
 
+    takes_positions = True
+    """Whether :meth:`forward` takes ``positions`` (what context parallelism needs)."""
+
     def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
-                cache: Any = None, token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                cache: Any = None, token_mask: Optional[torch.Tensor] = None,
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``tokens [B, T]`` (int64 ids < V) -> logits ``[B, T, V]``.
 
         ``doc_ids [B, T]`` (optional, any integer dtype): the document each token belongs to in
@@ -261,6 +274,10 @@ class DecoderLM:
         Attention does not need it: padding lies after a row's real tokens (causal) or in a
         document of its own (``doc_ids``).
 
+        ``positions [B, T]`` int64 (optional, not with ``doc_ids`` or ``cache``): each token's
+        RoPE position, for a slice of a longer sequence (context parallelism); attention is
+        then the attention modules' ``context_attention`` hook, which knows the slice's mask.
+
         Raises:
             ValueError: more than ``max_seq_len`` positions, or ``doc_ids`` of another shape.
         """
@@ -272,7 +289,9 @@ class DecoderLM:
         # hidden states [B, T, D] of the stage before), the norm and the output
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         mask = None
-        if doc_ids is None:
+        if positions is not None:  # a slice of the sequence: the attention hook masks
+            rope = self.rope_cache[positions]
+        elif doc_ids is None:
             rope = self.rope_cache[start:start + seqlen]
         else:
             if doc_ids.shape != tokens.shape[:2]:  # a later pipeline stage gets [B, T, D]

@@ -15,6 +15,11 @@ and the tp ranks hold the same experts): ``dp_shard`` is split into an outer ``e
 (``dp_shard / ep``: the FSDP2 group of the expert weights) and an inner ``ep`` (the ranks that
 share out the experts and exchange tokens), and ``dp_shard`` and ``dp`` become flattened dims
 over them, so data placement and the non-expert FSDP2 group do not change with ``ep``.
+
+Context parallelism (``cp > 1``) adds a ``cp`` dim between ``dp_shard`` and ``tp`` (torchtitan's
+order): the cp ranks of one data-parallel rank read the same rows and each holds a slice of
+every sequence. FSDP2 shards over the flattened ``dp_shard_cp`` (= dp_shard x cp), and the
+loss and target counts of the slices are summed over the flattened ``dp_cp`` (= dp x cp).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from llmforge.errors import ConfigError
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Resolved degrees: ``pp * dp_replicate * dp_shard * tp == world_size``; ``ep`` divides
+    """Resolved degrees: ``pp * dp_replicate * dp_shard * cp * tp == world_size``; ``ep`` divides
     ``dp_shard`` (expert parallelism borrows data-parallel shard ranks)."""
 
     dp_replicate: int
@@ -37,6 +42,7 @@ class ParallelDims:
     world_size: int
     pp: int = 1
     ep: int = 1
+    cp: int = 1
 
     @property
     def efsdp(self) -> int:
@@ -64,7 +70,7 @@ class ParallelDims:
             rep = dp  # plain DDP: every data-parallel rank is a replica
         shard = dp // rep
         return cls(dp_replicate=rep, dp_shard=shard, tp=tp, world_size=world_size, pp=pp,
-                   ep=_expert_degree(s, shard, tp))
+                   ep=_expert_degree(s, shard, tp), cp=int(s.get("cp", 1)))
 
 
 def _expert_degree(s: Any, dp_shard: int, tp: int) -> int:
@@ -81,7 +87,8 @@ def _expert_degree(s: Any, dp_shard: int, tp: int) -> int:
 def build_mesh(dims: ParallelDims, device_type: str) -> Any:
     """``init_device_mesh`` with dims (dp_replicate, dp_shard, tp), preceded by ``pp`` when
     ``dims.pp > 1``, and a flattened ``dp``; with ``ep > 1`` dims (dp_replicate, efsdp, ep, tp)
-    and flattened ``dp_shard`` (efsdp x ep) and ``dp``.
+    and flattened ``dp_shard`` (efsdp x ep) and ``dp``; with ``cp > 1`` dims (dp_replicate,
+    dp_shard, cp, tp) and flattened ``dp``, ``dp_shard_cp`` and ``dp_cp``.
 
     Needs an initialized process group (every rank calls it).
     """
@@ -94,6 +101,13 @@ def build_mesh(dims: ParallelDims, device_type: str) -> Any:
                                 mesh_dim_names=(*pp_name, "dp_replicate", "efsdp", "ep", "tp"))
         mesh["efsdp", "ep"]._flatten("dp_shard")
         mesh["dp_replicate", "efsdp", "ep"]._flatten("dp")
+        return mesh
+    if dims.cp > 1:
+        mesh = init_device_mesh(device_type, (*pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp),
+                                mesh_dim_names=(*pp_name, "dp_replicate", "dp_shard", "cp", "tp"))
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
         return mesh
     mesh = init_device_mesh(device_type, (*pp, dims.dp_replicate, dims.dp_shard, dims.tp),
                             mesh_dim_names=(*pp_name, "dp_replicate", "dp_shard", "tp"))
@@ -115,8 +129,18 @@ def mesh_dims(mesh: Any) -> "ParallelDims":
         return ParallelDims(1, 1, 1, 1)
     sizes = [mesh[d].size() for d in ("dp_replicate", "dp_shard", "tp")]
     pp = pp_size(mesh)
-    ep = mesh["ep"].size() if "ep" in (mesh.mesh_dim_names or ()) else 1
-    return ParallelDims(*sizes, world_size=sizes[0] * sizes[1] * sizes[2] * pp, pp=pp, ep=ep)
+    names = mesh.mesh_dim_names or ()
+    ep = mesh["ep"].size() if "ep" in names else 1
+    cp = mesh["cp"].size() if "cp" in names else 1
+    return ParallelDims(*sizes, world_size=sizes[0] * sizes[1] * sizes[2] * pp * cp, pp=pp, ep=ep,
+                        cp=cp)
+
+
+def cp_size(mesh: Any) -> int:
+    """The context-parallel degree of ``mesh`` (1 without a mesh or without a ``cp`` dim)."""
+    if mesh is None or "cp" not in (mesh.mesh_dim_names or ()):
+        return 1
+    return mesh["cp"].size()
 
 
 def pp_size(mesh: Any) -> int:

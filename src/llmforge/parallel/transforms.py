@@ -17,6 +17,7 @@ from torch import nn
 from llmforge.config.validate import plan_batch
 from llmforge.errors import ConfigError
 from llmforge.models.spec import get_spec
+from llmforge.parallel.context_parallel import check_context_parallel
 from llmforge.parallel.expert import apply_expert_parallel, check_expert_parallel, shard_experts
 from llmforge.parallel.pipeline import PipelineLayout, apply_pipeline_split, resolve_layout
 from llmforge.plugin import ModelContext, Stage, Transform, meta_model
@@ -44,12 +45,14 @@ def mixed_precision_policy(cfg: Any) -> Any:
 
 
 def _fsdp_kwargs(ctx: ModelContext) -> dict[str, Any]:
-    """``fully_shard``'s mesh (``dp_shard``, or ``dp_replicate x dp_shard`` for HSDP), mixed
+    """``fully_shard``'s mesh (``dp_shard``, or ``dp_replicate x dp_shard`` for HSDP; ``dp_shard_cp``
+    in place of ``dp_shard`` under context parallelism), mixed
     precision and offload policies from ``strategy:``."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
     s, dims = ctx.cfg.strategy, ctx.dims
-    mesh = ctx.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else ctx.mesh["dp_shard"]
+    shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"  # cp ranks hold the same weights
+    mesh = ctx.mesh["dp_replicate", shard] if dims.dp_replicate > 1 else ctx.mesh[shard]
     return dict(mesh=mesh, mp_policy=mixed_precision_policy(ctx.cfg),
                 offload_policy=CPUOffloadPolicy() if s.cpu_offload else OffloadPolicy())
 
@@ -89,7 +92,7 @@ def apply_fsdp(model: nn.Module, ctx: ModelContext) -> nn.Module:
 def _uses_fsdp(cfg: Any, dims: Any) -> bool:
     """Whether :func:`strategy_transforms` shards with FSDP2 (else DDP or nothing)."""
     return cfg.strategy.name != "ddp" and (
-        dims.dp > 1 or (cfg.strategy.name == "fsdp2" and dims.world_size == 1))
+        dims.dp * dims.cp > 1 or (cfg.strategy.name == "fsdp2" and dims.world_size == 1))
 
 
 def fsdp_stage_root(ctx: ModelContext) -> Optional[Callable[[nn.Module], Any]]:
@@ -147,7 +150,9 @@ def check_strategy(cfg: Any, dims: Any) -> None:
         ConfigError: ``single`` with several processes, ``ddp`` with sharding, a
             tensor-parallel degree the model's heads (or tied embeddings) do not allow, an
             expert-parallel degree on a model without experts or not dividing its
-            ``num_experts``, or a micro-batch the model's ``check_tokens`` refuses.
+            ``num_experts``, a context-parallel degree the model's attention cannot take
+            (:func:`~llmforge.parallel.context_parallel.check_context_parallel`), or a
+            micro-batch the model's ``check_tokens`` refuses.
     """
     if cfg.strategy.name == "single" and dims.world_size > 1:
         raise ConfigError(f"strategy.name=single runs one process, but the world size is "
@@ -160,6 +165,8 @@ def check_strategy(cfg: Any, dims: Any) -> None:
     check_tokens = _spec(cfg).get("check_tokens")
     if check_tokens is not None:
         check_tokens(cfg.model, rows * plan.seq_len)
+    if dims.cp > 1:
+        check_context_parallel(cfg, dims, meta_model(cfg))
     if dims.tp > 1 or dims.ep > 1:
         model = meta_model(cfg)
         ctx = ModelContext(cfg=cfg, mesh=None, dims=dims, device=torch.device("meta"))

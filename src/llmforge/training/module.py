@@ -3,8 +3,8 @@
 One Lightning training step is one optimizer step (manual optimization) of
 ``micro_batch_size * gradient_accumulation_steps`` windows, run by the step object
 ``configure_model`` chooses from the resolved mesh (:mod:`llmforge.training.steps`: the
-micro-batch step, or the pipeline step under ``strategy.pp > 1``); the module keeps the model,
-the loss, the events and Lightning's hooks.
+micro-batch step, the pipeline step under ``strategy.pp > 1``, the context-parallel step under
+``strategy.cp > 1``); the module keeps the model, the loss, the events and Lightning's hooks.
 
 Research code subclasses it and overrides :meth:`build_model`, :meth:`compute_loss`,
 :meth:`forward`, :meth:`training_step` or :meth:`configure_optimizers`, then names the class in
@@ -110,7 +110,7 @@ class LLMModule(L.LightningModule):
             self.init_method = init_parallel_model(model, self.build_model, self.cfg.run.seed,
                                                    every_rank_builds=ctx.dims.pp > 1)
         self.model = model
-        self.step = choose_step(self, ctx)  # the micro-batch or the pipeline step
+        self.step = choose_step(self, ctx)  # micro-batch, pipeline or context-parallel
 
     def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
                 token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -72,6 +72,12 @@ class Step:
         torch.distributed.all_reduce(t, group=mesh["dp"].get_group())
         return t
 
+    def gradient_ranks(self) -> int:
+        """The ranks the data-parallel wrapper averages gradients over (``dp_size``; the
+        context-parallel steps' wrapper averages over ``dp_size x cp``): the backward's loss is
+        scaled by it over the global target count."""
+        return self.module.plan.dp_size
+
     def total_norm(self, norm: torch.Tensor) -> torch.Tensor:
         """The global gradient norm from this rank's ``norm`` (identity: every rank holds all
         layers; the pipeline step combines its stages')."""

@@ -52,15 +52,19 @@ class MicroBatchStep(Step):
         st.micro_batch, st.inputs, st.labels, st.doc_ids = index, inputs, labels, doc_ids
         st.token_mask = token_mask
         self.event(Event.BEFORE_FORWARD)
-        if st.doc_ids is None and st.token_mask is None:
-            st.outputs = module(st.inputs)
-        else:
-            st.outputs = module(st.inputs, st.doc_ids, st.token_mask)
+        st.outputs = self.model_outputs()
         st.aux_losses = self.model_aux_losses()
         if st.training:
             self.aux.record(module.model)
         self.event(Event.AFTER_FORWARD)
         return self.outputs_loss()
+
+    def model_outputs(self) -> torch.Tensor:
+        """The module's forward on ``state.inputs`` (and ``doc_ids``, ``token_mask``)."""
+        st, module = self.state, self.module
+        if st.doc_ids is None and st.token_mask is None:
+            return module(st.inputs)
+        return module(st.inputs, st.doc_ids, st.token_mask)
 
     def forward_backward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Run every micro-batch of one optimizer step forward and backward
@@ -80,7 +84,7 @@ class MicroBatchStep(Step):
         n_micro = max(1, inputs.shape[0] // mb)
         total_targets = self.dp_all_reduce((labels != IGNORE_INDEX).sum().float()).clamp(min=1)
         st.total_targets, st.n_micro = total_targets, n_micro
-        scale = module.plan.dp_size / total_targets
+        scale = self.gradient_ranks() / total_targets
         loss_total = torch.zeros((), device=inputs.device)
         for i in range(n_micro):
             sl = slice(i * mb, (i + 1) * mb)

@@ -148,11 +148,12 @@ class PipelineStep(Step):
         return loss * self._scale if st.training else loss
 
     def run_schedule(self, inputs: torch.Tensor, labels: torch.Tensor, train: bool,
-                      doc_ids: Any = None, token_mask: Any = None) -> None:
+                      doc_ids: Any = None, token_mask: Any = None, positions: Any = None) -> None:
         """One pass of the schedule over ``inputs``/``labels`` (``LongTensor[B, T]``, split into
         ``pipeline.microbatches``): forward and backward (``train``) or forward only; leaves
         this rank's summed loss and target count in ``loss_sum``/``target_count`` (the last
-        stage's; zero on the others)."""
+        stage's; zero on the others). ``positions`` (``LongTensor[B, T]``, context parallelism:
+        the RoPE positions of a slice of every row) reach every stage like ``doc_ids``."""
         first, last = self.stages
         self._micro = 0
         self.loss_sum = torch.zeros((), device=inputs.device)
@@ -162,6 +163,8 @@ class PipelineStep(Step):
         # keyword tensors are split into micro-batches like the inputs and reach every stage
         # (every rank reads the whole batch): packed rows' document ids mask each stage's blocks
         kwargs = {} if doc_ids is None else {"doc_ids": doc_ids}
+        if positions is not None:
+            kwargs["positions"] = positions
         if token_mask is not None and getattr(self.module.model, "takes_token_mask", False):
             kwargs["token_mask"] = token_mask  # padding out of the routers (LLMModule.forward)
         if train:
@@ -180,7 +183,7 @@ class PipelineStep(Step):
         inputs, labels = module.split_batch(st.batch)
         total_targets = self.dp_all_reduce((labels != IGNORE_INDEX).sum().float()).clamp(min=1)
         st.total_targets, st.n_micro = total_targets, self.pipeline.microbatches
-        self._scale = module.plan.dp_size / total_targets
+        self._scale = self.gradient_ranks() / total_targets
         self.event(Event.BEFORE_BACKWARD)
         self.run_schedule(inputs, labels, train=True, doc_ids=module.doc_ids(st.batch),
                            token_mask=module.token_mask(st.batch))

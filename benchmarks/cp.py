@@ -1,0 +1,159 @@
+"""Context parallelism on the CPU: tokens per second of ``strategy.cp=2`` on 2 processes against
+one process at the same global batch and sequence, for both ``context_parallel.mode`` values,
+and the per-rank activation memory.
+
+Every side trains the same Llama (default dim 128, 2 blocks, 8 heads / 4 kv heads, vocab 2048,
+seq 2048, fp32, global batch 2 of micro-batch 1) with AdamW and clipping on random tokens, one
+compute thread per process, warm-up steps excluded; each prints the median seconds per step.
+Memory per rank: the bytes of the tensors autograd saves for backward in one micro-batch's
+forward (distinct storages; the activations, which context parallelism divides), and the
+process's peak resident set (``ru_maxrss``, dominated by the interpreter and torch on a model
+this small). CPU numbers are a proxy for the overhead: two processes share the machine's
+cores, gloo carries K/V (or the all-to-alls), and nothing overlaps communication with compute.
+
+    python benchmarks/cp.py [--seq 2048] [--steps 4]
+    python benchmarks/cp.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--smoke", action="store_true", help="a tiny model, 2 steps (keeps the script runnable)")
+    ap.add_argument("--worker", choices=("single", "all_gather", "ulysses"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.steps, args.warmup, args.dim, args.layers, args.seq = 2, 1, 32, 2, 64
+    return args
+
+
+def saved_bytes(mod, batch) -> int:
+    """Bytes of the distinct storages autograd saves in one forward + loss of ``batch``."""
+    import torch
+
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        st = mod.step
+        inputs, labels = mod.split_batch(batch)
+        st.state.training = True
+        st.micro_batch_loss(0, inputs[:1], labels[:1], None)
+    st.state.outputs = st.state.loss = None
+    return sum(seen.values())
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from llmforge.config.schema import TrainConfig
+    from llmforge.config.validate import plan_batch
+    from llmforge.parallel.mesh import ParallelDims, build_mesh
+    from llmforge.parallel.transforms import strategy_transforms
+    from llmforge.training.module import LLMModule
+    from llmforge.training.optim import build_optimizer
+
+    torch.set_num_threads(1)
+    cfg = OmegaConf.structured(TrainConfig)
+    cfg.model.merge_with({"dim": args.dim, "n_layers": args.layers, "n_heads": 8, "n_kv_heads": 4,
+                          "vocab_size": 2048, "multiple_of": 32, "max_seq_len": args.seq})
+    cfg.trainer.merge_with({"micro_batch_size": 1, "global_batch_size": 2, "seq_len": args.seq})
+    world = 1
+    if args.worker != "single":
+        dist.init_process_group("gloo")
+        world = dist.get_world_size()
+        cfg.strategy.cp = world
+        cfg.context_parallel.mode = args.worker
+    dims = ParallelDims.from_config(cfg, world)
+    mod = LLMModule(cfg, plan_batch(cfg, world), pipeline=strategy_transforms(cfg, dims))
+    if world > 1:
+        mod.mesh_override = build_mesh(dims, "cpu")
+    mod.configure_model()
+    opt = build_optimizer(mod.model, cfg.optimizer)
+    torch.manual_seed(0)
+    times, losses = [], []
+    for step in range(args.warmup + args.steps):
+        batch = torch.randint(0, 2048, (2, args.seq + 1))
+        start = time.perf_counter()
+        loss, n = mod.forward_backward(batch)
+        mod.clip_gradients_(opt)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if world > 1:
+            dist.barrier()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+        losses.append(float(loss / n))
+    act = saved_bytes(mod, torch.randint(0, 2048, (2, args.seq + 1)))
+    if world == 1 or dist.get_rank() == 0:
+        print(json.dumps({"seconds_per_step": statistics.median(times), "losses": losses,
+                          "saved_bytes": act,
+                          "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}),
+              flush=True)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def launch(kind: str, argv: list[str]) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    me = str(Path(__file__).resolve())
+    if kind == "single":
+        cmd = [sys.executable, me, "--worker", "single", *argv]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               me, "--worker", kind, *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[:6])} failed:\n{proc.stderr[-3000:]}")
+    return json.loads([x for x in proc.stdout.splitlines() if x.startswith("{")][-1])
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    single = launch("single", argv)
+    tokens = 2 * args.seq
+    print(f"model: dim {args.dim}, {args.layers} blocks, seq {args.seq}, global batch 2 (micro-batch 1); "
+          f"median of {args.steps} steps after {args.warmup} warm-up")
+    print(f"1 process          {tokens / single['seconds_per_step']:9.0f} tokens/s   activations "
+          f"{single['saved_bytes'] / 2**20:7.1f} MiB   peak RSS {single['maxrss_bytes'] / 2**20:6.0f} MiB")
+    for mode in ("all_gather", "ulysses"):
+        cp = launch(mode, argv)
+        same = max(abs(x - y) for x, y in zip(single["losses"], cp["losses"]))
+        print(f"cp=2 {mode:<13} {tokens / cp['seconds_per_step']:9.0f} tokens/s   activations "
+              f"{cp['saved_bytes'] / 2**20:7.1f} MiB   peak RSS {cp['maxrss_bytes'] / 2**20:6.0f} MiB   "
+              f"(x{single['seconds_per_step'] / cp['seconds_per_step']:.2f} speed, "
+              f"x{cp['saved_bytes'] / single['saved_bytes']:.2f} activations per rank, "
+              f"losses within {same:.1e})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

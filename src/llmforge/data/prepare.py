@@ -31,6 +31,7 @@ from llmforge.data.remote import _check_store_out, _remote_size, _upload, open_s
 from llmforge.data.shakespeare import cache_root
 from llmforge.data.sources import (_resolve_files, iter_texts, load_documents, read_rows,
                                    tokenizer_cache_key)
+from llmforge.data.tokenizer_base import utf8_len
 from llmforge.data.tokenizers import build_tokenizer, load_saved
 from llmforge.errors import DataError
 from llmforge.paths import write_failed
@@ -86,8 +87,7 @@ def write_shard(tok: Any, texts: list[str], path: Path, max_chars: int = PIECE_C
                                      "same command again to continue") from None
     return {"file": f"{path.parent.name}/{path.name}", "tokens": tokens, "sha256": digest.hexdigest(),
             "documents": len(texts),
-            "bytes": sum(t.nbytes if isinstance(t, np.ndarray) else len(t) if t.isascii()
-                         else len(t.encode("utf-8", "replace")) for t in texts)}
+            "bytes": sum(t.nbytes if isinstance(t, np.ndarray) else utf8_len(t) for t in texts)}
 
 
 def _ids(tok: Any, docs: list, dtype: np.dtype, max_chars: int, path: Path) -> Iterator[np.ndarray]:

@@ -21,6 +21,7 @@ from llmforge.data.documents import AnyDataset, DocumentSplits, hf_datasets, is_
 from llmforge.data.file_identity import URL
 from llmforge.data.remote import missing_driver, plain_options
 from llmforge.data.shakespeare import shakespeare_files
+from llmforge.data.tokenizer_base import utf8_len
 from llmforge.errors import DataError
 
 _FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
@@ -368,7 +369,7 @@ def iter_texts(ds: AnyDataset, max_bytes: Optional[int] = None, files: Any = ())
     for row in read_rows(ds, files):
         text = row["text"]
         yield text
-        seen += len(text.encode("utf-8", errors="replace"))
+        seen += utf8_len(text)  # not text.encode(): a copy of a long document
         if max_bytes is not None and seen >= max_bytes:
             return
 

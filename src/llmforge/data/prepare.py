@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 
 from llmforge.data.packing import PIECE_CHARS, iter_packed, token_dtype
+from llmforge.data.prepare_pool import ShardPool
 from llmforge.data.prepared import tokenizer_fingerprint
 from llmforge.data.prepared_checks import FORMAT, MANIFEST, parse_manifest
 from llmforge.data.file_identity import describe_files
@@ -261,12 +262,9 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
     start = time.perf_counter()
     seen = {"docs": 0, "tokens": 0, "bytes": 0}
     pool = None
-    if workers > 1:
-        import multiprocessing as mp
-
-        # fork: starts in milliseconds and works from any __main__ (spawn re-imports it)
-        pool = mp.get_context("fork").Pool(workers, _init_worker, (str(out / "tokenizer"),))
     try:
+        if workers > 1:  # no multiprocessing.Pool: a SIGTERM to the group hung its terminate()
+            pool = ShardPool(workers, _init_worker, (str(out / "tokenizer"),), _pool_shard)
         if bar is not None:
             bar.start()
             task = bar.add_task("prepare", total=total, docs=0, tokens=0, mbps=0.0)
@@ -289,7 +287,7 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
             for stale in (out / split).glob("shard_*.tmp"):  # of a killed run: rewritten below
                 stale.unlink(missing_ok=True)
             finished = len(splits[split])
-            pending: list = []
+            pending = 0  # shards sent to the pool, not yet recorded
             for k, texts in enumerate(_blocks(ds, docs_per_shard, docs.files)):
                 if k < finished:
                     continue  # written by the interrupted run: its documents are only re-read
@@ -297,16 +295,19 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
                 if pool is None:
                     record(write_shard(tok, texts, path), split)
                     continue
-                pending.append(pool.apply_async(_pool_shard, ((texts, str(path)),)))
-                while len(pending) >= 2 * workers or (pending and pending[0].ready()):
-                    record(pending.pop(0).get(), split)  # in order: progress lists a prefix
-            for p in pending:
-                record(p.get(), split)
+                pool.submit((texts, str(path)))
+                pending += 1
+                del texts  # sent: the block's documents go with the next one read
+                while pending >= 2 * workers or (pending and pool.ready()):
+                    record(pool.result(), split)  # in order: progress lists a prefix
+                    pending -= 1
+            for _ in range(pending):
+                record(pool.result(), split)
     finally:
         if bar is not None:
             bar.stop()
         if pool is not None:
-            pool.terminate()
+            pool.close()
     if not sum(s["tokens"] for s in splits["train"]):
         raise DataError(f"data: the source gave no training tokens; {out} is not usable")
     manifest = {

@@ -1,0 +1,73 @@
+"""`llmforge data prepare` at the edges (issue 50.7): a long document reaches the BPE trainer in
+bounded pieces (the same merges), and a cache folder that cannot be written leaves the run
+uncached instead of stopping it. The SIGTERM-to-the-group case is in tests/test_prepare_kill.py.
+All in-process and small: the memory itself is measured by ``benchmarks/data.py --long``."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from conftest import run_main
+from helpers.prepared import TOK, write_corpus
+from llmforge.data import tokenizer_bpe
+from llmforge.data.tokenizers import _lazy_texts, load_saved, train_bpe_tokenizer
+
+WORDS = ["the", "king,", "doth", "w17", "lord.", "\n\n", "  ", "naïve", "42", "'s"]
+
+
+def _document(words: int) -> str:
+    rng = random.Random(0)
+    return "".join(rng.choice(WORDS) + rng.choice([" ", " ", "  ", "\n", ""]) for _ in range(words))
+
+
+def test_a_long_document_trains_the_bpe_in_bounded_pieces_with_the_same_merges(tmp_path, monkeypatch):
+    long = _document(40_000)  # ~180 K characters, one document
+    seen: list[int] = []
+    real = tokenizer_bpe.text_pieces
+
+    def spy(text, max_chars):
+        for piece in real(text, max_chars):
+            seen.append(len(piece))
+            yield piece
+
+    monkeypatch.setattr(tokenizer_bpe, "text_pieces", spy)
+    monkeypatch.setattr(tokenizer_bpe, "TRAIN_PIECE_CHARS", 4096)
+    pieced = train_bpe_tokenizer([long], 400, tmp_path, "")
+    assert sum(seen) == len(long) and len(seen) >= len(long) // 4096 and max(seen) <= 4096
+    monkeypatch.setattr(tokenizer_bpe, "TRAIN_PIECE_CHARS", len(long))  # whole, as before the fix
+    whole = train_bpe_tokenizer([long], 400, tmp_path, "")
+    assert pieced.vocab_size == whole.vocab_size == 400
+    assert pieced._tok.to_str() == whole._tok.to_str()  # the same vocabulary and merges
+
+
+def test_the_training_byte_budget_is_cut_piece_by_piece_as_before(monkeypatch):
+    monkeypatch.setattr("llmforge.data.tokenizers.TRAIN_PIECE_CHARS", 1000)
+    long = _document(4000)
+    budget = 7_001  # inside a piece, and (naïve: 2 bytes) possibly inside a character
+    pieces = list(_lazy_texts(lambda: ["short", long, "never read"], budget))
+    assert max(map(len, pieces)) <= 1000 and pieces[0] == "short"
+    # the old cut: the whole text encoded, its first bytes of the budget decoded
+    assert "".join(pieces[1:]) == long.encode()[:budget - 5].decode("utf-8", errors="ignore")
+
+
+def test_a_cache_that_cannot_be_written_leaves_the_prepare_uncached(tmp_path):
+    """$LLMFORGE_CACHE below a regular file (ENOTDIR; a read-only mount gives EROFS, the same
+    OSError path): the BPE is trained, one warning line says it is not cached, the prepare
+    completes, and nothing is written under the cache."""
+    source = write_corpus(tmp_path / "corpus", files=1, docs=20)
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    cache = blocker / "cache"
+    out = tmp_path / "out"
+    r = run_main("data", "prepare", source, str(out), *TOK, "--workers", "1", "--no-progress",
+                 env={"LLMFORGE_CACHE": str(cache)})
+    assert r.returncode == 0, r.stderr
+    warnings = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and str(cache / "tokenizers") in warnings[0] and "uncached" in warnings[0], r.stderr
+    assert "error" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["splits"]["train"]["tokens"] > 0
+    tok = load_saved(out / "tokenizer")
+    assert 262 < tok.vocab_size <= 1024 and tok.decode(tok.encode("file 0 document 3")) == "file 0 document 3"
+    assert blocker.read_text() == ""

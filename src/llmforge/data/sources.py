@@ -329,9 +329,11 @@ def held_out(text: str, fraction: float, seed: int) -> bool:
     ``blake2b(text, salt=seed)`` read as a fraction of 2**64 fall below ``fraction``, so
     ``fraction`` of distinct documents on average, the same ones in every pass and worker
     split."""
-    digest = hashlib.blake2b(text.encode("utf-8", errors="replace"), digest_size=8,
-                             salt=seed.to_bytes(16, "little", signed=True)).digest()
-    return int.from_bytes(digest, "little") < fraction * 2 ** 64
+    h = hashlib.blake2b(digest_size=8, salt=seed.to_bytes(16, "little", signed=True))
+    step = 1 << 20  # the UTF-8 of a slice at a time: a long document is never copied whole
+    for i in range(0, len(text), step):
+        h.update(text[i:i + step].encode("utf-8", errors="replace"))
+    return int.from_bytes(h.digest(), "little") < fraction * 2 ** 64
 
 
 def read_rows(ds: AnyDataset, files: Any = ()) -> Iterator[dict]:

@@ -1,16 +1,23 @@
 """`llmforge data prepare` at the edges (issue 50.7): a long document reaches the BPE trainer in
 bounded pieces (the same merges), and a cache folder that cannot be written leaves the run
-uncached instead of stopping it. The SIGTERM-to-the-group case is in tests/test_prepare_kill.py.
+uncached instead of stopping it; the tokenizing pool returns results in order and names a worker
+that died instead of waiting for it. The SIGTERM-to-the-group case is in tests/test_prepare_kill.py.
 All in-process and small: the memory itself is measured by ``benchmarks/data.py --long``."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
+
+import pytest
 
 from conftest import run_main
 from helpers.prepared import TOK, write_corpus
 from llmforge.data import tokenizer_bpe
+from llmforge.data.prepare_pool import ShardPool, WorkerDied
+from llmforge.errors import DataError
 from llmforge.data.tokenizers import _lazy_texts, load_saved, train_bpe_tokenizer
 
 WORDS = ["the", "king,", "doth", "w17", "lord.", "\n\n", "  ", "naïve", "42", "'s"]
@@ -71,3 +78,28 @@ def test_a_cache_that_cannot_be_written_leaves_the_prepare_uncached(tmp_path):
     tok = load_saved(out / "tokenizer")
     assert 262 < tok.vocab_size <= 1024 and tok.decode(tok.encode("file 0 document 3")) == "file 0 document 3"
     assert blocker.read_text() == ""
+
+
+def _square(x: int) -> int:
+    if x == -1:
+        raise DataError("task -1 is bad input")
+    if x == -9:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x * x
+
+
+def test_the_pool_returns_results_in_order_and_names_a_worker_that_died():
+    pool = ShardPool(2, lambda: None, (), _square)
+    try:
+        for x in (3, 1, 4, 1, 5, -1):
+            pool.submit(x)
+        assert [pool.result() for _ in range(5)] == [9, 1, 16, 1, 25]
+        with pytest.raises(DataError, match="task -1 is bad input"):  # raised here, as in the worker
+            pool.result()
+        pool.submit(-9)  # the OOM killer's way
+        with pytest.raises(WorkerDied, match=r"\(pid \d+\) ended \(signal SIGKILL\) \(the OOM killer"):
+            pool.result()
+        procs = list(pool._procs)
+    finally:
+        pool.close()
+    assert all(p.exitcode is not None for p in procs)

@@ -91,8 +91,16 @@ class ShardPool:
             raise
 
     def submit(self, task: Any) -> None:
-        """Send the next task (blocks while its worker's pipe is full)."""
-        self._conns[self._sent % len(self._conns)].send(task)
+        """Send the next task (blocks while its worker's pipe is full).
+
+        Raises:
+            WorkerDied: its worker has ended (a BrokenPipeError would read as a closed stdout).
+        """
+        i = self._sent % len(self._conns)
+        try:
+            self._conns[i].send(task)
+        except OSError:
+            raise self._died(i) from None
         self._sent += 1
 
     def ready(self) -> bool:
@@ -109,17 +117,20 @@ class ShardPool:
         try:
             status, value = self._conns[i].recv()
         except (EOFError, OSError):
-            proc = self._procs[i]
-            proc.join(1)
-            code = proc.exitcode
-            how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
-            oom = " (the OOM killer? fewer --workers use less memory)" if code == -signal.SIGKILL else ""
-            raise WorkerDied(f"a tokenizing worker (pid {proc.pid}) ended ({how}){oom}; the shards "
-                             "written so far are kept: run the same command again to continue") from None
+            raise self._died(i) from None
         self._read += 1
         if status == "error":
             raise value
         return value
+
+    def _died(self, i: int) -> WorkerDied:
+        proc = self._procs[i]
+        proc.join(1)
+        code = proc.exitcode
+        how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        oom = " (the OOM killer? fewer --workers use less memory)" if code == -signal.SIGKILL else ""
+        return WorkerDied(f"a tokenizing worker (pid {proc.pid}) ended ({how}){oom}; the shards "
+                          "written so far are kept: run the same command again to continue")
 
     def close(self) -> None:
         """End every worker (SIGTERM, then SIGKILL after 5 s) and reap it; never waits on a

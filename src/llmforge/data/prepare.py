@@ -112,8 +112,9 @@ def _ids(tok: Any, docs: list, dtype: np.dtype, max_chars: int, path: Path) -> I
 
 def _release_free_heap() -> None:
     """``malloc_trim(0)`` on glibc: give back the heap the ``tokenizers`` threads freed (their
-    arenas keep it: after training a BPE on 20 MB, 60 MB of the process's RSS; it stacked under
-    the tokenizing's peak, ~2.5 MB per MB of a long document). The same call as
+    arenas keep it: 60 MB after training a BPE on 20 MB, ~170 MB after tokenizing a shard),
+    which stacked under the next phase's peak (the validation pass parsing a long line again:
+    ~2.5 MB per MB of a long document in all). The same call as
     ``llmforge.training.host_malloc.release_free_heap``, which this floor may not import."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
@@ -296,6 +297,7 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
         for split, ds in (("train", docs.train), ("val", docs.val)):
             if ds is None:
                 continue
+            _release_free_heap()  # the train split's encoder objects, before val re-reads a long line
             (out / split).mkdir(exist_ok=True)
             for stale in (out / split).glob("shard_*.tmp"):  # of a killed run: rewritten below
                 stale.unlink(missing_ok=True)
@@ -316,6 +318,7 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
                     pending -= 1
             for _ in range(pending):
                 record(pool.result(), split)
+            texts = []  # the last block is not kept while the next split is read
     finally:
         if bar is not None:
             bar.stop()

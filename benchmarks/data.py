@@ -20,9 +20,13 @@ Prints, each as a ratio measured here:
     and streaming (the saved StatefulDataLoader position; at most one block is re-read).
 
 ``--long MB...`` instead: for each size, one jsonl file holding a single document of that many
-MB, prepared by ``llmforge.data.prepare.prepare`` (one process, a fixed BPE) in a fresh child
-process; prints each child's peak RSS and the slope (MB of peak RSS per MB of document) between
-consecutive sizes and from the smallest to the largest. Before issue 26.4 the slope was ~200.
+MB, prepared by ``llmforge.data.prepare.prepare`` (one process) in fresh child processes: with
+the command's defaults (``train_bpe`` of 8,192 ids trained on the document's first 50 MB, into
+an empty ``$LLMFORGE_CACHE``; ``data.val_fraction`` 0.05), and with a given BPE (tokenizing
+only); prints each child's peak RSS and the slope (MB of peak RSS per MB of document) between
+consecutive sizes and from the smallest to the largest. Before issue 26.4 the slope was ~200;
+before issue 50.7 the defaults' was ~90 (the BPE trainer given the document whole: 4.9 GB at
+54 MB).
 """
 
 from __future__ import annotations
@@ -160,6 +164,16 @@ def long_child(args) -> int:
     print this process's memory as JSON. ``--child tokenize`` instead: read the document with
     ``json.loads``, reset the peak (``/proc/self/clear_refs``) and tokenize it into a shard with
     ``write_shard`` alone; ``above`` is that peak minus the RSS before it (tokenizing only)."""
+    if args.child == "defaults":  # as `llmforge data prepare DOC OUT --workers 1` (trains the BPE)
+        from llmforge.cli.data_commands import load_prepare_config
+        from llmforge.data.prepare import prepare
+
+        start = time.perf_counter()
+        manifest = prepare(load_prepare_config(args.source, []), Path(args.source).with_suffix(".def"),
+                           workers=1, show_progress=False)
+        print(json.dumps({**memory(), "seconds": time.perf_counter() - start,
+                          "tokens": manifest["splits"]["train"]["tokens"]}))
+        return 0
     if args.child == "tokenize":
         from llmforge.data.prepare import write_shard
         from llmforge.data.tokenizers import build_tokenizer
@@ -198,29 +212,35 @@ def long_documents(sizes: list[float], work: Path) -> int:
     tok = next((work / "tok").rglob("tokenizer.json"))
     # offline: a Hub lookup without network waits ~60 s for its timeout in every child
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    rows, alone = [], []
+    rows, alone, defaults = [], [], []
     for mb in sizes:
         doc = work / f"long-{mb:g}.jsonl"
         write_long(doc, mb)
         text_mb = doc.stat().st_size / 1e6
         got = {}
-        for kind in ("long", "tokenize"):
+        for kind in ("defaults", "long", "tokenize"):
+            cache = work / f"cache-{mb:g}"  # empty: the defaults' child trains its BPE
             out = subprocess.run([sys.executable, __file__, "--child", kind, "--source", str(doc),
-                                  "--prepared", str(tok)], capture_output=True, text=True, env=env)
+                                  "--prepared", str(tok)], capture_output=True, text=True,
+                                 env={**env, "LLMFORGE_CACHE": str(cache)})
             if out.returncode != 0:
                 print(f"{mb:g} MB ({kind}): failed: {out.stderr.strip()[-500:]}")
                 return 1
             got[kind] = json.loads(out.stdout.strip().splitlines()[-1])
-        m, t = got["long"], got["tokenize"]
+        d, m, t = got["defaults"], got["long"], got["tokenize"]
+        defaults.append((text_mb, d["peak_rss"]))
         rows.append((text_mb, m["peak_rss"]))
         alone.append((text_mb, t["above"]))
-        print(f"one document of {text_mb:8.1f} MB: data prepare peak RSS {m['peak_rss']:7.0f} MB, "
-              f"{m['seconds']:6.1f} s, {m['tokens']:,} tokens; write_shard alone {t['above']:5.0f} MB "
+        print(f"one document of {text_mb:8.1f} MB: data prepare peak RSS {d['peak_rss']:7.0f} MB with "
+              f"the defaults (trains the BPE), {d['seconds']:6.1f} s; {m['peak_rss']:7.0f} MB with a given "
+              f"BPE, {m['seconds']:6.1f} s, {m['tokens']:,} tokens; write_shard alone {t['above']:5.0f} MB "
               f"above the text, {t['seconds']:6.1f} s")
         doc.unlink()
         doc.with_suffix(".bin").unlink(missing_ok=True)
-        shutil.rmtree(doc.with_suffix(".out"), ignore_errors=True)
-    _slopes(rows, "data prepare's peak RSS")
+        for folder in (doc.with_suffix(".out"), doc.with_suffix(".def"), cache):
+            shutil.rmtree(folder, ignore_errors=True)
+    _slopes(defaults, "data prepare's peak RSS (defaults)")
+    _slopes(rows, "data prepare's peak RSS (given BPE)")
     _slopes(alone, "tokenizing's peak (write_shard)")
     return 0
 
@@ -244,7 +264,7 @@ def main() -> int:
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     if args.child:
-        return long_child(args) if args.child in ("long", "tokenize") else rank_child(args)
+        return long_child(args) if args.child in ("defaults", "long", "tokenize") else rank_child(args)
     try:
         if args.long is not None:
             return long_documents(args.long or ([0.5, 2] if args.smoke else [1, 10, 100]), work)

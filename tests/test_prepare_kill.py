@@ -37,15 +37,16 @@ from llmforge.cli import data_commands, main
 ARGS = [*TOK, "data.val_fraction=0.2", "--docs-per-shard", "3", "--no-progress"]
 
 
-def _hooks(out: Path, kill: Optional[tuple[str, int, int]], renames: list[str]):
+def _hooks(out: Path, kill: Optional[tuple[str, int, int]], renames: list[str], group: bool = False):
     """``(os.replace, build_tokenizer)`` wrappers that list the renames into OUT and, with
-    ``kill = (when, k, signal)``, send ``signal`` to this process before/after the k-th rename
-    (``when`` "before"/"after") or before the tokenizer is built (``"start"``: OUT not created)."""
+    ``kill = (when, k, signal)``, send ``signal`` to this process (``group``: to its process
+    group) before/after the k-th rename (``when`` "before"/"after") or before the tokenizer is
+    built (``"start"``: OUT not created)."""
     real_replace, real_build, me = os.replace, prep.build_tokenizer, os.getpid()
 
     def at(when: str) -> None:
         if kill is not None and kill[:2] == (when, len(renames)):
-            os.kill(os.getpid(), kill[2])
+            os.killpg(0, kill[2]) if group else os.kill(os.getpid(), kill[2])
 
     def replace(src, dst, *a, **kw):
         if os.getpid() != me or not str(dst).startswith(str(out)):  # a tokenizing worker's
@@ -62,24 +63,33 @@ def _hooks(out: Path, kill: Optional[tuple[str, int, int]], renames: list[str]):
     return replace, build
 
 
-def _child(source: str, out: Path, err: Path, kill: Optional[tuple[str, int, int]], workers: int) -> int:
+def _child(source: str, out: Path, err: Path, kill: Optional[tuple[str, int, int]], workers: int,
+           group: bool) -> int:
     """In the forked child: ``data prepare SOURCE OUT`` with stderr into ``err``, killed at
-    ``kill``; the pids of its tokenizing workers (``workers`` > 1) go to ``OUT.pids``."""
+    ``kill`` (``group``: in a process group of its own, the signal sent to the group;
+    ``("worker", 0, signal)``: sent by the first tokenizing worker as it starts); the pids of its
+    tokenizing workers (``workers`` > 1) go to ``OUT.pids``."""
+    if group:
+        os.setpgid(0, 0)
     sys.stdout = open(os.devnull, "w")
     sys.stderr = open(err, "w", buffering=1)
-    os.replace, prep.build_tokenizer = _hooks(out, kill, [])
+    os.replace, prep.build_tokenizer = _hooks(out, kill, [], group)
     real_init = prep._init_worker
 
     def init(*a):
         with open(out.with_name(out.name + ".pids"), "a") as f:
             f.write(f"{os.getpid()}\n")
+            first = f.tell() == len(f"{os.getpid()}\n")
+        if kill is not None and kill[0] == "worker" and first:
+            os.killpg(0, kill[2])  # the pool is starting: the other worker may be mid-fork
         real_init(*a)
 
     prep._init_worker = init
     return main(["data", "prepare", source, str(out), *ARGS, "--workers", str(workers)])
 
 
-def run(source: str, out: Path, kill: Optional[tuple[str, int, int]] = None, workers: int = 1) -> tuple[int, str]:
+def run(source: str, out: Path, kill: Optional[tuple[str, int, int]] = None, workers: int = 1,
+        group: bool = False) -> tuple[int, str]:
     """``data prepare`` in a fork of this process: ``(exit code or -signal, its stderr)``."""
     err = out.with_name(out.name + ".err")
     sys.stdout.flush(), sys.stderr.flush()
@@ -87,7 +97,7 @@ def run(source: str, out: Path, kill: Optional[tuple[str, int, int]] = None, wor
     if pid == 0:  # never return into pytest
         code = 99
         try:
-            code = _child(source, out, err, kill, workers)
+            code = _child(source, out, err, kill, workers, group)
         finally:
             os._exit(code)
     deadline = time.monotonic() + 120
@@ -212,3 +222,22 @@ def _alive(pid: int) -> bool:
         return "\tZ" not in Path(f"/proc/{pid}/status").read_text().split("State:")[1][:4]
     except (FileNotFoundError, IndexError):
         return False
+
+
+def test_prepare_with_workers_sigterm_to_its_group_exits_75_and_reruns(corpus, tmp_path):
+    """SIGTERM to the process group (a scheduler's way) as the 2 tokenizing workers start and
+    once the first shard is listed: the workers die of it while waiting for a task, and the
+    command still exits 75 with its one `stopped:` line (a multiprocessing.Pool's terminate()
+    waited for ever on the task-queue lock a dead worker held: issue 50.7); no worker is left
+    and the rerun gives the uninterrupted run's shards."""
+    source, root, renames = corpus
+    listed_one = 1 + sum(r.startswith("tokenizer/") for r in renames) + 1  # first shard listed
+    for i, kill in enumerate([("worker", 0, signal.SIGTERM), ("after", listed_one, signal.SIGTERM)]):
+        out = tmp_path / f"group{i}"
+        code, err = run(source, out, kill, workers=2, group=True)
+        assert (code, err) == (75, "stopped: received SIGTERM: `data prepare` stopped; the shards "
+                               f"finished in {out} are kept: run the same command again to continue\n"), kill
+        pids = [int(p) for p in out.with_name(out.name + ".pids").read_text().split()]
+        assert len(pids) == 2 and not any(_alive(p) for p in pids), kill
+        assert run(source, out, workers=2) == (0, ""), kill
+        assert digests(out) == digests(root / "ref") and not list(out.rglob("*.tmp")), kill

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
+from llmforge.data.tokenizer_base import text_pieces  # noqa: F401 (its home before)
 from llmforge.errors import DataError
 
 
@@ -55,24 +56,6 @@ def _by_size(texts: list[str], max_chars: int) -> Iterator[list[str]]:
         size += len(text)
     if run:
         yield run
-
-
-def text_pieces(text: str, max_chars: int = PIECE_CHARS) -> Iterator[str]:
-    """``text`` in consecutive pieces of at most ``max_chars`` characters, each cut just before a
-    space that follows a non-space character (searched back from ``max_chars`` to half of it;
-    a hard cut at ``max_chars`` when there is none). Regex pre-tokenizers (byte-level BPE:
-    GPT-2, Llama 3, tiktoken) start a new pre-token there, so encoding the pieces gives the ids
-    of encoding the whole text."""
-    start = 0
-    while len(text) - start > max_chars:
-        end = start + max_chars
-        cut = text.rfind(" ", start + max_chars // 2, end)
-        while cut > start and text[cut - 1].isspace():
-            cut = text.rfind(" ", start + max_chars // 2, cut)
-        cut = cut if cut > start else end
-        yield text[start:cut]
-        start = cut
-    yield text[start:]
 
 
 def iter_packed(tokenizer: Any, texts: Iterable[str], dtype: np.dtype,

@@ -12,6 +12,7 @@ prepare interrupted at any moment (SIGKILL included) and started again keeps the
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -23,6 +24,7 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 
 from llmforge.data.packing import PIECE_CHARS, iter_packed, token_dtype
+from llmforge.data.prepare_pool import ShardPool
 from llmforge.data.prepared import tokenizer_fingerprint
 from llmforge.data.prepared_checks import FORMAT, MANIFEST, parse_manifest
 from llmforge.data.file_identity import describe_files
@@ -31,6 +33,7 @@ from llmforge.data.remote import _check_store_out, _remote_size, _upload, open_s
 from llmforge.data.shakespeare import cache_root
 from llmforge.data.sources import (_resolve_files, iter_texts, load_documents, read_rows,
                                    tokenizer_cache_key)
+from llmforge.data.tokenizer_base import utf8_len
 from llmforge.data.tokenizers import build_tokenizer, load_saved
 from llmforge.errors import DataError
 from llmforge.paths import write_failed
@@ -86,8 +89,7 @@ def write_shard(tok: Any, texts: list[str], path: Path, max_chars: int = PIECE_C
                                      "same command again to continue") from None
     return {"file": f"{path.parent.name}/{path.name}", "tokens": tokens, "sha256": digest.hexdigest(),
             "documents": len(texts),
-            "bytes": sum(t.nbytes if isinstance(t, np.ndarray) else len(t) if t.isascii()
-                         else len(t.encode("utf-8", "replace")) for t in texts)}
+            "bytes": sum(t.nbytes if isinstance(t, np.ndarray) else utf8_len(t) for t in texts)}
 
 
 def _ids(tok: Any, docs: list, dtype: np.dtype, max_chars: int, path: Path) -> Iterator[np.ndarray]:
@@ -106,6 +108,18 @@ def _ids(tok: Any, docs: list, dtype: np.dtype, max_chars: int, path: Path) -> I
                             f"{bad[0]}, outside the tokenizer's {tok.vocab_size} ids; name the tokenizer "
                             "that wrote the MDS tokens (tokenizer.type/tokenizer.path)")
         yield ids.astype(dtype)
+
+
+def _release_free_heap() -> None:
+    """``malloc_trim(0)`` on glibc: give back the heap the ``tokenizers`` threads freed (their
+    arenas keep it: 60 MB after training a BPE on 20 MB, ~170 MB after tokenizing a shard),
+    which stacked under the next phase's peak (the validation pass parsing a long line again:
+    ~2.5 MB per MB of a long document in all). The same call as
+    ``llmforge.training.host_malloc.release_free_heap``, which this floor may not import."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
+        pass
 
 
 def _pool_shard(args: tuple[list[str], str]) -> dict[str, Any]:
@@ -241,6 +255,7 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
                         f"non-empty document; nothing was written to {out}")
     tok = build_tokenizer(cfg.tokenizer, lambda: iter_texts(docs.train, cfg.tokenizer.train_max_bytes, docs.files),
                           cache_dir=cache_root() / "tokenizers", fingerprint=tokenizer_cache_key(cfg, docs))
+    _release_free_heap()  # what the BPE trainer's threads freed, before tokenizing allocates more
     sources = source_files(cfg)
     fp = tokenizer_fingerprint(tok)
     key = {"fingerprint": fp, "sources": sources, "docs_per_shard": docs_per_shard,
@@ -261,12 +276,9 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
     start = time.perf_counter()
     seen = {"docs": 0, "tokens": 0, "bytes": 0}
     pool = None
-    if workers > 1:
-        import multiprocessing as mp
-
-        # fork: starts in milliseconds and works from any __main__ (spawn re-imports it)
-        pool = mp.get_context("fork").Pool(workers, _init_worker, (str(out / "tokenizer"),))
     try:
+        if workers > 1:  # no multiprocessing.Pool: a SIGTERM to the group hung its terminate()
+            pool = ShardPool(workers, _init_worker, (str(out / "tokenizer"),), _pool_shard)
         if bar is not None:
             bar.start()
             task = bar.add_task("prepare", total=total, docs=0, tokens=0, mbps=0.0)
@@ -285,11 +297,12 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
         for split, ds in (("train", docs.train), ("val", docs.val)):
             if ds is None:
                 continue
+            _release_free_heap()  # the train split's encoder objects, before val re-reads a long line
             (out / split).mkdir(exist_ok=True)
             for stale in (out / split).glob("shard_*.tmp"):  # of a killed run: rewritten below
                 stale.unlink(missing_ok=True)
             finished = len(splits[split])
-            pending: list = []
+            pending = 0  # shards sent to the pool, not yet recorded
             for k, texts in enumerate(_blocks(ds, docs_per_shard, docs.files)):
                 if k < finished:
                     continue  # written by the interrupted run: its documents are only re-read
@@ -297,16 +310,20 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
                 if pool is None:
                     record(write_shard(tok, texts, path), split)
                     continue
-                pending.append(pool.apply_async(_pool_shard, ((texts, str(path)),)))
-                while len(pending) >= 2 * workers or (pending and pending[0].ready()):
-                    record(pending.pop(0).get(), split)  # in order: progress lists a prefix
-            for p in pending:
-                record(p.get(), split)
+                pool.submit((texts, str(path)))
+                pending += 1
+                del texts  # sent: the block's documents go with the next one read
+                while pending >= 2 * workers or (pending and pool.ready()):
+                    record(pool.result(), split)  # in order: progress lists a prefix
+                    pending -= 1
+            for _ in range(pending):
+                record(pool.result(), split)
+            texts = []  # the last block is not kept while the next split is read
     finally:
         if bar is not None:
             bar.stop()
         if pool is not None:
-            pool.terminate()
+            pool.close()
     if not sum(s["tokens"] for s in splits["train"]):
         raise DataError(f"data: the source gave no training tokens; {out} is not usable")
     manifest = {

@@ -8,12 +8,38 @@ import os
 import tempfile
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterator
 
-__all__ = ["Tokenizer", "META_FILE"]
+__all__ = ["Tokenizer", "META_FILE", "text_pieces", "utf8_len"]
 
 #: File written by :meth:`Tokenizer.save` that says how to load the directory.
 META_FILE = "llmforge_tokenizer.json"
+
+
+def text_pieces(text: str, max_chars: int = 1 << 20) -> Iterator[str]:
+    """``text`` in consecutive pieces of at most ``max_chars`` characters, each cut just before a
+    space that follows a non-space character (searched back from ``max_chars`` to half of it;
+    a hard cut at ``max_chars`` when there is none). Regex pre-tokenizers (byte-level BPE:
+    GPT-2, Llama 3, tiktoken) start a new pre-token there, so encoding the pieces gives the ids
+    of encoding the whole text."""
+    start = 0
+    while len(text) - start > max_chars:
+        end = start + max_chars
+        cut = text.rfind(" ", start + max_chars // 2, end)
+        while cut > start and text[cut - 1].isspace():
+            cut = text.rfind(" ", start + max_chars // 2, cut)
+        cut = cut if cut > start else end
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
+
+
+def utf8_len(text: str, chunk: int = 1 << 20) -> int:
+    """The UTF-8 byte length of ``text`` (lone surrogates counted as ``?``), encoded ``chunk``
+    characters at a time so a long document is never copied whole as bytes."""
+    if text.isascii():
+        return len(text)
+    return sum(len(text[i:i + chunk].encode("utf-8", "replace")) for i in range(0, len(text), chunk))
 
 
 class Tokenizer(ABC):

@@ -11,11 +11,16 @@ from pathlib import Path
 from typing import Iterable
 
 from llmforge.data.notices import notice
-from llmforge.data.tokenizer_base import _atomic_write
+from llmforge.data.tokenizer_base import _atomic_write, text_pieces
 from llmforge.data.tokenizer_hf import HFTokenizer
 from llmforge.errors import ConfigError
 
-__all__ = ["train_bpe_tokenizer", "BPE_SPECIAL_TOKENS"]
+__all__ = ["train_bpe_tokenizer", "BPE_SPECIAL_TOKENS", "TRAIN_PIECE_CHARS"]
+
+#: Characters per text the BPE trainer is given: its pre-tokenizer holds ~100 bytes of objects
+#: per word of a text, and its input buffer 256 texts, so one 54 MB document peaked at 4.9 GB
+#: (issue 50.7); longer texts go in :func:`text_pieces` (cut before a space: the same words).
+TRAIN_PIECE_CHARS = 1 << 16
 
 #: Special tokens of a trained BPE (ids 0..5): bos, eos, pad, then the Llama 3 chat-template
 #: tokens (header start/end, end of turn), each a single id so SFT data can use the template.
@@ -37,7 +42,10 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, cache_dir: str | 
 
     The result is cached as ``cache_dir/bpe-<vocab_size>-<fingerprint>/tokenizer.json``
     (written atomically); a later call with the same fingerprint loads it without iterating
-    ``texts``. ``fingerprint`` should identify the training text; one that is not a safe file
+    ``texts``. A text longer than :data:`TRAIN_PIECE_CHARS` is given to the trainer in pieces
+    cut before a space (:func:`text_pieces`: the byte-level pre-tokenizer's words are the same,
+    so the merges are too, unless a piece had to be cut inside a run of that many characters
+    without a space). ``fingerprint`` should identify the training text; one that is not a safe file
     name (``[A-Za-z0-9._-]``, at most 64 chars) is replaced by its SHA-256 prefix, and ``""``
     disables the cache (always train, write nothing).
 
@@ -74,13 +82,26 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, cache_dir: str | 
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
                                   special_tokens=list(BPE_SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(iter(texts), trainer=trainer)
+    tok.train_from_iterator((p for text in texts for p in text_pieces(text, TRAIN_PIECE_CHARS)),
+                            trainer=trainer)
     data = tok.to_str(pretty=True).encode()
     if cache_file is None:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "tokenizer.json"
-            path.write_bytes(data)
-            return HFTokenizer(path, bos_token=bos, eos_token=eos, pad_token=pad)
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(cache_file, data)
+        return _uncached(data)
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(cache_file, data)
+    except OSError as exc:  # a read-only or full cache: the run goes on with the tokenizer in hand
+        notice(f"warning: cannot cache the trained tokenizer in {cache_file.parent} "
+               f"({exc.strerror or exc}); going on uncached (it is trained again at the next start)")
+        return _uncached(data)
     return HFTokenizer(cache_file, bos_token=bos, eos_token=eos, pad_token=pad)
+
+
+def _uncached(data: bytes) -> HFTokenizer:
+    """An :class:`HFTokenizer` of the ``tokenizer.json`` bytes ``data``, through a temporary
+    file (it reads the file when built)."""
+    bos, eos, pad = BPE_SPECIAL_TOKENS[:3]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "tokenizer.json"
+        path.write_bytes(data)
+        return HFTokenizer(path, bos_token=bos, eos_token=eos, pad_token=pad)

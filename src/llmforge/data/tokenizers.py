@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from llmforge.config.schema import TOKENIZER_TYPES  # listed once, with its key
-from llmforge.data.tokenizer_base import META_FILE, Tokenizer
-from llmforge.data.tokenizer_bpe import BPE_SPECIAL_TOKENS, train_bpe_tokenizer
+from llmforge.data.tokenizer_base import META_FILE, Tokenizer, text_pieces, utf8_len
+from llmforge.data.tokenizer_bpe import BPE_SPECIAL_TOKENS, TRAIN_PIECE_CHARS, train_bpe_tokenizer
 from llmforge.data.tokenizer_hf import HFTokenizer
 from llmforge.data.tokenizer_tiktoken import LLAMA3_PAT_STR, LLAMA3_SPECIAL_TOKENS, TiktokenTokenizer
 from llmforge.errors import ConfigError
@@ -76,20 +76,24 @@ def load_saved(directory: str | os.PathLike) -> Tokenizer:
 
 def _lazy_texts(factory: Callable[[], Iterable[str]] | None,
                 max_bytes: int | None) -> Iterator[str]:
-    """Texts of ``factory()`` up to ``max_bytes`` UTF-8 bytes; being a generator, it calls the
-    factory only when first iterated (a cache hit never reads the data)."""
+    """Texts of ``factory()`` up to ``max_bytes`` UTF-8 bytes, a long text in the pieces of
+    :func:`text_pieces` (:data:`TRAIN_PIECE_CHARS`), so neither the count nor the cut copies a
+    whole document; being a generator, it calls the factory only when first iterated (a cache
+    hit never reads the data)."""
     if factory is None:
         raise ValueError("build_tokenizer: tokenizer.type train_bpe needs texts_factory "
                          "when the tokenizer is not cached yet")
     left = max_bytes
     for text in factory():
-        if left is not None:
-            raw = text.encode("utf-8")
-            if len(raw) >= left:
-                yield raw[:left].decode("utf-8", errors="ignore")
-                return
-            left -= len(raw)
-        yield text
+        for piece in text_pieces(text, TRAIN_PIECE_CHARS):
+            if left is not None:
+                size = utf8_len(piece)
+                if size >= left:
+                    yield piece[:left] if piece.isascii() else \
+                        piece.encode("utf-8")[:left].decode("utf-8", errors="ignore")
+                    return
+                left -= size
+            yield piece
 
 
 def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:

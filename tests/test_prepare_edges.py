@@ -1,0 +1,122 @@
+"""`llmforge data prepare` at the edges (issue 50.7): a long document reaches the BPE trainer in
+bounded pieces (the same merges), and a cache folder that cannot be written leaves the run
+uncached instead of stopping it; the tokenizing pool returns results in order and names a worker
+that died instead of waiting for it. The SIGTERM-to-the-group case is in tests/test_prepare_kill.py.
+All in-process and small: the memory itself is measured by ``benchmarks/data.py --long``."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+
+import pytest
+
+from conftest import run_main
+from helpers.prepared import TOK, write_corpus
+from llmforge.data import tokenizer_bpe
+from llmforge.data.prepare_pool import ShardPool, WorkerDied
+from llmforge.data.sources import _jsonl_rows
+from llmforge.errors import DataError
+from llmforge.data.tokenizers import _lazy_texts, load_saved, train_bpe_tokenizer
+
+WORDS = ["the", "king,", "doth", "w17", "lord.", "\n\n", "  ", "naïve", "42", "'s"]
+
+
+def _document(words: int) -> str:
+    rng = random.Random(0)
+    return "".join(rng.choice(WORDS) + rng.choice([" ", " ", "  ", "\n", ""]) for _ in range(words))
+
+
+def test_a_long_document_trains_the_bpe_in_bounded_pieces_with_the_same_merges(tmp_path, monkeypatch):
+    long = _document(40_000)  # ~180 K characters, one document
+    seen: list[int] = []
+    real = tokenizer_bpe.text_pieces
+
+    def spy(text, max_chars):
+        for piece in real(text, max_chars):
+            seen.append(len(piece))
+            yield piece
+
+    monkeypatch.setattr(tokenizer_bpe, "text_pieces", spy)
+    monkeypatch.setattr(tokenizer_bpe, "TRAIN_PIECE_CHARS", 4096)
+    pieced = train_bpe_tokenizer([long], 400, tmp_path, "")
+    assert sum(seen) == len(long) and len(seen) >= len(long) // 4096 and max(seen) <= 4096
+    monkeypatch.setattr(tokenizer_bpe, "TRAIN_PIECE_CHARS", len(long))  # whole, as before the fix
+    whole = train_bpe_tokenizer([long], 400, tmp_path, "")
+    assert pieced.vocab_size == whole.vocab_size == 400
+    assert pieced._tok.to_str() == whole._tok.to_str()  # the same vocabulary and merges
+
+
+def test_the_jsonl_reader_splits_bytes_at_newlines_and_names_bad_lines(tmp_path):
+    """Lines are read as bytes and decoded whole: a BOM at the file's start dropped, a CR before
+    the newline and blank or Unicode-space lines skipped as before, a later key of a first-row
+    column missing is a null, a bad line named."""
+    f = tmp_path / "a.jsonl"
+    f.write_bytes(b'\xef\xbb\xbf{"text": "caf\xc3\xa9", "id": 1}\r\n\n  \n\xe3\x80\x80\n{"id": 2}\n'
+                  b'{"text": "x" }\n')
+    assert list(_jsonl_rows([str(f)], "text")) == [{"text": "café"}, {"text": None}, {"text": "x"}]
+    f.write_bytes(b'{"text": "a"}\n{"text": "\xff"}\n')
+    with pytest.raises(UnicodeDecodeError):  # read_rows names the file and line (not_utf8)
+        list(_jsonl_rows([str(f)], "text"))
+    f.write_bytes(b'{"text": "a"}\n{"text": \n')
+    with pytest.raises(DataError, match=f"{f} line 2 is not valid JSON"):
+        list(_jsonl_rows([str(f)], "text"))
+
+
+def test_the_training_byte_budget_is_cut_piece_by_piece_as_before(monkeypatch):
+    monkeypatch.setattr("llmforge.data.tokenizers.TRAIN_PIECE_CHARS", 1000)
+    long = _document(4000)
+    budget = 7_001  # inside a piece, and (naïve: 2 bytes) possibly inside a character
+    pieces = list(_lazy_texts(lambda: ["short", long, "never read"], budget))
+    assert max(map(len, pieces)) <= 1000 and pieces[0] == "short"
+    # the old cut: the whole text encoded, its first bytes of the budget decoded
+    assert "".join(pieces[1:]) == long.encode()[:budget - 5].decode("utf-8", errors="ignore")
+
+
+def test_a_cache_that_cannot_be_written_leaves_the_prepare_uncached(tmp_path):
+    """$LLMFORGE_CACHE below a regular file (ENOTDIR; a read-only mount gives EROFS, the same
+    OSError path): the BPE is trained, one warning line says it is not cached, the prepare
+    completes, and nothing is written under the cache."""
+    source = write_corpus(tmp_path / "corpus", files=1, docs=20)
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    cache = blocker / "cache"
+    out = tmp_path / "out"
+    r = run_main("data", "prepare", source, str(out), *TOK, "--workers", "1", "--no-progress",
+                 env={"LLMFORGE_CACHE": str(cache)})
+    assert r.returncode == 0, r.stderr
+    warnings = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and str(cache / "tokenizers") in warnings[0] and "uncached" in warnings[0], r.stderr
+    assert "error" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["splits"]["train"]["tokens"] > 0
+    tok = load_saved(out / "tokenizer")
+    assert 262 < tok.vocab_size <= 1024 and tok.decode(tok.encode("file 0 document 3")) == "file 0 document 3"
+    assert blocker.read_text() == ""
+
+
+def _square(x: int) -> int:
+    if x == -1:
+        raise DataError("task -1 is bad input")
+    if x == -9:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x * x
+
+
+def test_the_pool_returns_results_in_order_and_names_a_worker_that_died():
+    pool = ShardPool(2, lambda: None, (), _square)
+    try:
+        for x in (3, 1, 4, 1, 5, -1):
+            pool.submit(x)
+        assert [pool.result() for _ in range(5)] == [9, 1, 16, 1, 25]
+        with pytest.raises(DataError, match="task -1 is bad input"):  # raised here, as in the worker
+            pool.result()
+        pool.submit(-9)  # the OOM killer's way
+        with pytest.raises(WorkerDied, match=r"\(pid \d+\) ended \(signal SIGKILL\) \(the OOM killer"):
+            pool.result()
+        procs = list(pool._procs)
+    finally:
+        pool.close()
+    assert all(p.exitcode is not None for p in procs)

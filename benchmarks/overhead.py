@@ -210,7 +210,7 @@ def worker_bare(overrides: list[str], steps: int, warmup: int, work: Path) -> di
     cfg = config(overrides, steps, work)
     plan = validate(cfg, 1)
     if os.environ.get("BARE_MALLOC_TUNING") == "1":  # --bare-malloc-tuning: llmforge's allocator settings
-        from llmforge.training.host_malloc import tune_host_malloc
+        from llmforge.host_malloc import tune_host_malloc
 
         tune_host_malloc()
     torch.manual_seed(cfg.run.seed)

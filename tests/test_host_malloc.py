@@ -13,7 +13,7 @@ from conftest import REPO
 PROBE = textwrap.dedent("""
     import resource, sys
     import torch
-    from llmforge.training.host_malloc import tune_host_malloc
+    from llmforge.host_malloc import tune_host_malloc
     applied = tune_host_malloc() if sys.argv[1] == "1" else False
     x = torch.randn(512, 512)
     for _ in range(3):  # warm-up
@@ -44,7 +44,7 @@ def test_tuned_malloc_reuses_blocks_instead_of_faulting_them_in():
 
 
 def test_tuning_is_applied_once_and_reports_it():
-    from llmforge.training.host_malloc import tune_host_malloc
+    from llmforge.host_malloc import tune_host_malloc
 
     first = tune_host_malloc()
     assert tune_host_malloc() is first  # idempotent

@@ -201,7 +201,7 @@ class TrainerSettings:
     malloc_tuning: bool = True
     """Linux/glibc: keep host blocks up to 32 MiB on the heap and freed memory for the next
     step (``mallopt``; no page faults on every step's activations); false = glibc's defaults.
-    Process-wide; see llmforge.training.host_malloc."""
+    Process-wide; see llmforge.host_malloc."""
     global_batch_size: int = 8
     """Sequences per optimizer step over all data-parallel ranks."""
     micro_batch_size: int = 8

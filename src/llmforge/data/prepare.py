@@ -12,7 +12,6 @@ prepare interrupted at any moment (SIGKILL included) and started again keeps the
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
@@ -36,6 +35,7 @@ from llmforge.data.sources import (_resolve_files, iter_texts, load_documents, r
 from llmforge.data.tokenizer_base import utf8_len
 from llmforge.data.tokenizers import build_tokenizer, load_saved
 from llmforge.errors import DataError
+from llmforge.host_malloc import release_free_heap
 from llmforge.paths import write_failed
 
 PROGRESS = "progress.json"
@@ -108,18 +108,6 @@ def _ids(tok: Any, docs: list, dtype: np.dtype, max_chars: int, path: Path) -> I
                             f"{bad[0]}, outside the tokenizer's {tok.vocab_size} ids; name the tokenizer "
                             "that wrote the MDS tokens (tokenizer.type/tokenizer.path)")
         yield ids.astype(dtype)
-
-
-def _release_free_heap() -> None:
-    """``malloc_trim(0)`` on glibc: give back the heap the ``tokenizers`` threads freed (their
-    arenas keep it: 60 MB after training a BPE on 20 MB, ~170 MB after tokenizing a shard),
-    which stacked under the next phase's peak (the validation pass parsing a long line again:
-    ~2.5 MB per MB of a long document in all). The same call as
-    ``llmforge.training.host_malloc.release_free_heap``, which this floor may not import."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
-        pass
 
 
 def _pool_shard(args: tuple[list[str], str]) -> dict[str, Any]:
@@ -255,7 +243,7 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
                         f"non-empty document; nothing was written to {out}")
     tok = build_tokenizer(cfg.tokenizer, lambda: iter_texts(docs.train, cfg.tokenizer.train_max_bytes, docs.files),
                           cache_dir=cache_root() / "tokenizers", fingerprint=tokenizer_cache_key(cfg, docs))
-    _release_free_heap()  # what the BPE trainer's threads freed, before tokenizing allocates more
+    release_free_heap()  # what the BPE trainer's threads freed, before tokenizing allocates more
     sources = source_files(cfg)
     fp = tokenizer_fingerprint(tok)
     key = {"fingerprint": fp, "sources": sources, "docs_per_shard": docs_per_shard,
@@ -297,7 +285,7 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
         for split, ds in (("train", docs.train), ("val", docs.val)):
             if ds is None:
                 continue
-            _release_free_heap()  # the train split's encoder objects, before val re-reads a long line
+            release_free_heap()  # the train split's encoder objects, before val re-reads a long line
             (out / split).mkdir(exist_ok=True)
             for stale in (out / split).glob("shard_*.tmp"):  # of a killed run: rewritten below
                 stale.unlink(missing_ok=True)

@@ -29,7 +29,7 @@ from llmforge.parallel.mesh import mesh_dims
 from llmforge.plugin import ModelContext, run_pipeline
 from llmforge.training.bridge import evaluate_before_training, put_first, record_step
 from llmforge.training.cross_entropy import cross_entropy_sum
-from llmforge.training.host_malloc import release_free_heap, tune_host_malloc
+from llmforge.host_malloc import release_free_heap, tune_host_malloc
 from llmforge.training.optim import build_optimizer
 from llmforge.training.schedule import build_scheduler
 from llmforge.training.steps import MicroBatchStep, Step, choose_step
@@ -229,7 +229,7 @@ class LLMModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         """After the data module's ``setup``: the heap the data path freed goes back to the
-        kernel, then the allocator is tuned (:mod:`llmforge.training.host_malloc`)."""
+        kernel, then the allocator is tuned (:mod:`llmforge.host_malloc`)."""
         release_free_heap()
         if self.cfg.trainer.malloc_tuning:
             tune_host_malloc()

@@ -79,7 +79,7 @@ TRIM_PROBE = textwrap.dedent("""
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc malloc_trim")
 def test_release_free_heap_hands_freed_blocks_back_to_the_kernel():
     out = subprocess.run([sys.executable, "-c", TRIM_PROBE,
-                          str(REPO / "src" / "llmforge" / "training" / "host_malloc.py")],
+                          str(REPO / "src" / "llmforge" / "host_malloc.py")],
                          capture_output=True, text=True, check=True, env={"PATH": ""})
     released, freed, after = out.stdout.split()
     # tuned (trim threshold 1 GiB), the 255 freed MiB stay resident until released: the

@@ -15,12 +15,15 @@ median excludes it. Losses of all variants are compared to eager (same numbers e
 Then the time to first step (issue 50) of the default ``compile``, ``float8`` (tensorwise) +
 ``activation_checkpointing`` (full) + ``compile``, and the same with ``per_block: true``, side by
 side: each in a fresh subprocess with an empty inductor cache (what a user's first run pays),
-two steps; the table gives the first step (compilation included), the second, and the number of
-C++ kernels inductor compiled (independent of the machine's load, unlike the seconds).
-Cause of the slow path measured for issue 50: every C++ kernel is one g++ run of seconds; float8
-adds the amax / scale / cast kernels of every Linear's inputs, weights and output gradients,
-full checkpointing recomputes the forward inside the backward graph, and the complex-valued RoPE
-(before it was made real-valued under compile) split the fusions around each complex op.
+two steps; the table gives the first step (compilation included), the second, the number of
+C++ kernels inductor compiled (independent of the machine's load, unlike the seconds), and the
+recompiles and graph breaks dynamo counted. Written to ``compile_cpu-first-step-<date>.md``.
+Where the slow path's time goes (issue 50): no recompile and no graph break; nearly all of it is
+inductor's C++ kernels, one g++ run of seconds each (tens at a load of 8-12 on 2 cores): float8
+adds the amax / scale / cast kernels of every Linear's inputs, weights and output gradients, and
+full checkpointing recomputes the forward inside the backward graph (demo: 47 kernels against
+26). The complex-valued RoPE ran eager between the kernels (51 complex-op fallbacks in the demo's
+backward); under compile it is real-valued now.
 """
 
 from __future__ import annotations
@@ -95,7 +98,9 @@ def first_step_child(name: str, smoke: bool) -> int:
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
         start = time.perf_counter()
-    print(f"RESULT {times[0]:.2f} {times[1]:.3f}", flush=True)
+    counters = torch._dynamo.utils.counters
+    print(f"RESULT {times[0]:.2f} {times[1]:.3f} {sum(counters['recompiles'].values())} "
+          f"{sum(counters['graph_break'].values())}", flush=True)
     return 0
 
 
@@ -105,8 +110,8 @@ def first_step_table(smoke: bool) -> list[str]:
     import subprocess
     import tempfile
 
-    lines = ["| variant | first step (s) | second step (s) | C++ kernels compiled |",
-             "| --- | --- | --- | --- |"]
+    lines = ["| variant | first step (s) | second step (s) | C++ kernels compiled | recompiles | graph breaks |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for name in (["float8 + full AC + compile"] if smoke else FIRST_STEP):
         with tempfile.TemporaryDirectory(prefix="llmforge-inductor-") as cache:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
@@ -116,9 +121,11 @@ def first_step_table(smoke: bool) -> list[str]:
         got = [ln.split()[1:] for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode or not got:
             tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            lines.append(f"| {name} | failed (exit {proc.returncode}: {tail}) | | |")
+            lines.append(f"| {name} | failed (exit {proc.returncode}: {tail}) | | | | |")
             continue
-        lines.append(f"| {name} | {float(got[0][0]):.1f} | {float(got[0][1]):.3f} | {kernels} |")
+        first, second, recompiles, breaks = got[0]
+        lines.append(f"| {name} | {float(first):.1f} | {float(second):.3f} | {kernels} | "
+                     f"{recompiles} | {breaks} |")
         print(lines[-1], flush=True)
     return lines
 
@@ -191,7 +198,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = "smoke" if args.smoke else dt.date.today().isoformat()
-    (out / f"compile_cpu-{stamp}.md").write_text(text + "\n")
+    part = "first-step-" if args.first_step_only else ""
+    (out / f"compile_cpu-{part}{stamp}.md").write_text(text + "\n")
     return 0
 
 

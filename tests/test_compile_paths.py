@@ -5,6 +5,8 @@ operators), and the run says on stderr that the first step waits for the compila
 The graphs are traced with cheap backends (``aot_eager``, or a backend that only records the
 FX graph): the point is what dynamo and AOT autograd see, not inductor's C++ code."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -74,8 +76,6 @@ def test_llama_under_compile_has_no_complex_op_and_one_graph(algorithms):
 
 
 def test_compile_says_at_fit_start_that_the_first_step_waits(capsys):
-    from types import SimpleNamespace
-
     algo = Compile()
     module = make_module([])
     algo.apply(module.model, None)

@@ -56,6 +56,7 @@ def test_compile_cpu_smoke(tmp_path):
     table = (tmp_path / "compile_cpu-smoke.md").read_text()
     for variant in ("| eager |", "| compile per block |", "| compile whole model |"):
         assert variant in table
+    assert "| float8 + full AC + compile | " in table and "failed" not in table  # issue 50
 
 
 def test_peers_block_runs_or_names_litgpt(capsys):

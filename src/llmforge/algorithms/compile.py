@@ -31,6 +31,7 @@ Source: torch.compile tutorial and torchtitan ``apply_compile``
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any, Optional
 
@@ -175,6 +176,16 @@ class Compile(Algorithm):
             pl_module.compute_loss = torch.compile(pl_module.compute_loss,
                                                    **self.compile_kwargs(fullgraph=False))
             pl_module._llmforge_loss_compiled = True
+        if state.trainer.is_global_zero:
+            # the first forward can take minutes on a CPU: say why nothing moves meanwhile
+            print(f"compile: torch.compile ({self.backend}) of {self.target()} runs in the first "
+                  "forward; the first step (and an evaluation before it) waits for it",
+                  file=sys.stderr, flush=True)
+
+    def target(self) -> str:
+        """What :meth:`apply` and :meth:`fit_start` compiled, in words (for the messages)."""
+        what = "the whole model" if self._whole else "each block and the final norm"
+        return what + (", and the loss" if self._loss else "")
 
     def batch_start(self, state: Any) -> None:
         self._t0 = time.perf_counter()
@@ -188,10 +199,8 @@ class Compile(Algorithm):
                 self.compile_seconds = max(0.0, first - second)
                 self._pending = True
                 if trainer.is_global_zero:
-                    what = ("the whole model" if self._whole else "each block and the final norm") + (
-                        ", and the loss" if self._loss else "")
                     print(f"compile: {self.compile_seconds:.1f} s of compilation in the first step "
-                          f"(torch.compile of {what}, {self.backend}; first step {first:.1f} s, "
+                          f"(torch.compile of {self.target()}, {self.backend}; first step {first:.1f} s, "
                           f"second {second:.2f} s)", flush=True)
         if self._pending and pl_module.is_log_step(state.step):
             state.metrics["time/compile_seconds"] = self.compile_seconds

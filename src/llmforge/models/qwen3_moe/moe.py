@@ -37,8 +37,11 @@ def grouped_mm_ok(x: torch.Tensor, dims: tuple[int, ...]) -> bool:
     ``torch.compile`` traces, and the CUDA kernel take bfloat16 only; so do fake tensors)."""
     if not hasattr(torch, "_grouped_mm") or any(d * x.element_size() % 16 for d in dims):
         return False
-    return x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and x.device.type == "cpu"
-                                         and not torch.compiler.is_compiling() and not is_fake(x))
+    if x.dtype == torch.bfloat16:
+        return True
+    # is_compiling() first: dynamo cannot trace is_fake (issue 50)
+    return (x.dtype == torch.float32 and x.device.type == "cpu"
+            and not torch.compiler.is_compiling() and not is_fake(x))
 
 
 def expert_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -56,7 +59,8 @@ def expert_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: t
     Returns:
         ``[M, D]`` in the row order of ``x``.
     """
-    if is_fake(x) and x.dtype != torch.bfloat16 and impl != "grouped_mm":
+    if (x.dtype != torch.bfloat16 and impl != "grouped_mm" and not torch.compiler.is_compiling()
+            and is_fake(x)):
         # the planner's simulation (fake tensors: no counts to loop over): the meta kernel of
         # _grouped_mm takes bfloat16 only; same shapes and FLOPs, bfloat16 temporaries
         w1, w2, w3 = (w.bfloat16() for w in (w1, w2, w3))
@@ -68,6 +72,15 @@ def expert_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: t
         h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
         h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
         return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+    if torch.compiler.is_compiling():
+        # the loop's trip count is data (counts.tolist()): one opaque op for torch.compile
+        return expert_swiglu_loop(x, counts, w1, w2, w3)
+    return _loop(x, counts, w1, w2, w3)
+
+
+def _loop(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+          w3: torch.Tensor) -> torch.Tensor:
+    """:func:`expert_swiglu`'s ``loop``: one SwiGLU per non-empty expert on its rows."""
     out, start = [], 0
     for e, n in enumerate(counts.tolist()):
         if n:
@@ -75,6 +88,66 @@ def expert_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: t
             out.append(F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e]))
             start += n
     return torch.cat(out) if out else x.new_zeros(0, w2.shape[1])
+
+
+@torch.library.custom_op("llmforge::expert_swiglu_loop", mutates_args=())
+def expert_swiglu_loop(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                       w3: torch.Tensor) -> torch.Tensor:
+    """:func:`expert_swiglu`'s ``loop`` as a custom operator, which ``torch.compile`` keeps as
+    one opaque call (fullgraph: no graph break at ``counts.tolist()``); shapes as
+    :func:`expert_swiglu`, output ``[M, D]``. Backward: :func:`expert_swiglu_loop_backward`."""
+    return _loop(x, counts, w1, w2, w3)
+
+
+@expert_swiglu_loop.register_fake
+def _(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+      w3: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w2.shape[1])
+
+
+@torch.library.custom_op("llmforge::expert_swiglu_loop_backward", mutates_args=())
+def expert_swiglu_loop_backward(grad: torch.Tensor, x: torch.Tensor, counts: torch.Tensor,
+                                w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``(dx, dw1, dw2, dw3)`` of :func:`expert_swiglu_loop` for ``grad [M, D]``,
+    per expert with ``a = x w1^T``, ``b = x w3^T``, ``h = silu(a) b`` recomputed:
+    ``dw2 = g^T h``, ``dh = g w2``, ``da = dh b silu'(a)``, ``db = dh silu(a)``,
+    ``dx = da w1 + db w3``, ``dw1 = da^T x``, ``dw3 = db^T x``, with
+    ``silu'(a) = s (1 + a (1 - s))``, ``s = sigmoid(a)`` (aten's silu_backward)."""
+    dx, dw1, dw2, dw3 = (torch.zeros_like(t) for t in (x, w1, w2, w3))
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            xe, g = x[start:start + n], grad[start:start + n]
+            a, b = F.linear(xe, w1[e]), F.linear(xe, w3[e])
+            s = torch.sigmoid(a)
+            act = a * s
+            dw2[e] = g.t() @ (act * b)
+            dh = g @ w2[e]
+            da, db = dh * b * (s * (1 + a * (1 - s))), dh * act
+            dx[start:start + n] = da @ w1[e] + db @ w3[e]
+            dw1[e], dw3[e] = da.t() @ xe, db.t() @ xe
+            start += n
+    return dx, dw1, dw2, dw3
+
+
+@expert_swiglu_loop_backward.register_fake
+def _(grad: torch.Tensor, x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor,
+      w2: torch.Tensor, w3: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.empty_like(t) for t in (x, w1, w2, w3))
+
+
+def _setup(ctx: object, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx: object, grad: torch.Tensor) -> tuple:
+    x, counts, w1, w2, w3 = ctx.saved_tensors
+    dx, dw1, dw2, dw3 = expert_swiglu_loop_backward(grad.contiguous(), x, counts, w1, w2, w3)
+    return dx, None, dw1, dw2, dw3
+
+
+expert_swiglu_loop.register_autograd(_backward, setup_context=_setup)
 
 
 class GroupedExperts(nn.Module):

@@ -107,7 +107,7 @@ def test_threads_per_process(override, procs, workers, cores, busy, want):
     assert n == want
     assert f"{cores} cores" in why
     if override is None and busy and want < cores // procs - workers:
-        assert "busy with other processes" in why
+        assert "of other processes" in why
     # an explicit OMP_NUM_THREADS is a choice too; trainer.num_threads still wins over it
     omp = {"OMP_NUM_THREADS": "5"}
     assert choose_num_threads(override, procs, workers, cores=cores, environ=omp, busy=busy)[0] == (override or 5)

@@ -62,7 +62,7 @@ def test_watch_follows_other_processes(capsys):
     # busy 1, 1 -> 1 thread at step 4; 0 then 1 (a burst) keeps 1; 0, 0 -> 2 at step 12
     assert watch.changes == [(4, 2, 1), (12, 1, 2)]
     assert capsys.readouterr().err.splitlines() == [
-        "threads: 2 -> 1 compute thread at step 4 (2 cores available, 1 busy with other processes)",
+        "threads: 2 -> 1 compute thread at step 4 (2 cores available, 1 runnable thread of other processes)",
         "threads: 1 -> 2 compute threads at step 12 (2 cores available)"]
 
 

@@ -174,7 +174,7 @@ def choose_num_threads(override: Optional[int], local_world_size: int, worker_co
         free = int(cores - others) // local
         if free < n:
             n = free
-            why += f", {others:g} busy with other processes"
+            why += f", {others:g} runnable thread{'s' * (others != 1)} of other processes"
     if n < 1:
         why += ", at least 1"
     return max(1, n), why + "; set trainer.num_threads to change"

@@ -69,10 +69,6 @@ def refuse_ep(layout: Layout) -> None:
         raise ConfigError(f"strategy.ep={layout.ep}: the simulation (--dry-run --simulate) runs "
                           "strategy.ep=1 only (a fake process group carries no token counts to "
                           "dispatch by); `llmforge plan` estimates ep from the ep=1 step")
-    if layout.cp != 1:
-        raise ConfigError(f"strategy.cp={layout.cp}: the simulation (--dry-run --simulate) runs "
-                          "strategy.cp=1 only; `llmforge plan` estimates cp from the cp=1 step "
-                          "with dp_shard x cp shards")
 
 
 def pipeline_settings(cfg: Any, pp: int) -> dict[str, Any]:

@@ -254,8 +254,13 @@ def _flat(x: Any) -> list:
 def collectives(comm: ByteCounter, mesh: Any) -> list[Collective]:
     names: dict[str, tuple[str, int]] = {}
     if mesh is not None:
-        for dim in ("dp_shard", "dp_replicate", "tp", "dp"):  # dims of one rank set share a group:
-            sub = mesh[dim]  # the first name wins (FSDP2's dp_shard before the flattened dp)
+        # dims of one rank set share a group: the first name wins (FSDP2's dp_shard before the
+        # flattened dp); with context parallelism the attention's cp and FSDP2's dp_shard_cp
+        for dim in ("dp_shard", "dp_replicate", "tp", "cp", "dp_shard_cp", "dp", "dp_cp"):
+            try:
+                sub = mesh[dim]
+            except (KeyError, RuntimeError, ValueError):  # not a dim of this layout's mesh
+                continue
             names.setdefault(sub.get_group().group_name, (dim, sub.size()))
     out = []
     for (kind, group), (count, nbytes) in sorted(comm.payload.items()):

@@ -255,8 +255,9 @@ def collectives(comm: ByteCounter, mesh: Any) -> list[Collective]:
     names: dict[str, tuple[str, int]] = {}
     if mesh is not None:
         # dims of one rank set share a group: the first name wins (FSDP2's dp_shard before the
-        # flattened dp); with context parallelism the attention's cp and FSDP2's dp_shard_cp
-        for dim in ("dp_shard", "dp_replicate", "tp", "cp", "dp_shard_cp", "dp", "dp_cp"):
+        # flattened dp); with context parallelism FSDP2's dp_shard_cp and the attention's cp (one
+        # group where dp_shard is 1: FSDP2's name, as its traffic is most of it)
+        for dim in ("dp_shard", "dp_replicate", "tp", "dp_shard_cp", "cp", "dp", "dp_cp"):
             try:
                 sub = mesh[dim]
             except (KeyError, RuntimeError, ValueError):  # not a dim of this layout's mesh

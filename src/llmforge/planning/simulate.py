@@ -38,6 +38,12 @@ the speed of kernels, the CUDA caching allocator's fragmentation and reserve, NC
 buffers and the CUDA context. The SDPA kernel is the CPU one (flash-style: it keeps the output
 and the log-sum-exp, as the GPU kernels do).
 
+Context parallelism (``strategy.cp > 1``): the step is the runtime's
+:class:`~llmforge.training.steps.ContextParallelStep` (each rank's load-balanced slice of every
+sequence; the attention hook's all-gathers or all-to-alls run on the fake group and are
+measured over the mesh's ``cp`` dim; FSDP2's over ``dp_shard_cp``); with ``pp > 1`` the
+stage's blocks run as one model on the slices, as above.
+
 Scaling by layer count: :mod:`llmforge.planning.depth`.
 """
 

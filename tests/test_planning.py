@@ -30,17 +30,20 @@ def _no_process_group():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("dp_shard, tp, ac", [(2, 1, "none"), (1, 2, "none"), (2, 2, "full")])
-def test_simulated_peak_within_5_percent_of_real_gloo_runs(tmp_path, dp_shard, tp, ac):
-    """Real processes on gloo (FSDP2 on 2, TP on 2, FSDP2 x TP with full AC on 4; 2
-    micro-batches of accumulation) measured by the tracker, against the simulation of rank 0 on
-    a fake process group with fake tensors."""
+@pytest.mark.parametrize("dp_shard, tp, ac, cp", [(2, 1, "none", 1), (1, 2, "none", 1), (2, 2, "full", 1),
+                                                  (1, 1, "full", 2)])
+def test_simulated_peak_within_5_percent_of_real_gloo_runs(tmp_path, dp_shard, tp, ac, cp):
+    """Real processes on gloo (FSDP2 on 2, TP on 2, FSDP2 x TP with full AC on 4, context
+    parallelism on 2 with full AC: the attention's all-gathers recomputed; 2 micro-batches of
+    accumulation) measured by the tracker, against the simulation of rank 0 on a fake process
+    group with fake tensors."""
     out = tmp_path / "real.json"
+    tiny = [*TINY, f"strategy.cp={cp}"]
     proc = torchrun(worker("simulate_worker.py"), str(out), DEMO, str(dp_shard), str(tp), ac, "2",
-                    *TINY, nproc=dp_shard * tp)
+                    *tiny, nproc=dp_shard * tp * cp)
     assert proc.returncode == 0, proc.stderr[-4000:]
     real = json.loads(out.read_text())
-    sim = simulate(load_config(DEMO, TINY), Layout(1, dp_shard, tp, ac, 2))
+    sim = simulate(load_config(DEMO, tiny), Layout(1, dp_shard, tp, ac, 2, cp=cp))
     assert real["peak_bytes_per_rank"] > 1e5
     assert abs(sim.peak_bytes - real["peak_bytes_per_rank"]) <= 0.05 * real["peak_bytes_per_rank"]
     assert sim.breakdown["optimizer"] == pytest.approx(real["breakdown"]["optimizer"], rel=0.05)
@@ -49,6 +52,8 @@ def test_simulated_peak_within_5_percent_of_real_gloo_runs(tmp_path, dp_shard, t
         assert {("all_gather", "dp_shard"), ("reduce_scatter", "dp_shard")} <= kinds
     if tp > 1:
         assert any(dim == "tp" for _, dim in kinds), kinds
+    if cp > 1:  # one group of 2: FSDP2's dp_shard_cp and the attention's cp
+        assert {("all_gather", "dp_shard_cp"), ("reduce_scatter", "dp_shard_cp")} <= kinds
     assert sim.flops == pytest.approx(real["flops_per_rank"], rel=1e-6)
 
 

@@ -1,6 +1,7 @@
 """Run under torchrun (gloo): one real training step measured by the same code and tracker as the
 simulation (:func:`llmforge.planning.simulate.simulate` with ``fake=False``). Rank 0 writes
-``<out>`` (JSON: peak bytes and breakdown). Arguments: OUT CONFIG DP_SHARD TP AC MBS [key=value ...]."""
+``<out>`` (JSON: peak bytes and breakdown). Arguments: OUT CONFIG DP_SHARD TP AC MBS [key=value ...];
+``strategy.cp=N`` among them is the layout's context parallelism."""
 
 import json
 import sys
@@ -15,7 +16,8 @@ from llmforge.planning.simulate import simulate
 def main(out, config, dp_shard, tp, ac, mbs, *overrides):
     dist.init_process_group("gloo")
     cfg = load_config(config, list(overrides))
-    m = simulate(cfg, Layout(1, int(dp_shard), int(tp), ac, int(mbs)), fake=False)
+    cp = int(cfg.strategy.get("cp", 1))
+    m = simulate(cfg, Layout(1, int(dp_shard), int(tp), ac, int(mbs), cp=cp), fake=False)
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(m.as_dict(), f)

@@ -87,7 +87,9 @@ def data_parallel_size(cfg: Any, world_size: Optional[int] = 1) -> int:
     if world % cp:
         options = ", ".join(map(str, _divisors(world)))
         raise ConfigError(f"strategy.cp={cp} does not divide the world size {world}"
-                          f"{' / strategy.pp' if pp > 1 else ''}; use one of {options}")
+                          f"{' / strategy.pp' if pp > 1 else ''}; use one of {options}"
+                          + (" (the world size is trainer.devices x trainer.num_nodes, or --nproc)"
+                             if world == 1 else ""))
     world //= cp  # the cp ranks of one data-parallel rank read the same rows
     tp, rep, shard = int(s.tp), int(s.dp_replicate), int(s.dp_shard)
     if tp < 1:

@@ -33,7 +33,7 @@ class MemoryEstimate:
 
 
 def estimate_memory(n_params: int, precision: str, strategy: Any, world_size: int,
-                    n_trainable: int | None = None) -> MemoryEstimate:
+                    n_trainable: int | None = None, cp: int = 1) -> MemoryEstimate:
     """Parameters, gradients and AdamW state per device, in bytes.
 
     Bytes per parameter: ``fp32`` and ``bf16-mixed`` keep fp32 weights and gradients (4 + 4)
@@ -41,13 +41,15 @@ def estimate_memory(n_params: int, precision: str, strategy: Any, world_size: in
     divides model state by ``dp_shard * tp``; DDP and one process by ``tp`` only. Expert
     parallelism does not change it: the expert weights are split over ``ep`` and FSDP2-sharded
     over the other ``dp_shard / ep`` ranks, ``dp_shard`` shards in all like every other weight
-    (what ``ep`` saves is in :func:`gathered_block_bytes`).
+    (what ``ep`` saves is in :func:`gathered_block_bytes`). Context parallelism (``cp``):
+    FSDP2 shards over ``dp_shard x cp`` (``dp_shard: -1`` takes the rest of ``world_size``,
+    cp included).
     """
     trainable = n_params if n_trainable is None else n_trainable
     width = 2 if precision == "bf16-true" else 4
     tp = max(1, strategy.tp)
     if strategy.name == "fsdp2":
-        dp_shard = strategy.dp_shard if strategy.dp_shard > 0 else world_size // (strategy.dp_replicate * tp)
+        dp_shard = strategy.dp_shard * cp if strategy.dp_shard > 0 else world_size // (strategy.dp_replicate * tp)
         shards = max(1, dp_shard) * tp
     else:
         shards = tp
@@ -188,6 +190,10 @@ def analytic_peak(cfg: Any, plan: Any, dims: Any, stage: Optional[StageShare] = 
     * or, where it is larger, the end of the backward: every gradient, plus under FSDP2 about
       2.5 blocks' unsharded gradients in reduction, and no activations.
 
+    With context parallelism (``dims.cp > 1``) FSDP2 shards over ``dp_shard x cp`` and every
+    per-token term counts the rank's ``seq_len / cp`` tokens, plus what the attention mode
+    holds (:func:`context_parallel_bytes`).
+
     With pipeline stages, ``stage`` (:class:`StageShare`) is the rank's share: its parameters,
     one micro-batch through its blocks (as the simulation measures it: the schedule's other
     micro-batches in flight are not counted), the loss only where the last stage is.
@@ -197,11 +203,12 @@ def analytic_peak(cfg: Any, plan: Any, dims: Any, stage: Optional[StageShare] = 
     n_model = sum(p.numel() for p in model.parameters())
     n = stage.params if stage is not None else n_model
     precision = cfg.trainer.precision
-    mem = estimate_memory(n, precision, cfg.strategy, plan.world_size // max(1, int(dims.pp)))
+    cp = max(1, int(getattr(dims, "cp", 1)))
+    mem = estimate_memory(n, precision, cfg.strategy, plan.world_size // max(1, int(dims.pp)), cp=cp)
     tp = max(1, int(dims.tp))
     width = 2 if precision == "bf16-true" else 4
     gathered = in_reduction = 0.0
-    if cfg.strategy.name == "fsdp2" and dims.dp_shard > 1:
+    if cfg.strategy.name == "fsdp2" and dims.dp_shard * cp > 1:
         mp, low = cfg.strategy.mixed_precision, ("bfloat16", "bf16", "float16", "fp16")
         comp_w = 2 if mp.param_dtype in low else width
         reduce_w = comp_w if mp.get("reduce_dtype") is None else (2 if mp.reduce_dtype in low else 4)
@@ -222,17 +229,22 @@ def analytic_peak(cfg: Any, plan: Any, dims: Any, stage: Optional[StageShare] = 
            "optimizer": mem.optimizer_bytes, "activations": 0.0, "temporaries": 0.0}
     bf16_weights = bf16_param_dtype(cfg)
     layers = stage.blocks if stage is not None else None
-    act = estimate_activations(model, plan.micro_batch_size, cfg.trainer.seq_len, precision, tp, spec,
+    seq_len = int(cfg.trainer.seq_len) // cp  # the rank's slice of every sequence
+    act = estimate_activations(model, plan.micro_batch_size, seq_len, precision, tp, spec,
                                bf16_weights=bf16_weights, n_layers=layers)
     if act is not None:
         m = spec.get("memory_shape")(model)
         layers = m.n_layers if layers is None else layers
-        tokens = plan.micro_batch_size * cfg.trainer.seq_len
+        tokens = plan.micro_batch_size * seq_len
         logits = loss_bytes(tokens, m.vocab_size, precision)
         no_ac, full_ac = act[0] - logits, act[1] - logits
         mode, every = ac_mode(cfg.algorithms)
-        if mode == "full":
-            activations = full_ac
+        if mode == "full":  # the recomputed block lives in the backward, the loss's tensors
+            # before it (freed once the output layer's backward ran): the larger of the two, not
+            # both (the sum was 8.8 % high for the 128K yaml at cp=8, 3.3 GiB of 42.4 simulated)
+            inputs = layers * tokens * m.dim * (4 if precision == "fp32" else 2) / tp
+            loss_here = logits if stage is None or stage.loss else 0.0
+            activations = inputs + max(0.0, full_ac - inputs - loss_here)
         elif mode == "layer":
             k = layers // every
             activations = no_ac - k * (no_ac - full_ac) / max(1, layers)
@@ -245,6 +257,11 @@ def analytic_peak(cfg: Any, plan: Any, dims: Any, stage: Optional[StageShare] = 
             activations = layers * saved + (no_ac / max(1, layers))
         else:
             activations = no_ac
+        if cp > 1:
+            ac_blocks = {"full": 1, "layer": layers - layers // every}.get(mode, layers)
+            activations += context_parallel_bytes(m, str(cfg.context_parallel.mode), plan.micro_batch_size,
+                                                  int(cfg.trainer.seq_len), cp, tp, ac_blocks,
+                                                  4 if precision == "fp32" else 2)
         if precision == "bf16-mixed" and not bf16_weights:  # autocast's bf16 copies of the fp32
             # weights, cached for the whole forward (counted with the activations)
             activations += n * 2 / tp
@@ -259,6 +276,32 @@ def analytic_peak(cfg: Any, plan: Any, dims: Any, stage: Optional[StageShare] = 
         out = backward
     out["total"] = sum(out.values())
     return out
+
+
+def context_parallel_bytes(m: Any, mode: str, mbs: int, seq_len: int, cp: int, tp: int,
+                           saving_blocks: int, width: int = 2) -> float:
+    """Bytes per rank the context-parallel attention holds beyond the rank's ``seq_len / cp``
+    slice (:class:`llmforge.parallel.context_parallel.ContextParallelAttention`), ``m`` the
+    spec's :class:`~llmforge.models.spec.MemoryShape`:
+
+    * ``all_gather``: the K and V of the whole sequence (``mbs x seq_len x 2 kv_dim x width /
+      tp``, ``(cp - 1) / cp`` of it beyond the slice) in each of ``saving_blocks`` blocks (the
+      attention saves them for its backward: every block without checkpointing, the one
+      recomputed under full), plus the boolean causal masks of the rank's two chunks,
+      ``[c, (r + 1) c]`` and ``[c, (2 cp - r) c]`` with ``c = seq_len / (2 cp)``: ``(2 cp + 1)
+      c^2`` bytes, about ``seq_len^2 / (2 cp)`` (built once per forward, shared by the blocks:
+      1.06 GiB at 131,072 tokens and ``cp=8``, 5.0 GiB at ``cp=2``);
+    * ``ulysses``: one block's all-to-all buffers, the rank's ``mbs x seq_len / cp`` tokens of
+      q, k, v and the output (``2 q_dim + 2 kv_dim`` wide).
+
+    The terms of :func:`llmforge.planning.context.attention_extra_bytes`, plus the masks."""
+    if cp <= 1:
+        return 0.0
+    if mode == "ulysses":
+        return mbs * seq_len / cp * (2 * m.q_dim + 2 * m.kv_dim) * width / tp
+    c = seq_len // (2 * cp)
+    kv = mbs * seq_len * 2 * m.kv_dim * width / tp
+    return kv * (cp - 1) / cp * saving_blocks + (2 * cp + 1) * c * c
 
 
 def _fmt_count(n: float) -> str:

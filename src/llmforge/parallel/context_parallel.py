@@ -147,10 +147,13 @@ class ContextParallelAttention:
         self.keys, self.order = keys, torch.argsort(keys)
         self.mask = None
         c = seq_len // (2 * self.cp)
-        # each local chunk against the keys up to its end, lower-right causal: [c, end]
+        # each local chunk against the keys up to its end, lower-right causal: [c, end]; only
+        # all_gather without documents reads them (ulysses built them too: 5 GiB per rank at
+        # 131,072 tokens and cp=2 for nothing, docs/parallelism.md)
         self.chunk_masks = [torch.arange(end, device=device)[None, :]
                             <= torch.arange(end - c, end, device=device)[:, None]
-                            for end in ((self.rank + 1) * c, (2 * self.cp - self.rank) * c)]
+                            for end in ((self.rank + 1) * c, (2 * self.cp - self.rank) * c)] \
+            if self.mode == "all_gather" and doc_ids is None else []
         if doc_ids is not None:
             queries = self.local_index(seq_len, device) if self.mode == "all_gather" else keys
             runs = document_runs(doc_ids.to(device))

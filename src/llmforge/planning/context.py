@@ -9,9 +9,9 @@ the twin's per-token memory (saved activations and the temporaries: activation g
 logits and log-probabilities), plus what the attention mode adds
 (:func:`attention_extra_bytes`).
 
-The simulation (a real step on a fake process group) does not run ``cp > 1``: the planner
-simulates the twin and applies these terms (:func:`peak_delta`), and says so in its output
-("estimated"). The step-time terms of the modes live in
+The planner ranks every ``cp`` layout by these terms applied to its twin's simulation
+(:func:`peak_delta`, "estimated"), then confirms the winner by simulating its own layout (the
+runtime's context-parallel step on a fake process group, ``simulate``). The step-time terms of the modes live in
 :func:`llmforge.planning.step_model.context_parallel_seconds`.
 """
 
@@ -39,7 +39,11 @@ enters a plan only when sequences are long enough for their activations to need 
 
 ESTIMATED = ("cp={cp} estimated: its cp=1 twin (dp_shard {twin}) simulated, then per-token memory "
              "/ cp and the {mode} buffers added (the runtime's cp is not simulated)")
-"""The label of a ``cp > 1`` candidate in the plan's output."""
+"""The label of a ``cp > 1`` candidate in the plan's output whose own layout was not simulated."""
+
+SIMULATED = ("cp={cp} simulated ({mode}, the runtime's context-parallel step on a fake process group; "
+             "estimated from its cp=1 twin: {estimate:.1f} GiB)")
+"""The label of a ``cp > 1`` winner confirmed by its own simulation."""
 
 
 def cp_of(cfg: Any) -> tuple[int, str]:
@@ -145,5 +149,5 @@ def fitting_cp(m: StepMeasurement, budget: float, seq_len: int) -> Optional[int]
     return None
 
 
-__all__ = ["ESTIMATED", "MIN_TOKENS_PER_RANK", "MODES", "attention_extra_bytes", "check_cp", "cp_degrees",
+__all__ = ["ESTIMATED", "SIMULATED", "MIN_TOKENS_PER_RANK", "MODES", "attention_extra_bytes", "check_cp", "cp_degrees",
            "cp_of", "fitting_cp", "peak_delta", "per_token_bytes", "twin"]

@@ -35,7 +35,7 @@ def dry_run_text(trainer: Any, run: Any, device_memory_gib: Optional[float] = No
 def run_layout(run: Any) -> Layout:
     """The resolved run's own layout, its activation checkpointing entry kept as configured."""
     d = run.dims
-    # strategy.cp > 1 reaches the simulation's refusal (layout_config) with its key and value
+    # strategy.cp > 1: the simulation runs the runtime's context-parallel step
     return Layout(d.dp_replicate, d.dp_shard, d.tp, KEEP_AC, run.plan.micro_batch_size,
                   pp=d.pp, ep=d.ep, cp=int(getattr(d, "cp", 1)))
 

@@ -31,8 +31,8 @@ class Layout:
     """A parallel layout: ``dp_replicate * dp_shard * tp * pp * cp`` = world size.
 
     ``cp`` (context parallelism) splits every sequence over ``cp`` ranks; FSDP2 shards over
-    ``dp_shard x cp``. The simulation runs ``cp=1`` only; the planner estimates ``cp > 1`` from
-    the ``cp=1`` twin (:mod:`llmforge.planning.context`).
+    ``dp_shard x cp``. The simulation runs the context-parallel step of the runtime; the
+    planner ranks ``cp > 1`` from the ``cp=1`` twin (:mod:`llmforge.planning.context`).
 
     ``ep`` (expert parallelism) borrows ``dp_shard`` ranks: it divides ``dp_shard`` and leaves
     the world size alone. The simulation runs ``ep=1`` only; the planner derives ``ep > 1``.
@@ -64,15 +64,11 @@ class Layout:
 def refuse_ep(layout: Layout) -> None:
     """Raises ConfigError: ``layout.ep > 1``, which the simulation cannot run (the fake process
     group's all-to-all carries no token counts to dispatch by); ``llmforge plan`` derives ep
-    layouts from the ep=1 simulation instead. Likewise ``layout.cp > 1`` (not simulated yet)."""
+    layouts from the ep=1 simulation instead."""
     if layout.ep != 1:
         raise ConfigError(f"strategy.ep={layout.ep}: the simulation (--dry-run --simulate) runs "
                           "strategy.ep=1 only (a fake process group carries no token counts to "
                           "dispatch by); `llmforge plan` estimates ep from the ep=1 step")
-    if layout.cp != 1:
-        raise ConfigError(f"strategy.cp={layout.cp}: the simulation (--dry-run --simulate) runs "
-                          "strategy.cp=1 only; `llmforge plan` estimates cp from the cp=1 step "
-                          "with dp_shard x cp shards")
 
 
 def pipeline_settings(cfg: Any, pp: int) -> dict[str, Any]:

@@ -254,8 +254,14 @@ def _flat(x: Any) -> list:
 def collectives(comm: ByteCounter, mesh: Any) -> list[Collective]:
     names: dict[str, tuple[str, int]] = {}
     if mesh is not None:
-        for dim in ("dp_shard", "dp_replicate", "tp", "dp"):  # dims of one rank set share a group:
-            sub = mesh[dim]  # the first name wins (FSDP2's dp_shard before the flattened dp)
+        # dims of one rank set share a group: the first name wins (FSDP2's dp_shard before the
+        # flattened dp); with context parallelism FSDP2's dp_shard_cp and the attention's cp (one
+        # group where dp_shard is 1: FSDP2's name, as its traffic is most of it)
+        for dim in ("dp_shard", "dp_replicate", "tp", "dp_shard_cp", "cp", "dp", "dp_cp"):
+            try:
+                sub = mesh[dim]
+            except (KeyError, RuntimeError, ValueError):  # not a dim of this layout's mesh
+                continue
             names.setdefault(sub.get_group().group_name, (dim, sub.size()))
     out = []
     for (kind, group), (count, nbytes) in sorted(comm.payload.items()):

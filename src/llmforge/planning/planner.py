@@ -53,8 +53,9 @@ micro-batch size for a GPU count and a GPU kind.
    (:data:`~llmforge.planning.context.MIN_TOKENS_PER_RANK` tokens per rank). A ``cp`` layout
    is estimated from its ``cp=1`` twin (``dp_shard x cp`` shards, the same model state): the
    twin's per-token memory ``/ cp`` plus the attention mode's buffers; its step time by the
-   calibrated model (:func:`llmforge.planning.step_model.context_parallel_seconds`). The
-   simulation does not run ``cp > 1``: a ``cp`` winner is reported as estimated, not simulated.
+   calibrated model (:func:`llmforge.planning.step_model.context_parallel_seconds`). A ``cp``
+   winner is confirmed by simulating its own layout (the runtime's context-parallel step on the
+   fake process group); its label gives the twin's estimate beside the simulated peak.
 
 Where each step lives: enumeration (step 1) in :mod:`llmforge.planning.search`, the
 derivation from a reference simulation (steps 2, 4, 5) in :mod:`llmforge.planning.derive`,
@@ -74,7 +75,7 @@ from llmforge.planning.depth import simulate_scaled
 from llmforge.planning.derive import EFFICIENCY, P2P_LATENCY, derive
 from llmforge.planning.experts import ExpertShape
 from llmforge.planning.calibration import FITTED
-from llmforge.planning.context import ESTIMATED, fitting_cp, peak_delta, per_token_bytes, twin
+from llmforge.planning.context import ESTIMATED, SIMULATED, fitting_cp, peak_delta, per_token_bytes, twin
 from llmforge.planning.layout import AC_MODES, Layout
 from llmforge.planning.layout_arg import at_layout, calibrated_setting
 from llmforge.planning.published import Setting
@@ -212,20 +213,23 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
     chosen = None
     for cand in fitting[:MAX_CONFIRM]:  # the winner's own simulation, not a derived one
         ref = refs[cand.layout.tp, cand.layout.activation_checkpointing]
-        own = replace(twin(cand.layout), ep=1)  # ep > 1: derived from its ep=1 layout's simulation
-        lo = cand.layout  # cp > 1: its cp=1 twin simulated (where the batch divides it), cp estimated
+        lo = cand.layout  # cp > 1: its own layout simulated, the runtime's cp step included
+        own = replace(lo, ep=1)  # ep > 1: derived from its ep=1 layout's simulation
         exact = ref.layout == own or gbs % (own.dp_replicate * own.dp_shard) == 0
         m = ref if ref.layout == own or not exact else simulate_layout(simulate_fn, cfg, own, gbs)
-        peak, step, _ = derive(m, twin(lo), gbs, gpu, exact=exact, **moe)
+        estimate = cand.peak_bytes  # the ranking's: for cp, the twin's plus the cp terms
+        peak, step, _ = derive(m, lo, gbs, gpu, exact=exact, **moe)
         if lo.cp > 1:
-            peak += peak_delta(m, lo, base.shape, moe["seq_len"], base.cp_mode, width)
-            cand.reason = ESTIMATED.format(cp=lo.cp, twin=own.dp_shard, mode=base.cp_mode)
+            if not exact:  # the batch does not divide the cp layout's data ranks: estimated
+                peak = estimate
+            cand.reason = (SIMULATED if exact else ESTIMATED).format(
+                cp=lo.cp, twin=lo.dp_shard * lo.cp, mode=base.cp_mode, estimate=estimate / 2**30)
         _score(cand, peak, step, cfg, world, gpu, flops_per_token, base)
-        cand.simulated = lo.cp == 1
+        cand.simulated = exact or lo.cp == 1
         if peak <= budget:
             chosen = cand
             break
-        cand.status, cand.reason = "does not fit", (f"{'simulated' if lo.cp == 1 else 'estimated'} peak "
+        cand.status, cand.reason = "does not fit", (f"{'simulated' if cand.simulated else 'estimated'} peak "
                                                     f"{peak / 2**30:.1f} GiB > {budget / 2**30:.1f} GiB usable")
     if chosen is not None:
         chosen.status = "chosen"

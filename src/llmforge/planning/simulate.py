@@ -38,6 +38,12 @@ the speed of kernels, the CUDA caching allocator's fragmentation and reserve, NC
 buffers and the CUDA context. The SDPA kernel is the CPU one (flash-style: it keeps the output
 and the log-sum-exp, as the GPU kernels do).
 
+Context parallelism (``strategy.cp > 1``): the step is the runtime's
+:class:`~llmforge.training.steps.ContextParallelStep` (each rank's load-balanced slice of every
+sequence; the attention hook's all-gathers or all-to-alls run on the fake group and are
+measured over the mesh's ``cp`` dim; FSDP2's over ``dp_shard_cp``); with ``pp > 1`` the
+stage's blocks run as one model on the slices, as above.
+
 Scaling by layer count: :mod:`llmforge.planning.depth`.
 """
 
@@ -73,6 +79,7 @@ from llmforge.planning.layout import Layout, last_stage_rank, layout_config
 from llmforge.planning.measure import (ByteCounter, Collective, FrozenSafeMemTracker,
                                        MicroBatchCounts, PhasePeaks, StepFlopCounter, collectives)
 from llmforge.training.module import LLMModule
+from llmforge.training.steps import ContextParallelStep
 
 SIMULATED_MICRO_BATCHES = 4
 """Micro-batches of gradient accumulation a simulated step runs at most (the first, two middle
@@ -271,6 +278,10 @@ def _simulate(cfg: Any, layout: Layout, n_layers: Optional[int], fake: bool,
             weights = norm.weight.dtype if isinstance(norm, torch.nn.Module) else torch.float32
             module.split_batch = _stage_inputs(module.model, torch.bfloat16
                                                if bf16_param_dtype(run_cfg) else weights)
+        if dims.cp > 1:  # the runtime's context-parallel step: slices, the cp attention hook
+            # and its all-gathers / all-to-alls on the fake group (with pp: the stage's blocks as
+            # one model, as above, on the slices)
+            module.step = ContextParallelStep(module, module.model_context())
         optimizer = module.configure_optimizers()["optimizer"]
         rows = plan.micro_batch_size * plan.gradient_accumulation_steps
         n_micro = plan.gradient_accumulation_steps
@@ -306,7 +317,8 @@ def _simulate(cfg: Any, layout: Layout, n_layers: Optional[int], fake: bool,
     if plan.gradient_accumulation_steps > n_micro:  # the middle micro-batches left out
         step_flops = counts.add_middle(plan.gradient_accumulation_steps - n_micro)
     total, breakdown, sharded = max(phases.peaks.values(), key=lambda p: p[0])
-    formula = float(spec.flops(model, plan.seq_len)) * rows * plan.seq_len / dims.tp
+    # per rank: the tp group's work split over tp, each cp rank's slice of every sequence
+    formula = float(spec.flops(model, plan.seq_len)) * rows * plan.seq_len / (dims.tp * dims.cp)
     return StepMeasurement(
         layout=layout, world_size=world, n_layers=len(spec.model_blocks(model)),
         peak_bytes=total, breakdown=breakdown, phases=dict(phases.peaks),

@@ -113,17 +113,17 @@ class LLMModule(L.LightningModule):
         self.step = choose_step(self, ctx)  # micro-batch, pipeline or context-parallel
 
     def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
-                token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                token_mask: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``tokens: LongTensor[B, T] -> logits: FloatTensor[B, T, vocab_size]``.
 
         ``doc_ids: LongTensor[B, T]`` (packed SFT rows): each token's document (positions and
         attention restart per document). ``token_mask: BoolTensor[B, T]`` (False = padding):
-        for a model that declares ``takes_token_mask``, dropped for others."""
+        for a model that declares ``takes_token_mask``, dropped for others. ``positions``
+        ``[B, T]``: the tokens' RoPE positions (the context-parallel step's slices)."""
         assert self.model is not None, "configure_model() has not run"
-        kwargs = {} if doc_ids is None else {"doc_ids": doc_ids}
-        if token_mask is not None and getattr(self.model, "takes_token_mask", False):
-            kwargs["token_mask"] = token_mask
-        return self.model(tokens, **kwargs)
+        mask = token_mask if getattr(self.model, "takes_token_mask", False) else None
+        named = (("doc_ids", doc_ids), ("token_mask", mask), ("positions", positions))
+        return self.model(tokens, **{k: v for k, v in named if v is not None})
 
     def compute_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed cross-entropy over target tokens and their count (``F.cross_entropy``'s value,

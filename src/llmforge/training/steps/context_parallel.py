@@ -102,12 +102,11 @@ class ContextParallelStep(_Slices, MicroBatchStep):
                                         optional(token_mask, cut))
 
     def model_outputs(self) -> torch.Tensor:
-        """The model on the slice with its global positions (the attention hook masks)."""
-        st, model = self.state, self.module.model
-        kwargs: dict[str, Any] = {"positions": self.positions}
-        if st.token_mask is not None and getattr(model, "takes_token_mask", False):
-            kwargs["token_mask"] = st.token_mask
-        return model(st.inputs, **kwargs)
+        """The model on the slice with its global positions (the attention hook masks),
+        called through the module as the micro-batch step does (so module hooks, e.g. the
+        simulation's memory tracker, see the same parent)."""
+        st = self.state
+        return self.module(st.inputs, token_mask=st.token_mask, positions=self.positions)
 
     def forward_backward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`MicroBatchStep.forward_backward`; the returned loss is summed over the cp

@@ -30,15 +30,17 @@ class MicroBatchStep(Step):
     def no_sync(self, last_micro_batch: bool) -> Any:
         """Skip the gradient reduction for all but the last micro-batch where that costs no
         memory: replicated weights (DDP) keep whole gradients anyway. Sharded weights (FSDP2 /
-        HSDP, ``dp_shard > 1``) reduce-scatter every micro-batch, as torchtitan does: skipping
-        it would keep every gradient unsharded until the last micro-batch (32.6 GiB per GPU
-        for the 70B yaml, docs/scale.md)."""
+        HSDP, ``dp_shard > 1``, or ``dp_shard x cp > 1`` under context parallelism, where FSDP2
+        shards over ``dp_shard_cp``) reduce-scatter every micro-batch, as torchtitan does:
+        skipping it would keep every gradient unsharded until the last micro-batch (32.6 GiB
+        per GPU for the 70B yaml, docs/scale.md; 29.9 GiB for the 128K yaml's dp_shard 1 x cp 8)."""
         setter = getattr(self.module.model, "set_requires_gradient_sync", None)
         if setter is not None:
             mesh = self.module.mesh
-            sharded = mesh is not None and "dp_shard" in (mesh.mesh_dim_names or ()) \
-                and mesh["dp_shard"].size() > 1
-            setter(last_micro_batch or sharded)
+            names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+            shards = mesh["dp_shard"].size() if "dp_shard" in names else 1
+            shards *= mesh["cp"].size() if "cp" in names else 1
+            setter(last_micro_batch or shards > 1)
         return nullcontext()
 
     def micro_batch_loss(self, index: int, inputs: torch.Tensor, labels: torch.Tensor,

@@ -10,6 +10,7 @@ from typing import Any, Optional
 import torch
 
 from llmforge.events import IGNORE_INDEX, Event
+from llmforge.parallel.mesh import mesh_dims
 from llmforge.training.modes import eval_mode, restore_modes
 from llmforge.training.steps.base import EVERY_EVENT, Step, optional
 
@@ -36,11 +37,8 @@ class MicroBatchStep(Step):
         per GPU for the 70B yaml, docs/scale.md; 29.9 GiB for the 128K yaml's dp_shard 1 x cp 8)."""
         setter = getattr(self.module.model, "set_requires_gradient_sync", None)
         if setter is not None:
-            mesh = self.module.mesh
-            names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
-            shards = mesh["dp_shard"].size() if "dp_shard" in names else 1
-            shards *= mesh["cp"].size() if "cp" in names else 1
-            setter(last_micro_batch or shards > 1)
+            dims = mesh_dims(self.module.mesh)  # dp_shard also where it is a flattened dim (ep > 1)
+            setter(last_micro_batch or dims.dp_shard * dims.cp > 1)
         return nullcontext()
 
     def micro_batch_loss(self, index: int, inputs: torch.Tensor, labels: torch.Tensor,

@@ -158,7 +158,7 @@ class CheckContext:
 
     @property
     def plan(self) -> Any:
-        """The :class:`~llmforge.config.validate.BatchPlan` (``None`` outside a resolved run)."""
+        """The :class:`~llmforge.config.batch_plan.BatchPlan` (``None`` outside a resolved run)."""
         return self.run.plan
 
     @property

@@ -108,7 +108,7 @@ class BatchSizeWarmup(Algorithm):
 
     # ------------------------------------------------------------------ schedule
     def configure(self, micro_batch_size: int, dp_size: int, global_batch_size: int, seq_len: int) -> None:
-        """Set the run's batch arithmetic (from :class:`llmforge.config.validate.BatchPlan`)."""
+        """Set the run's batch arithmetic (from :class:`llmforge.config.batch_plan.BatchPlan`)."""
         self.unit, self.dp_size = int(micro_batch_size) * int(dp_size), int(dp_size)
         self.final, self.seq_len = int(global_batch_size), int(seq_len)
         self._sizes, self._before = [], [0]

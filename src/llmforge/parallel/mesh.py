@@ -59,7 +59,7 @@ class ParallelDims:
 
         Raises:
             ConfigError: the degrees do not multiply to the world size (see
-                :func:`llmforge.config.validate.data_parallel_size`), or ``strategy.ep`` is not a
+                :func:`llmforge.config.batch_plan.data_parallel_size`), or ``strategy.ep`` is not a
                 positive divisor of ``dp_shard`` (the message lists the valid values).
         """
         dp = data_parallel_size(cfg, world_size)

@@ -88,7 +88,7 @@ class ResolvedRun:
     local_world_size: int
     """Processes on this node."""
     plan: BatchPlan
-    """Batch arithmetic (:func:`llmforge.config.validate.plan_batch`)."""
+    """Batch arithmetic (:func:`llmforge.config.batch_plan.plan_batch`)."""
     dims: ParallelDims
     """dp_replicate x dp_shard x tp degrees."""
     run_dir: Path

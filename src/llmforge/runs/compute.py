@@ -1,7 +1,7 @@
 """Scaling by config: ``compute.gpus`` (or ``--gpus``) -> nodes, processes per node, batch plan.
 
 The global batch stays fixed: gradient accumulation is derived from the new data-parallel size
-(:func:`llmforge.config.validate.plan_batch`), so one YAML trains the same model on 1 CPU
+(:func:`llmforge.config.batch_plan.plan_batch`), so one YAML trains the same model on 1 CPU
 process, 2 CPU processes, 8 or 128 GPUs. A GPU count that cannot divide the batch, or cannot
 fill whole nodes, is a :class:`~llmforge.errors.ConfigError` (exit 2) that lists counts that work.
 """

@@ -41,7 +41,7 @@ class LLMModule(L.LightningModule):
 
     Args:
         cfg: the resolved run config (:class:`llmforge.config.schema.TrainConfig`).
-        plan: the batch arithmetic (:class:`llmforge.config.validate.BatchPlan`).
+        plan: the batch arithmetic (:class:`llmforge.config.batch_plan.BatchPlan`).
         pipeline: model transforms applied between build (meta) and materialization, in
             order (:mod:`llmforge.algorithms`); ``None`` = none.
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Optional
+from urllib.parse import urlsplit
 
 from llmforge.config.mixture import mixture_entries
 from llmforge.config.parallel_schema import CONTEXT_PARALLEL_MODES, PIPELINE_SCHEDULES, PIPELINE_SPLITS
@@ -405,10 +406,16 @@ def _check_fault_tolerance(cfg: Any, world: int) -> None:
     for key in ("timeout_s", "quorum_timeout_s"):
         v = ft[key]
         _require(0 < v < float("inf"), f"fault_tolerance.{key}", "> 0 and finite (seconds)", v)
-    host = str(ft.lighthouse).split("://", 1)
-    if len(host) != 2 or host[0] not in ("http", "https") or ":" not in host[1]:
-        raise ConfigError(f"fault_tolerance.lighthouse must be an address http://HOST:PORT (where "
-                          f"`torchft_lighthouse --bind HOST:PORT` listens), got {ft.lighthouse!r}")
+    try:  # urlsplit and .port raise ValueError on "http://[::1" or a port past 65535
+        parts = urlsplit(str(ft.lighthouse))
+        good = (parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port is not None
+                and 0 < parts.port < 65536 and "@" not in parts.netloc)  # no user:password@
+    except ValueError:
+        good = False
+    if not good:
+        raise ConfigError(f"fault_tolerance.lighthouse must be an address http://HOST:PORT (PORT "
+                          f"1-65535, no user:password@; where `torchft_lighthouse --bind HOST:PORT` "
+                          f"listens), got {ft.lighthouse!r}")
     st = cfg.strategy
     # FSDP2 over the group's processes (the group's shard dimension; across groups torchft's
     # managed group is the replicate dimension); nothing else inside a group

@@ -425,7 +425,8 @@ def _check_fault_tolerance(cfg: Any, world: int) -> None:
         raise ConfigError(
             f"fault_tolerance.enabled: a replica group runs one process or FSDP2 over its "
             f"processes, but strategy.name={st.name} (dp_replicate={st.dp_replicate}, tp={st.tp}, "
-            f"pp={st.pp}) with world size {world} was asked for: DDP, TP, PP, CP, EP or "
+            f"pp={st.pp}, cp={st.get('cp', 1)}, ep={st.get('ep', 1)}) on {world} processes was asked "
+            "for: DDP, TP, PP, CP, EP or "
             "dp_replicate inside a replica group are not supported (see docs/fault_tolerance.md); "
             "use strategy.name=fsdp2 (or auto) with dp_replicate=1 inside each group, and "
             "fault_tolerance.replica_groups for the replicate dimension")

@@ -150,3 +150,30 @@ def test_cp_refuses_a_model_whose_attention_cannot_take_a_slice():
     assert err.value.exit_code == 2 and "strategy.cp=2" in str(err.value) \
         and "cannot take a slice of the sequence" in str(err.value)
     check_context_parallel(cfg, dims, meta_model(cfg))  # llama3 takes one
+
+
+@pytest.mark.slow
+def test_cp2_moe_logs_the_aux_loss_of_whole_rows(tmp_path):
+    """A Qwen3-MoE at cp=2 logged train/aux_loss summed over dp only, divided by the whole
+    rows' targets: half the one-process value (0.100 against 0.200). Summed over the slices, it
+    is the one-process value within the load-balancing loss's per-slice difference."""
+    from conftest import REPO
+
+    moe = str(REPO / "yamls" / "demo_cpu_qwen3_moe.yaml")
+    args = ["train", moe, "model.preset=null", "model.dim=64", "model.hidden_dim=128", "model.n_layers=2",
+            "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=16", "model.num_experts=4",
+            "model.num_experts_per_tok=2", "model.moe_intermediate_size=32", "tokenizer.vocab_size=1024",
+            "tokenizer.train_max_bytes=2000000", "variables.seq_len=64", "trainer.global_batch_size=16",
+            "trainer.micro_batch_size=8", "trainer.progress_bar=false", "data.num_workers=0",
+            "scheduler.warmup_steps=1", "trainer.max_steps=1", "trainer.eval_every=0",
+            "data.max_documents=6", f"run.output_dir={tmp_path}"]
+    assert run_main(*args, "run.name=ref", cwd=REPO).returncode == 0
+    (tmp_path / "runs.json").write_text(json.dumps({"cp": [*args, "run.name=cp", "strategy.cp=2"]}))
+    proc = torchrun(worker("train_worker.py"), str(tmp_path), str(tmp_path / "runs.json"), nproc=2,
+                    timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    aux = {name: [json.loads(x)["train/aux_loss"]
+                  for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+                  if "train/aux_loss" in x] for name in ("ref", "cp")}
+    assert len(aux["ref"]) == len(aux["cp"]) == 1 and aux["ref"][0] > 0.1, aux
+    assert aux["cp"][0] == pytest.approx(aux["ref"][0], rel=1e-3), aux

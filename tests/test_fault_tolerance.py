@@ -74,6 +74,27 @@ def test_fault_tolerance_bad_input(tiny_overrides, tmp_path):
     assert "8 of the 16 sequences per step" in dry.stdout
 
 
+def test_bad_lighthouse_addresses_exit_2_at_the_dry_run(tiny_overrides):
+    """A malformed lighthouse (an unclosed IPv6 bracket crashed with ValueError, exit 1; a port
+    past 65535 passed the dry run) or one with a password (the start's hint printed it) is
+    refused when the config is checked, one line, the password never printed."""
+    base = ["train", DEMO, *tiny_overrides, "fault_tolerance.enabled=true", "--dry-run"]
+    for address in ("http://[::1", "http://127.0.0.1:99999", "http://u:pw123@127.0.0.1:29510"):
+        res = run_main(*base, f"fault_tolerance.lighthouse={address}")
+        assert res.returncode == 2 and res.stderr.count("\n") == 1, (address, res.stderr)
+        assert res.stderr.startswith("error: fault_tolerance.lighthouse must be an address"), res.stderr
+        assert "pw123" not in res.stderr + res.stdout
+
+
+def test_launch_names_cp_inside_a_replica_group(tiny_overrides, tmp_path):
+    """``launch --gpus 2 strategy.cp=2`` of a fault-tolerant run said the GPU count "cannot
+    divide the batch" and listed the strategy without cp; now the refusal itself, naming cp."""
+    res = run_main("launch", DEMO, *tiny_overrides, "fault_tolerance.enabled=true", "strategy.cp=2",
+                   "--gpus", "2", "--dry-run", env={"LLMFORGE_HOME": str(tmp_path / "home")})
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith("error: fault_tolerance.enabled: a replica group") and "cp=2" in res.stderr
+
+
 def test_rejoin_batch_is_the_loaders(tiny_overrides):
     """What a rejoined group reads at step s (``Trainer.batch_for_step``) is what its loader
     yields at step s: group 1 of 2 reads its half of each global batch, the other half is

@@ -231,3 +231,22 @@ def test_peft_config_becomes_the_plugin_that_takes_it(tmp_path):
         assert "  model.peft_config" in report
         if want is None:
             assert "no llmforge algorithm takes peft_type 'IA3'" in report
+
+
+@pytest.mark.parametrize("peft, says", [
+    ("lora", "model.peft_config must be a mapping of PEFT's settings"),
+    ([1, 2], "got a list"),
+    ({"peft_type": "LORA", "r": "8"}, "lora.rank='8' must be an integer >= 1"),
+    ({"r": 4, "lora_dropout": 7}, "lora.dropout=7 must be in [0, 1)")])
+def test_bad_peft_config_exits_2_naming_it(tmp_path, peft, says):
+    """A peft_config that is not a mapping, or whose values the plugin refuses, stops the
+    conversion with one error line naming model.peft_config; nothing is written."""
+    src = yaml.safe_load(_fill("llama_finetune.yaml", tmp_path, HF_DIR="meta-llama/Llama-3.1-8B",
+                               DATA_DIR=str(tmp_path)).read_text())
+    src["model"]["peft_config"] = peft
+    path = tmp_path / "in.yaml"
+    path.write_text(yaml.safe_dump(src))
+    r = run_main("convert", "foundry", str(path), "-o", str(tmp_path / "out.yaml"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("error: model.peft_config") and says in r.stderr, r.stderr
+    assert not (tmp_path / "out.yaml").exists()

@@ -202,3 +202,12 @@ def test_stop_before_the_first_step_loses_nothing_and_says_stopped(home, out):
     log = (Path(run.run_dir) / "logs" / "resumption-0.log").read_text()
     assert "before training started: nothing to save" in log and "== exit code 75" in log, log[-2000:]
     assert not (Path(run.run_dir) / "checkpoints").exists() and not train_losses(run.run_dir)
+
+
+def test_stop_refuses_a_grace_period_that_is_not_a_finite_number(tmp_path):
+    """``runs stop --timeout nan`` (or -1) SIGKILLed the workers at once, before they saved;
+    ``inf`` never escalated. Refused with exit 2 before any run is looked up or signalled."""
+    for bad in ("nan", "-1", "inf"):
+        r = run_main("runs", "stop", "no-such-run", "--timeout", bad, env={"LLMFORGE_HOME": str(tmp_path)})
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert r.stderr.startswith(f"error: --timeout {float(bad)}: the grace period"), r.stderr

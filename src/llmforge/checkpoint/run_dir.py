@@ -98,8 +98,11 @@ def confine_run_files(named: str | Path, run_dir: Path, ckpt: Path) -> None:
             "this is your own run")
     if not _inside(ckpt, roots):
         raise ConfigError(f"{run_dir / 'config.yaml'}: checkpoint.dir leads outside the run directory "
-                          f"(to {os.path.realpath(ckpt.parent)}); {hint}")
+                          f"(to {Path(os.path.realpath(ckpt)).parent}); {hint}")
     for folder in (ckpt, run_dir / "tokenizer"):
+        if folder.is_symlink() and not _inside(folder, roots):  # os.walk would follow it unchecked
+            raise ConfigError(f"{folder} is a symbolic link to {os.path.realpath(folder)}, "
+                              f"outside the run; {hint}")
         for top, dirs, files in os.walk(folder):
             for name in dirs + files:
                 entry = Path(top) / name

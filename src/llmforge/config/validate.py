@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from typing import Any, Optional
+from urllib.parse import urlsplit
 
 from llmforge.config.batch_plan import BatchPlan, data_parallel_size, plan_batch, resolve_world
 from llmforge.config.mixture import mixture_entries
@@ -259,10 +260,16 @@ def _check_fault_tolerance(cfg: Any, world: int) -> None:
     for key in ("timeout_s", "quorum_timeout_s"):
         v = ft[key]
         _require(0 < v < float("inf"), f"fault_tolerance.{key}", "> 0 and finite (seconds)", v)
-    host = str(ft.lighthouse).split("://", 1)
-    if len(host) != 2 or host[0] not in ("http", "https") or ":" not in host[1]:
-        raise ConfigError(f"fault_tolerance.lighthouse must be an address http://HOST:PORT (where "
-                          f"`torchft_lighthouse --bind HOST:PORT` listens), got {ft.lighthouse!r}")
+    try:  # urlsplit and .port raise ValueError on "http://[::1" or a port past 65535
+        parts = urlsplit(str(ft.lighthouse))
+        good = (parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port is not None
+                and 0 < parts.port < 65536 and "@" not in parts.netloc)  # no user:password@
+    except ValueError:
+        good = False
+    if not good:
+        raise ConfigError(f"fault_tolerance.lighthouse must be an address http://HOST:PORT (PORT "
+                          f"1-65535, no user:password@; where `torchft_lighthouse --bind HOST:PORT` "
+                          f"listens), got {ft.lighthouse!r}")
     st = cfg.strategy
     # FSDP2 over the group's processes (the group's shard dimension; across groups torchft's
     # managed group is the replicate dimension); nothing else inside a group
@@ -272,7 +279,8 @@ def _check_fault_tolerance(cfg: Any, world: int) -> None:
         raise ConfigError(
             f"fault_tolerance.enabled: a replica group runs one process or FSDP2 over its "
             f"processes, but strategy.name={st.name} (dp_replicate={st.dp_replicate}, tp={st.tp}, "
-            f"pp={st.pp}) with world size {world} was asked for: DDP, TP, PP, CP, EP or "
+            f"pp={st.pp}, cp={st.get('cp', 1)}, ep={st.get('ep', 1)}) on {world} processes was asked "
+            "for: DDP, TP, PP, CP, EP or "
             "dp_replicate inside a replica group are not supported (see docs/fault_tolerance.md); "
             "use strategy.name=fsdp2 (or auto) with dp_replicate=1 inside each group, and "
             "fault_tolerance.replica_groups for the replicate dimension")

@@ -97,7 +97,7 @@ def check_lighthouse(address: str, wait_s: float = 5.0) -> None:
             if time.monotonic() >= deadline or isinstance(exc, ValueError):
                 raise ConfigError(f"fault_tolerance.lighthouse={address}: cannot reach it ({exc}); "
                                   f"start one (`torchft_lighthouse --min_replicas 1 --bind "
-                                  f"{parts.netloc}`) or fix the address") from exc
+                                  f"{parts.hostname}:{parts.port}`) or fix the address") from exc
             time.sleep(0.2)
 
 

@@ -29,8 +29,8 @@ def parse_layout(text: str) -> dict[str, Any]:
     """``key=value,...`` of :data:`KEYS` as a dict (degrees and ``mbs`` as ints).
 
     Raises:
-        ConfigError: an unknown key, a missing ``=``, a value that is not a positive integer,
-            or ``ac`` not none / selective / full (each names the key).
+        ConfigError: no key at all, an unknown or repeated key, a missing ``=``, a value that
+            is not a positive integer, or ``ac`` not none / selective / full (each names the key).
     """
     out: dict[str, Any] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
@@ -38,6 +38,9 @@ def parse_layout(text: str) -> dict[str, Any]:
         key = key.strip()
         if key not in KEYS:
             raise ConfigError(f"--layout: unknown key '{key}'; known: {', '.join(KEYS)}")
+        if key in out:
+            raise ConfigError(f"--layout: {key} is given twice ({key}={out[key]} and {part}); "
+                              "give it once")
         if not eq:
             raise ConfigError(f"--layout: '{part}' has no value; write {key}=VALUE")
         if key == "ac":
@@ -48,6 +51,9 @@ def parse_layout(text: str) -> dict[str, Any]:
         if not value.isdigit() or int(value) < 1:
             raise ConfigError(f"--layout {key}={value}: expected a positive integer")
         out[key] = int(value)
+    if not out:
+        raise ConfigError(f"--layout {text!r} names no degree; e.g. --layout dp_shard=8,tp=8 (or "
+                          "leave --layout out to plan)")
     return out
 
 

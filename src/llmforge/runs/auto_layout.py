@@ -52,7 +52,7 @@ def plan_command(args: Any) -> int:
     if args.cluster and args.gpu:
         raise ConfigError("--gpu and --cluster both name the GPU kind; pass one of them")
     gpu = cluster_gpu(get_cluster(args.cluster)) if args.cluster else gpu_kind(args.gpu or "H100-SXM-80GB")
-    if getattr(args, "layout", None):
+    if getattr(args, "layout", None) is not None:  # --layout "" is an error, not a plan of minutes
         cfg = load_config(args.config, list(args.overrides))
         return run_layout(cfg, args.config, args.gpus, gpu, args.layout, as_json=args.json)
     return run_plan(args.config, list(args.overrides), args.gpus, gpu, as_json=args.json, top=args.top)

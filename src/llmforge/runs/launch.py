@@ -220,9 +220,12 @@ def stop(ref: str, *, wait: bool = True, timeout: float = 180.0,
     run: its replica groups and its lighthouse).
 
     Raises:
-        RunNotFound: no such run. ConfigError: the run is not active. LLMForgeError: processes
-        outlived the timeout, or the scheduler refused.
+        RunNotFound: no such run. ConfigError: the run is not active, or ``timeout`` is not a
+        finite number >= 0. LLMForgeError: processes outlived the timeout, or the scheduler refused.
     """
+    if not 0 <= timeout < float("inf"):  # nan or < 0 SIGKILLed at once (no save); inf never
+        raise ConfigError(f"--timeout {timeout}: the grace period before SIGKILL must be a finite "
+                          "number of seconds >= 0 (default 180)")
     registry = registry or RunRegistry()
     refresh(registry)
     run = registry.resolve(ref)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from llmforge import registry
@@ -80,10 +81,23 @@ def convert_hf_model(c: Conversion) -> None:
 
 def convert_peft(c: Conversion, peft: Any) -> None:
     """``model.peft_config`` becomes the ``algorithms:`` entry of the first registered plugin
-    whose :meth:`~llmforge.plugin.Algorithm.from_peft_config` takes it (no plugin is named here)."""
+    whose :meth:`~llmforge.plugin.Algorithm.from_peft_config` takes it (no plugin is named here).
+
+    Raises:
+        ConfigError: ``peft`` is not a mapping, or the entry it becomes is one its plugin
+            refuses (e.g. ``r: "8"``), naming ``model.peft_config``.
+    """
+    if not isinstance(peft, Mapping):
+        raise ConfigError(f"model.peft_config must be a mapping of PEFT's settings (peft_type, r, "
+                          f"lora_alpha, lora_dropout, ...), got a {type(peft).__name__}")
     for plugin in registry.algorithms.matching(lambda a: callable(getattr(a, "from_peft_config", None))):
         alg = plugin.from_peft_config(peft)
         if alg is not None:
+            try:  # the plugin checks its own arguments: refuse now, not at the first train
+                plugin(**{k: v for k, v in alg.items() if k != "name"})
+            except (ConfigError, TypeError, ValueError) as exc:
+                raise ConfigError(f"model.peft_config becomes algorithms: [{alg}], which its plugin "
+                                  f"refuses ({exc}); fix that value in model.peft_config") from exc
             c.out.setdefault("algorithms", []).append(alg)
             c.change("model.peft_config", f"algorithms: {alg}", f"PEFT's adapter becomes llmforge's "
                      f"{alg['name']} algorithm; target modules are llmforge's defaults (docs/algorithms)")

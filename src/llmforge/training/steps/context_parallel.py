@@ -46,6 +46,13 @@ class _Slices:
         torch.distributed.all_reduce(t, group=self.cp_group)
         return t
 
+    def aux_step_metrics(self, total_targets: torch.Tensor) -> dict[str, Any]:
+        """:meth:`Step.aux_step_metrics` over ``dp x cp``: each cp rank holds its slice's
+        auxiliary terms (summed over the slice's targets), which ``total_targets`` (whole rows)
+        divides only once summed over the slices; model metrics average over every rank."""
+        return self.aux.step_metrics(total_targets, lambda t: self.dp_all_reduce(self.cp_sum(t)),
+                                     self.module.plan.dp_size * self.cp)  # type: ignore[attr-defined]
+
     def gradient_ranks(self) -> int:
         """FSDP2 averages over ``dp_shard x cp`` (and ``dp_replicate``): ``dp_size x cp``."""
         return self.module.plan.dp_size * self.cp  # type: ignore[attr-defined]

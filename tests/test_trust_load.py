@@ -413,7 +413,7 @@ def test_alias_bombs_and_huge_configs_are_refused_at_once(tmp_path, capsys):
                                        "settings, not data: give data files under data.path\n")
 
 
-@pytest.mark.parametrize("how", ["checkpoint_dir", "meta_link", "folder_link", "tokenizer_link"])
+@pytest.mark.parametrize("how", ["checkpoint_dir", "meta_link", "folder_link", "tokenizer_link", "named_link"])
 def test_a_shared_run_reads_no_checkpoint_of_yours(template, tmp_path, monkeypatch, capsys, how):
     """A shared run whose ``checkpoint.dir`` names your run's checkpoints, whose checkpoint
     holds a link to a file or folder of yours, or whose ``tokenizer`` folder is such a link: every loading command exits 2 naming it and
@@ -434,8 +434,13 @@ def test_a_shared_run_reads_no_checkpoint_of_yours(template, tmp_path, monkeypat
         (ckpt / "rng").symlink_to(yours)
     if how == "tokenizer_link":  # the tokenizer folder itself, not a file in it
         (run / "tokenizer").symlink_to(yours)
+    named = run
+    if how == "named_link":  # `checkpoints/step_N -> your checkpoint`, named directly
+        shutil.rmtree(ckpt)
+        ckpt.symlink_to(next(yours.glob("step_*")))
+        named = ckpt
     for command in COMMANDS:
-        rc, out, err = _main(COMMANDS[command](run, tmp_path), capsys)
+        rc, out, err = _main(COMMANDS[command](named, tmp_path), capsys)
         assert rc == 2 and err.count("\n") == 1 and "--trust-code" in err, err
         if how == "checkpoint_dir":
             assert err.startswith(f"error: {run / 'config.yaml'}: checkpoint.dir leads outside the run "

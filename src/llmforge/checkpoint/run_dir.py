@@ -85,18 +85,23 @@ def _inside(path: Path, roots: Sequence[Path]) -> bool:
 def confine_run_files(named: str | Path, run_dir: Path, ckpt: Path) -> None:
     """Without ``--trust-code``: what a run directory from elsewhere makes llmforge read stays
     inside it. The checkpoint (from ``checkpoint.dir``) must lie in ``run_dir`` unless ``named``
-    (the path the user gave) is that checkpoint; no file or folder in the checkpoint or the
+    (the path the user gave) is that checkpoint by a path without symbolic links; no file or folder in the checkpoint or the
     ``tokenizer`` folder may be a link leading outside those. Cheap: names only, nothing read.
 
     Raises:
         ConfigError: naming the key or the linked file and ``--trust-code``.
     """
     roots = [Path(os.path.realpath(run_dir))]
-    if Path(os.path.realpath(named)) == Path(os.path.realpath(ckpt)):
-        roots.append(Path(os.path.realpath(ckpt)))  # the user named this checkpoint folder
+    real = os.path.realpath(named)
+    if real == os.path.realpath(ckpt) and real == os.path.abspath(named):
+        # the user named this checkpoint folder, by a path without links (a shared run's
+        # `checkpoints/step_N -> your checkpoint` named directly is not an exemption)
+        roots.append(Path(real))
     hint = ("a run directory from elsewhere reads none of your files: pass --trust-code if "
             "this is your own run")
     if not _inside(ckpt, roots):
+        if Path(os.path.abspath(ckpt)).is_relative_to(os.path.abspath(run_dir)):  # by its name, inside
+            raise ConfigError(f"{ckpt} is a symbolic link to {os.path.realpath(ckpt)}, outside the run; {hint}")
         raise ConfigError(f"{run_dir / 'config.yaml'}: checkpoint.dir leads outside the run directory "
                           f"(to {Path(os.path.realpath(ckpt)).parent}); {hint}")
     for folder in (ckpt, run_dir / "tokenizer"):

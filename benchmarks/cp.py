@@ -19,15 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import statistics
-import subprocess
 import sys
-import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from _worker import run_worker, timed_steps  # benchmarks/_worker.py, beside this script
+
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -94,23 +90,10 @@ def worker(args: argparse.Namespace) -> None:
         mod.mesh_override = build_mesh(dims, "cpu")
     mod.configure_model()
     opt = build_optimizer(mod.model, cfg.optimizer)
-    torch.manual_seed(0)
-    times, losses = [], []
-    for step in range(args.warmup + args.steps):
-        batch = torch.randint(0, 2048, (2, args.seq + 1))
-        start = time.perf_counter()
-        loss, n = mod.forward_backward(batch)
-        mod.clip_gradients_(opt)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if world > 1:
-            dist.barrier()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - start)
-        losses.append(float(loss / n))
+    seconds, losses = timed_steps(mod, opt, lambda: torch.randint(0, 2048, (2, args.seq + 1)), args.warmup, args.steps, world)
     act = saved_bytes(mod, torch.randint(0, 2048, (2, args.seq + 1)))
     if world == 1 or dist.get_rank() == 0:
-        print(json.dumps({"seconds_per_step": statistics.median(times), "losses": losses,
+        print(json.dumps({"seconds_per_step": seconds, "losses": losses,
                           "saved_bytes": act,
                           "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}),
               flush=True)
@@ -118,34 +101,19 @@ def worker(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
-def launch(kind: str, argv: list[str]) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
-    me = str(Path(__file__).resolve())
-    if kind == "single":
-        cmd = [sys.executable, me, "--worker", "single", *argv]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               me, "--worker", kind, *argv]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd[:6])} failed:\n{proc.stderr[-3000:]}")
-    return json.loads([x for x in proc.stdout.splitlines() if x.startswith("{")][-1])
-
-
 def main(argv: list[str]) -> int:
     args = parse(argv)
     if args.worker:
         worker(args)
         return 0
-    single = launch("single", argv)
+    single = run_worker(__file__, "single", argv, 1)
     tokens = 2 * args.seq
     print(f"model: dim {args.dim}, {args.layers} blocks, seq {args.seq}, global batch 2 (micro-batch 1); "
           f"median of {args.steps} steps after {args.warmup} warm-up")
     print(f"1 process          {tokens / single['seconds_per_step']:9.0f} tokens/s   activations "
           f"{single['saved_bytes'] / 2**20:7.1f} MiB   peak RSS {single['maxrss_bytes'] / 2**20:6.0f} MiB")
     for mode in ("all_gather", "ulysses"):
-        cp = launch(mode, argv)
+        cp = run_worker(__file__, mode, argv, 2)
         same = max(abs(x - y) for x, y in zip(single["losses"], cp["losses"]))
         print(f"cp=2 {mode:<13} {tokens / cp['seconds_per_step']:9.0f} tokens/s   activations "
               f"{cp['saved_bytes'] / 2**20:7.1f} MiB   peak RSS {cp['maxrss_bytes'] / 2**20:6.0f} MiB   "

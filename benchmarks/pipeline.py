@@ -16,14 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
 import sys
-import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from _worker import run_worker, timed_steps  # benchmarks/_worker.py, beside this script
+
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -73,41 +69,13 @@ def worker(args: argparse.Namespace) -> None:
         mod.mesh_override = build_mesh(dims, "cpu")
     mod.configure_model()
     opt = build_optimizer(mod.model, cfg.optimizer)
-    torch.manual_seed(0)
-    times, losses = [], []
-    for step in range(args.warmup + args.steps):
-        batch = torch.randint(0, 2048, (2 * args.microbatches, args.seq + 1))
-        start = time.perf_counter()
-        loss, n = mod.forward_backward(batch)
-        mod.clip_gradients_(opt)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if world > 1:
-            dist.barrier()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - start)
-        losses.append(float(loss / n))
+    seconds, losses = timed_steps(mod, opt, lambda: torch.randint(0, 2048, (2 * args.microbatches, args.seq + 1)), args.warmup, args.steps, world)
     bubble = mod.step.pipeline.bubble() if world > 1 else 0.0
     if world == 1 or dist.get_rank() == 0:
-        print(json.dumps({"seconds_per_step": statistics.median(times), "losses": losses,
+        print(json.dumps({"seconds_per_step": seconds, "losses": losses,
                           "bubble": bubble, "stages": world}), flush=True)
     if world > 1:
         dist.destroy_process_group()
-
-
-def launch(kind: str, argv: list[str]) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
-    me = str(Path(__file__).resolve())
-    if kind == "pp":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               me, "--worker", "pp", *argv]
-    else:
-        cmd = [sys.executable, me, "--worker", "single", *argv]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd[:6])} failed:\n{proc.stderr[-3000:]}")
-    return json.loads([x for x in proc.stdout.splitlines() if x.startswith("{")][-1])
 
 
 def main(argv: list[str]) -> int:
@@ -115,8 +83,8 @@ def main(argv: list[str]) -> int:
     if args.worker:
         worker(args)
         return 0
-    single = launch("single", argv)
-    pp = launch("pp", argv)
+    single = run_worker(__file__, "single", argv, 1)
+    pp = run_worker(__file__, "pp", argv, 2)
     b, p = pp["bubble"], pp["stages"]
     predicted = 1 / (p * (1 - b))
     measured = pp["seconds_per_step"] / single["seconds_per_step"]

@@ -21,6 +21,36 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parents[1]
 
 
+def tiny_config(dim: int, layers: int, seq: int) -> Any:
+    """The benchmarks' Llama 3 config: ``dim``, ``layers`` blocks, 8 heads (4 KV), 2,048 ids,
+    rows of ``seq`` tokens; the caller sets the batch and the strategy."""
+    from omegaconf import OmegaConf
+
+    from llmforge.config.schema import TrainConfig
+
+    cfg = OmegaConf.structured(TrainConfig)
+    cfg.model.merge_with({"dim": dim, "n_layers": layers, "n_heads": 8, "n_kv_heads": 4,
+                          "vocab_size": 2048, "multiple_of": 32, "max_seq_len": seq})
+    return cfg
+
+
+def build_module(cfg: Any, world: int) -> tuple[Any, Any]:
+    """``(LLMModule with its model configured, its optimizer)`` for ``cfg`` on ``world`` ranks
+    (the process group initialized when ``world > 1``; the mesh built on the CPU)."""
+    from llmforge.config.validate import plan_batch
+    from llmforge.parallel.mesh import ParallelDims, build_mesh
+    from llmforge.parallel.transforms import strategy_transforms
+    from llmforge.training.module import LLMModule
+    from llmforge.training.optim import build_optimizer
+
+    dims = ParallelDims.from_config(cfg, world)
+    mod = LLMModule(cfg, plan_batch(cfg, world), pipeline=strategy_transforms(cfg, dims))
+    if world > 1:
+        mod.mesh_override = build_mesh(dims, "cpu")
+    mod.configure_model()
+    return mod, build_optimizer(mod.model, cfg.optimizer)
+
+
 def timed_steps(mod: Any, opt: Any, batch: Callable[[], torch.Tensor], warmup: int, steps: int,
                 world: int) -> tuple[float, list[float]]:
     """``(median seconds per step after warmup, loss per token of every step)`` of ``warmup +

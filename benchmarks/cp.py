@@ -22,7 +22,7 @@ import json
 import resource
 import sys
 
-from _worker import run_worker, timed_steps  # benchmarks/_worker.py, beside this script
+from _worker import build_module, run_worker, timed_steps, tiny_config  # benchmarks/_worker.py, beside this script
 
 
 
@@ -64,19 +64,9 @@ def saved_bytes(mod, batch) -> int:
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    from omegaconf import OmegaConf
-
-    from llmforge.config.schema import TrainConfig
-    from llmforge.config.validate import plan_batch
-    from llmforge.parallel.mesh import ParallelDims, build_mesh
-    from llmforge.parallel.transforms import strategy_transforms
-    from llmforge.training.module import LLMModule
-    from llmforge.training.optim import build_optimizer
 
     torch.set_num_threads(1)
-    cfg = OmegaConf.structured(TrainConfig)
-    cfg.model.merge_with({"dim": args.dim, "n_layers": args.layers, "n_heads": 8, "n_kv_heads": 4,
-                          "vocab_size": 2048, "multiple_of": 32, "max_seq_len": args.seq})
+    cfg = tiny_config(args.dim, args.layers, args.seq)
     cfg.trainer.merge_with({"micro_batch_size": 1, "global_batch_size": 2, "seq_len": args.seq})
     world = 1
     if args.worker != "single":
@@ -84,12 +74,7 @@ def worker(args: argparse.Namespace) -> None:
         world = dist.get_world_size()
         cfg.strategy.cp = world
         cfg.context_parallel.mode = args.worker
-    dims = ParallelDims.from_config(cfg, world)
-    mod = LLMModule(cfg, plan_batch(cfg, world), pipeline=strategy_transforms(cfg, dims))
-    if world > 1:
-        mod.mesh_override = build_mesh(dims, "cpu")
-    mod.configure_model()
-    opt = build_optimizer(mod.model, cfg.optimizer)
+    mod, opt = build_module(cfg, world)
     seconds, losses = timed_steps(mod, opt, lambda: torch.randint(0, 2048, (2, args.seq + 1)), args.warmup, args.steps, world)
     act = saved_bytes(mod, torch.randint(0, 2048, (2, args.seq + 1)))
     if world == 1 or dist.get_rank() == 0:

@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 
-from _worker import run_worker, timed_steps  # benchmarks/_worker.py, beside this script
+from _worker import build_module, run_worker, timed_steps, tiny_config  # benchmarks/_worker.py, beside this script
 
 
 
@@ -42,19 +42,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    from omegaconf import OmegaConf
-
-    from llmforge.config.schema import TrainConfig
-    from llmforge.config.validate import plan_batch
-    from llmforge.parallel.mesh import ParallelDims, build_mesh
-    from llmforge.parallel.transforms import strategy_transforms
-    from llmforge.training.module import LLMModule
-    from llmforge.training.optim import build_optimizer
 
     torch.set_num_threads(1)
-    cfg = OmegaConf.structured(TrainConfig)
-    cfg.model.merge_with({"dim": args.dim, "n_layers": args.layers, "n_heads": 8, "n_kv_heads": 4,
-                          "vocab_size": 2048, "multiple_of": 32, "max_seq_len": args.seq})
+    cfg = tiny_config(args.dim, args.layers, args.seq)
     cfg.trainer.merge_with({"micro_batch_size": 2, "global_batch_size": 2 * args.microbatches,
                             "seq_len": args.seq})
     cfg.pipeline.schedule = args.schedule
@@ -63,12 +53,7 @@ def worker(args: argparse.Namespace) -> None:
         dist.init_process_group("gloo")
         world = dist.get_world_size()
         cfg.strategy.pp = world
-    dims = ParallelDims.from_config(cfg, world)
-    mod = LLMModule(cfg, plan_batch(cfg, world), pipeline=strategy_transforms(cfg, dims))
-    if world > 1:
-        mod.mesh_override = build_mesh(dims, "cpu")
-    mod.configure_model()
-    opt = build_optimizer(mod.model, cfg.optimizer)
+    mod, opt = build_module(cfg, world)
     seconds, losses = timed_steps(mod, opt, lambda: torch.randint(0, 2048, (2 * args.microbatches, args.seq + 1)), args.warmup, args.steps, world)
     bubble = mod.step.pipeline.bubble() if world > 1 else 0.0
     if world == 1 or dist.get_rank() == 0:

@@ -11,7 +11,7 @@ from conftest import REPO
 # neighbours or from floors below it
 FLOORS = [
     {"llmforge", "llmforge.errors", "llmforge.paths", "llmforge.signals", "llmforge.registry",
-     "llmforge.events", "llmforge.plugin", "llmforge.run_guard", "llmforge.quiet"},
+     "llmforge.events", "llmforge.plugin", "llmforge.run_guard", "llmforge.quiet", "llmforge.host_malloc"},
     {"llmforge.config"},
     {"llmforge.models"},
     {"llmforge.parallel"},

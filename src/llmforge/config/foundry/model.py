@@ -88,8 +88,8 @@ def convert_peft(c: Conversion, peft: Any) -> None:
             refuses (e.g. ``r: "8"``), naming ``model.peft_config``.
     """
     if not isinstance(peft, Mapping):
-        raise ConfigError(f"model.peft_config must be a mapping of PEFT's settings (peft_type, r, "
-                          f"lora_alpha, lora_dropout, ...), got a {type(peft).__name__}")
+        raise ConfigError(f"model.peft_config must be a mapping of PEFT's settings (the keys of its "
+                          f"adapter_config.json: peft_type, r, ...), got a {type(peft).__name__}")
     for plugin in registry.algorithms.matching(lambda a: callable(getattr(a, "from_peft_config", None))):
         alg = plugin.from_peft_config(peft)
         if alg is not None:

@@ -10,7 +10,6 @@ import json
 import pytest
 from conftest import REPO, run_main
 
-from llmforge.config.parallel_schema import StrategyConfig
 from llmforge.planning.calibration import FITTED
 from llmforge.planning.context import attention_extra_bytes, cp_degrees
 from llmforge.planning.gpus import gpu_kind
@@ -142,8 +141,6 @@ def test_plan_layout_cp(capsys):
     assert r.stderr.strip().startswith("error: --layout cp=3: trainer.seq_len=8192 is not a multiple of 2 x cp = 6")
 
 
-@pytest.mark.skipif("cp" not in StrategyConfig.__dataclass_fields__,
-                    reason="strategy.cp arrives with the runtime's context parallelism (issue 44, item 2)")
 def test_128k_yaml_dry_run():
     """yamls/llama3_8b_128k.yaml sizes on a laptop: 32 sequences of 131,072 tokens."""
     r = run_main("train", str(REPO / "yamls" / "llama3_8b_128k.yaml"), "--dry-run")

@@ -32,10 +32,13 @@ class Step:
             handling any other is refused (:meth:`llmforge.events.Dispatcher.check_fires`).
             What each step fires, and how often, is documented in :mod:`llmforge.events`.
         aux: the step's auxiliary losses and records (:class:`AuxRecords`).
+        dims: the run's :class:`~llmforge.parallel.mesh.ParallelDims` where a step's messages
+            name its degrees (set by the steps that need it; ``None`` otherwise).
     """
 
     kind: ClassVar[str] = "step"
     fires: ClassVar[frozenset] = EVERY_EVENT
+    dims: Any = None
 
     def __init__(self, module: Any) -> None:
         self.module = module
@@ -55,8 +58,8 @@ class Step:
         return f"the {cls.kind} step"
 
     def layout(self) -> str:
-        """:meth:`layout_of` this step's run."""
-        return self.layout_of(None)
+        """:meth:`layout_of` this step's run (:attr:`dims`)."""
+        return self.layout_of(self.dims)
 
     def event(self, event: Event) -> None:
         self.module.event(event)

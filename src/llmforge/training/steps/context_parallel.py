@@ -34,6 +34,7 @@ class _Slices:
     cp: int
 
     def setup_slices(self, module: Any, ctx: Any) -> None:
+        self.dims = ctx.dims
         self.cp = ctx.dims.cp
         self.cp_group = ctx.mesh["cp"].get_group()
         self.attention = ContextParallelAttention(self.cp_group, module.cfg.context_parallel.mode)
@@ -95,9 +96,6 @@ class ContextParallelStep(_Slices, MicroBatchStep):
     def layout_of(cls, dims: Any) -> str:
         return f"the context-parallel step (strategy.cp={dims.cp if dims is not None else '>1'})"
 
-    def layout(self) -> str:
-        return self.layout_of(self)
-
     def micro_batch_loss(self, index: int, inputs: torch.Tensor, labels: torch.Tensor,
                          doc_ids: Optional[torch.Tensor],
                          token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -148,9 +146,6 @@ class ContextParallelPipelineStep(_Slices, PipelineStep):
         if dims is None:
             return "the context-parallel pipeline step"
         return f"the pipeline step (strategy.pp={dims.pp}, strategy.cp={dims.cp})"
-
-    def layout(self) -> str:
-        return self.layout_of(self.dims)
 
     def run_schedule(self, inputs: torch.Tensor, labels: torch.Tensor, train: bool,
                      doc_ids: Any = None, token_mask: Any = None, positions: Any = None) -> None:

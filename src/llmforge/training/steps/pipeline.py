@@ -79,9 +79,6 @@ class PipelineStep(Step):
     def layout_of(cls, dims: Any) -> str:
         return f"the pipeline step (strategy.pp={dims.pp if dims is not None else '>1'})"
 
-    def layout(self) -> str:
-        return self.layout_of(self.dims)
-
     def pp_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the pipeline ranks (a value only the last stage has reaches all)."""
         t = t.detach().clone()

@@ -19,6 +19,7 @@ import pytest
 from conftest import DEMO, REPO
 from llmforge.cli import main
 from llmforge.job.records import SCHEMA_VERSION, RegistryError, RunRegistry
+from llmforge.runs.slurm import SlurmBackend
 
 
 @pytest.fixture
@@ -344,14 +345,35 @@ def test_stop_escalates_to_sigkill_for_a_process_that_ignores_sigterm(home, caps
             job.kill()
 
 
-def test_logs_of_a_fault_tolerant_local_run_are_group_0s(home, capsys):
+def test_logs_of_a_fault_tolerant_run_by_replica_group(home, capsys):
     run_dir = home / "runs" / "ft"
     (run_dir / "logs").mkdir(parents=True)
     spec = {"fault_tolerance": {"groups": [{"name": "ft-g0"}, {"name": "ft-g1"}]}}
     run = RunRegistry().create("ft", "local", "local", spec=spec, run_dir=str(run_dir))
     assert main(["runs", "logs", run.id]) == 2
     assert capsys.readouterr().err == (f"error: no log {run_dir}/logs/group-0.log (resumptions of this run: 0..0); "
-                                       f"replica group 0's log; the other groups': {run_dir}/logs/group-1.log; "
-                                       f"the lighthouse's: {run_dir}/logs/lighthouse.log\n")
-    (run_dir / "logs" / "group-0.log").write_text("step 1\n")
+                                       f"replica group 0's log; the other groups': {run_dir}/logs/group-1.log "
+                                       f"(--group G); the lighthouse's: {run_dir}/logs/lighthouse.log\n")
+    for name, text in (("group-0", "step 1\n"), ("group-1", "g1 step 1\n"), ("lighthouse", "quorum\n")):
+        (run_dir / "logs" / f"{name}.log").write_text(text)
     assert main(["runs", "logs", run.id]) == 0 and capsys.readouterr().out == "step 1\n"
+    for group, text in (("1", "g1 step 1\n"), ("ft-g1", "g1 step 1\n"), ("lighthouse", "quorum\n")):
+        assert main(["runs", "logs", run.id, "--group", group]) == 0 and capsys.readouterr().out == text
+    # bad input: exit 2 naming what the run has; a group's restarts append to its one log
+    assert main(["runs", "logs", run.id, "--group", "2"]) == 2
+    assert capsys.readouterr().err == (f"error: --group 2: run {run.id} has replica groups 0..1 (ft-g0, ft-g1) "
+                                       "and the lighthouse; name one of them\n")
+    assert main(["runs", "logs", run.id, "--resumption", "1"]) == 2
+    assert "each replica group restarts alone" in capsys.readouterr().err
+    plain = RunRegistry().create("plain", "local", "local", run_dir=str(run_dir))
+    assert main(["runs", "logs", plain.id, "--group", "0"]) == 2
+    assert "has no replica groups (it is not a fault-tolerant run)" in capsys.readouterr().err
+    # SLURM: each group is its own job, writing resumption logs into its own run directory
+    g1 = home / "runs" / "ft-g1"
+    (g1 / "logs").mkdir(parents=True)
+    (g1 / "logs" / "resumption-0.log").write_text("slurm g1\n")
+    spec = {"fault_tolerance": {"groups": [{"name": "s-g0", "run_dir": str(home / "runs" / "ft-g0")},
+                                           {"name": "s-g1", "run_dir": str(g1)}]}}
+    slurm = RunRegistry().create("s", "cluster", "slurm", spec=spec, run_dir=str(run_dir))
+    assert SlurmBackend().logs(slurm, 0, "1") == (g1 / "logs" / "resumption-0.log",
+                                                                "; replica group 1's log")

@@ -5,7 +5,7 @@
     llmforge secrets
     llmforge runs list [--status S] [--cluster C]
     llmforge runs describe RUN
-    llmforge runs logs RUN [--follow] [--resumption K]
+    llmforge runs logs RUN [--follow] [--resumption K] [--group G]
     llmforge runs stop RUN [--no-wait] [--timeout S]
     llmforge runs delete RUN [--purge] [--yes] [--force]
     llmforge runs restart RUN [key=value ...]
@@ -63,6 +63,9 @@ def add_parsers(sub: Any, runs_sub: Any) -> None:
     lg.add_argument("run", metavar="RUN")
     lg.add_argument("--follow", "-f", action="store_true", help="keep printing until the run ends")
     lg.add_argument("--resumption", type=int, default=None, metavar="K", help="default: the latest")
+    lg.add_argument("--group", default=None, metavar="G",
+                    help="a fault-tolerant run: replica group G's log (a number or a group's name; "
+                         "'lighthouse': the lighthouse's; default 0)")
     _debug(lg)
     st = runs_sub.add_parser("stop", help="stop a run (it saves a checkpoint and exits 75)")
     st.add_argument("run", metavar="RUN")
@@ -281,7 +284,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
     r = registry.resolve(args.run)
     backend = backend_of(r)
     k = r.resumptions if args.resumption is None else args.resumption
-    path, hint = backend.logs(r, k)
+    # the group only when given: a backend of the documented logs(run, resumption) still works
+    group = {} if args.group is None else {"group": args.group}
+    path, hint = backend.logs(r, k, **group)
     if not path.is_file() and not args.follow:
         raise ConfigError(f"no log {path} (resumptions of this run: 0..{r.resumptions}){hint}")
     pos = 0
@@ -302,7 +307,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
             return 0
         if now.resumptions != k and args.resumption is None:  # a restart began: follow it
             k, pos = now.resumptions, 0
-            path = backend.logs(now, k)[0]
+            path = backend.logs(now, k, **group)[0]
             continue
         time.sleep(0.5)
 

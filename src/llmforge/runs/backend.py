@@ -122,10 +122,23 @@ class Backend:
         """
         raise NotImplementedError
 
-    def logs(self, run: RunRecord, resumption: int) -> tuple[Path, str]:
+    def logs(self, run: RunRecord, resumption: int, group: Optional[str] = None) -> tuple[Path, str]:
         """The log file of one resumption (it may not exist yet) and a hint naming where else
-        the job's output is (:meth:`logs_hint`)."""
-        return Path(run.run_dir or "") / "logs" / f"resumption-{resumption}.log", self.logs_hint(run)
+        the job's output is (:meth:`logs_hint`). A fault-tolerant run: replica group
+        ``group``'s (default 0; ``lighthouse``: the lighthouse job's), each group being its own
+        job with its own run directory. ``runs logs`` passes ``group`` only when it is given.
+
+        Raises:
+            ConfigError: ``group`` names no replica group of the run, or the run has none.
+        """
+        ft = run.spec.get("fault_tolerance")
+        g = replica_group(run, group)
+        if not ft:
+            return Path(run.run_dir or "") / "logs" / f"resumption-{resumption}.log", self.logs_hint(run)
+        if g == "lighthouse":
+            return Path(run.run_dir or "") / "logs" / "lighthouse.log", self.logs_hint(run)
+        folder = Path(ft["groups"][g].get("run_dir") or run.run_dir or "")
+        return folder / "logs" / f"resumption-{resumption}.log", f"; replica group {g}'s log" + self.logs_hint(run)
 
     def logs_hint(self, run: RunRecord) -> str:
         """Where else the job's output is (``"; ..."``), or "" when the log file is all there is."""
@@ -148,6 +161,31 @@ class Backend:
     def where(self) -> str:
         """The ``where`` column of ``llmforge clusters``."""
         return "-"
+
+
+def replica_group(run: RunRecord, group: Optional[str]) -> Any:
+    """``group`` (``runs logs --group``) as an index into the run's replica groups (0 when
+    ``None``), or ``"lighthouse"``.
+
+    Raises:
+        ConfigError: the run is not fault-tolerant and a group was named, or ``group`` is not
+            a number below the number of groups, a group's name or ``lighthouse``.
+    """
+    groups = (run.spec.get("fault_tolerance") or {}).get("groups") or []
+    if group is None:
+        return 0
+    if not groups:
+        raise ConfigError(f"--group {group}: run {run.id} has no replica groups (it is not a fault-tolerant "
+                          "run); leave --group out")
+    if group == "lighthouse":
+        return group
+    names = [g.get("name") for g in groups]
+    if group in names:
+        return names.index(group)
+    if group.isdigit() and int(group) < len(groups):
+        return int(group)
+    raise ConfigError(f"--group {group}: run {run.id} has replica groups 0..{len(groups) - 1} "
+                      f"({', '.join(str(n) for n in names)}) and the lighthouse; name one of them")
 
 
 def train_args(spec: dict[str, Any]) -> list[str]:

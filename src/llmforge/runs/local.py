@@ -20,14 +20,14 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 from urllib.parse import urlsplit
 
-from llmforge.errors import LLMForgeError
+from llmforge.errors import ConfigError, LLMForgeError
 from llmforge.job.ft_groups import group_overrides
 from llmforge.job.records import RunRecord
 from llmforge.job.supervisor import torchrun_command
 from llmforge.job.torchrun import proc_table as _proc_table
 from llmforge.parallel.fault_tolerance import lighthouse_command
 from llmforge.run_guard import mark_run_dir
-from llmforge.runs.backend import Backend
+from llmforge.runs.backend import Backend, replica_group
 from llmforge.runs.cluster_types import LocalCluster
 from llmforge.runs.credentials import job_environment
 
@@ -212,16 +212,29 @@ class LocalBackend(Backend):
                                 f"{self.kill_wait_s:.0f}s after SIGKILL (SIGTERM {timeout:.0f}s before)")
         return True
 
-    def logs(self, run: RunRecord, resumption: int) -> tuple[Path, str]:
-        """A fault-tolerant run's log is replica group 0's (``logs/group-0.log``; the hint names
-        the other groups' and the lighthouse's); else the resumption's."""
+    def logs(self, run: RunRecord, resumption: int, group: Optional[str] = None) -> tuple[Path, str]:
+        """A fault-tolerant run's log is replica group ``group``'s (default 0:
+        ``logs/group-<G>.log``, one file across the group's restarts; ``lighthouse``: the
+        lighthouse's; the hint names the others); else the resumption's.
+
+        Raises:
+            ConfigError: ``group`` names no replica group (:func:`replica_group`), or a
+                fault-tolerant run is asked for an earlier resumption (its groups restart
+                alone, each appending to its one log).
+        """
         ft = run.spec.get("fault_tolerance")
+        g = replica_group(run, group)
         if not ft:
             return super().logs(run, resumption)
+        if resumption != run.resumptions:
+            raise ConfigError(f"--resumption {resumption}: run {run.id} is fault-tolerant: each replica group "
+                              "restarts alone and appends to its own log (logs/group-<G>.log); use --group G")
         folder = Path(run.run_dir or "") / "logs"
-        others = [str(folder / f"group-{g}.log") for g in range(1, len(ft["groups"]))]
-        return folder / "group-0.log", (f"; replica group 0's log; the other groups': {', '.join(others)}; "
-                                        f"the lighthouse's: {folder / 'lighthouse.log'}")
+        if g == "lighthouse":
+            return folder / "lighthouse.log", ""
+        others = [str(folder / f"group-{o}.log") for o in range(len(ft["groups"])) if o != g]
+        return folder / f"group-{g}.log", (f"; replica group {g}'s log; the other groups': {', '.join(others)} "
+                                           f"(--group G); the lighthouse's: {folder / 'lighthouse.log'}")
 
     def where(self) -> str:
         gpus = self.cluster.gpus_per_node if self.cluster else 0

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import DEMO, REPO, TINY_OVERRIDES
+from llmforge.checkpoint.run_dir import resolve_checkpoint
 from llmforge.cli import main
 from llmforge.errors import ConfigError
 from llmforge.run_guard import LOCK, MARK, TOKEN_ENV, RunDirBusy, RunLock, peek_holder
@@ -144,7 +145,7 @@ def test_processes_the_holder_started_are_its_run(tmp_path, monkeypatch):
         lock.release()
 
 
-def test_overwrite_replaces_an_old_run_keeps_foreign_files_and_expands_home(tmp_path, monkeypatch, capsys):
+def test_overwrite_replaces_an_old_run_keeps_foreign_files_and_expands_paths(tmp_path, monkeypatch, capsys):
     """A run from before the mark is adopted; ``--overwrite`` deletes its files and, in a
     checkpoint.dir elsewhere, only llmforge's checkpoints; ``~`` is the home folder; a lock a
     killed process left is taken over."""
@@ -159,14 +160,20 @@ def test_overwrite_replaces_an_old_run_keeps_foreign_files_and_expands_home(tmp_
     (ckpts / "notes.txt").write_text("mine")
     (ckpts / "step_by_step").mkdir()
     (ckpts / "step_by_step" / "plan.md").write_text("mine too")
+    monkeypatch.chdir(tmp_path)  # a relative checkpoint.dir: recorded absolute
     assert main(["train", DEMO, *TINY_OVERRIDES, *ONE_STEP, "run.output_dir=~/runs", "run.name=r",
-                 "checkpoint.dir=~/ckpts", "--overwrite"]) == 0
+                 "checkpoint.dir=ckpts", "--overwrite"]) == 0
     assert f"note: took over the lock of {run} left by pid {gone} on host" in capsys.readouterr().err
     assert sorted(p.name for p in run.iterdir()) == [LOCK, MARK, "config.yaml", "metrics.jsonl", "tokenizer"]
     assert '"step": 99' not in (run / "metrics.jsonl").read_text()
     assert sorted(p.name for p in ckpts.iterdir()) == ["notes.txt", "step_00000001", "step_by_step"]
     assert (ckpts / "step_by_step" / "plan.md").read_text() == "mine too"
     assert (run / LOCK).read_text() == "" and not (tmp_path / "~").exists()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # eval / export of the run from another directory find its checkpoint
+    assert f"dir: {ckpts}\n" in (run / "config.yaml").read_text()
+    assert resolve_checkpoint(run) == (run, ckpts / "step_00000001")
 
 
 def test_overwrite_keeps_the_old_run_when_the_new_data_is_too_small(tmp_path, capsys):

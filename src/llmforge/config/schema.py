@@ -301,7 +301,8 @@ class CheckpointConfig:
     """``checkpoint:`` — when and where checkpoints are written."""
 
     dir: Optional[str] = None
-    """Checkpoint folder; null = ``<run_dir>/checkpoints``."""
+    """Checkpoint folder; null = ``<run_dir>/checkpoints``; a relative path is taken from the
+    working directory and recorded absolute."""
     save_every: Optional[int] = None
     """Save every N optimizer steps; null = only at the end."""
     save_every_minutes: Optional[float] = None

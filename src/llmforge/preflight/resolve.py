@@ -170,11 +170,16 @@ def check_no_secret_in_folders(cfg: DictConfig) -> None:
 
 
 def _expand_home(cfg: DictConfig) -> None:
-    """``~`` and ``~user`` at the start of :data:`HOME_KEYS` become the home folder."""
+    """``~`` and ``~user`` at the start of :data:`HOME_KEYS` become the home folder; a relative
+    ``checkpoint.dir`` becomes absolute (from the working directory), so that the run's
+    ``config.yaml`` finds its checkpoints from any other directory (``eval``, ``export``)."""
     for key in HOME_KEYS:
         value = OmegaConf.select(cfg, key, default=None)
         if isinstance(value, str) and value.startswith("~"):
             OmegaConf.update(cfg, key, os.path.expanduser(value), merge=False)
+    folder = cfg.checkpoint.dir
+    if isinstance(folder, str) and folder and not os.path.isabs(folder):
+        OmegaConf.update(cfg, "checkpoint.dir", os.path.abspath(folder), merge=False)
 
 
 def _hf_shape(cfg: DictConfig, dry_run: bool) -> tuple[str, ...]:

@@ -100,7 +100,7 @@ def test_a_long_line_is_read_in_chunks_into_the_same_shards(tmp_path, monkeypatc
         cfg = load_prepare_config(str(src), [*TOK, "data.val_fraction=0.4"])
         m = prepare(cfg, tmp_path / mode, workers=2 if mode == "streamed" else 1, docs_per_shard=2,
                     show_progress=False)
-        got[mode] = ({k: v for k, v in m["splits"].items()}, (tmp_path / mode / "tokenizer" / "tokenizer.json").read_bytes())
+        got[mode] = (m["splits"], (tmp_path / mode / "tokenizer" / "tokenizer.json").read_bytes())
     assert got["streamed"] == got["whole"]
     assert {k: v["documents"] for k, v in got["whole"][0].items()} in ({"train": 3, "val": 1}, {"train": 2, "val": 2})
     streamed = [r["text"] for r in jsonl_rows([str(src)], "text")]
@@ -108,7 +108,8 @@ def test_a_long_line_is_read_in_chunks_into_the_same_shards(tmp_path, monkeypatc
     clean = long.replace("\r\n", "\n")  # as clean_text: the BOM dropped, CRLF read as LF
     assert "".join(streamed[0].pieces()) == clean and len(streamed[0]) == len(clean) > 3 * 1000
     tok = load_saved(tmp_path / "whole" / "tokenizer")  # iter_packed's cut of a stream: the ids of the str
-    a, b = (write_shard(tok, [text], tmp_path / f"{i}.bin", max_chars=1000) for i, text in enumerate((clean, streamed[0])))
+    a, b = (write_shard(tok, [text], tmp_path / f"{i}.bin", max_chars=1000)
+            for i, text in enumerate((clean, streamed[0])))
     assert a["sha256"] == b["sha256"] and a["bytes"] == b["bytes"] == len(clean.encode())
 
 

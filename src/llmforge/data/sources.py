@@ -2,7 +2,9 @@
 files, and Hub datasets by name.
 
 Every source yields documents as a ``datasets.Dataset`` (or ``IterableDataset`` when
-``data.streaming``) whose column ``text`` holds one document per row. Text is cleaned on the
+``data.streaming``; ``data prepare``'s local jsonl: a plain iterable,
+:class:`llmforge.data.jsonl_lines.Rows`) whose column ``text`` holds one document per row (a
+line too long to hold: a :class:`~llmforge.data.jsonl_lines.LongText`). Text is cleaned on the
 way (UTF-8 BOM removed, CRLF/CR turned into LF, undecodable bytes replaced by U+FFFD) and empty
 documents are dropped.
 """
@@ -21,7 +23,7 @@ from llmforge.config.redaction import scrub_url_credentials
 from llmforge.data.documents import AnyDataset, DocumentSplits, hf_datasets, is_stream
 from llmforge.data.file_identity import URL
 from llmforge.data.jsonl_lines import LongText, Rows
-from llmforge.data.jsonl_lines import jsonl_rows as _jsonl_rows  # noqa: F401 (its home before)
+from llmforge.data.jsonl_lines import jsonl_rows as _jsonl_rows  # its name here before
 from llmforge.data.remote import missing_driver, plain_options
 from llmforge.data.shakespeare import shakespeare_files
 from llmforge.data.tokenizer_base import utf8_len

@@ -54,17 +54,20 @@ def test_a_long_document_trains_the_bpe_in_bounded_pieces_with_the_same_merges(t
 def test_the_jsonl_reader_splits_bytes_at_newlines_and_names_bad_lines(tmp_path):
     """Lines are read as bytes and decoded whole: a BOM at the file's start dropped, a CR before
     the newline and blank or Unicode-space lines skipped as before, a later key of a first-row
-    column missing is a null, a bad line named."""
+    column missing is a null, a bad line named (read whole, or over the long-line threshold
+    parsed in chunks: the same error)."""
     f = tmp_path / "a.jsonl"
     f.write_bytes(b'\xef\xbb\xbf{"text": "caf\xc3\xa9", "id": 1}\r\n\n  \n\xe3\x80\x80\n{"id": 2}\n'
                   b'{"text": "x" }\n')
     assert list(_jsonl_rows([str(f)], "text")) == [{"text": "café"}, {"text": None}, {"text": "x"}]
-    f.write_bytes(b'{"text": "a"}\n{"text": "\xff"}\n')
-    with pytest.raises(UnicodeDecodeError):  # read_rows names the file and line (not_utf8)
-        list(_jsonl_rows([str(f)], "text"))
-    f.write_bytes(b'{"text": "a"}\n{"text": \n')
-    with pytest.raises(DataError, match=f"{f} line 2 is not valid JSON"):
-        list(_jsonl_rows([str(f)], "text"))
+    for long_line in (None, 0):  # read whole, and (0: every line long) parsed in chunks
+        f.write_bytes(b'{"text": "a"}\n{"text": "\xff"}\n')
+        with pytest.raises(UnicodeDecodeError):  # read_rows names the file and line (not_utf8)
+            list(_jsonl_rows([str(f)], "text", long_line))
+        for bad in (b'{"text": \n', b'{"text": "a\\q"}\n', b'{"text": "a"} x\n', b'{"text": "unclosed\n'):
+            f.write_bytes(b'{"text": "a"}\n' + bad)
+            with pytest.raises(DataError, match=f"{f} line 2 is not valid JSON"):
+                list(_jsonl_rows([str(f)], "text", long_line))
 
 
 def test_the_training_byte_budget_is_cut_piece_by_piece_as_before(monkeypatch):

@@ -15,7 +15,9 @@ import pytest
 
 from conftest import run_main
 from helpers.prepared import TOK, write_corpus
-from llmforge.data import tokenizer_bpe
+from llmforge.data import jsonl_lines, tokenizer_bpe, tokenizers
+from llmforge.data.jsonl_lines import LongText, jsonl_rows
+from llmforge.data.prepare import prepare, write_shard
 from llmforge.data.prepare_pool import ShardPool, WorkerDied
 from llmforge.data.sources import _jsonl_rows
 from llmforge.errors import DataError
@@ -52,17 +54,20 @@ def test_a_long_document_trains_the_bpe_in_bounded_pieces_with_the_same_merges(t
 def test_the_jsonl_reader_splits_bytes_at_newlines_and_names_bad_lines(tmp_path):
     """Lines are read as bytes and decoded whole: a BOM at the file's start dropped, a CR before
     the newline and blank or Unicode-space lines skipped as before, a later key of a first-row
-    column missing is a null, a bad line named."""
+    column missing is a null, a bad line named (read whole, or over the long-line threshold
+    parsed in chunks: the same error)."""
     f = tmp_path / "a.jsonl"
     f.write_bytes(b'\xef\xbb\xbf{"text": "caf\xc3\xa9", "id": 1}\r\n\n  \n\xe3\x80\x80\n{"id": 2}\n'
                   b'{"text": "x" }\n')
     assert list(_jsonl_rows([str(f)], "text")) == [{"text": "café"}, {"text": None}, {"text": "x"}]
-    f.write_bytes(b'{"text": "a"}\n{"text": "\xff"}\n')
-    with pytest.raises(UnicodeDecodeError):  # read_rows names the file and line (not_utf8)
-        list(_jsonl_rows([str(f)], "text"))
-    f.write_bytes(b'{"text": "a"}\n{"text": \n')
-    with pytest.raises(DataError, match=f"{f} line 2 is not valid JSON"):
-        list(_jsonl_rows([str(f)], "text"))
+    for long_line in (None, 0):  # read whole, and (0: every line long) parsed in chunks
+        f.write_bytes(b'{"text": "a"}\n{"text": "\xff"}\n')
+        with pytest.raises(UnicodeDecodeError):  # read_rows names the file and line (not_utf8)
+            list(_jsonl_rows([str(f)], "text", long_line))
+        for bad in (b'{"text": \n', b'{"text": "a\\q"}\n', b'{"text": "a"} x\n', b'{"text": "unclosed\n'):
+            f.write_bytes(b'{"text": "a"}\n' + bad)
+            with pytest.raises(DataError, match=f"{f} line 2 is not valid JSON"):
+                list(_jsonl_rows([str(f)], "text", long_line))
 
 
 def test_the_training_byte_budget_is_cut_piece_by_piece_as_before(monkeypatch):
@@ -73,6 +78,42 @@ def test_the_training_byte_budget_is_cut_piece_by_piece_as_before(monkeypatch):
     assert max(map(len, pieces)) <= 1000 and pieces[0] == "short"
     # the old cut: the whole text encoded, its first bytes of the budget decoded
     assert "".join(pieces[1:]) == long.encode()[:budget - 5].decode("utf-8", errors="ignore")
+
+
+def test_a_long_line_is_read_in_chunks_into_the_same_shards(tmp_path, monkeypatch):
+    """A jsonl line over LONG_LINE_BYTES is parsed from the file in chunks (a LongText read again
+    for each use), never held whole. With the threshold and the chunk forced tiny (7 bytes:
+    \\n, \\", \\u00e9 and the surrogate pair \\ud83d\\ude00 cut at every place), a BOM and
+    CRLF in the text, 2 workers: the trained BPE, every shard's sha256 and the held-out split
+    are those of the whole-line path."""
+    from llmforge.cli.data_commands import load_prepare_config
+
+    long = _document(2500).replace("w17", "caf\u00e9 \r\n\"q\" \\ \U0001F600")  # ~12 K chars
+    rows = [{"text": "\ufeff" + long, "id": [1, {"a": None}]}, {"text": "short one"}, {"id": 3},
+            {"meta": "x \\\" y", "text": long[::-1]}, {"text": " \n "}, {"text": long[:3000]}]
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps(r, ensure_ascii=i % 2 == 0) + "\n" for i, r in enumerate(rows)))
+    monkeypatch.setattr(tokenizers, "TRAIN_PIECE_CHARS", 1000)  # the trainer's pieces cut too
+    got = {}
+    for mode in ("whole", "streamed"):
+        if mode == "streamed":
+            monkeypatch.setattr(jsonl_lines, "LONG_LINE_BYTES", 100)
+            monkeypatch.setattr(jsonl_lines, "READ_CHUNK", 7)
+        monkeypatch.setenv("LLMFORGE_CACHE", str(tmp_path / f"cache-{mode}"))  # trained each time
+        cfg = load_prepare_config(str(src), [*TOK, "data.val_fraction=0.4"])
+        m = prepare(cfg, tmp_path / mode, workers=2 if mode == "streamed" else 1, docs_per_shard=2,
+                    show_progress=False)
+        got[mode] = (m["splits"], (tmp_path / mode / "tokenizer" / "tokenizer.json").read_bytes())
+    assert got["streamed"] == got["whole"]
+    assert {k: v["documents"] for k, v in got["whole"][0].items()} in ({"train": 3, "val": 1}, {"train": 2, "val": 2})
+    streamed = [r["text"] for r in jsonl_rows([str(src)], "text")]
+    assert [type(t) for t in streamed] == [LongText, str, type(None), LongText, str, LongText]
+    clean = long.replace("\r\n", "\n")  # as clean_text: the BOM dropped, CRLF read as LF
+    assert "".join(streamed[0].pieces()) == clean and len(streamed[0]) == len(clean) > 3 * 1000
+    tok = load_saved(tmp_path / "whole" / "tokenizer")  # iter_packed's cut of a stream: the ids of the str
+    a, b = (write_shard(tok, [text], tmp_path / f"{i}.bin", max_chars=1000)
+            for i, text in enumerate((clean, streamed[0])))
+    assert a["sha256"] == b["sha256"] and a["bytes"] == b["bytes"] == len(clean.encode())
 
 
 def test_a_cache_that_cannot_be_written_leaves_the_prepare_uncached(tmp_path):

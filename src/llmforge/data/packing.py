@@ -67,9 +67,12 @@ def iter_packed(tokenizer: Any, texts: Iterable[str], dtype: np.dtype,
     The encoder's per-token objects (``tokenizers`` Encodings, Python int lists) cost ~150-200
     bytes a token, so one call on a 100 MB document held ~20 GB (issue 26.4); a text longer than
     ``max_chars`` is encoded in :func:`text_pieces`, each piece turned into ``dtype`` ids at once.
+    A text read as a stream (:class:`llmforge.data.jsonl_lines.LongText`) is cut in the same
+    pieces as it is read (one no longer than ``max_chars`` is joined, as it is encoded whole).
     """
     for run in _by_size(list(texts), max_chars):
         if len(run) > 1 or len(run[0]) <= max_chars:
+            run = [t if isinstance(t, str) else "".join(t.pieces()) for t in run]
             packed = pack_documents(tokenizer.encode_batch(run), tokenizer.bos_id, tokenizer.eos_id, dtype)
             if len(packed):
                 yield packed

@@ -2,7 +2,9 @@
 files, and Hub datasets by name.
 
 Every source yields documents as a ``datasets.Dataset`` (or ``IterableDataset`` when
-``data.streaming``) whose column ``text`` holds one document per row. Text is cleaned on the
+``data.streaming``; ``data prepare``'s local jsonl: a plain iterable,
+:class:`llmforge.data.jsonl_lines.Rows`) whose column ``text`` holds one document per row (a
+line too long to hold: a :class:`~llmforge.data.jsonl_lines.LongText`). Text is cleaned on the
 way (UTF-8 BOM removed, CRLF/CR turned into LF, undecodable bytes replaced by U+FFFD) and empty
 documents are dropped.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import itertools
 import json
 import os
 from importlib.metadata import version  # of datasets, for the cache key: no import
@@ -19,6 +22,8 @@ from typing import Any, Iterator, Optional
 from llmforge.config.redaction import scrub_url_credentials
 from llmforge.data.documents import AnyDataset, DocumentSplits, hf_datasets, is_stream
 from llmforge.data.file_identity import URL
+from llmforge.data.jsonl_lines import LongText, Rows
+from llmforge.data.jsonl_lines import jsonl_rows as _jsonl_rows  # its name here before
 from llmforge.data.remote import missing_driver, plain_options
 from llmforge.data.shakespeare import shakespeare_files
 from llmforge.data.tokenizer_base import utf8_len
@@ -152,52 +157,16 @@ def _local_jsonl(files: list[str]) -> bool:
     return bool(files) and all(f.endswith(".jsonl") and not URL.match(f) for f in files)
 
 
-def _jsonl_rows(files: list[str], text_field: str) -> Iterator[dict]:
-    """``{text_field: value}`` of each line of ``files``, one line in memory at a time.
-
-    Why not ``datasets``' json builder: for a line of N bytes it holds the bytes, a pre-scan's
-    parsed rows, the Arrow table and the Python string together (~4-5 N of peak RSS; issue 26);
-    this holds the line's bytes and text, then its text and parsed value (~2 N), then the value.
-
-    Raises:
-        DataError: a line that is not a JSON object, or one without ``text_field`` (named with
-            the file, the line and the keys it has), or a non-string value.
-        UnicodeDecodeError: a file that is not UTF-8 (:func:`read_rows` names the line).
-    """
-    first = True  # the first row of all: its keys are the columns
-    for name in files:
-        # bytes split at b"\n" only (a lone \r stays in its line), decoded once the line is
-        # whole: a text-mode readline joined its chunks into the str beside them (~2.6x a long
-        # line's size at the peak, ~2x this way); utf-8-sig drops a BOM at the file's start
-        with open(name, "rb") as fh:
-            number = 0
-            while raw := fh.readline():
-                number += 1
-                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
-                del raw
-                if line.isspace():
-                    continue
-                try:
-                    row = json.loads(line)
-                except ValueError as exc:
-                    raise DataError(f"data: {name} line {number} is not valid JSON ({exc}); fix or "
-                                    "drop the line") from None
-                del line  # the parsed value alone while it is tokenized
-                # a key missing from the first row is a missing column (as datasets infers its
-                # columns from the first rows); from a later row, a null (dropped) like Arrow's
-                if not isinstance(row, dict) or (text_field not in row and first):
-                    keys = sorted(row) if isinstance(row, dict) else type(row).__name__
-                    raise DataError(f"data.text_field: column '{text_field}' not found in {name} "
-                                    f"line {number}; it has {keys}")
-                first = False
-                value = row.pop(text_field, None)
-                del row
-                if value is not None and not isinstance(value, str):
-                    clean_text(value)  # raises the DataError naming data.text_field
-                yield {text_field: value}
-
-
 def _normalize(ds: AnyDataset, text_field: str, max_documents: Optional[int]) -> AnyDataset:
+    if isinstance(ds, Rows):  # data prepare's local jsonl: the same steps, in plain generators
+        def rows() -> Iterator[dict]:
+            for row in itertools.islice(ds, max_documents or None):
+                text = row[text_field]
+                text = text if isinstance(text, LongText) else clean_text(text)  # cleaned as read
+                if text and not text.isspace():
+                    yield {"text": text}
+
+        return Rows(rows)
     columns = ds.column_names
     if columns is not None and text_field not in columns:
         raise DataError(
@@ -228,9 +197,11 @@ def load_documents(cfg: Any, seed: int, by_line: bool = False, lazy: bool = Fals
         cfg: the ``data:`` section (:class:`llmforge.config.schema.DataConfig`).
         seed: fixes which documents are held out when ``val_split`` is null.
         by_line: with ``cfg.streaming``, local ``*.jsonl`` files are read one line at a time
-            by :func:`_jsonl_rows` instead of ``datasets``' json builder (the same rows; a long
-            line costs ~2x its size while parsed, then 1x, instead of ~4x). ``data prepare`` only: a training stream's
-            saved positions are those of the json builder.
+            by :func:`llmforge.data.jsonl_lines.jsonl_rows` in plain iterables
+            (:class:`~llmforge.data.jsonl_lines.Rows`) instead of ``datasets``' json builder (the
+            same rows; a short line costs ~2x its size while parsed, instead of ~4x; a long one
+            is a :class:`~llmforge.data.jsonl_lines.LongText` read in pieces). ``data prepare``
+            only: a training stream's saved positions are those of the json builder.
         lazy: read the splits at their first use (:class:`DocumentSplits`); the errors of
             reading them are then raised there.
 
@@ -265,9 +236,7 @@ def load_documents(cfg: Any, seed: int, by_line: bool = False, lazy: bool = Fals
     def load(split: str) -> AnyDataset:
         datasets = hf_datasets()
         if by_line and cfg.streaming and builder == "json" and split == "train" and _local_jsonl(files):
-            return datasets.IterableDataset.from_generator(
-                _jsonl_rows, features=datasets.Features({text_field: datasets.Value("string")}),
-                gen_kwargs={"files": files, "text_field": text_field})
+            return Rows(lambda: _jsonl_rows(files, text_field))
         if builder in ("text", "json", "parquet", "csv"):
             return _load(builder, data_files, cfg, split, **kwargs)
         try:
@@ -309,6 +278,9 @@ def load_documents(cfg: Any, seed: int, by_line: bool = False, lazy: bool = Fals
 def _hold_out(ds: AnyDataset, fraction: float, seed: int) -> tuple[AnyDataset, AnyDataset]:
     """Hold out ``fraction`` of the documents for validation, fixed by ``seed``: at least one
     of an in-memory source; of a streaming source, the documents :func:`held_out` picks."""
+    if isinstance(ds, Rows):  # the same choice as the stream's below
+        return (Rows(lambda: (r for r in ds if not held_out(r["text"], fraction, seed))),
+                Rows(lambda: (r for r in ds if held_out(r["text"], fraction, seed))))
     if is_stream(ds):
         # by the document's own identity (its text), never its position: a position in the
         # stream changes with the loader-worker split and between passes, which trained on
@@ -328,15 +300,16 @@ def _hold_out(ds: AnyDataset, fraction: float, seed: int) -> tuple[AnyDataset, A
     return parts["train"], parts["test"]
 
 
-def held_out(text: str, fraction: float, seed: int) -> bool:
+def held_out(text: str | LongText, fraction: float, seed: int) -> bool:
     """Whether a streaming document is held out for validation: the first 8 bytes of
     ``blake2b(text, salt=seed)`` read as a fraction of 2**64 fall below ``fraction``, so
     ``fraction`` of distinct documents on average, the same ones in every pass and worker
-    split."""
+    split (a :class:`LongText` hashed piece by piece: the same bytes, the same digest)."""
     h = hashlib.blake2b(digest_size=8, salt=seed.to_bytes(16, "little", signed=True))
     step = 1 << 20  # the UTF-8 of a slice at a time: a long document is never copied whole
-    for i in range(0, len(text), step):
-        h.update(text[i:i + step].encode("utf-8", errors="replace"))
+    for part in text.pieces() if isinstance(text, LongText) else (text,):
+        for i in range(0, len(part), step):
+            h.update(part[i:i + step].encode("utf-8", errors="replace"))
     return int.from_bytes(h.digest(), "little") < fraction * 2 ** 64
 
 

@@ -16,27 +16,40 @@ __all__ = ["Tokenizer", "META_FILE", "text_pieces", "utf8_len"]
 META_FILE = "llmforge_tokenizer.json"
 
 
-def text_pieces(text: str, max_chars: int = 1 << 20) -> Iterator[str]:
+def text_pieces(text: Any, max_chars: int = 1 << 20) -> Iterator[str]:
     """``text`` in consecutive pieces of at most ``max_chars`` characters, each cut just before a
     space that follows a non-space character (searched back from ``max_chars`` to half of it;
     a hard cut at ``max_chars`` when there is none). Regex pre-tokenizers (byte-level BPE:
     GPT-2, Llama 3, tiktoken) start a new pre-token there, so encoding the pieces gives the ids
-    of encoding the whole text."""
-    start = 0
-    while len(text) - start > max_chars:
-        end = start + max_chars
-        cut = text.rfind(" ", start + max_chars // 2, end)
-        while cut > start and text[cut - 1].isspace():
-            cut = text.rfind(" ", start + max_chars // 2, cut)
-        cut = cut if cut > start else end
-        yield text[start:cut]
-        start = cut
-    yield text[start:]
+    of encoding the whole text.
+
+    ``text``: a ``str``, or a text read as a stream (:class:`llmforge.data.jsonl_lines.LongText`:
+    anything with ``pieces()``), cut at the same places as its whole string would be (a cut
+    looks only at the ``max_chars`` characters after the previous one), holding at most about
+    ``max_chars`` plus one of its pieces."""
+    parts = (text,) if isinstance(text, str) else text.pieces()
+    rest = ""
+    for part in parts:
+        text = rest + part if rest else part
+        start = 0
+        while len(text) - start > max_chars:
+            end = start + max_chars
+            cut = text.rfind(" ", start + max_chars // 2, end)
+            while cut > start and text[cut - 1].isspace():
+                cut = text.rfind(" ", start + max_chars // 2, cut)
+            cut = cut if cut > start else end
+            yield text[start:cut]
+            start = cut
+        rest = text[start:]
+    yield rest
 
 
-def utf8_len(text: str, chunk: int = 1 << 20) -> int:
+def utf8_len(text: Any, chunk: int = 1 << 20) -> int:
     """The UTF-8 byte length of ``text`` (lone surrogates counted as ``?``), encoded ``chunk``
-    characters at a time so a long document is never copied whole as bytes."""
+    characters at a time so a long document is never copied whole as bytes; a streamed text
+    (:class:`llmforge.data.jsonl_lines.LongText`) gives its counted ``utf8_bytes``."""
+    if not isinstance(text, str):
+        return text.utf8_bytes
     if text.isascii():
         return len(text)
     return sum(len(text[i:i + chunk].encode("utf-8", "replace")) for i in range(0, len(text), chunk))

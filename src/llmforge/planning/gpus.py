@@ -57,9 +57,8 @@ GPU_KINDS: dict[str, GPUKind] = {g.name: g for g in (
             "the power-limited H100 of Meta's Grand Teton hosts that torchtitan's benchmarks ran on "
             "(pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md: 96 GB HBM2e, 500 W, "
             "400 Gb/s per GPU; its peak is between SXM and NVL and not published: the SXM figures "
-            "here, the step-time model's power_limited_clock scales them; its HBM2e bandwidth is not "
-            "published either: the SXM's 3.35 TB/s)",
-            memory_bw=3.35 * T),
+            "here, the step-time model's power_limited_clock scales them; 2.4 TB/s of HBM2e bandwidth, ibid.)",
+            memory_bw=2.4 * T),
     GPUKind("H200-141GB", 141 * G, 989 * T, 1979 * T, 450 * G, 50 * G, 8,
             "NVIDIA H200 Tensor Core GPU datasheet (SXM: 141 GB HBM3e, BF16 1,979 / FP8 3,958 TFLOPS "
             "with sparsity, halved for dense; NVLink 900 GB/s); HGX H200 8-GPU with 400 Gb/s per GPU; HBM3e 4.8 TB/s",

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     misses = [e for e in errors if abs(e.error) > MISS]
     print(f"\nheld-out rows over {MISS:.0%}: " + "; ".join(f"{e.run.label} ({e.run.source}) {e.error:+.0%}"
                                                        for e in misses) + " (why: docs/scale.md)")
-    print(f"\nheld-out median error {stats['median']:.0%} max {stats['max']:.0%} over {stats['n']} rows; "
+    print(f"\nheld-out median error {stats['median']:.1%} max {stats['max']:.1%} over {stats['n']} rows; "
           f"published layouts chosen or within error {ok} of {m}")
     return 0
 

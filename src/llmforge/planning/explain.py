@@ -37,7 +37,7 @@ def _decides(a: Optional[dict], b: Optional[dict]) -> str:
 
 def _compare(name: str, tps: float, peak: float, terms: Optional[dict], win: Any, error: float) -> str:
     gap = win.tokens_per_second_per_gpu / tps - 1
-    verdict = (f"within the model's error ({error:.0%}): no winner between them" if abs(gap) <= error
+    verdict = (f"within the model's error ({error:.1%}): no winner between them" if abs(gap) <= error
                else f"winner {gap:+.0%} tokens/s per GPU")
     return (f"{name}: {tps:.0f} tokens/s per GPU, {peak / GIB:.1f} GiB ({(win.peak_bytes - peak) / GIB:+.1f} "
             f"GiB for the winner); {verdict}{_decides(win.terms, terms)}")

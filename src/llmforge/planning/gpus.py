@@ -31,6 +31,7 @@ class GPUKind:
         inter_node_bw: per-GPU, one direction, bytes/s between nodes.
         gpus_per_node: GPUs in one node of the reference platform.
         source: where the figures come from.
+        memory_bw: device memory (HBM) bandwidth, bytes/s.
     """
 
     name: str
@@ -41,6 +42,7 @@ class GPUKind:
     inter_node_bw: float
     gpus_per_node: int
     source: str
+    memory_bw: float
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -50,25 +52,29 @@ GPU_KINDS: dict[str, GPUKind] = {g.name: g for g in (
     GPUKind("H100-SXM-80GB", 80 * G, 989 * T, 1979 * T, 450 * G, 50 * G, 8,
             "NVIDIA H100 Tensor Core GPU datasheet (SXM: 80 GB HBM3, BF16 1,979 / FP8 3,958 TFLOPS "
             "with sparsity, halved for dense; NVLink 900 GB/s); DGX H100 user guide (8 GPUs, "
-            "8x ConnectX-7 400 Gb/s)"),
+            "8x ConnectX-7 400 Gb/s); HBM3 3.35 TB/s", memory_bw=3.35 * T),
     GPUKind("H100-96GB-500W", 96 * G, 989 * T, 1979 * T, 450 * G, 50 * G, 8,
             "the power-limited H100 of Meta's Grand Teton hosts that torchtitan's benchmarks ran on "
             "(pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md: 96 GB HBM2e, 500 W, "
             "400 Gb/s per GPU; its peak is between SXM and NVL and not published: the SXM figures "
-            "here, the step-time model's power_limited_clock scales them)"),
+            "here, the step-time model's power_limited_clock scales them; 2.4 TB/s of HBM2e bandwidth, ibid.)",
+            memory_bw=2.4 * T),
     GPUKind("H200-141GB", 141 * G, 989 * T, 1979 * T, 450 * G, 50 * G, 8,
             "NVIDIA H200 Tensor Core GPU datasheet (SXM: 141 GB HBM3e, BF16 1,979 / FP8 3,958 TFLOPS "
-            "with sparsity, halved for dense; NVLink 900 GB/s); HGX H200 8-GPU with 400 Gb/s per GPU"),
+            "with sparsity, halved for dense; NVLink 900 GB/s); HGX H200 8-GPU with 400 Gb/s per GPU; HBM3e 4.8 TB/s",
+            memory_bw=4.8 * T),
     GPUKind("B200", 180 * G, 2250 * T, 4500 * T, 900 * G, 50 * G, 8,
             "NVIDIA HGX B200 datasheet (per GPU: 180 GB HBM3e, BF16 4.5 / FP8 9 PFLOPS with "
-            "sparsity, halved for dense; NVLink 5 1.8 TB/s); DGX B200 (8 GPUs, 8x ConnectX-7 400 Gb/s)"),
+            "sparsity, halved for dense; NVLink 5 1.8 TB/s); DGX B200 (8 GPUs, 8x ConnectX-7 400 Gb/s); HBM3e 8 TB/s",
+            memory_bw=8.0 * T),
     GPUKind("MI300X-192GB", 192 * G, 1307.4 * T, 2614.9 * T, 448 * G, 50 * G, 8,
             "AMD Instinct MI300X datasheet (192 GB HBM3, BF16 1,307.4 / FP8 2,614.9 TFLOPS dense; "
             "7 Infinity Fabric links, 896 GB/s aggregate bidirectional); 8-GPU OAM platform, "
-            "400 Gb/s NIC per GPU"),
+            "400 Gb/s NIC per GPU; HBM3 5.3 TB/s", memory_bw=5.3 * T),
     GPUKind("A100-SXM-80GB", 80 * G, 312 * T, 0.0, 300 * G, 25 * G, 8,
             "NVIDIA A100 Tensor Core GPU datasheet (SXM 80 GB HBM2e, BF16 312 TFLOPS dense, no FP8; "
-            "NVLink 600 GB/s); DGX A100 (8 GPUs, 8x 200 Gb/s HDR InfiniBand)"),
+            "NVLink 600 GB/s); DGX A100 (8 GPUs, 8x 200 Gb/s HDR InfiniBand); HBM2e 2,039 GB/s",
+            memory_bw=2.039 * T),
 )}
 
 ALIASES = {"h100": "H100-SXM-80GB", "h200": "H200-141GB", "b200": "B200", "mi300x": "MI300X-192GB",

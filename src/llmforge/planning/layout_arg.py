@@ -205,7 +205,7 @@ def format_report(r: dict[str, Any]) -> str:
     mem = r["memory_bytes_per_rank"]
     terms = ", ".join(f"{k} {v:.3g} s" for k, v in r["terms_seconds"].items() if v)
     lines = [f"layout {_text_of(r['layout'])} of {r['config']} on {r['world_size']} x {r['gpu']} "
-             f"(analytic; model error {r['model_error']:.0%} held out, docs/scale.md)",
+             f"(analytic; model error {r['model_error']:.1%} held out, docs/scale.md)",
              f"  memory per rank {mem['total'] / gib:.1f} GiB (state {mem['state'] / gib:.1f}, gathered "
              f"{mem['gathered'] / gib:.1f}, activations {mem['activations'] / gib:.1f}, logits "
              f"{mem['logits'] / gib:.1f}): {'fits' if r['fits'] else 'does NOT fit'} in "

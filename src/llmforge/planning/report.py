@@ -33,7 +33,7 @@ def report(p: Plan, config: str, seconds: float, top: int = 8, algorithms: Optio
     per reason), ``why`` (:func:`llmforge.planning.explain.explain`), the winner's YAML
     (``algorithms``: the config's list, whose activation checkpointing entry it replaces)."""
     g = p.gpu
-    timing = (f"step time by the calibrated model (held-out error {model_error():.0%})" if p.calibrated
+    timing = (f"step time by the calibrated model (held-out error {model_error():.1%})" if p.calibrated
               else f"compute at {EFFICIENCY:.0%} of {g.bf16_flops / 1e12:.0f} TFLOP/s bf16")
     lines = [f"plan: {config} on {p.world_size} x {g.name}",
              *_wrap(f"{(1 - HEADROOM) * g.memory_bytes / GIB:.1f} GiB usable per GPU ({1 - HEADROOM:.0%} of "

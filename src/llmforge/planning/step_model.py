@@ -13,7 +13,14 @@ Terms (seconds per step, one rank):
   activation checkpointing recomputes the forward: full ``x 4/3`` of everything, selective
   (torchtitan's per-operator policy, every second matmul kept) ``x 7/6`` of the linear part.
   A power-limited GPU kind (``-500W``) runs at ``power_limited_clock`` of its peak.
-* **pipeline bubble**: compute ``x bubble / (1 - bubble)``
+* **elementwise**: the memory-bound work beside the matmuls (norms, RoPE, the SwiGLU's
+  activation and product, residual adds): ``elementwise_passes`` bf16 reads or writes of a
+  ``d + F`` wide row per token and block (forward and backward, recomputed with the forward
+  under AC), ``/ tp`` (sequence parallel), at the GPU's memory bandwidth (``memory_bw``,
+  times ``power_limited_clock``); compiled, ``compile_fusion`` of it is left (inductor fuses
+  the chains into fewer kernels). Its share of the step falls as ``1 / d``: what makes a 1B
+  model slower per FLOP than an 8B one on the same GPU (roofline, Williams et al. 2009).
+* **pipeline bubble**: (compute + elementwise) ``x bubble / (1 - bubble)``
   (:func:`llmforge.parallel.pipeline.bubble_fraction`, the schedule's formula, nothing fitted).
 * **FSDP** (over ``dp_shard x cp`` ranks): per block two all-gathers of the weights (one with
   pipeline stages: torchtitan keeps them after the forward) in bf16 (1 byte for float8
@@ -66,6 +73,9 @@ class CostParams:
         nvlink_efficiency, network_efficiency: achieved share of the GPU table's bandwidth.
         fsdp_overlap: share of the compute that can hide FSDP / CP / HSDP traffic.
         tp_exposed, async_tp_exposed: share of the tensor-parallel traffic left exposed.
+        elementwise_passes: bf16 passes over a ``d + F`` wide row per token and block,
+            forward and backward, of the memory-bound work beside the matmuls.
+        compile_fusion: share of that traffic left under ``torch.compile``.
     """
 
     matmul_efficiency: float = 0.45
@@ -82,6 +92,8 @@ class CostParams:
     fsdp_overlap: float = 0.9
     tp_exposed: float = 1.0
     async_tp_exposed: float = 0.5
+    elementwise_passes: float = 20.0
+    compile_fusion: float = 0.5
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -93,8 +105,8 @@ class CostParams:
 
 @dataclass(frozen=True)
 class Prediction:
-    """Seconds per step of one rank by term, and what follows. ``terms``: compute, bubble,
-    data_parallel (FSDP / HSDP / ring CP, exposed), tp, pp, cp (all_gather / ulysses), with the raw (before overlap) FSDP/CP traffic in ``overlapped``."""
+    """Seconds per step of one rank by term, and what follows. ``terms``: compute (matmuls and
+    attention), elementwise (memory-bound), bubble, data_parallel (FSDP / HSDP / ring CP, exposed), tp, pp, cp (all_gather / ulysses), with the raw (before overlap) FSDP/CP traffic in ``overlapped``."""
 
     step_seconds: float
     tokens_per_second_per_gpu: float
@@ -176,6 +188,7 @@ def predict(s: Setting, p: CostParams) -> Prediction:
     n_micro = s.global_batch_size // dp // s.micro_batch_size
     tokens = s.global_batch_size * s.seq_len
     linear, attention = flops_per_token(sh, s.seq_len)
+    recompute = {"full": 4 / 3, "selective": 7 / 6}.get(s.ac, 1.0)
     if s.ac == "full":
         linear, attention = linear * 4 / 3, attention * 4 / 3
     elif s.ac == "selective":
@@ -186,8 +199,10 @@ def predict(s: Setting, p: CostParams) -> Prediction:
     speed = gpu.bf16_flops * efficiency * clock * (p.compile_speedup if s.compile else 1.0)
     fp8 = {"fp8_tensorwise": p.fp8_tensorwise_speedup, "fp8_rowwise": p.fp8_rowwise_speedup}.get(s.precision, 1.0)
     compute = tokens / s.world * (linear / fp8 + attention / p.attention_efficiency) / speed
+    elementwise = (tokens / s.world * sh.n_layers * p.elementwise_passes * (sh.dim + sh.ffn_dim) * 2.0
+                   * recompute * (p.compile_fusion if s.compile else 1.0) / (gpu.memory_bw * clock))
     bubble_share = bubble_fraction(s.schedule, s.pp, n_micro, s.stages_per_rank) if s.pp > 1 else 0.0
-    bubble = compute * bubble_share / (1 - bubble_share)
+    bubble = (compute + elementwise) * bubble_share / (1 - bubble_share)
 
     layers = sh.n_layers / s.pp  # blocks on this rank
     w_gather = 1.0 if s.fp8_all_gather and s.precision != "bf16" else 2.0
@@ -214,7 +229,7 @@ def predict(s: Setting, p: CostParams) -> Prediction:
         # a ring pass sends the rank's K, V shard to the next rank, cp - 1 times per pass
         fsdp += n_micro * layers * passes * (s.cp - 1) * _collective(
             2, 2 * kv, 1, s.cp * s.tp <= node, gpu, p)
-    exposed_fsdp = max(0.0, fsdp - p.fsdp_overlap * compute)
+    exposed_fsdp = max(0.0, fsdp - p.fsdp_overlap * (compute + elementwise))
     tp = 0.0
     if s.tp > 1:
         calls = n_micro * layers * (12 if s.ac == "full" else 8)
@@ -227,7 +242,7 @@ def predict(s: Setting, p: CostParams) -> Prediction:
         hidden = micro_tokens * sh.dim * 2.0 / s.tp
         pp = _collective(2, 2 * hidden * sends, sends, s.world // s.pp < node, gpu, p)
     cp = context_parallel_seconds(s, p) * n_micro * layers
-    terms = {"compute": compute, "bubble": bubble, "data_parallel": exposed_fsdp, "tp": tp, "pp": pp,
+    terms = {"compute": compute, "elementwise": elementwise, "bubble": bubble, "data_parallel": exposed_fsdp, "tp": tp, "pp": pp,
              "cp": cp}
     step = sum(terms.values())
     tps = tokens / step / s.world

@@ -149,5 +149,5 @@ def versus(chosen: Verdict, other: Verdict, error: Optional[float] = None) -> st
     key = max(a, key=lambda k: abs(a[k] - b[k]))
     decided = f"{key} {a[key]:.3g} s against {b[key]:.3g} s"
     if abs(gap) <= error:
-        return f"{gap:+.1%} tokens/s per GPU: within the model's error ({error:.0%}); {decided}"
+        return f"{gap:+.1%} tokens/s per GPU: within the model's error ({error:.1%}); {decided}"
     return f"{gap:+.1%} tokens/s per GPU, decided by {decided}"

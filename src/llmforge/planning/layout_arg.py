@@ -180,7 +180,7 @@ def layout_report(s: Setting, gpu: GPUKind, config: str, compare: bool = True) -
         "memory_bytes_per_rank": v.memory, "fits": v.fits, "fit_share": FIT_SHARE,
         "tokens_per_second_per_gpu": pr.tokens_per_second_per_gpu, "mfu": pr.mfu,
         "step_seconds": pr.step_seconds, "terms_seconds": pr.terms, "limit": pr.limit,
-        "model_error": model_error()}
+        "model_error": model_error(), "compile": s.compile}
     if compare:
         best = best_layout(s)
         if best is not None:
@@ -215,6 +215,11 @@ def format_report(r: dict[str, Any]) -> str:
     if "best" in r:
         lines.append(f"  best layout found: {r['best']['layout']} at {r['best']['tokens_per_second_per_gpu']:.0f} "
                      f"tokens/s per GPU ({r['best']['versus']})")
+    if r.get("compile"):
+        # the analytic activations are compiled ones (OLMo-core's 7B and 13B runs fit only so);
+        # the planner's simulation runs eager and may refuse a layout without AC that fits here
+        lines.append("  memory counts torch.compile's recomputed elementwise activations; `llmforge plan` "
+                     "without --layout simulates them eager and may refuse a layout without AC that fits here")
     if "published" in r:
         p = r["published"]
         lines.append(f"  published: {p['layout']} measured {p['measured_tokens_per_second_per_gpu']:.0f} "

@@ -129,8 +129,12 @@ def flops_per_token(shape: Shape, seq_len: int) -> tuple[float, float]:
 
 
 def model_flops_per_token(shape: Shape, seq_len: int) -> float:
-    """FLOPs per token MFU is counted with: no recomputation, linear plus causal attention."""
-    return sum(flops_per_token(shape, seq_len))
+    """FLOPs per token MFU is counted with (PaLM, Chowdhery et al. 2022 App. B, as torchtitan
+    and ``llmforge plan``'s table count it): ``6 x`` the matmul parameters plus ``12 L s d``
+    of attention (not halved for the causal mask), no recomputation. The step's time charges
+    the causal half only (:func:`flops_per_token`)."""
+    linear, attention = flops_per_token(shape, seq_len)
+    return linear + 2 * attention
 
 
 def _collective(n: int, payload: float, calls: float, intra: bool, gpu: GPUKind, p: CostParams,

@@ -66,6 +66,29 @@ def test_a_folder_llmforge_did_not_make_is_neither_trained_into_nor_deleted(tmp_
     assert files(user) == before and files(ckpts) == ckpts_before
 
 
+def test_another_runs_checkpoint_dir_is_neither_continued_nor_deleted(tmp_path, capsys):
+    """A checkpoint.dir holding the checkpoints of another run (its meta.json names it and that
+    run is still there) is refused fresh, resumed and with --overwrite, all before a write."""
+    other = tmp_path / "runs" / "other"
+    other.mkdir(parents=True)
+    (other / "config.yaml").write_text("run: {name: other}\n")
+    ckpts = tmp_path / "shared"
+    step = ckpts / "step_00000003"
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text("")
+    (step / "meta.json").write_text(json.dumps({"config": {"run": {"name": "other",
+                                                                   "output_dir": str(tmp_path / "runs")}}}))
+    before = files(ckpts)
+    for extra in ([], ["checkpoint.resume=auto"], ["--overwrite"]):
+        assert train(tmp_path, f"checkpoint.dir={ckpts}", *extra) == 2
+        err = capsys.readouterr().err
+        assert err == (f"error: checkpoint.dir={ckpts} holds the checkpoints of another run, {other} (its "
+                       "config.yaml names this folder); --overwrite replaces this run only: give this run its "
+                       f"own checkpoint.dir (start from that run's weights with model.init_from={step}, or "
+                       "continue it with run.name=other)\n")
+    assert files(ckpts) == before and not (tmp_path / "runs" / "r").exists()
+
+
 def test_a_symlinked_run_and_checkpoint_dir_survive_overwrite(tmp_path, capsys):
     real = tmp_path / "real" / "r"
     before = old_run(real)

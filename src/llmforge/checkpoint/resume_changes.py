@@ -22,7 +22,7 @@ from typing import Any, Optional
 from llmforge.config.schema import TrainConfig
 from llmforge.errors import ConfigError
 
-__all__ = ["MAY_CHANGE", "ResumeChanges", "resume_changes", "check_resume_changes"]
+__all__ = ["MAY_CHANGE", "ResumeChanges", "checkpoint_run_dir", "resume_changes", "check_resume_changes"]
 
 MAY_CHANGE = (
     "run.name", "run.output_dir", "run.group", "run.tags",
@@ -142,6 +142,19 @@ def _saved_config(ckpt: Path) -> tuple[Optional[dict], str]:
         if isinstance(data, dict):
             return {**data, **world}, str(run_config)
     return (world or None), "no saved config"
+
+
+def checkpoint_run_dir(ckpt: Path) -> Optional[Path]:
+    """The run directory (``run.output_dir / run.name``, as the run resolved them) that wrote
+    the checkpoint ``ckpt``, from its saved config; ``None`` when it names none.
+
+    Raises:
+        ConfigError: the checkpoint's ``meta.json`` exists but cannot be read.
+    """
+    run = (_saved_config(ckpt)[0] or {}).get("run")
+    if not isinstance(run, dict) or not isinstance(run.get("name"), str):
+        return None
+    return Path(str(run.get("output_dir") or "runs")) / run["name"]
 
 
 def resume_changes(ckpt: str | Path, config: dict[str, Any], world_size: Optional[int]) -> ResumeChanges:

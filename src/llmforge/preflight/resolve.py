@@ -22,7 +22,7 @@ from typing import Any, Mapping, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from llmforge.checkpoint.layout import COMPLETE, latest_checkpoint, list_checkpoints
-from llmforge.checkpoint.resume_changes import check_resume_changes, resume_changes
+from llmforge.checkpoint.resume_changes import check_resume_changes, checkpoint_run_dir, resume_changes
 from llmforge.config.redaction import config_to_dict, redact
 from llmforge.config.validate import BatchPlan, validate
 from llmforge.errors import ConfigError
@@ -205,6 +205,25 @@ def _check_files(cfg: DictConfig) -> None:
                           "tokenizer file (or tokenizer.type=train_bpe)")
 
 
+def _refuse_another_runs_checkpoints(ckpt_dir: Path, run_dir: Path) -> None:
+    """A ``checkpoint.dir`` whose newest checkpoint another run wrote, while that run's
+    directory is still there, is refused: resuming would continue that run under this name,
+    ``--overwrite`` would delete its checkpoints, and a fresh run would mix with them.
+
+    Raises:
+        ConfigError: naming the folder, the other run and what to do instead.
+    """
+    found = list_checkpoints(ckpt_dir)
+    owner = checkpoint_run_dir(found[-1]) if found else None
+    if owner is None or not (owner / "config.yaml").is_file():
+        return
+    if os.path.realpath(owner) != os.path.realpath(run_dir):
+        raise ConfigError(f"checkpoint.dir={ckpt_dir} holds the checkpoints of another run, {owner} (its "
+                          "config.yaml names this folder); --overwrite replaces this run only: give this run "
+                          f"its own checkpoint.dir (start from that run's weights with model.init_from="
+                          f"{found[-1]}, or continue it with run.name={owner.name})")
+
+
 def _run_dir_state(cfg: DictConfig, run_dir: Path, ckpt_dir: Path, overwrite: bool,
                    world_size: int) -> tuple[Optional[Path], bool, Optional[str]]:
     """``(resume_from, used, resume line)``; refuses a used directory without resume or
@@ -216,6 +235,8 @@ def _run_dir_state(cfg: DictConfig, run_dir: Path, ckpt_dir: Path, overwrite: bo
         refuse_link(ckpt_dir, "checkpoint.dir")
         refuse_run_inside_run(ckpt_dir, run_dir, "checkpoint.dir")
     metrics = (run_dir / "metrics.jsonl").exists()
+    if ck.dir:
+        _refuse_another_runs_checkpoints(ckpt_dir, run_dir)
     used = metrics or bool(list_checkpoints(ckpt_dir))
     if used and overwrite:  # what Trainer.prepare_run_dir will clear, before it reads the inputs
         cleared = [("run.name", run_dir)] + ([("checkpoint.dir", ckpt_dir)] if ck.dir else [])

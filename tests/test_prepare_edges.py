@@ -64,7 +64,8 @@ def test_the_jsonl_reader_splits_bytes_at_newlines_and_names_bad_lines(tmp_path)
         f.write_bytes(b'{"text": "a"}\n{"text": "\xff"}\n')
         with pytest.raises(UnicodeDecodeError):  # read_rows names the file and line (not_utf8)
             list(_jsonl_rows([str(f)], "text", long_line))
-        for bad in (b'{"text": \n', b'{"text": "a\\q"}\n', b'{"text": "a"} x\n', b'{"text": "unclosed\n'):
+        deep = b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b', "text": "x"}\n'  # RecursionError in json
+        for bad in (b'{"text": \n', b'{"text": "a\\q"}\n', b'{"text": "a"} x\n', b'{"text": "unclosed\n', deep):
             f.write_bytes(b'{"text": "a"}\n' + bad)
             with pytest.raises(DataError, match=f"{f} line 2 is not valid JSON"):
                 list(_jsonl_rows([str(f)], "text", long_line))
@@ -83,13 +84,14 @@ def test_the_training_byte_budget_is_cut_piece_by_piece_as_before(monkeypatch):
 def test_a_long_line_is_read_in_chunks_into_the_same_shards(tmp_path, monkeypatch):
     """A jsonl line over LONG_LINE_BYTES is parsed from the file in chunks (a LongText read again
     for each use), never held whole. With the threshold and the chunk forced tiny (7 bytes:
-    \\n, \\", \\u00e9 and the surrogate pair \\ud83d\\ude00 cut at every place), a BOM and
+    \\n, \\", \\u00e9 and the surrogate pair \\ud83d\\ude00 cut at every place; unpaired ones), a BOM and
     CRLF in the text, 2 workers: the trained BPE, every shard's sha256 and the held-out split
     are those of the whole-line path."""
     from llmforge.cli.data_commands import load_prepare_config
 
     long = _document(2500).replace("w17", "caf\u00e9 \r\n\"q\" \\ \U0001F600")  # ~12 K chars
-    rows = [{"text": "\ufeff" + long, "id": [1, {"a": None}]}, {"text": "short one"}, {"id": 3},
+    lone = " \ud800 \udc00 end"  # unpaired surrogates (escaped: no UTF-8 for them) become U+FFFD
+    rows = [{"text": "\ufeff" + long + lone, "id": [1, {"a": None}]}, {"text": "short one"}, {"id": 3},
             {"meta": "x \\\" y", "text": long[::-1]}, {"text": " \n "}, {"text": long[:3000]}]
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps(r, ensure_ascii=i % 2 == 0) + "\n" for i, r in enumerate(rows)))
@@ -108,7 +110,8 @@ def test_a_long_line_is_read_in_chunks_into_the_same_shards(tmp_path, monkeypatc
     assert {k: v["documents"] for k, v in got["whole"][0].items()} in ({"train": 3, "val": 1}, {"train": 2, "val": 2})
     streamed = [r["text"] for r in jsonl_rows([str(src)], "text")]
     assert [type(t) for t in streamed] == [LongText, str, type(None), LongText, str, LongText]
-    clean = long.replace("\r\n", "\n")  # as clean_text: the BOM dropped, CRLF read as LF
+    # as clean_text: the BOM dropped, CRLF read as LF, unpaired surrogates U+FFFD
+    clean = (long + lone).replace("\r\n", "\n").replace("\ud800", "\ufffd").replace("\udc00", "\ufffd")
     assert "".join(streamed[0].pieces()) == clean and len(streamed[0]) == len(clean) > 3 * 1000
     tok = load_saved(tmp_path / "whole" / "tokenizer")  # iter_packed's cut of a stream: the ids of the str
     a, b = (write_shard(tok, [text], tmp_path / f"{i}.bin", max_chars=1000)

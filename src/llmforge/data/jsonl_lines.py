@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -20,16 +21,26 @@ from llmforge.data.jsonl_parse import READ_CHUNK, JsonLineError, LineReader
 from llmforge.data.tokenizer_base import utf8_len
 from llmforge.errors import DataError
 
-__all__ = ["LONG_LINE_BYTES", "LongText", "Rows", "clean_pieces", "jsonl_rows"]
+__all__ = ["LONG_LINE_BYTES", "LongText", "Rows", "clean_pieces", "jsonl_rows", "no_surrogates"]
 
 LONG_LINE_BYTES = 4 << 20  # a longer line is streamed (LongText); a shorter one read whole
 _BLANK = object()  # a long line of JSON whitespace: skipped like a blank short line
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def no_surrogates(text: str) -> str:
+    """``text`` with every unpaired surrogate (a JSON ``\\ud800`` escape alone: no UTF-8 for it,
+    so no tokenizer takes it) replaced by U+FFFD, as undecodable bytes are."""
+    return _SURROGATE.sub("\ufffd", text) if _SURROGATE.search(text) else text
+
+
 def clean_pieces(pieces: Iterable[str]) -> Iterator[str]:
     """What :func:`llmforge.data.sources.clean_text` makes of the pieces' concatenation, in
     pieces: a leading BOM removed, CRLF and CR turned into LF (a CR at a piece's end waits for
-    the next piece's first character)."""
+    the next piece's first character), unpaired surrogates replaced (:func:`no_surrogates`;
+    the parser never splits a pair between pieces)."""
     first, carry = True, ""
     for piece in pieces:
         if first and piece:
@@ -41,7 +52,7 @@ def clean_pieces(pieces: Iterable[str]) -> Iterator[str]:
         if "\r" in piece:
             piece = piece.replace("\r\n", "\n").replace("\r", "\n")
         if piece:
-            yield piece
+            yield no_surrogates(piece)
     if carry:
         yield "\n"
 
@@ -205,8 +216,9 @@ def jsonl_rows(files: list[str], text_field: str, long_line: Optional[int] = Non
                     continue
                 try:
                     row = json.loads(line)
-                except ValueError as exc:
-                    raise DataError(f"data: {name} line {number} is not valid JSON ({exc}); fix or "
+                except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
+                    why = exc if isinstance(exc, ValueError) else "nested too deeply"
+                    raise DataError(f"data: {name} line {number} is not valid JSON ({why}); fix or "
                                     "drop the line") from None
                 del line  # the parsed value alone while it is tokenized
                 # a key missing from the first row is a missing column (as datasets infers its

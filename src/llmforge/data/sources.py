@@ -22,7 +22,7 @@ from typing import Any, Iterator, Optional
 from llmforge.config.redaction import scrub_url_credentials
 from llmforge.data.documents import AnyDataset, DocumentSplits, hf_datasets, is_stream
 from llmforge.data.file_identity import URL
-from llmforge.data.jsonl_lines import LongText, Rows
+from llmforge.data.jsonl_lines import LongText, Rows, no_surrogates
 from llmforge.data.jsonl_lines import jsonl_rows as _jsonl_rows  # its name here before
 from llmforge.data.remote import missing_driver, plain_options
 from llmforge.data.shakespeare import shakespeare_files
@@ -34,7 +34,8 @@ _FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".j
 
 
 def clean_text(text: Optional[str]) -> str:
-    """Remove a leading BOM and normalize line ends to ``\\n``.
+    """Remove a leading BOM, normalize line ends to ``\\n`` and replace unpaired surrogates by
+    U+FFFD (:func:`~llmforge.data.jsonl_lines.no_surrogates`).
 
     Raises:
         DataError: the value is not text (e.g. a number in a json ``text`` field).
@@ -46,6 +47,7 @@ def clean_text(text: Optional[str]) -> str:
                         "where text was expected; point data.text_field at a string column")
     if text.startswith("\ufeff"):
         text = text[1:]
+    text = no_surrogates(text)  # a lone JSON \ud800 escape: no UTF-8 for it
     if "\r" not in text:  # no copies of a long document that needs none
         return text
     return text.replace("\r\n", "\n").replace("\r", "\n")

@@ -119,6 +119,25 @@ def test_a_long_line_is_read_in_chunks_into_the_same_shards(tmp_path, monkeypatc
     assert a["sha256"] == b["sha256"] and a["bytes"] == b["bytes"] == len(clean.encode())
 
 
+def test_a_source_written_while_it_is_read_gets_no_manifest(tmp_path):
+    """A line appended to the source after the first shard: the shards would not match the
+    sources the manifest names, so the prepare exits 2 (DataError) naming the file, with no
+    manifest written."""
+    from llmforge.cli.data_commands import load_prepare_config
+
+    source = write_corpus(tmp_path / "corpus", files=1, docs=30)
+    path = next((tmp_path / "corpus").glob("*.jsonl"))
+
+    def append(out, entry):
+        with open(path, "a") as fh:
+            fh.write(json.dumps({"text": "appended meanwhile"}) + "\n")
+
+    cfg = load_prepare_config(source, [*TOK, "data.val_fraction=0"])
+    with pytest.raises(DataError, match=f"data: {path} changed while data prepare read it"):
+        prepare(cfg, tmp_path / "out", workers=1, docs_per_shard=10, show_progress=False, on_shard=append)
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
 def test_a_cache_that_cannot_be_written_leaves_the_prepare_uncached(tmp_path):
     """$LLMFORGE_CACHE below a regular file (ENOTDIR; a read-only mount gives EROFS, the same
     OSError path): the BPE is trained, one warning line says it is not cached, the prepare

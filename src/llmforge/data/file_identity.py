@@ -37,6 +37,17 @@ def describe_files(files: list[str]) -> list[dict[str, Any]]:
     return out
 
 
+def local_stats(files: list[str]) -> list[tuple[str, int, int]]:
+    """``(path, bytes, modification time in ns)`` of the local files among ``files`` (URLs
+    left out): compared before and after a long read, it tells a file written meanwhile."""
+    out = []
+    for f in files:
+        if not URL.match(f):
+            st = os.stat(f)
+            out.append((f, st.st_size, st.st_mtime_ns))
+    return out
+
+
 def file_identity(path: str, head: int = 1 << 16) -> tuple[int, str]:
     """``(bytes, sha256 hex of the first head bytes)`` of a local file: tells a file rewritten
     under its name (another size or beginning) from the one a streaming position was saved in,

@@ -26,7 +26,7 @@ from llmforge.data.packing import PIECE_CHARS, iter_packed, token_dtype
 from llmforge.data.prepare_pool import ShardPool
 from llmforge.data.prepared import tokenizer_fingerprint
 from llmforge.data.prepared_checks import FORMAT, MANIFEST, parse_manifest
-from llmforge.data.file_identity import describe_files
+from llmforge.data.file_identity import describe_files, local_stats
 from llmforge.data.mds import mds_documents, mds_files
 from llmforge.data.remote import _check_store_out, _remote_size, _upload, open_store
 from llmforge.data.shakespeare import cache_root
@@ -134,6 +134,13 @@ def source_files(cfg: Any) -> list[dict[str, Any]]:
     return describe_files(_resolve_files(cfg.data))
 
 
+def _source_stats(cfg: Any) -> list[tuple[str, int, int]]:
+    """:func:`local_stats` of a ``files`` source's local files (``[]`` for a hub dataset)."""
+    if cfg.data.source != "files":
+        return []
+    return local_stats(mds_files(cfg.data) if cfg.data.format == "mds" else _resolve_files(cfg.data))
+
+
 def _atomic_json(path: Path, value: Any) -> None:
     tmp = path.with_suffix(".tmp")
     try:
@@ -230,6 +237,7 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
                                 show_progress=show_progress)
     out = Path(out)
     cfg.data.streaming = True  # read lazily: a corpus never sits in memory
+    read = _source_stats(cfg)  # a file written while it is read: refused before the manifest
     if cfg.data.format == "mds":  # LLM Foundry's MDS shards (llmforge.data.mds)
         docs = mds_documents(cfg.data, cfg.run.seed)
         if docs.train.kind == "tokens" and cfg.tokenizer.type == "train_bpe":
@@ -314,6 +322,12 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
             pool.close()
     if not sum(s["tokens"] for s in splits["train"]):
         raise DataError(f"data: the source gave no training tokens; {out} is not usable")
+    now = {path: (size, mtime) for path, size, mtime in _source_stats(cfg)}
+    for path, size, mtime in read:
+        if now.get(path) != (size, mtime):
+            raise DataError(f"data: {path} changed while data prepare read it ({size:,} bytes before); the "
+                            f"shards in {out} would not match the manifest's sources: delete {out} and run the "
+                            "same command again once the file is complete")
     manifest = {
         "format": FORMAT, "complete": True, "dtype": token_dtype(tok.vocab_size).name,
         "tokenizer": {"fingerprint": fp, "vocab_size": tok.vocab_size, "bos_id": tok.bos_id,

@@ -83,6 +83,9 @@ def test_plan_layout_predicts_one_layout_and_names_bad_keys():
         bad = run_main("plan", DEMO, "--gpus", gpus, "--layout", layout)
         assert bad.returncode == 2, (layout, bad.stdout)
         assert words in bad.stderr and "Traceback" not in bad.stderr
+    for extra in ([], ["--layout", "dp_shard=8"]):  # every layout divides by the batch: refused first
+        bad = run_main("plan", DEMO, "trainer.global_batch_size=0", "--gpus", "8", *extra)
+        assert bad.returncode == 2 and bad.stderr == "error: trainer.global_batch_size must be > 0, got 0\n"
 
 
 def test_fidelity_benchmark_prints_the_stored_figures(capsys):

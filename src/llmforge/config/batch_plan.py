@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from llmforge.errors import ConfigError
 
-__all__ = ["BatchPlan", "data_parallel_size", "plan_batch", "resolve_world"]
+__all__ = ["BatchPlan", "check_positive_sizes", "data_parallel_size", "plan_batch", "resolve_world"]
 
 
 @dataclass
@@ -121,6 +121,19 @@ def data_parallel_size(cfg: Any, world_size: Optional[int] = 1) -> int:
     return rep * shard
 
 
+
+def check_positive_sizes(cfg: Any) -> None:
+    """``trainer.micro_batch_size``, ``seq_len`` and ``global_batch_size`` are positive (what
+    ``llmforge plan`` checks before any layout: it divides by them).
+
+    Raises:
+        ConfigError: naming the key and its value.
+    """
+    for key in ("micro_batch_size", "seq_len", "global_batch_size"):
+        value = int(cfg.trainer[key])
+        if value <= 0:
+            raise ConfigError(f"trainer.{key} must be > 0, got {value}")
+
 def plan_batch(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
     """Derive gradient accumulation and per-rank sizes from ``cfg.trainer`` and the strategy.
 
@@ -137,10 +150,7 @@ def plan_batch(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
     world = resolve_world(cfg, world_size)
     t = cfg.trainer
     mbs, gbs, seq = int(t.micro_batch_size), int(t.global_batch_size), int(t.seq_len)
-    if mbs <= 0:
-        raise ConfigError(f"trainer.micro_batch_size must be > 0, got {mbs}")
-    if seq <= 0:
-        raise ConfigError(f"trainer.seq_len must be > 0, got {seq}")
+    check_positive_sizes(cfg)
     dp = data_parallel_size(cfg, world)
     # fault-tolerant replica groups split the global batch too (each group is one job of `world`)
     ft = cfg.get("fault_tolerance")

@@ -16,6 +16,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from llmforge.config import load_config
+from llmforge.config.batch_plan import check_positive_sizes
 from llmforge.errors import ConfigError
 from llmforge.planning.gpus import GPUKind, gpu_kind, gpu_kind_of_type
 from llmforge.planning.layout_arg import run_layout
@@ -52,8 +53,9 @@ def plan_command(args: Any) -> int:
     if args.cluster and args.gpu:
         raise ConfigError("--gpu and --cluster both name the GPU kind; pass one of them")
     gpu = cluster_gpu(get_cluster(args.cluster)) if args.cluster else gpu_kind(args.gpu or "H100-SXM-80GB")
+    cfg = load_config(args.config, list(args.overrides))
+    check_positive_sizes(cfg)  # every layout divides by them
     if getattr(args, "layout", None) is not None:  # --layout "" is an error, not a plan of minutes
-        cfg = load_config(args.config, list(args.overrides))
         return run_layout(cfg, args.config, args.gpus, gpu, args.layout, as_json=args.json)
     return run_plan(args.config, list(args.overrides), args.gpus, gpu, as_json=args.json, top=args.top)
 

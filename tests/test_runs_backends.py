@@ -365,6 +365,10 @@ def test_logs_of_a_fault_tolerant_run_by_replica_group(home, capsys):
                                        "and the lighthouse; name one of them\n")
     assert main(["runs", "logs", run.id, "--resumption", "1"]) == 2
     assert "each replica group restarts alone" in capsys.readouterr().err
+    assert main(["runs", "logs", run.id, "--group", "\u00b2"]) == 2  # isdigit(), but not a number
+    assert capsys.readouterr().err.startswith("error: --group \u00b2: run ")
+    assert main(["runs", "logs", run.id, "--resumption", "-1"]) == 2
+    assert capsys.readouterr().err == "error: --resumption -1: resumptions count from 0 (this run's: 0..0)\n"
     plain = RunRegistry().create("plain", "local", "local", run_dir=str(run_dir))
     assert main(["runs", "logs", plain.id, "--group", "0"]) == 2
     assert "has no replica groups (it is not a fault-tolerant run)" in capsys.readouterr().err

@@ -283,6 +283,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
     registry = RunRegistry()
     r = registry.resolve(args.run)
     backend = backend_of(r)
+    if args.resumption is not None and args.resumption < 0:
+        raise ConfigError(f"--resumption {args.resumption}: resumptions count from 0 "
+                          f"(this run's: 0..{r.resumptions})")
     k = r.resumptions if args.resumption is None else args.resumption
     # the group only when given: a backend of the documented logs(run, resumption) still works
     group = {} if args.group is None else {"group": args.group}
@@ -306,8 +309,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
         if not now.active and (now.resumptions == k or args.resumption is not None):
             return 0
         if now.resumptions != k and args.resumption is None:  # a restart began: follow it
-            k, pos = now.resumptions, 0
-            path = backend.logs(now, k, **group)[0]
+            k, new = now.resumptions, backend.logs(now, now.resumptions, **group)[0]
+            # a fault-tolerant group's restarts append to its one log: keep the position there
+            path, pos = new, (pos if new == path else 0)
             continue
         time.sleep(0.5)
 

@@ -177,15 +177,17 @@ def replica_group(run: RunRecord, group: Optional[str]) -> Any:
     if not groups:
         raise ConfigError(f"--group {group}: run {run.id} has no replica groups (it is not a fault-tolerant "
                           "run); leave --group out")
+    # a number is the group's index first, so that every group is reachable whatever its name
+    if group.isascii() and group.isdigit() and int(group) < len(groups):
+        return int(group)
     if group == "lighthouse":
         return group
     names = [g.get("name") for g in groups]
     if group in names:
         return names.index(group)
-    if group.isdigit() and int(group) < len(groups):
-        return int(group)
-    raise ConfigError(f"--group {group}: run {run.id} has replica groups 0..{len(groups) - 1} "
-                      f"({', '.join(str(n) for n in names)}) and the lighthouse; name one of them")
+    named = f" ({', '.join(str(n) for n in names)})" if all(names) else ""
+    raise ConfigError(f"--group {group}: run {run.id} has replica groups 0..{len(groups) - 1}{named} "
+                      "and the lighthouse; name one of them")
 
 
 def train_args(spec: dict[str, Any]) -> list[str]:

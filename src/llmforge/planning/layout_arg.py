@@ -189,7 +189,8 @@ def layout_report(s: Setting, gpu: GPUKind, config: str, compare: bool = True) -
         pub = published_layout(s.shape.name, s.world, s.seq_len)
         if pub is not None:
             out["published"] = {"layout": _text(pub.setting), "measured_tokens_per_second_per_gpu":
-                                pub.tokens_per_second_per_gpu, "source": pub.source, "table": pub.table}
+                                pub.tokens_per_second_per_gpu, "gpu": pub.setting.gpu, "source": pub.source,
+                                "table": pub.table}
     return out
 
 
@@ -223,7 +224,7 @@ def format_report(r: dict[str, Any]) -> str:
     if "published" in r:
         p = r["published"]
         lines.append(f"  published: {p['layout']} measured {p['measured_tokens_per_second_per_gpu']:.0f} "
-                     f"tokens/s per GPU ({p['source']}, {p['table']})")
+                     f"tokens/s per GPU on {p['gpu']} ({p['source']}, {p['table']})")
     return "\n".join(lines)
 
 

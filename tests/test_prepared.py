@@ -331,6 +331,10 @@ def test_bad_prepare_input_exits_2(tmp_path, capsys):
     assert prepare(str(tmp_path / "empty.jsonl"), tmp_path / "out") == 2
     err = capsys.readouterr().err
     assert "holds no non-empty document" in err and not (tmp_path / "out").exists()
+    (tmp_path / "one.jsonl").write_text('{"text": "hi there"}\n')  # the hold-out's hash picks it
+    assert prepare(str(tmp_path / "one.jsonl"), tmp_path / "out") == 2
+    assert ("every document was held out for validation (data.val_fraction=0.05); add documents or set "
+            "data.val_fraction=0") in capsys.readouterr().err and not (tmp_path / "out").exists()
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "notes.txt").write_text("mine")
     (tmp_path / "doc.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n{"text": "c"}\n')

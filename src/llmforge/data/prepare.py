@@ -247,8 +247,11 @@ def prepare(cfg: Any, out: str | Path, *, workers: Optional[int] = None,
     else:
         docs = load_documents(cfg.data, cfg.run.seed, by_line=True)
     if next(read_rows(docs.train, docs.files), None) is None:
-        raise DataError(f"data: the source ({cfg.data.source} {cfg.data.path or ''}) holds no "
-                        f"non-empty document; nothing was written to {out}")
+        held = docs.val is not None and next(read_rows(docs.val, docs.files), None) is not None
+        why = (f": every document was held out for validation (data.val_fraction={cfg.data.val_fraction}); "
+               "add documents or set data.val_fraction=0" if held else " holds no non-empty document")
+        raise DataError(f"data: the source ({cfg.data.source} {cfg.data.path or ''}){why}; nothing was "
+                        f"written to {out}")
     tok = build_tokenizer(cfg.tokenizer, lambda: iter_texts(docs.train, cfg.tokenizer.train_max_bytes, docs.files),
                           cache_dir=cache_root() / "tokenizers", fingerprint=tokenizer_cache_key(cfg, docs))
     release_free_heap()  # what the BPE trainer's threads freed, before tokenizing allocates more

@@ -133,6 +133,18 @@ def training_started() -> None:
     _state.phase, _state.received = "training", None
 
 
+def startup_stop() -> Optional[StoppedBeforeTraining]:
+    """The stop a signal received during startup stands for, or ``None``: what an exception
+    raised while that signal unwound library code (e.g. a ``RecursionError`` out of a lazy
+    import it interrupted) is reported as (exit 75 or 130, nothing to save)."""
+    first = _state.received
+    if first is None or _state.phase != "startup":
+        return None
+    return StoppedBeforeTraining(f"received {signal.Signals(first).name} before training started: "
+                                 f"nothing to save (exit code {exit_code_for(first)})", exit_code_for(first),
+                                 first)
+
+
 def training_ended() -> None:
     """Enter the after-training phase (SIGTERM/SIGUSR1 ignored; the run completes)."""
     if _state.phase != "off":

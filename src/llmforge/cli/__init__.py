@@ -18,6 +18,7 @@ data errors) without a traceback; ``--debug`` shows the traceback.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from typing import Optional, Sequence
@@ -62,6 +63,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not light and args.command != "train":  # train quiets them after its config checks
             quiet_libraries()  # run management imports neither datasets nor (mostly) torch
         return handlers[args.command](args)
+    except Exception as exc:
+        stop = None if isinstance(exc, signals.StopRequested) else signals.startup_stop()
+        return _failed(args, stop or exc)  # a command's own stop message stands
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if owns_signals and argv is None:  # this process's own command line: it exits next
+            signals.exiting()
+        elif owns_signals:  # an in-process caller (tests) gets its handlers back
+            signals.uninstall()
+
+
+def _failed(args: argparse.Namespace, exc: Exception) -> int:
+    """Print ``exc`` as one line (its traceback with ``--debug``); returns the exit code. A
+    stop signal received during startup wins over whatever it raised on its way out of the
+    library code it interrupted (:func:`llmforge.signals.startup_stop`)."""
+    try:
+        raise exc
     except LLMForgeError as exc:
         if args.debug:
             raise
@@ -74,9 +94,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return exc.exit_code
         print(f"error: {_scrub(str(exc))}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
     except BrokenPipeError:  # output piped into `head` and closed
         sys.stderr.close()
         return 0
@@ -89,11 +106,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {type(exc).__name__}: {_scrub(str(exc))} (run again with --debug for the "
               "traceback)", file=sys.stderr)
         return 1
-    finally:
-        if owns_signals and argv is None:  # this process's own command line: it exits next
-            signals.exiting()
-        elif owns_signals:  # an in-process caller (tests) gets its handlers back
-            signals.uninstall()
 
 
 if __name__ == "__main__":

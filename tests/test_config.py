@@ -355,7 +355,20 @@ def test_validate_errors(tmp_path, override, key):
     assert key in msg
 
 
-def test_warmup_longer_than_the_run_is_a_warning_not_an_error(tmp_path, capsys):
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """warn_once as in a fresh rank-0 process: its once-per-process memory empty and no rank
+    or launcher variable that another test's process state could have left (a full-suite run
+    on one xdist worker saw both warnings below suppressed)."""
+    import importlib
+
+    validate_module = importlib.import_module("llmforge.config.validate")  # the module, not the function
+    monkeypatch.setattr(validate_module, "_WARNED", set())
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv(validate_module.WARNINGS_SHOWN_ENV, raising=False)
+
+
+def test_warmup_longer_than_the_run_is_a_warning_not_an_error(tmp_path, capsys, fresh_warnings):
     cfg = cfg_with("scheduler.warmup_steps=100", "trainer.max_steps=10", tmp_path=tmp_path)
     assert validate(cfg).gradient_accumulation_steps >= 1
     err = capsys.readouterr().err
@@ -376,7 +389,7 @@ def test_workers_of_the_nproc_launcher_do_not_repeat_its_warnings(tmp_path, caps
     assert capsys.readouterr().err == ""
 
 
-def test_muon_keys_with_adamw_are_one_warning_naming_them(tmp_path, capsys):
+def test_muon_keys_with_adamw_are_one_warning_naming_them(tmp_path, capsys, fresh_warnings):
     """Issue 50.6: optimizer.muon_* keys were ignored without a word under optimizer.name=adamw."""
     validate(cfg_with("optimizer.muon_lr=0.0123", "optimizer.muon_ns_steps=7", tmp_path=tmp_path))
     err = capsys.readouterr().err

@@ -176,7 +176,7 @@ def long_child(args) -> int:
                           "tokens": manifest["splits"]["train"]["tokens"]}))
         return 0
     if args.child == "tokenize":
-        from llmforge.data.prepare import write_shard
+        from llmforge.data.shard_writer import write_shard
         from llmforge.data.tokenizers import build_tokenizer
 
         cfg = config(args.source, ["tokenizer.type=huggingface", f"tokenizer.path={args.prepared}"])

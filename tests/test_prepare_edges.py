@@ -17,7 +17,8 @@ from conftest import run_main
 from helpers.prepared import TOK, write_corpus
 from llmforge.data import jsonl_lines, tokenizer_bpe, tokenizers
 from llmforge.data.jsonl_lines import LongText, jsonl_rows
-from llmforge.data.prepare import prepare, write_shard
+from llmforge.data.prepare import prepare
+from llmforge.data.shard_writer import write_shard
 from llmforge.data.prepare_pool import ShardPool, WorkerDied
 from llmforge.data.sources import _jsonl_rows
 from llmforge.errors import DataError

@@ -91,7 +91,7 @@ def test_a_shard_is_written_piece_by_piece_in_memory_flat_in_the_documents_lengt
     import tracemalloc
 
     from llmforge.data.packing import encode_packed
-    from llmforge.data.prepare import write_shard
+    from llmforge.data.shard_writer import write_shard
 
     class Chars:  # one id per 4 characters: cheap, and the ids are checkable
         vocab_size, bos_id, eos_id = 300, 298, 299

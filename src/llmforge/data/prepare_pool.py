@@ -60,7 +60,7 @@ class ShardPool:
     Args:
         workers: number of processes (>= 1).
         initializer: called with ``initargs`` in each worker first (sets its signal handlers:
-            ``SIGTERM`` must keep its default action there, :func:`llmforge.data.prepare._init_worker`).
+            ``SIGTERM`` must keep its default action there, :func:`llmforge.data.shard_writer.init_worker`).
         work: a task to its (picklable) result, in the worker.
     """
 

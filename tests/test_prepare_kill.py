@@ -74,7 +74,7 @@ def _child(source: str, out: Path, err: Path, kill: Optional[tuple[str, int, int
     sys.stdout = open(os.devnull, "w")
     sys.stderr = open(err, "w", buffering=1)
     os.replace, prep.build_tokenizer = _hooks(out, kill, [], group)
-    real_init = prep._init_worker
+    real_init = prep.init_worker
 
     def init(*a):
         with open(out.with_name(out.name + ".pids"), "a") as f:
@@ -84,7 +84,7 @@ def _child(source: str, out: Path, err: Path, kill: Optional[tuple[str, int, int
             os.killpg(0, kill[2])  # the pool is starting: the other worker may be mid-fork
         real_init(*a)
 
-    prep._init_worker = init
+    prep.init_worker = init  # the name prepare() hands its ShardPool
     return main(["data", "prepare", source, str(out), *ARGS, "--workers", str(workers)])
 
 

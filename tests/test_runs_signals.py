@@ -68,25 +68,27 @@ def test_a_signal_swallowed_during_startup_stops_at_training_start(owned):
         Checkpointer("unused").fit_start(State())  # where training starts
 
 
-def test_an_error_a_startup_stop_caused_is_reported_as_the_stop(owned, capsys):
-    """A SIGTERM during startup that surfaces as another exception (the breaker's suite run:
-    RecursionError out of the library code it interrupted, exit 1) exits 75 as the stop; an
-    error with no signal received stays an error."""
-    from argparse import Namespace
+def test_an_error_a_startup_stop_caused_is_reported_as_the_stop(monkeypatch, capsys):
+    """A SIGTERM during startup that surfaces as another exception (a full-suite run: a
+    RecursionError out of the library code it interrupted, exit 1) exits 75 as the stop; the
+    same error with no signal received stays an error (exit 1)."""
+    import llmforge.cli as cli
 
-    from llmforge.cli import _failed
+    def command(args, signal_first):
+        if signal_first:
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(1)
+            except signals.StoppedBeforeTraining:
+                pass  # raised inside library code: what reaches the command is another exception
+        raise RecursionError("maximum recursion depth exceeded")
 
-    args = Namespace(debug=False)
-    assert _failed(args, signals.startup_stop() or RecursionError("depth")) == 1
-    assert capsys.readouterr().err.startswith("error: RecursionError: depth")
-    try:
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(1)
-    except signals.StoppedBeforeTraining:
-        pass  # raised inside the library code: what reaches the command is another exception
-    assert _failed(args, signals.startup_stop() or RecursionError("depth")) == 75
-    assert capsys.readouterr().err == ("stopped: received SIGTERM before training started: nothing to save "
-                                       "(exit code 75)\n")
+    for signal_first, code, err in ((False, 1, "error: RecursionError: maximum recursion depth exceeded"),
+                                    (True, 75, "stopped: received SIGTERM before training started: nothing "
+                                               "to save (exit code 75)\n")):
+        monkeypatch.setattr(cli, "cmd_data", lambda args: command(args, signal_first))
+        assert cli.main(["data", "prepare", "SOURCE", "OUT"]) == code
+        assert capsys.readouterr().err.startswith(err) and signals.phase() == "off"
 
 
 def test_uninstall_gives_the_handlers_back():

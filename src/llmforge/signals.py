@@ -71,6 +71,11 @@ class _State:
 _state = _State()
 
 
+def _stopped_before_training(signum: int) -> StoppedBeforeTraining:
+    return StoppedBeforeTraining(f"received {signal.Signals(signum).name} before training started: nothing "
+                                 f"to save (exit code {exit_code_for(signum)})", exit_code_for(signum), signum)
+
+
 def _handler(signum: int, frame: Any) -> None:
     phase, first = _state.phase, _state.received
     if signum == signal.SIGINT and (first == signal.SIGINT or phase == "finished"):
@@ -80,9 +85,7 @@ def _handler(signum: int, frame: Any) -> None:
     _state.received = first if first is not None else signum
     # startup: stop once; a repeat signal must not raise again inside the error report
     if phase == "startup" and first is None:
-        name = signal.Signals(signum).name
-        raise StoppedBeforeTraining(f"received {name} before training started: nothing to save "
-                                    f"(exit code {exit_code_for(signum)})", exit_code_for(signum), signum)
+        raise _stopped_before_training(signum)
 
 
 def _quiet_unraisable(unraisable: Any) -> None:
@@ -126,10 +129,9 @@ def training_started() -> None:
         StoppedBeforeTraining: a stop signal arrived during startup but its exception was
             swallowed by library code on the way (a broad ``except Exception``).
     """
-    first = _state.received
-    if first is not None and _state.phase == "startup":
-        raise StoppedBeforeTraining(f"received {signal.Signals(first).name} before training started: "
-                                    f"nothing to save (exit code {exit_code_for(first)})", exit_code_for(first))
+    stop = startup_stop()
+    if stop is not None:
+        raise stop
     _state.phase, _state.received = "training", None
 
 
@@ -138,11 +140,7 @@ def startup_stop() -> Optional[StoppedBeforeTraining]:
     raised while that signal unwound library code (e.g. a ``RecursionError`` out of a lazy
     import it interrupted) is reported as (exit 75 or 130, nothing to save)."""
     first = _state.received
-    if first is None or _state.phase != "startup":
-        return None
-    return StoppedBeforeTraining(f"received {signal.Signals(first).name} before training started: "
-                                 f"nothing to save (exit code {exit_code_for(first)})", exit_code_for(first),
-                                 first)
+    return _stopped_before_training(first) if first is not None and _state.phase == "startup" else None
 
 
 def training_ended() -> None:

@@ -192,11 +192,11 @@ def predict(s: Setting, p: CostParams) -> Prediction:
     n_micro = s.global_batch_size // dp // s.micro_batch_size
     tokens = s.global_batch_size * s.seq_len
     linear, attention = flops_per_token(sh, s.seq_len)
+    # full AC recomputes the whole forward, selective every second matmul (not the attention)
     recompute = {"full": 4 / 3, "selective": 7 / 6}.get(s.ac, 1.0)
+    linear *= recompute
     if s.ac == "full":
-        linear, attention = linear * 4 / 3, attention * 4 / 3
-    elif s.ac == "selective":
-        linear *= 7 / 6
+        attention *= recompute
     clock = p.power_limited_clock if gpu.name.endswith("-500W") else 1.0
     width = sh.dim / s.tp
     efficiency = p.matmul_efficiency / (1 + p.narrow_width / width)
@@ -246,8 +246,8 @@ def predict(s: Setting, p: CostParams) -> Prediction:
         hidden = micro_tokens * sh.dim * 2.0 / s.tp
         pp = _collective(2, 2 * hidden * sends, sends, s.world // s.pp < node, gpu, p)
     cp = context_parallel_seconds(s, p) * n_micro * layers
-    terms = {"compute": compute, "elementwise": elementwise, "bubble": bubble, "data_parallel": exposed_fsdp, "tp": tp, "pp": pp,
-             "cp": cp}
+    terms = {"compute": compute, "elementwise": elementwise, "bubble": bubble, "data_parallel": exposed_fsdp,
+             "tp": tp, "pp": pp, "cp": cp}
     step = sum(terms.values())
     tps = tokens / step / s.world
     mfu = tps * model_flops_per_token(sh, s.seq_len) / gpu.bf16_flops

@@ -169,7 +169,7 @@ def check_no_secret_in_folders(cfg: DictConfig) -> None:
                               f"redacted; choose a {key} without it")
 
 
-def _expand_home(cfg: DictConfig) -> None:
+def _expand_paths(cfg: DictConfig) -> None:
     """``~`` and ``~user`` at the start of :data:`HOME_KEYS` become the home folder; a relative
     ``checkpoint.dir`` becomes absolute (from the working directory), so that the run's
     ``config.yaml`` finds its checkpoints from any other directory (``eval``, ``export``)."""
@@ -205,15 +205,15 @@ def _check_files(cfg: DictConfig) -> None:
                           "tokenizer file (or tokenizer.type=train_bpe)")
 
 
-def _refuse_another_runs_checkpoints(ckpt_dir: Path, run_dir: Path) -> None:
-    """A ``checkpoint.dir`` whose newest checkpoint another run wrote, while that run's
-    directory is still there, is refused: resuming would continue that run under this name,
-    ``--overwrite`` would delete its checkpoints, and a fresh run would mix with them.
+def _refuse_another_runs_checkpoints(ckpt_dir: Path, found: list[Path], run_dir: Path) -> None:
+    """A ``checkpoint.dir`` (holding the complete checkpoints ``found``, oldest first) whose
+    newest checkpoint another run wrote, while that run's directory is still there, is refused:
+    resuming would continue that run under this name, ``--overwrite`` would delete its
+    checkpoints, and a fresh run would mix with them.
 
     Raises:
         ConfigError: naming the folder, the other run and what to do instead.
     """
-    found = list_checkpoints(ckpt_dir)
     owner = checkpoint_run_dir(found[-1]) if found else None
     if owner is None or not (owner / "config.yaml").is_file():
         return
@@ -235,9 +235,10 @@ def _run_dir_state(cfg: DictConfig, run_dir: Path, ckpt_dir: Path, overwrite: bo
         refuse_link(ckpt_dir, "checkpoint.dir")
         refuse_run_inside_run(ckpt_dir, run_dir, "checkpoint.dir")
     metrics = (run_dir / "metrics.jsonl").exists()
+    found = list_checkpoints(ckpt_dir)
     if ck.dir:
-        _refuse_another_runs_checkpoints(ckpt_dir, run_dir)
-    used = metrics or bool(list_checkpoints(ckpt_dir))
+        _refuse_another_runs_checkpoints(ckpt_dir, found, run_dir)
+    used = metrics or bool(found)
     if used and overwrite:  # what Trainer.prepare_run_dir will clear, before it reads the inputs
         cleared = [("run.name", run_dir)] + ([("checkpoint.dir", ckpt_dir)] if ck.dir else [])
         refuse_overlap(cleared, input_paths(cfg))
@@ -300,7 +301,7 @@ def resolve_run(cfg: DictConfig, *, overwrite: bool = False, check_dir: bool = T
     check_run_name(out.run.name)
     check_names_and_paths(out)
     check_no_secret_in_folders(out)
-    _expand_home(out)
+    _expand_paths(out)
     if not dry_run:  # a dry run sizes a cluster's config anywhere
         _check_files(out)
     notes = _hf_shape(out, dry_run)

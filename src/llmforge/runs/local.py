@@ -224,14 +224,12 @@ class LocalBackend(Backend):
         """
         ft = run.spec.get("fault_tolerance")
         g = replica_group(run, group)
-        if not ft:
-            return super().logs(run, resumption)
-        if resumption != run.resumptions:
+        if ft and resumption != run.resumptions:
             raise ConfigError(f"--resumption {resumption}: run {run.id} is fault-tolerant: each replica group "
                               "restarts alone and appends to its own log (logs/group-<G>.log); use --group G")
+        if not ft or g == "lighthouse":  # the run's own folder, as every backend keeps it
+            return super().logs(run, resumption, group)
         folder = Path(run.run_dir or "") / "logs"
-        if g == "lighthouse":
-            return folder / "lighthouse.log", ""
         others = [str(folder / f"group-{o}.log") for o in range(len(ft["groups"])) if o != g]
         return folder / f"group-{g}.log", (f"; replica group {g}'s log; the other groups': {', '.join(others)} "
                                            f"(--group G); the lighthouse's: {folder / 'lighthouse.log'}")

@@ -21,7 +21,7 @@ from llmforge.data.jsonl_parse import READ_CHUNK, JsonLineError, LineReader
 from llmforge.data.tokenizer_base import utf8_len
 from llmforge.errors import DataError
 
-__all__ = ["LONG_LINE_BYTES", "LongText", "Rows", "clean_pieces", "jsonl_rows", "no_surrogates"]
+__all__ = ["LONG_LINE_BYTES", "LongText", "Rows", "clean_pieces", "jsonl_rows", "no_surrogates", "not_text"]
 
 LONG_LINE_BYTES = 4 << 20  # a longer line is streamed (LongText); a shorter one read whole
 _BLANK = object()  # a long line of JSON whitespace: skipped like a blank short line
@@ -165,9 +165,8 @@ def _long_text(fh: Any, name: str, number: int, offset: int, text_field: str, fi
                         f"it has {sorted(set(keys))}")
     if found is None or found[1] == "NoneType":
         return None
-    if isinstance(found[1], str):  # the message of clean_text, whose value is not at hand here
-        raise DataError(f"data.text_field: found a {found[1]} value (in {name} line {number}) where "
-                        "text was expected; point data.text_field at a string column")
+    if isinstance(found[1], str):  # its type's name: the value was skipped, not kept
+        raise not_text(found[1], f"in {name} line {number}")
     chars, size, blank = found[1]
     st = os.fstat(fh.fileno())
     return LongText(name, offset, number, found[0], chars, size, blank or not chars,
@@ -231,11 +230,12 @@ def jsonl_rows(files: list[str], text_field: str, long_line: Optional[int] = Non
                 value = row.pop(text_field, None)
                 del row
                 if value is not None and not isinstance(value, str):
-                    _not_text(value)
+                    raise not_text(type(value).__name__, repr(str(value)[:40]))
                 yield {text_field: value}
 
 
-def _not_text(value: Any) -> None:
-    """Raises the DataError of :func:`llmforge.data.sources.clean_text` for a non-string value."""
-    raise DataError(f"data.text_field: found a {type(value).__name__} value ({str(value)[:40]!r}) "
-                    "where text was expected; point data.text_field at a string column")
+def not_text(kind: str, what: str) -> DataError:
+    """The error of a non-string document (``kind``: its type's name; ``what``: a preview of
+    the value or where it is), for every reader (:func:`llmforge.data.sources.clean_text`)."""
+    return DataError(f"data.text_field: found a {kind} value ({what}) where text was expected; "
+                     "point data.text_field at a string column")

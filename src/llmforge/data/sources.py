@@ -22,7 +22,7 @@ from typing import Any, Iterator, Optional
 from llmforge.config.redaction import scrub_url_credentials
 from llmforge.data.documents import AnyDataset, DocumentSplits, hf_datasets, is_stream
 from llmforge.data.file_identity import URL
-from llmforge.data.jsonl_lines import LongText, Rows, no_surrogates
+from llmforge.data.jsonl_lines import LongText, Rows, no_surrogates, not_text
 from llmforge.data.jsonl_lines import jsonl_rows as _jsonl_rows  # its name here before
 from llmforge.data.remote import missing_driver, plain_options
 from llmforge.data.shakespeare import shakespeare_files
@@ -43,8 +43,7 @@ def clean_text(text: Optional[str]) -> str:
     if not text:
         return ""
     if not isinstance(text, str):
-        raise DataError(f"data.text_field: found a {type(text).__name__} value ({str(text)[:40]!r}) "
-                        "where text was expected; point data.text_field at a string column")
+        raise not_text(type(text).__name__, repr(str(text)[:40]))
     if text.startswith("\ufeff"):
         text = text[1:]
     text = no_surrogates(text)  # a lone JSON \ud800 escape: no UTF-8 for it

@@ -54,8 +54,10 @@ class Setting:
     per forward of one rank (``global_batch_size / (dp_replicate * dp_shard)`` split into
     micro-batches, the pipeline's or gradient accumulation's); ``ac``: none | selective (per
     operator) | full; ``precision``: bf16 | fp8_tensorwise | fp8_rowwise (float8 matmuls of the
-    linear layers, torchao; ``fp8_recompute_weight``: its ``force_recompute_fp8_weight_in_bwd``); ``schedule``: the pipeline schedule (``1f1b``,
-    ``interleaved_1f1b``) with ``stages_per_rank`` virtual stages. ``cp_mode``: how ``cp > 1``
+    linear layers, torchao; ``fp8_recompute_weight``: its ``force_recompute_fp8_weight_in_bwd``
+    as the source states it, which charges no memory either way:
+    :func:`~llmforge.planning.whatif.memory_per_rank`); ``schedule``: the pipeline schedule
+    (``1f1b``, ``interleaved_1f1b``) with ``stages_per_rank`` virtual stages. ``cp_mode``: how ``cp > 1``
     ranks attend across their slices: ``all_gather`` (K/V gathered; llmforge's default),
     ``ulysses`` (all-to-all to head-sharded) or ``ring`` (torch's experimental ring
     ``context_parallel``, which torchtitan's published cp rows ran).
@@ -113,10 +115,12 @@ LLAMA3_8B = Shape("llama3.1-8b", 32, 4096, 14336, 32, 8, 128256)
 LLAMA3_70B = Shape("llama3.1-70b", 80, 8192, 28672, 64, 8, 128256)
 LLAMA3_405B = Shape("llama3.1-405b", 126, 16384, 53248, 128, 8, 128256)
 # OLMo-core's olmo_{1,7,13}B = llama2_{1,7,13}B shapes (d_model, n_layers, n_heads; FFN
-# 8d/3 rounded up to 256), dolma2 tokenizer 100,278 padded to 100,352
+# 8d/3 rounded up to 256), its llama3_8B the Llama 3.1 8B shape; dolma2 tokenizer 100,278
+# padded to 100,352
 OLMO_1B = Shape("olmo-1b", 18, 2048, 5632, 16, 16, 100352)
 OLMO_7B = Shape("olmo-7b", 32, 4096, 11008, 32, 32, 100352)
 OLMO_13B = Shape("olmo-13b", 40, 5120, 13824, 40, 40, 100352)
+OLMO_LLAMA_8B = Shape("llama3.1-8b-dolma2", 32, 4096, 14336, 32, 8, 100352)
 
 SOURCES: dict[str, Source] = {
     "torchtitan-2024-12": Source(
@@ -135,13 +139,15 @@ SOURCES: dict[str, Source] = {
         "github.com/pytorch/torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md "
         "(torchtitan e7c0cae; seq_len, AC: torchtitan/models/llama3/train_configs/llama3_8b.toml)",
         "2025-06-13"),
-    "olmo-core-2024-09": Source(
-        "OLMo-core throughput table, OLMo 1B/7B/13B on H100",
-        "github.com/allenai/OLMo-core README.md at 8c03ca8 (batch sizes: src/scripts/train/"
-        "OLMo-*.py; 8 GPUs: the launch default num_nodes=1, num_gpus=8 of "
-        "src/olmo_core/internal/experiment.py; float8: Float8Config defaults, dynamic "
-        "tensorwise with FSDP float8 all-gather)",
-        "2024-09-26"),
+    "olmo-core-2024-11": Source(
+        "OLMo-core throughput table, OLMo 1B/7B/13B and Llama 8B on H100",
+        "github.com/allenai/OLMo-core README.md at e27ba74 (micro and global batch sizes, compile: "
+        "src/scripts/train/{OLMo-1B,OLMo-7B,Llama-8B,OLMo-13B}.py there; 8 GPUs: the launch "
+        "default num_nodes=1, num_gpus=8 of src/olmo_core/internal/experiment.py; dolma2 "
+        "tokenizer; float8: Float8Config defaults, dynamic tensorwise with FSDP float8 "
+        "all-gather). It supersedes the table of 8c03ca8 (2024-09-26), whose 1B rows (44,000 and "
+        "51,000 tokens/s) ran a micro-batch of 4 sequences where this one runs 8",
+        "2024-11-05"),
 }
 
 
@@ -212,14 +218,15 @@ for _nodes, _tps, _mem in ((4, 10938, 47.96), (8, 10753, 46.97)):
 def _olmo(shape: Shape, tps: float, mbs: int, gbs: int, fp8: bool) -> Run:
     s = Setting(shape, "H100-SXM-80GB", 8, 8, gbs, mbs, 4096, compile=True,
                 precision="fp8_tensorwise" if fp8 else "bf16", fp8_all_gather=fp8)
-    return Run(s, tps, "olmo-core-2024-09", "Official training scripts",
-               f"{shape.name} fsdp8 {'fp8' if fp8 else 'bf16'}",
+    return Run(s, tps, "olmo-core-2024-11", "Throughput table",
+               f"{shape.name.replace('-dolma2', '')} fsdp8 {'fp8' if fp8 else 'bf16'}",
                "8 GPUs is the launch default; the README says 'a cluster with NVIDIA H100 GPUs'")
 
 
-RUNS += [_olmo(OLMO_1B, 44000, 4, 1024, False), _olmo(OLMO_1B, 51000, 4, 1024, True),
-         _olmo(OLMO_7B, 10000, 2, 1024, False), _olmo(OLMO_7B, 13000, 2, 1024, True),
-         _olmo(OLMO_13B, 4600, 1, 2048, False)]
+# (shape, micro-batch, global batch in sequences of 4,096 tokens, bf16 and float8 tokens/s)
+for _shape, _mbs, _gbs, _bf16, _fp8 in ((OLMO_1B, 8, 1024, 55000, 65000), (OLMO_7B, 2, 1024, 10000, 13000),
+                                        (OLMO_LLAMA_8B, 2, 1024, 9500, 12500), (OLMO_13B, 1, 2048, 4600, 5500)):
+    RUNS += [_olmo(_shape, _bf16, _mbs, _gbs, False), _olmo(_shape, _fp8, _mbs, _gbs, True)]
 
 
 def run_labelled(label: str, source: str = "torchtitan-2024-12") -> Run:

@@ -30,9 +30,9 @@ def memory_per_rank(s: Setting) -> dict[str, float]:
       split over ``tp x pp x dp_shard x cp`` (FSDP shards over ``dp_shard x cp``);
     * gathered: two blocks' bf16 weights in use (current and prefetched) and the ends
       (embedding, output) of the stage, ``/ tp``; with pipeline stages the whole stage's
-      (torchtitan keeps them gathered after the forward under pipeline parallelism); under
-      float8 the fp8 weights every block saves for its backward (1 byte per parameter of the
-      rank's blocks, ``/ tp``: torchao's default without ``force_recompute_fp8_weight_in_bwd``);
+      (torchtitan keeps them gathered after the forward under pipeline parallelism); float8
+      adds nothing: torchtitan measured the same peak with and without it (Tables 1 and 3 of
+      its 2024-12 benchmarks: 77.0 / 76.8 GiB on 8 GPUs, 62.0 / 61.8 GiB on 128);
     * activations of one micro-batch of ``mbs x s / cp`` tokens per block, bf16, ``/ tp``
       (sequence parallel): none keeps ``6 d + q + 2 kv + 4 F`` per token eager (norm inputs
       and outputs, q k v, attention output, the SwiGLU's four F-wide tensors), ``2 d + 2 q +
@@ -56,8 +56,6 @@ def memory_per_rank(s: Setting) -> dict[str, float]:
     layers = sh.n_layers / s.pp
     held = layers if s.pp > 1 else 2  # blocks whose gathered weights are held at the peak
     gathered = (held * sh.block_params + ends) * 2.0 / s.tp if s.dp_shard * s.cp > 1 else 0.0
-    if s.precision != "bf16" and not s.fp8_recompute_weight:
-        gathered += layers * sh.block_params / s.tp
     tokens = s.micro_batch_size * s.seq_len / s.cp
     q, kv, d, f = sh.n_heads * sh.head_dim, sh.n_kv_heads * sh.head_dim, sh.dim, sh.ffn_dim
     # compiled: the partitioner recomputes elementwise results (norm outputs, SiLU, the gate

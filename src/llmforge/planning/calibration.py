@@ -35,7 +35,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "network_latency": (1e-6, 2e-3), "nvlink_efficiency": (0.2, 1.0),
     "network_efficiency": (0.1, 1.0), "fsdp_overlap": (0.0, 1.0), "tp_exposed": (0.05, 1.0),
     "async_tp_exposed": (0.0, 1.0), "elementwise_passes": (0.0, 200.0), "compile_fusion": (0.05, 1.0),
-    "nvlink_contention": (0.0, 1.0)}
+    "nvlink_contention": (0.0, 1.0), "narrow_power": (0.3, 4.0)}
 """Open interval of each constant: physical limits (a share of a peak below 1, an overlap
 between 0 and 1), generous elsewhere."""
 

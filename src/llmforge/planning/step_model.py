@@ -5,8 +5,9 @@ constants of :class:`CostParams` (fitted in :mod:`llmforge.planning.calibration`
 Terms (seconds per step, one rank):
 
 * **compute**: the rank's FLOPs (``global tokens x FLOPs per token / world``) at
-  ``matmul_efficiency / (1 + narrow_width / (d / tp))`` of the GPU's dense bf16 peak (attention
-  at ``attention_efficiency`` of that), times ``compile_speedup`` when compiled;
+  ``matmul_efficiency / (1 + (narrow_width / (d / tp)) ** narrow_power)`` of the GPU's dense
+  bf16 peak (attention at ``attention_efficiency`` of that), times ``compile_speedup`` when
+  compiled;
   the linear layers' share divided again by ``fp8_*_speedup`` under float8. FLOPs per token:
   ``6 x`` the matmul parameters (blocks and output layer) plus causal attention
   ``6 L s d`` (fwd + bwd, half of the full ``12 L s d``: PaLM, Chowdhery et al. 2022 App. B);
@@ -66,8 +67,11 @@ class CostParams:
     Attributes:
         matmul_efficiency: achieved share of the dense bf16 peak, eager, of a wide matmul.
         narrow_width: the per-rank model width ``d / tp`` at which the efficiency halves
-            (``efficiency / (1 + narrow_width / (d / tp))``: small matmuls and the per-layer
-            work that does not shrink with them).
+            (``efficiency / (1 + (narrow_width / (d / tp)) ** narrow_power)``: small matmuls
+            and the per-layer work that does not shrink with them).
+        narrow_power: how sharply the efficiency falls below ``narrow_width`` (its prior, 1, is
+            a hyperbola; the published rows put it above: TP 8 costs Llama 8B, 512 wide per
+            rank, far more than it costs the 70B at 1,024).
         attention_efficiency: attention's speed relative to the matmuls (flash attention).
         compile_speedup: compute speed-up of ``torch.compile``.
         fp8_tensorwise_speedup, fp8_rowwise_speedup: speed-up of the linear layers' matmuls
@@ -106,6 +110,7 @@ class CostParams:
     elementwise_passes: float = 20.0
     compile_fusion: float = 0.5
     nvlink_contention: float = 0.2
+    narrow_power: float = 1.0
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -211,7 +216,7 @@ def predict(s: Setting, p: CostParams) -> Prediction:
         attention *= recompute
     clock = p.power_limited_clock if gpu.name.endswith("-500W") else 1.0
     width = sh.dim / s.tp
-    efficiency = p.matmul_efficiency / (1 + p.narrow_width / width)
+    efficiency = p.matmul_efficiency / (1 + (p.narrow_width / width) ** p.narrow_power)
     speed = gpu.bf16_flops * efficiency * clock * (p.compile_speedup if s.compile else 1.0)
     fp8 = {"fp8_tensorwise": p.fp8_tensorwise_speedup, "fp8_rowwise": p.fp8_rowwise_speedup}.get(s.precision, 1.0)
     compute = tokens / s.world * (linear / fp8 + attention / p.attention_efficiency) / speed

@@ -345,6 +345,42 @@ def test_stop_escalates_to_sigkill_for_a_process_that_ignores_sigterm(home, caps
             job.kill()
 
 
+@pytest.mark.parametrize("fault_tolerant", [False, True])
+def test_logs_follow_prints_every_line_across_a_restart_and_the_end(home, capsys, monkeypatch, fault_tolerant):
+    import llmforge.runs.launch as launch
+
+    logs = home / "runs" / "f" / "logs"
+    logs.mkdir(parents=True)
+    reg = RunRegistry()
+    # a fault-tolerant run's replica group appends its restarts to its one log (group-0.log)
+    spec = {"fault_tolerance": {"groups": [{"name": "f-g0"}]}} if fault_tolerant else {}
+    run = reg.create("f", "local", "local", spec=spec, run_dir=str(logs.parent))
+    reg.set_status(run.id, "running", "training started")
+    first, second = (("group-0.log",) * 2 if fault_tolerant else ("resumption-0.log", "resumption-1.log"))
+    (logs / first).write_text("r0 step 1\n")
+    polls = []
+
+    def supervisor_writes(registry):  # what lands between `--follow`'s read and its next poll
+        polls.append(1)
+        if len(polls) == 1:  # the first run's last line, then the restart
+            with open(logs / first, "a") as f:
+                f.write("r0 step 2, its last\n")
+            registry.increment(run.id, "resumptions")
+            with open(logs / second, "a") as f:
+                f.write("r1 step 3\n")
+        else:  # the run's last line, then its end
+            with open(logs / second, "a") as f:
+                f.write("r1 done\n")
+            registry.set_status(run.id, "completed", "done")
+        return []
+
+    monkeypatch.setattr(launch, "refresh", supervisor_writes)
+    assert main(["runs", "logs", run.id, "--follow"]) == 0
+    # nothing lost at the switch or the end, nothing printed twice from the one log
+    assert capsys.readouterr().out == "r0 step 1\nr0 step 2, its last\nr1 step 3\nr1 done\n"
+    assert len(polls) == 2
+
+
 def test_logs_of_a_fault_tolerant_run_by_replica_group(home, capsys):
     run_dir = home / "runs" / "ft"
     (run_dir / "logs").mkdir(parents=True)

@@ -292,28 +292,37 @@ def cmd_logs(args: argparse.Namespace) -> int:
     path, hint = backend.logs(r, k, **group)
     if not path.is_file() and not args.follow:
         raise ConfigError(f"no log {path} (resumptions of this run: 0..{r.resumptions}){hint}")
-    pos = 0
-    while True:
-        if path.is_file():
-            with open(path, "rb") as f:
-                f.seek(pos)
-                chunk = f.read()
-                pos += len(chunk)
-            if chunk:
-                sys.stdout.write(chunk.decode("utf-8", errors="replace"))
-                sys.stdout.flush()
-        if not args.follow:
-            return 0
+    pos = _print_from(path, 0)
+    while args.follow:
         refresh(registry)
         now = registry.get(r.id)
+        # what was written between the last read and this poll (a resumption's last lines, the
+        # run's end) is printed before leaving that log
+        pos = _print_from(path, pos)
         if not now.active and (now.resumptions == k or args.resumption is not None):
             return 0
         if now.resumptions != k and args.resumption is None:  # a restart began: follow it
             k, new = now.resumptions, backend.logs(now, now.resumptions, **group)[0]
             # a fault-tolerant group's restarts append to its one log: keep the position there
             path, pos = new, (pos if new == path else 0)
+            pos = _print_from(path, pos)
             continue
         time.sleep(0.5)
+    return 0
+
+
+def _print_from(path: Path, pos: int) -> int:
+    """Write ``path``'s bytes from ``pos`` on to stdout (nothing when there is no file yet);
+    returns the position after them."""
+    if not path.is_file():
+        return pos
+    with open(path, "rb") as f:
+        f.seek(pos)
+        chunk = f.read()
+    if chunk:
+        sys.stdout.write(chunk.decode("utf-8", errors="replace"))
+        sys.stdout.flush()
+    return pos + len(chunk)
 
 
 def cmd_stop(args: argparse.Namespace) -> int:

@@ -357,14 +357,14 @@ def test_logs_follow_prints_every_line_across_a_restart_and_the_end(home, capsys
     run = reg.create("f", "local", "local", spec=spec, run_dir=str(logs.parent))
     reg.set_status(run.id, "running", "training started")
     first, second = (("group-0.log",) * 2 if fault_tolerant else ("resumption-0.log", "resumption-1.log"))
-    (logs / first).write_text("r0 step 1\n")
+    (logs / first).write_bytes("r0 step 1 \u2588\n".encode()[:-2])  # a read cuts the bar's block in two
     polls = []
 
     def supervisor_writes(registry):  # what lands between `--follow`'s read and its next poll
         polls.append(1)
         if len(polls) == 1:  # the first run's last line, then the restart
-            with open(logs / first, "a") as f:
-                f.write("r0 step 2, its last\n")
+            with open(logs / first, "ab") as f:
+                f.write("\u2588\nr0 step 2, its last\n".encode()[2:])
             registry.increment(run.id, "resumptions")
             with open(logs / second, "a") as f:
                 f.write("r1 step 3\n")
@@ -377,7 +377,7 @@ def test_logs_follow_prints_every_line_across_a_restart_and_the_end(home, capsys
     monkeypatch.setattr(launch, "refresh", supervisor_writes)
     assert main(["runs", "logs", run.id, "--follow"]) == 0
     # nothing lost at the switch or the end, nothing printed twice from the one log
-    assert capsys.readouterr().out == "r0 step 1\nr0 step 2, its last\nr1 step 3\nr1 done\n"
+    assert capsys.readouterr().out == "r0 step 1 \u2588\nr0 step 2, its last\nr1 step 3\nr1 done\n"
     assert len(polls) == 2
 
 

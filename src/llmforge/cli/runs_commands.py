@@ -22,6 +22,7 @@ build the parser, and ``llmforge train``'s config errors must not pay for them.
 from __future__ import annotations
 
 import argparse
+import codecs
 import datetime as dt
 import json
 import shutil
@@ -292,37 +293,49 @@ def cmd_logs(args: argparse.Namespace) -> int:
     path, hint = backend.logs(r, k, **group)
     if not path.is_file() and not args.follow:
         raise ConfigError(f"no log {path} (resumptions of this run: 0..{r.resumptions}){hint}")
-    pos = _print_from(path, 0)
+    tail = _Tail(path)
+    tail.print_new(final=not args.follow)
     while args.follow:
         refresh(registry)
         now = registry.get(r.id)
         # what was written between the last read and this poll (a resumption's last lines, the
         # run's end) is printed before leaving that log
-        pos = _print_from(path, pos)
+        tail.print_new()
         if not now.active and (now.resumptions == k or args.resumption is not None):
+            tail.print_new(final=True)
             return 0
         if now.resumptions != k and args.resumption is None:  # a restart began: follow it
             k, new = now.resumptions, backend.logs(now, now.resumptions, **group)[0]
             # a fault-tolerant group's restarts append to its one log: keep the position there
-            path, pos = new, (pos if new == path else 0)
-            pos = _print_from(path, pos)
+            if new != tail.path:
+                tail = _Tail(new)
+            tail.print_new()
             continue
         time.sleep(0.5)
     return 0
 
 
-def _print_from(path: Path, pos: int) -> int:
-    """Write ``path``'s bytes from ``pos`` on to stdout (nothing when there is no file yet);
-    returns the position after them."""
-    if not path.is_file():
-        return pos
-    with open(path, "rb") as f:
-        f.seek(pos)
-        chunk = f.read()
-    if chunk:
-        sys.stdout.write(chunk.decode("utf-8", errors="replace"))
-        sys.stdout.flush()
-    return pos + len(chunk)
+class _Tail:
+    """A log printed to stdout from where the last read stopped; UTF-8 decoded across reads,
+    so a character a read cut in two (a progress bar's block) is printed whole with the next."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.pos = path, 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def print_new(self, final: bool = False) -> None:
+        """Print what was appended since the last call; ``final``: the log ends here (a cut
+        character left at its end is printed as U+FFFD)."""
+        chunk = b""
+        if self.path.is_file():  # else not written yet
+            with open(self.path, "rb") as f:
+                f.seek(self.pos)
+                chunk = f.read()
+        self.pos += len(chunk)
+        text = self._decoder.decode(chunk, final=final)
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
 
 
 def cmd_stop(args: argparse.Namespace) -> int:

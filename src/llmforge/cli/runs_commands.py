@@ -308,6 +308,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
             k, new = now.resumptions, backend.logs(now, now.resumptions, **group)[0]
             # a fault-tolerant group's restarts append to its one log: keep the position there
             if new != tail.path:
+                tail.print_new(final=True)
                 tail = _Tail(new)
             tail.print_new()
             continue

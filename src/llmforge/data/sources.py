@@ -40,9 +40,9 @@ def clean_text(text: Optional[str]) -> str:
     Raises:
         DataError: the value is not text (e.g. a number in a json ``text`` field).
     """
-    if not text:
+    if text is None:
         return ""
-    if not isinstance(text, str):
+    if not isinstance(text, str):  # before the emptiness test: a 0 or [] is not text either
         raise not_text(type(text).__name__, repr(str(text)[:40]))
     if text.startswith("\ufeff"):
         text = text[1:]

@@ -89,6 +89,9 @@ def test_plan_layout_predicts_one_layout_and_names_bad_keys():
                                 ("tp=3", "6", "--layout tp=3: the model's heads (n_heads=8, n_kv_heads=4)"),
                                 ("dp_shard=8,bogus=1", "8", "--layout: unknown key 'bogus'"),
                                 ("dp_shard=4,mbs=3", "4", "--layout mbs=3: does not divide the per-rank batch 4"),
+                                ("dp_shard=8", "8", "--layout dp_shard=8: mbs=8 (the config's "
+                                 "trainer.micro_batch_size): does not divide the per-rank batch 2"),
+                                ("dp_shard=\u00b2", "8", "--layout dp_shard=\u00b2: expected a positive integer"),
                                 ("", "8", "--layout '' names no degree"),  # was a whole plan of minutes
                                 ("dp_shard=8,dp_shard=4", "8", "--layout: dp_shard is given twice")):
         bad = run_main("plan", DEMO, "--gpus", gpus, "--layout", layout)

@@ -35,7 +35,7 @@ def parse_layout(text: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, eq, value = part.partition("=")
-        key = key.strip()
+        key, value = key.strip(), value.strip()
         if key not in KEYS:
             raise ConfigError(f"--layout: unknown key '{key}'; known: {', '.join(KEYS)}")
         if key in out:
@@ -48,7 +48,7 @@ def parse_layout(text: str) -> dict[str, Any]:
                 raise ConfigError(f"--layout ac={value}: expected none, selective or full")
             out[key] = value
             continue
-        if not value.isdigit() or int(value) < 1:
+        if not (value.isascii() and value.isdigit()) or int(value) < 1:  # "²".isdigit() too
             raise ConfigError(f"--layout {key}={value}: expected a positive integer")
         out[key] = int(value)
     if not out:
@@ -164,7 +164,10 @@ def config_setting(cfg: Any, world: int, gpu: GPUKind, layout: dict[str, Any]) -
                           f"trainer.global_batch_size={gbs}")
     mbs = layout.get("mbs", base.micro_batch_size)
     if (gbs // dp) % mbs:
-        raise ConfigError(f"--layout mbs={mbs}: does not divide the per-rank batch {gbs // dp}")
+        named = f"--layout mbs={mbs}" if "mbs" in layout else (
+            f"--layout {given}: mbs={mbs} (the config's trainer.micro_batch_size)")
+        raise ConfigError(f"{named}: does not divide the per-rank batch {gbs // dp}; give a "
+                          "divisor of it as mbs= in --layout")
     return at_layout(base, d["dp_replicate"], dp_shard, tp, d["pp"], d["cp"], layout.get("ac", base.ac), mbs)
 
 

@@ -327,16 +327,14 @@ class _Tail:
     def print_new(self, final: bool = False) -> None:
         """Print what was appended since the last call; ``final``: the log ends here (a cut
         character left at its end is printed as U+FFFD)."""
-        chunk = b""
         if self.path.is_file():  # else not written yet
             with open(self.path, "rb") as f:
                 f.seek(self.pos)
-                chunk = f.read()
-        self.pos += len(chunk)
-        text = self._decoder.decode(chunk, final=final)
-        if text:
-            sys.stdout.write(text)
-            sys.stdout.flush()
+                while chunk := f.read(1 << 20):  # 1 MiB at a time: a GB log is not held whole
+                    self.pos += len(chunk)
+                    sys.stdout.write(self._decoder.decode(chunk))
+        sys.stdout.write(self._decoder.decode(b"", final=final))
+        sys.stdout.flush()
 
 
 def cmd_stop(args: argparse.Namespace) -> int:

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.refit:
         all_rows, folds = fit(RUNS), fit_folds()
         stats = summary(held_out(folds))
-        write_fitted(all_rows, folds, {k: round(v, 4) for k, v in stats.items()})
+        write_fitted(all_rows, folds, {k: round(v, 6) for k, v in stats.items()})
         print(f"fitted: wrote {FITTED_PY.relative_to(Path.cwd()) if FITTED_PY.is_relative_to(Path.cwd()) else FITTED_PY}"
               " (re-run without --refit to print from it)")
         return 0

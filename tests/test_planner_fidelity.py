@@ -10,18 +10,22 @@ from llmforge.planning.calibration import BOUNDS, FITTED, HELD_OUT, held_out, su
 from llmforge.planning.published import LLAMA3_8B, RUNS, SOURCES, Setting, run_labelled
 from llmforge.planning.step_model import CostParams, predict
 from llmforge.planning.gpus import gpu_kind
-from llmforge.planning.whatif import FIT_SHARE, assess
+from llmforge.planning.stages import in_flight
+from llmforge.planning.whatif import FIT_SHARE, assess, memory_per_rank
 
 
 def test_held_out_error_is_the_stored_one():
     stats = summary(held_out())
     assert stats["n"] == len(RUNS) >= 30
-    assert stats["median"] == pytest.approx(HELD_OUT["median"], abs=6e-5)
-    assert stats["max"] == pytest.approx(HELD_OUT["max"], abs=6e-5)
+    assert stats["median"] == pytest.approx(HELD_OUT["median"], abs=6e-7)
+    assert stats["max"] == pytest.approx(HELD_OUT["max"], abs=6e-7)
     # the figures docs/scale.md states (a worse model must update them knowingly)
-    assert stats["median"] <= 0.10 and stats["max"] <= 0.55
+    assert stats["median"] <= 0.075 and stats["max"] <= 0.45
     # every constant has its interval, and no interval names a constant the model lost
     assert set(BOUNDS) == set(CostParams.names()) == set(FITTED.as_dict())
+    # a prior on its bound cannot move in the fit (tp_exposed's did, at 1): each sits inside
+    for name, (lo, hi) in BOUNDS.items():
+        assert 0.01 < (getattr(CostParams(), name) - lo) / (hi - lo) < 0.99, name
 
 
 def test_published_rows_are_sourced_and_predicted_to_fit():
@@ -34,17 +38,20 @@ def test_published_rows_are_sourced_and_predicted_to_fit():
         shares.append(v.memory["total"] / gpu_kind(r.setting.gpu, "gpu").memory_bytes)
         if r.memory_gib:  # published peaks are the allocator's reserved bytes: an upper bound
             assert v.memory["total"] / 2**30 < r.memory_gib * 1.1, r.label
-    # the evidence FIT_SHARE was chosen from (docs/scale.md): the fullest published run is
-    # predicted at 70.6 % of its GPU, under the 80 % of arXiv 2411.06465
-    assert max(shares) == pytest.approx(0.706, abs=0.005) and FIT_SHARE == 0.80
+    # the evidence FIT_SHARE was chosen from (docs/scale.md): the fullest published run (405B,
+    # 1F1B, measured at 82 GiB reserved) is predicted at 77.2 % of its GPU, under the 80 % of
+    # arXiv 2411.06465
+    assert max(shares) == pytest.approx(0.772, abs=0.005) and FIT_SHARE == 0.80
     # float8 charges no memory: torchtitan's Table 1 measured 77.0 GiB compiled, 76.8 with float8
     bf16, fp8 = (run_labelled(label).setting for label in ("8B fsdp8 compile", "8B fsdp8 compile fp8"))
     assert assess(fp8).memory == assess(bf16).memory
-    # interleaved 1F1B holds more micro-batches in flight on the first stage than 1F1B
-    run = RUNS[[r.label for r in RUNS].index("405B fsdp8 tp8 pp8 interleaved")]
+    # interleaved 1F1B holds 1 + 7/16 of 1F1B's micro-batches in flight on 8 stages of 2 chunks,
+    # but torch caps the warm-up at the micro-batches there are: torchtitan's 405B ran 8 (its
+    # interleaved run measured 73 GiB against 1F1B's 82)
+    assert in_flight("interleaved_1f1b", 8, 32, 2) == 8 * (1 + 7 / 16) and in_flight("1f1b", 8, 32, 1) == 8
+    run = run_labelled("405B fsdp8 tp8 pp8 interleaved")
     flat = replace(run.setting, schedule="1f1b", stages_per_rank=1)
-    # (8 micro-batches of 8 stages, 2 per rank: 1 + 7/16 of them; one recomputed block aside)
-    assert 1.38 < assess(run.setting).memory["activations"] / assess(flat).memory["activations"] < 1.4375
+    assert assess(run.setting).memory["activations"] == assess(flat).memory["activations"]
     with pytest.raises(ValueError, match="!= world 16"):
         Setting(LLAMA3_8B, "H100-SXM-80GB", 16, dp_shard=4, global_batch_size=8, micro_batch_size=1, seq_len=8192)
 
@@ -113,7 +120,7 @@ def test_fidelity_benchmark_prints_the_stored_figures(capsys):
     assert bench.main([]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last == (f"held-out median error {HELD_OUT['median']:.1%} max {HELD_OUT['max']:.1%} over "
-                    f"{len(RUNS)} rows; published layouts chosen or within error 2 of 3")
+                    f"{len(RUNS)} rows; published layouts chosen or within error 1 of 3")
 
 
 def test_comparisons_say_within_the_error_and_progress_prints_lines():
@@ -135,3 +142,21 @@ def test_comparisons_say_within_the_error_and_progress_prints_lines():
         progress(done, 3, f"tp={2 ** done} activation_checkpointing=none")
     lines = out.getvalue().splitlines()
     assert len(lines) == 3 and lines[0].startswith("plan: group 1 of 3: tp=1") and "s left)" in lines[1]
+
+
+def test_matmul_shapes_and_pipeline_gradients():
+    from llmforge.planning.published import LLAMA3_70B
+    from llmforge.planning.step_model import gemm_slowdown
+
+    # the narrow side of each sharded matmul decides: the 70B under TP 8 (SwiGLU 8,192 x 3,584
+    # per rank) runs within 8 % of the 8B without TP, the 8B under TP 8 (4,096 x 1,792) 20 % slower
+    wide, big, narrow = (gemm_slowdown(sh, tp, FITTED) for sh, tp in ((LLAMA3_8B, 1), (LLAMA3_70B, 8), (LLAMA3_8B, 8)))
+    assert 1.0 < wide < big < 1.08 * wide and narrow > 1.2 * wide
+    # with stages the schedule syncs gradients after the last micro-batch only: FSDP2 holds the
+    # stage's bf16 weights and its fp32 gradients unsharded, 6 bytes per parameter / tp
+    run = run_labelled("405B fsdp8 tp8 pp8 1f1b").setting
+    sh = run.shape
+    stage = (sh.n_layers / run.pp * sh.block_params + 2 * sh.vocab_size * sh.dim / run.pp) / run.tp
+    assert memory_per_rank(run)["gathered"] == pytest.approx(6 * stage)
+    # without FSDP (dp_shard 1) nothing is gathered or accumulated unsharded beyond the shard
+    assert memory_per_rank(replace(run, world=64, dp_shard=1, global_batch_size=32))["gathered"] == 0.0

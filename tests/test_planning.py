@@ -279,3 +279,28 @@ def test_plan_lays_out_pipeline_stages_where_the_batch_needs_them():
     assert all(c.layout.pp > 1 for c in result.candidates if c.status in ("fits", "slower"))
     assert "strategy.pp=2" in layout_overrides(result.chosen, [])
 
+
+
+def test_tensor_parallel_collectives_and_gathered_activations_per_block():
+    """What the step-time model and the analytic memory take from the simulation, measured per
+    block (a 3-block minus a 2-block run of TP 2): the sequence-parallel all-gathers and
+    reduce-scatters by activation checkpointing (step_model.TP_CALLS_PER_BLOCK), and without
+    AC the two norm outputs kept whole-sequence, not / tp (whatif.memory_per_rank)."""
+    from llmforge.planning.step_model import TP_CALLS_PER_BLOCK
+
+    cfg = load_config(DEMO, [*TINY, "model.dim=128", "trainer.global_batch_size=4", "trainer.micro_batch_size=4"])
+
+    def per_block(tp: int, ac: str) -> tuple[dict, float]:
+        lo, hi = (simulate(cfg, Layout(1, 1, tp, ac, 4), n_layers=n) for n in (2, 3))
+        calls = {c.kind: c.count for c in hi.collectives if c.mesh_dim == "tp"}
+        calls = {k: n - next((c.count for c in lo.collectives if (c.kind, c.mesh_dim) == (k, "tp")), 0)
+                 for k, n in calls.items()}
+        return calls, hi.breakdown["activations"] - lo.breakdown["activations"]
+
+    for ac, n in TP_CALLS_PER_BLOCK.items():
+        calls, _ = per_block(2, ac)
+        assert calls["all_gather"] + calls["reduce_scatter"] == n, (ac, calls)
+    _, whole = per_block(1, "none")
+    _, split = per_block(2, "none")
+    tokens, dim, fp32 = 4 * 64, 128, 4
+    assert split - whole / 2 == 2 * dim * (1 - 1 / 2) * tokens * fp32

@@ -9,7 +9,8 @@ backwards come back (Narayanan et al. 2021, §2.2.1), GPipe all ``m`` of them, t
 V schedules up to ``2 pp`` on rank 0 (it holds the first and the last stage). Interleaved 1F1B
 keeps ``pp`` micro-batches in flight on each of its ``v`` virtual stages, each ``1 / v`` of
 the rank's blocks, so the same activations as 1F1B plus a warm-up of ``(pp - 1) / (pp v)``
-more (ibid. §2.2.2): counted as ``pp (1 + (pp - 1) / (pp v))``.
+more (ibid. §2.2.2): counted as ``pp (1 + (pp - 1) / (pp v))``, at most the ``m`` micro-batches
+there are (torch's ``_get_warmup_ops`` caps the warm-up at ``m v`` chunk forwards).
 """
 
 from __future__ import annotations
@@ -70,10 +71,10 @@ def in_flight(schedule: str, pp: int, microbatches: int, stages_per_rank: int) -
         return float(microbatches)
     if schedule in ("zbv", "dualpipev"):
         return float(min(2 * pp, microbatches))
-    held = float(min(pp, microbatches))
     if schedule == "interleaved_1f1b":
-        held *= 1 + (pp - 1) / (pp * stages_per_rank)
-    return held
+        # torch caps the warm-up at every micro-batch's chunks (schedules._get_warmup_ops)
+        return min(pp * (1 + (pp - 1) / (pp * stages_per_rank)), float(microbatches))
+    return float(min(pp, microbatches))
 
 
 def forward_activations(m: StepMeasurement) -> float:

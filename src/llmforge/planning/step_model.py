@@ -5,9 +5,9 @@ constants of :class:`CostParams` (fitted in :mod:`llmforge.planning.calibration`
 Terms (seconds per step, one rank):
 
 * **compute**: the rank's FLOPs (``global tokens x FLOPs per token / world``) at
-  ``matmul_efficiency / (1 + (narrow_width / (d / tp)) ** narrow_power)`` of the GPU's dense
-  bf16 peak (attention at ``attention_efficiency`` of that), times ``compile_speedup`` when
-  compiled;
+  ``matmul_efficiency / gemm_slowdown`` of the GPU's dense bf16 peak (:func:`gemm_slowdown`:
+  the rank's matmul shapes, narrower under ``tp``; attention at ``attention_efficiency`` of
+  that), times ``compile_speedup`` when compiled;
   the linear layers' share divided again by ``fp8_*_speedup`` under float8. FLOPs per token:
   ``6 x`` the matmul parameters (blocks and output layer) plus causal attention
   ``6 L s d`` (fwd + bwd, half of the full ``12 L s d``: PaLM, Chowdhery et al. 2022 App. B);
@@ -38,10 +38,10 @@ Terms (seconds per step, one rank):
   bytes per second per GPU and is charged nothing for it.
 * **CP** (``all_gather``, ``ulysses``): the K/V all-gather and gradient reduce-scatter, or the
   all-to-alls, per block and micro-batch, exposed (:func:`context_parallel_seconds`).
-* **TP** (sequence parallel, Megatron-style): per block and micro-batch two all-gathers and two
-  reduce-scatters of ``mbs x s / cp x d`` activations forward, the same backward (and the
-  forward's again under full AC): exposed at ``tp_exposed`` (``async_tp_exposed`` with async
-  TP, whose matmuls hide part of it).
+* **TP** (sequence parallel, Megatron-style): per block and micro-batch
+  :data:`TP_CALLS_PER_BLOCK` all-gathers and reduce-scatters of ``mbs x s / cp x d``
+  activations: two of each forward, the same backward, and what the recomputation repeats:
+  exposed at ``tp_exposed`` (``async_tp_exposed`` with async TP, whose matmuls hide part of it).
 * **PP**: each micro-batch's hidden states cross each virtual stage boundary forward and back,
   exposed.
 
@@ -66,12 +66,9 @@ class CostParams:
 
     Attributes:
         matmul_efficiency: achieved share of the dense bf16 peak, eager, of a wide matmul.
-        narrow_width: the per-rank model width ``d / tp`` at which the efficiency halves
-            (``efficiency / (1 + (narrow_width / (d / tp)) ** narrow_power)``: small matmuls
-            and the per-layer work that does not shrink with them).
-        narrow_power: how sharply the efficiency falls below ``narrow_width`` (its prior, 1, is
-            a hyperbola; the published rows put it above: TP 8 costs Llama 8B, 512 wide per
-            rank, far more than it costs the 70B at 1,024).
+        narrow_width: the arithmetic intensity ``K N / (K + N)`` of a ``(M, K) x (K, N)``
+            matmul at which its efficiency halves (:func:`gemm_slowdown`).
+        narrow_power: how sharply the efficiency falls below ``narrow_width`` (1: a hyperbola).
         attention_efficiency: attention's speed relative to the matmuls (flash attention).
         compile_speedup: compute speed-up of ``torch.compile``.
         fp8_tensorwise_speedup, fp8_rowwise_speedup: speed-up of the linear layers' matmuls
@@ -80,7 +77,9 @@ class CostParams:
         nvlink_latency, network_latency: seconds per collective call.
         nvlink_efficiency, network_efficiency: achieved share of the GPU table's bandwidth.
         fsdp_overlap: share of the compute that can hide FSDP / CP / HSDP traffic.
-        tp_exposed, async_tp_exposed: share of the tensor-parallel traffic left exposed.
+        tp_exposed, async_tp_exposed: share of the tensor-parallel traffic left exposed (its
+            bound reaches above 1, traffic that costs more than its bytes, so that the prior,
+            1, is not the bound: a constant started at its bound cannot move in the fit).
         elementwise_passes: bf16 passes over a ``d + F`` wide row per token and block,
             forward and backward, of the memory-bound work beside the matmuls.
         compile_fusion: share of that traffic left under ``torch.compile``.
@@ -154,6 +153,15 @@ def model_flops_per_token(shape: Shape, seq_len: int) -> float:
     return linear + 2 * attention
 
 
+TP_CALLS_PER_BLOCK = {"none": 8, "selective": 10, "full": 11}
+"""Sequence-parallel all-gathers and reduce-scatters of one block's activations per micro-batch,
+by activation checkpointing, as the simulation counts them (``tests/test_planner_fidelity.py``):
+2 + 2 forward and 2 + 2 backward; selective AC (torchtitan's policy, llmforge's ``op``) saves the
+reduce-scatters' outputs but not the all-gathers', so the backward gathers both block inputs
+again (+2); full AC recomputes the forward up to the last tensor the backward needs (torch's
+checkpoint stops early), all but the final reduce-scatter (+3)."""
+
+
 def _collective(n: int, payload: float, calls: float, intra: bool, gpu: GPUKind, p: CostParams,
                 all_reduce: bool = False) -> float:
     """Seconds of ``calls`` ring collectives over ``n`` ranks moving ``payload`` bytes (summed,
@@ -196,6 +204,27 @@ def context_parallel_seconds(s: Setting, p: CostParams) -> float:
     return _collective(s.cp, calls * full, calls, intra, gpu, p)
 
 
+def gemm_slowdown(sh: Shape, tp: int, p: CostParams) -> float:
+    """How much slower than a wide matmul the rank's matmuls run (>= 1): the FLOP-weighted mean of
+    ``1 + (narrow_width / I) ** narrow_power`` over the block's q, k, v, o and SwiGLU matrices
+    and the output layer, where ``I = K N / (K + N)`` is the arithmetic intensity of a ``(M, K) x
+    (K, N)`` matmul over many rows ``M`` (FLOPs per element of ``K x N`` moved: the roofline's
+    axis, Williams et al. 2009), each matrix sharded by ``tp`` as Megatron-LM shards it
+    (column-parallel q, k, v, w1, w3 and output: ``N / tp``; row-parallel o, w2: ``K / tp``).
+
+    The narrow side decides: Llama 3.1 70B under TP 8 (its SwiGLU 8,192 x 3,584 per rank,
+    ``I`` 2,493) is close to the 8B without TP (4,096 x 14,336, ``I`` 3,186), the 8B under TP 8
+    (4,096 x 1,792, ``I`` 1,247) is not (slowdowns 1.16, 1.08 and 1.32 with the fitted
+    constants); the width ``d / tp`` this replaced put the 70B at a quarter of the 8B's.
+    """
+    d, hd, f, v = sh.dim, sh.head_dim, sh.ffn_dim, sh.vocab_size
+    q, kv = sh.n_heads * hd / tp, sh.n_kv_heads * hd / tp
+    block = [(d, q), (d, kv), (d, kv), (q, d), (d, f / tp), (d, f / tp), (f / tp, d)]
+    mats = [(k * n * sh.n_layers, k, n) for k, n in block] + [(d * v / tp, d, v / tp)]
+    slow = sum(w * (1 + (p.narrow_width * (k + n) / (k * n)) ** p.narrow_power) for w, k, n in mats)
+    return slow / sum(w for w, _, _ in mats)
+
+
 def predict(s: Setting, p: CostParams) -> Prediction:
     """The step of ``s`` under ``p`` (module docstring).
 
@@ -215,8 +244,7 @@ def predict(s: Setting, p: CostParams) -> Prediction:
     if s.ac == "full":
         attention *= recompute
     clock = p.power_limited_clock if gpu.name.endswith("-500W") else 1.0
-    width = sh.dim / s.tp
-    efficiency = p.matmul_efficiency / (1 + (p.narrow_width / width) ** p.narrow_power)
+    efficiency = p.matmul_efficiency / gemm_slowdown(sh, s.tp, p)
     speed = gpu.bf16_flops * efficiency * clock * (p.compile_speedup if s.compile else 1.0)
     fp8 = {"fp8_tensorwise": p.fp8_tensorwise_speedup, "fp8_rowwise": p.fp8_rowwise_speedup}.get(s.precision, 1.0)
     compute = tokens / s.world * (linear / fp8 + attention / p.attention_efficiency) / speed
@@ -255,7 +283,7 @@ def predict(s: Setting, p: CostParams) -> Prediction:
         exposed_fsdp += p.nvlink_contention * min(fsdp, p.fsdp_overlap * (compute + elementwise))
     tp = 0.0
     if s.tp > 1:
-        calls = n_micro * layers * (12 if s.ac == "full" else 8)
+        calls = n_micro * layers * TP_CALLS_PER_BLOCK[s.ac]
         act = micro_tokens * sh.dim * 2.0
         tp = _collective(s.tp, act * calls, calls, s.tp <= node, gpu, p)
         tp *= p.async_tp_exposed if s.async_tp else p.tp_exposed
@@ -273,5 +301,5 @@ def predict(s: Setting, p: CostParams) -> Prediction:
     return Prediction(step, tps, mfu, terms, fsdp)
 
 
-__all__ = ["CostParams", "Prediction", "context_parallel_seconds", "flops_per_token", "model_flops_per_token",
-           "predict"]
+__all__ = ["CostParams", "Prediction", "context_parallel_seconds", "flops_per_token", "gemm_slowdown",
+           "model_flops_per_token", "predict", "TP_CALLS_PER_BLOCK"]

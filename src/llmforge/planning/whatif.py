@@ -32,9 +32,15 @@ def memory_per_rank(s: Setting) -> dict[str, float]:
       (embedding, output) of the stage, ``/ tp``; with pipeline stages the whole stage's
       (torchtitan keeps them gathered after the forward under pipeline parallelism); float8
       adds nothing: torchtitan measured the same peak with and without it (Tables 1 and 3 of
-      its 2024-12 benchmarks: 77.0 / 76.8 GiB on 8 GPUs, 62.0 / 61.8 GiB on 128);
+      its 2024-12 benchmarks: 77.0 / 76.8 GiB on 8 GPUs, 62.0 / 61.8 GiB on 128); with stages
+      also the stage's unsharded fp32 gradients, ``4`` bytes per parameter ``/ tp``: the
+      pipeline schedule syncs gradients only after the last micro-batch, and FSDP2 accumulates
+      them unsharded in its reduce dtype until then (``PipelineStage``, ``FSDPParam``);
     * activations of one micro-batch of ``mbs x s / cp`` tokens per block, bf16, ``/ tp``
-      (sequence parallel): none keeps ``6 d + q + 2 kv + 4 F`` per token eager (norm inputs
+      (sequence parallel; the two norm outputs, all-gathered to the whole sequence and saved by
+      the matmuls after them, are not: ``2 d (1 - 1 / tp)`` more, measured by the simulation
+      at ``tp`` 2 and 4, eager; assumed compiled too, where recomputing them would repeat the
+      all-gather): none keeps ``6 d + q + 2 kv + 4 F`` per token eager (norm inputs
       and outputs, q k v, attention output, the SwiGLU's four F-wide tensors), ``2 d + 2 q +
       2 kv + 2 F`` compiled (the partitioner recomputes norm outputs, SiLU and the gate
       product), selective (per operator)
@@ -56,12 +62,18 @@ def memory_per_rank(s: Setting) -> dict[str, float]:
     layers = sh.n_layers / s.pp
     held = layers if s.pp > 1 else 2  # blocks whose gathered weights are held at the peak
     gathered = (held * sh.block_params + ends) * 2.0 / s.tp if s.dp_shard * s.cp > 1 else 0.0
+    if s.pp > 1 and s.dp_shard * s.cp > 1:
+        # the schedule turns gradient sync off until the last micro-batch: FSDP2 accumulates the
+        # stage's unsharded gradients in its fp32 reduce dtype (PipelineStage, FSDPParam)
+        gathered += (layers * sh.block_params + ends) * 4.0 / s.tp
     tokens = s.micro_batch_size * s.seq_len / s.cp
     q, kv, d, f = sh.n_heads * sh.head_dim, sh.n_kv_heads * sh.head_dim, sh.dim, sh.ffn_dim
     # compiled: the partitioner recomputes elementwise results (norm outputs, SiLU, the gate
     # product) in the backward instead of saving them
     keep = 2 * d + 2 * q + 2 * kv + 2 * f if s.compile else 6 * d + 2 * kv + 4 * f + q
-    none = tokens * keep * 2.0 / s.tp
+    # sequence parallel gathers the two norm outputs to the whole sequence before the
+    # column-parallel matmuls, which save them for their weight gradients: not / tp
+    none = tokens * (keep / s.tp + 2 * d * (1 - 1 / s.tp)) * 2.0
     per_block = {"none": none, "selective": tokens * (2 * d + 2 * q + kv + f) * 2.0 / s.tp,
                  "full": tokens * d * 2.0 / s.tp}[s.ac]
     n_micro = s.global_batch_size // (s.dp_replicate * s.dp_shard) // s.micro_batch_size

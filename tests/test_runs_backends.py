@@ -381,6 +381,15 @@ def test_logs_follow_prints_every_line_across_a_restart_and_the_end(home, capsys
     assert len(polls) == 2
 
 
+def test_logs_follow_of_an_ended_run_without_a_log_exits_2(home, capsys):
+    run_dir = home / "runs" / "gone"
+    run = RunRegistry().create("gone", "local", "local", run_dir=str(run_dir))
+    RunRegistry().set_status(run.id, "failed", "exited before its log")
+    assert main(["runs", "logs", run.id, "--follow"]) == 2
+    assert capsys.readouterr().err == (f"error: no log {run_dir}/logs/resumption-0.log: run {run.id} is failed "
+                                       f"and wrote none (resumptions of this run: 0..0)\n")
+
+
 def test_logs_of_a_fault_tolerant_run_by_replica_group(home, capsys):
     run_dir = home / "runs" / "ft"
     (run_dir / "logs").mkdir(parents=True)

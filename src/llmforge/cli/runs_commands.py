@@ -303,6 +303,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
         tail.print_new()
         if not now.active and (now.resumptions == k or args.resumption is not None):
             tail.print_new(final=True)
+            if not tail.path.is_file():  # it ended (or had ended) without writing one
+                raise ConfigError(f"no log {tail.path}: run {r.id} is {now.status} and wrote none "
+                                  f"(resumptions of this run: 0..{now.resumptions}){hint}")
             return 0
         if now.resumptions != k and args.resumption is None:  # a restart began: follow it
             k, new = now.resumptions, backend.logs(now, now.resumptions, **group)[0]

@@ -155,7 +155,7 @@ def model_flops_per_token(shape: Shape, seq_len: int) -> float:
 
 TP_CALLS_PER_BLOCK = {"none": 8, "selective": 10, "full": 11}
 """Sequence-parallel all-gathers and reduce-scatters of one block's activations per micro-batch,
-by activation checkpointing, as the simulation counts them (``tests/test_planner_fidelity.py``):
+by activation checkpointing, as the simulation counts them (``tests/test_planning.py``):
 2 + 2 forward and 2 + 2 backward; selective AC (torchtitan's policy, llmforge's ``op``) saves the
 reduce-scatters' outputs but not the all-gathers', so the backward gathers both block inputs
 again (+2); full AC recomputes the forward up to the last tensor the backward needs (torch's

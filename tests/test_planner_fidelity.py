@@ -86,7 +86,7 @@ def test_step_terms_follow_the_layout():
 
 
 def test_plan_layout_predicts_one_layout_and_names_bad_keys():
-    from conftest import DEMO, run_main
+    from conftest import DEMO, REPO, run_main
 
     ok = run_main("plan", DEMO, "--gpus", "8", "--layout", "dp_shard=4,tp=2,ac=full,mbs=1")
     assert ok.returncode == 0, ok.stderr
@@ -104,6 +104,24 @@ def test_plan_layout_predicts_one_layout_and_names_bad_keys():
         bad = run_main("plan", DEMO, "--gpus", gpus, "--layout", layout)
         assert bad.returncode == 2, (layout, bad.stdout)
         assert words in bad.stderr and "Traceback" not in bad.stderr
+    # the recipe's own pipeline / attention keys and float8 on a GPU without it (were accepted:
+    # a bogus schedule predicted as 1F1B, stages_per_rank=-1 gave a negative bubble, 64 virtual
+    # stages for 32 blocks, float8's speed-up credited on an A100)
+    eight_b = str(REPO / "yamls" / "llama3_8b.yaml")
+    for config, args, words in (
+            (DEMO, ["--gpus", "8", "--layout", "dp_shard=4,pp=2", "pipeline.schedule=bogus"],
+             "pipeline.schedule: expected one of"),
+            (DEMO, ["--gpus", "8", "--layout", "dp_shard=4,pp=2", "pipeline.stages_per_rank=-1"],
+             "pipeline.stages_per_rank must be an integer >= 1"),
+            (DEMO, ["--gpus", "8", "--layout", "dp_shard=4,cp=2", "context_parallel.mode=bogus"],
+             "context_parallel.mode: expected one of all_gather, ulysses"),
+            (eight_b, ["--gpus", "32", "--layout", "dp_shard=1,pp=32", "pipeline.schedule=interleaved_1f1b"],
+             "--layout pp=32: 64 stages (2 per rank"),
+            (eight_b, ["--gpus", "8", "--gpu", "a100", "--layout", "dp_shard=8"],
+             "algorithms: float8 needs float8 tensor cores, which A100-SXM-80GB lacks"),
+            (eight_b, ["--gpus", "8", "--gpu", "a100"], "float8 needs float8 tensor cores")):
+        bad = run_main("plan", config, *args)
+        assert bad.returncode == 2 and words in bad.stderr and "Traceback" not in bad.stderr, (args, bad.stderr)
     for extra in ([], ["--layout", "dp_shard=8"]):  # every layout divides by the batch: refused first
         bad = run_main("plan", DEMO, "trainer.global_batch_size=0", "--gpus", "8", *extra)
         assert bad.returncode == 2 and bad.stderr == "error: trainer.global_batch_size must be > 0, got 0\n"

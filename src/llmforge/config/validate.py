@@ -109,6 +109,19 @@ def _check_pipeline(p: Any) -> None:
             f"non-empty list of integers >= 0 per stage, e.g. [[0, 1], [2, 3]]; got {shown!r}")
 
 
+def check_parallel_keys(cfg: Any) -> None:
+    """``pipeline:`` and ``context_parallel.mode`` checked on their own, whatever the degrees
+    (``llmforge plan --layout`` sets the degrees itself and reads only these of the recipe).
+
+    Raises:
+        ConfigError: an unknown schedule, split or attention mode, stages or micro-batches
+            below 1 (the message names the key).
+    """
+    _check_pipeline(cfg.pipeline)
+    _one_of("context_parallel.mode", cfg.get("context_parallel", {}).get("mode", "all_gather"),
+            CONTEXT_PARALLEL_MODES)
+
+
 _WARNED: set[str] = set()
 
 WARNINGS_SHOWN_ENV = "LLMFORGE_PREFLIGHT_WARNED"

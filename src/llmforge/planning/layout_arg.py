@@ -11,13 +11,16 @@ from dataclasses import replace
 from typing import Any, Optional
 
 from llmforge import registry
+from llmforge.config.validate import check_parallel_keys
 from llmforge.errors import ConfigError
 from llmforge.models.memory_estimate import ac_mode
 from llmforge.models.spec import get_spec
+from llmforge.parallel.pipeline import rank_stages
 from llmforge.planning.calibration import model_error
 from llmforge.planning.context import check_cp, cp_of
 from llmforge.planning.gpus import GPUKind
 from llmforge.planning.published import Setting, Shape, published_layout
+from llmforge.planning.stages import pp_allowed
 from llmforge.planning.whatif import FIT_SHARE, assess, best_layout, versus
 from llmforge.plugin import meta_model
 
@@ -68,13 +71,30 @@ def _precision(cfg: Any) -> tuple[str, bool, bool]:
     return prec, gather, compiled
 
 
+def check_float8(cfg: Any, gpu: GPUKind) -> None:
+    """Refuse a float8 recipe on a GPU kind without float8 units (``fp8_flops`` 0: torchao's
+    float8 matmuls need them), instead of crediting it a speed-up it cannot have.
+
+    Raises:
+        ConfigError: names the GPU kind and the ``float8`` algorithm.
+    """
+    if _precision(cfg)[0] != "bf16" and not gpu.fp8_flops:
+        raise ConfigError(f"algorithms: float8 needs float8 tensor cores, which {gpu.name} lacks; "
+                          "remove the float8 algorithm or plan another --gpu")
+
+
 def base_setting(cfg: Any, world: int, gpu: GPUKind) -> Setting:
     """``cfg``'s model shape and recipe (batch, sequence, precision, compile, pipeline
     schedule, activation checkpointing) on ``world`` GPUs of ``gpu``, all ranks ``dp_shard``.
 
     Raises:
-        ConfigError: a model with experts (the calibrated model covers dense decoders).
+        ConfigError: a model with experts (the calibrated model covers dense decoders), an
+            unknown pipeline schedule or attention mode, stages per rank below 1
+            (:func:`~llmforge.config.validate.check_parallel_keys`), float8 on a GPU kind
+            without it (:func:`check_float8`).
     """
+    check_parallel_keys(cfg)
+    check_float8(cfg, gpu)
     spec = get_spec(cfg.model.name)
     model = meta_model(cfg)
     if spec.expert_modules(model):
@@ -91,7 +111,7 @@ def base_setting(cfg: Any, world: int, gpu: GPUKind) -> Setting:
                    int(cfg.trainer.micro_batch_size), int(cfg.trainer.seq_len),
                    ac=mode if mode in ("none", "selective", "full") else "selective", precision=prec,
                    fp8_all_gather=gather, compile=compiled, schedule=str(p.schedule),
-                   stages_per_rank=int(p.stages_per_rank or 1), cp_mode=cp_of(cfg)[1])
+                   stages_per_rank=rank_stages(str(p.schedule), p.stages_per_rank), cp_mode=cp_of(cfg)[1])
 
 
 def _algorithm_class(name: Any) -> Any:
@@ -148,8 +168,10 @@ def config_setting(cfg: Any, world: int, gpu: GPUKind, layout: dict[str, Any]) -
         raise ConfigError(f"--layout tp={tp}: the model's heads (n_heads={sh.n_heads}, "
                           f"n_kv_heads={sh.n_kv_heads}) do not divide by tp")
     check_cp(d["cp"], base.seq_len, world, sh.n_heads // tp, base.cp_mode)
-    if d["pp"] > sh.n_layers:
-        raise ConfigError(f"--layout pp={d['pp']}: more stages than the model's {sh.n_layers} blocks")
+    if d["pp"] * base.stages_per_rank > sh.n_layers:
+        raise ConfigError(f"--layout pp={d['pp']}: {d['pp'] * base.stages_per_rank} stages "
+                          f"({base.stages_per_rank} per rank, pipeline.stages_per_rank / "
+                          f"pipeline.schedule) for the model's {sh.n_layers} blocks")
     rest = d["dp_replicate"] * tp * d["pp"] * d["cp"]
     given = ",".join(f"{k}={layout[k]}" for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp") if k in layout)
     if "dp_shard" not in layout and world % rest:
@@ -168,6 +190,10 @@ def config_setting(cfg: Any, world: int, gpu: GPUKind, layout: dict[str, Any]) -
             f"--layout {given}: mbs={mbs} (the config's trainer.micro_batch_size)")
         raise ConfigError(f"{named}: does not divide the per-rank batch {gbs // dp}; give a "
                           "divisor of it as mbs= in --layout")
+    if d["pp"] > 1:  # the pipeline's own checks: the split, the micro-batches the schedule needs
+        why = pp_allowed(cfg, d["pp"], sh.n_layers, gbs // dp, mbs, world)
+        if why:
+            raise ConfigError(f"--layout pp={d['pp']}: {why}")
     return at_layout(base, d["dp_replicate"], dp_shard, tp, d["pp"], d["cp"], layout.get("ac", base.ac), mbs)
 
 

@@ -77,7 +77,7 @@ from llmforge.planning.experts import ExpertShape
 from llmforge.planning.calibration import FITTED
 from llmforge.planning.context import ESTIMATED, SIMULATED, fitting_cp, peak_delta, per_token_bytes, twin
 from llmforge.planning.layout import AC_MODES, Layout
-from llmforge.planning.layout_arg import at_layout, calibrated_setting
+from llmforge.planning.layout_arg import at_layout, calibrated_setting, check_float8
 from llmforge.planning.published import Setting
 from llmforge.planning.search import (MAX_GPUS, Candidate, _divisors, check_gpus, enumerate_layouts,
                                       tp_degrees)
@@ -142,9 +142,10 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
     Raises:
         ConfigError: no layout divides the batch or the model (see :func:`enumerate_layouts`),
             or every layout refused by the config's own checks (the first refusal), or
-            ``world`` outside 1..MAX_GPUS.
+            ``world`` outside 1..MAX_GPUS, float8 on a GPU kind without it.
     """
     check_gpus(world, "the world size")
+    check_float8(cfg, gpu)
     experts = ExpertShape.of(cfg)
     base = None if experts is not None else calibrated_setting(cfg, world, gpu)
     # context parallelism: dense decoders that the calibrated model covers (module docstring, 6)

@@ -381,13 +381,20 @@ def test_logs_follow_prints_every_line_across_a_restart_and_the_end(home, capsys
     assert len(polls) == 2
 
 
-def test_logs_follow_of_an_ended_run_without_a_log_exits_2(home, capsys):
+def test_logs_follow_of_an_ended_run_without_a_log_exits_2(home, capsys, monkeypatch, tmp_path):
     run_dir = home / "runs" / "gone"
     run = RunRegistry().create("gone", "local", "local", run_dir=str(run_dir))
     RunRegistry().set_status(run.id, "failed", "exited before its log")
     assert main(["runs", "logs", run.id, "--follow"]) == 2
     assert capsys.readouterr().err == (f"error: no log {run_dir}/logs/resumption-0.log: run {run.id} is failed "
                                        f"and wrote none (resumptions of this run: 0..0)\n")
+    # a record without a run directory printed logs/resumption-0.log of the current directory
+    bare = RunRegistry().create("bare", "local", "local")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "resumption-0.log").write_text("someone else's\n")
+    assert main(["runs", "logs", bare.id]) == 2
+    assert capsys.readouterr().err == f"error: run {bare.id} has no run directory here, so no log to show\n"
 
 
 def test_logs_of_a_fault_tolerant_run_by_replica_group(home, capsys):

@@ -280,7 +280,6 @@ def test_plan_lays_out_pipeline_stages_where_the_batch_needs_them():
     assert "strategy.pp=2" in layout_overrides(result.chosen, [])
 
 
-
 def test_tensor_parallel_collectives_and_gathered_activations_per_block():
     """What the step-time model and the analytic memory take from the simulation, measured per
     block (a 3-block minus a 2-block run of TP 2): the sequence-parallel all-gathers and

@@ -291,7 +291,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
     # the group only when given: a backend of the documented logs(run, resumption) still works
     group = {} if args.group is None else {"group": args.group}
     path, hint = backend.logs(r, k, **group)
-    if not r.run_dir:  # the path would be relative: a file of the current directory
+    if not path.is_absolute():  # no local run directory (none, or a remote one): not a file here
         raise ConfigError(f"run {r.id} has no run directory here, so no log to show{hint}")
     if not path.is_file() and not args.follow:
         raise ConfigError(f"no log {path} (resumptions of this run: 0..{r.resumptions}){hint}")

@@ -88,13 +88,8 @@ def base_setting(cfg: Any, world: int, gpu: GPUKind) -> Setting:
     schedule, activation checkpointing) on ``world`` GPUs of ``gpu``, all ranks ``dp_shard``.
 
     Raises:
-        ConfigError: a model with experts (the calibrated model covers dense decoders), an
-            unknown pipeline schedule or attention mode, stages per rank below 1
-            (:func:`~llmforge.config.validate.check_parallel_keys`), float8 on a GPU kind
-            without it (:func:`check_float8`).
+        ConfigError: a model with experts (the calibrated model covers dense decoders).
     """
-    check_parallel_keys(cfg)
-    check_float8(cfg, gpu)
     spec = get_spec(cfg.model.name)
     model = meta_model(cfg)
     if spec.expert_modules(model):
@@ -154,8 +149,13 @@ def config_setting(cfg: Any, world: int, gpu: GPUKind, layout: dict[str, Any]) -
             other than 1, a product of degrees other than ``world``, ``tp`` that the model's heads
             or the node refuse, ``cp`` that does not divide the GPUs or the sequence (in ``2 x cp``
             chunks; :func:`llmforge.planning.context.check_cp`), ``mbs`` or ``dp`` that do not
-            divide the global batch, more stages than blocks (each names the key).
+            divide the global batch, more stages than blocks, what the pipeline's own checks
+            refuse, an unknown pipeline schedule or attention mode, stages per rank below 1
+            (:func:`~llmforge.config.validate.check_parallel_keys`), float8 on a GPU kind
+            without it (:func:`check_float8`); each names the key.
     """
+    check_parallel_keys(cfg)  # --layout replaces the degrees: only the recipe's keys are checked
+    check_float8(cfg, gpu)
     base = base_setting(cfg, world, gpu)
     sh = base.shape
     if layout.get("ep", 1) != 1:

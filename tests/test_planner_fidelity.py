@@ -20,7 +20,7 @@ def test_held_out_error_is_the_stored_one():
     assert stats["median"] == pytest.approx(HELD_OUT["median"], abs=6e-7)
     assert stats["max"] == pytest.approx(HELD_OUT["max"], abs=6e-7)
     # the figures docs/scale.md states (a worse model must update them knowingly)
-    assert stats["median"] <= 0.075 and stats["max"] <= 0.45
+    assert stats["median"] <= 0.079 and stats["max"] <= 0.45
     # every constant has its interval, and no interval names a constant the model lost
     assert set(BOUNDS) == set(CostParams.names()) == set(FITTED.as_dict())
     # a prior on its bound cannot move in the fit (tp_exposed's did, at 1): each sits inside
@@ -93,7 +93,10 @@ def test_plan_layout_predicts_one_layout_and_names_bad_keys():
     assert "layout dp_shard=4,tp=2,ac=full,mbs=1" in ok.stdout and "tokens/s per GPU, MFU" in ok.stdout
     assert "memory per rank" in ok.stdout and "limited by" in ok.stdout and "best layout found" in ok.stdout
     for layout, gpus, words in (("dp_shard=2,tp=2", "8", "--layout dp_shard=2,tp=2: dp_replicate*dp_shard*tp*pp*cp = 4, not --gpus 8"),
-                                ("tp=3", "6", "--layout tp=3: the model's heads (n_heads=8, n_kv_heads=4)"),
+                                ("tp=3", "6", "--layout tp=3: strategy.tp=3 must divide model.n_heads (8) and model.n_kv_heads (4)"),
+                                # training holds whole key/value heads per rank: 4 of them do not
+                                # split over 8 (was predicted, then refused by the run itself)
+                                ("dp_shard=1,tp=8", "8", "--layout tp=8: strategy.tp=8 must divide model.n_heads (8)"),
                                 ("dp_shard=8,bogus=1", "8", "--layout: unknown key 'bogus'"),
                                 ("dp_shard=4,mbs=3", "4", "--layout mbs=3: does not divide the per-rank batch 4"),
                                 ("dp_shard=8", "8", "--layout dp_shard=8: mbs=8 (the config's "
@@ -170,6 +173,24 @@ def test_matmul_shapes_and_pipeline_gradients():
     # per rank) runs within 8 % of the 8B without TP, the 8B under TP 8 (4,096 x 1,792) 20 % slower
     wide, big, narrow = (gemm_slowdown(sh, tp, FITTED) for sh, tp in ((LLAMA3_8B, 1), (LLAMA3_70B, 8), (LLAMA3_8B, 8)))
     assert 1.0 < wide < big < 1.08 * wide and narrow > 1.2 * wide
+    # the slowest pipeline rank paces the schedule: whole blocks per stage, the output layer (in
+    # blocks of FLOPs, w) on the last: the 70B on 8 stages puts 9 blocks and the output last and
+    # 11 blocks on some other rank, against a mean of (80 + w) / 8
+    from llmforge.planning.step_model import stage_imbalance
+    w = LLAMA3_70B.vocab_size * LLAMA3_70B.dim / (LLAMA3_70B.block_params + 8192 * LLAMA3_70B.dim)
+    assert stage_imbalance(LLAMA3_70B, 8, 1, 8192) == pytest.approx(11 / ((80 + w) / 8))
+    assert stage_imbalance(LLAMA3_70B, 1, 1, 8192) == 1.0
+    with pytest.raises(ValueError, match="41 x 2 pipeline stages for 80 blocks"):
+        stage_imbalance(LLAMA3_70B, 41, 2, 8192)
+    # the Python API refuses what the CLI refuses, naming the field (was a ZeroDivisionError)
+    for bad, words in (({"tp": 0}, "Setting.tp must be an integer >= 1, got 0"),
+                       ({"micro_batch_size": 0}, "Setting.micro_batch_size must be an integer >= 1"),
+                       ({"ac": "some"}, "Setting.ac must be one of none, selective, full, got 'some'"),
+                       ({"stages_per_rank": 16}, "Setting.pp 8 x stages_per_rank 16 stages for 126 blocks")):
+        with pytest.raises(ValueError, match=words):
+            replace(run_labelled("405B fsdp8 tp8 pp8 1f1b").setting, **bad)
+    # the 405B's 126 blocks were sized for it (Llama 3 paper 3.3.2: one block fewer at each end)
+    assert 1.0 < stage_imbalance(run_labelled("405B fsdp8 tp8 pp8 interleaved").setting.shape, 8, 2, 8192) < 1.012
     # with stages the schedule syncs gradients after the last micro-batch only: FSDP2 holds the
     # stage's bf16 weights and its fp32 gradients unsharded, 6 bytes per parameter / tp
     run = run_labelled("405B fsdp8 tp8 pp8 1f1b").setting

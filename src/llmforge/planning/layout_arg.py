@@ -20,6 +20,7 @@ from llmforge.planning.calibration import model_error
 from llmforge.planning.context import check_cp, cp_of
 from llmforge.planning.gpus import GPUKind
 from llmforge.planning.published import Setting, Shape, published_layout
+from llmforge.planning.search import tp_degrees
 from llmforge.planning.stages import pp_allowed
 from llmforge.planning.whatif import FIT_SHARE, assess, best_layout, versus
 from llmforge.plugin import meta_model
@@ -164,9 +165,9 @@ def config_setting(cfg: Any, world: int, gpu: GPUKind, layout: dict[str, Any]) -
     tp = d["tp"]
     if tp > gpu.gpus_per_node:
         raise ConfigError(f"--layout tp={tp}: tensor parallel stays inside a node of {gpu.gpus_per_node} GPUs")
-    if sh.n_heads % tp or (sh.n_kv_heads % tp and tp % sh.n_kv_heads):
-        raise ConfigError(f"--layout tp={tp}: the model's heads (n_heads={sh.n_heads}, "
-                          f"n_kv_heads={sh.n_kv_heads}) do not divide by tp")
+    _, refused = tp_degrees(cfg, tp, tp)  # the family's own check, as training runs it
+    if tp in refused:
+        raise ConfigError(f"--layout tp={tp}: {refused[tp]}")
     check_cp(d["cp"], base.seq_len, world, sh.n_heads // tp, base.cp_mode)
     if d["pp"] * base.stages_per_rank > sh.n_layers:
         raise ConfigError(f"--layout pp={d['pp']}: {d['pp'] * base.stages_per_rank} stages "

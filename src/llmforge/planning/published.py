@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from llmforge.config.parallel_schema import CONTEXT_PARALLEL_MODES, PIPELINE_SCHEDULES
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -44,6 +46,11 @@ class Shape:
     def params(self) -> int:
         """All parameters (untied input embedding and output layer; norms left out)."""
         return self.n_layers * self.block_params + 2 * self.vocab_size * self.dim
+
+
+AC_MODES = ("none", "selective", "full")
+PRECISIONS = ("bf16", "fp8_tensorwise", "fp8_rowwise")
+CP_MODES = CONTEXT_PARALLEL_MODES + ("ring",)  # ring: torch's experimental one, published rows only
 
 
 @dataclass(frozen=True)
@@ -86,9 +93,24 @@ class Setting:
     cp_mode: str = "all_gather"
 
     def __post_init__(self) -> None:
+        """Raises ValueError naming the field: a count below 1, an unknown ``ac``,
+        ``precision``, ``schedule`` or ``cp_mode``, degrees whose product is not ``world``, more
+        stages than blocks. (Whether the batch divides is the callers' check: the planner's
+        base setting puts every GPU on ``dp_shard`` before it picks the degrees.)"""
+        for name in ("world", "dp_shard", "global_batch_size", "micro_batch_size", "seq_len",
+                     "dp_replicate", "tp", "pp", "cp", "ep", "stages_per_rank"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"Setting.{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        for name, allowed in (("ac", AC_MODES), ("precision", PRECISIONS), ("schedule", PIPELINE_SCHEDULES),
+                              ("cp_mode", CP_MODES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"Setting.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         degrees = self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
         if degrees != self.world:
             raise ValueError(f"dp_replicate*dp_shard*tp*pp*cp = {degrees} != world {self.world}")
+        if self.pp * self.stages_per_rank > self.shape.n_layers:
+            raise ValueError(f"Setting.pp {self.pp} x stages_per_rank {self.stages_per_rank} stages for "
+                             f"{self.shape.n_layers} blocks")
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,11 @@ Terms (seconds per step, one rank):
   times ``power_limited_clock``); compiled, ``compile_fusion`` of it is left (inductor fuses
   the chains into fewer kernels). Its share of the step falls as ``1 / d``: what makes a 1B
   model slower per FLOP than an 8B one on the same GPU (roofline, Williams et al. 2009).
-* **pipeline bubble**: (compute + elementwise) ``x bubble / (1 - bubble)``
-  (:func:`llmforge.parallel.pipeline.bubble_fraction`, the schedule's formula, nothing fitted).
+* **pipeline stages**: the most loaded rank paces the schedule, so with stages compute and
+  elementwise are the mean rank's times :func:`stage_imbalance` (whole blocks per stage, the
+  output layer on the last one; nothing fitted); the **bubble** is (compute + elementwise)
+  ``x bubble / (1 - bubble)`` (:func:`llmforge.parallel.pipeline.bubble_fraction`, the
+  schedule's formula, nothing fitted).
 * **FSDP** (over ``dp_shard x cp`` ranks): per block two all-gathers of the weights (one with
   pipeline stages: torchtitan keeps them after the forward) in bf16 (1 byte for float8
   all-gather) and one reduce-scatter of fp32 gradients, every micro-batch without pipeline
@@ -225,6 +228,32 @@ def gemm_slowdown(sh: Shape, tp: int, p: CostParams) -> float:
     return slow / sum(w for w, _, _ in mats)
 
 
+def stage_imbalance(sh: Shape, pp: int, stages_per_rank: int = 1, seq_len: int = 0) -> float:
+    """The most loaded pipeline rank's compute over the mean rank's (>= 1; 1 without stages).
+
+    A stage holds whole blocks, and the last one also the output layer, ``w = V d / (P + s d)``
+    blocks of FLOPs (``P`` a block's matmul parameters, ``s d`` its causal attention per token;
+    :func:`flops_per_token`). The split is the most even one whole blocks allow (an explicit
+    ``pipeline.split`` reaches it): the last rank ``k`` blocks and the output, the other
+    ``pp - 1`` ranks the rest, ``min over k of max(k + w, ceil((L - k) / (pp - 1)))``, against
+    the mean ``(L + w) / pp``; each of a rank's ``stages_per_rank`` stages holds a block at least.
+    The schedule runs at the pace of its slowest rank (Narayanan et al. 2021, arXiv 2104.04473,
+    section 2.2); Llama 3's 405B has 126 blocks so that its first and last stage hold one fewer
+    (Dubey et al. 2024, section 3.3.2): 1.011 on 8 stages, where the 70B's 80 blocks give 1.085.
+
+    Raises:
+        ValueError: more stages (``pp x stages_per_rank``) than blocks.
+    """
+    if pp <= 1:
+        return 1.0
+    w = sh.vocab_size * sh.dim / (sh.block_params + seq_len * sh.dim)
+    v, blocks = max(1, stages_per_rank), sh.n_layers
+    if pp * v > blocks:
+        raise ValueError(f"{pp} x {v} pipeline stages for {blocks} blocks: a stage holds one at least")
+    slowest = min(max(k + w, -(-(blocks - k) // (pp - 1))) for k in range(v, blocks - v * (pp - 1) + 1))
+    return slowest / ((blocks + w) / pp)
+
+
 def predict(s: Setting, p: CostParams) -> Prediction:
     """The step of ``s`` under ``p`` (module docstring).
 
@@ -250,6 +279,9 @@ def predict(s: Setting, p: CostParams) -> Prediction:
     compute = tokens / s.world * (linear / fp8 + attention / p.attention_efficiency) / speed
     elementwise = (tokens / s.world * sh.n_layers * p.elementwise_passes * (sh.dim + sh.ffn_dim) * 2.0
                    * recompute * (p.compile_fusion if s.compile else 1.0) / (gpu.memory_bw * clock))
+    # the slowest pipeline rank paces the schedule
+    slowest = stage_imbalance(sh, s.pp, s.stages_per_rank, s.seq_len)
+    compute, elementwise = compute * slowest, elementwise * slowest
     bubble_share = bubble_fraction(s.schedule, s.pp, n_micro, s.stages_per_rank) if s.pp > 1 else 0.0
     bubble = (compute + elementwise) * bubble_share / (1 - bubble_share)
 
@@ -302,4 +334,4 @@ def predict(s: Setting, p: CostParams) -> Prediction:
 
 
 __all__ = ["CostParams", "Prediction", "context_parallel_seconds", "flops_per_token", "gemm_slowdown",
-           "model_flops_per_token", "predict", "TP_CALLS_PER_BLOCK"]
+           "model_flops_per_token", "predict", "stage_imbalance", "TP_CALLS_PER_BLOCK"]

@@ -106,14 +106,15 @@ def _divisors(n: int) -> list[int]:
 
 
 def layouts(s: Setting, node: int = 8) -> Iterator[Setting]:
-    """Every layout of ``s``'s GPUs and global batch: ``tp`` within a node dividing the heads,
-    ``pp`` up to the number of blocks (stages may hold one block more than others, as
-    torchtitan splits 126 blocks into 8; 1F1B, and interleaved with 2 stages per rank), the rest ``dp_shard``; AC none / selective / full; micro-batch sizes dividing the
+    """Every layout of ``s``'s GPUs and global batch: ``tp`` within a node dividing the query
+    and the key/value heads, ``pp`` up to the number of blocks (stages may hold one block more
+    than others, as torchtitan splits 126 blocks into 8; 1F1B, and interleaved with 2 stages
+    per rank), the rest ``dp_shard``; AC none / selective / full; micro-batch sizes dividing the
     per-rank batch (at least ``pp`` micro-batches with stages). ``cp`` and the recipe
     (precision, compile, async TP) stay as in ``s``."""
     sh = s.shape
     for tp in _divisors(min(node, s.world)):
-        if sh.n_heads % tp or sh.n_kv_heads % tp and tp > sh.n_kv_heads and tp % sh.n_kv_heads:
+        if sh.n_heads % tp or sh.n_kv_heads % tp:  # whole heads per rank, as training checks
             continue
         for pp in _divisors(s.world // tp // s.cp):
             dp = s.world // tp // pp // s.cp

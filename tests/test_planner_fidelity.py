@@ -192,10 +192,12 @@ def test_matmul_shapes_and_pipeline_gradients():
     # the 405B's 126 blocks were sized for it (Llama 3 paper 3.3.2: one block fewer at each end)
     assert 1.0 < stage_imbalance(run_labelled("405B fsdp8 tp8 pp8 interleaved").setting.shape, 8, 2, 8192) < 1.012
     # with stages the schedule syncs gradients after the last micro-batch only: FSDP2 holds the
-    # stage's bf16 weights and its fp32 gradients unsharded, 6 bytes per parameter / tp
+    # stage's bf16 weights (gathered, 2 bytes per parameter / tp) and its fp32 gradients (4) unsharded
     run = run_labelled("405B fsdp8 tp8 pp8 1f1b").setting
     sh = run.shape
     stage = (sh.n_layers / run.pp * sh.block_params + 2 * sh.vocab_size * sh.dim / run.pp) / run.tp
-    assert memory_per_rank(run)["gathered"] == pytest.approx(6 * stage)
+    mem = memory_per_rank(run)
+    assert mem["gathered"] == pytest.approx(2 * stage) and mem["unsharded_gradients"] == pytest.approx(4 * stage)
     # without FSDP (dp_shard 1) nothing is gathered or accumulated unsharded beyond the shard
-    assert memory_per_rank(replace(run, world=64, dp_shard=1, global_batch_size=32))["gathered"] == 0.0
+    alone = memory_per_rank(replace(run, world=64, dp_shard=1, global_batch_size=32))
+    assert alone["gathered"] == alone["unsharded_gradients"] == 0.0

@@ -235,11 +235,12 @@ def format_report(r: dict[str, Any]) -> str:
     gib = 2**30
     mem = r["memory_bytes_per_rank"]
     terms = ", ".join(f"{k} {v:.3g} s" for k, v in r["terms_seconds"].items() if v)
+    parts = ", ".join(f"{k.replace('_', ' ')} {v / gib:.1f}" for k, v in mem.items()
+                      if k != "total" and (v or k != "unsharded_gradients"))
     lines = [f"layout {_text_of(r['layout'])} of {r['config']} on {r['world_size']} x {r['gpu']} "
              f"(analytic; model error {r['model_error']:.1%} held out, docs/scale.md)",
-             f"  memory per rank {mem['total'] / gib:.1f} GiB (state {mem['state'] / gib:.1f}, gathered "
-             f"{mem['gathered'] / gib:.1f}, activations {mem['activations'] / gib:.1f}, logits "
-             f"{mem['logits'] / gib:.1f}): {'fits' if r['fits'] else 'does NOT fit'} in "
+             f"  memory per rank {mem['total'] / gib:.1f} GiB ({parts}): "
+             f"{'fits' if r['fits'] else 'does NOT fit'} in "
              f"{r['fit_share']:.0%} of the GPU",
              f"  {r['tokens_per_second_per_gpu']:.0f} tokens/s per GPU, MFU {r['mfu']:.1%}, step "
              f"{r['step_seconds']:.3g} s: {terms}; limited by {r['limit']}"]

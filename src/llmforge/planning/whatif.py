@@ -32,10 +32,11 @@ def memory_per_rank(s: Setting) -> dict[str, float]:
       (embedding, output) of the stage, ``/ tp``; with pipeline stages the whole stage's
       (torchtitan keeps them gathered after the forward under pipeline parallelism); float8
       adds nothing: torchtitan measured the same peak with and without it (Tables 1 and 3 of
-      its 2024-12 benchmarks: 77.0 / 76.8 GiB on 8 GPUs, 62.0 / 61.8 GiB on 128); with stages
-      also the stage's unsharded fp32 gradients, ``4`` bytes per parameter ``/ tp``: the
-      pipeline schedule syncs gradients only after the last micro-batch, and FSDP2 accumulates
-      them unsharded in its reduce dtype until then (``PipelineStage``, ``FSDPParam``);
+      its 2024-12 benchmarks: 77.0 / 76.8 GiB on 8 GPUs, 62.0 / 61.8 GiB on 128);
+    * unsharded_gradients: with stages and FSDP, the stage's fp32 gradients, ``4`` bytes per
+      parameter ``/ tp``: the pipeline schedule syncs gradients only after the last
+      micro-batch, and FSDP2 accumulates them unsharded in its reduce dtype until then
+      (``PipelineStage``, ``FSDPParam``); 0 otherwise;
     * activations of one micro-batch of ``mbs x s / cp`` tokens per block, bf16, ``/ tp``
       (sequence parallel; the two norm outputs, all-gathered to the whole sequence and saved by
       the matmuls after them, are not: ``2 d (1 - 1 / tp)`` more, measured by the simulation
@@ -62,10 +63,11 @@ def memory_per_rank(s: Setting) -> dict[str, float]:
     layers = sh.n_layers / s.pp
     held = layers if s.pp > 1 else 2  # blocks whose gathered weights are held at the peak
     gathered = (held * sh.block_params + ends) * 2.0 / s.tp if s.dp_shard * s.cp > 1 else 0.0
+    grads = 0.0
     if s.pp > 1 and s.dp_shard * s.cp > 1:
         # the schedule turns gradient sync off until the last micro-batch: FSDP2 accumulates the
         # stage's unsharded gradients in its fp32 reduce dtype (PipelineStage, FSDPParam)
-        gathered += (layers * sh.block_params + ends) * 4.0 / s.tp
+        grads = (layers * sh.block_params + ends) * 4.0 / s.tp
     tokens = s.micro_batch_size * s.seq_len / s.cp
     q, kv, d, f = sh.n_heads * sh.head_dim, sh.n_kv_heads * sh.head_dim, sh.dim, sh.ffn_dim
     # compiled: the partitioner recomputes elementwise results (norm outputs, SiLU, the gate
@@ -81,7 +83,8 @@ def memory_per_rank(s: Setting) -> dict[str, float]:
     act = per_block * layers * flight + (none if s.ac != "none" else 0.0)
     act += attention_extra_bytes(sh, s.cp_mode, s.micro_batch_size, s.seq_len, s.cp, s.tp, s.ac, layers)
     logits = tokens * sh.vocab_size * 6.0 / s.tp
-    out = {"state": state, "gathered": gathered, "activations": act, "logits": logits}
+    out = {"state": state, "gathered": gathered, "unsharded_gradients": grads, "activations": act,
+           "logits": logits}
     out["total"] = sum(out.values())
     return out
 

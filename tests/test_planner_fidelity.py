@@ -20,7 +20,7 @@ def test_held_out_error_is_the_stored_one():
     assert stats["median"] == pytest.approx(HELD_OUT["median"], abs=6e-7)
     assert stats["max"] == pytest.approx(HELD_OUT["max"], abs=6e-7)
     # the figures docs/scale.md states (a worse model must update them knowingly)
-    assert stats["median"] <= 0.079 and stats["max"] <= 0.45
+    assert stats["median"] <= 0.074 and stats["max"] <= 0.475
     # every constant has its interval, and no interval names a constant the model lost
     assert set(BOUNDS) == set(CostParams.names()) == set(FITTED.as_dict())
     # a prior on its bound cannot move in the fit (tp_exposed's did, at 1): each sits inside
@@ -170,9 +170,14 @@ def test_matmul_shapes_and_pipeline_gradients():
     from llmforge.planning.step_model import gemm_slowdown
 
     # the narrow side of each sharded matmul decides: the 70B under TP 8 (SwiGLU 8,192 x 3,584
-    # per rank) runs within 8 % of the 8B without TP, the 8B under TP 8 (4,096 x 1,792) 20 % slower
+    # per rank) runs within 10 % of the 8B without TP, the 8B under TP 8 (4,096 x 1,792) 20 % slower
     wide, big, narrow = (gemm_slowdown(sh, tp, FITTED) for sh, tp in ((LLAMA3_8B, 1), (LLAMA3_70B, 8), (LLAMA3_8B, 8)))
-    assert 1.0 < wide < big < 1.08 * wide and narrow > 1.2 * wide
+    assert 1.0 < wide < big < 1.1 * wide and narrow > 1.2 * wide
+    # fewer tokens per micro-batch, fewer FLOPs per element moved: 1 / I = 1 / M + 1 / K + 1 / N,
+    # so with a hyperbola (power 1) the slowdown grows by exactly narrow_width / M
+    hyperbola = replace(FITTED, narrow_power=1.0)
+    assert (gemm_slowdown(LLAMA3_8B, 1, hyperbola, 4096) - gemm_slowdown(LLAMA3_8B, 1, hyperbola)
+            == pytest.approx(hyperbola.narrow_width / 4096))
     # the slowest pipeline rank paces the schedule: whole blocks per stage, the output layer (in
     # blocks of FLOPs, w) on the last: the 70B on 8 stages puts 9 blocks and the output last and
     # 11 blocks on some other rank, against a mean of (80 + w) / 8

@@ -6,8 +6,8 @@ Terms (seconds per step, one rank):
 
 * **compute**: the rank's FLOPs (``global tokens x FLOPs per token / world``) at
   ``matmul_efficiency / gemm_slowdown`` of the GPU's dense bf16 peak (:func:`gemm_slowdown`:
-  the rank's matmul shapes, narrower under ``tp``; attention at ``attention_efficiency`` of
-  that), times ``compile_speedup`` when compiled;
+  the rank's matmul shapes, narrower under ``tp`` and with fewer tokens per micro-batch;
+  attention at ``attention_efficiency`` of that), times ``compile_speedup`` when compiled;
   the linear layers' share divided again by ``fp8_*_speedup`` under float8. FLOPs per token:
   ``6 x`` the matmul parameters (blocks and output layer) plus causal attention
   ``6 L s d`` (fwd + bwd, half of the full ``12 L s d``: PaLM, Chowdhery et al. 2022 App. B);
@@ -207,24 +207,29 @@ def context_parallel_seconds(s: Setting, p: CostParams) -> float:
     return _collective(s.cp, calls * full, calls, intra, gpu, p)
 
 
-def gemm_slowdown(sh: Shape, tp: int, p: CostParams) -> float:
+def gemm_slowdown(sh: Shape, tp: int, p: CostParams, rows: float = float("inf")) -> float:
     """How much slower than a wide matmul the rank's matmuls run (>= 1): the FLOP-weighted mean of
     ``1 + (narrow_width / I) ** narrow_power`` over the block's q, k, v, o and SwiGLU matrices
-    and the output layer, where ``I = K N / (K + N)`` is the arithmetic intensity of a ``(M, K) x
-    (K, N)`` matmul over many rows ``M`` (FLOPs per element of ``K x N`` moved: the roofline's
-    axis, Williams et al. 2009), each matrix sharded by ``tp`` as Megatron-LM shards it
-    (column-parallel q, k, v, w1, w3 and output: ``N / tp``; row-parallel o, w2: ``K / tp``).
+    and the output layer, where ``1 / I = 1 / M + 1 / K + 1 / N``: ``I`` is the arithmetic
+    intensity of a ``(M, K) x (K, N)`` matmul, ``M K N`` multiply-adds over the ``M K + K N +
+    M N`` elements it reads and writes (the roofline's axis, Williams et al. 2009; the weight
+    gradient's ``(K, M) x (M, N)`` has the same). ``M`` is ``rows``, the rank's tokens per
+    micro-batch (``mbs x s / cp``; default: many). Each matrix is sharded by ``tp`` as Megatron-LM
+    shards it (column-parallel q, k, v, w1, w3 and output: ``N / tp``; row-parallel o, w2:
+    ``K / tp``).
 
     The narrow side decides: Llama 3.1 70B under TP 8 (its SwiGLU 8,192 x 3,584 per rank,
-    ``I`` 2,493) is close to the 8B without TP (4,096 x 14,336, ``I`` 3,186), the 8B under TP 8
-    (4,096 x 1,792, ``I`` 1,247) is not (slowdowns 1.16, 1.08 and 1.32 with the fitted
-    constants); the width ``d / tp`` this replaced put the 70B at a quarter of the 8B's.
+    ``K N / (K + N)`` 2,493) is close to the 8B without TP (4,096 x 14,336: 3,186), the 8B under
+    TP 8 (4,096 x 1,792: 1,247) is not (slowdowns 1.10, 1.19 and 1.37 over many rows with the
+    fitted constants; 1.14, 1.23 and 1.41 at 8,192 rows); the width ``d / tp`` this replaced put
+    the 70B at a quarter of the 8B's. OLMo-core's 13B at one 4,096-token sequence per
+    micro-batch: 1.07x its slowdown over many rows.
     """
     d, hd, f, v = sh.dim, sh.head_dim, sh.ffn_dim, sh.vocab_size
     q, kv = sh.n_heads * hd / tp, sh.n_kv_heads * hd / tp
     block = [(d, q), (d, kv), (d, kv), (q, d), (d, f / tp), (d, f / tp), (f / tp, d)]
     mats = [(k * n * sh.n_layers, k, n) for k, n in block] + [(d * v / tp, d, v / tp)]
-    slow = sum(w * (1 + (p.narrow_width * (k + n) / (k * n)) ** p.narrow_power) for w, k, n in mats)
+    slow = sum(w * (1 + (p.narrow_width * (k + n + k * n / rows) / (k * n)) ** p.narrow_power) for w, k, n in mats)
     return slow / sum(w for w, _, _ in mats)
 
 
@@ -273,7 +278,7 @@ def predict(s: Setting, p: CostParams) -> Prediction:
     if s.ac == "full":
         attention *= recompute
     clock = p.power_limited_clock if gpu.name.endswith("-500W") else 1.0
-    efficiency = p.matmul_efficiency / gemm_slowdown(sh, s.tp, p)
+    efficiency = p.matmul_efficiency / gemm_slowdown(sh, s.tp, p, s.micro_batch_size * s.seq_len / s.cp)
     speed = gpu.bf16_flops * efficiency * clock * (p.compile_speedup if s.compile else 1.0)
     fp8 = {"fp8_tensorwise": p.fp8_tensorwise_speedup, "fp8_rowwise": p.fp8_rowwise_speedup}.get(s.precision, 1.0)
     compute = tokens / s.world * (linear / fp8 + attention / p.attention_efficiency) / speed

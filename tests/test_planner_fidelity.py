@@ -122,9 +122,22 @@ def test_plan_layout_predicts_one_layout_and_names_bad_keys():
              "--layout pp=32: 64 stages (2 per rank"),
             (eight_b, ["--gpus", "8", "--gpu", "a100", "--layout", "dp_shard=8"],
              "algorithms: float8 needs float8 tensor cores, which A100-SXM-80GB lacks"),
-            (eight_b, ["--gpus", "8", "--gpu", "a100"], "float8 needs float8 tensor cores")):
+            (eight_b, ["--gpus", "8", "--gpu", "a100"], "float8 needs float8 tensor cores"),
+            # what training refuses is not predicted: adapters on frozen weights, stages with
+            # tied embeddings; a bad recipe key in a plain plan is the config's error, not a crash
+            (str(REPO / "yamls" / "llama3_8b_lora.yaml"), ["--gpus", "8", "--layout", "dp_shard=8"],
+             "--layout: algorithms: lora trains adapters on frozen weights"),
+            (str(REPO / "yamls" / "demo_cpu_qwen3.yaml"), ["--gpus", "8", "--layout", "dp_shard=4,pp=2"],
+             "--layout pp=2: pipeline stages need untied embeddings"),
+            (DEMO, ["--gpus", "2", "pipeline.schedule=bogus"], "pipeline.schedule: expected one of")):
         bad = run_main("plan", config, *args)
         assert bad.returncode == 2 and words in bad.stderr and "Traceback" not in bad.stderr, (args, bad.stderr)
+    # without cp an odd sequence is fine (was refused as 2 x cp chunks); 12 GPUs, where tp 8
+    # does not divide them (the search's tp=8 had crashed with a ValueError)
+    for config, args in ((DEMO, ["--gpus", "2", "--layout", "dp_shard=2", "variables.seq_len=255"]),
+                         (eight_b, ["--gpus", "12", "--layout", "dp_shard=12", "trainer.global_batch_size=48"])):
+        good = run_main("plan", config, *args)
+        assert good.returncode == 0 and "best layout found" in good.stdout, (args, good.stderr)
     for extra in ([], ["--layout", "dp_shard=8"]):  # every layout divides by the batch: refused first
         bad = run_main("plan", DEMO, "trainer.global_batch_size=0", "--gpus", "8", *extra)
         assert bad.returncode == 2 and bad.stderr == "error: trainer.global_batch_size must be > 0, got 0\n"
@@ -187,13 +200,21 @@ def test_matmul_shapes_and_pipeline_gradients():
     assert stage_imbalance(LLAMA3_70B, 1, 1, 8192) == 1.0
     with pytest.raises(ValueError, match="41 x 2 pipeline stages for 80 blocks"):
         stage_imbalance(LLAMA3_70B, 41, 2, 8192)
+    with pytest.raises(ValueError, match="pp must be an integer >= 1, got 0"):
+        stage_imbalance(LLAMA3_70B, 0, 1, 8192)
+    with pytest.raises(ValueError, match="rows > 0"):
+        gemm_slowdown(LLAMA3_70B, 8, FITTED, 0)
     # the Python API refuses what the CLI refuses, naming the field (was a ZeroDivisionError)
     for bad, words in (({"tp": 0}, "Setting.tp must be an integer >= 1, got 0"),
                        ({"micro_batch_size": 0}, "Setting.micro_batch_size must be an integer >= 1"),
                        ({"ac": "some"}, "Setting.ac must be one of none, selective, full, got 'some'"),
-                       ({"stages_per_rank": 16}, "Setting.pp 8 x stages_per_rank 16 stages for 126 blocks")):
+                       ({"stages_per_rank": 16}, "Setting.pp 8 x stages_per_rank 16 stages for 126 blocks"),
+                       ({"tp": True}, "Setting.tp must be an integer >= 1, got True")):
         with pytest.raises(ValueError, match=words):
             replace(run_labelled("405B fsdp8 tp8 pp8 1f1b").setting, **bad)
+    with pytest.raises(ValueError, match="global_batch_size 8 over 32 data-parallel ranks leaves no micro-batch"):
+        predict(replace(run_labelled("405B fsdp8 tp8 pp8 1f1b").setting, dp_shard=32, pp=2, global_batch_size=8,
+                        micro_batch_size=1), FITTED)
     # the 405B's 126 blocks were sized for it (Llama 3 paper 3.3.2: one block fewer at each end)
     assert 1.0 < stage_imbalance(run_labelled("405B fsdp8 tp8 pp8 interleaved").setting.shape, 8, 2, 8192) < 1.012
     # with stages the schedule syncs gradients after the last micro-batch only: FSDP2 holds the

@@ -89,7 +89,8 @@ def base_setting(cfg: Any, world: int, gpu: GPUKind) -> Setting:
     schedule, activation checkpointing) on ``world`` GPUs of ``gpu``, all ranks ``dp_shard``.
 
     Raises:
-        ConfigError: a model with experts (the calibrated model covers dense decoders).
+        ConfigError: a model with experts (the calibrated model covers dense decoders), a recipe
+            :class:`Setting` refuses (a count below 1, an unknown schedule).
     """
     spec = get_spec(cfg.model.name)
     model = meta_model(cfg)
@@ -99,15 +100,19 @@ def base_setting(cfg: Any, world: int, gpu: GPUKind) -> Setting:
     m = spec.get("memory_shape")(model)
     a = model.args
     shape = Shape(cfg.model.get("preset") or cfg.model.name, m.n_layers, m.dim, m.ffn_dim, a.n_heads,
-                  a.n_kv_heads, m.vocab_size, head_size=m.q_dim // a.n_heads)
+                  a.n_kv_heads, m.vocab_size, head_size=m.q_dim // a.n_heads,
+                  tie_embeddings=bool(getattr(a, "tie_embeddings", False)))
     mode, _ = ac_mode(cfg.algorithms)
     prec, gather, compiled = _precision(cfg)
     p = cfg.pipeline
-    return Setting(shape, gpu.name, world, world, int(cfg.trainer.global_batch_size),
-                   int(cfg.trainer.micro_batch_size), int(cfg.trainer.seq_len),
-                   ac=mode if mode in ("none", "selective", "full") else "selective", precision=prec,
-                   fp8_all_gather=gather, compile=compiled, schedule=str(p.schedule),
-                   stages_per_rank=rank_stages(str(p.schedule), p.stages_per_rank), cp_mode=cp_of(cfg)[1])
+    try:
+        return Setting(shape, gpu.name, world, world, int(cfg.trainer.global_batch_size),
+                       int(cfg.trainer.micro_batch_size), int(cfg.trainer.seq_len),
+                       ac=mode if mode in ("none", "selective", "full") else "selective", precision=prec,
+                       fp8_all_gather=gather, compile=compiled, schedule=str(p.schedule),
+                       stages_per_rank=rank_stages(str(p.schedule), p.stages_per_rank), cp_mode=cp_of(cfg)[1])
+    except (TypeError, ValueError) as exc:  # a recipe key the config's own checks name better
+        raise ConfigError(f"the config's recipe does not describe a run: {exc}") from exc
 
 
 def _algorithm_class(name: Any) -> Any:
@@ -147,8 +152,9 @@ def config_setting(cfg: Any, world: int, gpu: GPUKind, layout: dict[str, Any]) -
 
     Raises:
         ConfigError: a model with experts (the calibrated model covers dense decoders), ``ep``
-            other than 1, a product of degrees other than ``world``, ``tp`` that the model's heads
-            or the node refuse, ``cp`` that does not divide the GPUs or the sequence (in ``2 x cp``
+            other than 1, adapters on frozen weights (LoRA), a product of degrees other than
+            ``world``, ``tp`` that the model family's check (its heads, tied embeddings) or the
+            node refuse, ``pp`` with tied embeddings, ``cp`` with ``pp`` on packed SFT rows, ``cp`` that does not divide the GPUs or the sequence (in ``2 x cp``
             chunks; :func:`llmforge.planning.context.check_cp`), ``mbs`` or ``dp`` that do not
             divide the global batch, more stages than blocks, what the pipeline's own checks
             refuse, an unknown pipeline schedule or attention mode, stages per rank below 1
@@ -157,6 +163,12 @@ def config_setting(cfg: Any, world: int, gpu: GPUKind, layout: dict[str, Any]) -
     """
     check_parallel_keys(cfg)  # --layout replaces the degrees: only the recipe's keys are checked
     check_float8(cfg, gpu)
+    adapters = [str(a.get("name")) for a in cfg.algorithms or []
+                if getattr(_algorithm_class(a.get("name")), "replaces_memory_estimate", False)]
+    if adapters:
+        raise ConfigError(f"--layout: algorithms: {', '.join(adapters)} trains adapters on frozen weights; the "
+                          "calibrated step-time model covers full training only (run llmforge plan "
+                          "without --layout)")
     base = base_setting(cfg, world, gpu)
     sh = base.shape
     if layout.get("ep", 1) != 1:
@@ -165,11 +177,22 @@ def config_setting(cfg: Any, world: int, gpu: GPUKind, layout: dict[str, Any]) -
     tp = d["tp"]
     if tp > gpu.gpus_per_node:
         raise ConfigError(f"--layout tp={tp}: tensor parallel stays inside a node of {gpu.gpus_per_node} GPUs")
-    _, refused = tp_degrees(cfg, tp, tp)  # the family's own check, as training runs it
-    if tp in refused:
-        raise ConfigError(f"--layout tp={tp}: {refused[tp]}")
-    check_cp(d["cp"], base.seq_len, world, sh.n_heads // tp, base.cp_mode)
-    if d["pp"] * base.stages_per_rank > sh.n_layers:
+    if tp > 1:  # the family's own check, as training runs it, and the node's
+        _, family = tp_degrees(cfg, tp, tp)
+        ok, _ = tp_degrees(cfg, world, gpu.gpus_per_node)
+        if tp in family or tp not in ok:
+            why = family.get(tp) or (f"tensor parallel takes a divisor of the node's {gpu.gpus_per_node} "
+                                     f"GPUs that divides --gpus {world}")
+            raise ConfigError(f"--layout tp={tp}: {why}; tp in {ok} work on {world} GPUs")
+    if d["pp"] > 1 and sh.tie_embeddings:
+        raise ConfigError(f"--layout pp={d['pp']}: pipeline stages need untied embeddings "
+                          "(model.tie_embeddings=false) or pp=1")
+    if d["cp"] > 1:
+        check_cp(d["cp"], base.seq_len, world, sh.n_heads // tp, base.cp_mode)
+        if d["pp"] > 1 and cfg.data.get("task") == "sft" and cfg.data.get("packed", True):
+            raise ConfigError(f"--layout cp={d['cp']},pp={d['pp']}: context parallelism with pipeline "
+                              "stages takes rows without documents; set data.packed=false, pp=1 or cp=1")
+    if d["pp"] > 1 and d["pp"] * base.stages_per_rank > sh.n_layers:
         raise ConfigError(f"--layout pp={d['pp']}: {d['pp'] * base.stages_per_rank} stages "
                           f"({base.stages_per_rank} per rank, pipeline.stages_per_rank / "
                           f"pipeline.schedule) for the model's {sh.n_layers} blocks")
@@ -183,7 +206,8 @@ def config_setting(cfg: Any, world: int, gpu: GPUKind, layout: dict[str, Any]) -
                           f"not --gpus {world}")
     gbs, dp = base.global_batch_size, d["dp_replicate"] * dp_shard
     if gbs % dp:
-        raise ConfigError(f"--layout dp_shard={dp_shard}: data-parallel size {dp} does not divide "
+        named = f"dp_replicate={d['dp_replicate']},dp_shard={dp_shard}" if d["dp_replicate"] > 1 else f"dp_shard={dp_shard}"
+        raise ConfigError(f"--layout {named}: data-parallel size {dp} does not divide "
                           f"trainer.global_batch_size={gbs}")
     mbs = layout.get("mbs", base.micro_batch_size)
     if (gbs // dp) % mbs:

@@ -31,6 +31,7 @@ class Shape:
     n_kv_heads: int
     vocab_size: int
     head_size: int = 0  # 0: dim // n_heads
+    tie_embeddings: bool = False  # training refuses tp and pp then (the search skips them)
 
     @property
     def head_dim(self) -> int:
@@ -95,11 +96,14 @@ class Setting:
     def __post_init__(self) -> None:
         """Raises ValueError naming the field: a count below 1, an unknown ``ac``,
         ``precision``, ``schedule`` or ``cp_mode``, degrees whose product is not ``world``, more
-        stages than blocks. (Whether the batch divides is the callers' check: the planner's
-        base setting puts every GPU on ``dp_shard`` before it picks the degrees.)"""
+        pipeline stages than blocks (with ``pp > 1``; without stages ``stages_per_rank`` is
+        unused). Whether the batch divides is the callers' check (the planner's base setting
+        puts every GPU on ``dp_shard`` before it picks the degrees); :func:`predict
+        <llmforge.planning.step_model.predict>` refuses a setting without a micro-batch."""
         for name in ("world", "dp_shard", "global_batch_size", "micro_batch_size", "seq_len",
                      "dp_replicate", "tp", "pp", "cp", "ep", "stages_per_rank"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Setting.{name} must be an integer >= 1, got {getattr(self, name)!r}")
         for name, allowed in (("ac", AC_MODES), ("precision", PRECISIONS), ("schedule", PIPELINE_SCHEDULES),
                               ("cp_mode", CP_MODES)):
@@ -108,7 +112,7 @@ class Setting:
         degrees = self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
         if degrees != self.world:
             raise ValueError(f"dp_replicate*dp_shard*tp*pp*cp = {degrees} != world {self.world}")
-        if self.pp * self.stages_per_rank > self.shape.n_layers:
+        if self.pp > 1 and self.pp * self.stages_per_rank > self.shape.n_layers:
             raise ValueError(f"Setting.pp {self.pp} x stages_per_rank {self.stages_per_rank} stages for "
                              f"{self.shape.n_layers} blocks")
 

@@ -224,7 +224,12 @@ def gemm_slowdown(sh: Shape, tp: int, p: CostParams, rows: float = float("inf"))
     fitted constants; 1.14, 1.23 and 1.41 at 8,192 rows); the width ``d / tp`` this replaced put
     the 70B at a quarter of the 8B's. OLMo-core's 13B at one 4,096-token sequence per
     micro-batch: 1.07x its slowdown over many rows.
+
+    Raises:
+        ValueError: ``tp`` below 1 or ``rows`` not above 0.
     """
+    if not tp >= 1 or not rows > 0:
+        raise ValueError(f"gemm_slowdown: tp must be >= 1 and rows > 0, got tp={tp!r}, rows={rows!r}")
     d, hd, f, v = sh.dim, sh.head_dim, sh.ffn_dim, sh.vocab_size
     q, kv = sh.n_heads * hd / tp, sh.n_kv_heads * hd / tp
     block = [(d, q), (d, kv), (d, kv), (q, d), (d, f / tp), (d, f / tp), (f / tp, d)]
@@ -247,12 +252,18 @@ def stage_imbalance(sh: Shape, pp: int, stages_per_rank: int = 1, seq_len: int =
     (Dubey et al. 2024, section 3.3.2): 1.011 on 8 stages, where the 70B's 80 blocks give 1.085.
 
     Raises:
-        ValueError: more stages (``pp x stages_per_rank``) than blocks.
+        ValueError: ``pp``, ``stages_per_rank`` not integers >= 1, ``seq_len`` below 0, more
+            stages (``pp x stages_per_rank``) than blocks.
     """
-    if pp <= 1:
+    for name, value in (("pp", pp), ("stages_per_rank", stages_per_rank)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"stage_imbalance: {name} must be an integer >= 1, got {value!r}")
+    if not seq_len >= 0:
+        raise ValueError(f"stage_imbalance: seq_len must be >= 0 tokens, got {seq_len!r}")
+    if pp == 1:
         return 1.0
     w = sh.vocab_size * sh.dim / (sh.block_params + seq_len * sh.dim)
-    v, blocks = max(1, stages_per_rank), sh.n_layers
+    v, blocks = stages_per_rank, sh.n_layers
     if pp * v > blocks:
         raise ValueError(f"{pp} x {v} pipeline stages for {blocks} blocks: a stage holds one at least")
     slowest = min(max(k + w, -(-(blocks - k) // (pp - 1))) for k in range(v, blocks - v * (pp - 1) + 1))
@@ -264,12 +275,16 @@ def predict(s: Setting, p: CostParams) -> Prediction:
 
     Raises:
         ConfigError: unknown GPU kind in ``s.gpu``.
+        ValueError: a global batch that leaves a data-parallel rank no micro-batch.
     """
     gpu = gpu_kind(s.gpu, "gpu")
     sh = s.shape
     node = gpu.gpus_per_node
     dp = s.dp_replicate * s.dp_shard
     n_micro = s.global_batch_size // dp // s.micro_batch_size
+    if n_micro < 1:
+        raise ValueError(f"global_batch_size {s.global_batch_size} over {dp} data-parallel ranks leaves "
+                         f"no micro-batch of {s.micro_batch_size} sequences")
     tokens = s.global_batch_size * s.seq_len
     linear, attention = flops_per_token(sh, s.seq_len)
     # full AC recomputes the whole forward, selective every second matmul (not the attention)

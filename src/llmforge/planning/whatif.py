@@ -7,6 +7,7 @@ check every published run (``benchmarks/planner_fidelity.py``) and to answer
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
@@ -109,17 +110,18 @@ def _divisors(n: int) -> list[int]:
 
 
 def layouts(s: Setting, node: int = 8) -> Iterator[Setting]:
-    """Every layout of ``s``'s GPUs and global batch: ``tp`` within a node dividing the query
-    and the key/value heads, ``pp`` up to the number of blocks (stages may hold one block more
+    """Every layout of ``s``'s GPUs and global batch: ``tp`` dividing a node and the GPUs, the
+    query and the key/value heads, ``pp`` up to the number of blocks (stages may hold one block more
     than others, as torchtitan splits 126 blocks into 8; 1F1B, and interleaved with 2 stages
     per rank), the rest ``dp_shard``; AC none / selective / full; micro-batch sizes dividing the
     per-rank batch (at least ``pp`` micro-batches with stages). ``cp`` and the recipe
-    (precision, compile, async TP) stay as in ``s``."""
+    (precision, compile, async TP) stay as in ``s``; with tied embeddings ``tp`` and ``pp`` are 1."""
     sh = s.shape
-    for tp in _divisors(min(node, s.world)):
+    tied = sh.tie_embeddings  # training refuses tp and pp with tied embeddings
+    for tp in _divisors(math.gcd(node, s.world)) if not tied else [1]:
         if sh.n_heads % tp or sh.n_kv_heads % tp:  # whole heads per rank, as training checks
             continue
-        for pp in _divisors(s.world // tp // s.cp):
+        for pp in _divisors(s.world // tp // s.cp) if not tied else [1]:
             dp = s.world // tp // pp // s.cp
             if s.global_batch_size % dp or pp > sh.n_layers:
                 continue

@@ -138,6 +138,12 @@ def test_plan_layout_predicts_one_layout_and_names_bad_keys():
                          (eight_b, ["--gpus", "12", "--layout", "dp_shard=12", "trainer.global_batch_size=48"])):
         good = run_main("plan", config, *args)
         assert good.returncode == 0 and "best layout found" in good.stdout, (args, good.stderr)
+    # the best layout printed is one --layout (and training) accepts: 80 blocks on 120 GPUs had
+    # named pp=3 (uneven stages the config's balanced split refuses)
+    seventy = [str(REPO / "yamls" / "llama3_70b.yaml"), "--gpus", "120", "trainer.global_batch_size=15"]
+    out = run_main("plan", *seventy, "--layout", "tp=8,dp_shard=15").stdout
+    best = out.split("best layout found: ")[1].split(" at ")[0]
+    assert "pp=3," not in best and run_main("plan", *seventy, "--layout", best).returncode == 0, best
     for extra in ([], ["--layout", "dp_shard=8"]):  # every layout divides by the batch: refused first
         bad = run_main("plan", DEMO, "trainer.global_batch_size=0", "--gpus", "8", *extra)
         assert bad.returncode == 2 and bad.stderr == "error: trainer.global_batch_size must be > 0, got 0\n"

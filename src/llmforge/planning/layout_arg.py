@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from llmforge import registry
 from llmforge.config.validate import check_parallel_keys
@@ -176,7 +176,8 @@ def config_setting(cfg: Any, world: int, gpu: GPUKind, layout: dict[str, Any]) -
     d = {k: layout.get(k, 1) for k in ("dp_replicate", "tp", "pp", "cp")}
     tp = d["tp"]
     if tp > gpu.gpus_per_node:
-        raise ConfigError(f"--layout tp={tp}: tensor parallel stays inside a node of {gpu.gpus_per_node} GPUs")
+        raise ConfigError(f"--layout tp={tp}: tensor parallel stays inside a node of {gpu.gpus_per_node} GPUs; "
+                          f"tp in {tp_degrees(cfg, world, gpu.gpus_per_node)[0]} work on {world} GPUs")
     if tp > 1:  # the family's own check, as training runs it, and the node's
         _, family = tp_degrees(cfg, tp, tp)
         ok, _ = tp_degrees(cfg, world, gpu.gpus_per_node)
@@ -222,9 +223,11 @@ def config_setting(cfg: Any, world: int, gpu: GPUKind, layout: dict[str, Any]) -
     return at_layout(base, d["dp_replicate"], dp_shard, tp, d["pp"], d["cp"], layout.get("ac", base.ac), mbs)
 
 
-def layout_report(s: Setting, gpu: GPUKind, config: str, compare: bool = True) -> dict[str, Any]:
+def layout_report(s: Setting, gpu: GPUKind, config: str, compare: bool = True,
+                  allowed: Optional[Callable[[Setting], bool]] = None) -> dict[str, Any]:
     """The prediction of ``s`` as a dict (what ``--json`` prints); with ``compare``, the best
-    layout the analytic search finds and the published recipe for this model and GPU count."""
+    layout the analytic search finds among those ``allowed`` accepts (:func:`runnable`) and the
+    published recipe for this model and GPU count."""
     v = assess(s)
     pr = v.prediction
     out: dict[str, Any] = {
@@ -236,7 +239,7 @@ def layout_report(s: Setting, gpu: GPUKind, config: str, compare: bool = True) -
         "step_seconds": pr.step_seconds, "terms_seconds": pr.terms, "limit": pr.limit,
         "model_error": model_error(), "compile": s.compile}
     if compare:
-        best = best_layout(s)
+        best = best_layout(s, allowed=allowed, node=gpu.gpus_per_node)
         if best is not None:
             out["best"] = {"layout": _text(best.setting), "tokens_per_second_per_gpu":
                            best.prediction.tokens_per_second_per_gpu, "versus": versus(best, v)}
@@ -246,6 +249,25 @@ def layout_report(s: Setting, gpu: GPUKind, config: str, compare: bool = True) -
                                 pub.tokens_per_second_per_gpu, "gpu": pub.setting.gpu, "source": pub.source,
                                 "table": pub.table}
     return out
+
+
+def runnable(cfg: Any, world: int, gpu: GPUKind) -> Callable[[Setting], bool]:
+    """Whether ``cfg`` can run a layout the analytic search proposes: a ``tp`` the model family
+    allows on ``world`` GPUs of ``gpu``, and stages only with the config's schedule and what the
+    pipeline's own checks take (its split, the micro-batches), so that the best layout printed
+    is one ``--layout`` and training accept."""
+    tps, _ = tp_degrees(cfg, world, gpu.gpus_per_node)
+    schedule, v = str(cfg.pipeline.schedule), rank_stages(str(cfg.pipeline.schedule), cfg.pipeline.stages_per_rank)
+
+    def ok(lo: Setting) -> bool:
+        if lo.tp not in tps:
+            return False
+        if lo.pp == 1:
+            return True
+        local = lo.global_batch_size // (lo.dp_replicate * lo.dp_shard)
+        return ((lo.schedule, lo.stages_per_rank) == (schedule, v)
+                and not pp_allowed(cfg, lo.pp, lo.shape.n_layers, local, lo.micro_batch_size, world))
+    return ok
 
 
 def _text(s: Setting) -> str:
@@ -294,6 +316,6 @@ def run_layout(cfg: Any, config: str, world: int, gpu: GPUKind, text: str, as_js
         ConfigError: a bad layout (:func:`parse_layout`, :func:`config_setting`).
     """
     s = config_setting(cfg, world, gpu, parse_layout(text))
-    r = layout_report(s, gpu, config)
+    r = layout_report(s, gpu, config, allowed=runnable(cfg, world, gpu))
     print(json.dumps(r, indent=1) if as_json else format_report(r))
     return 0

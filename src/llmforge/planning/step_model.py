@@ -228,7 +228,7 @@ def gemm_slowdown(sh: Shape, tp: int, p: CostParams, rows: float = float("inf"))
     Raises:
         ValueError: ``tp`` below 1 or ``rows`` not above 0.
     """
-    if not tp >= 1 or not rows > 0:
+    if not 1 <= tp < float("inf") or not rows > 0:
         raise ValueError(f"gemm_slowdown: tp must be >= 1 and rows > 0, got tp={tp!r}, rows={rows!r}")
     d, hd, f, v = sh.dim, sh.head_dim, sh.ffn_dim, sh.vocab_size
     q, kv = sh.n_heads * hd / tp, sh.n_kv_heads * hd / tp

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from llmforge.planning.calibration import FITTED, model_error
 from llmforge.planning.context import attention_extra_bytes
@@ -115,13 +115,13 @@ def layouts(s: Setting, node: int = 8) -> Iterator[Setting]:
     than others, as torchtitan splits 126 blocks into 8; 1F1B, and interleaved with 2 stages
     per rank), the rest ``dp_shard``; AC none / selective / full; micro-batch sizes dividing the
     per-rank batch (at least ``pp`` micro-batches with stages). ``cp`` and the recipe
-    (precision, compile, async TP) stay as in ``s``; with tied embeddings ``tp`` and ``pp`` are 1."""
+    (precision, compile, async TP) stay as in ``s``; with tied embeddings ``pp`` is 1."""
     sh = s.shape
-    tied = sh.tie_embeddings  # training refuses tp and pp with tied embeddings
-    for tp in _divisors(math.gcd(node, s.world)) if not tied else [1]:
+    for tp in _divisors(math.gcd(node, s.world)):
         if sh.n_heads % tp or sh.n_kv_heads % tp:  # whole heads per rank, as training checks
             continue
-        for pp in _divisors(s.world // tp // s.cp) if not tied else [1]:
+        # training refuses stages with tied embeddings (the first and last stage share them)
+        for pp in _divisors(s.world // tp // s.cp) if not sh.tie_embeddings else [1]:
             dp = s.world // tp // pp // s.cp
             if s.global_batch_size % dp or pp > sh.n_layers:
                 continue
@@ -136,12 +136,14 @@ def layouts(s: Setting, node: int = 8) -> Iterator[Setting]:
                                       ac=ac, schedule=sched, stages_per_rank=v)
 
 
-def best_layout(s: Setting, p: CostParams = FITTED, same_degrees: bool = False) -> Optional[Verdict]:
-    """The fastest layout of :func:`layouts` that fits, or ``None``; ``same_degrees``: only
-    those with ``s``'s degrees (:func:`same_layout`: AC, micro-batch and schedule free)."""
+def best_layout(s: Setting, p: CostParams = FITTED, same_degrees: bool = False,
+                allowed: Optional[Callable[[Setting], bool]] = None, node: int = 8) -> Optional[Verdict]:
+    """The fastest layout of :func:`layouts` (``node`` GPUs per node) that fits, or ``None``;
+    ``same_degrees``: only those with ``s``'s degrees (:func:`same_layout`: AC, micro-batch and
+    schedule free); ``allowed``: only those it accepts (what a config's own checks take)."""
     best = None
-    for lo in layouts(s):
-        if same_degrees and not same_layout(lo, s):
+    for lo in layouts(s, node):
+        if same_degrees and not same_layout(lo, s) or allowed is not None and not allowed(lo):
             continue
         v = assess(lo, p)
         if v.fits and (best is None or v.prediction.step_seconds < best.prediction.step_seconds):

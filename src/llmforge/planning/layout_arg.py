@@ -152,11 +152,12 @@ def config_setting(cfg: Any, world: int, gpu: GPUKind, layout: dict[str, Any]) -
 
     Raises:
         ConfigError: a model with experts (the calibrated model covers dense decoders), ``ep``
-            other than 1, adapters on frozen weights (LoRA), a product of degrees other than
-            ``world``, ``tp`` that the model family's check (its heads, tied embeddings) or the
-            node refuse, ``pp`` with tied embeddings, ``cp`` with ``pp`` on packed SFT rows, ``cp`` that does not divide the GPUs or the sequence (in ``2 x cp``
-            chunks; :func:`llmforge.planning.context.check_cp`), ``mbs`` or ``dp`` that do not
-            divide the global batch, more stages than blocks, what the pipeline's own checks
+            other than 1, adapters on frozen weights (``Algorithm.replaces_memory_estimate``), a
+            product of degrees other than ``world``, ``tp`` that the model family's check (its
+            heads, tied embeddings) or the node refuse, ``pp`` with tied embeddings, ``cp`` with
+            ``pp`` on packed SFT rows, ``cp`` that does not divide the GPUs or the sequence (in
+            ``2 x cp`` chunks; :func:`llmforge.planning.context.check_cp`), ``mbs`` or ``dp`` that
+            do not divide the global batch, more stages than blocks, what the pipeline's own checks
             refuse, an unknown pipeline schedule or attention mode, stages per rank below 1
             (:func:`~llmforge.config.validate.check_parallel_keys`), float8 on a GPU kind
             without it (:func:`check_float8`); each names the key.

@@ -31,7 +31,7 @@ class Shape:
     n_kv_heads: int
     vocab_size: int
     head_size: int = 0  # 0: dim // n_heads
-    tie_embeddings: bool = False  # training refuses tp and pp then (the search skips them)
+    tie_embeddings: bool = False  # training refuses pipeline stages then (the search skips them)
 
     @property
     def head_dim(self) -> int:

@@ -8,7 +8,7 @@ import pytest
 
 from llmforge.planning.calibration import BOUNDS, FITTED, HELD_OUT, held_out, summary
 from llmforge.planning.published import LLAMA3_8B, RUNS, SOURCES, Setting, run_labelled
-from llmforge.planning.step_model import CostParams, predict
+from llmforge.planning.step_model import CostParams, predict, stage_imbalance
 from llmforge.planning.gpus import gpu_kind
 from llmforge.planning.stages import in_flight
 from llmforge.planning.whatif import FIT_SHARE, assess, memory_per_rank
@@ -200,7 +200,6 @@ def test_matmul_shapes_and_pipeline_gradients():
     # the slowest pipeline rank paces the schedule: whole blocks per stage, the output layer (in
     # blocks of FLOPs, w) on the last: the 70B on 8 stages puts 9 blocks and the output last and
     # 11 blocks on some other rank, against a mean of (80 + w) / 8
-    from llmforge.planning.step_model import stage_imbalance
     w = LLAMA3_70B.vocab_size * LLAMA3_70B.dim / (LLAMA3_70B.block_params + 8192 * LLAMA3_70B.dim)
     assert stage_imbalance(LLAMA3_70B, 8, 1, 8192) == pytest.approx(11 / ((80 + w) / 8))
     assert stage_imbalance(LLAMA3_70B, 1, 1, 8192) == 1.0

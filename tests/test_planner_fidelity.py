@@ -129,7 +129,9 @@ def test_plan_layout_predicts_one_layout_and_names_bad_keys():
              "--layout: algorithms: lora trains adapters on frozen weights"),
             (str(REPO / "yamls" / "demo_cpu_qwen3.yaml"), ["--gpus", "8", "--layout", "dp_shard=4,pp=2"],
              "--layout pp=2: pipeline stages need untied embeddings"),
-            (DEMO, ["--gpus", "2", "pipeline.schedule=bogus"], "pipeline.schedule: expected one of")):
+            (DEMO, ["--gpus", "2", "pipeline.schedule=bogus"], "pipeline.schedule: expected one of"),
+            (DEMO, ["--gpus", "2", "--layout", "dp_shard=2", "algorithms=[{name: bogus}]"],
+             "algorithms[0].name: unknown algorithm 'bogus'")):
         bad = run_main("plan", config, *args)
         assert bad.returncode == 2 and words in bad.stderr and "Traceback" not in bad.stderr, (args, bad.stderr)
     # without cp an odd sequence is fine (was refused as 2 x cp chunks); 12 GPUs, where tp 8

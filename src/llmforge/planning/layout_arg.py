@@ -159,10 +159,14 @@ def config_setting(cfg: Any, world: int, gpu: GPUKind, layout: dict[str, Any]) -
             ``2 x cp`` chunks; :func:`llmforge.planning.context.check_cp`), ``mbs`` or ``dp`` that
             do not divide the global batch, more stages than blocks, what the pipeline's own checks
             refuse, an unknown pipeline schedule or attention mode, stages per rank below 1
-            (:func:`~llmforge.config.validate.check_parallel_keys`), float8 on a GPU kind
-            without it (:func:`check_float8`); each names the key.
+            (:func:`~llmforge.config.validate.check_parallel_keys`), an unknown algorithm name,
+            float8 on a GPU kind without it (:func:`check_float8`); each names the key.
     """
     check_parallel_keys(cfg)  # --layout replaces the degrees: only the recipe's keys are checked
+    for i, a in enumerate(cfg.algorithms or []):  # a typo would be predicted as no algorithm
+        name = str(a.get("name"))
+        if "." not in name and ":" not in name:  # an import path is the run's to check (and import)
+            registry.algorithms.get(name, key=f"algorithms[{i}].name")
     check_float8(cfg, gpu)
     adapters = [str(a.get("name")) for a in cfg.algorithms or []
                 if getattr(_algorithm_class(a.get("name")), "replaces_memory_estimate", False)]

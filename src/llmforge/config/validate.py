@@ -80,10 +80,17 @@ def _check_context_parallel(cfg: Any) -> None:
     if int(s.get("ep", 1)) > 1:
         raise ConfigError(f"strategy.cp={cp} with strategy.ep={s.ep} is not supported (expert "
                           "weights would need FSDP2 over efsdp x cp); set strategy.ep=1 or strategy.cp=1")
-    if int(s.get("pp", 1)) > 1 and cfg.data.get("task") == "sft" and cfg.data.get("packed", True):
+    if int(s.get("pp", 1)) > 1 and packed_sft(cfg.data):
         raise ConfigError(f"strategy.cp={cp} with strategy.pp={s.pp} takes rows without documents "
                           "(the schedule would need each micro-batch's document mask); set "
                           "data.packed=false, strategy.pp=1 or strategy.cp=1")
+
+
+def packed_sft(data: Any) -> bool:
+    """Whether ``data:`` packs SFT documents into rows (``task: sft``, ``packed`` not false):
+    context parallelism with pipeline stages refuses those rows (no per-micro-batch document
+    mask in the schedule)."""
+    return data.get("task") == "sft" and bool(data.get("packed", True))
 
 
 def _check_pipeline(p: Any) -> None:

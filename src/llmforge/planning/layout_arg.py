@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any, Callable, Optional
 
 from llmforge import registry
-from llmforge.config.validate import check_parallel_keys
+from llmforge.config.validate import check_parallel_keys, packed_sft
 from llmforge.errors import ConfigError
 from llmforge.models.memory_estimate import ac_mode
 from llmforge.models.spec import get_spec
@@ -19,6 +19,7 @@ from llmforge.parallel.pipeline import rank_stages
 from llmforge.planning.calibration import model_error
 from llmforge.planning.context import check_cp, cp_of
 from llmforge.planning.gpus import GPUKind
+from llmforge.planning.layout import AC_MODES
 from llmforge.planning.published import Setting, Shape, published_layout
 from llmforge.planning.search import tp_degrees
 from llmforge.planning.stages import pp_allowed
@@ -48,7 +49,7 @@ def parse_layout(text: str) -> dict[str, Any]:
         if not eq:
             raise ConfigError(f"--layout: '{part}' has no value; write {key}=VALUE")
         if key == "ac":
-            if value not in ("none", "selective", "full"):
+            if value not in AC_MODES:
                 raise ConfigError(f"--layout ac={value}: expected none, selective or full")
             out[key] = value
             continue
@@ -108,7 +109,7 @@ def base_setting(cfg: Any, world: int, gpu: GPUKind) -> Setting:
     try:
         return Setting(shape, gpu.name, world, world, int(cfg.trainer.global_batch_size),
                        int(cfg.trainer.micro_batch_size), int(cfg.trainer.seq_len),
-                       ac=mode if mode in ("none", "selective", "full") else "selective", precision=prec,
+                       ac=mode if mode in AC_MODES else "selective", precision=prec,
                        fp8_all_gather=gather, compile=compiled, schedule=str(p.schedule),
                        stages_per_rank=rank_stages(str(p.schedule), p.stages_per_rank), cp_mode=cp_of(cfg)[1])
     except (TypeError, ValueError) as exc:  # a recipe key the config's own checks name better
@@ -163,13 +164,15 @@ def config_setting(cfg: Any, world: int, gpu: GPUKind, layout: dict[str, Any]) -
             float8 on a GPU kind without it (:func:`check_float8`); each names the key.
     """
     check_parallel_keys(cfg)  # --layout replaces the degrees: only the recipe's keys are checked
-    for i, a in enumerate(cfg.algorithms or []):  # a typo would be predicted as no algorithm
+    adapters = []
+    for i, a in enumerate(cfg.algorithms or []):
         name = str(a.get("name"))
-        if "." not in name and ":" not in name:  # an import path is the run's to check (and import)
-            registry.algorithms.get(name, key=f"algorithms[{i}].name")
+        if "." in name or ":" in name:  # an import path is the run's to check (and import)
+            continue
+        # a typo would be predicted as no algorithm: an unknown name exits 2 here
+        if getattr(registry.algorithms.get(name, key=f"algorithms[{i}].name"), "replaces_memory_estimate", False):
+            adapters.append(name)
     check_float8(cfg, gpu)
-    adapters = [str(a.get("name")) for a in cfg.algorithms or []
-                if getattr(_algorithm_class(a.get("name")), "replaces_memory_estimate", False)]
     if adapters:
         raise ConfigError(f"--layout: algorithms: {', '.join(adapters)} trains adapters on frozen weights; the "
                           "calibrated step-time model covers full training only (run llmforge plan "
@@ -180,22 +183,21 @@ def config_setting(cfg: Any, world: int, gpu: GPUKind, layout: dict[str, Any]) -
         raise ConfigError(f"--layout ep={layout['ep']}: model '{cfg.model.name}' has no experts to split")
     d = {k: layout.get(k, 1) for k in ("dp_replicate", "tp", "pp", "cp")}
     tp = d["tp"]
-    if tp > gpu.gpus_per_node:
-        raise ConfigError(f"--layout tp={tp}: tensor parallel stays inside a node of {gpu.gpus_per_node} GPUs; "
-                          f"tp in {tp_degrees(cfg, world, gpu.gpus_per_node)[0]} work on {world} GPUs")
-    if tp > 1:  # the family's own check, as training runs it, and the node's
-        _, family = tp_degrees(cfg, tp, tp)
-        ok, _ = tp_degrees(cfg, world, gpu.gpus_per_node)
-        if tp in family or tp not in ok:
-            why = family.get(tp) or (f"tensor parallel takes a divisor of the node's {gpu.gpus_per_node} "
-                                     f"GPUs that divides --gpus {world}")
+    node = gpu.gpus_per_node
+    if tp > 1:  # the node's and the model family's own check, as training runs it
+        ok, refused = tp_degrees(cfg, world, node)
+        if tp not in ok:
+            # tp outside the node's divisors is not among those checked: the family names why first
+            why = (f"tensor parallel stays inside a node of {node} GPUs" if tp > node else
+                   refused.get(tp) or tp_degrees(cfg, tp, tp)[1].get(tp)
+                   or f"tensor parallel takes a divisor of the node's {node} GPUs that divides --gpus {world}")
             raise ConfigError(f"--layout tp={tp}: {why}; tp in {ok} work on {world} GPUs")
     if d["pp"] > 1 and sh.tie_embeddings:
         raise ConfigError(f"--layout pp={d['pp']}: pipeline stages need untied embeddings "
                           "(model.tie_embeddings=false) or pp=1")
     if d["cp"] > 1:
         check_cp(d["cp"], base.seq_len, world, sh.n_heads // tp, base.cp_mode)
-        if d["pp"] > 1 and cfg.data.get("task") == "sft" and cfg.data.get("packed", True):
+        if d["pp"] > 1 and packed_sft(cfg.data):
             raise ConfigError(f"--layout cp={d['cp']},pp={d['pp']}: context parallelism with pipeline "
                               "stages takes rows without documents; set data.packed=false, pp=1 or cp=1")
     if d["pp"] > 1 and d["pp"] * base.stages_per_rank > sh.n_layers:

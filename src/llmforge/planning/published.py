@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from llmforge.config.parallel_schema import CONTEXT_PARALLEL_MODES, PIPELINE_SCHEDULES
+from llmforge.planning.layout import AC_MODES
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,6 @@ class Shape:
         return self.n_layers * self.block_params + 2 * self.vocab_size * self.dim
 
 
-AC_MODES = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp8_tensorwise", "fp8_rowwise")
 CP_MODES = CONTEXT_PARALLEL_MODES + ("ring",)  # ring: torch's experimental one, published rows only
 
@@ -104,7 +104,7 @@ class Setting:
                      "dp_replicate", "tp", "pp", "cp", "ep", "stages_per_rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Setting.{name} must be an integer >= 1, got {getattr(self, name)!r}")
+                raise ValueError(f"Setting.{name} must be an integer >= 1, got {value!r}")
         for name, allowed in (("ac", AC_MODES), ("precision", PRECISIONS), ("schedule", PIPELINE_SCHEDULES),
                               ("cp_mode", CP_MODES)):
             if getattr(self, name) not in allowed:

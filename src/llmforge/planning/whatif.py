@@ -14,6 +14,7 @@ from typing import Callable, Iterator, Optional
 from llmforge.planning.calibration import FITTED, model_error
 from llmforge.planning.context import attention_extra_bytes
 from llmforge.planning.gpus import gpu_kind
+from llmforge.planning.layout import AC_MODES
 from llmforge.planning.published import Setting
 from llmforge.planning.stages import in_flight
 from llmforge.planning.step_model import CostParams, Prediction, predict
@@ -130,7 +131,7 @@ def layouts(s: Setting, node: int = 8) -> Iterator[Setting]:
             for mbs in _divisors(local):
                 if pp > 1 and local // mbs < pp:
                     continue
-                for ac in ("none", "selective", "full"):
+                for ac in AC_MODES:
                     for sched, v in schedules:
                         yield replace(s, tp=tp, pp=pp, dp_shard=dp, dp_replicate=1, micro_batch_size=mbs,
                                       ac=ac, schedule=sched, stages_per_rank=v)

@@ -83,6 +83,15 @@ def test_step_terms_follow_the_layout():
     fp8 = predict(replace(base, precision="fp8_tensorwise"), FITTED)
     assert fp8.tokens_per_second_per_gpu > p.tokens_per_second_per_gpu
     assert 0.3 < p.mfu < 0.6
+    # float8 TP (torchtitan's tensorwise recipe) gathers in 1 byte: selective AC's 6 all-gathers
+    # and 4 reduce-scatters per block move 6 / 2 + 4 = 7 of 10 bf16 payloads; rowwise gathers bf16
+    no_latency = replace(FITTED, nvlink_latency=0.0)
+    tp8 = replace(base, dp_shard=1, tp=8, global_batch_size=2, precision="fp8_tensorwise")
+    plain, gathered = (predict(replace(tp8, fp8_tp_all_gather=g), no_latency).terms["tp"] for g in (False, True))
+    assert gathered == pytest.approx(plain * 7 / 10)
+    rowwise = replace(tp8, precision="fp8_rowwise")
+    assert predict(replace(rowwise, fp8_tp_all_gather=True), no_latency).terms["tp"] == pytest.approx(
+        predict(rowwise, no_latency).terms["tp"])
 
 
 def test_plan_layout_predicts_one_layout_and_names_bad_keys():
@@ -131,9 +140,20 @@ def test_plan_layout_predicts_one_layout_and_names_bad_keys():
              "--layout pp=2: pipeline stages need untied embeddings"),
             (DEMO, ["--gpus", "2", "pipeline.schedule=bogus"], "pipeline.schedule: expected one of"),
             (DEMO, ["--gpus", "2", "--layout", "dp_shard=2", "algorithms=[{name: bogus}]"],
-             "algorithms[0].name: unknown algorithm 'bogus'")):
+             "algorithms[0].name: unknown algorithm 'bogus'"),
+            # an entry's own keys, as the run builds it (a mistyped mode was predicted as selective)
+            (DEMO, ["--gpus", "2", "--layout", "dp_shard=2",
+                    "algorithms=[{name: activation_checkpointing, mode: fulll}]"],
+             "activation_checkpointing.mode 'fulll' is not one of full, selective")):
         bad = run_main("plan", config, *args)
         assert bad.returncode == 2 and words in bad.stderr and "Traceback" not in bad.stderr, (args, bad.stderr)
+    # a plain plan refuses the recipe's bad keys before its search (it printed its progress
+    # through every group first, minutes on a large model)
+    for override, words in (("pipeline.schedule=bogus", "error: pipeline.schedule: expected one of"),
+                            ("algorithms=[{name: float8, recipe: rowwisee}]",
+                             "error: algorithms: float8.recipe 'rowwisee'")):
+        bad = run_main("plan", DEMO, "--gpus", "8", override)
+        assert bad.returncode == 2 and bad.stderr.startswith(words) and bad.stderr.count("\n") == 1, bad.stderr
     # without cp an odd sequence is fine (was refused as 2 x cp chunks); 12 GPUs, where tp 8
     # does not divide them (the search's tp=8 had crashed with a ValueError)
     for config, args in ((DEMO, ["--gpus", "2", "--layout", "dp_shard=2", "variables.seq_len=255"]),
@@ -219,9 +239,19 @@ def test_matmul_shapes_and_pipeline_gradients():
                        ({"tp": True}, "Setting.tp must be an integer >= 1, got True")):
         with pytest.raises(ValueError, match=words):
             replace(run_labelled("405B fsdp8 tp8 pp8 1f1b").setting, **bad)
-    with pytest.raises(ValueError, match="global_batch_size 8 over 32 data-parallel ranks leaves no micro-batch"):
-        predict(replace(run_labelled("405B fsdp8 tp8 pp8 1f1b").setting, dp_shard=32, pp=2, global_batch_size=8,
-                        micro_batch_size=1), FITTED)
+    run = run_labelled("405B fsdp8 tp8 pp8 1f1b").setting
+    for bad, words in (({"dp_shard": 32, "pp": 2, "global_batch_size": 8, "micro_batch_size": 1},
+                        "global_batch_size 8 does not split into micro-batches of 1 sequences on each of 32"),
+                       # 36 sequences over 8 ranks: was floored to 4 per rank and its tokens counted whole
+                       ({"global_batch_size": 36}, "global_batch_size 36 does not split"),
+                       ({"micro_batch_size": 8}, "4 micro-batches for 8 pipeline stages")):
+        with pytest.raises(ValueError, match=words):
+            predict(replace(run, **bad), FITTED)
+    for bad, words in (({"n_layers": 0}, "Shape.n_layers must be an integer >= 1, got 0"),
+                       ({"n_kv_heads": 3}, "Shape.n_heads 128 is not a multiple of n_kv_heads 3"),
+                       ({"head_size": -1}, "Shape.head_size must be an integer >= 0")):
+        with pytest.raises(ValueError, match=words):
+            replace(run.shape, **bad)
     # the 405B's 126 blocks were sized for it (Llama 3 paper 3.3.2: one block fewer at each end)
     assert 1.0 < stage_imbalance(run_labelled("405B fsdp8 tp8 pp8 interleaved").setting.shape, 8, 2, 8192) < 1.012
     # with stages the schedule syncs gradients after the last micro-batch only: FSDP2 holds the

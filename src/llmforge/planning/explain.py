@@ -68,11 +68,19 @@ def explain(p: Any, cfg: Any) -> list[str]:
     if pub is not None:
         s = pub.setting
         where = f"published ({pub.source}, {pub.table}, measured {pub.tokens_per_second_per_gpu:.0f} tokens/s per GPU)"
-        if base.global_batch_size % (s.dp_replicate * s.dp_shard):
+        dp = s.dp_replicate * s.dp_shard
+        local = base.global_batch_size // dp
+        # the published micro-batch, or the largest below it that splits this batch evenly and
+        # gives each pipeline stage one at least
+        mbs = max((m for m in range(1, min(s.micro_batch_size, local) + 1)
+                   if local % m == 0 and local // m >= s.pp), default=None)
+        if base.global_batch_size % dp:
             lines.append(f"{where}: dp_shard {s.dp_shard} x tp {s.tp} x pp {s.pp} does not divide this "
                          f"config's trainer.global_batch_size={base.global_batch_size}")
+        elif mbs is None:
+            lines.append(f"{where}: this config's trainer.global_batch_size={base.global_batch_size} leaves "
+                         f"{local} sequences per data-parallel rank, fewer than its {s.pp} pipeline stages")
         else:
-            mbs = min(s.micro_batch_size, base.global_batch_size // (s.dp_replicate * s.dp_shard))
             v = assess(at_layout(base, s.dp_replicate, s.dp_shard, s.tp, s.pp, s.cp, s.ac, mbs))
             same = (win.layout.dp_replicate, win.layout.dp_shard, win.layout.tp, win.layout.pp, win.layout.cp) == \
                 (s.dp_replicate, s.dp_shard, s.tp, s.pp, s.cp)

@@ -24,7 +24,8 @@ from llmforge.planning.published import Setting, Shape, published_layout
 from llmforge.planning.search import tp_degrees
 from llmforge.planning.stages import pp_allowed
 from llmforge.planning.whatif import FIT_SHARE, assess, best_layout, versus
-from llmforge.plugin import meta_model
+from llmforge.plugin import Algorithm, meta_model
+from llmforge.registry import build_entries
 
 KEYS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep", "ac", "mbs")
 """Keys ``--layout`` takes; degrees left out are 1, ``ac`` and ``mbs`` the config's."""
@@ -62,15 +63,18 @@ def parse_layout(text: str) -> dict[str, Any]:
     return out
 
 
-def _precision(cfg: Any) -> tuple[str, bool, bool]:
-    """``(precision, fp8 all-gather, compiled)`` from the config's algorithms."""
-    prec, gather, compiled = "bf16", False, False
+def _precision(cfg: Any) -> tuple[str, bool, bool, bool]:
+    """``(precision, FSDP's fp8 all-gather, TP's fp8 all-gather, compiled)`` from the config's
+    algorithms (``float8``'s defaults: TP gathers in FP8 with the tensorwise recipe)."""
+    prec, gather, tp_gather, compiled = "bf16", False, False, False
     for a in cfg.algorithms or []:
         if a.get("name") == "float8":
-            prec = "fp8_rowwise" if a.get("recipe", "tensorwise") == "rowwise" else "fp8_tensorwise"
+            tensorwise = a.get("recipe", "tensorwise") == "tensorwise"  # rowwise, rowwise_with_gw_hp
+            prec = "fp8_tensorwise" if tensorwise else "fp8_rowwise"
             gather = bool(a.get("enable_fsdp_float8_all_gather", a.get("fsdp_float8_all_gather", False)))
+            tp_gather = tensorwise and a.get("enable_tp_float8_all_gather", None) is not False
         compiled = compiled or a.get("name") == "compile"
-    return prec, gather, compiled
+    return prec, gather, tp_gather, compiled
 
 
 def check_float8(cfg: Any, gpu: GPUKind) -> None:
@@ -100,18 +104,20 @@ def base_setting(cfg: Any, world: int, gpu: GPUKind) -> Setting:
                           "model covers dense decoders only (run llmforge plan without --layout)")
     m = spec.get("memory_shape")(model)
     a = model.args
-    shape = Shape(cfg.model.get("preset") or cfg.model.name, m.n_layers, m.dim, m.ffn_dim, a.n_heads,
-                  a.n_kv_heads, m.vocab_size, head_size=m.q_dim // a.n_heads,
-                  tie_embeddings=bool(getattr(a, "tie_embeddings", False)))
     mode, _ = ac_mode(cfg.algorithms)
-    prec, gather, compiled = _precision(cfg)
+    prec, gather, tp_gather, compiled = _precision(cfg)
     p = cfg.pipeline
     try:
+        shape = Shape(cfg.model.get("preset") or cfg.model.name, m.n_layers, m.dim, m.ffn_dim, a.n_heads,
+                      a.n_kv_heads, m.vocab_size, head_size=m.q_dim // a.n_heads,
+                      tie_embeddings=bool(getattr(a, "tie_embeddings", False)))
         return Setting(shape, gpu.name, world, world, int(cfg.trainer.global_batch_size),
                        int(cfg.trainer.micro_batch_size), int(cfg.trainer.seq_len),
                        ac=mode if mode in AC_MODES else "selective", precision=prec,
-                       fp8_all_gather=gather, compile=compiled, schedule=str(p.schedule),
-                       stages_per_rank=rank_stages(str(p.schedule), p.stages_per_rank), cp_mode=cp_of(cfg)[1])
+                       fp8_all_gather=gather, fp8_tp_all_gather=tp_gather, compile=compiled,
+                       schedule=str(p.schedule),
+                       stages_per_rank=rank_stages(str(p.schedule), p.stages_per_rank), cp_mode=cp_of(cfg)[1],
+                       gpus_per_node=gpu.gpus_per_node)
     except (TypeError, ValueError) as exc:  # a recipe key the config's own checks name better
         raise ConfigError(f"the config's recipe does not describe a run: {exc}") from exc
 
@@ -123,6 +129,17 @@ def _algorithm_class(name: Any) -> Any:
         return registry.algorithms.get(str(name), key="algorithms", registered_only=True)
     except (ConfigError, KeyError):
         return None
+
+
+def built_algorithms(cfg: Any) -> list[Algorithm]:
+    """``cfg.algorithms`` built as the run builds them (nothing is allocated): a typo in a name or
+    a key (an activation checkpointing mode) would otherwise be planned as no algorithm or as
+    another one.
+
+    Raises:
+        ConfigError: what the entries' classes refuse, naming the entry and the key.
+    """
+    return build_entries(registry.algorithms, "algorithms", cfg.algorithms or [], base=Algorithm)
 
 
 def calibrated_setting(cfg: Any, world: int, gpu: GPUKind) -> Optional[Setting]:
@@ -160,18 +177,14 @@ def config_setting(cfg: Any, world: int, gpu: GPUKind, layout: dict[str, Any]) -
             ``2 x cp`` chunks; :func:`llmforge.planning.context.check_cp`), ``mbs`` or ``dp`` that
             do not divide the global batch, more stages than blocks, what the pipeline's own checks
             refuse, an unknown pipeline schedule or attention mode, stages per rank below 1
-            (:func:`~llmforge.config.validate.check_parallel_keys`), an unknown algorithm name,
+            (:func:`~llmforge.config.validate.check_parallel_keys`), an algorithms entry its
+            class refuses (an unknown name or key, an unknown activation checkpointing mode),
             float8 on a GPU kind without it (:func:`check_float8`); each names the key.
     """
     check_parallel_keys(cfg)  # --layout replaces the degrees: only the recipe's keys are checked
-    adapters = []
-    for i, a in enumerate(cfg.algorithms or []):
-        name = str(a.get("name"))
-        if "." in name or ":" in name:  # an import path is the run's to check (and import)
-            continue
-        # a typo would be predicted as no algorithm: an unknown name exits 2 here
-        if getattr(registry.algorithms.get(name, key=f"algorithms[{i}].name"), "replaces_memory_estimate", False):
-            adapters.append(name)
+    algos = built_algorithms(cfg)
+    adapters = [str(e.get("name")) for e, a in zip(cfg.algorithms or [], algos)
+                if getattr(a, "replaces_memory_estimate", False)]
     check_float8(cfg, gpu)
     if adapters:
         raise ConfigError(f"--layout: algorithms: {', '.join(adapters)} trains adapters on frozen weights; the "

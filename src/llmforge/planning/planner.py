@@ -68,6 +68,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
+from llmforge.config.validate import check_parallel_keys
 from llmforge.errors import ConfigError
 from llmforge.models.spec import get_spec
 from llmforge.planning.gpus import GPUKind
@@ -77,7 +78,7 @@ from llmforge.planning.experts import ExpertShape
 from llmforge.planning.calibration import FITTED
 from llmforge.planning.context import ESTIMATED, SIMULATED, fitting_cp, peak_delta, per_token_bytes, twin
 from llmforge.planning.layout import AC_MODES, Layout
-from llmforge.planning.layout_arg import at_layout, calibrated_setting, check_float8
+from llmforge.planning.layout_arg import at_layout, built_algorithms, calibrated_setting, check_float8
 from llmforge.planning.published import Setting
 from llmforge.planning.search import (MAX_GPUS, Candidate, _divisors, check_gpus, enumerate_layouts,
                                       tp_degrees)
@@ -142,10 +143,16 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
     Raises:
         ConfigError: no layout divides the batch or the model (see :func:`enumerate_layouts`),
             or every layout refused by the config's own checks (the first refusal), or
-            ``world`` outside 1..MAX_GPUS, float8 on a GPU kind without it.
+            ``world`` outside 1..MAX_GPUS, float8 on a GPU kind without it, an unknown
+            pipeline schedule or split or attention mode
+            (:func:`~llmforge.config.validate.check_parallel_keys`), an ``algorithms:`` entry its
+            class refuses.
     """
     check_gpus(world, "the world size")
     check_float8(cfg, gpu)
+    # a bad pipeline, attention or algorithm key is refused before minutes of search
+    check_parallel_keys(cfg)
+    built_algorithms(cfg)
     experts = ExpertShape.of(cfg)
     base = None if experts is not None else calibrated_setting(cfg, world, gpu)
     # context parallelism: dense decoders that the calibrated model covers (module docstring, 6)

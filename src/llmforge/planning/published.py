@@ -34,6 +34,20 @@ class Shape:
     head_size: int = 0  # 0: dim // n_heads
     tie_embeddings: bool = False  # training refuses pipeline stages then (the search skips them)
 
+    def __post_init__(self) -> None:
+        """Raises ValueError naming the field: a width or count that is not an integer >= 1
+        (``head_size`` >= 0), ``n_heads`` not a multiple of ``n_kv_heads`` (grouped-query
+        attention shares each key/value head among whole query heads)."""
+        for name in ("n_layers", "dim", "ffn_dim", "n_heads", "n_kv_heads", "vocab_size", "head_size"):
+            value, low = getattr(self, name), 0 if name == "head_size" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"Shape.{name} must be an integer >= {low}, got {value!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"Shape.n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if not self.head_dim:
+            raise ValueError(f"Shape.dim {self.dim} over n_heads {self.n_heads} leaves no head width; "
+                             "give head_size")
+
     @property
     def head_dim(self) -> int:
         return self.head_size or self.dim // self.n_heads
@@ -64,11 +78,16 @@ class Setting:
     operator) | full; ``precision``: bf16 | fp8_tensorwise | fp8_rowwise (float8 matmuls of the
     linear layers, torchao; ``fp8_recompute_weight``: its ``force_recompute_fp8_weight_in_bwd``
     as the source states it, which charges no memory either way:
-    :func:`~llmforge.planning.whatif.memory_per_rank`); ``schedule``: the pipeline schedule
+    :func:`~llmforge.planning.whatif.memory_per_rank`; ``fp8_all_gather``: FSDP2 gathers the
+    weights in float8; ``fp8_tp_all_gather``: TP's all-gathers move float8 activations and
+    gradients under tensorwise float8, torchao's float8 TP styles, as torchtitan and llmforge's
+    ``float8`` algorithm apply them by default); ``schedule``: the pipeline schedule
     (``1f1b``, ``interleaved_1f1b``) with ``stages_per_rank`` virtual stages. ``cp_mode``: how ``cp > 1``
     ranks attend across their slices: ``all_gather`` (K/V gathered; llmforge's default),
     ``ulysses`` (all-to-all to head-sharded) or ``ring`` (torch's experimental ring
-    ``context_parallel``, which torchtitan's published cp rows ran).
+    ``context_parallel``, which torchtitan's published cp rows ran). ``gpus_per_node``: the
+    node a group must fit in to use NVLink; 0 is the GPU kind's reference node
+    (:data:`~llmforge.planning.gpus.GPU_KINDS`), a cluster's own otherwise (``--cluster``).
     """
 
     shape: Shape
@@ -86,12 +105,14 @@ class Setting:
     ac: str = "none"
     precision: str = "bf16"
     fp8_all_gather: bool = False
+    fp8_tp_all_gather: bool = False
     fp8_recompute_weight: bool = False
     compile: bool = False
     async_tp: bool = False
     schedule: str = "1f1b"
     stages_per_rank: int = 1
     cp_mode: str = "all_gather"
+    gpus_per_node: int = 0
 
     def __post_init__(self) -> None:
         """Raises ValueError naming the field: a count below 1, an unknown ``ac``,
@@ -105,6 +126,9 @@ class Setting:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Setting.{name} must be an integer >= 1, got {value!r}")
+        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 0:
+            raise ValueError(f"Setting.gpus_per_node must be an integer >= 0 (0: the GPU kind's), "
+                             f"got {self.gpus_per_node!r}")
         for name, allowed in (("ac", AC_MODES), ("precision", PRECISIONS), ("schedule", PIPELINE_SCHEDULES),
                               ("cp_mode", CP_MODES)):
             if getattr(self, name) not in allowed:
@@ -184,6 +208,9 @@ def _tt(shape: Shape, world: int, tps: float, table: str, label: str, *, dp_shar
     stages it is split into ``pp`` micro-batches (torchtitan's default then)."""
     pp = kw.get("pp", 1)
     mbs = lbs // pp if pp > 1 else lbs
+    # torchtitan's TP with tensorwise float8 all-gathers in float8 (its docs/float8.md: "float8
+    # all-gather ... for TP (by default for Float8Linear)"; rowwise recipes gather in bf16)
+    kw.setdefault("fp8_tp_all_gather", kw.get("precision") == "fp8_tensorwise" and kw.get("tp", 1) > 1)
     s = Setting(shape, gpu, world, dp_shard, lbs * dp_shard, mbs, seq, **kw)
     return Run(s, tps, src, table, label, notes, mem)
 

@@ -43,8 +43,11 @@ Terms (seconds per step, one rank):
   all-to-alls, per block and micro-batch, exposed (:func:`context_parallel_seconds`).
 * **TP** (sequence parallel, Megatron-style): per block and micro-batch
   :data:`TP_CALLS_PER_BLOCK` all-gathers and reduce-scatters of ``mbs x s / cp x d``
-  activations: two of each forward, the same backward, and what the recomputation repeats:
-  exposed at ``tp_exposed`` (``async_tp_exposed`` with async TP, whose matmuls hide part of it).
+  activations: two of each forward, the same backward, and what the recomputation repeats
+  (the all-gathers, :data:`TP_GATHERS_PER_BLOCK`, in 1 byte per element with the setting's
+  ``fp8_tp_all_gather`` under tensorwise float8: torchao's float8 TP styles cast before
+  gathering; the reduce-scatters stay bf16): exposed at ``tp_exposed`` (``async_tp_exposed``
+  with async TP, whose matmuls hide part of it).
 * **PP**: each micro-batch's hidden states cross each virtual stage boundary forward and back,
   exposed.
 
@@ -164,6 +167,10 @@ reduce-scatters' outputs but not the all-gathers', so the backward gathers both 
 again (+2); full AC recomputes the forward up to the last tensor the backward needs (torch's
 checkpoint stops early), all but the final reduce-scatter (+3)."""
 
+TP_GATHERS_PER_BLOCK = {"none": 4, "selective": 6, "full": 6}
+"""The all-gathers among :data:`TP_CALLS_PER_BLOCK`: the block inputs' forward and the output
+gradients' backward (2 + 2), and what selective (+2) and full AC (+2 of their +3) gather again."""
+
 
 def _collective(n: int, payload: float, calls: float, intra: bool, gpu: GPUKind, p: CostParams,
                 all_reduce: bool = False) -> float:
@@ -195,7 +202,7 @@ def context_parallel_seconds(s: Setting, p: CostParams) -> float:
     if s.cp <= 1 or s.cp_mode == "ring":
         return 0.0
     gpu, sh = gpu_kind(s.gpu, "gpu"), s.shape
-    intra = s.cp * s.tp <= gpu.gpus_per_node
+    intra = s.cp * s.tp <= (s.gpus_per_node or gpu.gpus_per_node)
     kv = 2 * sh.n_kv_heads * sh.head_dim
     if s.cp_mode == "ulysses":
         widths = 2 * sh.n_heads * sh.head_dim + kv  # q, k, v in, the output (q wide) back
@@ -275,16 +282,20 @@ def predict(s: Setting, p: CostParams) -> Prediction:
 
     Raises:
         ConfigError: unknown GPU kind in ``s.gpu``.
-        ValueError: a global batch that leaves a data-parallel rank no micro-batch.
+        ValueError: a global batch that does not split into whole micro-batches on every
+            data-parallel rank; fewer micro-batches than pipeline stages.
     """
     gpu = gpu_kind(s.gpu, "gpu")
     sh = s.shape
-    node = gpu.gpus_per_node
+    node = s.gpus_per_node or gpu.gpus_per_node
     dp = s.dp_replicate * s.dp_shard
     n_micro = s.global_batch_size // dp // s.micro_batch_size
-    if n_micro < 1:
-        raise ValueError(f"global_batch_size {s.global_batch_size} over {dp} data-parallel ranks leaves "
-                         f"no micro-batch of {s.micro_batch_size} sequences")
+    if n_micro < 1 or s.global_batch_size % (dp * s.micro_batch_size):
+        raise ValueError(f"global_batch_size {s.global_batch_size} does not split into micro-batches of "
+                         f"{s.micro_batch_size} sequences on each of {dp} data-parallel ranks")
+    if s.pp > 1 and n_micro < s.pp:
+        raise ValueError(f"{n_micro} micro-batches for {s.pp} pipeline stages: a schedule needs one per stage "
+                         "at least (a smaller micro_batch_size gives more)")
     tokens = s.global_batch_size * s.seq_len
     linear, attention = flops_per_token(sh, s.seq_len)
     # full AC recomputes the whole forward, selective every second matmul (not the attention)
@@ -336,8 +347,12 @@ def predict(s: Setting, p: CostParams) -> Prediction:
     tp = 0.0
     if s.tp > 1:
         calls = n_micro * layers * TP_CALLS_PER_BLOCK[s.ac]
+        gathers = n_micro * layers * TP_GATHERS_PER_BLOCK[s.ac]
         act = micro_tokens * sh.dim * 2.0
-        tp = _collective(s.tp, act * calls, calls, s.tp <= node, gpu, p)
+        # float8 all-gathers (torchao's Float8 TP styles) move 1 byte an element; the reduce-scatters stay bf16
+        fp8_gathers = s.fp8_tp_all_gather and s.precision == "fp8_tensorwise"
+        payload = act * (calls - gathers / 2) if fp8_gathers else act * calls
+        tp = _collective(s.tp, payload, calls, s.tp <= node, gpu, p)
         tp *= p.async_tp_exposed if s.async_tp else p.tp_exposed
     pp = 0.0
     if s.pp > 1:

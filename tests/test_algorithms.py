@@ -223,6 +223,40 @@ def test_float8_filter_keeps_output_and_unaligned_layers():
     assert type(model.layers[0].feed_forward.w2).__name__ == "Float8Linear"
 
 
+def test_float8_sets_float8_tp_styles_for_its_layers_only():
+    """Under tp > 1 with the tensorwise recipe, float8 hands the TP stage torchao's float8 styles
+    (all-gathers in FP8) for the layers it converted, torch's for the rest; an input goes to the
+    gather in FP8 only if every layer reading it casts (a kept layer would get FP8 values). The
+    gathers themselves run in tests/test_algorithms_train.py (2 processes)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+    from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel, Float8RowwiseParallel,
+                                                        PrepareFloat8ModuleInput)
+
+    from llmforge.algorithms.float8 import Float8TPStyles
+
+    def convert(dims, **kw):
+        ctx = ModelContext(None, None, dims, "cpu")
+        return Float8(**kw).apply(meta_model(dim=48), ctx), ctx
+
+    model, ctx = convert(SimpleNamespace(tp=2))
+    st, attn, ffn = ctx.tp_styles, model.layers[0].attention, model.layers[0].feed_forward
+    assert isinstance(st, Float8TPStyles)
+    assert type(st.colwise(attn.wq)) is Float8ColwiseParallel and type(st.rowwise(ffn.w2)) is Float8RowwiseParallel
+    # wk, wv (48 -> 24) and the output stay in high precision: torch's styles
+    assert type(st.colwise(attn.wk)) is ColwiseParallel and type(st.colwise(model.output)) is ColwiseParallel
+    assert type(st.prepare_input([ffn.w1, ffn.w3])) is PrepareFloat8ModuleInput
+    assert type(st.prepare_input([attn.wq, attn.wk, attn.wv])) is PrepareModuleInput
+    assert type(st.rowwise(nn.Linear(32, 32))) is RowwiseParallel
+    # one process, the rowwise recipe, or the key set to false: the TP stage keeps torch's
+    for dims, kw in ((SimpleNamespace(tp=1), {}), (None, {}), (SimpleNamespace(tp=2), {"recipe": "rowwise"}),
+                     (SimpleNamespace(tp=2), {"enable_tp_float8_all_gather": False})):
+        assert convert(dims, **kw)[1].tp_styles is None, (dims, kw)
+    with pytest.raises(ConfigError, match="enable_tp_float8_all_gather=true needs float8.recipe=tensorwise"):
+        Float8(recipe="rowwise", enable_tp_float8_all_gather=True)
+
+
 def test_third_party_algorithm_by_import_path_joins_the_pipeline():
     class Marker(Algorithm):
         name = "marker"

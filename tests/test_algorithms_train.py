@@ -90,6 +90,41 @@ class Probe(Callback):
                      for n, p in pl_module.model.named_parameters()}
             with open(self.out, "w") as f:
                 json.dump(types, f)
+
+
+# gloo has no float8 collectives ("Invalid scalar type"; NCCL has): this test-only callback makes
+# torchao's float8 all-gather send the same bytes as uint8 on the real gloo group, waiting at
+# once, and counts the gathers by float8 dtype
+GATHERED = {}
+
+
+def _gather_bytes(aten_op, args, kwargs=None):
+    import torch
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+    t = args[0]
+    data = t._data.contiguous()
+    out = torch.ops._c10d_functional.wait_tensor(aten_op(data.view(torch.uint8), *args[1:], **(kwargs or {})))
+    GATHERED[str(data.dtype)] = GATHERED.get(str(data.dtype), 0) + 1
+    return Float8TrainingTensor(out.view(data.dtype), t._scale, t._orig_dtype, t._linear_mm_config,
+                                t._gemm_input_role)
+
+
+class GlooFloat8(Callback):
+    def __init__(self, out):
+        import torch
+        from torchao.float8 import float8_ops
+
+        self.out = out
+        GATHERED.clear()
+        for op in (torch.ops.c10d_functional.all_gather_into_tensor.default,
+                   torch.ops._c10d_functional.all_gather_into_tensor.default):
+            float8_ops.FLOAT8_OPS_TABLE[op] = _gather_bytes
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            with open(self.out, "w") as f:
+                json.dump(GATHERED, f)
 '''
 
 
@@ -104,8 +139,12 @@ def records(run_dir: Path) -> list[dict]:
 # every FSDP2 run of this file, in ONE 2-process torchrun launch (tests/dist/train_worker.py runs
 # them in sequence from the launch's folder: f8probe.py is importable there); compile
 # last, so the runs before it start without dynamo state, as in a fresh process
+_TP = ["strategy.tp=2", "callbacks=[{name: f8probe.GlooFloat8, out: gathered_{name}.json}]"]
 FSDP2_RUNS = {
     "fsdp2_fp8": ["algorithms=[{name: float8}]"],
+    # tensor parallel over both ranks: float8's TP all-gathers in FP8 (its default) or in bf16
+    "tp2_fp8": ["algorithms=[{name: float8}]", *_TP],
+    "tp2_fp8_bf16_gathers": ["algorithms=[{name: float8, enable_tp_float8_all_gather: false}]", *_TP],
     "fsdp2_fp8_all_gather": ["algorithms=[{name: float8, enable_fsdp_float8_all_gather: true}]",
                              "callbacks=[{name: f8probe.Probe, out: types.json}]", "checkpoint.save_final=true"],
     "fsdp2_compile_ac": ["algorithms=[{name: compile, compile_loss: true}, "
@@ -124,7 +163,7 @@ def cli_runs(tmp_path_factory):
     (out / "f8probe.py").write_text(textwrap.dedent(PROBE))
     base = ["train", DEMO, *COMMON, f"run.output_dir={out}", "checkpoint.save_final=false"]
     assert main([*base, "run.name=eager", "checkpoint.save_final=true"]) == 0
-    runs = {name: [*base, f"run.name={name}", "strategy.name=fsdp2", *extra]
+    runs = {name: [*base, f"run.name={name}", "strategy.name=fsdp2", *(e.replace("{name}", name) for e in extra)]
             for name, extra in FSDP2_RUNS.items()}
     (out / "runs.json").write_text(json.dumps(runs))
     proc = torchrun(worker("train_worker.py"), str(out), str(out / "runs.json"), timeout=1800)
@@ -170,3 +209,20 @@ def test_fp8_all_gather_under_fsdp2_same_losses_and_float8_shards(cli_runs):
     assert types["layers.0.attention.wq.weight"] == ["DTensor", "WeightWithDynamicFloat8CastTensor"]
     assert types["layers.1.feed_forward.w2.weight"][1] == "WeightWithDynamicFloat8CastTensor"
     assert types["output.weight"] == ["DTensor", "Tensor"]  # kept in high precision
+
+
+@pytest.mark.slow
+def test_float8_tensor_parallel_gathers_in_fp8_with_the_same_losses(cli_runs):
+    """TP 2 with float8 (tensorwise): the sequence-parallel all-gathers of the block inputs (e4m3)
+    and of the output gradients (e5m2) move float8, as torchtitan's; the cast before the gather
+    uses the whole tensor's scale, so the losses equal those of bf16 gathers."""
+    out, reports = cli_runs
+    fp8, bf16 = records(out / "tp2_fp8"), records(out / "tp2_fp8_bf16_gathers")
+    assert len(losses(fp8)) == 5 and losses(fp8) == pytest.approx(losses(bf16), abs=1e-6)
+    # per block and micro-batch: attention's and the feed-forward's inputs, wo's and w2's output
+    # gradients; 2 blocks x 4 micro-batches (8 sequences of 2 on one data-parallel rank) x 5 steps
+    assert json.loads((out / "gathered_tp2_fp8.json").read_text()) == {
+        "torch.float8_e4m3fn": 2 * 2 * 4 * 5, "torch.float8_e5m2": 2 * 2 * 4 * 5}
+    assert json.loads((out / "gathered_tp2_fp8_bf16_gathers.json").read_text()) == {}
+    assert "(tensorwise, FP8 TP all-gather)" in reports[0]["tp2_fp8"]["stdout"]
+    assert "(tensorwise), 1 kept" in reports[0]["tp2_fp8_bf16_gathers"]["stdout"]

@@ -198,6 +198,15 @@ def test_cluster_gpu_type_selects_the_row_and_unknown_exits_2(tmp_path, monkeypa
     lab = cluster_gpu(get_cluster("lab"))
     assert (lab.name, lab.gpus_per_node, lab.memory_bytes) == ("H200-141GB", 4, 141e9)
     assert cluster_gpu(get_cluster("p5")).name == "H100-SXM-80GB"
+    # --layout times the cluster's nodes: FSDP over 8 H200 crosses the network between two nodes
+    # of 4 (an H200 row's own node is 8, all NVLink)
+    eight_b = str(REPO / "yamls" / "llama3_8b.yaml")
+    steps = {}
+    for where in (["--cluster", "lab"], ["--gpu", "h200"]):
+        assert cli.main(["plan", eight_b, "--gpus", "8", *where, "--layout", "dp_shard=8", "--json"]) == 0
+        steps[where[0]] = json.loads(capsys.readouterr().out)["terms_seconds"]
+    assert steps["--cluster"]["data_parallel"] > 5 * steps["--gpu"]["data_parallel"]
+    assert steps["--cluster"]["compute"] == steps["--gpu"]["compute"]
     assert cli.main(["plan", DEMO, *TINY, "--gpus", "8", "--cluster", "old"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: cluster 'old' gpu_type: unknown GPU kind 'v100'; known: H100-SXM-80GB")
@@ -250,6 +259,19 @@ def test_simulation_runs_z_loss():
     assert with_z.peak_bytes > plain.peak_bytes and with_z.flops == plain.flops
 
 
+def test_simulation_of_float8_under_tp_gathers_bf16():
+    """torchao's float8 TP styles gave a simulated peak that varied from process to process (up
+    to 4 GiB on the 8B at TP 2): the simulation gathers bf16 (layout_config), whose saved inputs
+    are the larger; the float8 layers still simulate under TP."""
+    from llmforge.planning.layout import layout_config
+
+    cfg = load_config(DEMO, [*TINY, "algorithms=[{name: float8}]"])
+    for tp, gathers in ((2, [False]), (1, [])):
+        entries = layout_config(cfg, Layout(1, 2 // tp, tp, "none", 2)).algorithms
+        assert [e.get("enable_tp_float8_all_gather") for e in entries if "enable_tp_float8_all_gather" in e] == gathers
+    assert simulate(cfg, Layout(1, 1, 2, "none", 2)).peak_bytes > 0
+
+
 def test_simulation_runs_lora_with_frozen_weights():
     """LoRA's frozen base: torch's MemTracker (one process, no FSDP2) would register a gradient
     hook on it and raise; FrozenSafeMemTracker counts it as parameters. The step's gradients are
@@ -283,9 +305,10 @@ def test_plan_lays_out_pipeline_stages_where_the_batch_needs_them():
 def test_tensor_parallel_collectives_and_gathered_activations_per_block():
     """What the step-time model and the analytic memory take from the simulation, measured per
     block (a 3-block minus a 2-block run of TP 2): the sequence-parallel all-gathers and
-    reduce-scatters by activation checkpointing (step_model.TP_CALLS_PER_BLOCK), and without
-    AC the two norm outputs kept whole-sequence, not / tp (whatif.memory_per_rank)."""
-    from llmforge.planning.step_model import TP_CALLS_PER_BLOCK
+    reduce-scatters by activation checkpointing (step_model.TP_CALLS_PER_BLOCK, the all-gathers
+    among them TP_GATHERS_PER_BLOCK: float8 TP moves those in 1 byte), and without AC the two
+    norm outputs kept whole-sequence, not / tp (whatif.memory_per_rank)."""
+    from llmforge.planning.step_model import TP_CALLS_PER_BLOCK, TP_GATHERS_PER_BLOCK
 
     cfg = load_config(DEMO, [*TINY, "model.dim=128", "trainer.global_batch_size=4", "trainer.micro_batch_size=4"])
 
@@ -299,6 +322,7 @@ def test_tensor_parallel_collectives_and_gathered_activations_per_block():
     for ac, n in TP_CALLS_PER_BLOCK.items():
         calls, _ = per_block(2, ac)
         assert calls["all_gather"] + calls["reduce_scatter"] == n, (ac, calls)
+        assert calls["all_gather"] == TP_GATHERS_PER_BLOCK[ac], (ac, calls)
     _, whole = per_block(1, "none")
     _, split = per_block(2, "none")
     tokens, dim, fp32 = 4 * 64, 128, 4

@@ -51,12 +51,17 @@ class ModelContext:
             ``None`` in one process.
         dims: :class:`llmforge.parallel.mesh.ParallelDims`.
         device: the device the model will be materialized on.
+        tp_styles: the styles the tensor-parallel plan gives linear layers
+            (:class:`llmforge.models.tp_styles.TPStyles`; ``None``: torch's). A transform
+            that swaps module types before ``TENSOR_PARALLEL`` may set styles that suit them
+            (``float8``: float8 all-gathers).
     """
 
     cfg: Any
     mesh: Any
     dims: Any
     device: Any
+    tp_styles: Any = None
 
 
 @dataclass

@@ -6,6 +6,7 @@ YAML::
       - name: float8
         recipe: tensorwise                          # tensorwise | rowwise | rowwise_with_gw_hp
         enable_fsdp_float8_all_gather: false        # FSDP2 all-gathers weights in FP8 (tensorwise)
+        enable_tp_float8_all_gather: null           # TP all-gathers activations in FP8 (null: tensorwise)
         precompute_float8_dynamic_scale_for_fsdp: null   # null = same as the all-gather key
         emulate: false                              # FP8 numerics with high-precision matmuls
         filter_fqns: [output]                       # Linear layers kept in high precision
@@ -23,6 +24,15 @@ With ``enable_fsdp_float8_all_gather`` FSDP2 all-gathers the weights already cas
 the bytes of bf16), and ``precompute_float8_dynamic_scale_for_fsdp`` computes all weight scales
 with one all-reduce after each optimizer step instead of one per layer.
 
+Under tensor parallelism with the tensorwise recipe the converted layers take torchao's float8
+TP styles (``Float8ColwiseParallel``, ``Float8RowwiseParallel``, ``PrepareFloat8ModuleInput``),
+as torchtitan does: a block's inputs are cast before their sequence-parallel all-gather and its
+output gradients before theirs, so those all-gathers move 1 byte per element instead of 2; the
+reduce-scatters stay in high precision. The cast uses the whole tensor's scale (an amax
+all-reduce over the tp group), so the FP8 values are those a cast after the gather gives: the
+losses are the same. ``enable_tp_float8_all_gather: false`` keeps torch's styles; the rowwise
+recipes always do (torchao's float8 TP styles scale per tensor).
+
 Stage ``CONVERT`` (first: every later stage sees the final module types). The FP8 dtypes are
 torchao's choice per device (e4m3fn/e5m2, or the fnuz variants on MI300). Sources: torchao
 ``torchao/float8/README.md``; torchtitan ``docs/float8.md``.
@@ -38,6 +48,7 @@ from typing import Any, Optional, Sequence
 from torch import nn
 
 from llmforge.errors import ConfigError
+from llmforge.models.tp_styles import TPStyles
 from llmforge.plugin import Algorithm, CheckContext, ModelContext, Stage
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -107,6 +118,43 @@ def check_entries(key: str, entries: Sequence[str], model: nn.Module) -> None:
                           "substrings of module names such as 'output' or 'layers.0.attention'")
 
 
+class Float8TPStyles(TPStyles):
+    """torchao's float8 TP styles for ``Float8Linear`` layers with dynamic scaling (what
+    torchtitan's ``apply_tp`` gives them with the tensorwise recipe); torch's for every other
+    layer, and for an input whose readers are not all such layers (a cast input would reach a
+    high-precision matmul)."""
+
+    @staticmethod
+    def gathers(module: nn.Module) -> bool:
+        """Whether ``module`` is a ``Float8Linear`` that casts its input and gradient with
+        dynamic scales (torchao's condition for float8 all-gathers)."""
+        f8 = import_float8()
+        dynamic = f8.config.ScalingType.DYNAMIC
+        return (isinstance(module, f8.float8_linear.Float8Linear) and module.scaling_type_input == dynamic
+                and module.scaling_type_grad_output == dynamic)
+
+    def colwise(self, module: nn.Module, **kwargs: Any) -> Any:
+        if not self.gathers(module):
+            return super().colwise(module, **kwargs)
+        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel
+
+        return Float8ColwiseParallel(**kwargs)
+
+    def rowwise(self, module: nn.Module, **kwargs: Any) -> Any:
+        if not self.gathers(module):
+            return super().rowwise(module, **kwargs)
+        from torchao.float8.float8_tensor_parallel import Float8RowwiseParallel
+
+        return Float8RowwiseParallel(**kwargs)
+
+    def prepare_input(self, readers: Sequence[nn.Module], **kwargs: Any) -> Any:
+        if not readers or not all(self.gathers(m) for m in readers):
+            return super().prepare_input(readers, **kwargs)
+        from torchao.float8.float8_tensor_parallel import PrepareFloat8ModuleInput
+
+        return PrepareFloat8ModuleInput(**kwargs)
+
+
 class Float8(Algorithm):
     """Convert ``nn.Linear`` layers to torchao ``Float8Linear`` for FP8 training.
 
@@ -116,6 +164,9 @@ class Float8(Algorithm):
             in high precision).
         enable_fsdp_float8_all_gather: FSDP2 all-gathers FP8 weights (``tensorwise`` only).
             ``fsdp_float8_all_gather`` is accepted as a short alias.
+        enable_tp_float8_all_gather: under ``strategy.tp > 1``, the sequence-parallel
+            all-gathers of the converted layers' inputs and output gradients in FP8 (torchao's
+            float8 TP styles); ``None`` (default): on with ``tensorwise``, off otherwise.
         precompute_float8_dynamic_scale_for_fsdp: one all-reduce for all weight scales after
             each optimizer step; ``None`` follows ``enable_fsdp_float8_all_gather``.
         emulate: emulate FP8 matmuls in high precision (hardware without FP8 units; testing).
@@ -126,7 +177,7 @@ class Float8(Algorithm):
             and each must have in/out features divisible by 16.
 
     Raises:
-        ConfigError: unknown ``recipe``; FP8 all-gather with a rowwise recipe; precompute
+        ConfigError: unknown ``recipe``; FP8 all-gather (FSDP2's or TP's) with a rowwise recipe; precompute
             without FP8 all-gather; (``check``) a ``filter_fqns`` or ``modules`` entry that
             matches no module, naming the closest module names.
     """
@@ -139,7 +190,8 @@ class Float8(Algorithm):
                  precompute_float8_dynamic_scale_for_fsdp: Optional[bool] = None,
                  emulate: bool = False, filter_fqns: Optional[Sequence[str]] = None,
                  modules: Optional[Sequence[str]] = None,
-                 fsdp_float8_all_gather: Optional[bool] = None) -> None:
+                 fsdp_float8_all_gather: Optional[bool] = None,
+                 enable_tp_float8_all_gather: Optional[bool] = None) -> None:
         if recipe not in RECIPES:
             raise ConfigError(f"algorithms: float8.recipe '{recipe}' is not one of {', '.join(RECIPES)}")
         if fsdp_float8_all_gather is not None:
@@ -156,6 +208,13 @@ class Float8(Algorithm):
                 f"algorithms: float8.enable_fsdp_float8_all_gather=true needs float8.recipe="
                 f"tensorwise (one scale per weight tensor); float8.recipe={recipe} scales per row. "
                 "Use recipe: tensorwise or set enable_fsdp_float8_all_gather: false")
+        if enable_tp_float8_all_gather and recipe != "tensorwise":
+            raise ConfigError(
+                f"algorithms: float8.enable_tp_float8_all_gather=true needs float8.recipe=tensorwise "
+                f"(torchao's float8 TP styles scale per tensor); float8.recipe={recipe} scales per row. "
+                "Use recipe: tensorwise or leave enable_tp_float8_all_gather out")
+        self.tp_gather = recipe == "tensorwise" and enable_tp_float8_all_gather is not False
+        self.tp_gathered = False  # set when the TP plan got the float8 styles
         if self.precompute and not self.all_gather:
             raise ConfigError(
                 "algorithms: float8.precompute_float8_dynamic_scale_for_fsdp=true only acts on "
@@ -241,6 +300,8 @@ class Float8(Algorithm):
     def apply(self, model: nn.Module, ctx: ModelContext) -> nn.Module:
         """Swap the selected Linear layers for ``Float8Linear``; returns the model.
 
+        Under ``tp > 1`` with the tensorwise recipe it sets ``ctx.tp_styles`` to
+        :class:`Float8TPStyles` (the TP stage runs after this one).
         With FP8 all-gather the weights become torchao's ``WeightWithDynamicFloat8CastTensor``;
         a state-dict hook hands out their plain high-precision tensor instead (same storage),
         so checkpoints hold plain tensors that load without torchao (and with
@@ -249,6 +310,10 @@ class Float8(Algorithm):
         self.converted, self.kept = [], []
         model = import_float8().convert_to_float8_training(
             model, module_filter_fn=self.module_filter, config=self.config())
+        dims = getattr(ctx, "dims", None)  # no context: one process
+        self.tp_gathered = self.tp_gather and dims is not None and dims.tp > 1 and bool(self.converted)
+        if self.tp_gathered:  # the TP stage runs after this one and takes these styles
+            ctx.tp_styles = Float8TPStyles()
         if self.all_gather:
             for module in model.modules():
                 if type(module).__name__ == "Float8Linear":
@@ -258,7 +323,8 @@ class Float8(Algorithm):
     # -------------------------------------------------------------------- training
     def fit_start(self, state: Any) -> None:
         if state.trainer.is_global_zero:
-            ag = ", FP8 all-gather" if self.all_gather else ""
+            ag = ((", FP8 all-gather" if self.all_gather else "")
+                  + (", FP8 TP all-gather" if self.tp_gathered else ""))
             print(f"float8: {len(self.converted)} Linear layers in FP8 ({self.recipe}{ag}"
                   f"{', emulated' if self.emulate else ''}), {len(self.kept)} kept in high "
                   f"precision ({', '.join(self.kept[:4])}{' ...' if len(self.kept) > 4 else ''})",

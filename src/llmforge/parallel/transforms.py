@@ -21,6 +21,7 @@ from llmforge.parallel.context_parallel import check_context_parallel
 from llmforge.parallel.expert import apply_expert_parallel, check_expert_parallel, shard_experts
 from llmforge.parallel.pipeline import PipelineLayout, apply_pipeline_split, resolve_layout
 from llmforge.plugin import ModelContext, Stage, Transform, meta_model
+from llmforge.registry import accepted
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -128,12 +129,17 @@ def apply_tp(model: nn.Module, ctx: ModelContext) -> nn.Module:
     """Tensor parallelism on the ``tp`` mesh with the family's plan (``ModelSpec.tp_plan``;
     Llama 3's and Qwen3's are Megatron-style with sequence parallelism, logits replicated).
 
+    A plan that takes ``styles`` gets ``ctx.tp_styles`` when a transform set them
+    (:mod:`llmforge.models.tp_styles`).
+
     Raises:
         ConfigError: the family has no TP plan, or its check refuses the degree (e.g. head
             counts not divisible by ``tp``).
     """
     _check_tp(model, ctx)
-    return _spec(ctx.cfg).get("tp_plan")(model, ctx.mesh["tp"])
+    plan = _spec(ctx.cfg).get("tp_plan")
+    styles = accepted(plan, {"styles": ctx.tp_styles}) if ctx.tp_styles is not None else {}
+    return plan(model, ctx.mesh["tp"], **styles)
 
 
 def apply_ep(model: nn.Module, ctx: ModelContext) -> nn.Module:

@@ -14,33 +14,43 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 from llmforge.errors import ConfigError
+from llmforge.models.tp_styles import TPStyles
+from llmforge.registry import accepted
 
 __all__ = ["apply_decoder_tp", "apply_tp", "check_decoder_tp", "check_tp", "swiglu_plan"]
 
 
-def swiglu_plan(block: nn.Module) -> dict:
+def swiglu_plan(block: nn.Module, styles: Optional[TPStyles] = None) -> dict:
     """The feed-forward entries of a block's plan: SwiGLU ``w1``/``w3`` column-wise, ``w2``
-    row-wise to the sequence-sharded residual."""
+    row-wise to the sequence-sharded residual (``styles``: :class:`TPStyles`, torch's by
+    default)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
-    return {"feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel()}
+    st, ff = styles or TPStyles(), block.feed_forward
+    return {"feed_forward": st.prepare_input([ff.w1, ff.w3], input_layouts=(Shard(1),),
+                                             desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": st.colwise(ff.w1),
+            "feed_forward.w2": st.rowwise(ff.w2, output_layouts=Shard(1)),
+            "feed_forward.w3": st.colwise(ff.w3)}
 
 
 def apply_decoder_tp(model: nn.Module, mesh: Any, extra_block_plan: Optional[dict] = None,
-                     ffn_plan: Callable[[nn.Module], dict] = swiglu_plan) -> nn.Module:
+                     ffn_plan: Callable[..., dict] = swiglu_plan,
+                     styles: Optional[TPStyles] = None) -> nn.Module:
     """The plan above on ``mesh`` (1-D tp mesh); ``extra_block_plan`` adds module styles per
     block (e.g. Qwen3's per-head QK-norms); ``ffn_plan(block)`` gives the feed-forward entries
-    (default :func:`swiglu_plan`; a mixture of experts has its own). A tied output projection is
+    (default :func:`swiglu_plan`, which also takes ``styles``; a mixture of experts has its
+    own). ``styles``: the linear layers' styles (:class:`~llmforge.models.tp_styles.TPStyles`,
+    torch's by default; a transform may set others, :attr:`llmforge.plugin.ModelContext.tp_styles`).
+    The embedding and the output projection keep torch's. A tied output projection is
     re-tied afterwards: the embedding (row-wise) and the output (column-wise) both shard the
     ``[V, D]`` weight on dim 0, so one DTensor serves both."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                    PrepareModuleOutput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
+
+    st = styles or TPStyles()
 
     ends = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -63,24 +73,27 @@ def apply_decoder_tp(model: nn.Module, mesh: Any, extra_block_plan: Optional[dic
     if getattr(getattr(model, "args", None), "tie_embeddings", False):
         model.output.weight = model.tok_embeddings.weight
     for block in blocks:
+        at = block.attention
+        ffn = ffn_plan(block, **accepted(ffn_plan, {"styles": st}))  # a family's own may not take styles
         parallelize_module(block, mesh, {
             "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                            desired_input_layouts=(Replicate(), None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "attention": st.prepare_input([at.wq, at.wk, at.wv], input_layouts=(Shard(1), None),
+                                          desired_input_layouts=(Replicate(), None)),
+            "attention.wq": st.colwise(at.wq),
+            "attention.wk": st.colwise(at.wk),
+            "attention.wv": st.colwise(at.wv),
+            "attention.wo": st.rowwise(at.wo, output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
-            **ffn_plan(block),
+            **ffn,
             **(extra_block_plan or {}),
         })
     return model
 
 
-def apply_tp(model: nn.Module, mesh: Any) -> nn.Module:
-    """Llama 3's plan on the tp mesh (see the module docstring)."""
-    return apply_decoder_tp(model, mesh)
+def apply_tp(model: nn.Module, mesh: Any, styles: Optional[TPStyles] = None) -> nn.Module:
+    """Llama 3's plan on the tp mesh (see the module docstring), with ``styles`` for the
+    linear layers (torch's by default)."""
+    return apply_decoder_tp(model, mesh, styles=styles)
 
 
 def check_decoder_tp(model: nn.Module, tp: int) -> None:

@@ -11,11 +11,12 @@ is reduced over the tp mesh (torchtitan's qwen3 plan uses the same style).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from torch import nn
 
 from llmforge.models.llama3.parallelize import apply_decoder_tp, check_decoder_tp
+from llmforge.models.tp_styles import TPStyles
 
 __all__ = ["apply_tp", "check_tp", "qk_norm_plan"]
 
@@ -28,9 +29,10 @@ def qk_norm_plan() -> dict:
             "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
 
 
-def apply_tp(model: nn.Module, mesh: Any) -> nn.Module:
-    """Apply the plan on the tp mesh; a tied output stays tied (see ``apply_decoder_tp``)."""
-    return apply_decoder_tp(model, mesh, extra_block_plan=qk_norm_plan())
+def apply_tp(model: nn.Module, mesh: Any, styles: Optional[TPStyles] = None) -> nn.Module:
+    """Apply the plan on the tp mesh with ``styles`` for the linear layers (torch's by default);
+    a tied output stays tied (see ``apply_decoder_tp``)."""
+    return apply_decoder_tp(model, mesh, extra_block_plan=qk_norm_plan(), styles=styles)
 
 
 check_tp = check_decoder_tp  # Qwen3 keeps tied embeddings tied under TP: only the head counts

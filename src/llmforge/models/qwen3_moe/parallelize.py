@@ -13,22 +13,23 @@ experts over ``dp_shard`` ranks instead. Dense layers (``mlp_only_layers``) take
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from torch import nn
 
 from llmforge.models.llama3.parallelize import apply_decoder_tp, check_decoder_tp, swiglu_plan
 from llmforge.models.qwen3.parallelize import qk_norm_plan
 from llmforge.models.qwen3_moe.moe import MoE
+from llmforge.models.tp_styles import TPStyles
 
 __all__ = ["apply_tp", "check_tp"]
 
 
-def moe_plan(block: nn.Module) -> dict:
+def moe_plan(block: nn.Module, styles: Optional[TPStyles] = None) -> dict:
     """The feed-forward entries of a block: the MoE whole on every tp rank (module docstring),
-    or the SwiGLU plan of a dense layer."""
+    or the SwiGLU plan of a dense layer (with ``styles``)."""
     if not isinstance(block.feed_forward, MoE):
-        return swiglu_plan(block)
+        return swiglu_plan(block, styles)
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
@@ -37,9 +38,10 @@ def moe_plan(block: nn.Module) -> dict:
         output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)}
 
 
-def apply_tp(model: nn.Module, mesh: Any) -> nn.Module:
-    """Apply the plan on the tp mesh; a tied output stays tied (see ``apply_decoder_tp``)."""
-    return apply_decoder_tp(model, mesh, extra_block_plan=qk_norm_plan(), ffn_plan=moe_plan)
+def apply_tp(model: nn.Module, mesh: Any, styles: Optional[TPStyles] = None) -> nn.Module:
+    """Apply the plan on the tp mesh with ``styles`` for the attention's and dense layers' linear
+    layers (torch's by default); a tied output stays tied (see ``apply_decoder_tp``)."""
+    return apply_decoder_tp(model, mesh, extra_block_plan=qk_norm_plan(), ffn_plan=moe_plan, styles=styles)
 
 
 check_tp = check_decoder_tp  # tied embeddings stay tied under TP (as Qwen3): only the head counts

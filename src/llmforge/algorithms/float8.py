@@ -208,6 +208,9 @@ class Float8(Algorithm):
                 f"algorithms: float8.enable_fsdp_float8_all_gather=true needs float8.recipe="
                 f"tensorwise (one scale per weight tensor); float8.recipe={recipe} scales per row. "
                 "Use recipe: tensorwise or set enable_fsdp_float8_all_gather: false")
+        if enable_tp_float8_all_gather is not None and not isinstance(enable_tp_float8_all_gather, bool):
+            raise ConfigError(f"algorithms: float8.enable_tp_float8_all_gather must be true, false or null "
+                              f"(null: on with the tensorwise recipe), got {enable_tp_float8_all_gather!r}")
         if enable_tp_float8_all_gather and recipe != "tensorwise":
             raise ConfigError(
                 f"algorithms: float8.enable_tp_float8_all_gather=true needs float8.recipe=tensorwise "

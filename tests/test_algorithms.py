@@ -255,8 +255,10 @@ def test_float8_sets_float8_tp_styles_for_its_layers_only():
         assert convert(dims, **kw)[1].tp_styles is None, (dims, kw)
     with pytest.raises(ConfigError, match="enable_tp_float8_all_gather=true needs float8.recipe=tensorwise"):
         Float8(recipe="rowwise", enable_tp_float8_all_gather=True)
-    with pytest.raises(ConfigError, match="must be true, false or null .* got 'false'"):
-        Float8(enable_tp_float8_all_gather="false")  # a quoted YAML value would read as true
+    # a quoted YAML value would read as true
+    for key in ("enable_tp_float8_all_gather", "enable_fsdp_float8_all_gather", "emulate"):
+        with pytest.raises(ConfigError, match=f"float8.{key} must be true or false.*got 'false'"):
+            Float8(**{key: "false"})
 
 
 def test_third_party_algorithm_by_import_path_joins_the_pipeline():

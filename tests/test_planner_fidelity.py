@@ -2,6 +2,7 @@
 (planning/fitted.py, written by ``benchmarks/planner_fidelity.py --refit``) must reproduce the
 held-out error the benchmark printed, so a change to the cost model that breaks the fit fails."""
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -141,6 +142,8 @@ def test_plan_layout_predicts_one_layout_and_names_bad_keys():
             (DEMO, ["--gpus", "2", "pipeline.schedule=bogus"], "pipeline.schedule: expected one of"),
             (DEMO, ["--gpus", "2", "--layout", "dp_shard=2", "algorithms=[{name: bogus}]"],
              "algorithms[0].name: unknown algorithm 'bogus'"),
+            (DEMO, ["--gpus", "2", "--layout", "dp_shard=2", "algorithms=[{recipe: tensorwise}]"],
+             "algorithms[0]: needs a string 'name'"),  # was a KeyError
             # an entry's own keys, as the run builds it (a mistyped mode was predicted as selective)
             (DEMO, ["--gpus", "2", "--layout", "dp_shard=2",
                     "algorithms=[{name: activation_checkpointing, mode: fulll}]"],
@@ -156,10 +159,28 @@ def test_plan_layout_predicts_one_layout_and_names_bad_keys():
         assert bad.returncode == 2 and bad.stderr.startswith(words) and bad.stderr.count("\n") == 1, bad.stderr
     # without cp an odd sequence is fine (was refused as 2 x cp chunks); 12 GPUs, where tp 8
     # does not divide them (the search's tp=8 had crashed with a ValueError)
-    for config, args in ((DEMO, ["--gpus", "2", "--layout", "dp_shard=2", "variables.seq_len=255"]),
+    # GPipe runs fewer micro-batches than stages (a ValueError of the step model had crashed both)
+    for config, args in ((DEMO, ["--gpus", "2", "--layout", "pp=2,mbs=16", "pipeline.schedule=gpipe"]),
+                         (DEMO, ["--gpus", "2", "--layout", "dp_shard=2", "variables.seq_len=255"]),
                          (eight_b, ["--gpus", "12", "--layout", "dp_shard=12", "trainer.global_batch_size=48"])):
         good = run_main("plan", config, *args)
         assert good.returncode == 0 and "best layout found" in good.stdout, (args, good.stderr)
+    tiny = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.multiple_of=32",
+            "trainer.global_batch_size=2", "trainer.micro_batch_size=2", "variables.seq_len=32"]
+    gpipe = run_main("plan", DEMO, *tiny, "--gpus", "2", "pipeline.schedule=gpipe")  # 1 micro-batch on 2 stages
+    assert gpipe.returncode == 0 and "1   2   1   1      none    2" in gpipe.stdout, gpipe.stderr
+    # float8 as the run builds it: by import path, converting only the output layer (no block: no
+    # speed-up), keeping a block layer in bf16 (its input's TP all-gather stays bf16)
+    def predicted(entry: str) -> tuple[float, float]:
+        out = run_main("plan", DEMO, "--gpus", "2", "--layout", "tp=2,dp_shard=1", f"algorithms=[{entry}]", "--json")
+        r = json.loads(out.stdout)
+        return r["tokens_per_second_per_gpu"], r["terms_seconds"]["tp"]
+
+    fp8, plain = predicted("{name: float8}"), predicted("")
+    bf16_gathers = predicted("{name: float8, enable_tp_float8_all_gather: false}")
+    assert predicted("{name: llmforge.algorithms.float8.Float8}") == fp8 and bf16_gathers[1] > fp8[1]
+    assert predicted("{name: float8, modules: [output], filter_fqns: []}") == plain
+    assert predicted("{name: float8, filter_fqns: [output, wq]}") == bf16_gathers
     # the best layout printed is one --layout (and training) accepts: 80 blocks on 120 GPUs had
     # named pp=3 (uneven stages the config's balanced split refuses)
     seventy = [str(REPO / "yamls" / "llama3_70b.yaml"), "--gpus", "120", "trainer.global_batch_size=15"]
@@ -244,9 +265,11 @@ def test_matmul_shapes_and_pipeline_gradients():
                         "global_batch_size 8 does not split into micro-batches of 1 sequences on each of 32"),
                        # 36 sequences over 8 ranks: was floored to 4 per rank and its tokens counted whole
                        ({"global_batch_size": 36}, "global_batch_size 36 does not split"),
-                       ({"micro_batch_size": 8}, "4 micro-batches for 8 pipeline stages")):
+                       ({"micro_batch_size": 8}, "4 micro-batches for 1f1b on 8 pipeline stages, which runs 8")):
         with pytest.raises(ValueError, match=words):
             predict(replace(run, **bad), FITTED)
+    with pytest.raises(ValueError, match="Setting.compile must be a bool, got 'no'"):
+        replace(run, compile="no")  # a string read as true
     for bad, words in (({"n_layers": 0}, "Shape.n_layers must be an integer >= 1, got 0"),
                        ({"n_kv_heads": 3}, "Shape.n_heads 128 is not a multiple of n_kv_heads 3"),
                        ({"head_size": -1}, "Shape.head_size must be an integer >= 0")):

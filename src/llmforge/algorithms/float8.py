@@ -177,7 +177,8 @@ class Float8(Algorithm):
             and each must have in/out features divisible by 16.
 
     Raises:
-        ConfigError: unknown ``recipe``; FP8 all-gather (FSDP2's or TP's) with a rowwise recipe; precompute
+        ConfigError: unknown ``recipe``; a flag that is not true or false (or null where
+            it has a default of its own); FP8 all-gather (FSDP2's or TP's) with a rowwise recipe; precompute
             without FP8 all-gather; (``check``) a ``filter_fqns`` or ``modules`` entry that
             matches no module, naming the closest module names.
     """
@@ -194,7 +195,20 @@ class Float8(Algorithm):
                  enable_tp_float8_all_gather: Optional[bool] = None) -> None:
         if recipe not in RECIPES:
             raise ConfigError(f"algorithms: float8.recipe '{recipe}' is not one of {', '.join(RECIPES)}")
+        # a quoted 'false' would read as true
+        for key, value, null in (("enable_fsdp_float8_all_gather", enable_fsdp_float8_all_gather, False),
+                                 ("emulate", emulate, False),
+                                 ("fsdp_float8_all_gather", fsdp_float8_all_gather, True),
+                                 ("precompute_float8_dynamic_scale_for_fsdp",
+                                  precompute_float8_dynamic_scale_for_fsdp, True),
+                                 ("enable_tp_float8_all_gather", enable_tp_float8_all_gather, True)):
+            if not isinstance(value, bool) and not (null and value is None):
+                raise ConfigError(f"algorithms: float8.{key} must be true or false{' (or null)' * null}, "
+                                  f"got {value!r}")
         if fsdp_float8_all_gather is not None:
+            if fsdp_float8_all_gather != enable_fsdp_float8_all_gather and enable_fsdp_float8_all_gather:
+                raise ConfigError("algorithms: float8.fsdp_float8_all_gather and enable_fsdp_float8_all_gather "
+                                  "(its long name) disagree; give one")
             enable_fsdp_float8_all_gather = fsdp_float8_all_gather
         self.recipe, self.all_gather = recipe, bool(enable_fsdp_float8_all_gather)
         self.precompute = (self.all_gather if precompute_float8_dynamic_scale_for_fsdp is None
@@ -208,9 +222,6 @@ class Float8(Algorithm):
                 f"algorithms: float8.enable_fsdp_float8_all_gather=true needs float8.recipe="
                 f"tensorwise (one scale per weight tensor); float8.recipe={recipe} scales per row. "
                 "Use recipe: tensorwise or set enable_fsdp_float8_all_gather: false")
-        if enable_tp_float8_all_gather is not None and not isinstance(enable_tp_float8_all_gather, bool):
-            raise ConfigError(f"algorithms: float8.enable_tp_float8_all_gather must be true, false or null "
-                              f"(null: on with the tensorwise recipe), got {enable_tp_float8_all_gather!r}")
         if enable_tp_float8_all_gather and recipe != "tensorwise":
             raise ConfigError(
                 f"algorithms: float8.enable_tp_float8_all_gather=true needs float8.recipe=tensorwise "

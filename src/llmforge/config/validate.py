@@ -33,7 +33,13 @@ def _require(ok: bool, key: str, rule: str, value: Any) -> None:
         raise ConfigError(f"{key} must be {rule}, got {value!r}")
 
 
-def _check_entries(section: str, entries: Any) -> None:
+def check_entries(section: str, entries: Any) -> None:
+    """Each entry of an ``algorithms`` / ``callbacks`` / ``loggers`` list is a mapping with a
+    string ``name``.
+
+    Raises:
+        ConfigError: names ``section[i]`` and what is wrong (a glued ``key:value`` too).
+    """
     for i, entry in enumerate(entries or []):
         if not isinstance(entry, Mapping):
             raise ConfigError(
@@ -255,7 +261,7 @@ def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
         _require(t.num_threads >= 1, "trainer.num_threads", ">= 1 or null (auto)", t.num_threads)
 
     for section in ("algorithms", "callbacks", "loggers"):
-        _check_entries(section, getattr(cfg, section))
+        check_entries(section, getattr(cfg, section))
     if cfg.get("fault_tolerance") is not None and cfg.fault_tolerance.enabled:
         _check_fault_tolerance(cfg, resolve_world(cfg, world_size))
     return plan_batch(cfg, world_size)

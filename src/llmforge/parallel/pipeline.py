@@ -30,8 +30,8 @@ from torch import nn
 
 from llmforge.errors import ConfigError
 
-__all__ = ["SCHEDULE_CLASSES", "PipelineLayout", "bubble_fraction", "last_stage_pp_rank", "rank_stages",
-           "split_blocks", "resolve_layout",
+__all__ = ["SCHEDULE_CLASSES", "PipelineLayout", "bubble_fraction", "last_stage_pp_rank", "min_microbatches",
+           "rank_stages", "split_blocks", "resolve_layout",
            "prune_model", "stage_view", "stage_params", "apply_pipeline_split", "MULTI_STAGE"]
 
 SCHEDULE_CLASSES = {"1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
@@ -57,6 +57,13 @@ def rank_stages(schedule: str, stages_per_rank: Optional[int]) -> int:
     """Stages one rank holds: ``pipeline.stages_per_rank``, or when ``None`` the schedule's
     default (2 for ``interleaved_1f1b``, ``zbv`` and ``dualpipev``, else 1)."""
     return (2 if schedule in MULTI_STAGE else 1) if stages_per_rank is None else int(stages_per_rank)
+
+
+def min_microbatches(schedule: str, pp: int) -> int:
+    """The fewest micro-batches per step ``schedule`` runs on ``pp`` ranks: one for GPipe, two
+    per rank for the V schedules (ZBV, DualPipeV), one per rank otherwise (else stages idle or
+    the schedule cannot fill)."""
+    return {"gpipe": 1, "zbv": 2 * pp, "dualpipev": 2 * pp}.get(schedule, pp)
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
@@ -242,7 +249,7 @@ def resolve_layout(schedule: str, pp: int, n_blocks: int, local_batch_size: int,
         raise ConfigError(f"pipeline.microbatches={m} must divide the {local_batch_size} sequences "
                           f"each rank takes per step (micro_batch_size x gradient_accumulation_steps); "
                           f"use one of {ok}")
-    need = {"gpipe": 1, "zbv": 2 * pp, "dualpipev": 2 * pp}.get(schedule, pp)
+    need = min_microbatches(schedule, pp)
     if m < need:
         ok = [d for d in _divisors(local_batch_size) if d >= need]
         hint = (f"use pipeline.microbatches in {ok}" if ok else

@@ -11,6 +11,7 @@ import sys
 import time
 from typing import Any, Optional, TextIO
 
+from llmforge.parallel.pipeline import min_microbatches
 from llmforge.planning.calibration import model_error
 from llmforge.planning.layout_arg import at_layout, calibrated_setting
 from llmforge.planning.published import published_layout
@@ -72,14 +73,16 @@ def explain(p: Any, cfg: Any) -> list[str]:
         local = base.global_batch_size // dp
         # the published micro-batch, or the largest below it that splits this batch evenly and
         # gives each pipeline stage one at least
+        need = min_microbatches(s.schedule, s.pp) if s.pp > 1 else 1
         mbs = max((m for m in range(1, min(s.micro_batch_size, local) + 1)
-                   if local % m == 0 and local // m >= s.pp), default=None)
+                   if local % m == 0 and local // m >= need), default=None)
         if base.global_batch_size % dp:
             lines.append(f"{where}: dp_shard {s.dp_shard} x tp {s.tp} x pp {s.pp} does not divide this "
                          f"config's trainer.global_batch_size={base.global_batch_size}")
         elif mbs is None:
             lines.append(f"{where}: this config's trainer.global_batch_size={base.global_batch_size} leaves "
-                         f"{local} sequences per data-parallel rank, fewer than its {s.pp} pipeline stages")
+                         f"{local} sequences per data-parallel rank, fewer than the {need} micro-batches "
+                         f"its {s.schedule} on {s.pp} stages runs")
         else:
             v = assess(at_layout(base, s.dp_replicate, s.dp_shard, s.tp, s.pp, s.cp, s.ac, mbs))
             same = (win.layout.dp_replicate, win.layout.dp_shard, win.layout.tp, win.layout.pp, win.layout.cp) == \

@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any, Callable, Optional
 
 from llmforge import registry
-from llmforge.config.validate import check_parallel_keys, packed_sft
+from llmforge.config.validate import check_entries, check_parallel_keys, packed_sft
 from llmforge.errors import ConfigError
 from llmforge.models.memory_estimate import ac_mode
 from llmforge.models.spec import get_spec
@@ -63,17 +63,32 @@ def parse_layout(text: str) -> dict[str, Any]:
     return out
 
 
-def _precision(cfg: Any) -> tuple[str, bool, bool, bool]:
-    """``(precision, FSDP's fp8 all-gather, TP's fp8 all-gather, compiled)`` from the config's
-    algorithms (``float8``'s defaults: TP gathers in FP8 with the tensorwise recipe)."""
+def _precision(cfg: Any, model: Optional[Any] = None) -> tuple[str, bool, bool, bool]:
+    """``(precision, FSDP's fp8 all-gather, TP's fp8 all-gather, compiled)`` of the config's
+    algorithms as the run builds them (:func:`built_algorithms`: aliases resolved, an import
+    path included). With ``model`` (on meta) float8 counts only if it converts a layer of its
+    blocks, and its TP all-gathers are float8 only if it keeps no block layer in high precision (an
+    input a kept layer reads is gathered in bf16; the output layer is no block's).
+
+    Raises:
+        ConfigError: see :func:`built_algorithms`.
+    """
     prec, gather, tp_gather, compiled = "bf16", False, False, False
-    for a in cfg.algorithms or []:
-        if a.get("name") == "float8":
-            tensorwise = a.get("recipe", "tensorwise") == "tensorwise"  # rowwise, rowwise_with_gw_hp
-            prec = "fp8_tensorwise" if tensorwise else "fp8_rowwise"
-            gather = bool(a.get("enable_fsdp_float8_all_gather", a.get("fsdp_float8_all_gather", False)))
-            tp_gather = tensorwise and a.get("enable_tp_float8_all_gather", None) is not False
-        compiled = compiled or a.get("name") == "compile"
+    blocks = set()
+    if model is not None:
+        ids = {id(b) for b in get_spec(cfg.model.name).model_blocks(model)}
+        blocks = {name for name, m in model.named_modules() if id(m) in ids}
+    for a in built_algorithms(cfg):
+        name = getattr(a, "name", None)
+        compiled = compiled or name == "compile"
+        if name != "float8":
+            continue
+        converted, kept = a.plan(model) if model is not None else (["?"], [])
+        in_blocks = [c for c in converted if any(c.startswith(b + ".") for b in blocks)] if blocks else converted
+        if in_blocks:  # the output layer alone is no float8 run's speed-up
+            prec = "fp8_tensorwise" if a.recipe == "tensorwise" else "fp8_rowwise"
+            gather = a.all_gather
+            tp_gather = a.tp_gather and not any(k.startswith(b + ".") for k in kept for b in blocks)
     return prec, gather, tp_gather, compiled
 
 
@@ -105,7 +120,7 @@ def base_setting(cfg: Any, world: int, gpu: GPUKind) -> Setting:
     m = spec.get("memory_shape")(model)
     a = model.args
     mode, _ = ac_mode(cfg.algorithms)
-    prec, gather, tp_gather, compiled = _precision(cfg)
+    prec, gather, tp_gather, compiled = _precision(cfg, model)
     p = cfg.pipeline
     try:
         shape = Shape(cfg.model.get("preset") or cfg.model.name, m.n_layers, m.dim, m.ffn_dim, a.n_heads,
@@ -137,8 +152,11 @@ def built_algorithms(cfg: Any) -> list[Algorithm]:
     another one.
 
     Raises:
-        ConfigError: what the entries' classes refuse, naming the entry and the key.
+        ConfigError: an entry that is no mapping with a string ``name``
+            (:func:`~llmforge.config.validate.check_entries`), what the entries' classes refuse;
+            each names the entry and the key.
     """
+    check_entries("algorithms", cfg.algorithms)
     return build_entries(registry.algorithms, "algorithms", cfg.algorithms or [], base=Algorithm)
 
 

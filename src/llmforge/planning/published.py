@@ -36,12 +36,16 @@ class Shape:
 
     def __post_init__(self) -> None:
         """Raises ValueError naming the field: a width or count that is not an integer >= 1
-        (``head_size`` >= 0), ``n_heads`` not a multiple of ``n_kv_heads`` (grouped-query
+        (``head_size`` >= 0), a ``name`` that is no string or a ``tie_embeddings`` no bool,
+        ``n_heads`` not a multiple of ``n_kv_heads`` (grouped-query
         attention shares each key/value head among whole query heads)."""
         for name in ("n_layers", "dim", "ffn_dim", "n_heads", "n_kv_heads", "vocab_size", "head_size"):
             value, low = getattr(self, name), 0 if name == "head_size" else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"Shape.{name} must be an integer >= {low}, got {value!r}")
+        if not isinstance(self.name, str) or not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"Shape.name must be a string and tie_embeddings a bool, got {self.name!r}, "
+                             f"{self.tie_embeddings!r}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"Shape.n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if not self.head_dim:
@@ -115,7 +119,7 @@ class Setting:
     gpus_per_node: int = 0
 
     def __post_init__(self) -> None:
-        """Raises ValueError naming the field: a count below 1, an unknown ``ac``,
+        """Raises ValueError naming the field: a count below 1, a flag that is no bool, an unknown ``ac``,
         ``precision``, ``schedule`` or ``cp_mode``, degrees whose product is not ``world``, more
         pipeline stages than blocks (with ``pp > 1``; without stages ``stages_per_rank`` is
         unused). Whether the batch divides is the callers' check (the planner's base setting
@@ -126,6 +130,9 @@ class Setting:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Setting.{name} must be an integer >= 1, got {value!r}")
+        for name in ("fp8_all_gather", "fp8_tp_all_gather", "fp8_recompute_weight", "compile", "async_tp"):
+            if not isinstance(getattr(self, name), bool):  # a string 'no' would read as true
+                raise ValueError(f"Setting.{name} must be a bool, got {getattr(self, name)!r}")
         if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 0:
             raise ValueError(f"Setting.gpus_per_node must be an integer >= 0 (0: the GPU kind's), "
                              f"got {self.gpus_per_node!r}")

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from llmforge.parallel.pipeline import bubble_fraction
+from llmforge.parallel.pipeline import bubble_fraction, min_microbatches
 from llmforge.planning.gpus import GPUKind, gpu_kind
 from llmforge.planning.published import Setting, Shape
 
@@ -283,7 +283,8 @@ def predict(s: Setting, p: CostParams) -> Prediction:
     Raises:
         ConfigError: unknown GPU kind in ``s.gpu``.
         ValueError: a global batch that does not split into whole micro-batches on every
-            data-parallel rank; fewer micro-batches than pipeline stages.
+            data-parallel rank; fewer micro-batches than the pipeline schedule runs
+            (:func:`~llmforge.parallel.pipeline.min_microbatches`).
     """
     gpu = gpu_kind(s.gpu, "gpu")
     sh = s.shape
@@ -293,9 +294,10 @@ def predict(s: Setting, p: CostParams) -> Prediction:
     if n_micro < 1 or s.global_batch_size % (dp * s.micro_batch_size):
         raise ValueError(f"global_batch_size {s.global_batch_size} does not split into micro-batches of "
                          f"{s.micro_batch_size} sequences on each of {dp} data-parallel ranks")
-    if s.pp > 1 and n_micro < s.pp:
-        raise ValueError(f"{n_micro} micro-batches for {s.pp} pipeline stages: a schedule needs one per stage "
-                         "at least (a smaller micro_batch_size gives more)")
+    need = min_microbatches(s.schedule, s.pp) if s.pp > 1 else 1
+    if n_micro < need:
+        raise ValueError(f"{n_micro} micro-batches for {s.schedule} on {s.pp} pipeline stages, which runs "
+                         f"{need} at least (a smaller micro_batch_size gives more)")
     tokens = s.global_batch_size * s.seq_len
     linear, attention = flops_per_token(sh, s.seq_len)
     # full AC recomputes the whole forward, selective every second matmul (not the attention)

@@ -142,6 +142,12 @@ def test_plan_layout_predicts_one_layout_and_names_bad_keys():
             (DEMO, ["--gpus", "2", "pipeline.schedule=bogus"], "pipeline.schedule: expected one of"),
             (DEMO, ["--gpus", "2", "--layout", "dp_shard=2", "algorithms=[{name: bogus}]"],
              "algorithms[0].name: unknown algorithm 'bogus'"),
+            # the recipe's pipeline.microbatches applies to --layout's stages (was ignored)
+            (eight_b, ["--gpus", "8", "--layout", "pp=2,dp_shard=4", "pipeline.microbatches=1"],
+             "pipeline.microbatches=1: pipeline.schedule=1f1b on strategy.pp=2 needs 2 or more"),
+            (eight_b, ["--gpus", "8", "--layout", "pp=2,dp_shard=4,mbs=1", "trainer.global_batch_size=16",
+                       "pipeline.microbatches=2"],
+             "--layout mbs=1: pipeline.microbatches=2 splits the per-rank batch 4"),
             (DEMO, ["--gpus", "2", "--layout", "dp_shard=2", "algorithms=[{recipe: tensorwise}]"],
              "algorithms[0]: needs a string 'name'"),  # was a KeyError
             # an entry's own keys, as the run builds it (a mistyped mode was predicted as selective)
@@ -167,6 +173,9 @@ def test_plan_layout_predicts_one_layout_and_names_bad_keys():
         assert good.returncode == 0 and "best layout found" in good.stdout, (args, good.stderr)
     tiny = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.multiple_of=32",
             "trainer.global_batch_size=2", "trainer.micro_batch_size=2", "variables.seq_len=32"]
+    split = run_main("plan", eight_b, "--gpus", "8", "--layout", "pp=2,dp_shard=4", "trainer.global_batch_size=16",
+                     "pipeline.microbatches=2")
+    assert split.returncode == 0 and "layout dp_shard=4,pp=2,ac=selective,mbs=2 " in split.stdout, split.stderr
     gpipe = run_main("plan", DEMO, *tiny, "--gpus", "2", "pipeline.schedule=gpipe")  # 1 micro-batch on 2 stages
     assert gpipe.returncode == 0 and "1   2   1   1      none    2" in gpipe.stdout, gpipe.stderr
     # float8 as the run builds it: by import path, converting only the output layer (no block: no

@@ -10,6 +10,8 @@ import json
 from dataclasses import replace
 from typing import Any, Callable, Optional
 
+from omegaconf import OmegaConf
+
 from llmforge import registry
 from llmforge.config.validate import check_entries, check_parallel_keys, packed_sft
 from llmforge.errors import ConfigError
@@ -249,13 +251,22 @@ def config_setting(cfg: Any, world: int, gpu: GPUKind, layout: dict[str, Any]) -
         raise ConfigError(f"--layout {named}: data-parallel size {dp} does not divide "
                           f"trainer.global_batch_size={gbs}")
     mbs = layout.get("mbs", base.micro_batch_size)
+    # the recipe's pipeline keys apply to the layout's stages, as training with strategy.pp set runs
+    as_run = OmegaConf.merge(cfg, {"strategy": {"pp": d["pp"]}}) if d["pp"] > 1 else cfg
+    m = as_run.pipeline.microbatches if d["pp"] > 1 else None
+    if m is not None and isinstance(m, int) and m >= 1 and (gbs // dp) % m == 0:
+        if "mbs" in layout and mbs * m != gbs // dp:
+            raise ConfigError(f"--layout mbs={mbs}: pipeline.microbatches={m} splits the per-rank batch "
+                              f"{gbs // dp} into micro-batches of {gbs // dp // m}; drop mbs= or "
+                              "pipeline.microbatches")
+        mbs = gbs // dp // m
     if (gbs // dp) % mbs:
         named = f"--layout mbs={mbs}" if "mbs" in layout else (
             f"--layout {given}: mbs={mbs} (the config's trainer.micro_batch_size)")
         raise ConfigError(f"{named}: does not divide the per-rank batch {gbs // dp}; give a "
                           "divisor of it as mbs= in --layout")
     if d["pp"] > 1:  # the pipeline's own checks: the split, the micro-batches the schedule needs
-        why = pp_allowed(cfg, d["pp"], sh.n_layers, gbs // dp, mbs, world)
+        why = pp_allowed(as_run, d["pp"], sh.n_layers, gbs // dp, mbs, world)
         if why:
             raise ConfigError(f"--layout pp={d['pp']}: {why}")
     return at_layout(base, d["dp_replicate"], dp_shard, tp, d["pp"], d["cp"], layout.get("ac", base.ac), mbs)

@@ -90,6 +90,10 @@ def test_step_terms_follow_the_layout():
     tp8 = replace(base, dp_shard=1, tp=8, global_batch_size=2, precision="fp8_tensorwise")
     plain, gathered = (predict(replace(tp8, fp8_tp_all_gather=g), no_latency).terms["tp"] for g in (False, True))
     assert gathered == pytest.approx(plain * 7 / 10)
+    # a node of 3 GPUs splits TP 2 pairs across nodes: the network's time (4 holds them whole)
+    pairs = replace(base, dp_shard=4, tp=2)
+    assert (predict(replace(pairs, gpus_per_node=3), FITTED).terms["tp"]
+            > 5 * predict(replace(pairs, gpus_per_node=4), FITTED).terms["tp"])
     rowwise = replace(tp8, precision="fp8_rowwise")
     assert predict(replace(rowwise, fp8_tp_all_gather=True), no_latency).terms["tp"] == pytest.approx(
         predict(rowwise, no_latency).terms["tp"])

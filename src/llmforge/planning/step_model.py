@@ -52,8 +52,8 @@ Terms (seconds per step, one rank):
   exposed.
 
 Every collective costs ``latency + bytes_per_rank / (bandwidth x efficiency)`` by link (alpha-beta,
-Hockney 1994): NVLink when its group's ranks fit in a node (``tp`` innermost, then ``cp``, then
-``dp_shard``), the network otherwise; a ring over ``n`` ranks moves ``(n - 1) / n`` of the
+Hockney 1994): NVLink when a node holds its groups whole (:func:`in_node`; ``tp`` innermost,
+then ``cp``, then ``dp_shard``), the network otherwise; a ring over ``n`` ranks moves ``(n - 1) / n`` of the
 payload per rank (twice for an all-reduce).
 """
 
@@ -172,6 +172,12 @@ TP_GATHERS_PER_BLOCK = {"none": 4, "selective": 6, "full": 6}
 gradients' backward (2 + 2), and what selective (+2) and full AC (+2 of their +3) gather again."""
 
 
+def in_node(group: int, node: int) -> bool:
+    """Whether every group of ``group`` consecutive ranks lies inside one node of ``node`` GPUs
+    (a node holds whole groups: ``node`` a multiple of ``group``), so it runs on NVLink."""
+    return group <= node and node % group == 0
+
+
 def _collective(n: int, payload: float, calls: float, intra: bool, gpu: GPUKind, p: CostParams,
                 all_reduce: bool = False) -> float:
     """Seconds of ``calls`` ring collectives over ``n`` ranks moving ``payload`` bytes (summed,
@@ -202,7 +208,7 @@ def context_parallel_seconds(s: Setting, p: CostParams) -> float:
     if s.cp <= 1 or s.cp_mode == "ring":
         return 0.0
     gpu, sh = gpu_kind(s.gpu, "gpu"), s.shape
-    intra = s.cp * s.tp <= (s.gpus_per_node or gpu.gpus_per_node)
+    intra = in_node(s.cp * s.tp, s.gpus_per_node or gpu.gpus_per_node)
     kv = 2 * sh.n_kv_heads * sh.head_dim
     if s.cp_mode == "ulysses":
         widths = 2 * sh.n_heads * sh.head_dim + kv  # q, k, v in, the output (q wide) back
@@ -324,7 +330,7 @@ def predict(s: Setting, p: CostParams) -> Prediction:
     ends = 2 * sh.vocab_size * sh.dim / s.tp / s.pp  # embedding and output, on the end stages
     local = block * layers + ends
     fsdp_n = s.dp_shard * s.cp
-    fsdp_intra = fsdp_n * s.tp <= node
+    fsdp_intra = in_node(fsdp_n * s.tp, node)
     gathers = 1 if s.pp > 1 else 2
     # without stages FSDP2 reshards after each micro-batch's forward and reduce-scatters after
     # each backward (torchtitan, llmforge's MicroBatchStep); the pipeline keeps them for the step
@@ -335,14 +341,14 @@ def predict(s: Setting, p: CostParams) -> Prediction:
     if s.dp_replicate > 1:
         reps = syncs if fsdp_n > 1 else 1  # replicated weights (DDP) all-reduce once per step
         fsdp += _collective(s.dp_replicate, local * 4.0 / fsdp_n * reps, (layers + 1) * reps,
-                            s.world <= node, gpu, p, all_reduce=True)
+                            in_node(s.world, node), gpu, p, all_reduce=True)
     micro_tokens = s.micro_batch_size * s.seq_len / s.cp
     passes = 4 if s.ac == "full" else 3
     if s.cp > 1 and s.cp_mode == "ring":
         kv = micro_tokens * 2 * sh.n_kv_heads * sh.head_dim * 2.0 / s.tp
         # a ring pass sends the rank's K, V shard to the next rank, cp - 1 times per pass
         fsdp += n_micro * layers * passes * (s.cp - 1) * _collective(
-            2, 2 * kv, 1, s.cp * s.tp <= node, gpu, p)
+            2, 2 * kv, 1, in_node(s.cp * s.tp, node), gpu, p)
     exposed_fsdp = max(0.0, fsdp - p.fsdp_overlap * (compute + elementwise))
     if fsdp_intra:
         exposed_fsdp += p.nvlink_contention * min(fsdp, p.fsdp_overlap * (compute + elementwise))
@@ -354,7 +360,7 @@ def predict(s: Setting, p: CostParams) -> Prediction:
         # float8 all-gathers (torchao's Float8 TP styles) move 1 byte an element; the reduce-scatters stay bf16
         fp8_gathers = s.fp8_tp_all_gather and s.precision == "fp8_tensorwise"
         payload = act * (calls - gathers / 2) if fp8_gathers else act * calls
-        tp = _collective(s.tp, payload, calls, s.tp <= node, gpu, p)
+        tp = _collective(s.tp, payload, calls, in_node(s.tp, node), gpu, p)
         tp *= p.async_tp_exposed if s.async_tp else p.tp_exposed
     pp = 0.0
     if s.pp > 1:
@@ -370,5 +376,5 @@ def predict(s: Setting, p: CostParams) -> Prediction:
     return Prediction(step, tps, mfu, terms, fsdp)
 
 
-__all__ = ["CostParams", "Prediction", "context_parallel_seconds", "flops_per_token", "gemm_slowdown",
-           "model_flops_per_token", "predict", "stage_imbalance", "TP_CALLS_PER_BLOCK"]
+__all__ = ["CostParams", "Prediction", "context_parallel_seconds", "flops_per_token", "gemm_slowdown", "in_node",
+           "model_flops_per_token", "predict", "stage_imbalance", "TP_CALLS_PER_BLOCK", "TP_GATHERS_PER_BLOCK"]

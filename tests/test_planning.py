@@ -261,8 +261,9 @@ def test_simulation_runs_z_loss():
 
 def test_simulation_of_float8_under_tp_gathers_bf16():
     """torchao's float8 TP styles gave a simulated peak that varied from process to process (up
-    to 4 GiB on the 8B at TP 2): the simulation gathers bf16 (layout_config), whose saved inputs
-    are the larger; the float8 layers still simulate under TP."""
+    to 4 GiB on the 8B at TP 2; not with ASLR off: the memory tracker's count depends on
+    addresses): the simulation gathers bf16 (layout_config), whose saved inputs are the larger;
+    the float8 layers still simulate under TP."""
     from llmforge.planning.layout import layout_config
 
     cfg = load_config(DEMO, [*TINY, "algorithms=[{name: float8}]"])

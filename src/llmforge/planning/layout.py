@@ -113,9 +113,10 @@ def layout_config(cfg: Any, layout: Layout, n_layers: Optional[int] = None) -> A
         drop += ("activation_checkpointing",)
     algos = [a for a in OmegaConf.to_container(out.algorithms) if a.get("name") not in drop]
     for a in algos:
-        # torchao's float8 TP styles give a peak that varies from one simulation to the next
-        # under the fake process group (up to 4 GiB on the 8B at TP 2; cause not found): the
-        # simulation gathers bf16, whose saved inputs are the larger (an upper bound)
+        # torchao's float8 TP styles give a peak that varies from one process to the next (up to
+        # 4 GiB on the 8B at TP 2) and not with ASLR off (setarch -R): the tracker's count of its
+        # tensors depends on addresses. The simulation gathers bf16, whose saved inputs are the
+        # larger (an upper bound)
         if a.get("name") == "float8" and layout.tp > 1:
             a["enable_tp_float8_all_gather"] = False
     if layout.activation_checkpointing not in ("none", KEEP_AC):

@@ -65,54 +65,50 @@ def parse_layout(text: str) -> dict[str, Any]:
     return out
 
 
-def _precision(cfg: Any, model: Optional[Any] = None) -> tuple[str, bool, bool, bool]:
-    """``(precision, FSDP's fp8 all-gather, TP's fp8 all-gather, compiled)`` of the config's
-    algorithms as the run builds them (:func:`built_algorithms`: aliases resolved, an import
-    path included). With ``model`` (on meta) float8 counts only if it converts a layer of its
-    blocks, and its TP all-gathers are float8 only if it keeps no block layer in high precision (an
-    input a kept layer reads is gathered in bf16; the output layer is no block's).
-
-    Raises:
-        ConfigError: see :func:`built_algorithms`.
-    """
+def _precision(cfg: Any, algos: list[Algorithm], model: Any) -> tuple[str, bool, bool, bool]:
+    """``(precision, FSDP's fp8 all-gather, TP's fp8 all-gather, compiled)`` of ``algos``, the
+    config's algorithms as the run builds them (:func:`built_algorithms`: aliases resolved, an
+    import path included), on ``model`` (meta): float8 counts only if it converts a layer of its
+    blocks, and its TP all-gathers are float8 only if it keeps no block layer in high precision
+    (an input a kept layer reads is gathered in bf16; the output layer is no block's)."""
     prec, gather, tp_gather, compiled = "bf16", False, False, False
-    blocks = set()
-    if model is not None:
-        ids = {id(b) for b in get_spec(cfg.model.name).model_blocks(model)}
-        blocks = {name for name, m in model.named_modules() if id(m) in ids}
-    for a in built_algorithms(cfg):
+    ids = {id(b) for b in get_spec(cfg.model.name).model_blocks(model)}
+    blocks = {name for name, m in model.named_modules() if id(m) in ids}
+    for a in algos:
         name = getattr(a, "name", None)
         compiled = compiled or name == "compile"
         if name != "float8":
             continue
-        converted, kept = a.plan(model) if model is not None else (["?"], [])
-        in_blocks = [c for c in converted if any(c.startswith(b + ".") for b in blocks)] if blocks else converted
-        if in_blocks:  # the output layer alone is no float8 run's speed-up
+        converted, kept = a.plan(model)
+        if any(c.startswith(b + ".") for c in converted for b in blocks):  # the output alone: no speed-up
             prec = "fp8_tensorwise" if a.recipe == "tensorwise" else "fp8_rowwise"
             gather = a.all_gather
             tp_gather = a.tp_gather and not any(k.startswith(b + ".") for k in kept for b in blocks)
     return prec, gather, tp_gather, compiled
 
 
-def check_float8(cfg: Any, gpu: GPUKind) -> None:
-    """Refuse a float8 recipe on a GPU kind without float8 units (``fp8_flops`` 0: torchao's
-    float8 matmuls need them), instead of crediting it a speed-up it cannot have.
+def check_float8(algos: list[Algorithm], gpu: GPUKind) -> None:
+    """Refuse a float8 recipe among ``algos`` (:func:`built_algorithms`) on a GPU kind without
+    float8 units (``fp8_flops`` 0: torchao's float8 matmuls need them), instead of crediting it a
+    speed-up it cannot have.
 
     Raises:
         ConfigError: names the GPU kind and the ``float8`` algorithm.
     """
-    if _precision(cfg)[0] != "bf16" and not gpu.fp8_flops:
+    if any(getattr(a, "name", None) == "float8" for a in algos) and not gpu.fp8_flops:
         raise ConfigError(f"algorithms: float8 needs float8 tensor cores, which {gpu.name} lacks; "
                           "remove the float8 algorithm or plan another --gpu")
 
 
-def base_setting(cfg: Any, world: int, gpu: GPUKind) -> Setting:
+def base_setting(cfg: Any, world: int, gpu: GPUKind, algos: Optional[list[Algorithm]] = None) -> Setting:
     """``cfg``'s model shape and recipe (batch, sequence, precision, compile, pipeline
-    schedule, activation checkpointing) on ``world`` GPUs of ``gpu``, all ranks ``dp_shard``.
+    schedule, activation checkpointing) on ``world`` GPUs of ``gpu``, all ranks ``dp_shard``;
+    ``algos``: ``cfg``'s algorithms already built (default: :func:`built_algorithms`).
 
     Raises:
         ConfigError: a model with experts (the calibrated model covers dense decoders), a recipe
-            :class:`Setting` refuses (a count below 1, an unknown schedule).
+            :class:`Setting` refuses (a count below 1, an unknown schedule), what
+            :func:`built_algorithms` refuses.
     """
     spec = get_spec(cfg.model.name)
     model = meta_model(cfg)
@@ -122,7 +118,7 @@ def base_setting(cfg: Any, world: int, gpu: GPUKind) -> Setting:
     m = spec.get("memory_shape")(model)
     a = model.args
     mode, _ = ac_mode(cfg.algorithms)
-    prec, gather, tp_gather, compiled = _precision(cfg, model)
+    prec, gather, tp_gather, compiled = _precision(cfg, built_algorithms(cfg) if algos is None else algos, model)
     p = cfg.pipeline
     try:
         shape = Shape(cfg.model.get("preset") or cfg.model.name, m.n_layers, m.dim, m.ffn_dim, a.n_heads,
@@ -139,15 +135,6 @@ def base_setting(cfg: Any, world: int, gpu: GPUKind) -> Setting:
         raise ConfigError(f"the config's recipe does not describe a run: {exc}") from exc
 
 
-def _algorithm_class(name: Any) -> Any:
-    """The registered class of an ``algorithms:`` entry's name, or None (an import path, an
-    unknown name: the run's own checks name those)."""
-    try:
-        return registry.algorithms.get(str(name), key="algorithms", registered_only=True)
-    except (ConfigError, KeyError):
-        return None
-
-
 def built_algorithms(cfg: Any) -> list[Algorithm]:
     """``cfg.algorithms`` built as the run builds them (nothing is allocated): a typo in a name or
     a key (an activation checkpointing mode) would otherwise be planned as no algorithm or as
@@ -162,16 +149,17 @@ def built_algorithms(cfg: Any) -> list[Algorithm]:
     return build_entries(registry.algorithms, "algorithms", cfg.algorithms or [], base=Algorithm)
 
 
-def calibrated_setting(cfg: Any, world: int, gpu: GPUKind) -> Optional[Setting]:
-    """:func:`base_setting`, or ``None`` where the calibrated model does not apply: experts,
-    an algorithm that replaces the memory estimate (adapters on frozen weights: no weight
-    gradients, no optimizer state; ``Algorithm.replaces_memory_estimate``), a model without
-    ``args.n_heads``."""
-    if any(getattr(_algorithm_class(a.get("name")), "replaces_memory_estimate", False)
-           for a in cfg.algorithms or []):
-        return None
+def calibrated_setting(cfg: Any, world: int, gpu: GPUKind,
+                       algos: Optional[list[Algorithm]] = None) -> Optional[Setting]:
+    """:func:`base_setting` (``algos`` as there), or ``None`` where the calibrated model does
+    not apply: experts, an algorithm that replaces the memory estimate (adapters on frozen
+    weights: no weight gradients, no optimizer state; ``Algorithm.replaces_memory_estimate``), a
+    model without ``args.n_heads``, algorithms the run's own checks refuse."""
     try:
-        return base_setting(cfg, world, gpu)
+        algos = built_algorithms(cfg) if algos is None else algos
+        if any(getattr(a, "replaces_memory_estimate", False) for a in algos):
+            return None
+        return base_setting(cfg, world, gpu, algos)
     except (ConfigError, AttributeError):
         return None
 
@@ -205,12 +193,12 @@ def config_setting(cfg: Any, world: int, gpu: GPUKind, layout: dict[str, Any]) -
     algos = built_algorithms(cfg)
     adapters = [str(e.get("name")) for e, a in zip(cfg.algorithms or [], algos)
                 if getattr(a, "replaces_memory_estimate", False)]
-    check_float8(cfg, gpu)
+    check_float8(algos, gpu)
     if adapters:
         raise ConfigError(f"--layout: algorithms: {', '.join(adapters)} trains adapters on frozen weights; the "
                           "calibrated step-time model covers full training only (run llmforge plan "
                           "without --layout)")
-    base = base_setting(cfg, world, gpu)
+    base = base_setting(cfg, world, gpu, algos)
     sh = base.shape
     if layout.get("ep", 1) != 1:
         raise ConfigError(f"--layout ep={layout['ep']}: model '{cfg.model.name}' has no experts to split")

@@ -149,12 +149,12 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
             class refuses.
     """
     check_gpus(world, "the world size")
-    check_float8(cfg, gpu)
     # a bad pipeline, attention or algorithm key is refused before minutes of search
     check_parallel_keys(cfg)
-    built_algorithms(cfg)
+    algos = built_algorithms(cfg)
+    check_float8(algos, gpu)
     experts = ExpertShape.of(cfg)
-    base = None if experts is not None else calibrated_setting(cfg, world, gpu)
+    base = None if experts is not None else calibrated_setting(cfg, world, gpu, algos)
     # context parallelism: dense decoders that the calibrated model covers (module docstring, 6)
     layouts, dropped = enumerate_layouts(cfg, world, gpu.gpus_per_node, experts, search_cp=base is not None)
     width = 4 if cfg.trainer.precision == "fp32" else 2

@@ -172,6 +172,11 @@ TP_GATHERS_PER_BLOCK = {"none": 4, "selective": 6, "full": 6}
 gradients' backward (2 + 2), and what selective (+2) and full AC (+2 of their +3) gather again."""
 
 
+def node_size(s: Setting, gpu: GPUKind) -> int:
+    """GPUs per node of ``s``: its own (a cluster's), else the GPU kind's reference node."""
+    return s.gpus_per_node or gpu.gpus_per_node
+
+
 def in_node(group: int, node: int) -> bool:
     """Whether every group of ``group`` consecutive ranks lies inside one node of ``node`` GPUs
     (a node holds whole groups: ``node`` a multiple of ``group``), so it runs on NVLink."""
@@ -208,7 +213,7 @@ def context_parallel_seconds(s: Setting, p: CostParams) -> float:
     if s.cp <= 1 or s.cp_mode == "ring":
         return 0.0
     gpu, sh = gpu_kind(s.gpu, "gpu"), s.shape
-    intra = in_node(s.cp * s.tp, s.gpus_per_node or gpu.gpus_per_node)
+    intra = in_node(s.cp * s.tp, node_size(s, gpu))
     kv = 2 * sh.n_kv_heads * sh.head_dim
     if s.cp_mode == "ulysses":
         widths = 2 * sh.n_heads * sh.head_dim + kv  # q, k, v in, the output (q wide) back
@@ -294,7 +299,7 @@ def predict(s: Setting, p: CostParams) -> Prediction:
     """
     gpu = gpu_kind(s.gpu, "gpu")
     sh = s.shape
-    node = s.gpus_per_node or gpu.gpus_per_node
+    node = node_size(s, gpu)
     dp = s.dp_replicate * s.dp_shard
     n_micro = s.global_batch_size // dp // s.micro_batch_size
     if n_micro < 1 or s.global_batch_size % (dp * s.micro_batch_size):

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from llmforge.planning.calibration import BOUNDS, FITTED, HELD_OUT, held_out, summary
+from llmforge.planning.calibration import BOUNDS, FITTED, HELD_OUT, comparison_errors, held_out, summary
 from llmforge.planning.published import LLAMA3_8B, RUNS, SOURCES, Setting, run_labelled
 from llmforge.planning.step_model import CostParams, predict, stage_imbalance
 from llmforge.planning.gpus import gpu_kind
@@ -16,10 +16,17 @@ from llmforge.planning.whatif import FIT_SHARE, assess, memory_per_rank
 
 
 def test_held_out_error_is_the_stored_one():
-    stats = summary(held_out())
+    errors = held_out()
+    stats = summary(errors)
     assert stats["n"] == len(RUNS) >= 30
     assert stats["median"] == pytest.approx(HELD_OUT["median"], abs=6e-7)
     assert stats["max"] == pytest.approx(HELD_OUT["max"], abs=6e-7)
+    # a comparison's error: the ratios of held-out rows of one source and one model
+    pairs = sorted(comparison_errors(errors))
+    assert len(pairs) == HELD_OUT["pairs"] == 96
+    assert (pairs[47] + pairs[48]) / 2 == pytest.approx(HELD_OUT["comparison"], abs=6e-7)
+    a, b = (e for e in errors if e.run.label in ("8B fsdp8", "8B fsdp128"))  # -3 % and +1 %
+    assert abs((1 + a.error) / (1 + b.error) - 1) in pairs
     # the figures docs/scale.md states (a worse model must update them knowingly)
     assert stats["median"] <= 0.074 and stats["max"] <= 0.475
     # every constant has its interval, and no interval names a constant the model lost
@@ -229,7 +236,7 @@ def test_comparisons_say_within_the_error_and_progress_prints_lines():
                    seq_len=8192, ac="selective", compile=True)
     near = assess(replace(base, micro_batch_size=1))  # same step by the model
     far = assess(replace(base, dp_shard=1, tp=8, ac="full"))
-    assert f"within the model's error ({HELD_OUT['median']:.1%})" in versus(assess(base), near)
+    assert f"within the model's error ({HELD_OUT['comparison']:.1%})" in versus(assess(base), near)
     text = versus(assess(base), far)
     assert "within" not in text and text.startswith("+") and "decided by" in text
     out = io.StringIO()  # not a terminal: one line per group, with the time left after the first

@@ -9,7 +9,9 @@ runs (:mod:`llmforge.planning.published`), and its error on runs held out of the
 * Held-out error: leave one **source** out (every row of a source comes from one cluster and
   one software version; holding out single rows would let the rest of its table leak in):
   for each source, fit on the others and predict its rows. :func:`held_out` recomputes these
-  errors from the stored per-fold constants without fitting.
+  errors from the stored per-fold constants without fitting; :func:`comparison_errors` the
+  errors of the ratios between held-out rows of one source and one model, what a comparison of
+  two layouts is off by (:func:`comparison_error`, the planner's "within the model's error").
 
 The stored constants (all rows: :data:`FITTED`; each fold's: :data:`FOLDS`) and the held-out
 summary the fidelity benchmark printed (:data:`HELD_OUT`) live in
@@ -147,15 +149,37 @@ def summary(errors: Sequence[RowError]) -> dict[str, float]:
     return {"median": statistics.median(a), "max": a[-1], "n": len(a)}
 
 
+def comparison_errors(errors: Sequence[RowError]) -> list[float]:
+    """The error of each predicted ratio of two held-out rows of one source and one model,
+    ``|(1 + e_a) / (1 + e_b) - 1|``: what a comparison of two layouts or recipes of one model on
+    one cluster is off by, the claim the planner makes when it names a winner. A bias the two
+    rows share (the cluster, the software) cancels in the ratio; the rest adds up, so it can
+    be larger or smaller than one row's error."""
+    out = []
+    for i, a in enumerate(errors):
+        for b in errors[i + 1:]:
+            if (a.run.source, a.run.setting.shape) == (b.run.source, b.run.setting.shape):
+                out.append(abs((1 + a.error) / (1 + b.error) - 1))
+    return out
+
+
 def fit_folds() -> dict[str, CostParams]:
     """Leave-one-source-out: per source, the constants fitted on every other source's rows."""
     return {src: fit([r for r in RUNS if r.source != src]) for src in SOURCES}
 
 
 def model_error() -> float:
-    """The held-out median relative error stated with every comparison of two layouts."""
+    """The held-out median relative error of one prediction (tokens/s per GPU), stated with a
+    predicted step."""
     return float(HELD_OUT["median"])
 
 
-__all__ = ["BOUNDS", "FITTED", "FOLDS", "HELD_OUT", "RowError", "fit", "fit_folds", "held_out",
-           "log_error", "model_error", "nelder_mead", "summary"]
+def comparison_error() -> float:
+    """The held-out median error of a predicted ratio of two runs of one model on one cluster
+    (:func:`comparison_errors`): below it, a comparison of two layouts is "within the model's
+    error" and names no winner."""
+    return float(HELD_OUT["comparison"])
+
+
+__all__ = ["BOUNDS", "FITTED", "FOLDS", "HELD_OUT", "RowError", "comparison_error", "comparison_errors", "fit",
+           "fit_folds", "held_out", "log_error", "model_error", "nelder_mead", "summary"]

@@ -1,7 +1,8 @@
 """Why ``llmforge plan`` chose its winner: the winner, the runner-up and the published recipe
 for the model and GPU count (when one is known), each with its memory and time and the step
 term that decides between them; "within the model's error" where the predicted difference is
-below the calibrated model's held-out error (:func:`llmforge.planning.calibration.model_error`).
+below the calibrated model's held-out error of a comparison
+(:func:`llmforge.planning.calibration.comparison_error`).
 And the progress of a plan as it simulates (:class:`Progress`).
 """
 
@@ -12,7 +13,7 @@ import time
 from typing import Any, Optional, TextIO
 
 from llmforge.parallel.pipeline import min_microbatches
-from llmforge.planning.calibration import model_error
+from llmforge.planning.calibration import comparison_error
 from llmforge.planning.layout_arg import at_layout, calibrated_setting
 from llmforge.planning.published import published_layout
 from llmforge.planning.whatif import assess
@@ -49,7 +50,7 @@ def explain(p: Any, cfg: Any) -> list[str]:
     win = p.chosen
     if win is None:
         return []
-    error = model_error()
+    error = comparison_error()
     limit = max(win.terms, key=win.terms.get) if win.terms else "compute"
     lines = [f"winner: {_layout(win.layout)}: {win.tokens_per_second_per_gpu:.0f} tokens/s per GPU, "
              f"{win.peak_bytes / GIB:.1f} GiB, limited by {limit}"]

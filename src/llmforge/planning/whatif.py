@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional
 
-from llmforge.planning.calibration import FITTED, model_error
+from llmforge.planning.calibration import FITTED, comparison_error
 from llmforge.planning.context import attention_extra_bytes
 from llmforge.planning.gpus import gpu_kind
 from llmforge.planning.layout import AC_MODES
@@ -160,8 +160,9 @@ def same_layout(a: Setting, b: Setting) -> bool:
 def versus(chosen: Verdict, other: Verdict, error: Optional[float] = None) -> str:
     """One phrase comparing ``chosen`` with ``other``: its tokens/s difference, the term whose
     seconds differ most (what decides), and, when the difference is below the model's
-    held-out error (``error``, default the stored one), that it is within the error."""
-    error = model_error() if error is None else error
+    held-out error of a comparison (``error``, default the stored
+    :func:`~llmforge.planning.calibration.comparison_error`), that it is within the error."""
+    error = comparison_error() if error is None else error
     gap = chosen.prediction.tokens_per_second_per_gpu / other.prediction.tokens_per_second_per_gpu - 1
     a, b = chosen.prediction.terms, other.prediction.terms
     # the terms are per step; steps of different layouts move the same global batch

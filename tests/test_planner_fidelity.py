@@ -28,7 +28,7 @@ def test_held_out_error_is_the_stored_one():
     a, b = (e for e in errors if e.run.label in ("8B fsdp8", "8B fsdp128"))  # -3 % and +1 %
     assert abs((1 + a.error) / (1 + b.error) - 1) in pairs
     # the figures docs/scale.md states (a worse model must update them knowingly)
-    assert stats["median"] <= 0.074 and stats["max"] <= 0.475
+    assert stats["median"] <= 0.074 and stats["max"] <= 0.505
     # every constant has its interval, and no interval names a constant the model lost
     assert set(BOUNDS) == set(CostParams.names()) == set(FITTED.as_dict())
     # a prior on its bound cannot move in the fit (tp_exposed's did, at 1): each sits inside
@@ -104,6 +104,33 @@ def test_step_terms_follow_the_layout():
     rowwise = replace(tp8, precision="fp8_rowwise")
     assert predict(replace(rowwise, fp8_tp_all_gather=True), no_latency).terms["tp"] == pytest.approx(
         predict(rowwise, no_latency).terms["tp"])
+
+
+def test_float8_speeds_up_the_layers_it_converts():
+    from conftest import REPO
+
+    from llmforge.config import load_config
+    from llmforge.planning.layout_arg import base_setting
+    from llmforge.planning.step_model import block_linear_share
+
+    h100 = gpu_kind("H100-SXM-80GB", "gpu")
+    cfg = load_config(str(REPO / "yamls" / "llama3_8b.yaml"), [])
+    s = base_setting(cfg, 8, h100)  # float8 keeps the output layer in bf16 (filter_fqns: [output])
+    assert s.precision == "fp8_tensorwise" and s.fp8_share == pytest.approx(block_linear_share(LLAMA3_8B))
+    assert block_linear_share(LLAMA3_8B) == pytest.approx(32 * 218_103_808 / (32 * 218_103_808 + 128256 * 4096))
+    # the SwiGLU kept in bf16 too: float8 on the attention's projections alone (q, k, v, o)
+    ffn = base_setting(load_config(str(REPO / "yamls" / "llama3_8b.yaml"),
+                                   ["algorithms.2.filter_fqns=[output,feed_forward]"]), 8, h100)
+    attn = 32 * 4096 * (2 * 4096 + 2 * 1024)
+    assert ffn.fp8_share == pytest.approx(attn / (32 * 218_103_808 + 128256 * 4096))
+    tps = {share: predict(replace(s, fp8_share=share), FITTED).tokens_per_second_per_gpu
+           for share in (0.0, ffn.fp8_share, None, 1.0)}
+    assert tps[0.0] < tps[ffn.fp8_share] < tps[None] < tps[1.0]
+    # nothing converted: bf16's matmuls (the FSDP gathers stay float8 here, the compute does not)
+    assert predict(replace(s, fp8_share=0.0), FITTED).terms["compute"] == pytest.approx(
+        predict(replace(s, precision="bf16"), FITTED).terms["compute"])
+    with pytest.raises(ValueError, match="fp8_share"):
+        replace(s, fp8_share=1.5)
 
 
 def test_plan_layout_predicts_one_layout_and_names_bad_keys():
@@ -190,7 +217,7 @@ def test_plan_layout_predicts_one_layout_and_names_bad_keys():
     gpipe = run_main("plan", DEMO, *tiny, "--gpus", "2", "pipeline.schedule=gpipe")  # 1 micro-batch on 2 stages
     assert gpipe.returncode == 0 and "1   2   1   1      none    2" in gpipe.stdout, gpipe.stderr
     # float8 as the run builds it: by import path, converting only the output layer (no block: no
-    # speed-up), keeping a block layer in bf16 (its input's TP all-gather stays bf16)
+    # speed-up), keeping a block layer in bf16 (its input's TP all-gather stays bf16, its matmuls too)
     def predicted(entry: str) -> tuple[float, float]:
         out = run_main("plan", DEMO, "--gpus", "2", "--layout", "tp=2,dp_shard=1", f"algorithms=[{entry}]", "--json")
         r = json.loads(out.stdout)
@@ -200,7 +227,8 @@ def test_plan_layout_predicts_one_layout_and_names_bad_keys():
     bf16_gathers = predicted("{name: float8, enable_tp_float8_all_gather: false}")
     assert predicted("{name: llmforge.algorithms.float8.Float8}") == fp8 and bf16_gathers[1] > fp8[1]
     assert predicted("{name: float8, modules: [output], filter_fqns: []}") == plain
-    assert predicted("{name: float8, filter_fqns: [output, wq]}") == bf16_gathers
+    kept_wq = predicted("{name: float8, filter_fqns: [output, wq]}")  # wq's FLOPs in bf16 too
+    assert kept_wq[1] == bf16_gathers[1] and plain[0] < kept_wq[0] < bf16_gathers[0]
     # the best layout printed is one --layout (and training) accepts: 80 blocks on 120 GPUs had
     # named pp=3 (uneven stages the config's balanced split refuses)
     seventy = [str(REPO / "yamls" / "llama3_70b.yaml"), "--gpus", "120", "trainer.global_batch_size=15"]

@@ -10,6 +10,7 @@ import json
 from dataclasses import replace
 from typing import Any, Callable, Optional
 
+import torch
 from omegaconf import OmegaConf
 
 from llmforge import registry
@@ -65,13 +66,16 @@ def parse_layout(text: str) -> dict[str, Any]:
     return out
 
 
-def _precision(cfg: Any, algos: list[Algorithm], model: Any) -> tuple[str, bool, bool, bool]:
-    """``(precision, FSDP's fp8 all-gather, TP's fp8 all-gather, compiled)`` of ``algos``, the
-    config's algorithms as the run builds them (:func:`built_algorithms`: aliases resolved, an
-    import path included), on ``model`` (meta): float8 counts only if it converts a layer of its
-    blocks, and its TP all-gathers are float8 only if it keeps no block layer in high precision
-    (an input a kept layer reads is gathered in bf16; the output layer is no block's)."""
-    prec, gather, tp_gather, compiled = "bf16", False, False, False
+def _precision(cfg: Any, algos: list[Algorithm], model: Any) -> tuple[str, bool, bool, bool, Optional[float]]:
+    """``(precision, FSDP's fp8 all-gather, TP's fp8 all-gather, compiled, fp8_share)`` of
+    ``algos``, the config's algorithms as the run builds them (:func:`built_algorithms`: aliases
+    resolved, an import path included), on ``model`` (meta): float8 counts only if it converts a
+    layer of its blocks, and then only on the layers it converts (``fp8_share``: their weights'
+    share of all Linear weights, the share of the linear FLOPs); its TP all-gathers are float8
+    only if it keeps no block layer in high precision (an input a kept layer reads is gathered
+    in bf16; the output layer is no block's)."""
+    prec, gather, tp_gather, compiled, share = "bf16", False, False, False, None
+    linear = {fqn: m.weight.numel() for fqn, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     ids = {id(b) for b in get_spec(cfg.model.name).model_blocks(model)}
     blocks = {name for name, m in model.named_modules() if id(m) in ids}
     for a in algos:
@@ -84,7 +88,8 @@ def _precision(cfg: Any, algos: list[Algorithm], model: Any) -> tuple[str, bool,
             prec = "fp8_tensorwise" if a.recipe == "tensorwise" else "fp8_rowwise"
             gather = a.all_gather
             tp_gather = a.tp_gather and not any(k.startswith(b + ".") for k in kept for b in blocks)
-    return prec, gather, tp_gather, compiled
+            share = sum(linear[c] for c in converted) / sum(linear.values())
+    return prec, gather, tp_gather, compiled, share
 
 
 def check_float8(algos: list[Algorithm], gpu: GPUKind) -> None:
@@ -118,7 +123,8 @@ def base_setting(cfg: Any, world: int, gpu: GPUKind, algos: Optional[list[Algori
     m = spec.get("memory_shape")(model)
     a = model.args
     mode, _ = ac_mode(cfg.algorithms)
-    prec, gather, tp_gather, compiled = _precision(cfg, built_algorithms(cfg) if algos is None else algos, model)
+    prec, gather, tp_gather, compiled, share = _precision(cfg, built_algorithms(cfg) if algos is None else algos,
+                                                          model)
     p = cfg.pipeline
     try:
         shape = Shape(cfg.model.get("preset") or cfg.model.name, m.n_layers, m.dim, m.ffn_dim, a.n_heads,
@@ -127,7 +133,7 @@ def base_setting(cfg: Any, world: int, gpu: GPUKind, algos: Optional[list[Algori
         return Setting(shape, gpu.name, world, world, int(cfg.trainer.global_batch_size),
                        int(cfg.trainer.micro_batch_size), int(cfg.trainer.seq_len),
                        ac=mode if mode in AC_MODES else "selective", precision=prec,
-                       fp8_all_gather=gather, fp8_tp_all_gather=tp_gather, compile=compiled,
+                       fp8_all_gather=gather, fp8_tp_all_gather=tp_gather, fp8_share=share, compile=compiled,
                        schedule=str(p.schedule),
                        stages_per_rank=rank_stages(str(p.schedule), p.stages_per_rank), cp_mode=cp_of(cfg)[1],
                        gpus_per_node=gpu.gpus_per_node)

@@ -85,7 +85,10 @@ class Setting:
     :func:`~llmforge.planning.whatif.memory_per_rank`; ``fp8_all_gather``: FSDP2 gathers the
     weights in float8; ``fp8_tp_all_gather``: TP's all-gathers move float8 activations and
     gradients under tensorwise float8, torchao's float8 TP styles, as torchtitan and llmforge's
-    ``float8`` algorithm apply them by default); ``schedule``: the pipeline schedule
+    ``float8`` algorithm apply them by default; ``fp8_share``: the share of the linear layers'
+    FLOPs float8 converts, ``None`` for every block's and not the output layer's, the
+    ``filter_fqns: [output]`` default of torchtitan and llmforge that the published runs
+    ran); ``schedule``: the pipeline schedule
     (``1f1b``, ``interleaved_1f1b``) with ``stages_per_rank`` virtual stages. ``cp_mode``: how ``cp > 1``
     ranks attend across their slices: ``all_gather`` (K/V gathered; llmforge's default),
     ``ulysses`` (all-to-all to head-sharded) or ``ring`` (torch's experimental ring
@@ -111,6 +114,7 @@ class Setting:
     fp8_all_gather: bool = False
     fp8_tp_all_gather: bool = False
     fp8_recompute_weight: bool = False
+    fp8_share: Optional[float] = None
     compile: bool = False
     async_tp: bool = False
     schedule: str = "1f1b"
@@ -119,7 +123,8 @@ class Setting:
     gpus_per_node: int = 0
 
     def __post_init__(self) -> None:
-        """Raises ValueError naming the field: a count below 1, a flag that is no bool, an unknown ``ac``,
+        """Raises ValueError naming the field: a count below 1, a flag that is no bool, an
+        ``fp8_share`` outside [0, 1], an unknown ``ac``,
         ``precision``, ``schedule`` or ``cp_mode``, degrees whose product is not ``world``, more
         pipeline stages than blocks (with ``pp > 1``; without stages ``stages_per_rank`` is
         unused). Whether the batch divides is the callers' check (the planner's base setting
@@ -133,6 +138,11 @@ class Setting:
         for name in ("fp8_all_gather", "fp8_tp_all_gather", "fp8_recompute_weight", "compile", "async_tp"):
             if not isinstance(getattr(self, name), bool):  # a string 'no' would read as true
                 raise ValueError(f"Setting.{name} must be a bool, got {getattr(self, name)!r}")
+        share = self.fp8_share
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
+                                  or not 0 <= share <= 1):
+            raise ValueError(f"Setting.fp8_share must be a share of the linear FLOPs in [0, 1] or None "
+                             f"(every block's), got {share!r}")
         if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 0:
             raise ValueError(f"Setting.gpus_per_node must be an integer >= 0 (0: the GPU kind's), "
                              f"got {self.gpus_per_node!r}")

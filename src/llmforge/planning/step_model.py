@@ -8,7 +8,8 @@ Terms (seconds per step, one rank):
   ``matmul_efficiency / gemm_slowdown`` of the GPU's dense bf16 peak (:func:`gemm_slowdown`:
   the rank's matmul shapes, narrower under ``tp`` and with fewer tokens per micro-batch;
   attention at ``attention_efficiency`` of that), times ``compile_speedup`` when compiled;
-  the linear layers' share divided again by ``fp8_*_speedup`` under float8. FLOPs per token:
+  the linear FLOPs float8 converts (``Setting.fp8_share``; by default every block's, not the
+  output layer's) divided again by ``fp8_*_speedup``. FLOPs per token:
   ``6 x`` the matmul parameters (blocks and output layer) plus causal attention
   ``6 L s d`` (fwd + bwd, half of the full ``12 L s d``: PaLM, Chowdhery et al. 2022 App. B);
   activation checkpointing recomputes the forward: full ``x 4/3`` of everything, selective
@@ -148,6 +149,13 @@ def flops_per_token(shape: Shape, seq_len: int) -> tuple[float, float]:
     linear = 6.0 * (shape.n_layers * shape.block_params + shape.vocab_size * shape.dim)
     attention = 6.0 * shape.n_layers * seq_len * shape.dim
     return linear, attention
+
+
+def block_linear_share(shape: Shape) -> float:
+    """The blocks' share of the linear layers' FLOPs (the rest is the output layer's): what
+    float8 converts by default (``filter_fqns: [output]``)."""
+    blocks = shape.n_layers * shape.block_params
+    return blocks / (blocks + shape.vocab_size * shape.dim)
 
 
 def model_flops_per_token(shape: Shape, seq_len: int) -> float:
@@ -320,7 +328,8 @@ def predict(s: Setting, p: CostParams) -> Prediction:
     efficiency = p.matmul_efficiency / gemm_slowdown(sh, s.tp, p, s.micro_batch_size * s.seq_len / s.cp)
     speed = gpu.bf16_flops * efficiency * clock * (p.compile_speedup if s.compile else 1.0)
     fp8 = {"fp8_tensorwise": p.fp8_tensorwise_speedup, "fp8_rowwise": p.fp8_rowwise_speedup}.get(s.precision, 1.0)
-    compute = tokens / s.world * (linear / fp8 + attention / p.attention_efficiency) / speed
+    share = block_linear_share(sh) if s.fp8_share is None else s.fp8_share
+    compute = tokens / s.world * (linear * (share / fp8 + 1 - share) + attention / p.attention_efficiency) / speed
     elementwise = (tokens / s.world * sh.n_layers * p.elementwise_passes * (sh.dim + sh.ffn_dim) * 2.0
                    * recompute * (p.compile_fusion if s.compile else 1.0) / (gpu.memory_bw * clock))
     # the slowest pipeline rank paces the schedule
@@ -381,5 +390,5 @@ def predict(s: Setting, p: CostParams) -> Prediction:
     return Prediction(step, tps, mfu, terms, fsdp)
 
 
-__all__ = ["CostParams", "Prediction", "context_parallel_seconds", "flops_per_token", "gemm_slowdown", "in_node",
+__all__ = ["CostParams", "Prediction", "block_linear_share", "context_parallel_seconds", "flops_per_token", "gemm_slowdown", "in_node",
            "model_flops_per_token", "predict", "stage_imbalance", "TP_CALLS_PER_BLOCK", "TP_GATHERS_PER_BLOCK"]

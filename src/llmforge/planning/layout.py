@@ -85,8 +85,7 @@ def pipeline_settings(cfg: Any, pp: int) -> dict[str, Any]:
 def layout_config(cfg: Any, layout: Layout, n_layers: Optional[int] = None) -> Any:
     """A copy of ``cfg`` with ``layout``: strategy degrees (``fsdp2``), micro-batch size, the
     ``activation_checkpointing`` entry replaced (kept with :data:`KEEP_AC`), ``compile`` and the
-    sequence-length and batch-size warm-ups left out, float8's TP all-gathers in bf16, and
-    ``model.n_layers`` when given (with ``pp > 1`` the stages then split the blocks
+    sequence-length and batch-size warm-ups left out, and ``model.n_layers`` when given (with ``pp > 1`` the stages then split the blocks
     ``balanced``: a split written for the real depth does not fit the simulated one).
 
     Raises:
@@ -112,13 +111,6 @@ def layout_config(cfg: Any, layout: Layout, n_layers: Optional[int] = None) -> A
     if layout.activation_checkpointing != KEEP_AC:
         drop += ("activation_checkpointing",)
     algos = [a for a in OmegaConf.to_container(out.algorithms) if a.get("name") not in drop]
-    for a in algos:
-        # torchao's float8 TP styles give a peak that varies from one process to the next (up to
-        # 4 GiB on the 8B at TP 2) and not with ASLR off (setarch -R): the tracker's count of its
-        # tensors depends on addresses. The simulation gathers bf16, whose saved inputs are the
-        # larger (an upper bound)
-        if a.get("name") == "float8" and layout.tp > 1:
-            a["enable_tp_float8_all_gather"] = False
     if layout.activation_checkpointing not in ("none", KEEP_AC):
         if layout.activation_checkpointing not in AC_ENTRIES:
             raise ConfigError(f"Layout.activation_checkpointing={layout.activation_checkpointing!r}: "

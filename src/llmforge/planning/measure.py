@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as _c10d
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.distributed._tools.mem_tracker import MemTracker, _RefType, _UpdateType, _WeakRefInfo
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
@@ -74,7 +75,34 @@ class _NoHook:
         pass
 
 
-class FrozenSafeMemTracker(MemTracker):
+class _EveryStorage:
+    """Track every storage of a tensor: torch 2.13's ``MemTracker._track`` returns at the first
+    storage of a tensor it already tracks, inside its loop over the *set* of the tensor's
+    storages, so a wrapper subclass's new storage went uncounted whenever the set, ordered by
+    the storages' addresses, yielded an old one first (a float8 tensor's fresh data behind its
+    tracked scale): the simulated peak of float8 TP changed from one process to the next and
+    not with address randomization off. This loop skips the tracked storage and goes on."""
+
+    def _track(self, reftype: _RefType, t: torch.Tensor) -> None:
+        for st in get_untyped_storages(t):
+            winfo, _ = self._WINFO.get(st, (None, None))
+            if winfo is not None:
+                if winfo.size != st.size():
+                    old_mem_consumed = winfo.mem_consumed
+                    winfo.update_mem_consumed(st)
+                    self._update_snap(_UpdateType.SIZE, winfo, old_mem_consumed=old_mem_consumed)
+                continue
+            winfo, w_st = _WeakRefInfo.create_winfo(st, t.device, reftype, self._delete_callback)
+            self._WINFO[st] = (winfo, w_st)
+            if winfo.mem_consumed > 0:
+                self._update_snap(_UpdateType.ADD, winfo)
+
+
+class StepFSDPMemTracker(_EveryStorage, FSDPMemTracker):
+    """torch's ``FSDPMemTracker`` counting every storage of a tensor (:class:`_EveryStorage`)."""
+
+
+class FrozenSafeMemTracker(_EveryStorage, MemTracker):
     """``MemTracker`` for models with frozen weights (e.g. adapters on a frozen base): torch
     2.13's tracker registers a gradient hook on every parameter of a module it enters, which
     raises on a parameter that does not require grad. Frozen parameters are counted as

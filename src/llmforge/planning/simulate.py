@@ -76,7 +76,7 @@ from llmforge.parallel.mesh import ParallelDims, build_mesh
 from llmforge.parallel.transforms import check_strategy, fsdp_stage_root, strategy_transforms
 from llmforge.plugin import run_pipeline
 from llmforge.planning.layout import Layout, last_stage_rank, layout_config
-from llmforge.planning.measure import (ByteCounter, Collective, FrozenSafeMemTracker,
+from llmforge.planning.measure import (ByteCounter, Collective, FrozenSafeMemTracker, StepFSDPMemTracker,
                                        MicroBatchCounts, PhasePeaks, StepFlopCounter, collectives)
 from llmforge.training.module import LLMModule
 from llmforge.training.steps import ContextParallelStep
@@ -290,7 +290,7 @@ def _simulate(cfg: Any, layout: Layout, n_layers: Optional[int], fake: bool,
         batch = torch.randint(0, int(module.model.vocab_size), (rows, plan.seq_len + 1))
         model = module.model
         if isinstance(model, FSDPModule):
-            tracker: MemTracker = FSDPMemTracker(mod=model, optm=optimizer)
+            tracker: MemTracker = StepFSDPMemTracker(mod=model, optm=optimizer)
         else:
             tracker = FrozenSafeMemTracker()
             tracker.track_external(model, optimizer)

@@ -288,6 +288,37 @@ def test_simulation_counts_every_storage_of_float8_under_tp():
     assert 0 < fp8_peak < bf16_peak  # the float8 gathers' saved inputs are the smaller
 
 
+def test_plan_simulates_more_recomputation_where_it_can_win():
+    """A lighter activation checkpointing that fits the group's reference (one sequence, no
+    stages) need not fit its larger micro-batches: the 70B's FSDP 32 x TP 8 without AC fits one
+    sequence per rank, not two, which selective AC fits at a faster step than any layout that
+    fits without AC (stages and their bubble). Selective is simulated and wins; full, slower
+    wherever selective does not fit, is not (stand-in measurements: seconds, not minutes)."""
+    from llmforge.planning.simulate import StepMeasurement
+
+    gib, act = 2**30, {"none": 40, "selective": 16, "full": 4}  # GiB per sequence at tp 8
+    seen = set()
+
+    def stand_in(cfg, layout, last_stage=False):
+        seen.add((layout.tp, layout.activation_checkpointing))
+        state = 1043 * gib / (layout.dp_shard * layout.tp * layout.pp)  # 70B x 16 bytes, sharded
+        a = act[layout.activation_checkpointing] * gib * layout.micro_batch_size * 8 / layout.tp / layout.pp
+        return StepMeasurement(layout=layout, world_size=layout.world_size, n_layers=80, peak_bytes=state + a,
+                               breakdown={"activations": a, "temporaries": 0.0}, flops=1e15,
+                               formula_flops=1e15, sharded_state=state)
+
+    result = plan(load_config(str(REPO / "yamls" / "llama3_70b.yaml"), []), 256, gpu_kind("h100"),
+                  simulate_fn=stand_in)
+    win = result.chosen.layout
+    assert (win.dp_shard, win.tp, win.pp, win.activation_checkpointing, win.micro_batch_size) == \
+        (32, 8, 1, "selective", 2)
+    assert {(8, "none"), (8, "selective")} <= seen and (8, "full") not in seen
+    assert any(c.layout.pp > 1 and c.layout.activation_checkpointing == "none" and c.status == "slower"
+               for c in result.candidates)  # no AC fits with stages, slower by their bubble
+    (full,) = [c for c in result.candidates if (c.layout.tp, c.layout.activation_checkpointing) == (8, "full")]
+    assert full.reason.endswith("selective does not fit would be faster with full")
+
+
 def test_simulation_runs_lora_with_frozen_weights():
     """LoRA's frozen base: torch's MemTracker (one process, no FSDP2) would register a gradient
     hook on it and raise; FrozenSafeMemTracker counts it as parameters. The step's gradients are

@@ -85,8 +85,9 @@ def pipeline_settings(cfg: Any, pp: int) -> dict[str, Any]:
 def layout_config(cfg: Any, layout: Layout, n_layers: Optional[int] = None) -> Any:
     """A copy of ``cfg`` with ``layout``: strategy degrees (``fsdp2``), micro-batch size, the
     ``activation_checkpointing`` entry replaced (kept with :data:`KEEP_AC`), ``compile`` and the
-    sequence-length and batch-size warm-ups left out, and ``model.n_layers`` when given (with ``pp > 1`` the stages then split the blocks
-    ``balanced``: a split written for the real depth does not fit the simulated one).
+    sequence-length and batch-size warm-ups left out, and ``model.n_layers`` when given (with
+    ``pp > 1`` the stages then split the blocks ``balanced``: a split written for the real
+    depth does not fit the simulated one).
 
     Raises:
         ConfigError: ``layout.ep > 1`` (:func:`refuse_ep`).

@@ -14,7 +14,9 @@ micro-batch size for a GPU count and a GPU kind.
 2. Measure: one simulation (:func:`llmforge.planning.depth.simulate_scaled`) per
    ``(tp, activation checkpointing)`` at the reference layout ``dp_replicate=1``,
    ``dp_shard = world / tp``, ``micro_batch_size=1`` (``pp=1``; where ``world / tp`` does
-   not divide the global batch, the fewest stages that make it divide, both pipeline ranks).
+   not divide the global batch, the fewest stages that make it divide, both pipeline ranks);
+   a heavier checkpointing mode only where it can beat the lighter one (a layout the lighter
+   does not fit, timed faster than the lighter one's fastest that fits).
    Every other layout of that group is derived from it: the sharded model state at the peak
    scales with ``1 / dp_shard``, the activations and temporaries with the micro-batch size (an
    over-estimate: the all-gather buffers in the temporaries do not grow), the FSDP all-gathers
@@ -176,12 +178,32 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
         def reference(ac: str) -> Layout:
             return Layout(1, world // tp // pp, tp, ac, mbs, pp=pp)
 
+        def worth(lighter: str, ac: str) -> bool:
+            # ``ac`` recomputes more than ``lighter``, so it is slower on any layout both fit: it
+            # can win only on a layout ``lighter`` does not fit (a larger micro-batch, fewer
+            # stages), and, timed by the calibrated model, only if faster there than the
+            # fastest layout ``lighter`` fits
+            ref, fit, over = refs[tp, lighter], [], []
+            for lo in (lo for lo in layouts if lo.tp == tp and lo.activation_checkpointing == lighter):
+                peak = derive(ref, twin(lo), gbs, gpu, **moe)[0]
+                peak += peak_delta(ref, lo, base.shape, moe["seq_len"], base.cp_mode, width) if lo.cp > 1 else 0.0
+                (fit if peak <= budget else over).append(lo)
+            if not over or base is None:
+                return bool(over)
+
+            def step(lo: Layout, mode: str) -> float:
+                s = at_layout(base, lo.dp_replicate, lo.dp_shard, lo.tp, lo.pp, lo.cp, mode, lo.micro_batch_size)
+                return predict(s, FITTED).step_seconds
+
+            fastest = min((step(lo, lighter) for lo in fit), default=float("inf"))
+            return any(step(lo, ac) < fastest for lo in over)
+
         for i, ac in enumerate(AC_MODES):
-            if i and (tp, AC_MODES[i - 1]) in refs and refs[tp, AC_MODES[i - 1]].peak_bytes <= budget:
-                # a lighter mode already fits at this tp: more recomputation is only slower
+            lighter = AC_MODES[i - 1] if i else None
+            if lighter and (tp, lighter) in refs and not worth(lighter, ac):
                 skipped[tp, ac] = Candidate(reference(ac), "slower",
-                                            f"not simulated: activation_checkpointing "
-                                            f"{AC_MODES[i - 1]} already fits at tp={tp} and recomputes less")
+                                            f"not simulated: no layout at tp={tp} that activation_checkpointing "
+                                            f"{lighter} does not fit would be faster with {ac}")
                 continue
             if (tp, AC_MODES[max(0, i - 1)]) in skipped and i:
                 skipped[tp, ac] = replace(skipped[tp, AC_MODES[i - 1]], layout=reference(ac))

@@ -390,5 +390,6 @@ def predict(s: Setting, p: CostParams) -> Prediction:
     return Prediction(step, tps, mfu, terms, fsdp)
 
 
-__all__ = ["CostParams", "Prediction", "block_linear_share", "context_parallel_seconds", "flops_per_token", "gemm_slowdown", "in_node",
-           "model_flops_per_token", "predict", "stage_imbalance", "TP_CALLS_PER_BLOCK", "TP_GATHERS_PER_BLOCK"]
+__all__ = ["CostParams", "Prediction", "block_linear_share", "context_parallel_seconds", "flops_per_token",
+           "gemm_slowdown", "in_node", "model_flops_per_token", "predict", "stage_imbalance", "TP_CALLS_PER_BLOCK",
+           "TP_GATHERS_PER_BLOCK"]

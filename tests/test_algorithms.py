@@ -72,6 +72,13 @@ def test_import_path_and_bad_keys():
      ["float8.filter_fqns entry 'lm_head' matches no module", "closest module names: output, w1"]),
     ([{"name": "float8", "modules": ["feed_forwrd"]}], {},
      ["float8.modules entry 'feed_forwrd'", "closest module names: feed_forward"]),
+    # a string would be read letter by letter, each letter matching nearly every layer
+    ([{"name": "float8", "filter_fqns": "output"}], {}, ["float8.filter_fqns must be a list", "'output'"]),
+    ([{"name": "float8", "modules": [["feed_forward"]]}], {}, ["float8.modules must be a list"]),
+    ([{"name": "float8", "filter_fqns": [None]}], {}, ["float8.filter_fqns must be a list", "[None]"]),
+    ([{"name": "float8", "modules": []}], {}, ["float8.modules [] leaves no Linear layer to convert"]),
+    ([{"name": "float8", "modules": ["output"]}], {},
+     ["float8.modules ['output'] leaves no", "filter_fqns ['output']"]),
     ([{"name": "compile", "per_block": False}], {"strategy.name": "fsdp2", "trainer.devices": 2},
      ["compile.per_block=false", "compile.fullgraph=true", "strategy.name=fsdp2"]),
     ([{"name": "activation_checkpointing", "mode": "some"}], {}, ["activation_checkpointing.mode"]),

@@ -228,6 +228,13 @@ def test_plan_layout_predicts_one_layout_and_names_bad_keys():
     assert predicted("{name: llmforge.algorithms.float8.Float8}") == fp8 and bf16_gathers[1] > fp8[1]
     assert predicted("{name: float8, modules: [output], filter_fqns: []}") == plain
     kept_wq = predicted("{name: float8, filter_fqns: [output, wq]}")  # wq's FLOPs in bf16 too
+    twice = run_main("plan", DEMO, "--gpus", "2", "--layout", "tp=2,dp_shard=1",
+                     "algorithms=[{name: float8}, {name: float8, modules: [feed_forward]}]")
+    assert twice.returncode == 2 and "are the same algorithm" in twice.stderr, twice.stderr
+    for entry, words in (("{name: float8, filter_fqns: [lm_head]}", "float8.filter_fqns entry 'lm_head'"),
+                         ("{name: float8, modules: [zzz]}", "float8.modules entry 'zzz'")):  # as training
+        bad = run_main("plan", DEMO, "--gpus", "2", "--layout", "tp=2,dp_shard=1", f"algorithms=[{entry}]")
+        assert bad.returncode == 2 and words in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
     assert kept_wq[1] == bf16_gathers[1] and plain[0] < kept_wq[0] < bf16_gathers[0]
     # the best layout printed is one --layout (and training) accepts: 80 blocks on 120 GPUs had
     # named pp=3 (uneven stages the config's balanced split refuses)
@@ -264,7 +271,7 @@ def test_comparisons_say_within_the_error_and_progress_prints_lines():
                    seq_len=8192, ac="selective", compile=True)
     near = assess(replace(base, micro_batch_size=1))  # same step by the model
     far = assess(replace(base, dp_shard=1, tp=8, ac="full"))
-    assert f"within the model's error ({HELD_OUT['comparison']:.1%})" in versus(assess(base), near)
+    assert f"within the model's error of a comparison ({HELD_OUT['comparison']:.1%})" in versus(assess(base), near)
     text = versus(assess(base), far)
     assert "within" not in text and text.startswith("+") and "decided by" in text
     out = io.StringIO()  # not a terminal: one line per group, with the time left after the first

@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from torch import nn
 
@@ -214,6 +214,12 @@ class Float8(Algorithm):
         self.precompute = (self.all_gather if precompute_float8_dynamic_scale_for_fsdp is None
                            else bool(precompute_float8_dynamic_scale_for_fsdp))
         self.emulate = bool(emulate)
+        for key, value in (("filter_fqns", filter_fqns), ("modules", modules)):
+            # a string would be read character by character (each matches nearly every layer)
+            if value is not None and (isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence)
+                                      or not all(isinstance(v, str) and v for v in value)):
+                raise ConfigError(f"algorithms: float8.{key} must be a list of module-name substrings, "
+                                  f"e.g. [output]; got {value!r}")
         self.explicit_filter = filter_fqns is not None  # the default is not checked (other families)
         self.filter_fqns = ["output"] if filter_fqns is None else [str(f) for f in filter_fqns]
         self.modules = None if modules is None else [str(m) for m in modules]
@@ -300,16 +306,22 @@ class Float8(Algorithm):
                     f"{run.cfg.strategy.name} on {run.world_size} "
                     f"process(es) shards over {shard}; set "
                     "float8.enable_fsdp_float8_all_gather=false or train with FSDP2 on several devices")
-        if self.explicit_filter or self.modules is not None:
-            model = run.model
-            if self.explicit_filter:
-                check_entries("filter_fqns", self.filter_fqns, model)
-            if self.modules is not None:
-                check_entries("modules", self.modules, model)
+        self.check_model(run.model)
+
+    def check_model(self, model: nn.Module) -> None:
+        """The filters against ``model``: each given ``filter_fqns`` and ``modules`` entry names a
+        module, and ``modules`` selects a Linear layer (``llmforge plan --layout`` runs this too).
+
+        Raises:
+            ConfigError: names the entry and the closest module names.
+        """
+        if self.explicit_filter:
+            check_entries("filter_fqns", self.filter_fqns, model)
         if self.modules is not None:
-            conv, _ = self.plan(model)
-            if not conv:
-                raise ConfigError(f"algorithms: float8.modules {self.modules} matches no Linear layer")
+            check_entries("modules", self.modules, model)
+            if not self.plan(model)[0]:
+                raise ConfigError(f"algorithms: float8.modules {self.modules} leaves no Linear layer to convert "
+                                  f"(none matches, or float8.filter_fqns {self.filter_fqns} keeps those that do)")
 
     def apply(self, model: nn.Module, ctx: ModelContext) -> nn.Module:
         """Swap the selected Linear layers for ``Float8Linear``; returns the model.

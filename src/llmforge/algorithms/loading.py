@@ -55,14 +55,13 @@ def entry_label(cfg: Any, index: int) -> str:
     return f"algorithms[{index}] ({cfg.algorithms[index]['name']})"
 
 
-def check_algorithms(cfg: Any, algos: Sequence[Any], run: Optional[Any] = None) -> None:
-    """Every entry is an :class:`Algorithm`, none is listed twice (unless its class sets
-    ``allow_multiple = True``) nor has a misspelled event method (:func:`misspelled_events`),
-    then each algorithm's own :meth:`Algorithm.check` with one :class:`CheckContext` (``run``,
-    default :func:`unresolved_run`; the meta model is built once for all of them).
+def check_listed_once(cfg: Any, algos: Sequence[Any]) -> None:
+    """Every entry is an :class:`Algorithm` and none is listed twice (unless its class sets
+    ``allow_multiple = True``): two entries of one algorithm would apply it twice, or the
+    second's keys silently.
 
     Raises:
-        ConfigError: naming the entries (``algorithms[i] (name)``) or keys involved.
+        ConfigError: naming the entries (``algorithms[i] (name)``).
     """
     seen: dict[type, int] = {}
     for i, algo in enumerate(algos):
@@ -75,7 +74,20 @@ def check_algorithms(cfg: Any, algos: Sequence[Any], run: Optional[Any] = None) 
             raise ConfigError(f"{entry_label(cfg, seen[cls])} and {entry_label(cfg, i)} are the "
                               f"same algorithm; list it once with all its keys")
         seen[cls] = i
-        misspelled_events(cfg, i, cls)
+
+
+def check_algorithms(cfg: Any, algos: Sequence[Any], run: Optional[Any] = None) -> None:
+    """Every entry is an :class:`Algorithm`, none is listed twice (unless its class sets
+    ``allow_multiple = True``) nor has a misspelled event method (:func:`misspelled_events`),
+    then each algorithm's own :meth:`Algorithm.check` with one :class:`CheckContext` (``run``,
+    default :func:`unresolved_run`; the meta model is built once for all of them).
+
+    Raises:
+        ConfigError: naming the entries (``algorithms[i] (name)``) or keys involved.
+    """
+    check_listed_once(cfg, algos)
+    for i, algo in enumerate(algos):
+        misspelled_events(cfg, i, type(algo))
     ctx = CheckContext(run if run is not None else unresolved_run(cfg), list(algos))
     for algo in algos:
         if len(inspect.signature(algo.check).parameters) >= 2:

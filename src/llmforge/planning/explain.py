@@ -27,22 +27,26 @@ def _layout(lo: Any) -> str:
     return " x ".join(parts) + f", AC {lo.activation_checkpointing}, mbs {lo.micro_batch_size}"
 
 
-def _decides(a: Optional[dict], b: Optional[dict]) -> str:
-    """The term whose seconds differ most between two term dicts."""
+def _decides(a: Optional[dict], b: Optional[dict], within: bool = False) -> str:
+    """What decides for ``a`` (the winner's terms) against ``b``: the term it saves most seconds
+    on; ``within`` the model's error, the term where they differ most either way."""
     if not a or not b:
         return ""
-    k = max(a, key=lambda t: abs(a[t] - b.get(t, 0.0)))
+    k = max(a, key=lambda t: abs(a[t] - b.get(t, 0.0)) if within else b.get(t, 0.0) - a[t])
     if a[k] == b.get(k, 0.0):
         return ""
-    return f"; decided by {k} ({a[k]:.3g} s against {b.get(k, 0.0):.3g} s per step)"
+    how = "they differ most in" if within else "decided by"
+    return f"; {how} {k} ({a[k]:.3g} s against {b.get(k, 0.0):.3g} s per step)"
 
 
 def _compare(name: str, tps: float, peak: float, terms: Optional[dict], win: Any, error: float) -> str:
     gap = win.tokens_per_second_per_gpu / tps - 1
-    verdict = (f"within the model's error ({error:.1%}): no winner between them" if abs(gap) <= error
+    within = abs(gap) <= error
+    verdict = (f"within the model's error of a comparison ({error:.1%}): no winner between them" if within
                else f"winner {gap:+.0%} tokens/s per GPU")
-    return (f"{name}: {tps:.0f} tokens/s per GPU, {peak / GIB:.1f} GiB ({(win.peak_bytes - peak) / GIB:+.1f} "
-            f"GiB for the winner); {verdict}{_decides(win.terms, terms)}")
+    more = round((win.peak_bytes - peak) / GIB, 1) + 0.0  # no "-0.0"
+    return (f"{name}: {tps:.0f} tokens/s per GPU, {peak / GIB:.1f} GiB ({more:+.1f} "
+            f"GiB for the winner); {verdict}{_decides(win.terms, terms, within)}")
 
 
 def explain(p: Any, cfg: Any) -> list[str]:

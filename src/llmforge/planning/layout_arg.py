@@ -14,12 +14,13 @@ import torch
 from omegaconf import OmegaConf
 
 from llmforge import registry
+from llmforge.algorithms.loading import check_listed_once
 from llmforge.config.validate import check_entries, check_parallel_keys, packed_sft
 from llmforge.errors import ConfigError
 from llmforge.models.memory_estimate import ac_mode
 from llmforge.models.spec import get_spec
 from llmforge.parallel.pipeline import rank_stages
-from llmforge.planning.calibration import model_error
+from llmforge.planning.calibration import comparison_error, model_error
 from llmforge.planning.context import check_cp, cp_of
 from llmforge.planning.gpus import GPUKind
 from llmforge.planning.layout import AC_MODES
@@ -83,6 +84,7 @@ def _precision(cfg: Any, algos: list[Algorithm], model: Any) -> tuple[str, bool,
         compiled = compiled or name == "compile"
         if name != "float8":
             continue
+        a.check_model(model)  # a filter entry that names no module exits 2, as in training
         converted, kept = a.plan(model)
         if any(c.startswith(b + ".") for c in converted for b in blocks):  # the output alone: no speed-up
             prec = "fp8_tensorwise" if a.recipe == "tensorwise" else "fp8_rowwise"
@@ -148,11 +150,13 @@ def built_algorithms(cfg: Any) -> list[Algorithm]:
 
     Raises:
         ConfigError: an entry that is no mapping with a string ``name``
-            (:func:`~llmforge.config.validate.check_entries`), what the entries' classes refuse;
-            each names the entry and the key.
+            (:func:`~llmforge.config.validate.check_entries`), what the entries' classes refuse,
+            an algorithm listed twice; each names the entry and the key.
     """
     check_entries("algorithms", cfg.algorithms)
-    return build_entries(registry.algorithms, "algorithms", cfg.algorithms or [], base=Algorithm)
+    algos = build_entries(registry.algorithms, "algorithms", cfg.algorithms or [], base=Algorithm)
+    check_listed_once(cfg, algos)
+    return algos
 
 
 def calibrated_setting(cfg: Any, world: int, gpu: GPUKind,
@@ -280,12 +284,14 @@ def layout_report(s: Setting, gpu: GPUKind, config: str, compare: bool = True,
         "memory_bytes_per_rank": v.memory, "fits": v.fits, "fit_share": FIT_SHARE,
         "tokens_per_second_per_gpu": pr.tokens_per_second_per_gpu, "mfu": pr.mfu,
         "step_seconds": pr.step_seconds, "terms_seconds": pr.terms, "limit": pr.limit,
-        "model_error": model_error(), "compile": s.compile}
+        "model_error": model_error(), "comparison_error": comparison_error(), "compile": s.compile}
     if compare:
         best = best_layout(s, allowed=allowed, node=gpu.gpus_per_node)
         if best is not None:
+            same = _text(best.setting) == _text(s)
             out["best"] = {"layout": _text(best.setting), "tokens_per_second_per_gpu":
-                           best.prediction.tokens_per_second_per_gpu, "versus": versus(best, v)}
+                           best.prediction.tokens_per_second_per_gpu,
+                           "versus": "this layout" if same else versus(best, v), "is_this_layout": same}
         pub = published_layout(s.shape.name, s.world, s.seq_len)
         if pub is not None:
             out["published"] = {"layout": _text(pub.setting), "measured_tokens_per_second_per_gpu":
@@ -327,13 +333,16 @@ def format_report(r: dict[str, Any]) -> str:
     parts = ", ".join(f"{k.replace('_', ' ')} {v / gib:.1f}" for k, v in mem.items()
                       if k != "total" and (v or k != "unsharded_gradients"))
     lines = [f"layout {_text_of(r['layout'])} of {r['config']} on {r['world_size']} x {r['gpu']} "
-             f"(analytic; model error {r['model_error']:.1%} held out, docs/scale.md)",
+             f"(analytic; held-out error {r['model_error']:.1%}, {r['comparison_error']:.1%} for a comparison of "
+             f"two layouts, docs/scale.md)",
              f"  memory per rank {mem['total'] / gib:.1f} GiB ({parts}): "
              f"{'fits' if r['fits'] else 'does NOT fit'} in "
              f"{r['fit_share']:.0%} of the GPU",
              f"  {r['tokens_per_second_per_gpu']:.0f} tokens/s per GPU, MFU {r['mfu']:.1%}, step "
              f"{r['step_seconds']:.3g} s: {terms}; limited by {r['limit']}"]
-    if "best" in r:
+    if "best" in r and r["best"]["is_this_layout"]:
+        lines.append("  best layout found: this one")
+    elif "best" in r:
         lines.append(f"  best layout found: {r['best']['layout']} at {r['best']['tokens_per_second_per_gpu']:.0f} "
                      f"tokens/s per GPU ({r['best']['versus']})")
     if r.get("compile"):

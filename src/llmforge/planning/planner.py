@@ -202,8 +202,9 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
             lighter = AC_MODES[i - 1] if i else None
             if lighter and (tp, lighter) in refs and not worth(lighter, ac):
                 skipped[tp, ac] = Candidate(reference(ac), "slower",
-                                            f"not simulated: no layout at tp={tp} that activation_checkpointing "
-                                            f"{lighter} does not fit would be faster with {ac}")
+                                            f"not simulated: more recomputation than {lighter} could only speed "
+                                            f"up layouts that {lighter} does not fit at tp={tp}, and none of them "
+                                            f"would beat {lighter}'s fastest")
                 continue
             if (tp, AC_MODES[max(0, i - 1)]) in skipped and i:
                 skipped[tp, ac] = replace(skipped[tp, AC_MODES[i - 1]], layout=reference(ac))

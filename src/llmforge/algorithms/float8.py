@@ -306,7 +306,8 @@ class Float8(Algorithm):
                     f"{run.cfg.strategy.name} on {run.world_size} "
                     f"process(es) shards over {shard}; set "
                     "float8.enable_fsdp_float8_all_gather=false or train with FSDP2 on several devices")
-        self.check_model(run.model)
+        if self.explicit_filter or self.modules is not None:  # the meta model only when needed
+            self.check_model(run.model)
 
     def check_model(self, model: nn.Module) -> None:
         """The filters against ``model``: each given ``filter_fqns`` and ``modules`` entry names a

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import argparse
 import pprint
-import statistics
 import sys
 from pathlib import Path
 
 from llmforge.planning import calibration
-from llmforge.planning.calibration import comparison_errors, fit, fit_folds, held_out, summary
+from llmforge.planning.calibration import comparison_summary, fit, fit_folds, held_out, summary
 from llmforge.planning.gpus import gpu_kind
 from llmforge.planning.published import PUBLISHED_LAYOUTS, RUNS, SOURCES
 from llmforge.planning.step_model import CostParams, predict
@@ -95,13 +94,6 @@ def memory_check() -> str:
     return (f"memory: {fit} of {len(RUNS)} published runs predicted to fit; the largest predicted "
             f"peak is {top:.1%} of its GPU ({run.label}); fits below {FIT_SHARE:.0%} (arXiv "
             f"2411.06465: no out-of-memory failure below about 80 % in 454 runs)")
-
-
-def comparison_summary(errors) -> dict:
-    """``comparison``: the median error of the predicted ratios of held-out rows of one source
-    and one model (:func:`~llmforge.planning.calibration.comparison_errors`), over ``pairs``."""
-    pairs = comparison_errors(errors)
-    return {"comparison": statistics.median(pairs), "pairs": len(pairs)}
 
 
 def main(argv: list[str] | None = None) -> int:

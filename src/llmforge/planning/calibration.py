@@ -163,6 +163,13 @@ def comparison_errors(errors: Sequence[RowError]) -> list[float]:
     return out
 
 
+def comparison_summary(errors: Sequence[RowError]) -> dict[str, float]:
+    """``comparison``: the median of :func:`comparison_errors` over ``errors``, and their number
+    ``pairs`` (what :data:`HELD_OUT` stores beside :func:`summary`)."""
+    pairs = comparison_errors(errors)
+    return {"comparison": statistics.median(pairs), "pairs": len(pairs)}
+
+
 def fit_folds() -> dict[str, CostParams]:
     """Leave-one-source-out: per source, the constants fitted on every other source's rows."""
     return {src: fit([r for r in RUNS if r.source != src]) for src in SOURCES}
@@ -181,5 +188,5 @@ def comparison_error() -> float:
     return float(HELD_OUT["comparison"])
 
 
-__all__ = ["BOUNDS", "FITTED", "FOLDS", "HELD_OUT", "RowError", "comparison_error", "comparison_errors", "fit",
-           "fit_folds", "held_out", "log_error", "model_error", "nelder_mead", "summary"]
+__all__ = ["BOUNDS", "FITTED", "FOLDS", "HELD_OUT", "RowError", "comparison_error", "comparison_errors",
+           "comparison_summary", "fit", "fit_folds", "held_out", "log_error", "model_error", "nelder_mead", "summary"]

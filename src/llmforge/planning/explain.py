@@ -16,7 +16,7 @@ from llmforge.parallel.pipeline import min_microbatches
 from llmforge.planning.calibration import comparison_error
 from llmforge.planning.layout_arg import at_layout, calibrated_setting
 from llmforge.planning.published import published_layout
-from llmforge.planning.whatif import assess
+from llmforge.planning.whatif import assess, deciding_term
 
 GIB = 1024**3
 
@@ -32,7 +32,7 @@ def _decides(a: Optional[dict], b: Optional[dict], within: bool = False) -> str:
     on; ``within`` the model's error, the term where they differ most either way."""
     if not a or not b:
         return ""
-    k = max(a, key=lambda t: abs(a[t] - b.get(t, 0.0)) if within else b.get(t, 0.0) - a[t])
+    k = deciding_term(a, b, within)
     if a[k] == b.get(k, 0.0):
         return ""
     how = "they differ most in" if within else "decided by"

@@ -86,7 +86,7 @@ from llmforge.planning.search import (MAX_GPUS, Candidate, _divisors, check_gpus
                                       tp_degrees)
 from llmforge.planning.simulate import StepMeasurement
 from llmforge.planning.stages import StageShape, simulate_layout
-from llmforge.planning.step_model import predict
+from llmforge.planning.step_model import Prediction, predict
 from llmforge.plugin import meta_model
 
 __all__ = ["EFFICIENCY", "HEADROOM", "MAX_CONFIRM", "MAX_GPUS", "P2P_LATENCY", "Candidate", "Plan",
@@ -123,13 +123,18 @@ class Plan:
                 "smallest_fitting_gpus": self.min_gpus}
 
 
+def _timed(base: Setting, lo: Layout, ac: Optional[str] = None) -> Prediction:
+    """The calibrated model's step of layout ``lo`` (with activation checkpointing ``ac``, default
+    its own) in the recipe ``base``."""
+    return predict(at_layout(base, lo.dp_replicate, lo.dp_shard, lo.tp, lo.pp, lo.cp,
+                             ac or lo.activation_checkpointing, lo.micro_batch_size), FITTED)
+
+
 def _score(cand: Candidate, peak: float, step: float, cfg: Any, world: int, gpu: GPUKind,
            flops_per_token: float, base: Optional[Setting] = None) -> None:
     tokens = int(cfg.trainer.global_batch_size) * int(cfg.trainer.seq_len)
     if base is not None:
-        lo = cand.layout
-        pr = predict(at_layout(base, lo.dp_replicate, lo.dp_shard, lo.tp, lo.pp, lo.cp,
-                               lo.activation_checkpointing, lo.micro_batch_size), FITTED)
+        pr = _timed(base, cand.layout)
         step, cand.terms, cand.traffic = pr.step_seconds, pr.terms, pr.overlapped
     cand.peak_bytes, cand.step_seconds = peak, step
     cand.tokens_per_second_per_gpu = tokens / step / world
@@ -167,6 +172,13 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
     budget = gpu.memory_bytes * (1 - HEADROOM)
     spec = get_spec(cfg.model.name)
     flops_per_token = float(spec.flops(model, int(cfg.trainer.seq_len)))
+    def derived(ref: StepMeasurement, lo: Layout) -> tuple[float, float]:
+        # peak and step of ``lo`` from its group's measurement (cp > 1: its cp=1 twin's plus cp's terms)
+        peak, step, _ = derive(ref, twin(lo), gbs, gpu, **moe)
+        if lo.cp > 1:
+            peak += peak_delta(ref, lo, base.shape, moe["seq_len"], base.cp_mode, width)
+        return peak, step
+
     refs: dict[tuple[int, str], StepMeasurement] = {}
     skipped: dict[tuple[int, str], Candidate] = {}  # groups not simulated, with the reason
     groups = sorted({lo.tp for lo in layouts})
@@ -183,20 +195,13 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
             # can win only on a layout ``lighter`` does not fit (a larger micro-batch, fewer
             # stages), and, timed by the calibrated model, only if faster there than the
             # fastest layout ``lighter`` fits
-            ref, fit, over = refs[tp, lighter], [], []
+            fit, over = [], []
             for lo in (lo for lo in layouts if lo.tp == tp and lo.activation_checkpointing == lighter):
-                peak = derive(ref, twin(lo), gbs, gpu, **moe)[0]
-                peak += peak_delta(ref, lo, base.shape, moe["seq_len"], base.cp_mode, width) if lo.cp > 1 else 0.0
-                (fit if peak <= budget else over).append(lo)
+                (fit if derived(refs[tp, lighter], lo)[0] <= budget else over).append(lo)
             if not over or base is None:
                 return bool(over)
-
-            def step(lo: Layout, mode: str) -> float:
-                s = at_layout(base, lo.dp_replicate, lo.dp_shard, lo.tp, lo.pp, lo.cp, mode, lo.micro_batch_size)
-                return predict(s, FITTED).step_seconds
-
-            fastest = min((step(lo, lighter) for lo in fit), default=float("inf"))
-            return any(step(lo, ac) < fastest for lo in over)
+            fastest = min((_timed(base, lo).step_seconds for lo in fit), default=float("inf"))
+            return any(_timed(base, lo, ac).step_seconds < fastest for lo in over)
 
         for i, ac in enumerate(AC_MODES):
             lighter = AC_MODES[i - 1] if i else None
@@ -228,8 +233,7 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
         key = (lo.tp, lo.activation_checkpointing)
         if key not in refs:
             continue
-        peak, step, _ = derive(refs[key], twin(lo), gbs, gpu, **moe)
-        peak += peak_delta(refs[key], lo, base.shape, moe["seq_len"], base.cp_mode, width) if lo.cp > 1 else 0.0
+        peak, step = derived(refs[key], lo)
         cand = Candidate(lo)
         _score(cand, peak, step, cfg, world, gpu, flops_per_token, base)
         if peak > budget:

@@ -157,6 +157,14 @@ def same_layout(a: Setting, b: Setting) -> bool:
     return (a.dp_replicate, a.dp_shard, a.tp, a.pp, a.cp) == (b.dp_replicate, b.dp_shard, b.tp, b.pp, b.cp)
 
 
+def deciding_term(a: dict[str, float], b: dict[str, float], within: bool = False) -> str:
+    """The step term (seconds per step, :class:`~llmforge.planning.step_model.Prediction`) the
+    faster layout ``a`` saves most on against ``b``; ``within`` the model's error, where they
+    differ most either way (the terms are per step; steps of different layouts move the same
+    global batch)."""
+    return max(a, key=lambda k: abs(a[k] - b.get(k, 0.0)) if within else b.get(k, 0.0) - a[k])
+
+
 def versus(chosen: Verdict, other: Verdict, error: Optional[float] = None) -> str:
     """One phrase comparing ``chosen`` with ``other``: its tokens/s difference, the term whose
     seconds differ most (what decides), and, when the difference is below the model's
@@ -165,10 +173,8 @@ def versus(chosen: Verdict, other: Verdict, error: Optional[float] = None) -> st
     error = comparison_error() if error is None else error
     gap = chosen.prediction.tokens_per_second_per_gpu / other.prediction.tokens_per_second_per_gpu - 1
     a, b = chosen.prediction.terms, other.prediction.terms
-    # the terms are per step; steps of different layouts move the same global batch. What
-    # decides is the term the faster one saves most on; within the error, the largest difference
-    within, sign = abs(gap) <= error, 1.0 if gap >= 0 else -1.0
-    key = max(a, key=lambda k: abs(a[k] - b[k]) if within else sign * (b[k] - a[k]))
+    within = abs(gap) <= error
+    key = deciding_term(a, b, within) if gap >= 0 else deciding_term(b, a, within)
     decided = f"{key} {a[key]:.3g} s against {b[key]:.3g} s"
     if within:
         return (f"{gap:+.1%} tokens/s per GPU: within the model's error of a comparison ({error:.1%}); "

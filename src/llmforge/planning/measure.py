@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as _c10d
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.common_utils import get_untyped_storages
-from torch.distributed._tools.mem_tracker import MemTracker, _RefType, _UpdateType, _WeakRefInfo
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _RefType, _UpdateType, _WeakRefInfo
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
@@ -98,11 +98,51 @@ class _EveryStorage:
                 self._update_snap(_UpdateType.ADD, winfo)
 
 
-class StepFSDPMemTracker(_EveryStorage, FSDPMemTracker):
-    """torch's ``FSDPMemTracker`` counting every storage of a tensor (:class:`_EveryStorage`)."""
+class _ActivePeaks:
+    """The tracker's peaks updated from the modules that are running: torch 2.13's
+    ``MemTracker._update_peak_stats`` walks the stats of every module it has seen (a weak
+    dictionary: a dereference and a ``hasattr`` per module) after every operator, to find the few
+    whose forward or backward is under way; that walk was a quarter of a plan's time. Here the
+    stats are indexed by name once per change of the dictionary, and the update is torch's."""
+
+    _by_fqn: dict
+    _indexed: tuple = ()
+
+    def _running_stats(self) -> list:
+        tracked = self.memory_tracking
+        key = (id(tracked), len(tracked), getattr(self, "_resets", 0))
+        if key != self._indexed:  # a module was added, collected, or the stats were reset
+            self._by_fqn = defaultdict(list)
+            for stats in tracked.values():
+                self._by_fqn[stats.mod_fqn].append(stats)
+            self._indexed = key
+        return [s for fqn in self._mod_tracker.parents for s in self._by_fqn.get(fqn, ())
+                if s.mod_fqn == fqn]
+
+    def reset_mod_stats(self) -> None:
+        self._resets = getattr(self, "_resets", 0) + 1
+        super().reset_mod_stats()
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        snap = self._curr_mem_snap
+        for stats in self._running_stats():
+            if peak_state in stats.snapshots:
+                for dev, dev_snap in snap.items():
+                    if stats.local_peak.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                        stats.local_peak[dev] = dev_snap[_TOTAL_KEY]
+                        stats.snapshots[peak_state][-1][dev] = copy.deepcopy(dev_snap)
+        for dev, dev_snap in snap.items():
+            if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+                self._peak_mem_snap[dev] = copy.deepcopy(dev_snap)
 
 
-class FrozenSafeMemTracker(_EveryStorage, MemTracker):
+class StepFSDPMemTracker(_ActivePeaks, _EveryStorage, FSDPMemTracker):
+    """torch's ``FSDPMemTracker`` counting every storage of a tensor (:class:`_EveryStorage`),
+    its peaks updated from the running modules only (:class:`_ActivePeaks`)."""
+
+
+class FrozenSafeMemTracker(_ActivePeaks, _EveryStorage, MemTracker):
     """``MemTracker`` for models with frozen weights (e.g. adapters on a frozen base): torch
     2.13's tracker registers a gradient hook on every parameter of a module it enters, which
     raises on a parameter that does not require grad. Frozen parameters are counted as

@@ -330,6 +330,10 @@ def test_llama_args_from_omegaconf_and_no_preset():
     (ModelConfig(n_heads=8, n_kv_heads=3), r"model\.n_heads \(8\).*model\.n_kv_heads \(3\)"),
     (ModelConfig(rope_scaling={"factor": 8}), r"model\.rope_scaling.*missing"),
     (ModelConfig(n_layers=0), r"model\.n_layers"),
+    # absurd sizes: 10**300 blocks had never finished building, a width of 10**300 overflowed torch
+    (ModelConfig(n_layers=10**300), r"model\.n_layers is a 301-digit number: llmforge builds at most 8,192"),
+    (ModelConfig(dim=10**300), r"model\.dim is a 301-digit number: llmforge builds at most 16,777,216"),
+    (ModelConfig(vocab_size=2**24 + 1), r"model\.vocab_size is 16,777,217: llmforge builds at most"),
 ])
 def test_llama_args_from_config_errors(cfg, match):
     with pytest.raises(ConfigError, match=match):

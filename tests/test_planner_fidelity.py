@@ -5,6 +5,7 @@ held-out error the benchmark printed, so a change to the cost model that breaks 
 import json
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from llmforge.planning.calibration import BOUNDS, FITTED, HELD_OUT, comparison_errors, held_out, summary
@@ -131,6 +132,8 @@ def test_float8_speeds_up_the_layers_it_converts():
         predict(replace(s, precision="bf16"), FITTED).terms["compute"])
     with pytest.raises(ValueError, match="fp8_share"):
         replace(s, fp8_share=1.5)
+    assert predict(replace(s, fp8_share=np.float32(0.5)), FITTED).terms == \
+        predict(replace(s, fp8_share=0.5), FITTED).terms  # a numpy share is a number
 
 
 def test_plan_layout_predicts_one_layout_and_names_bad_keys():
@@ -224,6 +227,9 @@ def test_plan_layout_predicts_one_layout_and_names_bad_keys():
         return r["tokens_per_second_per_gpu"], r["terms_seconds"]["tp"]
 
     fp8, plain = predicted("{name: float8}"), predicted("")
+    said = run_main("plan", DEMO, "--gpus", "2", "--layout", "tp=2,dp_shard=1", "algorithms=[{name: float8}]", "--json")
+    r = json.loads(said.stdout)  # what float8 converts, beside the prediction
+    assert (r["precision"], r["fp8_all_gather"]) == ("fp8_tensorwise", False) and 0.5 < r["fp8_share"] < 1, r
     bf16_gathers = predicted("{name: float8, enable_tp_float8_all_gather: false}")
     assert predicted("{name: llmforge.algorithms.float8.Float8}") == fp8 and bf16_gathers[1] > fp8[1]
     assert predicted("{name: float8, modules: [output], filter_fqns: []}") == plain

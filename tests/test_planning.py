@@ -13,6 +13,7 @@ from llmforge import cli
 from llmforge.config import load_config
 from llmforge.planning.depth import simulate_scaled
 from llmforge.planning.gpus import gpu_kind
+from llmforge.planning.report import report
 from llmforge.planning.planner import plan
 from llmforge.planning.layout import Layout
 from llmforge.planning.simulate import simulate
@@ -318,6 +319,9 @@ def test_plan_simulates_more_recomputation_where_it_can_win():
     (full,) = [c for c in result.candidates if (c.layout.tp, c.layout.activation_checkpointing) == (8, "full")]
     assert full.reason.endswith("layouts that selective does not fit at tp=8, and none of them would beat "
                                 "selective's fastest")
+    counted = " ".join(report(result, "llama3_70b.yaml", 1.0).split("candidates: ")[1].split())
+    assert f"{sum(c.peak_bytes is None and c.status == 'slower' for c in result.candidates)} slower groups " \
+        "not simulated" in counted
 
 
 def test_simulation_runs_lora_with_frozen_weights():

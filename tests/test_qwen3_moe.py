@@ -182,6 +182,7 @@ def test_dry_run_prints_total_and_active_parameters(capsys):
     # a micro-batch of 8 x 256 tokens, top-2 of 8 experts: 0.001 x 2048 x 2 / 8 = 0.512
     ("model.capacity_factor=0.001", "model.capacity_factor=0.001 leaves 0.512 tokens per expert in a "
      "forward of 2,048 tokens"),
+    ("model.num_experts=" + "9" * 40, "model.num_experts is a 40-digit number: llmforge builds at most 16,777,216"),
 ])
 def test_bad_moe_keys_exit_2_naming_the_key(tmp_path, capsys, override, message):
     code = main(["train", MOE_DEMO, "--dry-run", *override.split(), f"run.output_dir={tmp_path}"])

@@ -59,7 +59,7 @@ from llmforge import registry
 from llmforge.errors import ConfigError
 
 __all__ = ["ModelSpec", "MemoryShape", "family_spec", "get_spec", "spec_for_model",
-           "spec_for_hf_type", "cfg_get", "reject_factory_kwargs", "factory_kind"]
+           "spec_for_hf_type", "cfg_get", "check_shape_int", "reject_factory_kwargs", "factory_kind"]
 
 Ref = Union[str, Callable[..., Any], None]
 
@@ -83,6 +83,29 @@ def cfg_get(cfg: Any, key: str) -> Any:
     if isinstance(value, (DictConfig, ListConfig)):
         return OmegaConf.to_container(value, resolve=True)
     return value
+
+
+# The largest shape a built-in family accepts: past these a meta model never finishes building
+# (10**300 blocks) or torch's size arithmetic overflows (a width of 10**300). Blocks: 65 x the
+# deepest published dense model (Llama 3.1 405B: 126); widths, heads, vocabulary: 2**24, 1,024
+# x its width (16,384); sequence: 2**30 tokens.
+SHAPE_LIMITS = {"n_layers": 8_192, "max_seq_len": 2**30}
+WIDTH_LIMIT = 2**24
+
+
+def check_shape_int(key: str, value: Any) -> None:
+    """A ``model.<key>`` shape field is an integer from 1 to its limit (:data:`SHAPE_LIMITS`,
+    else :data:`WIDTH_LIMIT`).
+
+    Raises:
+        ConfigError: naming ``model.<key>``, the value and the limit.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"model.{key} must be a positive integer; got {value!r}")
+    limit = SHAPE_LIMITS.get(key, WIDTH_LIMIT)
+    if value > limit:
+        shown = f"{value:,}" if value < 10**30 else f"a {len(str(value))}-digit number"
+        raise ConfigError(f"model.{key} is {shown}: llmforge builds at most {limit:,}; give a smaller value")
 
 
 def reject_factory_kwargs(family: str, cfg: Any, kwargs: Mapping[str, Any]) -> None:

@@ -27,6 +27,7 @@ from llmforge.planning.layout import AC_MODES
 from llmforge.planning.published import Setting, Shape, published_layout
 from llmforge.planning.search import tp_degrees
 from llmforge.planning.stages import pp_allowed
+from llmforge.planning.step_model import fp8_share
 from llmforge.planning.whatif import FIT_SHARE, assess, best_layout, versus
 from llmforge.plugin import Algorithm, meta_model
 from llmforge.registry import build_entries
@@ -284,7 +285,9 @@ def layout_report(s: Setting, gpu: GPUKind, config: str, compare: bool = True,
         "memory_bytes_per_rank": v.memory, "fits": v.fits, "fit_share": FIT_SHARE,
         "tokens_per_second_per_gpu": pr.tokens_per_second_per_gpu, "mfu": pr.mfu,
         "step_seconds": pr.step_seconds, "terms_seconds": pr.terms, "limit": pr.limit,
-        "model_error": model_error(), "comparison_error": comparison_error(), "compile": s.compile}
+        "model_error": model_error(), "comparison_error": comparison_error(), "compile": s.compile,
+        "precision": s.precision, "fp8_all_gather": s.fp8_all_gather,
+        "fp8_share": None if s.precision == "bf16" else fp8_share(s)}
     if compare:
         best = best_layout(s, allowed=allowed, node=gpu.gpus_per_node)
         if best is not None:
@@ -338,6 +341,9 @@ def format_report(r: dict[str, Any]) -> str:
              f"  memory per rank {mem['total'] / gib:.1f} GiB ({parts}): "
              f"{'fits' if r['fits'] else 'does NOT fit'} in "
              f"{r['fit_share']:.0%} of the GPU",
+             f"  precision {r['precision']}" + (f" on {r['fp8_share']:.1%} of the linear FLOPs"
+                                                 f"{', float8 all-gather' if r['fp8_all_gather'] else ''}"
+                                                 if r["fp8_share"] is not None else ""),
              f"  {r['tokens_per_second_per_gpu']:.0f} tokens/s per GPU, MFU {r['mfu']:.1%}, step "
              f"{r['step_seconds']:.3g} s: {terms}; limited by {r['limit']}"]
     if "best" in r and r["best"]["is_this_layout"]:

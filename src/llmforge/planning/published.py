@@ -13,6 +13,7 @@ SXM and NVL, and we don't know its exact value"); the others are rows of
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -138,8 +139,8 @@ class Setting:
         for name in ("fp8_all_gather", "fp8_tp_all_gather", "fp8_recompute_weight", "compile", "async_tp"):
             if not isinstance(getattr(self, name), bool):  # a string 'no' would read as true
                 raise ValueError(f"Setting.{name} must be a bool, got {getattr(self, name)!r}")
-        share = self.fp8_share
-        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
+        share = self.fp8_share  # numbers.Real: a numpy float32 share is a share too
+        if share is not None and (isinstance(share, bool) or not isinstance(share, numbers.Real)
                                   or not 0 <= share <= 1):
             raise ValueError(f"Setting.fp8_share must be a share of the linear FLOPs in [0, 1] or None "
                              f"(every block's), got {share!r}")

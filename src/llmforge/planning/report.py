@@ -51,8 +51,9 @@ def report(p: Plan, config: str, seconds: float, top: int = 8, algorithms: Optio
         lines += _wrap(f"{c.status}{' (simulated)' if c.simulated else ''}"
                        f"{': ' + c.reason if c.reason else ''}", "    ")
     counts: dict[str, int] = {}
-    for c in p.candidates:
-        counts[c.status] = counts.get(c.status, 0) + 1
+    for c in p.candidates:  # a whole group left out as slower is no layout measured slower
+        status = "slower groups not simulated" if c.status == "slower" and c.peak_bytes is None else c.status
+        counts[status] = counts.get(status, 0) + 1
     lines += _wrap("candidates: " + ", ".join(f"{n} {s}" for s, n in counts.items())
                    + (f" ({len(measured) - top} more measured layouts not shown: --json lists every one)"
                       if len(measured) > top else ""), "")

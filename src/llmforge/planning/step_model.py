@@ -158,6 +158,11 @@ def block_linear_share(shape: Shape) -> float:
     return blocks / (blocks + shape.vocab_size * shape.dim)
 
 
+def fp8_share(s: Setting) -> float:
+    """The share of the linear FLOPs float8 runs: ``s.fp8_share``, else every block's."""
+    return block_linear_share(s.shape) if s.fp8_share is None else float(s.fp8_share)
+
+
 def model_flops_per_token(shape: Shape, seq_len: int) -> float:
     """FLOPs per token MFU is counted with (PaLM, Chowdhery et al. 2022 App. B, as torchtitan
     and ``llmforge plan``'s table count it): ``6 x`` the matmul parameters plus ``12 L s d``
@@ -328,7 +333,7 @@ def predict(s: Setting, p: CostParams) -> Prediction:
     efficiency = p.matmul_efficiency / gemm_slowdown(sh, s.tp, p, s.micro_batch_size * s.seq_len / s.cp)
     speed = gpu.bf16_flops * efficiency * clock * (p.compile_speedup if s.compile else 1.0)
     fp8 = {"fp8_tensorwise": p.fp8_tensorwise_speedup, "fp8_rowwise": p.fp8_rowwise_speedup}.get(s.precision, 1.0)
-    share = block_linear_share(sh) if s.fp8_share is None else s.fp8_share
+    share = fp8_share(s)
     compute = tokens / s.world * (linear * (share / fp8 + 1 - share) + attention / p.attention_efficiency) / speed
     elementwise = (tokens / s.world * sh.n_layers * p.elementwise_passes * (sh.dim + sh.ffn_dim) * 2.0
                    * recompute * (p.compile_fusion if s.compile else 1.0) / (gpu.memory_bw * clock))
@@ -391,5 +396,5 @@ def predict(s: Setting, p: CostParams) -> Prediction:
 
 
 __all__ = ["CostParams", "Prediction", "block_linear_share", "context_parallel_seconds", "flops_per_token",
-           "gemm_slowdown", "in_node", "model_flops_per_token", "predict", "stage_imbalance", "TP_CALLS_PER_BLOCK",
-           "TP_GATHERS_PER_BLOCK"]
+           "fp8_share", "gemm_slowdown", "in_node", "model_flops_per_token", "predict", "stage_imbalance",
+           "TP_CALLS_PER_BLOCK", "TP_GATHERS_PER_BLOCK"]

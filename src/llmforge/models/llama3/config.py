@@ -25,7 +25,7 @@ from typing import Any, Dict, Mapping, Optional
 
 from llmforge.config.schema import ModelConfig
 from llmforge.errors import ConfigError
-from llmforge.models.spec import cfg_get as _get, MemoryShape
+from llmforge.models.spec import cfg_get as _get, check_shape_int, MemoryShape
 
 __all__ = ["Llama3Config", "LlamaArgs", "PRESETS", "llama_args_from_config", "OVERRIDABLE_FIELDS",
            "ROPE_SCALING_KEYS", "ffn_hidden_dim"]
@@ -220,9 +220,7 @@ def llama_args_from_config(cfg: Any) -> LlamaArgs:
 
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
                 "max_seq_len"):
-        v = base[key]
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ConfigError(f"model.{key} must be a positive integer; got {v!r}")
+        check_shape_int(key, base[key])
     for key in ("norm_eps", "rope_theta", "init_std"):
         v = base.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):

@@ -26,7 +26,7 @@ from typing import Any, Dict, Optional
 
 from llmforge.config.schema import ModelConfig
 from llmforge.errors import ConfigError
-from llmforge.models.spec import MemoryShape, cfg_get
+from llmforge.models.spec import MemoryShape, cfg_get, check_shape_int
 
 __all__ = ["Qwen3Config", "Qwen3Args", "PRESETS", "qwen3_args_from_config", "memory_shape"]
 
@@ -144,9 +144,7 @@ def qwen3_args_from_config(cfg: Any, *, family: str = "qwen3", presets: Optional
         if value is not None:
             base[key] = value
     for key in _INTS:
-        v = base.get(key, 1)
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ConfigError(f"model.{key} must be a positive integer; got {v!r}")
+        check_shape_int(key, base.get(key, 1))
     for key in ("norm_eps", "rope_theta", "init_std"):
         v = base.get(key, 1.0)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:

@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional
 
 from llmforge.errors import ConfigError
 from llmforge.models.qwen3.config import Qwen3Args, Qwen3Config, qwen3_args_from_config
-from llmforge.models.spec import MemoryShape
+from llmforge.models.spec import MemoryShape, check_shape_int
 
 __all__ = ["Qwen3MoeConfig", "Qwen3MoeArgs", "PRESETS", "qwen3_moe_args_from_config", "memory_shape",
            "is_sparse_layer", "check_tokens"]
@@ -115,11 +115,6 @@ _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "n
                "router_z_loss_coef", "capacity_factor", "router_bias_update_rate")
 
 
-def _positive_int(key: str, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ConfigError(f"model.{key} must be a positive integer; got {v!r}")
-
-
 def qwen3_moe_args_from_config(cfg: Any) -> Qwen3MoeArgs:
     """:class:`Qwen3MoeArgs` from the ``model:`` section (preset, then every non-null field).
 
@@ -132,7 +127,7 @@ def qwen3_moe_args_from_config(cfg: Any) -> Qwen3MoeArgs:
     a = qwen3_args_from_config(cfg, family="qwen3_moe", presets=PRESETS, fields=_MOE_FIELDS,
                                args_cls=Qwen3MoeArgs)
     for key in ("num_experts", "moe_intermediate_size", "decoder_sparse_step"):
-        _positive_int(key, getattr(a, key))
+        check_shape_int(key, getattr(a, key))
     k = a.num_experts_per_tok
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= a.num_experts:
         raise ConfigError(f"model.num_experts_per_tok must be an integer from 1 to model.num_experts "

@@ -303,10 +303,7 @@ def _simulate(cfg: Any, layout: Layout, n_layers: Optional[int], fake: bool,
         # the micro-batches run: a view, so the whole batch's storage is counted as before
         run = batch[:plan.micro_batch_size * n_micro]
         with tracker, _gc_paused():
-            if isinstance(tracker, FSDPMemTracker):
-                _optimizer_state(module, optimizer)  # the steady state's optimizer state
-            else:  # without FSDP2, TP's partial gradients of the norms need a real first step
-                _step(module, optimizer, run)
+            _step(module, optimizer, run)  # warm-up: the optimizer state exists from here on
             tracker.reset_mod_stats()
             # the steady-state step only: the warm-up's optimizer step creates the AdamW state
             # through DTensor, which the tracker counts at several times its size for a moment
@@ -329,22 +326,6 @@ def _simulate(cfg: Any, layout: Layout, n_layers: Optional[int], fake: bool,
         flops=step_flops / dims.tp, formula_flops=formula,
         collectives=collectives(comm, mesh), seconds=time.perf_counter() - t0, sharded_state=sharded,
         block_backward=list(phases.block_backward), rank=rank)
-
-
-def _optimizer_state(module: LLMModule, optimizer: Any) -> None:
-    """The state a first step leaves behind, at a third of its cost: the gradient clipping and
-    the optimizer step on zero gradients create what they keep (AdamW's moments, Muon's
-    momentum; the clipping's first call holds its own buffers), without a forward or backward.
-    With FSDP2 the measured step's peaks are those after a full warm-up step (FSDP2 alone, with
-    TP, PP and CP: every phase equal to 12 bytes). Not without it: with TP alone, the first
-    fused AdamW step on the norms' partial gradients leaves the next step's peak lower."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
-    module.clip_gradients_(optimizer)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
 
 
 def _step(module: LLMModule, optimizer: Any, batch: torch.Tensor) -> None:

@@ -143,6 +143,7 @@ def test_plan_layout_predicts_one_layout_and_names_bad_keys():
     assert ok.returncode == 0, ok.stderr
     assert "layout dp_shard=4,tp=2,ac=full,mbs=1" in ok.stdout and "tokens/s per GPU, MFU" in ok.stdout
     assert "memory per rank" in ok.stdout and "limited by" in ok.stdout and "best layout found" in ok.stdout
+    assert "precision bf16 (trainer.precision fp32 is predicted at bf16's speed)" in ok.stdout  # the demo's fp32
     for layout, gpus, words in (("dp_shard=2,tp=2", "8", "--layout dp_shard=2,tp=2: dp_replicate*dp_shard*tp*pp*cp = 4, not --gpus 8"),
                                 ("tp=3", "6", "--layout tp=3: strategy.tp=3 must divide model.n_heads (8) and model.n_kv_heads (4)"),
                                 # training holds whole key/value heads per rank: 4 of them do not
@@ -229,7 +230,8 @@ def test_plan_layout_predicts_one_layout_and_names_bad_keys():
     fp8, plain = predicted("{name: float8}"), predicted("")
     said = run_main("plan", DEMO, "--gpus", "2", "--layout", "tp=2,dp_shard=1", "algorithms=[{name: float8}]", "--json")
     r = json.loads(said.stdout)  # what float8 converts, beside the prediction
-    assert (r["precision"], r["fp8_all_gather"]) == ("fp8_tensorwise", False) and 0.5 < r["fp8_share"] < 1, r
+    assert (r["precision"], r["fp8_all_gather"], r["fp8_tp_all_gather"]) == ("fp8_tensorwise", False, True), r
+    assert 0.5 < r["fp8_share"] < 1 and r["trainer_precision"] == "fp32", r
     bf16_gathers = predicted("{name: float8, enable_tp_float8_all_gather: false}")
     assert predicted("{name: llmforge.algorithms.float8.Float8}") == fp8 and bf16_gathers[1] > fp8[1]
     assert predicted("{name: float8, modules: [output], filter_fqns: []}") == plain

@@ -286,7 +286,7 @@ def layout_report(s: Setting, gpu: GPUKind, config: str, compare: bool = True,
         "tokens_per_second_per_gpu": pr.tokens_per_second_per_gpu, "mfu": pr.mfu,
         "step_seconds": pr.step_seconds, "terms_seconds": pr.terms, "limit": pr.limit,
         "model_error": model_error(), "comparison_error": comparison_error(), "compile": s.compile,
-        "precision": s.precision, "fp8_all_gather": s.fp8_all_gather,
+        "precision": s.precision, "fp8_all_gather": s.fp8_all_gather, "fp8_tp_all_gather": s.fp8_tp_all_gather,
         "fp8_share": None if s.precision == "bf16" else fp8_share(s)}
     if compare:
         best = best_layout(s, allowed=allowed, node=gpu.gpus_per_node)
@@ -341,9 +341,7 @@ def format_report(r: dict[str, Any]) -> str:
              f"  memory per rank {mem['total'] / gib:.1f} GiB ({parts}): "
              f"{'fits' if r['fits'] else 'does NOT fit'} in "
              f"{r['fit_share']:.0%} of the GPU",
-             f"  precision {r['precision']}" + (f" on {r['fp8_share']:.1%} of the linear FLOPs"
-                                                 f"{', float8 all-gather' if r['fp8_all_gather'] else ''}"
-                                                 if r["fp8_share"] is not None else ""),
+             f"  precision {r['precision']}" + _precision_detail(r),
              f"  {r['tokens_per_second_per_gpu']:.0f} tokens/s per GPU, MFU {r['mfu']:.1%}, step "
              f"{r['step_seconds']:.3g} s: {terms}; limited by {r['limit']}"]
     if "best" in r and r["best"]["is_this_layout"]:
@@ -363,6 +361,18 @@ def format_report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _precision_detail(r: dict[str, Any]) -> str:
+    """float8's share and the gathers it makes float8 on this layout's FSDP and TP; fp32 said."""
+    if r["fp8_share"] is None:  # the published runs are bf16 or float8: fp32 has no row of its own
+        return (" (trainer.precision fp32 is predicted at bf16's speed)"
+                if r.get("trainer_precision") == "fp32" else "")
+    lo = r["layout"]
+    gathers = [dim for dim, on, used in (("FSDP", r["fp8_all_gather"], lo["dp_shard"] * lo["cp"] > 1),
+                                         ("TP", r["fp8_tp_all_gather"], lo["tp"] > 1)) if on and used]
+    return (f" on {r['fp8_share']:.1%} of the linear FLOPs"
+            + (f", float8 all-gathers on {' and '.join(gathers)}" if gathers else ""))
+
+
 def _text_of(lo: dict[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in lo.items() if v != 1 or k in ("dp_shard", "mbs"))
 
@@ -374,6 +384,7 @@ def run_layout(cfg: Any, config: str, world: int, gpu: GPUKind, text: str, as_js
         ConfigError: a bad layout (:func:`parse_layout`, :func:`config_setting`).
     """
     s = config_setting(cfg, world, gpu, parse_layout(text))
-    r = layout_report(s, gpu, config, allowed=runnable(cfg, world, gpu))
+    r = {**layout_report(s, gpu, config, allowed=runnable(cfg, world, gpu)),
+         "trainer_precision": str(cfg.trainer.precision)}
     print(json.dumps(r, indent=1) if as_json else format_report(r))
     return 0

@@ -334,6 +334,7 @@ def test_llama_args_from_omegaconf_and_no_preset():
     (ModelConfig(n_layers=10**300), r"model\.n_layers is a 301-digit number: llmforge builds at most 8,192"),
     (ModelConfig(dim=10**300), r"model\.dim is a 301-digit number: llmforge builds at most 16,777,216"),
     (ModelConfig(vocab_size=2**24 + 1), r"model\.vocab_size is 16,777,217: llmforge builds at most"),
+    (ModelConfig(dim=-10**40), r"model\.dim must be a positive integer; got a negative 41-digit number"),
 ])
 def test_llama_args_from_config_errors(cfg, match):
     with pytest.raises(ConfigError, match=match):

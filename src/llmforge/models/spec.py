@@ -100,11 +100,14 @@ def check_shape_int(key: str, value: Any) -> None:
     Raises:
         ConfigError: naming ``model.<key>``, the value and the limit.
     """
+    shown = (f"a {'negative ' * (value < 0)}{len(str(abs(value)))}-digit number"
+             if isinstance(value, int) and abs(value) >= 10**30
+             else repr(value))  # not 300 digits on the terminal
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"model.{key} must be a positive integer; got {value!r}")
+        raise ConfigError(f"model.{key} must be a positive integer; got {shown}")
     limit = SHAPE_LIMITS.get(key, WIDTH_LIMIT)
     if value > limit:
-        shown = f"{value:,}" if value < 10**30 else f"a {len(str(value))}-digit number"
+        shown = shown if value >= 10**30 else f"{value:,}"
         raise ConfigError(f"model.{key} is {shown}: llmforge builds at most {limit:,}; give a smaller value")
 
 

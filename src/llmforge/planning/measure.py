@@ -106,21 +106,19 @@ class _ActivePeaks:
     stats are indexed by name once per change of the dictionary, and the update is torch's."""
 
     _by_fqn: dict
-    _indexed: tuple = ()
+    _indexed: Optional[int] = None  # the dictionary's size when indexed; None: index again
 
     def _running_stats(self) -> list:
-        tracked = self.memory_tracking
-        key = (id(tracked), len(tracked), getattr(self, "_resets", 0))
-        if key != self._indexed:  # a module was added, collected, or the stats were reset
+        tracked = self.memory_tracking  # entries are only added, collected, or all cleared
+        if len(tracked) != self._indexed:
             self._by_fqn = defaultdict(list)
             for stats in tracked.values():
                 self._by_fqn[stats.mod_fqn].append(stats)
-            self._indexed = key
-        return [s for fqn in self._mod_tracker.parents for s in self._by_fqn.get(fqn, ())
-                if s.mod_fqn == fqn]
+            self._indexed = len(tracked)
+        return [s for fqn in self._mod_tracker.parents for s in self._by_fqn.get(fqn, ())]
 
     def reset_mod_stats(self) -> None:
-        self._resets = getattr(self, "_resets", 0) + 1
+        self._indexed = None  # cleared, then refilled to the same size with new stats
         super().reset_mod_stats()
 
     def _update_peak_stats(self, peak_state: Any) -> None:

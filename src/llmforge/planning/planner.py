@@ -172,6 +172,7 @@ def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scal
     budget = gpu.memory_bytes * (1 - HEADROOM)
     spec = get_spec(cfg.model.name)
     flops_per_token = float(spec.flops(model, int(cfg.trainer.seq_len)))
+
     def derived(ref: StepMeasurement, lo: Layout) -> tuple[float, float]:
         # peak and step of ``lo`` from its group's measurement (cp > 1: its cp=1 twin's plus cp's terms)
         peak, step, _ = derive(ref, twin(lo), gbs, gpu, **moe)

@@ -350,3 +350,12 @@ def test_matmul_shapes_and_pipeline_gradients():
     # without FSDP (dp_shard 1) nothing is gathered or accumulated unsharded beyond the shard
     alone = memory_per_rank(replace(run, world=64, dp_shard=1, global_batch_size=32))
     assert alone["gathered"] == alone["unsharded_gradients"] == 0.0
+
+
+def test_the_analytic_search_offers_no_tp_that_splits_the_feed_forward_unevenly():
+    from llmforge.planning.whatif import layouts
+
+    odd = replace(LLAMA3_8B, ffn_dim=14337)  # 3 x 4779: no even tp splits it, as training refuses
+    base = Setting(LLAMA3_8B, "H100-SXM-80GB", 8, 8, 16, 1, 8192)
+    assert {s.tp for s in layouts(base)} == {1, 2, 4, 8}
+    assert {s.tp for s in layouts(replace(base, shape=odd))} == {1}

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 from llmforge.errors import ConfigError
+from llmforge.models.decoder import SwiGLU
 from llmforge.models.tp_styles import TPStyles
 from llmforge.registry import accepted
 
@@ -98,11 +99,18 @@ def apply_tp(model: nn.Module, mesh: Any, styles: Optional[TPStyles] = None) -> 
 
 def check_decoder_tp(model: nn.Module, tp: int) -> None:
     """Raises ConfigError: ``tp`` does not divide the query and key/value head counts (each
-    rank holds whole heads)."""
+    rank holds whole heads) or a SwiGLU's hidden width (column-parallel ``w1``, ``w3`` and
+    row-parallel ``w2`` split it; an uneven split fails in the first matmul)."""
     args = model.args
     if args.n_heads % tp or args.n_kv_heads % tp:
         raise ConfigError(f"strategy.tp={tp} must divide model.n_heads ({args.n_heads}) and "
                           f"model.n_kv_heads ({args.n_kv_heads})")
+    uneven = sorted({m.hidden_dim for m in model.modules() if isinstance(m, SwiGLU) and m.hidden_dim % tp})
+    if uneven:
+        key = ("model.hidden_dim" if hasattr(args, "hidden_dim")
+               else "model.dim, model.multiple_of and model.ffn_dim_multiplier")
+        raise ConfigError(f"strategy.tp={tp} must divide the feed-forward hidden width {uneven[0]} "
+                          f"(set by {key}): choose a tp that divides it or a width that tp divides")
 
 
 def check_tp(model: nn.Module, tp: int) -> None:

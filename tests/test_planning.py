@@ -135,6 +135,24 @@ def test_peaks_of_the_running_modules_equal_torchs_walk_over_every_module(monkey
         (torchs.peak_bytes, torchs.phases, torchs.block_backward)
 
 
+def test_a_frozen_heap_changes_no_measurement_and_thaws_on_exit():
+    """The planner simulates inside ``frozen_heap`` (the garbage passes before each measured
+    step walk the simulations' own objects only): the same measurement, nested blocks are one,
+    and nothing stays frozen after it."""
+    import gc
+
+    from llmforge.planning.simulate import frozen_heap
+
+    cfg, layout = load_config(DEMO, TINY), Layout(1, 1, 1, "none", 1)
+    plain = simulate(cfg, layout, reuse=False)
+    with frozen_heap(), frozen_heap():
+        frozen = gc.get_freeze_count()
+        inside = simulate(cfg, layout, reuse=False)
+    assert frozen > 1000 and gc.get_freeze_count() == 0
+    assert plain.peak_bytes > 0 and (inside.peak_bytes, inside.phases, inside.flops) == \
+        (plain.peak_bytes, plain.phases, plain.flops)
+
+
 def test_unknown_gpu_lists_known_ones(capsys):
     assert cli.main(["plan", DEMO, "--gpus", "8", "--gpu", "V100"]) == 2
     err = capsys.readouterr().err

@@ -17,7 +17,7 @@ from llmforge.models.spec import get_spec
 from llmforge.parallel.pipeline import rank_stages
 from llmforge.planning.measure import CATEGORIES, Collective
 from llmforge.planning.layout import Layout
-from llmforge.planning.simulate import StepMeasurement, simulate
+from llmforge.planning.simulate import StepMeasurement, frozen_heap, simulate
 from llmforge.plugin import meta_model
 
 
@@ -84,6 +84,7 @@ def _backward_peak(a: StepMeasurement, b: StepMeasurement, k: float, phase: Peak
     return max(lines, key=lambda p: p[0])
 
 
+@frozen_heap()
 def simulate_scaled(cfg: Any, layout: Layout, *, full_depth: Optional[int] = None,
                     last_stage: bool = False) -> StepMeasurement:
     """:func:`simulate` with 2 and 3 blocks, every quantity extrapolated linearly to the real

@@ -84,7 +84,7 @@ from llmforge.planning.layout_arg import at_layout, built_algorithms, calibrated
 from llmforge.planning.published import Setting
 from llmforge.planning.search import (MAX_GPUS, Candidate, _divisors, check_gpus, enumerate_layouts,
                                       tp_degrees)
-from llmforge.planning.simulate import StepMeasurement
+from llmforge.planning.simulate import StepMeasurement, frozen_heap
 from llmforge.planning.stages import StageShape, simulate_layout
 from llmforge.planning.step_model import Prediction, predict
 from llmforge.plugin import meta_model
@@ -141,6 +141,7 @@ def _score(cand: Candidate, peak: float, step: float, cfg: Any, world: int, gpu:
     cand.mfu = flops_per_token * cand.tokens_per_second_per_gpu / gpu.bf16_flops
 
 
+@frozen_heap()  # the simulations' garbage passes walk their own objects only
 def plan(cfg: Any, world: int, gpu: GPUKind, *, simulate_fn: Any = simulate_scaled,
          progress: Optional[Any] = None) -> Plan:
     """Plan ``cfg`` on ``world`` GPUs of kind ``gpu`` (module docstring). ``progress(done, total,

@@ -27,7 +27,7 @@ from pathlib import Path
 from llmforge.planning import calibration
 from llmforge.planning.calibration import comparison_summary, fit, fit_folds, held_out, summary
 from llmforge.planning.gpus import gpu_kind
-from llmforge.planning.published import PUBLISHED_LAYOUTS, RUNS, SOURCES
+from llmforge.planning.published import PUBLISHED_LAYOUTS, RUNS, SOURCES, unmeasured_degrees
 from llmforge.planning.step_model import CostParams, predict
 from llmforge.planning.whatif import FIT_SHARE, assess, best_layout, same_layout
 
@@ -81,6 +81,9 @@ def published_check(params: CostParams, error: float) -> tuple[int, int, list[st
                   f"tok/s/GPU, {at.memory['total'] / 2**30:.1f} GiB; {terms(at)}",
                   f"    model's best: {layout_text(best.setting)}: {best.prediction.tokens_per_second_per_gpu:.0f} "
                   f"tok/s/GPU ({gap:+.0%}), {best.memory['total'] / 2**30:.1f} GiB; {terms(best)}: {verdict}"]
+        unmeasured = unmeasured_degrees(run.setting.shape, best.setting.tp, best.setting.pp, best.setting.cp)
+        if unmeasured:
+            lines.append(f"    its degrees: {unmeasured}")
     return ok, len(PUBLISHED_LAYOUTS), lines
 
 

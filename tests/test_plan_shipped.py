@@ -13,6 +13,7 @@ import torch.distributed as dist
 from conftest import REPO
 
 from llmforge import cli
+from llmforge.planning.published import LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, unmeasured_degrees
 
 YAMLS = REPO / "yamls"
 
@@ -49,10 +50,18 @@ def test_405b_lora_fits_8_mi300x_and_not_8_h100(capsys):
 def test_shipped_yaml_plans_and_fits(capsys, yaml, gpus):
     """The winner was simulated with its own degrees and fits in 90 % of an H100's 80 GB; its
     degrees make up the GPU count."""
-    chosen = _plan(capsys, str(YAMLS / yaml), "--gpus", str(gpus))["chosen"]
+    out = _plan(capsys, str(YAMLS / yaml), "--gpus", str(gpus))
+    chosen = out["chosen"]
     assert chosen["fits"] and chosen["simulated"], chosen
     assert 0 < chosen["peak_bytes_per_rank"] <= 0.9 * 80e9
     assert chosen["dp_replicate"] * chosen["dp_shard"] * chosen["tp"] * chosen["pp"] == gpus
+    # the explanation says when no published run of the model's size used the winner's degrees
+    shape = {"llama3_8b.yaml": LLAMA3_8B, "llama3_70b.yaml": LLAMA3_70B, "llama3_405b.yaml": LLAMA3_405B}.get(yaml)
+    if shape is not None:
+        said = unmeasured_degrees(shape, chosen["tp"], chosen["pp"], chosen["cp"])
+        assert out["why"][0].startswith("winner: ")
+        assert (f"winner's degrees: {said}" in out["why"]) if said else \
+            not any(w.startswith("winner's degrees") for w in out["why"]), out["why"]
 
 
 

@@ -144,6 +144,7 @@ def test_plan_layout_predicts_one_layout_and_names_bad_keys():
     assert "layout dp_shard=4,tp=2,ac=full,mbs=1" in ok.stdout and "tokens/s per GPU, MFU" in ok.stdout
     assert "memory per rank" in ok.stdout and "limited by" in ok.stdout and "best layout found" in ok.stdout
     assert "precision bf16 (trainer.precision fp32 is predicted at bf16's speed)" in ok.stdout  # the demo's fp32
+    assert "  its degrees: no published run of a model within 2x of its " in ok.stdout  # a tiny demo model
     for layout, gpus, words in (("dp_shard=2,tp=2", "8", "--layout dp_shard=2,tp=2: dp_replicate*dp_shard*tp*pp*cp = 4, not --gpus 8"),
                                 ("tp=3", "6", "--layout tp=3: strategy.tp=3 must divide model.n_heads (8) and model.n_kv_heads (4)"),
                                 # training holds whole key/value heads per rank: 4 of them do not
@@ -359,3 +360,17 @@ def test_the_analytic_search_offers_no_tp_that_splits_the_feed_forward_unevenly(
     base = Setting(LLAMA3_8B, "H100-SXM-80GB", 8, 8, 16, 1, 8192)
     assert {s.tp for s in layouts(base)} == {1, 2, 4, 8}
     assert {s.tp for s in layouts(replace(base, shape=odd))} == {1}
+
+
+def test_degrees_no_published_run_of_the_size_used_are_called_extrapolated():
+    from llmforge.planning.published import LLAMA3_70B, LLAMA3_405B, unmeasured_degrees
+
+    assert unmeasured_degrees(LLAMA3_8B, 1, 1, 1) == unmeasured_degrees(LLAMA3_70B, 8, 1, 1) == ""
+    assert unmeasured_degrees(LLAMA3_8B, 1, 1, 8) == ""  # torchtitan's 256k row
+    assert unmeasured_degrees(LLAMA3_70B, 2, 1, 1) == (
+        "no published run of a model within 2x of its 70.6B parameters used tp 2 x pp 1 (they used "
+        "tp 8 x pp 1): extrapolated, less certain than the model's held-out error")
+    assert "(they used tp 8 x pp 8 x cp 1/2/4/8)" in unmeasured_degrees(LLAMA3_405B, 4, 1, 1)
+    tiny = replace(LLAMA3_8B, n_layers=1, dim=64, ffn_dim=128, n_heads=4, n_kv_heads=2, vocab_size=100)
+    assert unmeasured_degrees(tiny, 1, 1, 1) == ("no published run of a model within 2x of its 49,664 "
+                                                 "parameters: extrapolated")

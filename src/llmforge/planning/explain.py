@@ -2,7 +2,8 @@
 for the model and GPU count (when one is known), each with its memory and time and the step
 term that decides between them; "within the model's error" where the predicted difference is
 below the calibrated model's held-out error of a comparison
-(:func:`llmforge.planning.calibration.comparison_error`).
+(:func:`llmforge.planning.calibration.comparison_error`), and whether any published run of a
+model of that size used the winner's degrees (:func:`~llmforge.planning.published.unmeasured_degrees`).
 And the progress of a plan as it simulates (:class:`Progress`).
 """
 
@@ -15,7 +16,7 @@ from typing import Any, Optional, TextIO
 from llmforge.parallel.pipeline import min_microbatches
 from llmforge.planning.calibration import comparison_error
 from llmforge.planning.layout_arg import at_layout, calibrated_setting
-from llmforge.planning.published import published_layout
+from llmforge.planning.published import published_layout, unmeasured_degrees
 from llmforge.planning.whatif import assess, deciding_term
 
 GIB = 1024**3
@@ -58,6 +59,10 @@ def explain(p: Any, cfg: Any) -> list[str]:
     limit = max(win.terms, key=win.terms.get) if win.terms else "compute"
     lines = [f"winner: {_layout(win.layout)}: {win.tokens_per_second_per_gpu:.0f} tokens/s per GPU, "
              f"{win.peak_bytes / GIB:.1f} GiB, limited by {limit}"]
+    base = calibrated_setting(cfg, p.world_size, p.gpu) if p.calibrated else None
+    unmeasured = base and unmeasured_degrees(base.shape, win.layout.tp, win.layout.pp, win.layout.cp)
+    if unmeasured:
+        lines.append(f"winner's degrees: {unmeasured}")
     def key(c: Any) -> tuple:
         lo = c.layout
         return lo.dp_replicate, lo.dp_shard, lo.tp, lo.pp, lo.ep, lo.cp, lo.activation_checkpointing
@@ -69,7 +74,6 @@ def explain(p: Any, cfg: Any) -> list[str]:
     if runner is not None:
         lines.append(_compare(f"runner-up: {_layout(runner.layout)}", runner.tokens_per_second_per_gpu,
                               runner.peak_bytes, runner.terms, win, error))
-    base = calibrated_setting(cfg, p.world_size, p.gpu) if p.calibrated else None
     pub = published_layout(base.shape.name, p.world_size, base.seq_len) if base is not None else None
     if pub is not None:
         s = pub.setting

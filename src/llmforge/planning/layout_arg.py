@@ -24,7 +24,7 @@ from llmforge.planning.calibration import comparison_error, model_error
 from llmforge.planning.context import check_cp, cp_of
 from llmforge.planning.gpus import GPUKind
 from llmforge.planning.layout import AC_MODES
-from llmforge.planning.published import Setting, Shape, published_layout
+from llmforge.planning.published import Setting, Shape, published_layout, unmeasured_degrees
 from llmforge.planning.search import tp_degrees
 from llmforge.planning.stages import pp_allowed
 from llmforge.planning.step_model import fp8_share
@@ -287,14 +287,17 @@ def layout_report(s: Setting, gpu: GPUKind, config: str, compare: bool = True,
         "step_seconds": pr.step_seconds, "terms_seconds": pr.terms, "limit": pr.limit,
         "model_error": model_error(), "comparison_error": comparison_error(), "compile": s.compile,
         "precision": s.precision, "fp8_all_gather": s.fp8_all_gather, "fp8_tp_all_gather": s.fp8_tp_all_gather,
-        "fp8_share": None if s.precision == "bf16" else fp8_share(s)}
+        "fp8_share": None if s.precision == "bf16" else fp8_share(s),
+        "unmeasured": unmeasured_degrees(s.shape, s.tp, s.pp, s.cp)}
     if compare:
         best = best_layout(s, allowed=allowed, node=gpu.gpus_per_node)
         if best is not None:
             same = _text(best.setting) == _text(s)
             out["best"] = {"layout": _text(best.setting), "tokens_per_second_per_gpu":
                            best.prediction.tokens_per_second_per_gpu,
-                           "versus": "this layout" if same else versus(best, v), "is_this_layout": same}
+                           "versus": "this layout" if same else versus(best, v), "is_this_layout": same,
+                           "unmeasured": unmeasured_degrees(s.shape, best.setting.tp, best.setting.pp,
+                                                            best.setting.cp)}
         pub = published_layout(s.shape.name, s.world, s.seq_len)
         if pub is not None:
             out["published"] = {"layout": _text(pub.setting), "measured_tokens_per_second_per_gpu":
@@ -344,11 +347,15 @@ def format_report(r: dict[str, Any]) -> str:
              f"  precision {r['precision']}" + _precision_detail(r),
              f"  {r['tokens_per_second_per_gpu']:.0f} tokens/s per GPU, MFU {r['mfu']:.1%}, step "
              f"{r['step_seconds']:.3g} s: {terms}; limited by {r['limit']}"]
+    if r["unmeasured"]:
+        lines.append(f"  its degrees: {r['unmeasured']}")
     if "best" in r and r["best"]["is_this_layout"]:
         lines.append("  best layout found: this one")
     elif "best" in r:
         lines.append(f"  best layout found: {r['best']['layout']} at {r['best']['tokens_per_second_per_gpu']:.0f} "
                      f"tokens/s per GPU ({r['best']['versus']})")
+        if r["best"]["unmeasured"]:
+            lines.append(f"  its degrees: {r['best']['unmeasured']}")
     if r.get("compile"):
         # the analytic activations are compiled ones (OLMo-core's 7B and 13B runs fit only so);
         # the planner's simulation runs eager and may refuse a layout without AC that fits here

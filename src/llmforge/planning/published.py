@@ -339,6 +339,37 @@ def published_layout(shape_name: str, world: int, seq_len: int = 0) -> Optional[
     return LONG_CONTEXT_LAYOUTS.get((name, world, seq_len)) or PUBLISHED_LAYOUTS.get((name, world))
 
 
+NEAR_SIZE = 2.0
+"""A published run informs a layout of a model whose parameter count is within this factor of
+its own (:func:`unmeasured_degrees`)."""
+
+
+def unmeasured_degrees(shape: Shape, tp: int, pp: int, cp: int) -> str:
+    """``""`` when a published run of a model within :data:`NEAR_SIZE` x of ``shape``'s
+    parameters used these ``tp``, ``pp`` and ``cp`` degrees; else one sentence saying that the
+    step-time model extrapolates there, and which degrees such runs did use (none: no published
+    run of that size at all). The held-out error is measured on published layouts only, so a
+    prediction at degrees no run of that size used is less certain than it states."""
+    near = [r.setting for r in RUNS if shape.params / NEAR_SIZE <= r.setting.shape.params <= shape.params * NEAR_SIZE]
+    if any((s.tp, s.pp, s.cp) == (tp, pp, cp) for s in near):
+        return ""
+    n = shape.params
+    size = f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M" if n >= 1e6 else f"{n:,}"
+    if not near:
+        return f"no published run of a model within {NEAR_SIZE:g}x of its {size} parameters: extrapolated"
+    cps: dict[tuple[int, int], list[int]] = {}
+    for t, p, c in sorted({(s.tp, s.pp, s.cp) for s in near}):
+        cps.setdefault((t, p), []).append(c)
+
+    def degrees(t: int, p: int, c: list[int]) -> str:
+        return f"tp {t} x pp {p}" + (f" x cp {'/'.join(map(str, c))}" if c != [1] else "")
+
+    said = "; ".join(degrees(t, p, c) for (t, p), c in cps.items())
+    return (f"no published run of a model within {NEAR_SIZE:g}x of its {size} parameters used "
+            f"{degrees(tp, pp, [cp])} (they used {said}): extrapolated, less certain than the model's "
+            "held-out error")
+
+
 def with_layout(s: Setting, **degrees: int) -> Setting:
     """``s`` with other degrees (and micro-batch size, AC): a what-if of the same recipe."""
     return replace(s, **degrees)

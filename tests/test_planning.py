@@ -360,6 +360,10 @@ def test_plan_simulates_more_recomputation_where_it_can_win():
     layouts = sum(c.peak_bytes is not None and c.status == "slower" for c in result.candidates)
     assert groups >= 1 and f"{groups} slower groups not simulated" in counted
     assert f"1 chosen, {layouts} slower," in counted  # measured layouts only
+    # the tp groups whose data-parallel size does not divide the batch of 64 (tp 1: dp 256)
+    divide = sum(c.status == "does not divide" for c in result.candidates)
+    assert divide >= 1 and f"{divide} groups that do not divide" in counted
+    assert "tp=1: does not divide: trainer.global_batch_size=64 is not a multiple of dp=256" in counted
 
 
 def test_simulation_runs_lora_with_frozen_weights():

@@ -51,8 +51,12 @@ def report(p: Plan, config: str, seconds: float, top: int = 8, algorithms: Optio
         lines += _wrap(f"{c.status}{' (simulated)' if c.simulated else ''}"
                        f"{': ' + c.reason if c.reason else ''}", "    ")
     counts: dict[str, int] = {}
-    for c in p.candidates:  # a whole group left out as slower is no layout measured slower
-        status = "slower groups not simulated" if c.status == "slower" and c.peak_bytes is None else c.status
+    for c in p.candidates:  # a whole group left out is no layout measured
+        status = c.status
+        if c.peak_bytes is None and status == "slower":
+            status = "slower groups not simulated"
+        elif status == "does not divide":  # every AC and micro-batch of a tp (and dp)
+            status = "groups that do not divide"
         counts[status] = counts.get(status, 0) + 1
     lines += _wrap("candidates: " + ", ".join(f"{n} {s}" for s, n in counts.items())
                    + (f" ({len(measured) - top} more measured layouts not shown: --json lists every one)"
@@ -62,7 +66,8 @@ def report(p: Plan, config: str, seconds: float, top: int = 8, algorithms: Optio
         if c.peak_bytes is None:  # a whole group: refused or not simulated
             reasons.setdefault((c.layout.tp, c.status, c.reason), []).append(c.layout.activation_checkpointing)
     for (tp, status, reason), modes in reasons.items():
-        lines += _wrap(f"tp={tp} (activation checkpointing {', '.join(modes)}): {status}: {reason}", "  ")
+        group = "" if status == "does not divide" else f" (activation checkpointing {', '.join(modes)})"
+        lines += _wrap(f"tp={tp}{group}: {status}: {reason}", "  ")
     for line in why or []:
         lines += _wrap(line, "")
     if p.chosen is not None:

@@ -335,6 +335,9 @@ def test_llama_args_from_omegaconf_and_no_preset():
     (ModelConfig(dim=10**300), r"model\.dim is a 301-digit number: llmforge builds at most 16,777,216"),
     (ModelConfig(vocab_size=2**24 + 1), r"model\.vocab_size is 16,777,217: llmforge builds at most"),
     (ModelConfig(dim=-10**40), r"model\.dim must be a positive integer; got a negative 41-digit number"),
+    # int() of 0.001 x the width: a SwiGLU of no units had built (torch warned of empty tensors)
+    (ModelConfig(dim=64, n_heads=4, n_kv_heads=2, multiple_of=1, ffn_dim_multiplier=0.001),
+     r"model\.ffn_dim_multiplier=0\.001 with model\.dim=64 gives a feed-forward width of 0"),
 ])
 def test_llama_args_from_config_errors(cfg, match):
     with pytest.raises(ConfigError, match=match):

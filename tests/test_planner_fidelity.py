@@ -374,3 +374,28 @@ def test_degrees_no_published_run_of_the_size_used_are_called_extrapolated():
     tiny = replace(LLAMA3_8B, n_layers=1, dim=64, ffn_dim=128, n_heads=4, n_kv_heads=2, vocab_size=100)
     assert unmeasured_degrees(tiny, 1, 1, 1) == ("no published run of a model within 2x of its 49,664 "
                                                  "parameters: extrapolated")
+
+
+def test_plan_sizes_a_model_imported_with_init_from_at_its_config_json(tmp_path, capsys):
+    """``model.init_from: hf:DIR`` fixes the shape when the run starts; ``llmforge plan`` had
+    planned the YAML's preset instead (and a tp that training then refused). Its config.json
+    (intermediate_size 769, no weights needed) now decides: tp 2 is refused as training refuses
+    it; a folder missing here is a note, and the YAML's shape is planned."""
+    from conftest import REPO
+
+    from llmforge import cli
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 64, "hidden_size": 256,
+        "intermediate_size": 769, "max_position_embeddings": 256, "num_attention_heads": 8,
+        "num_hidden_layers": 2, "num_key_value_heads": 4, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "tie_word_embeddings": True, "vocab_size": 2048}))
+    demo = str(REPO / "yamls" / "demo_cpu_qwen3.yaml")
+    args = ["plan", demo, "--gpus", "8", "--layout", "tp=2,dp_shard=4,mbs=2"]
+    assert cli.main([*args, f"model.init_from=hf:{hf}"]) == 2
+    assert "strategy.tp=2 must divide the feed-forward hidden width 769" in capsys.readouterr().err
+    assert cli.main([*args, f"model.init_from=hf:{tmp_path / 'elsewhere'}"]) == 0
+    err = capsys.readouterr().err
+    assert f"note: model.init_from hf:{tmp_path / 'elsewhere'}: no config.json on this machine" in err

@@ -96,6 +96,26 @@ def test_four_micro_batches_measure_the_whole_step(precision):
     assert simulate(cfg, lo).breakdown == fast.breakdown
 
 
+def test_simulation_runs_experts_whose_width_grouped_mm_cannot_take():
+    """An expert width that is no multiple of 8 (257) trains (its loop takes any) but made
+    ``llmforge plan`` exit 1: the simulation's fake experts run torch._grouped_mm, whose meta
+    kernel wants 16-byte rows. They run padded to 264 now: under fp32 (the experts cast to bf16
+    copies either way) the peak is above 256's; under bf16-true at most 264's plus the padded
+    copies of the 8 experts' three 264 x 256 matrices, saved for the backward in each of the 2
+    layers (the over-estimate: training uses the weights as they are)."""
+    moe = str(REPO / "yamls" / "demo_cpu_qwen3_moe.yaml")
+
+    def peak(width: int, precision: str) -> float:
+        cfg = load_config(moe, [f"model.moe_intermediate_size={width}", f"trainer.precision={precision}",
+                                "variables.seq_len=32"])
+        return simulate(cfg, Layout(1, 2, 1, "none", 1), n_layers=2).peak_bytes
+
+    assert peak(256, "fp32") < peak(257, "fp32")
+    copies = 2 * 3 * 8 * 264 * 256 * 2  # layers x matrices x experts x I x D x bf16 bytes
+    odd, even = peak(257, "bf16-true"), peak(264, "bf16-true")
+    assert even < odd <= even + copies, (odd, even)
+
+
 def test_scaling_follows_the_backward_peak_into_a_middle_block():
     """MoE with wide experts, FSDP2 over 4 ranks: while a middle block runs its backward, the
     last reduce-scatter's input (a block's unsharded gradients) is still alive, so the phase's

@@ -93,7 +93,7 @@ def test_dry_run_prints_the_published_counts(capsys):
     ("model.preset=qwen3_7b", "unknown qwen3 preset 'qwen3_7b'"),
     # the SwiGLU's width splits over tp: 8193 did not, and torch's sharding propagation failed
     ("model.hidden_dim=8193 strategy.tp=2 trainer.devices=2",
-     "strategy.tp=2 must divide the feed-forward hidden width 8193 (set by model.hidden_dim)"),
+     "strategy.tp=2 must divide the feed-forward hidden width 8193 (set by model.hidden_dim, or by intermediate_size"),
 ])
 def test_qwen3_keys_are_checked(tmp_path, capsys, override, message):
     code = main(["train", QWEN_DEMO, *override.split(), f"run.output_dir={tmp_path}", "--dry-run"])

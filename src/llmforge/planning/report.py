@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import textwrap
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
@@ -76,15 +76,15 @@ def report(p: Plan, config: str, seconds: float, top: int = 8, algorithms: Optio
 
 
 def run_plan(config: str, overrides: list[str], gpus: int, gpu: GPUKind, *, as_json: bool = False,
-             top: int = 8) -> int:
-    """Load ``config`` with ``overrides``, plan it and print the report (or one JSON object);
-    returns 0.
+             top: int = 8, cfg: Optional[Any] = None) -> int:
+    """Load ``config`` with ``overrides`` (or take the loaded ``cfg``), plan it and print the
+    report (or one JSON object); returns 0.
 
     Raises:
         ConfigError: bad config or layout (see :func:`llmforge.planning.planner.plan`), or no
             layout fits (the message gives the smallest GPU count that would).
     """
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, overrides) if cfg is None else cfg
     t0 = time.perf_counter()
     result = plan(cfg, gpus, gpu, progress=Progress())
     seconds = time.perf_counter() - t0

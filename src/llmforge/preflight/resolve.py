@@ -182,8 +182,13 @@ def _expand_paths(cfg: DictConfig) -> None:
         OmegaConf.update(cfg, "checkpoint.dir", os.path.abspath(folder), merge=False)
 
 
-def _hf_shape(cfg: DictConfig, dry_run: bool) -> tuple[str, ...]:
-    """``model.init_from: hf:PATH`` fixes the model's shape (its config.json wins)."""
+def hf_shape(cfg: DictConfig, dry_run: bool) -> tuple[str, ...]:
+    """``model.init_from: hf:PATH`` fixes the model's shape (its config.json wins, in place);
+    returns notes. ``dry_run`` (and ``llmforge plan``, which sizes a cluster's config anywhere):
+    a folder missing here is a note, and the YAML's shape is used.
+
+    Raises:
+        ConfigError: the folder's config.json is unreadable or of another family."""
     spec = cfg.model.get("init_from") or ""
     if not spec.startswith("hf:"):
         return ()
@@ -304,7 +309,7 @@ def resolve_run(cfg: DictConfig, *, overwrite: bool = False, check_dir: bool = T
     _expand_paths(out)
     if not dry_run:  # a dry run sizes a cluster's config anywhere
         _check_files(out)
-    notes = _hf_shape(out, dry_run)
+    notes = hf_shape(out, dry_run)
     get_spec(out.model.name).check(out.model)  # preset and shape, by the family's light check
     run_dir = Path(out.run.output_dir) / out.run.name
     ckpt_dir = Path(out.checkpoint.dir) if out.checkpoint.dir else run_dir / "checkpoints"

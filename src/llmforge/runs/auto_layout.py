@@ -10,6 +10,7 @@ handler import this module only when they need it.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from typing import Any, Optional
 
@@ -23,6 +24,7 @@ from llmforge.planning.layout_arg import run_layout
 from llmforge.planning.layout_settings import layout_overrides
 from llmforge.planning.planner import check_gpus, plan
 from llmforge.planning.report import run_plan
+from llmforge.preflight.resolve import hf_shape
 from llmforge.runs.cluster_types import Cluster
 from llmforge.runs.clusters import get_cluster
 
@@ -54,10 +56,12 @@ def plan_command(args: Any) -> int:
         raise ConfigError("--gpu and --cluster both name the GPU kind; pass one of them")
     gpu = cluster_gpu(get_cluster(args.cluster)) if args.cluster else gpu_kind(args.gpu or "H100-SXM-80GB")
     cfg = load_config(args.config, list(args.overrides))
+    for note in hf_shape(cfg, dry_run=True):  # an imported model is planned at its own shape
+        print(f"note: {note}", file=sys.stderr)
     check_positive_sizes(cfg)  # every layout divides by them
     if getattr(args, "layout", None) is not None:  # --layout "" is an error, not a plan of minutes
         return run_layout(cfg, args.config, args.gpus, gpu, args.layout, as_json=args.json)
-    return run_plan(args.config, list(args.overrides), args.gpus, gpu, as_json=args.json, top=args.top)
+    return run_plan(args.config, list(args.overrides), args.gpus, gpu, as_json=args.json, top=args.top, cfg=cfg)
 
 
 def auto_overrides(cfg: Any, cluster: Cluster, world: int) -> Optional[tuple[list[str], str]]:

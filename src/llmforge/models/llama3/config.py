@@ -228,6 +228,9 @@ def llama_args_from_config(cfg: Any) -> LlamaArgs:
     fm = base.get("ffn_dim_multiplier")
     if fm is not None and (isinstance(fm, bool) or not isinstance(fm, (int, float)) or fm <= 0):
         raise ConfigError(f"model.ffn_dim_multiplier must be a positive number or null; got {fm!r}")
+    if ffn_hidden_dim(base["dim"], base["multiple_of"], fm) < 1:  # int() of a small multiplier: 0
+        raise ConfigError(f"model.ffn_dim_multiplier={fm} with model.dim={base['dim']} gives a feed-forward "
+                          "width of 0; use a larger multiplier")
     dim, nh, nkv = base["dim"], base["n_heads"], base["n_kv_heads"]
     if dim % nh:
         raise ConfigError(f"model.dim ({dim}) must be divisible by model.n_heads ({nh})")

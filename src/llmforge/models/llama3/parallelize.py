@@ -110,7 +110,8 @@ def check_decoder_tp(model: nn.Module, tp: int) -> None:
         key = ("model.hidden_dim" if hasattr(args, "hidden_dim")
                else "model.dim, model.multiple_of and model.ffn_dim_multiplier")
         raise ConfigError(f"strategy.tp={tp} must divide the feed-forward hidden width {uneven[0]} "
-                          f"(set by {key}): choose a tp that divides it or a width that tp divides")
+                          f"(set by {key}, or by intermediate_size in the config.json of a "
+                          "model.init_from: hf: folder): choose a tp that divides it")
 
 
 def check_tp(model: nn.Module, tp: int) -> None:

@@ -59,12 +59,19 @@ def expert_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: t
     Returns:
         ``[M, D]`` in the row order of ``x``.
     """
-    if (x.dtype != torch.bfloat16 and impl != "grouped_mm" and not torch.compiler.is_compiling()
-            and is_fake(x)):
+    if impl != "grouped_mm" and not torch.compiler.is_compiling() and is_fake(x) and (
+            x.dtype != torch.bfloat16 or not grouped_mm_ok(x, (w1.shape[-1], w1.shape[-2]))):
         # the planner's simulation (fake tensors: no counts to loop over): the meta kernel of
-        # _grouped_mm takes bfloat16 only; same shapes and FLOPs, bfloat16 temporaries
-        w1, w2, w3 = (w.bfloat16() for w in (w1, w2, w3))
-        return expert_swiglu(x.bfloat16(), counts, w1, w2, w3, "grouped_mm").to(x.dtype)
+        # _grouped_mm takes bfloat16 only, with D and I multiples of 8 (training's loop takes
+        # any): bfloat16 temporaries at most 7 columns wider (the FLOPs are counted by formula)
+        d, i = w1.shape[-1], w1.shape[-2]
+        pd, pi = -d % 8, -i % 8
+        w1, w2, w3, xb = (t.bfloat16() for t in (w1, w2, w3, x))
+        if pd or pi:  # (aligned: no padded copies, so no extra bytes measured)
+            w1, w3 = (F.pad(w, (0, pd, 0, pi)) for w in (w1, w3))
+            w2, xb = F.pad(w2, (0, pi, 0, pd)), F.pad(xb, (0, pd))
+        out = expert_swiglu(xb, counts, w1, w2, w3, "grouped_mm")
+        return (out[:, :d] if pd else out).to(x.dtype)
     if impl == "auto":
         impl = "grouped_mm" if grouped_mm_ok(x, (w1.shape[-1], w1.shape[-2])) else "loop"
     if impl == "grouped_mm":

@@ -114,9 +114,10 @@ def layouts(s: Setting, node: int = 8) -> Iterator[Setting]:
     """Every layout of ``s``'s GPUs and global batch: ``tp`` dividing a node and the GPUs, the
     query and the key/value heads and the feed-forward width, ``pp`` up to the number of blocks
     (stages may hold one block more than others, as torchtitan splits 126 blocks into 8; 1F1B,
-    and interleaved with 2 stages per rank), the rest ``dp_shard``; AC none / selective / full; micro-batch sizes dividing the
-    per-rank batch (at least ``pp`` micro-batches with stages). ``cp`` and the recipe
-    (precision, compile, async TP) stay as in ``s``; with tied embeddings ``pp`` is 1."""
+    and interleaved with 2 stages per rank), the rest ``dp_shard``; AC none / selective / full;
+    micro-batch sizes dividing the per-rank batch (at least ``pp`` micro-batches with stages).
+    ``cp`` and the recipe (precision, compile, async TP) stay as in ``s``; with tied
+    embeddings ``pp`` is 1."""
     sh = s.shape
     for tp in _divisors(math.gcd(node, s.world)):
         if sh.n_heads % tp or sh.n_kv_heads % tp or sh.ffn_dim % tp:  # as training checks (check_decoder_tp)

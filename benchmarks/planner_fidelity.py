@@ -81,7 +81,8 @@ def published_check(params: CostParams, error: float) -> tuple[int, int, list[st
                   f"tok/s/GPU, {at.memory['total'] / 2**30:.1f} GiB; {terms(at)}",
                   f"    model's best: {layout_text(best.setting)}: {best.prediction.tokens_per_second_per_gpu:.0f} "
                   f"tok/s/GPU ({gap:+.0%}), {best.memory['total'] / 2**30:.1f} GiB; {terms(best)}: {verdict}"]
-        unmeasured = unmeasured_degrees(run.setting.shape, best.setting.tp, best.setting.pp, best.setting.cp)
+        unmeasured = unmeasured_degrees(run.setting.shape, best.setting.tp, best.setting.pp, best.setting.cp,
+                                        best.setting.dp_replicate)
         if unmeasured:
             lines.append(f"    its degrees: {unmeasured}")
     return ok, len(PUBLISHED_LAYOUTS), lines

@@ -337,7 +337,9 @@ def test_llama_args_from_omegaconf_and_no_preset():
     (ModelConfig(dim=-10**40), r"model\.dim must be a positive integer; got a negative 41-digit number"),
     # int() of 0.001 x the width: a SwiGLU of no units had built (torch warned of empty tensors)
     (ModelConfig(dim=64, n_heads=4, n_kv_heads=2, multiple_of=1, ffn_dim_multiplier=0.001),
-     r"model\.ffn_dim_multiplier=0\.001 with model\.dim=64 gives a feed-forward width of 0"),
+     r"model\.ffn_dim_multiplier=0\.001 with model\.dim=64 gives a feed-forward width of 0; llmforge builds 1"),
+    (ModelConfig(ffn_dim_multiplier=1e300), r"gives a feed-forward width of a 303-digit number; llmforge builds"),
+    (ModelConfig(ffn_dim_multiplier=float("nan")), r"model\.ffn_dim_multiplier must be a positive finite number"),
 ])
 def test_llama_args_from_config_errors(cfg, match):
     with pytest.raises(ConfigError, match=match):

@@ -58,7 +58,7 @@ def test_shipped_yaml_plans_and_fits(capsys, yaml, gpus):
     # the explanation says when no published run of the model's size used the winner's degrees
     shape = {"llama3_8b.yaml": LLAMA3_8B, "llama3_70b.yaml": LLAMA3_70B, "llama3_405b.yaml": LLAMA3_405B}.get(yaml)
     if shape is not None:
-        said = unmeasured_degrees(shape, chosen["tp"], chosen["pp"], chosen["cp"])
+        said = unmeasured_degrees(shape, chosen["tp"], chosen["pp"], chosen["cp"], chosen["dp_replicate"])
         assert out["why"][0].startswith("winner: ")
         assert (f"winner's degrees: {said}" in out["why"]) if said else \
             not any(w.startswith("winner's degrees") for w in out["why"]), out["why"]

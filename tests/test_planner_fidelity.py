@@ -371,6 +371,8 @@ def test_degrees_no_published_run_of_the_size_used_are_called_extrapolated():
         "no published run of a model within 2x of its 70.6B parameters used tp 2 x pp 1 (they used "
         "tp 8 x pp 1): extrapolated, less certain than the model's held-out error")
     assert "(they used tp 8 x pp 8 x cp 1/2/4/8)" in unmeasured_degrees(LLAMA3_405B, 4, 1, 1)
+    assert "used dp_replicate 2 x tp 1 x pp 1 (they used tp 1 x pp 1 x cp 1/2/4/8; tp 8 x pp 1, none with " \
+        "replicas)" in unmeasured_degrees(LLAMA3_8B, 1, 1, 1, dp_replicate=2)  # HSDP: never published
     tiny = replace(LLAMA3_8B, n_layers=1, dim=64, ffn_dim=128, n_heads=4, n_kv_heads=2, vocab_size=100)
     assert unmeasured_degrees(tiny, 1, 1, 1) == ("no published run of a model within 2x of its 49,664 "
                                                  "parameters: extrapolated")
@@ -398,4 +400,18 @@ def test_plan_sizes_a_model_imported_with_init_from_at_its_config_json(tmp_path,
     assert "strategy.tp=2 must divide the feed-forward hidden width 769" in capsys.readouterr().err
     assert cli.main([*args, f"model.init_from=hf:{tmp_path / 'elsewhere'}"]) == 0
     err = capsys.readouterr().err
-    assert f"note: model.init_from hf:{tmp_path / 'elsewhere'}: no config.json on this machine" in err
+    assert f"note: model.init_from hf:{tmp_path / 'elsewhere'}: no such folder on this machine" in err
+    # a folder that is here holds a config.json, of an object; 'hf:' names a folder
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "array").mkdir()
+    (tmp_path / "array" / "config.json").write_text("[1, 2, 3]")
+    (tmp_path / "zero").mkdir()
+    zero = {**json.loads((hf / "config.json").read_text()), "intermediate_size": 0}
+    (tmp_path / "zero" / "config.json").write_text(json.dumps(zero))
+    for init_from, words in ((tmp_path / "empty", "config.json not found"),
+                             (tmp_path / "zero", "zero/config.json: model.hidden_dim must be a positive integer; got 0"),
+                             (tmp_path / "array", "config.json holds a JSON list, not the object"),
+                             ("", "model.init_from: 'hf:' names no folder")):
+        assert cli.main([*args, f"model.init_from='hf:{init_from}'"]) == 2, init_from
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err, err

@@ -94,6 +94,9 @@ def read_hf_config(path: str | Path, key: str = "model.init_from") -> dict[str, 
         cfg = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{key}: cannot read {file}: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{key}: {file} holds a JSON {type(cfg).__name__}, not the object of a "
+                          "Hugging Face config (keys such as model_type, hidden_size)")
     adapter_for_hf(cfg, file)
     return cfg
 

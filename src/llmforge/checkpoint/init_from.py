@@ -19,8 +19,14 @@ from llmforge.checkpoint.hf import adapter_for_hf, load_hf_weights, model_overri
 from llmforge.checkpoint.safe_load import CheckpointShapeError, check_model_shapes
 from llmforge.checkpoint.tools import resolve
 from llmforge.errors import ConfigError, LLMForgeError
+from llmforge.models.spec import check_shape_int
 
 HF_PREFIX = "hf:"
+
+
+HF_SHAPE_KEYS = {"dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim", "head_dim", "max_seq_len",
+                 "moe_intermediate_size", "num_experts"}
+"""``model:`` shape keys a config.json sets that must be positive integers within the limits."""
 
 
 def apply_hf_shape(cfg: Any) -> None:
@@ -29,7 +35,8 @@ def apply_hf_shape(cfg: Any) -> None:
     ``training_keys`` (e.g. a router loss weight) only where the YAML leaves them null.
 
     Raises:
-        ConfigError: the folder's family is not ``model.name``'s (names the one to set)."""
+        ConfigError: the folder's family is not ``model.name``'s (names the one to set); a shape
+            in it that is no positive integer within llmforge's limits (names the file and key)."""
     spec = cfg.model.init_from
     if spec and spec.startswith(HF_PREFIX):
         hf = read_hf_config(spec[len(HF_PREFIX):])
@@ -42,6 +49,12 @@ def apply_hf_shape(cfg: Any) -> None:
             raise ConfigError(f"model.init_from: {spec[len(HF_PREFIX):]} holds a Hugging Face "
                               f"'{hf.get('model_type')}' model, but model.name is "
                               f"'{cfg.model.name}'; set model.name: {family}")
+        for key in HF_SHAPE_KEYS & fields.keys():  # the config.json's fault, not a YAML key's
+            if fields[key] is not None:
+                try:
+                    check_shape_int(key, fields[key])
+                except ConfigError as exc:
+                    raise ConfigError(f"model.init_from: {spec[len(HF_PREFIX):]}/config.json: {exc}") from None
         for key, value in fields.items():
             cfg.model[key] = value
 

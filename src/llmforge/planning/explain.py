@@ -60,7 +60,8 @@ def explain(p: Any, cfg: Any) -> list[str]:
     lines = [f"winner: {_layout(win.layout)}: {win.tokens_per_second_per_gpu:.0f} tokens/s per GPU, "
              f"{win.peak_bytes / GIB:.1f} GiB, limited by {limit}"]
     base = calibrated_setting(cfg, p.world_size, p.gpu) if p.calibrated else None
-    unmeasured = base and unmeasured_degrees(base.shape, win.layout.tp, win.layout.pp, win.layout.cp)
+    unmeasured = base and unmeasured_degrees(base.shape, win.layout.tp, win.layout.pp, win.layout.cp,
+                                              win.layout.dp_replicate)
     if unmeasured:
         lines.append(f"winner's degrees: {unmeasured}")
     def key(c: Any) -> tuple:

@@ -344,14 +344,15 @@ NEAR_SIZE = 2.0
 its own (:func:`unmeasured_degrees`)."""
 
 
-def unmeasured_degrees(shape: Shape, tp: int, pp: int, cp: int) -> str:
+def unmeasured_degrees(shape: Shape, tp: int, pp: int, cp: int, dp_replicate: int = 1) -> str:
     """``""`` when a published run of a model within :data:`NEAR_SIZE` x of ``shape``'s
-    parameters used these ``tp``, ``pp`` and ``cp`` degrees; else one sentence saying that the
-    step-time model extrapolates there, and which degrees such runs did use (none: no published
-    run of that size at all). The held-out error is measured on published layouts only, so a
-    prediction at degrees no run of that size used is less certain than it states."""
+    parameters used these ``tp``, ``pp`` and ``cp`` degrees (and replicas: ``dp_replicate``,
+    which no published run uses); else one sentence saying that the step-time model
+    extrapolates there, and which degrees such runs did use (none: no published run of that
+    size at all). The held-out error is measured on published layouts only, so a prediction at
+    degrees no run of that size used is less certain than it states."""
     near = [r.setting for r in RUNS if shape.params / NEAR_SIZE <= r.setting.shape.params <= shape.params * NEAR_SIZE]
-    if any((s.tp, s.pp, s.cp) == (tp, pp, cp) for s in near):
+    if any((s.tp, s.pp, s.cp, s.dp_replicate) == (tp, pp, cp, dp_replicate) for s in near):
         return ""
     n = shape.params
     size = f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M" if n >= 1e6 else f"{n:,}"
@@ -365,9 +366,11 @@ def unmeasured_degrees(shape: Shape, tp: int, pp: int, cp: int) -> str:
         return f"tp {t} x pp {p}" + (f" x cp {'/'.join(map(str, c))}" if c != [1] else "")
 
     said = "; ".join(degrees(t, p, c) for (t, p), c in cps.items())
+    replicas = f"dp_replicate {dp_replicate} x " if dp_replicate > 1 else ""
     return (f"no published run of a model within {NEAR_SIZE:g}x of its {size} parameters used "
-            f"{degrees(tp, pp, [cp])} (they used {said}): extrapolated, less certain than the model's "
-            "held-out error")
+            f"{replicas}{degrees(tp, pp, [cp])} (they used {said}{', none with replicas' * bool(replicas)}): "
+            "extrapolated, "
+            "less certain than the model's held-out error")
 
 
 def with_layout(s: Setting, **degrees: int) -> Setting:

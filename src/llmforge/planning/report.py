@@ -58,7 +58,10 @@ def report(p: Plan, config: str, seconds: float, top: int = 8, algorithms: Optio
         elif status == "does not divide":  # every AC and micro-batch of a tp (and dp)
             status = "groups that do not divide"
         counts[status] = counts.get(status, 0) + 1
-    lines += _wrap("candidates: " + ", ".join(f"{n} {s}" for s, n in counts.items())
+    one = {"slower groups not simulated": "slower group not simulated",
+           "groups that do not divide": "group that does not divide"}
+    said = ", ".join(f"{n} {one.get(s, s) if n == 1 else s}" for s, n in counts.items())
+    lines += _wrap("candidates: " + said
                    + (f" ({len(measured) - top} more measured layouts not shown: --json lists every one)"
                       if len(measured) > top else ""), "")
     reasons: dict[tuple[int, str, str], list[str]] = {}  # one line per tp and reason

@@ -158,7 +158,8 @@ _frozen = [0]  # depth of nested frozen_heap blocks
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[None]:
     """Leave every object alive at entry out of the garbage collector's passes until the block
-    ends (``gc.freeze``, then ``gc.unfreeze``; nested blocks are one). Usable as a decorator.
+    ends (``gc.freeze``, then ``gc.unfreeze``; nested blocks are one; a heap the caller froze
+    is left as it is). Usable as a decorator.
 
     Each simulation collects garbage before its measured step (``_gc_paused``). Outside this
     block that pass walks every object the process holds (torch's, Lightning's, the test
@@ -167,6 +168,9 @@ def frozen_heap() -> Iterator[None]:
     peaks are the same: a tracker counts only the tensors its own simulation creates, and an
     object that was alive at entry and dies inside is collected after the block.
     """
+    if gc.get_freeze_count() and _frozen[0] == 0:  # the caller froze the heap: leave it to it
+        yield
+        return
     if _frozen[0] == 0:
         gc.collect()
         gc.freeze()

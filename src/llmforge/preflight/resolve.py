@@ -185,15 +185,22 @@ def _expand_paths(cfg: DictConfig) -> None:
 def hf_shape(cfg: DictConfig, dry_run: bool) -> tuple[str, ...]:
     """``model.init_from: hf:PATH`` fixes the model's shape (its config.json wins, in place);
     returns notes. ``dry_run`` (and ``llmforge plan``, which sizes a cluster's config anywhere):
-    a folder missing here is a note, and the YAML's shape is used.
+    a folder missing here is a note, and the YAML's shape is used; a folder that is here must
+    hold a config.json. ``~`` is the home folder.
 
     Raises:
-        ConfigError: the folder's config.json is unreadable or of another family."""
+        ConfigError: no folder after ``hf:``; the folder's config.json is missing (the folder
+            being here), unreadable or of another family."""
     spec = cfg.model.get("init_from") or ""
     if not spec.startswith("hf:"):
         return ()
-    if dry_run and not os.path.exists(os.path.join(spec[3:], "config.json")):
-        return (f"model.init_from {spec}: no config.json on this machine; the YAML's model "
+    if not spec[3:].strip():
+        raise ConfigError("model.init_from: 'hf:' names no folder; give hf:/path/to/the/hugging-face/folder")
+    if spec.startswith("hf:~"):
+        spec = "hf:" + os.path.expanduser(spec[3:])
+        cfg.model.init_from = spec
+    if dry_run and not os.path.exists(spec[3:]):
+        return (f"model.init_from {spec}: no such folder on this machine; the YAML's model "
                 "fields are used for the sizes",)
     from llmforge.checkpoint.init_from import apply_hf_shape  # heavy (torch, safetensors): hf: only
 

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional
 
 from llmforge.config.schema import ModelConfig
 from llmforge.errors import ConfigError
-from llmforge.models.spec import cfg_get as _get, check_shape_int, MemoryShape
+from llmforge.models.spec import WIDTH_LIMIT, cfg_get as _get, check_shape_int, MemoryShape
 
 __all__ = ["Llama3Config", "LlamaArgs", "PRESETS", "llama_args_from_config", "OVERRIDABLE_FIELDS",
            "ROPE_SCALING_KEYS", "ffn_hidden_dim"]
@@ -226,11 +227,13 @@ def llama_args_from_config(cfg: Any) -> LlamaArgs:
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
             raise ConfigError(f"model.{key} must be a positive number; got {v!r}")
     fm = base.get("ffn_dim_multiplier")
-    if fm is not None and (isinstance(fm, bool) or not isinstance(fm, (int, float)) or fm <= 0):
-        raise ConfigError(f"model.ffn_dim_multiplier must be a positive number or null; got {fm!r}")
-    if ffn_hidden_dim(base["dim"], base["multiple_of"], fm) < 1:  # int() of a small multiplier: 0
+    if fm is not None and (isinstance(fm, bool) or not isinstance(fm, (int, float)) or not 0 < fm < math.inf):
+        raise ConfigError(f"model.ffn_dim_multiplier must be a positive finite number or null; got {fm!r}")
+    width = ffn_hidden_dim(base["dim"], base["multiple_of"], fm)
+    if not 1 <= width <= WIDTH_LIMIT:  # int() of a small multiplier is 0; a huge one overflows torch
+        shown = f"{width:,}" if width < 10**30 else f"a {len(str(width))}-digit number"
         raise ConfigError(f"model.ffn_dim_multiplier={fm} with model.dim={base['dim']} gives a feed-forward "
-                          "width of 0; use a larger multiplier")
+                          f"width of {shown}; llmforge builds 1 to {WIDTH_LIMIT:,}: choose another multiplier")
     dim, nh, nkv = base["dim"], base["n_heads"], base["n_kv_heads"]
     if dim % nh:
         raise ConfigError(f"model.dim ({dim}) must be divisible by model.n_heads ({nh})")

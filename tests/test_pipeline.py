@@ -65,6 +65,18 @@ def test_layout_stage_order_loop_and_v():
     assert loop.last_stage_rank() == 1 and v.last_stage_rank() == 0
 
 
+def test_too_few_micro_batches_suggest_a_smaller_micro_batch_only_where_one_exists():
+    from llmforge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"micro-batch\(es\) of 4 sequences per rank; a smaller "
+                                          r"trainer.micro_batch_size gives more\)"):
+        resolve_layout("1f1b", 2, 8, 4, None, None, "balanced", 1)
+    with pytest.raises(ConfigError) as one:  # one sequence per rank: no smaller micro-batch
+        resolve_layout("1f1b", 2, 8, 1, None, None, "balanced", 1)
+    assert "of 1 sequences per rank):" in str(one.value) and "smaller" not in str(one.value)
+    assert "raise trainer.global_batch_size so each rank has 2 or more sequences" in str(one.value)
+
+
 # ------------------------------------------------------------------------------ bad input
 BASE = ["train", DEMO, "model.n_layers=4", "--dry-run", "--nproc", "2"]
 

@@ -254,9 +254,10 @@ def resolve_layout(schedule: str, pp: int, n_blocks: int, local_batch_size: int,
         ok = [d for d in _divisors(local_batch_size) if d >= need]
         hint = (f"use pipeline.microbatches in {ok}" if ok else
                 f"raise trainer.global_batch_size so each rank has {need} or more sequences")
+        smaller = "; a smaller trainer.micro_batch_size gives more" if local_batch_size > m else ""
         unset = "" if microbatches is not None else (
             f" (unset: the {m} gradient-accumulation micro-batch(es) of {local_batch_size} sequences "
-            f"per rank; a smaller trainer.micro_batch_size gives more)")
+            f"per rank{smaller})")
         raise ConfigError(f"pipeline.microbatches={m}{unset}: pipeline.schedule={schedule} on "
                           f"strategy.pp={pp} needs {need} or more micro-batches per step (else stages "
                           f"idle or the schedule cannot fill); {hint}")

@@ -288,7 +288,7 @@ def layout_report(s: Setting, gpu: GPUKind, config: str, compare: bool = True,
         "model_error": model_error(), "comparison_error": comparison_error(), "compile": s.compile,
         "precision": s.precision, "fp8_all_gather": s.fp8_all_gather, "fp8_tp_all_gather": s.fp8_tp_all_gather,
         "fp8_share": None if s.precision == "bf16" else fp8_share(s),
-        "unmeasured": unmeasured_degrees(s.shape, s.tp, s.pp, s.cp, s.dp_replicate)}
+        "unmeasured": unmeasured_degrees(s.shape, s.tp, s.pp, s.cp, s.dp_replicate) or None}
     if compare:
         best = best_layout(s, allowed=allowed, node=gpu.gpus_per_node)
         if best is not None:
@@ -297,7 +297,7 @@ def layout_report(s: Setting, gpu: GPUKind, config: str, compare: bool = True,
                            best.prediction.tokens_per_second_per_gpu,
                            "versus": "this layout" if same else versus(best, v), "is_this_layout": same,
                            "unmeasured": unmeasured_degrees(s.shape, best.setting.tp, best.setting.pp,
-                                                            best.setting.cp, best.setting.dp_replicate)}
+                                                            best.setting.cp, best.setting.dp_replicate) or None}
         pub = published_layout(s.shape.name, s.world, s.seq_len)
         if pub is not None:
             out["published"] = {"layout": _text(pub.setting), "measured_tokens_per_second_per_gpu":

@@ -62,6 +62,8 @@ def test_shipped_yaml_plans_and_fits(capsys, yaml, gpus):
         assert out["why"][0].startswith("winner: ")
         assert (f"winner's degrees: {said}" in out["why"]) if said else \
             not any(w.startswith("winner's degrees") for w in out["why"]), out["why"]
+    if (yaml, gpus) == ("llama3_8b.yaml", 8):  # the yaml's FSDP 8, selective AC, mbs 1 beside the winner
+        assert any("this config's layout" in w for w in out["why"]), out["why"]
 
 
 

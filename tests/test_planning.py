@@ -392,6 +392,13 @@ def test_plan_simulates_more_recomputation_where_it_can_win():
     assert divide >= 1 and (f"{divide} groups that do not divide" if divide > 1 else
                             "1 group that does not divide") in counted
     assert "tp=1: does not divide: trainer.global_batch_size=64 is not a multiple of dp=256" in counted
+    # the yaml's own layout on 256 GPUs (FSDP 32 x TP 8, full AC, mbs 1): a group not simulated
+    from llmforge.planning.explain import explain
+
+    cfg = load_config(str(REPO / "yamls" / "llama3_70b.yaml"), [])
+    (own,) = [w for w in explain(result, cfg) if w.startswith("this config's layout")]
+    assert own.startswith("this config's layout: dp_shard 32 x tp 8, AC full, mbs 1: slower: not simulated: "
+                          "more recomputation than selective"), own
 
 
 def test_simulation_runs_lora_with_frozen_weights():

@@ -1,9 +1,10 @@
-"""Why ``llmforge plan`` chose its winner: the winner, the runner-up and the published recipe
-for the model and GPU count (when one is known), each with its memory and time and the step
-term that decides between them; "within the model's error" where the predicted difference is
-below the calibrated model's held-out error of a comparison
-(:func:`llmforge.planning.calibration.comparison_error`), and whether any published run of a
-model of that size used the winner's degrees (:func:`~llmforge.planning.published.unmeasured_degrees`).
+"""Why ``llmforge plan`` chose its winner: the winner, the runner-up, the config's own layout
+(:func:`config_candidate`) and the published recipe for the model and GPU count (when one is
+known), each with its memory and time and the step term that decides between them; "within
+the model's error" where the predicted difference is below the calibrated model's held-out
+error of a comparison (:func:`llmforge.planning.calibration.comparison_error`), and whether any
+published run of a model of that size used the winner's degrees
+(:func:`~llmforge.planning.published.unmeasured_degrees`).
 And the progress of a plan as it simulates (:class:`Progress`).
 """
 
@@ -13,6 +14,9 @@ import sys
 import time
 from typing import Any, Optional, TextIO
 
+from llmforge.errors import ConfigError
+from llmforge.models.memory_estimate import ac_mode
+from llmforge.parallel.mesh import ParallelDims
 from llmforge.parallel.pipeline import min_microbatches
 from llmforge.planning.calibration import comparison_error
 from llmforge.planning.layout_arg import at_layout, calibrated_setting
@@ -50,6 +54,27 @@ def _compare(name: str, tps: float, peak: float, terms: Optional[dict], win: Any
             f"GiB for the winner); {verdict}{_decides(win.terms, terms, within)}")
 
 
+def config_candidate(p: Any, cfg: Any) -> Optional[Any]:
+    """The candidate of plan ``p`` at ``cfg``'s own layout (the hand layout: its ``strategy``
+    degrees on the plan's GPU count, its activation checkpointing and micro-batch), or ``None``
+    where the config names none (``strategy.name`` auto or single) or the plan has no such
+    candidate (degrees that do not make the GPU count, per-layer checkpointing)."""
+    if cfg.strategy.name not in ("fsdp2", "ddp"):
+        return None
+    try:
+        d = ParallelDims.from_config(cfg, p.world_size)
+    except ConfigError:
+        return None
+    want = (d.dp_replicate, d.dp_shard, d.tp, d.pp, d.ep, d.cp, ac_mode(cfg.algorithms)[0],
+            int(cfg.trainer.micro_batch_size))
+    for c in p.candidates:
+        lo = c.layout
+        if (lo.dp_replicate, lo.dp_shard, lo.tp, lo.pp, lo.ep, lo.cp, lo.activation_checkpointing,
+                lo.micro_batch_size) == want:
+            return c
+    return None
+
+
 def explain(p: Any, cfg: Any) -> list[str]:
     """Lines on the winner of plan ``p`` of ``cfg``, its runner-up and the published recipe."""
     win = p.chosen
@@ -72,9 +97,20 @@ def explain(p: Any, cfg: Any) -> list[str]:
     # (a candidate not timed, e.g. one process with nothing to communicate, is no runner-up)
     runner = next((c for c in p.candidates if c.status == "slower" and key(c) != key(win)
                    and c.tokens_per_second_per_gpu and c.peak_bytes is not None), None)
+    own = config_candidate(p, cfg)
     if runner is not None:
-        lines.append(_compare(f"runner-up: {_layout(runner.layout)}", runner.tokens_per_second_per_gpu,
+        mine = ", this config's layout" if own is runner else ""
+        lines.append(_compare(f"runner-up{mine}: {_layout(runner.layout)}", runner.tokens_per_second_per_gpu,
                               runner.peak_bytes, runner.terms, win, error))
+    if own is win:
+        lines.append("this config's layout: the winner")
+    elif own is not None and own is not runner:
+        name = f"this config's layout: {_layout(own.layout)}"
+        if own.tokens_per_second_per_gpu and own.peak_bytes is not None:
+            fits = "" if own.status != "does not fit" else "; it does not fit"
+            lines.append(_compare(name, own.tokens_per_second_per_gpu, own.peak_bytes, own.terms, win, error) + fits)
+        else:
+            lines.append(f"{name}: {own.status}{': ' + own.reason if own.reason else ''}")
     pub = published_layout(base.shape.name, p.world_size, base.seq_len) if base is not None else None
     if pub is not None:
         s = pub.setting

@@ -66,6 +66,23 @@ def test_a_folder_llmforge_did_not_make_is_neither_trained_into_nor_deleted(tmp_
     assert files(user) == before and files(ckpts) == ckpts_before
 
 
+def test_a_folder_holding_only_the_lock_is_a_run_being_claimed(tmp_path):
+    """Rank 0 opens the lock, then writes the mark under it; another rank's check in between
+    saw a non-empty folder without the mark and refused its own run (a 4-rank launch, once in
+    the suite). The lock alone is llmforge's; anything beside it still needs the mark."""
+    from llmforge.errors import ConfigError
+    from llmforge.run_guard import LOCK
+    from llmforge.run_guard.marks import check_run_dir
+
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / LOCK).write_text("")
+    check_run_dir(run, "run.name")
+    (run / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="is not empty and is not an llmforge run"):
+        check_run_dir(run, "run.name")
+
+
 def test_another_runs_checkpoint_dir_is_neither_continued_nor_deleted(tmp_path, capsys):
     """A checkpoint.dir holding the checkpoints of another run (its meta.json names it and that
     run is still there) is refused fresh, resumed and with --overwrite, all before a write."""

@@ -71,11 +71,13 @@ def check_run_dir(path: Path, key: str) -> None:
         key: the config key that chose it, named in the message.
 
     Raises:
-        ConfigError: ``path`` is a symbolic link, or a non-empty folder that is not an llmforge
-            run (:func:`is_run_dir`).
+        ConfigError: ``path`` is a symbolic link, or a folder with more than llmforge's lock in
+            it that is not an llmforge run (:func:`is_run_dir`).
     """
     refuse_link(path, key)
-    if path.is_dir() and any(path.iterdir()) and not is_run_dir(path):
+    # only llmforge's lock in it: rank 0 of this run is claiming it (it opens the lock, then
+    # writes the mark under it), which another rank's check may see half way
+    if path.is_dir() and any(e.name != LOCK for e in path.iterdir()) and not is_run_dir(path):
         raise ConfigError(f"{key}: {path} is not empty and is not an llmforge run (no {MARK} file); "
                           "llmforge neither trains into nor deletes (--overwrite) a folder it did not "
                           f"make: choose another {key}, or move the files away")

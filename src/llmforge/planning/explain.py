@@ -65,14 +65,15 @@ def config_candidate(p: Any, cfg: Any) -> Optional[Any]:
         d = ParallelDims.from_config(cfg, p.world_size)
     except ConfigError:
         return None
-    want = (d.dp_replicate, d.dp_shard, d.tp, d.pp, d.ep, d.cp, ac_mode(cfg.algorithms)[0],
-            int(cfg.trainer.micro_batch_size))
-    for c in p.candidates:
-        lo = c.layout
-        if (lo.dp_replicate, lo.dp_shard, lo.tp, lo.pp, lo.ep, lo.cp, lo.activation_checkpointing,
-                lo.micro_batch_size) == want:
-            return c
-    return None
+    want = (d.dp_replicate, d.dp_shard, d.tp, d.pp, d.ep, d.cp, ac_mode(cfg.algorithms)[0])
+    mbs = int(cfg.trainer.micro_batch_size)
+    return next((c for c in p.candidates if _degrees(c.layout) == want and c.layout.micro_batch_size == mbs),
+                None)
+
+
+def _degrees(lo: Any) -> tuple:
+    """A layout's degrees and activation checkpointing (its micro-batch aside)."""
+    return lo.dp_replicate, lo.dp_shard, lo.tp, lo.pp, lo.ep, lo.cp, lo.activation_checkpointing
 
 
 def explain(p: Any, cfg: Any) -> list[str]:
@@ -89,13 +90,9 @@ def explain(p: Any, cfg: Any) -> list[str]:
                                               win.layout.dp_replicate)
     if unmeasured:
         lines.append(f"winner's degrees: {unmeasured}")
-    def key(c: Any) -> tuple:
-        lo = c.layout
-        return lo.dp_replicate, lo.dp_shard, lo.tp, lo.pp, lo.ep, lo.cp, lo.activation_checkpointing
-
     # the best other layout (a micro-batch size alone is no alternative worth a line)
     # (a candidate not timed, e.g. one process with nothing to communicate, is no runner-up)
-    runner = next((c for c in p.candidates if c.status == "slower" and key(c) != key(win)
+    runner = next((c for c in p.candidates if c.status == "slower" and _degrees(c.layout) != _degrees(win.layout)
                    and c.tokens_per_second_per_gpu and c.peak_bytes is not None), None)
     own = config_candidate(p, cfg)
     if runner is not None:

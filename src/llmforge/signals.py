@@ -7,10 +7,12 @@ SIGINT (Ctrl-C) are llmforge's from the first moment. What a signal does depends
 ===========================  =====================================================================
 phase                        a stop signal
 ===========================  =====================================================================
-startup (imports, data,      raises :class:`StoppedBeforeTraining` at once: nothing has been
-tokenizer, model, until the  trained, so nothing needs saving and nothing written before is
-resume checkpoint loaded)    touched; exit code 75 (SIGTERM/SIGUSR1: a scheduler requeues) or
-                             130 (SIGINT); a launched run's status becomes ``stopped``
+startup (imports, data,      nothing has been trained, so nothing needs saving: the process
+tokenizer, model, until the  prints ``stopped: ...`` and exits at once with 75 (SIGTERM/SIGUSR1:
+resume checkpoint loaded)    a scheduler requeues) or 130 (SIGINT); a launched run's status
+                             becomes ``stopped``. An in-process caller (``install()`` without
+                             ``exit_at_once``: tests, ``cli.main(argv)``) gets
+                             :class:`StoppedBeforeTraining` raised instead
 training (from               only recorded: the Checkpointer finishes the optimizer step, saves
 :func:`training_started`)    and raises :class:`~llmforge.callbacks.checkpointing.Preempted` (exit
                              75, or 130 for SIGINT); a second SIGINT stops at once, unsaved
@@ -19,6 +21,14 @@ after training               ignored (the final checkpoint is written; the run c
 exiting (:func:`exiting`,    ignored: the exit code already says what happened; a second signal
 the command returned)        ends the process at once with 75 or 130
 ===========================  =====================================================================
+
+Why a startup stop exits at once rather than raise (``os._exit``, as a second signal does when
+exiting): the handler runs wherever the main thread is, and an exception raised inside Python code
+that C++ called (torch's ``_C._autograd_init`` or ``_c10d_init`` during ``import torch``) cannot
+unwind through it: pybind11 calls ``std::terminate`` and the process dies of SIGABRT (exit 134,
+status ``failed``; 2 of 100 SIGTERMs sent during ``import torch``). Everything startup writes
+(run directory marks, the tokenizer cache, prepared shards) is written to survive a SIGKILL at any
+moment, so an exit at once loses nothing.
 
 Lightning installs its own SIGTERM handler at the start of every ``fit`` (it exits 0 without a
 checkpoint); :func:`own` turns that off for one ``lightning.Trainer`` so llmforge's handler is the
@@ -31,7 +41,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from llmforge.errors import LLMForgeError
 
@@ -66,6 +76,8 @@ class _State:
     received: Optional[int] = None
     previous: dict[int, Any] = {}  # handlers before install(); restored by uninstall()
     previous_hook: Any = sys.unraisablehook
+    exit_at_once = False  # a startup stop: print and os._exit (the process's own command line)
+    describe: Optional[Callable[[int], str]] = None  # the startup stop's message, by signal
 
 
 _state = _State()
@@ -85,7 +97,35 @@ def _handler(signum: int, frame: Any) -> None:
     _state.received = first if first is not None else signum
     # startup: stop once; a repeat signal must not raise again inside the error report
     if phase == "startup" and first is None:
-        raise _stopped_before_training(signum)
+        stop = _stopped_before_training(signum)
+        if _state.exit_at_once:
+            _exit_now(stop)
+        raise stop
+
+
+def _exit_now(stop: StoppedBeforeTraining) -> None:
+    """Print ``stopped: ...`` (rank 0 only: every rank gets the signal) and end the process with
+    the stop's exit code, running no other Python code (see the module doc). Output buffered
+    so far is flushed first; a flush the signal interrupted (a reentrant write) is skipped."""
+    message = str(stop)
+    if _state.describe is not None:
+        try:
+            message = _state.describe(stop.signum or signal.SIGTERM)
+        except Exception:  # noqa: BLE001 - the default message then
+            pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - interrupted inside a write to this stream
+            pass
+    try:
+        if os.isatty(1):  # a progress bar (rich) hides the cursor until it stops: show it again
+            os.write(1, b"\x1b[?25h\n")
+        if os.environ.get("RANK", "0") == "0":
+            os.write(2, f"stopped: {message}\n".encode())
+    except OSError:  # a closed pipe: the exit code says it
+        pass
+    os._exit(stop.exit_code)
 
 
 def _quiet_unraisable(unraisable: Any) -> None:
@@ -98,15 +138,22 @@ def _quiet_unraisable(unraisable: Any) -> None:
     _state.previous_hook(unraisable)
 
 
-def install() -> bool:
+def install(exit_at_once: bool = False) -> bool:
     """Own SIGTERM, SIGUSR1 and SIGINT from now on, in the startup phase. Idempotent (installed
     already: nothing changes, a signal already received stays); returns whether this call
     installed the handlers (False: already installed, or not the main thread, where Python
-    allows no handlers)."""
+    allows no handlers).
+
+    Args:
+        exit_at_once: a stop during startup prints ``stopped: ...`` and ends the process at once
+            (75 or 130) instead of raising :class:`StoppedBeforeTraining`: for the process's
+            own command line, never for an in-process caller (see the module doc).
+    """
     if _state.phase != "off":
         return False
     if threading.current_thread() is not threading.main_thread():
         return False
+    _state.exit_at_once, _state.describe = exit_at_once, None
     _state.previous = {sig: signal.signal(sig, _handler) for sig in STOP_SIGNALS}
     _state.previous_hook, sys.unraisablehook = sys.unraisablehook, _quiet_unraisable
     _state.phase, _state.received = "startup", None
@@ -120,6 +167,14 @@ def uninstall() -> None:
     if sys.unraisablehook is _quiet_unraisable:
         sys.unraisablehook = _state.previous_hook
     _state.previous, _state.phase, _state.received = {}, "off", None
+    _state.exit_at_once, _state.describe = False, None
+
+
+def describe_startup_stop(describe: Callable[[int], str]) -> None:
+    """What a startup stop that exits at once prints after ``stopped:``: ``describe(signum)``
+    (``data prepare`` says its finished shards are kept). Build every part of the message
+    before calling this: the handler must import nothing (it may have interrupted an import)."""
+    _state.describe = describe
 
 
 def training_started() -> None:
@@ -193,5 +248,5 @@ def own(trainer: Any) -> None:
 
 
 __all__ = ["EXIT_INTERRUPTED", "EXIT_PREEMPTED", "STOP_SIGNALS", "StopRequested", "StoppedBeforeTraining",
-           "exit_code_for", "exiting", "install", "own", "phase", "received", "training_ended", "training_started",
-           "uninstall"]
+           "describe_startup_stop", "exit_code_for", "exiting", "install", "own", "phase", "received",
+           "training_ended", "training_started", "uninstall"]

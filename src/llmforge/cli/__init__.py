@@ -51,8 +51,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = list(args.overrides) + extra
-    # before the heavy imports: a stop during startup loses nothing (see llmforge.signals)
-    owns_signals = args.command in ("train", "data") and signals.install()
+    # before the heavy imports: a stop during startup loses nothing (see llmforge.signals); this
+    # process's own command line exits at once on it, an in-process caller gets it raised
+    owns_signals = args.command in ("train", "data") and signals.install(exit_at_once=argv is None)
     handlers = {"train": cmd_train, "generate": cmd_generate, "algorithms": cmd_algorithms,
                 "runs": cmd_runs, "checkpoint": cmd_checkpoint, "convert": cmd_convert, "eval": cmd_eval,
                 "plan": cmd_plan}

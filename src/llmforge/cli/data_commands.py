@@ -10,8 +10,9 @@ folder (mosaicml-streaming's format: ``data.format=mds`` is set, see :mod:`llmfo
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
-from typing import Any
+from typing import Any, Optional
 
 from llmforge import signals
 from llmforge.errors import ConfigError
@@ -80,18 +81,20 @@ def _check_preparable(cfg: Any) -> None:
 def cmd_data(args: argparse.Namespace) -> int:
     """``data prepare``; a stop signal at any moment (llmforge.signals) says the command stopped
     and that running it again continues (exit 75 for SIGTERM/SIGUSR1, 130 for SIGINT)."""
+    from llmforge.config.redaction import scrub_url_credentials  # omegaconf: after --help
+
+    out = scrub_url_credentials(str(args.out))
+
+    def stopped(signum: Optional[int]) -> str:  # built here: the signal handler imports nothing
+        name = signal.Signals(signum).name if signum else "a stop signal"
+        return (f"received {name}: `data prepare` stopped; the shards finished in {out} are kept: "
+                "run the same command again to continue")
+
+    signals.describe_startup_stop(stopped)  # what the process's own command line prints
     try:
         return _prepare_command(args)
     except signals.StoppedBeforeTraining as exc:  # the CLI prints "stopped: ..."
-        import signal
-
-        from llmforge.config.redaction import scrub_url_credentials  # omegaconf: after --help
-
-        name = signal.Signals(exc.signum).name if exc.signum else "a stop signal"
-        out = scrub_url_credentials(str(args.out))
-        raise signals.StopRequested(f"received {name}: `data prepare` stopped; the shards finished "
-                                    f"in {out} are kept: run the same command again to continue",
-                                    exc.exit_code, exc.signum) from None
+        raise signals.StopRequested(stopped(exc.signum), exc.exit_code, exc.signum) from None
 
 
 def _prepare_command(args: argparse.Namespace) -> int:

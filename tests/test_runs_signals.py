@@ -183,26 +183,31 @@ def test_after_the_command_returned_a_signal_is_ignored_and_a_second_exits_at_on
     assert proc.returncode == 0, proc.stderr
 
 
-def test_a_startup_stop_of_the_process_own_command_exits_at_once_and_runs_nothing_else():
+def test_the_process_own_command_stops_at_once_on_a_startup_stop_or_a_second_ctrl_c():
     """Raised inside Python code that C++ called (torch's ``_c10d_init`` during ``import torch``)
     the startup stop made pybind11 abort the process: exit 134, run ``failed`` (CI, 2 in 100
-    SIGTERMs during the import here). The process's own command line now prints the stop and
-    ends (75 or 130): no ``finally`` and no ``atexit`` runs, output buffered before is kept, and
-    only rank 0 speaks; ``describe_startup_stop`` words it (``data prepare``)."""
+    SIGTERMs during the import here); a second Ctrl-C raised inside Lightning's fit exited 1 with
+    no word. The process's own command line now prints the stop and ends (75 or 130): no
+    ``finally`` and no ``atexit`` runs, output buffered before is kept, and only rank 0 speaks;
+    ``describe_startup_stop`` words it (``data prepare``)."""
     code = ("import atexit, os, signal, sys, time\nfrom llmforge import signals\n"
             "signals.install(exit_at_once=True)\n"
-            "if sys.argv[2]: signals.describe_startup_stop(lambda s: signal.Signals(s).name + ': described')\n"
-            "atexit.register(lambda: print('finalized', flush=True))\nprint('buffered')\n"
+            "if sys.argv[2] == 'described': signals.describe_startup_stop(lambda s: signal.Signals(s).name + "
+            "': described')\n"
+            "if sys.argv[2] == 'training': signals.training_started(); os.kill(os.getpid(), signal.SIGINT)\n"
+            "atexit.register(lambda: print('finalized', flush=True))\nprint('buffered', signals.received())\n"
             "try:\n    os.kill(os.getpid(), getattr(signal, sys.argv[1])); time.sleep(30)\n"
             "finally:\n    print('unwound', flush=True)\n")
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     cases = [("SIGTERM", "", "0", 75, "stopped: received SIGTERM before training started: nothing to save "
-              "(exit code 75)\n"), ("SIGUSR1", "1", "0", 75, "stopped: SIGUSR1: described\n"),
-             ("SIGINT", "", "1", 130, "")]
-    for sig, describe, rank, code_wanted, err in cases:
-        proc = subprocess.run([sys.executable, "-c", code, sig, describe], capture_output=True, text=True,
+              "(exit code 75)\n"), ("SIGUSR1", "described", "0", 75, "stopped: SIGUSR1: described\n"),
+             ("SIGINT", "", "1", 130, ""),
+             ("SIGINT", "training", "0", 130, "interrupted: a second Ctrl-C stops at once, without saving\n")]
+    for sig, how, rank, code_wanted, err in cases:
+        proc = subprocess.run([sys.executable, "-c", code, sig, how], capture_output=True, text=True,
                               timeout=60, env={**env, "RANK": rank})
-        assert (proc.returncode, proc.stdout, proc.stderr) == (code_wanted, "buffered\n", err), sig
+        out = f"buffered {int(signal.SIGINT) if how == 'training' else None}\n"
+        assert (proc.returncode, proc.stdout, proc.stderr) == (code_wanted, out, err), (sig, how)
 
 
 def test_a_launcher_stopped_by_a_signal_exits_with_the_workers_code():

@@ -16,8 +16,9 @@ resume checkpoint loaded)    a scheduler requeues) or 130 (SIGINT); a launched r
 training (from               only recorded: the Checkpointer finishes the optimizer step, saves
 :func:`training_started`)    and raises :class:`~llmforge.callbacks.checkpointing.Preempted` (exit
                              75, or 130 for SIGINT); a second SIGINT stops at once, unsaved
+                             (exit 130; in-process: ``KeyboardInterrupt``)
 after training               ignored (the final checkpoint is written; the run completes), a
-(:func:`training_ended`)     SIGINT raises ``KeyboardInterrupt``
+(:func:`training_ended`)     SIGINT stops at once (exit 130; in-process: ``KeyboardInterrupt``)
 exiting (:func:`exiting`,    ignored: the exit code already says what happened; a second signal
 the command returned)        ends the process at once with 75 or 130
 ===========================  =====================================================================
@@ -28,7 +29,9 @@ that C++ called (torch's ``_C._autograd_init`` or ``_c10d_init`` during ``import
 unwind through it: pybind11 calls ``std::terminate`` and the process dies of SIGABRT (exit 134,
 status ``failed``; 2 of 100 SIGTERMs sent during ``import torch``). Everything startup writes
 (run directory marks, the tokenizer cache, prepared shards) is written to survive a SIGKILL at any
-moment, so an exit at once loses nothing.
+moment, so an exit at once loses nothing. A Ctrl-C that stops at once in the later phases exits
+too: raised, Lightning's fit caught the ``KeyboardInterrupt`` and exited 1 without a word (a
+"failed" run that ``scheduling.max_retries`` would restart).
 
 Lightning installs its own SIGTERM handler at the start of every ``fit`` (it exits 0 without a
 checkpoint); :func:`own` turns that off for one ``lightning.Trainer`` so llmforge's handler is the
@@ -91,6 +94,10 @@ def _stopped_before_training(signum: int) -> StoppedBeforeTraining:
 def _handler(signum: int, frame: Any) -> None:
     phase, first = _state.phase, _state.received
     if signum == signal.SIGINT and (first == signal.SIGINT or phase == "finished"):
+        if _state.exit_at_once:  # raised inside fit, Lightning turns it into exit 1, silently
+            _exit_now("interrupted: " + ("Ctrl-C after training (its final checkpoint is saved)"
+                                         if phase == "finished" else
+                                         "a second Ctrl-C stops at once, without saving"), EXIT_INTERRUPTED)
         raise KeyboardInterrupt  # a second Ctrl-C: stop now, without saving
     if phase == "finished":
         return
@@ -99,20 +106,20 @@ def _handler(signum: int, frame: Any) -> None:
     if phase == "startup" and first is None:
         stop = _stopped_before_training(signum)
         if _state.exit_at_once:
-            _exit_now(stop)
+            message = str(stop)
+            if _state.describe is not None:
+                try:
+                    message = _state.describe(signum)
+                except Exception:  # noqa: BLE001 - the default message then
+                    pass
+            _exit_now(f"stopped: {message}", stop.exit_code)
         raise stop
 
 
-def _exit_now(stop: StoppedBeforeTraining) -> None:
-    """Print ``stopped: ...`` (rank 0 only: every rank gets the signal) and end the process with
-    the stop's exit code, running no other Python code (see the module doc). Output buffered
-    so far is flushed first; a flush the signal interrupted (a reentrant write) is skipped."""
-    message = str(stop)
-    if _state.describe is not None:
-        try:
-            message = _state.describe(stop.signum or signal.SIGTERM)
-        except Exception:  # noqa: BLE001 - the default message then
-            pass
+def _exit_now(line: str, code: int) -> None:
+    """Print ``line`` (rank 0 only: every rank gets the signal) and end the process with exit
+    ``code``, running no other Python code (see the module doc). Output buffered so far is
+    flushed first; a flush the signal interrupted (a reentrant write) is skipped."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -122,10 +129,10 @@ def _exit_now(stop: StoppedBeforeTraining) -> None:
         if os.isatty(1):  # a progress bar (rich) hides the cursor until it stops: show it again
             os.write(1, b"\x1b[?25h\n")
         if os.environ.get("RANK", "0") == "0":
-            os.write(2, f"stopped: {message}\n".encode())
+            os.write(2, f"{line}\n".encode())
     except OSError:  # a closed pipe: the exit code says it
         pass
-    os._exit(stop.exit_code)
+    os._exit(code)
 
 
 def _quiet_unraisable(unraisable: Any) -> None:

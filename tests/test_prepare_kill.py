@@ -64,15 +64,17 @@ def _hooks(out: Path, kill: Optional[tuple[str, int, int]], renames: list[str], 
 
 
 def _child(source: str, out: Path, err: Path, kill: Optional[tuple[str, int, int]], workers: int,
-           group: bool) -> int:
+           group: bool, own_process: bool) -> int:
     """In the forked child: ``data prepare SOURCE OUT`` with stderr into ``err``, killed at
     ``kill`` (``group``: in a process group of its own, the signal sent to the group;
     ``("worker", 0, signal)``: sent by the first tokenizing worker as it starts); the pids of its
-    tokenizing workers (``workers`` > 1) go to ``OUT.pids``."""
+    tokenizing workers (``workers`` > 1) go to ``OUT.pids``. ``own_process``: as the command
+    line runs it (a stop exits at once, llmforge.signals), else as an in-process caller."""
     if group:
         os.setpgid(0, 0)
-    sys.stdout = open(os.devnull, "w")
-    sys.stderr = open(err, "w", buffering=1)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # the files, not only Python's streams: an
+    os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)  # exit at once writes to fd 2
+    sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", buffering=1, closefd=False)
     os.replace, prep.build_tokenizer = _hooks(out, kill, [], group)
     real_init = prep.init_worker
 
@@ -85,11 +87,11 @@ def _child(source: str, out: Path, err: Path, kill: Optional[tuple[str, int, int
         real_init(*a)
 
     prep.init_worker = init  # the name prepare() hands its ShardPool
-    return main(["data", "prepare", source, str(out), *ARGS, "--workers", str(workers)])
+    return main(["data", "prepare", source, str(out), *ARGS, "--workers", str(workers)], own_process=own_process)
 
 
 def run(source: str, out: Path, kill: Optional[tuple[str, int, int]] = None, workers: int = 1,
-        group: bool = False) -> tuple[int, str]:
+        group: bool = False, own_process: bool = False) -> tuple[int, str]:
     """``data prepare`` in a fork of this process: ``(exit code or -signal, its stderr)``."""
     err = out.with_name(out.name + ".err")
     sys.stdout.flush(), sys.stderr.flush()
@@ -97,7 +99,7 @@ def run(source: str, out: Path, kill: Optional[tuple[str, int, int]] = None, wor
     if pid == 0:  # never return into pytest
         code = 99
         try:
-            code = _child(source, out, err, kill, workers, group)
+            code = _child(source, out, err, kill, workers, group, own_process)
         finally:
             os._exit(code)
     deadline = time.monotonic() + 120
@@ -168,7 +170,7 @@ def test_prepare_killed_at_ten_moments_by_three_signals_reruns_to_identical_shar
         states = []
         for sig in signals:
             out = tmp_path / f"{when}{k}-{sig.name}"
-            code, err = run(source, out, (when, k, sig))
+            code, err = run(source, out, (when, k, sig), own_process=True)  # as `llmforge data prepare`
             at = f"{sig.name} {when} write {k} ({renames[k - 1] if k else 'OUT not created'})"
             if sig == signal.SIGKILL:
                 assert (code, err) == (-signal.SIGKILL, ""), at
@@ -214,6 +216,33 @@ def test_prepare_with_workers_killed_reruns_and_leaves_no_worker_behind(corpus, 
     while time.monotonic() < deadline and any(_alive(p) for p in pids):
         time.sleep(0.01)
     assert not any(_alive(p) for p in pids)
+
+
+def test_prepare_stopped_while_its_workers_tokenize_ends_them_too(corpus, tmp_path, monkeypatch):
+    """A stop the command line's ``data prepare`` gets exits at once (llmforge.signals), so its
+    pool's ``close()`` never runs; SIGUSR1 or SIGINT (which the workers ignore) or a ``kill PID``
+    to the parent alone left the 2 workers orphaned until their shard was done. Each worker here
+    takes 60 s a shard and the first sends SIGUSR1 to the parent: exit 75, one `stopped:` line,
+    both workers gone at once; the rerun gives the uninterrupted run's shards."""
+    source, root, _ = corpus
+    out = tmp_path / "busy"
+
+    def slow_shard(args):
+        os.kill(os.getppid(), signal.SIGUSR1)
+        time.sleep(60)
+
+    monkeypatch.setattr(prep, "pool_shard", slow_shard)  # forked children inherit it
+    code, err = run(source, out, workers=2, own_process=True)
+    assert (code, err) == (75, "stopped: received SIGUSR1: `data prepare` stopped; the shards finished in "
+                           f"{out} are kept: run the same command again to continue\n")
+    pids = [int(p) for p in out.with_name("busy.pids").read_text().split()]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.01)
+    assert len(pids) == 2 and not any(_alive(p) for p in pids)
+    monkeypatch.undo()
+    assert run(source, out, workers=2) == (0, "")
+    assert digests(out) == digests(root / "ref") and not list(out.rglob("*.tmp"))
 
 
 def _alive(pid: int) -> bool:

@@ -269,6 +269,19 @@ def test_sagemaker_channels_become_data_paths():
     assert "data.path=/mine/*.txt" in mine and not any(a.startswith("data.path=/opt") for a in mine)
 
 
+def test_sagemaker_entry_runs_train_as_its_process_own_command(monkeypatch):
+    """The job's entry script is its process: a stop during startup ends it at once, as under
+    `llmforge train` (llmforge.signals; raised inside torch's import it could abort: exit 134)."""
+    import llmforge.cli
+    from llmforge.cli import sagemaker_entry
+
+    seen = []
+    monkeypatch.setattr(llmforge.cli, "main", lambda argv, **kw: seen.append((argv, kw)) or 0)
+    assert sagemaker_entry.main(["--config", "c.yaml"]) == 0
+    assert seen == [(["train", "c.yaml", "run.output_dir=/opt/ml/checkpoints", "checkpoint.resume=auto"],
+                     {"own_process": True})]
+
+
 def test_sagemaker_entry_runs_as_a_script_and_nothing_beside_it_shadows_a_module(tmp_path):
     from llmforge.cli import sagemaker_entry
 

@@ -81,6 +81,7 @@ class _State:
     previous_hook: Any = sys.unraisablehook
     exit_at_once = False  # a startup stop: print and os._exit (the process's own command line)
     describe: Optional[Callable[[int], str]] = None  # the startup stop's message, by signal
+    children: set[int] = set()  # forked workers an exit at once kills first (add_child)
 
 
 _state = _State()
@@ -119,7 +120,13 @@ def _handler(signum: int, frame: Any) -> None:
 def _exit_now(line: str, code: int) -> None:
     """Print ``line`` (rank 0 only: every rank gets the signal) and end the process with exit
     ``code``, running no other Python code (see the module doc). Output buffered so far is
-    flushed first; a flush the signal interrupted (a reentrant write) is skipped."""
+    flushed first; a flush the signal interrupted (a reentrant write) is skipped. The processes
+    of :func:`add_child` get SIGKILL first: the ``finally`` that would end them does not run."""
+    for pid in list(_state.children):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:  # gone already
+            pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -182,6 +189,19 @@ def describe_startup_stop(describe: Callable[[int], str]) -> None:
     (``data prepare`` says its finished shards are kept). Build every part of the message
     before calling this: the handler must import nothing (it may have interrupted an import)."""
     _state.describe = describe
+
+
+def add_child(pid: int) -> None:
+    """A forked worker process that must end with this one: an exit at once SIGKILLs it first
+    (``data prepare``'s tokenizing workers ignore SIGINT and SIGUSR1, and a ``kill PID`` reaches
+    only the parent; orphaned, they ran on to the end of their shard). :func:`remove_child`
+    when it was ended normally."""
+    _state.children.add(pid)
+
+
+def remove_child(pid: int) -> None:
+    """Forget a process given to :func:`add_child` (ended and reaped: its pid may be reused)."""
+    _state.children.discard(pid)
 
 
 def training_started() -> None:
@@ -255,5 +275,5 @@ def own(trainer: Any) -> None:
 
 
 __all__ = ["EXIT_INTERRUPTED", "EXIT_PREEMPTED", "STOP_SIGNALS", "StopRequested", "StoppedBeforeTraining",
-           "describe_startup_stop", "exit_code_for", "exiting", "install", "own", "phase", "received",
-           "training_ended", "training_started", "uninstall"]
+           "add_child", "describe_startup_stop", "exit_code_for", "exiting", "install", "own", "phase",
+           "received", "remove_child", "training_ended", "training_started", "uninstall"]

@@ -42,8 +42,16 @@ def _scrub(message: str) -> str:
     return scrub_message(message)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of the ``llmforge`` script; returns the exit code."""
+def main(argv: Optional[Sequence[str]] = None, *, own_process: Optional[bool] = None) -> int:
+    """Entry point of the ``llmforge`` script; returns the exit code.
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+        own_process: the process exits when this returns (default: ``argv is None``): a stop
+            signal during startup, or a second Ctrl-C, ends it at once (:mod:`llmforge.signals`);
+            otherwise (tests, a caller's own script) they raise.
+    """
+    own_process = argv is None if own_process is None else own_process
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     stray = [a for a in extra if not hasattr(args, "overrides") or "=" not in a or a.startswith("-")]
@@ -53,7 +61,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.overrides = list(args.overrides) + extra
     # before the heavy imports: a stop during startup loses nothing (see llmforge.signals); this
     # process's own command line exits at once on it, an in-process caller gets it raised
-    owns_signals = args.command in ("train", "data") and signals.install(exit_at_once=argv is None)
+    owns_signals = args.command in ("train", "data") and signals.install(exit_at_once=own_process)
     handlers = {"train": cmd_train, "generate": cmd_generate, "algorithms": cmd_algorithms,
                 "runs": cmd_runs, "checkpoint": cmd_checkpoint, "convert": cmd_convert, "eval": cmd_eval,
                 "plan": cmd_plan}
@@ -71,7 +79,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     finally:
-        if owns_signals and argv is None:  # this process's own command line: it exits next
+        if owns_signals and own_process:  # this process's own command line: it exits next
             signals.exiting()
         elif owns_signals:  # an in-process caller (tests) gets its handlers back
             signals.uninstall()

@@ -66,7 +66,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     from llmforge.cli import main as cli  # after the sys.path set-up above (run as a script)
 
-    return cli(command)
+    return cli(command, own_process=True)  # the job's process: a stop in startup exits at once
 
 
 if __name__ == "__main__":

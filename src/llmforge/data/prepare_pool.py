@@ -18,7 +18,7 @@ import signal
 from typing import Any, Callable
 
 from llmforge.errors import LLMForgeError
-from llmforge.signals import STOP_SIGNALS
+from llmforge.signals import STOP_SIGNALS, add_child, remove_child
 
 
 class WorkerDied(LLMForgeError):
@@ -78,6 +78,7 @@ class ShardPool:
                 proc = ctx.Process(target=_serve, args=(theirs, list(self._conns), initializer, initargs, work),
                                    daemon=True, name="llmforge-prepare")
                 proc.start()
+                add_child(proc.pid)  # a stop that exits at once ends it too
                 theirs.close()
                 self._procs.append(proc)
         except BaseException:
@@ -145,4 +146,5 @@ class ShardPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+            remove_child(proc.pid)
         self._procs, self._conns = [], []

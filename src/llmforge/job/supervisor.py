@@ -123,7 +123,7 @@ class Supervisor:
                                "from the newest checkpoint"))
                 continue
             why = {"completed": "exit code 0", "stopped": f"exit code {code} (stop requested or "
-                   "preempted; checkpoint saved)", "failed": f"exit code {code}"}[status]
+                   "preempted; saved if training had started)", "failed": f"exit code {code}"}[status]
             if status == "failed" and code == EXIT_CONFIG:
                 why += " (configuration or data error: see the log)"
             elif status == "failed" and max_retries:

@@ -82,3 +82,64 @@ def test_mds_bad_input_exits_2_naming_the_key(mds_root, tmp_path):
     r = run_main("data", "prepare", str(mds_root / "text"), str(tmp_path / "c"), "data.text_field=body",
                  "--workers", "1")
     assert r.returncode == 2 and "data.text_field" in r.stderr and "id, text" in r.stderr
+
+
+def test_mds_reader_refuses_damaged_or_escaping_folders_with_a_data_error(mds_root, tmp_path):
+    """A shared MDS folder is input, not trusted: an index.json whose shard names a file outside
+    the folder (``..``, absolute, or a link out) read that file into the shards; a truncated
+    shard, an index entry without its fields or nested too deep, and float token ids crashed
+    (exit 1) or were truncated into other ids. Each is a DataError naming the folder or shard."""
+    from llmforge.data.mds import MDSSplit, iter_samples
+    from llmforge.errors import DataError
+
+    def split(name: str, edit=None, shard_bytes=None) -> str:
+        folder = tmp_path / name
+        shutil.copytree(mds_root / "text" / "val", folder)
+        index = json.loads((folder / "index.json").read_text())
+        if edit is not None:
+            edit(index["shards"][0])
+            (folder / "index.json").write_text(json.dumps(index))
+        if shard_bytes is not None:
+            (folder / "shard.00000.mds").write_bytes(shard_bytes((folder / "shard.00000.mds").read_bytes()))
+        return str(folder)
+
+    def refused(folder: str, *needles: str) -> None:
+        with pytest.raises(DataError) as info:
+            list(iter_samples(folder, ("text",)))
+        assert all(n in str(info.value) for n in needles), str(info.value)
+
+    assert len(list(iter_samples(split("good"), ("text",)))) > 0
+    (tmp_path / "secret.txt").write_text("not yours")
+    refused(split("dotdot", lambda s: s["raw_data"].update(basename="../secret.txt")), "outside the MDS folder")
+    refused(split("absolute", lambda s: s["raw_data"].update(basename=str(tmp_path / "secret.txt"))),
+            "outside the MDS folder")
+    linked = split("link", lambda s: s["raw_data"].update(basename="out.mds"))
+    (Path(linked) / "out.mds").symlink_to(tmp_path / "secret.txt")
+    refused(linked, "'out.mds', which is outside the MDS folder")
+    refused(split("truncated", shard_bytes=lambda b: b[:len(b) // 2]), "is damaged", "shard.00000.mds")
+    refused(split("tiny", shard_bytes=lambda b: b[:1]), "is damaged")
+    refused(split("no-sizes", lambda s: s.pop("column_sizes")), "index.json shard 0", "column_sizes")
+    refused(split("names-text", lambda s: s.update(column_names="text")), "column_names")
+    deep = split("deep")
+    (Path(deep) / "index.json").write_text("[" * 100_000 + "]" * 100_000)
+    refused(deep, "not a readable MDS index")
+    floats = tmp_path / "floats"  # a pre-tokenised column of float32 ids
+    floats.mkdir()
+    sample = np.array([5.7, 6.2], np.float32).tobytes()
+    (floats / "shard.00000.mds").write_bytes(np.array([1, 8, 8 + len(sample)], np.uint32).tobytes() + sample)
+    (floats / "index.json").write_text(json.dumps({"version": 2, "shards": [{
+        "format": "mds", "column_names": ["tokens"], "column_encodings": ["ndarray:float32:2"],
+        "column_sizes": [len(sample)], "compression": None, "raw_data": {"basename": "shard.00000.mds"},
+        "zip_data": None, "samples": 1}]}))
+    with pytest.raises(DataError, match="holds float32 values; token ids are integers"):
+        list(MDSSplit(str(floats), "tokens"))
+
+
+def test_training_on_an_mds_folder_says_to_prepare_it(mds_root, tmp_path):
+    """``data.format=mds`` names a folder: the message is the documented `data prepare` one, not
+    the file lookup's "name its files with a glob, e.g. FOLDER/*.jsonl"."""
+    folder = mds_root / "text"
+    r = run_main("train", DEMO, *TINY_OVERRIDES, "data.source=files", f"data.path={folder}", "data.format=mds",
+                 f"run.output_dir={tmp_path}")
+    assert r.returncode == 2 and r.stderr.startswith("error: data.format: mds is read by `llmforge data "
+                                                     f"prepare` only; prepare {folder} once"), r.stderr

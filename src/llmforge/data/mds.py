@@ -163,41 +163,113 @@ def iter_samples(folder: str, columns: tuple[str, ...], storage_options: Optiona
     try:
         index = json.loads(_read(f"{where}/{INDEX}", storage_options))
         shards = index["shards"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        if not isinstance(shards, list):
+            raise TypeError("'shards' is not a list")
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
         raise DataError(f"data.path: {where}/{INDEX} is not a readable MDS index ({exc})") from None
     for k, shard in enumerate(shards):
-        if shard.get("format", "mds") != "mds":
-            raise DataError(f"data.path: {where} shard {k} has format '{shard.get('format')}'; llmforge "
-                            "reads MDS shards only (convert xsv/json shards with streaming's tools)")
-        names, encodings, sizes = shard["column_names"], shard["column_encodings"], shard["column_sizes"]
+        names, encodings, sizes, name, compression = _shard_entry(shard, k, where)
         missing = [c for c in columns if c not in names]
         if missing:
             raise DataError(f"data.text_field: {where} has no column {', '.join(missing)}; its columns "
                             f"are {', '.join(names)} (text: data.text_field; pre-tokenised: 'tokens')")
-        zipped = shard.get("zip_data")
-        name = (zipped or shard["raw_data"])["basename"]
+        path = _shard_path(where, name, k)
         try:
-            raw = _decompress(shard.get("compression") if zipped else None,
-                              _read(f"{where}/{name}", storage_options), f"{where}/{name}")
-        except OSError as exc:
-            raise DataError(f"data.path: cannot read MDS shard {where}/{name} ({exc})") from None
-        n = int(np.frombuffer(raw[:4], np.uint32)[0])
-        offsets = np.frombuffer(raw[4:8 + 4 * n], np.uint32)
-        for i in range(n):
-            sample = raw[offsets[i]:offsets[i + 1]]
-            pos, lengths = 0, []
-            for size in sizes:
-                if size is None:
-                    lengths.append(int(np.frombuffer(sample[pos:pos + 4], np.uint32)[0]))
-                    pos += 4
-                else:
-                    lengths.append(size)
-            row = {}
-            for col, enc, length in zip(names, encodings, lengths):
-                if col in columns:
-                    row[col] = decode(enc, sample[pos:pos + length], f"{where} column {col}")
-                pos += length
+            raw = _decompress(compression, _read(path, storage_options), path)
+        except (OSError, EOFError, ValueError) as exc:  # gzip/bz2: a truncated or damaged file
+            raise DataError(f"data.path: cannot read MDS shard {path} ({exc})") from None
+        for i in range(_sample_count(raw, path)):
+            try:
+                row = _sample(raw, i, names, encodings, sizes, columns, where)
+            except DataError:
+                raise
+            except (ValueError, IndexError, KeyError, TypeError, UnicodeDecodeError) as exc:
+                raise DataError(f"data.path: MDS shard {path} is damaged: sample {i} does not decode "
+                                f"({type(exc).__name__}: {exc}); write the shard again") from None
             yield row
+
+
+def _shard_entry(shard: Any, k: int, where: str) -> tuple[list, list, list, str, Optional[str]]:
+    """``(column_names, column_encodings, column_sizes, shard file name, compression)`` of
+    index.json's shard ``k``, checked.
+
+    Raises:
+        DataError: not an MDS shard entry, or a field missing or of the wrong kind (names it)."""
+    bad = f"data.path: {where}/{INDEX} shard {k}"
+    if not isinstance(shard, dict):
+        raise DataError(f"{bad} is not a mapping; write the MDS folder again")
+    if shard.get("format", "mds") != "mds":
+        raise DataError(f"{bad} has format '{shard.get('format')}'; llmforge reads MDS shards only "
+                        "(convert xsv/json shards with streaming's tools)")
+    names, encodings, sizes = (shard.get(f) for f in ("column_names", "column_encodings", "column_sizes"))
+    if not (isinstance(names, list) and isinstance(encodings, list) and isinstance(sizes, list)
+            and len(names) == len(encodings) == len(sizes) and all(isinstance(x, str) for x in names + encodings)
+            and all(x is None or (isinstance(x, int) and x >= 0) for x in sizes)):
+        raise DataError(f"{bad}: column_names, column_encodings and column_sizes must be lists of one "
+                        "length (names and encodings text, sizes a byte count or null); write the MDS "
+                        "folder again")
+    zipped = shard.get("zip_data")
+    entry = zipped or shard.get("raw_data")
+    if not isinstance(entry, dict) or not isinstance(entry.get("basename"), str):
+        raise DataError(f"{bad} has no {'zip_data' if zipped else 'raw_data'}.basename (the shard's file "
+                        "name); write the MDS folder again")
+    return names, encodings, sizes, entry["basename"], shard.get("compression") if zipped else None
+
+
+def _shard_path(where: str, name: str, k: int) -> str:
+    """``where/name``, refused when ``name`` leaves the folder: an absolute path, a ``..``
+    part, or (local folders) a link that resolves outside it; an index.json someone shared
+    must not make ``data prepare`` read (and tokenize into shards) a file elsewhere.
+
+    Raises:
+        DataError: names the shard and its basename."""
+    parts = name.replace("\\", "/").split("/")
+    outside = not name or name.startswith("/") or ".." in parts or "://" in name
+    if not outside and "://" not in where:
+        root = Path(where).resolve()
+        outside = not Path(where, name).resolve().is_relative_to(root)
+    if outside:
+        raise DataError(f"data.path: {where}/{INDEX} shard {k} names the file {name!r}, which is outside "
+                        "the MDS folder (a '..' or absolute path, or a link out of it); llmforge reads "
+                        "shards from the folder only")
+    return f"{where}/{name}"
+
+
+def _sample_count(raw: bytes, path: str) -> int:
+    """The samples of a decompressed shard, after checking its header: ``n``, then ``n + 1``
+    ascending byte offsets within the file.
+
+    Raises:
+        DataError: a header that does not fit the file (a truncated or damaged shard)."""
+    n = int(np.frombuffer(raw[:4], np.uint32)[0]) if len(raw) >= 4 else -1
+    if n >= 0 and len(raw) >= 8 + 4 * n:
+        offsets = np.frombuffer(raw[4:8 + 4 * n], np.uint32)
+        if bool(np.all(np.diff(offsets.astype(np.int64)) >= 0)) and int(offsets[-1]) <= len(raw):
+            return n
+    raise DataError(f"data.path: MDS shard {path} is damaged (its header does not fit its {len(raw)} "
+                    "bytes: a truncated or overwritten file); write the shard again")
+
+
+def _sample(raw: bytes, i: int, names: list, encodings: list, sizes: list, columns: tuple[str, ...],
+            where: str) -> dict[str, Any]:
+    """Sample ``i`` of a checked shard with only ``columns`` decoded."""
+    start, end = (int(x) for x in np.frombuffer(raw[4 + 4 * i:12 + 4 * i], np.uint32))
+    sample = raw[start:end]
+    pos, lengths = 0, []
+    for size in sizes:
+        if size is None:
+            lengths.append(int(np.frombuffer(sample[pos:pos + 4], np.uint32)[0]))
+            pos += 4
+        else:
+            lengths.append(size)
+    if pos + sum(lengths) > len(sample):
+        raise ValueError(f"its columns need {pos + sum(lengths)} bytes, the sample has {len(sample)}")
+    row = {}
+    for col, enc, length in zip(names, encodings, lengths):
+        if col in columns:
+            row[col] = decode(enc, sample[pos:pos + length], f"{where} column {col}")
+        pos += length
+    return row
 
 
 class MDSSplit:
@@ -219,8 +291,16 @@ class MDSSplit:
             seen += 1
             value = sample[self.column]
             if self.kind == "tokens":
-                ids = (np.frombuffer(value, TOKENS_BYTES_DTYPE) if isinstance(value, bytes)
-                       else np.asarray(value).reshape(-1))
+                try:
+                    ids = (np.frombuffer(value, TOKENS_BYTES_DTYPE) if isinstance(value, bytes)
+                           else np.asarray(value).reshape(-1))
+                except ValueError as exc:  # bytes whose length is no multiple of 8
+                    raise DataError(f"data.path: a 'tokens' value of {self.folder} is not int64 ids "
+                                    f"({exc})") from None
+                if ids.dtype.kind not in "iu":  # float ids would be truncated into other tokens
+                    raise DataError(f"data.path: the 'tokens' column of {self.folder} holds {ids.dtype} "
+                                    "values; token ids are integers (ndarray:int32/int64, or bytes of "
+                                    "int64): write the MDS folder again")
                 row: dict[str, Any] = {"tokens": ids.astype(np.int64)}
             else:
                 if not isinstance(value, str):
@@ -240,7 +320,9 @@ def token_column(folder: str, text_field: str, storage_options: Optional[dict] =
     try:
         index = json.loads(_read(f"{folder.rstrip('/')}/{INDEX}", storage_options))
         names = index["shards"][0]["column_names"] if index["shards"] else []
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        if not isinstance(names, list):
+            raise TypeError("column_names is not a list")
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as exc:
         raise DataError(f"data.path: {folder}/{INDEX} is not a readable MDS index ({exc})") from None
     if text_field in names:
         return text_field

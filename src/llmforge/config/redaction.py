@@ -142,6 +142,21 @@ def scrub_url_credentials(text: str) -> str:
     return _HEADER_LINE.sub(_scrub_header, text) if ":" in text else text  # the whole string only
 
 
+def strip_url_credentials(text: str) -> str:
+    """``text`` with the credentials of its URLs left out, not masked: ``user:password@`` (or a
+    bare ``token@``) removed, and a query's secret parameters (:func:`is_secret_key`) dropped;
+    for a file llmforge writes that must load again (a masked ``***@`` is refused as a secret)."""
+    def query(match: re.Match) -> str:
+        params = match[2].split("&")
+        kept = [q for q in params if not ("=" in q and q.split("=", 1)[1]
+                                          and is_secret_key(unquote(q.split("=", 1)[0])))]
+        if len(kept) == len(params):
+            return match[0]  # not a query with secrets (or a "?" in prose)
+        return match[1] + "&".join(kept) if kept else ""
+
+    return _URL_QUERY.sub(query, _URL_USERINFO.sub(r"\1\2", text))
+
+
 def _scrub(container: Any, values: set) -> Any:
     if isinstance(container, dict):
         return {k: _scrub(v, values) for k, v in container.items()}

@@ -26,6 +26,7 @@ from llmforge.config.foundry.training import (batch_and_duration, convert_algori
                                               convert_fsdp, convert_optimizer,
                                               convert_precision, convert_scheduler)
 from llmforge.config.loader import _RESOLVER, load_config
+from llmforge.config.redaction import strip_url_credentials
 from llmforge.config.yaml_files import _read_yaml
 from llmforge.errors import ConfigError
 
@@ -90,26 +91,60 @@ def convert(path: str | Path, *, steps_per_epoch: Optional[int] = None,
     if c.has("variables"):
         c.used.add("variables")  # resolved into the values above
         c.mapped.append(("variables", "resolved into the values that refer to them", ""))
-    convert_identity(c)
-    convert_model(c)
-    convert_tokenizer(c)
-    clock = batch_and_duration(c, steps_per_epoch)
+
+    def step(keys: str, fn: Any, *args: Any) -> Any:
+        """``fn(c, *args)``; a value of the wrong kind in its keys (``optimizer.lr: fast``, a
+        list where a name goes) is a ConfigError naming those keys, not a crash."""
+        try:
+            return fn(c, *args)
+        except (TypeError, ValueError, ArithmeticError, KeyError, AttributeError, IndexError) as exc:
+            raise ConfigError(f"{keys}: {path} has a value there the converter cannot read "
+                              f"({type(exc).__name__}: {exc}); write it as LLM Foundry documents it"
+                              ) from None
+
+    step("run_name, seed", convert_identity)
+    step("model", convert_model)
+    step("tokenizer", convert_tokenizer)
+    clock = step("global_train_batch_size, device_train_microbatch_size, max_duration, max_seq_len",
+                 batch_and_duration, steps_per_epoch)
     if c.out["model"]["name"] == "llama3" and "init_from" not in c.out["model"]:
         c.set("model.max_seq_len", max(c.out["model"].get("max_seq_len") or 0, clock.seq_len))
-    convert_optimizer(c)
-    convert_scheduler(c, clock)
-    convert_precision(c)
-    convert_fsdp(c, c.out["trainer"].get("precision", "fp32"))
-    convert_algorithms(c)
-    convert_loaders(c, prepared)
-    convert_callbacks(c, clock)
-    convert_loggers(c)
-    convert_checkpoints(c, clock)
+    step("optimizer", convert_optimizer)
+    step("scheduler", convert_scheduler, clock)
+    step("precision", convert_precision)
+    step("fsdp_config", convert_fsdp, c.out["trainer"].get("precision", "fp32"))
+    step("algorithms", convert_algorithms)
+    step("train_loader, eval_loader", convert_loaders, prepared)
+    step("callbacks", convert_callbacks, clock)
+    step("loggers", convert_loggers)
+    step("save_folder, save_interval, load_path", convert_checkpoints, clock)
     for key in c.leftovers():
         c.drop(key, "not a key the converter knows", "none (check docs/migrating_from_composer.md)")
     c.defaults()
     c.out = {k: c.out[k] for k in _ORDER if k in c.out and c.out[k] != []}
+    _leave_out_credentials(c)
     return c
+
+
+def _leave_out_credentials(c: Conversion) -> None:
+    """Drop the credentials of every URL (``s3://KEY:SECRET@bucket``, a tracking URI's
+    ``user:password@``, a pre-signed URL's signature) from the converted config and the report:
+    secrets come from the environment, never from a file llmforge writes."""
+    def strip(value: Any) -> Any:
+        if isinstance(value, str):
+            return strip_url_credentials(value)
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(strip(v) for v in value)
+        return value
+
+    before = (c.out, c.mapped, c.changed, c.unmapped, c.todo)
+    c.out, c.mapped, c.changed, c.unmapped, c.todo = (strip(x) for x in before)
+    if (c.out, c.mapped, c.changed, c.unmapped, c.todo) != before:
+        c.todo.append("credentials in URLs (user:password@, a signature) were left out of this file: "
+                      "give them through the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                      "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, ...)")
 
 
 def report(c: Conversion) -> str:
@@ -136,6 +171,12 @@ def render(c: Conversion, source: str) -> str:
     return "\n".join(head) + "\n\n" + body
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_converted(src: str, out: Optional[str], *, overwrite: bool = False,
                     steps_per_epoch: Optional[int] = None, prepared: Optional[str] = None) -> tuple[str, str]:
     """Convert ``src`` and write it to ``out`` (``None``: return it only). The text is loaded
@@ -146,6 +187,8 @@ def write_converted(src: str, out: Optional[str], *, overwrite: bool = False,
 
     Raises:
         ConfigError: as :func:`convert`; ``out`` exists and ``overwrite`` is false."""
+    if out is not None and Path(out).is_dir():
+        raise ConfigError(f"-o: {out} is a folder; give the path of the YAML file to write")
     if out is not None and Path(out).exists() and not overwrite:
         raise ConfigError(f"-o: {out} already exists; choose another file or pass --overwrite")
     c = convert(src, steps_per_epoch=steps_per_epoch, prepared=prepared)
@@ -156,11 +199,14 @@ def write_converted(src: str, out: Optional[str], *, overwrite: bool = False,
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600: a config is for the team to read
         try:
             load_config(tmp)
-        except ConfigError as exc:  # a converter bug: say so, write nothing
-            raise ConfigError(f"the converted YAML does not load ({exc}); please report this with "
-                              f"{src}") from None
+        except ConfigError as exc:  # write nothing
+            why = str(exc).replace(tmp, out or "the converted YAML")  # not the temporary file's name
+            raise ConfigError(f"the converted YAML does not load ({why}): a value in {src} of a kind "
+                              "llmforge does not take (fix it there), or a converter bug (please "
+                              f"report it with {src})") from None
         if out is not None:
             os.replace(tmp, out)
     finally:

@@ -201,6 +201,9 @@ def test_qwen3_checkpoint_and_epochs_with_steps_per_epoch(tmp_path):
     ({"optimizer": {"name": "decoupled_adamw", "lr": 1e-4, "betas": 0.9}}, "optimizer: "),
     ({"precision": ["amp_bf16"]}, "precision: "),
     ({"device_train_microbatch_size": "eight"}, "device_train_microbatch_size"),
+    ({"train_loader": {"name": "text", "dataset": {"local": "x", "split": "train", "max_seq_len": 0}}},
+     "max_seq_len: must be a positive integer"),  # was 2048, silently
+    ({"fsdp_config": {"sharding_strategy": "WEIRD"}}, "fsdp_config.sharding_strategy: 'WEIRD'"),
 ])
 def test_bad_foundry_input_exits_2_naming_the_key(tmp_path, edit, key):
     if edit is None:

@@ -36,13 +36,18 @@ def batch_and_duration(c: Conversion, steps_per_epoch: Any) -> Clock:
               "Composer's auto microbatching searches the largest micro-batch that fits by catching "
               "out-of-memory errors; llmforge does not search: 1 is safe, `llmforge plan CONFIG --gpus "
               "N` or `llmforge train CONFIG --dry-run` size it")
+    elif isinstance(micro, int) and not isinstance(micro, bool) and micro >= 1:
+        c.map("device_train_microbatch_size", "trainer.micro_batch_size", micro)
     else:
-        c.map("device_train_microbatch_size", "trainer.micro_batch_size", int(micro))
+        raise ConfigError(f"device_train_microbatch_size: must be a positive integer or auto; got {micro!r}")
     if c.has("device_train_grad_accum"):
         c.drop("device_train_grad_accum", "llmforge derives accumulation from the batch sizes",
                "trainer.micro_batch_size")
-    seq_len = (c.take("train_loader.dataset.max_seq_len") or c.take("max_seq_len")
-               or c.peek("model.max_seq_len") or 2048)
+    given = [v for v in (c.take("train_loader.dataset.max_seq_len"), c.take("max_seq_len"),
+                         c.peek("model.max_seq_len")) if v is not None]
+    seq_len = given[0] if given else 2048
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+        raise ConfigError(f"max_seq_len: must be a positive integer (tokens); got {seq_len!r}")
     c.used.add("max_seq_len")
     c.map("max_seq_len", "trainer.seq_len", int(seq_len))
     spe = int(steps_per_epoch) if steps_per_epoch else None
@@ -153,6 +158,11 @@ def convert_fsdp(c: Conversion, precision: str) -> None:
         return
     cfg = c.peek("fsdp_config") or {}
     sharding = c.take("fsdp_config.sharding_strategy", "FULL_SHARD")
+    sharding = sharding.upper() if isinstance(sharding, str) else sharding  # Composer: case-blind
+    known = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", "NO_SHARD")
+    if sharding not in known:
+        raise ConfigError(f"fsdp_config.sharding_strategy: {sharding!r} is not one of FSDP's "
+                          f"{', '.join(known)}")
     if sharding == "NO_SHARD":
         c.map("fsdp_config.sharding_strategy", "strategy.name", "ddp")
     else:

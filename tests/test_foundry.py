@@ -275,3 +275,16 @@ def test_credentials_in_foundry_urls_are_left_out_of_the_converted_yaml(tmp_path
         assert secret not in text and secret not in report
     assert cfg["checkpoint"]["dir"] == "s3://bucket/ckpt"
     assert "https://host/mlflow?x=1" in text and "MLFLOW_TRACKING_PASSWORD" in report
+
+
+def test_a_conversion_train_would_refuse_says_so_in_its_report(tmp_path):
+    """Composer clamps a micro-batch above the global batch and runs ``max_duration: 0ba`` as no
+    training; the converted YAML loads but ``llmforge train`` refuses it: the report (and the
+    file's header) says which key, instead of a clean exit 0 and a surprise at training."""
+    data = yaml.safe_load((FOUNDRY / "monitors.yaml").read_text())
+    data.update(global_train_batch_size=16, device_train_microbatch_size=32)
+    src = tmp_path / "in.yaml"
+    src.write_text(yaml.safe_dump(data))
+    _, report = _convert(src, tmp_path / "out.yaml")
+    line = "llmforge train refuses this file as written: trainer.global_batch_size=16 must be a multiple"
+    assert line in report and line in (tmp_path / "out.yaml").read_text()

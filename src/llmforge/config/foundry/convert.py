@@ -27,6 +27,7 @@ from llmforge.config.foundry.training import (batch_and_duration, convert_algori
                                               convert_precision, convert_scheduler)
 from llmforge.config.loader import _RESOLVER, load_config
 from llmforge.config.redaction import strip_url_credentials
+from llmforge.config.validate import validate
 from llmforge.config.yaml_files import _read_yaml
 from llmforge.errors import ConfigError
 
@@ -201,12 +202,18 @@ def write_converted(src: str, out: Optional[str], *, overwrite: bool = False,
             f.write(text)
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600: a config is for the team to read
         try:
-            load_config(tmp)
+            cfg = load_config(tmp)
         except ConfigError as exc:  # write nothing
             why = str(exc).replace(tmp, out or "the converted YAML")  # not the temporary file's name
             raise ConfigError(f"the converted YAML does not load ({why}): a value in {src} of a kind "
                               "llmforge does not take (fix it there), or a converter bug (please "
                               f"report it with {src})") from None
+        try:  # the value checks of `train --dry-run` (Composer clamps what llmforge refuses)
+            validate(cfg, world_size=None)
+        except ConfigError as exc:
+            c.todo.append(f"llmforge train refuses this file as written: {exc}")
+            text = render(c, src)
+            Path(tmp).write_text(text, encoding="utf-8")
         if out is not None:
             os.replace(tmp, out)
     finally:

@@ -120,6 +120,15 @@ def test_mds_reader_refuses_damaged_or_escaping_folders_with_a_data_error(mds_ro
     refused(split("tiny", shard_bytes=lambda b: b[:1]), "is damaged")
     refused(split("no-sizes", lambda s: s.pop("column_sizes")), "index.json shard 0", "column_sizes")
     refused(split("names-text", lambda s: s.update(column_names="text")), "column_names")
+    gz = tmp_path / "gz"
+    shutil.copytree(mds_root / "text" / "train", gz)
+    body = bytearray((gz / "shard.00000.mds.gz").read_bytes())
+    body[40:60] = bytes(20)  # bit rot inside the deflate stream, the header intact
+    (gz / "shard.00000.mds.gz").write_bytes(bytes(body))
+    refused(str(gz), "cannot read MDS shard", "shard.00000.mds.gz")
+    refused(split("comp", lambda s: s.update(zip_data={"basename": "shard.00000.mds"}, compression=5)),
+            "its compression is 5")
+    refused(split("nul", lambda s: s["raw_data"].update(basename="sub/shard\0.mds")), "outside the MDS folder")
     deep = split("deep")
     (Path(deep) / "index.json").write_text("[" * 100_000 + "]" * 100_000)
     refused(deep, "not a readable MDS index")

@@ -46,6 +46,25 @@ def test_secret_query_parameters_of_signed_urls_are_redacted_inside_any_value():
                                                       "headers": {"Cookie": "***"}, "note": "cookie ***"}
 
 
+def test_url_passwords_holding_a_slash_or_an_at_are_masked_whole_and_paths_keep_theirs():
+    """An AWS secret key holds '/' (s3://KEY:wJal/K7M@bucket) and a password may hold an
+    unencoded '@': the user info ended at the first '/', so the rest of the key was printed
+    (and written by `convert foundry`). A path's '@' (s3://bucket/a@b, hf://org/x@main) stays."""
+    from llmforge.config.redaction import scrub_url_credentials, strip_url_credentials
+
+    cases = {"s3://AKIAFAKE:wJalr/K7MD/bPxR@bucket/ckpt": ("s3://***@bucket/ckpt", "s3://bucket/ckpt"),
+             "https://me:p@ssw0rdSECRET@host/mlflow": ("https://***@host/mlflow", "https://host/mlflow"),
+             "https://u:p@host/a@b": ("https://***@host/a@b", "https://host/a@b"),
+             "s3://bucket/a@b/key": ("s3://bucket/a@b/key",) * 2,
+             "hf://datasets/org/name@main/data": ("hf://datasets/org/name@main/data",) * 2,
+             "git+ssh://git@github.com/org/repo": ("git+ssh://***@github.com/org/repo",
+                                                  "git+ssh://git@github.com/org/repo"),
+             "https://h/x?a=1;token=SEMI": ("https://h/x?a=1;token=***", "https://h/x?a=1"),
+             "run what?token=xyz": ("run what?token=***", "run what?token=xyz")}  # no URL: kept
+    for text, (masked, stripped) in cases.items():
+        assert (scrub_url_credentials(text), strip_url_credentials(text)) == (masked, stripped), text
+
+
 def test_redact_argv_hides_values_of_secret_overrides_wherever_they_appear():
     argv = ["train", "x.yaml", f"variables.api_key={ARGV_KEY}", f"run.tags=[{ARGV_KEY},ok]",
             f"+data.storage_options.X-Api-Key={HEADER_KEY}", "trainer.max_steps=2",

@@ -113,8 +113,13 @@ def _env_secret_values() -> set:
 
 
 # user:password@ or a bare token@ (https://ghp_xxx@github.com, s3://KEY@bucket), also after the
-# extra slash fsspec puts in front of a path (memory:///KEY:SECRET@bucket in datasets' errors)
-_URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)(/?)[^/\s@]+@")
+# extra slash fsspec puts in front of a path (memory:///KEY:SECRET@bucket in datasets' errors).
+# A password runs to the first @ that a host follows: an AWS secret key holds '/' (s3://KEY:
+# wJal/K7M@bucket) and a password may hold an unencoded @ (Python's URL parsing splits at the
+# last); a path's @ (s3://bucket/a@b, hf://org/name@main) has no user: before it.
+_URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)(/?)(?:[^\s@:/]+:[^\s]*?|[^/\s@:]+)@"
+                           r"(?=[^\s@/]*(?:[/?#\s'\"),\]]|$))")
+_SSH = re.compile(r"(?i)^[a-z+]*ssh://")  # ssh://git@host: a user name, not a credential
 # a query's parameters: name=value after ? and & (or ;), with or without the URL's scheme (a
 # path printed through pathlib loses one of its slashes; an "extension" keeps only the query)
 _URL_QUERY = re.compile(r"(\?)([^\s#'\"<>\]]*)")
@@ -147,14 +152,22 @@ def strip_url_credentials(text: str) -> str:
     bare ``token@``) removed, and a query's secret parameters (:func:`is_secret_key`) dropped;
     for a file llmforge writes that must load again (a masked ``***@`` is refused as a secret)."""
     def query(match: re.Match) -> str:
-        params = match[2].split("&")
+        params = re.split(r"[&;]", match[2])
         kept = [q for q in params if not ("=" in q and q.split("=", 1)[1]
                                           and is_secret_key(unquote(q.split("=", 1)[0])))]
         if len(kept) == len(params):
-            return match[0]  # not a query with secrets (or a "?" in prose)
+            return match[0]  # not a query with secrets
         return match[1] + "&".join(kept) if kept else ""
 
-    return _URL_QUERY.sub(query, _URL_USERINFO.sub(r"\1\2", text))
+    def url(match: re.Match) -> str:
+        u = match[0] if _SSH.match(match[0]) and ":" not in match[0].split("://", 1)[1].split("@")[0] \
+            else _URL_USERINFO.sub(r"\1\2", match[0])
+        return _URL_QUERY.sub(query, u)
+
+    return _URL.sub(url, text)  # URLs only: a "?" in a name or in prose stays
+
+
+_URL = re.compile(r"(?i)\b[a-z][a-z0-9+.-]*://[^\s'\"<>]*")
 
 
 def _scrub(container: Any, values: set) -> Any:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import bz2
 import gzip
 import json
+import zlib
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -176,14 +177,14 @@ def iter_samples(folder: str, columns: tuple[str, ...], storage_options: Optiona
         path = _shard_path(where, name, k)
         try:
             raw = _decompress(compression, _read(path, storage_options), path)
-        except (OSError, EOFError, ValueError) as exc:  # gzip/bz2: a truncated or damaged file
+        except (OSError, EOFError, ValueError, zlib.error) as exc:  # gzip/bz2: truncated or damaged
             raise DataError(f"data.path: cannot read MDS shard {path} ({exc})") from None
         for i in range(_sample_count(raw, path)):
             try:
                 row = _sample(raw, i, names, encodings, sizes, columns, where)
             except DataError:
                 raise
-            except (ValueError, IndexError, KeyError, TypeError, UnicodeDecodeError) as exc:
+            except (ValueError, IndexError, KeyError, TypeError, RecursionError) as exc:
                 raise DataError(f"data.path: MDS shard {path} is damaged: sample {i} does not decode "
                                 f"({type(exc).__name__}: {exc}); write the shard again") from None
             yield row
@@ -209,6 +210,9 @@ def _shard_entry(shard: Any, k: int, where: str) -> tuple[list, list, list, str,
                         "length (names and encodings text, sizes a byte count or null); write the MDS "
                         "folder again")
     zipped = shard.get("zip_data")
+    if zipped and not isinstance(shard.get("compression"), str):
+        raise DataError(f"{bad} has zip_data but its compression is {shard.get('compression')!r}, not a "
+                        "name (gz, bz2, zstd, br, snappy); write the MDS folder again")
     entry = zipped or shard.get("raw_data")
     if not isinstance(entry, dict) or not isinstance(entry.get("basename"), str):
         raise DataError(f"{bad} has no {'zip_data' if zipped else 'raw_data'}.basename (the shard's file "
@@ -224,7 +228,7 @@ def _shard_path(where: str, name: str, k: int) -> str:
     Raises:
         DataError: names the shard and its basename."""
     parts = name.replace("\\", "/").split("/")
-    outside = not name or name.startswith("/") or ".." in parts or "://" in name
+    outside = not name or name.startswith("/") or ".." in parts or "://" in name or "\0" in name
     if not outside and "://" not in where:
         root = Path(where).resolve()
         outside = not Path(where, name).resolve().is_relative_to(root)

@@ -188,6 +188,8 @@ def write_converted(src: str, out: Optional[str], *, overwrite: bool = False,
 
     Raises:
         ConfigError: as :func:`convert`; ``out`` exists and ``overwrite`` is false."""
+    if out is not None and (not str(out).strip() or str(out).endswith(("/", os.sep))):
+        raise ConfigError(f"-o: {out!r} is not a file path; give the path of the YAML file to write")
     if out is not None and Path(out).is_dir():
         raise ConfigError(f"-o: {out} is a folder; give the path of the YAML file to write")
     if out is not None and Path(out).exists() and not overwrite:

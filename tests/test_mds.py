@@ -152,3 +152,7 @@ def test_training_on_an_mds_folder_says_to_prepare_it(mds_root, tmp_path):
                  f"run.output_dir={tmp_path}")
     assert r.returncode == 2 and r.stderr.startswith("error: data.format: mds is read by `llmforge data "
                                                      f"prepare` only; prepare {folder} once"), r.stderr
+    r = run_main("train", DEMO, *TINY_OVERRIDES, "data.source=files", f"data.path={folder}", "data.format=MDS",
+                 f"run.output_dir={tmp_path}")  # names are exact: refused with the ones there are
+    assert r.returncode == 2 and "data.format: expected one of text, txt, json, jsonl, parquet, csv, mds; " \
+        "got 'MDS'" in r.stderr, r.stderr

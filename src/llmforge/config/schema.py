@@ -25,6 +25,7 @@ TOKENIZER_TYPES = ("huggingface", "tiktoken", "train_bpe")
 DATA_SOURCES = ("shakespeare", "files", "hub", "prepared")
 """``data.source`` values."""
 DATA_TASKS = ("pretrain", "sft")
+DATA_FORMATS = ("text", "txt", "json", "jsonl", "parquet", "csv", "mds")
 """``data.task`` values."""
 OVERLONG = ("drop", "truncate", "error")
 """``data.overlong`` values."""

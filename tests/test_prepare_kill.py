@@ -222,13 +222,20 @@ def test_prepare_stopped_while_its_workers_tokenize_ends_them_too(corpus, tmp_pa
     """A stop the command line's ``data prepare`` gets exits at once (llmforge.signals), so its
     pool's ``close()`` never runs; SIGUSR1 or SIGINT (which the workers ignore) or a ``kill PID``
     to the parent alone left the 2 workers orphaned until their shard was done. Each worker here
-    takes 60 s a shard and the first sends SIGUSR1 to the parent: exit 75, one `stopped:` line,
-    both workers gone at once; the rerun gives the uninterrupted run's shards."""
+    takes 60 s a shard and the first, once both have started, sends SIGUSR1 to the parent: exit
+    75, one `stopped:` line, both workers gone at once; the rerun gives the uninterrupted run's
+    shards."""
     source, root, _ = corpus
     out = tmp_path / "busy"
 
     def slow_shard(args):
-        os.kill(os.getppid(), signal.SIGUSR1)
+        # the other worker writes its pid before it takes a task: wait for it, else the stop may
+        # end that worker before it wrote (CI saw one pid of two)
+        pids, deadline = out.with_name("busy.pids"), time.monotonic() + 30
+        while len(pids.read_text().split()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if pids.read_text().split()[0] == str(os.getpid()):  # one stop, from the first
+            os.kill(os.getppid(), signal.SIGUSR1)
         time.sleep(60)
 
     monkeypatch.setattr(prep, "pool_shard", slow_shard)  # forked children inherit it

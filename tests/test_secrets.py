@@ -24,6 +24,8 @@ ARGV_KEY = "argv-value-" + "C3" * 8
     ("Cookie", True), ("Set-Cookie", True), ("passphrase", True), ("X-Amz-Signature", True),
     ("X-Amz-Credential", True), ("X-Amz-Security-Token", True), ("sig", True), ("design", False),
     ("X-Amz-Date", False), ("signal", False),
+    ("pwd", True), ("db_pass", True), ("jwt", True), ("session_id", True), ("passes", False),
+    ("bypass", False), ("num_sessions", False),
 ])
 def test_one_rule_for_keys_headers_and_variables(key, secret):
     assert is_secret_key(key) is secret
@@ -60,6 +62,11 @@ def test_url_passwords_holding_a_slash_or_an_at_are_masked_whole_and_paths_keep_
              "git+ssh://git@github.com/org/repo": ("git+ssh://***@github.com/org/repo",
                                                   "git+ssh://git@github.com/org/repo"),
              "https://h/x?a=1;token=SEMI": ("https://h/x?a=1;token=***", "https://h/x?a=1"),
+             # a fragment's parameters (OAuth's implicit flow) and short password names
+             "https://h/cb#access_token=FRAG&state=2": ("https://h/cb#access_token=***&state=2",
+                                                       "https://h/cb#state=2"),
+             "https://h/db?user=me&pwd=PWD#top": ("https://h/db?user=me&pwd=***#top", "https://h/db?user=me#top"),
+             "https://h/docs#section-2": ("https://h/docs#section-2",) * 2,
              "run what?token=xyz": ("run what?token=***", "run what?token=xyz")}  # no URL: kept
     for text, (masked, stripped) in cases.items():
         assert (scrub_url_credentials(text), strip_url_credentials(text)) == (masked, stripped), text

@@ -32,7 +32,7 @@ __all__ = ["is_secret_key", "redact", "redact_argv", "remember_secret_values", "
 # carry access as much as keys do (issue 47, item 5)
 _SECRET = re.compile(r"(?i)(api_?key|secret|passw(or)?d|passwd|passphrase|access_key|private_key|"
                      r"credential|auth|bearer|cookie|signature|^sig$|_sig$|_pat$|^pat$|^key$|_key$|"
-                     r"^token$|_token$|connection_string)")
+                     r"^token$|_token$|connection_string|^pwd$|_pwd$|^pass$|_pass$|jwt|^session(_?id)?$)")
 _NOT_SECRET = re.compile(r"(?i)(_tokens$|^(bos|eos|pad|unk|sep|cls|mask|start|end)_token$)")
 
 
@@ -121,8 +121,9 @@ _URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)(/?)(?:[^\s@:/]+:[^\s]*
                            r"(?=[^\s@/]*(?:[/?#\s'\"),\]]|$))")
 _SSH = re.compile(r"(?i)^[a-z+]*ssh://")  # ssh://git@host: a user name, not a credential
 # a query's parameters: name=value after ? and & (or ;), with or without the URL's scheme (a
-# path printed through pathlib loses one of its slashes; an "extension" keeps only the query)
-_URL_QUERY = re.compile(r"(\?)([^\s#'\"<>\]]*)")
+# path printed through pathlib loses one of its slashes; an "extension" keeps only the query);
+# a fragment's too (OAuth's implicit flow returns #access_token=...)
+_URL_QUERY = re.compile(r"([?#])([^\s?#'\"<>\]]*)")
 # a header written as one string (a list item, a whole value): "Authorization: Bearer X"
 _HEADER_LINE = re.compile(r"(?i)^(\s*[a-z][a-z0-9_-]*)(\s*:\s*)(\S[^\n]*)$")
 _QUERY_PARAM = re.compile(r"([^=&;]+)=([^&;]*)")

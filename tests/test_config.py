@@ -241,6 +241,10 @@ def test_interpolation_errors(tmp_path):
     assert "'${nope.x}'" in msg and "'nope.x'" in msg
     msg = error_of(load_config, write(tmp_path, "w.yaml", "variables: {n: ten}\ntrainer: {max_steps: '${variables.n}'}\n"))
     assert "trainer.max_steps: expected an integer, got 'ten' (str)" in msg and "${variables.n}" in msg
+    # an escaped '\${x}' resolves to the text '${x}', which the run's config.yaml would read back
+    # as a reference (here to trainer.seq_len's value): refused, naming the key
+    msg = error_of(load_config, write(tmp_path, "e.yaml", "run: {tags: [ok, 'a\\${trainer.seq_len}']}\n"))
+    assert msg.startswith("run.tags.1: its value holds the text '${'"), msg
 
 
 # ------------------------------------------------------------------------------- save/redact

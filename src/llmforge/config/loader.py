@@ -214,6 +214,26 @@ def read_config(path: str | Path, overrides: Sequence[str] = (), *,
     return cfg
 
 
+def _refuse_literal_braces(node: Any, where: str = "") -> None:
+    """Refuse a resolved string that holds the text ``${`` (written ``\\${`` in YAML, an escaped
+    interpolation). ``OmegaConf.resolve`` stores it as ``${x}``, which the next read takes for a
+    reference; llmforge reads resolved configs again (the run's ``config.yaml`` on resume, eval,
+    export), where it would become a missing key or, worse, another key's value.
+
+    Raises:
+        ConfigError: naming the key."""
+    keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
+    for k in keys:
+        child, here = node._get_node(k), f"{where}.{k}" if where else str(k)
+        if isinstance(child, (DictConfig, ListConfig)):
+            _refuse_literal_braces(child, here)
+        elif isinstance(value := child._value(), str) and "${" in value:
+            raise ConfigError(f"{here}: its value holds the text '${{' (an escaped interpolation, "
+                              "'\\${...}'), which llmforge cannot keep as text: the run's config.yaml is "
+                              "read again on resume, where it would become a reference; write the "
+                              "value without '${'")
+
+
 def resolve_config(cfg: DictConfig, *, in_place: bool = False) -> DictConfig:
     """``cfg`` from :func:`read_config` with every interpolation resolved in the current
     environment (``${oc.env:NAME}`` reads ``os.environ`` now): a deep copy, or ``cfg`` itself
@@ -233,6 +253,7 @@ def resolve_config(cfg: DictConfig, *, in_place: bool = False) -> DictConfig:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"cannot resolve the config: {_omega_message(exc)}") from None
+    _refuse_literal_braces(cfg)
     # a secret key's value echoed through ${...} into another key's error is not printed either
     remember_secret_values(_secret_values(OmegaConf.to_container(cfg), set()))
     return cfg

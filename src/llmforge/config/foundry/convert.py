@@ -168,8 +168,21 @@ def render(c: Conversion, source: str) -> str:
     """The output YAML: the report as a comment header, then the config."""
     head = [f"# llmforge YAML converted from the LLM Foundry YAML {source} by `llmforge convert foundry`."]
     head += [f"# {line}" for line in report(c).splitlines()]
-    body = yaml.safe_dump(c.out, sort_keys=False, default_flow_style=False, width=100)
+    body = yaml.safe_dump(_escape_interpolations(c.out), sort_keys=False, default_flow_style=False, width=100)
     return "\n".join(head) + "\n\n" + body
+
+
+def _escape_interpolations(value: Any) -> Any:
+    """``value`` with each ``${`` of its strings written ``\\${``: the values are resolved
+    already (a Foundry ``'\\${x}'`` reads as the text ``${x}``), and llmforge would otherwise
+    read that text as a reference when it loads the file."""
+    if isinstance(value, str):
+        return value.replace("${", "\\${")
+    if isinstance(value, dict):
+        return {k: _escape_interpolations(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escape_interpolations(v) for v in value]
+    return value
 
 
 def _umask() -> int:

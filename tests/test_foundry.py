@@ -290,3 +290,10 @@ def test_a_conversion_train_would_refuse_says_so_in_its_report(tmp_path):
     _, report = _convert(src, tmp_path / "out.yaml")
     line = "llmforge train refuses this file as written: trainer.global_batch_size=16 must be a multiple"
     assert line in report and line in (tmp_path / "out.yaml").read_text()
+    # the model family's shape check too (Foundry's own model would fail at build time)
+    data = yaml.safe_load((FOUNDRY / "monitors.yaml").read_text())
+    data["model"]["n_heads"] = 5
+    src.write_text(yaml.safe_dump(data))
+    _, report = _convert(src, tmp_path / "shape.yaml")
+    assert ("llmforge train refuses this file as written: model.dim (64) must be divisible by "
+            "model.n_heads (5)") in report

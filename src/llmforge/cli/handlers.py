@@ -244,11 +244,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def _convert_foundry(args: argparse.Namespace) -> int:
     """``convert foundry``: the YAML to OUT (or stdout), the report to stdout (or stderr)."""
     from llmforge.config.foundry import write_converted  # omegaconf, yaml: off the --help path
+    from llmforge.models.spec import get_spec  # the model configs (omegaconf): off it too
+
+    def _model_shape(cfg: Any) -> None:
+        """The family's shape check of ``train --dry-run`` (``model.dim`` divisible by
+        ``model.n_heads``, ...), raising ConfigError; a Hugging Face folder fixes its own shape."""
+        if not cfg.model.get("init_from"):
+            get_spec(cfg.model.name).check(cfg.model)
 
     if args.steps_per_epoch is not None and args.steps_per_epoch < 1:
         raise ConfigError(f"--steps-per-epoch must be >= 1, got {args.steps_per_epoch}")
     text, report = write_converted(args.path, args.out, overwrite=args.overwrite,
-                                   steps_per_epoch=args.steps_per_epoch, prepared=args.prepared)
+                                   steps_per_epoch=args.steps_per_epoch, prepared=args.prepared,
+                                   checks=(_model_shape,))
     if args.out is None:
         sys.stdout.write(text)
         print(report, file=sys.stderr)

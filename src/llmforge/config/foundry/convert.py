@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import yaml
 from omegaconf import OmegaConf
@@ -192,9 +192,13 @@ def _umask() -> int:
 
 
 def write_converted(src: str, out: Optional[str], *, overwrite: bool = False,
-                    steps_per_epoch: Optional[int] = None, prepared: Optional[str] = None) -> tuple[str, str]:
+                    steps_per_epoch: Optional[int] = None, prepared: Optional[str] = None,
+                    checks: Sequence[Callable[[Any], None]] = ()) -> tuple[str, str]:
     """Convert ``src`` and write it to ``out`` (``None``: return it only). The text is loaded
-    with llmforge's schema before it is written, so what is written loads.
+    with llmforge's schema before it is written, so what is written loads; what
+    :func:`~llmforge.config.validate.validate` and each of ``checks`` (called with the loaded
+    config; the command line passes the model family's shape check, a floor above this one)
+    refuse becomes a to-do of the report.
 
     Returns:
         ``(yaml_text, report)``.
@@ -225,6 +229,8 @@ def write_converted(src: str, out: Optional[str], *, overwrite: bool = False,
                               f"report it with {src})") from None
         try:  # the value checks of `train --dry-run` (Composer clamps what llmforge refuses)
             validate(cfg, world_size=None)
+            for check in checks:
+                check(cfg)
         except ConfigError as exc:
             c.todo.append(f"llmforge train refuses this file as written: {exc}")
             text = render(c, src)

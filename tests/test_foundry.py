@@ -206,6 +206,8 @@ def test_qwen3_checkpoint_and_epochs_with_steps_per_epoch(tmp_path):
     ({"fsdp_config": {"sharding_strategy": "WEIRD"}}, "fsdp_config.sharding_strategy: 'WEIRD'"),
     # an escaped interpolation: the resolved text ${seed} was written as a live reference
     ({"run_name": "r-\\${global_seed}"}, "run.name: its value holds the text '${'"),
+    # the same after a backslash of its own: was written as a backslash and a live reference
+    ({"run_name": "r\\\\\\${global_seed}"}, "run.name: its value holds the text '${'"),
 ])
 def test_bad_foundry_input_exits_2_naming_the_key(tmp_path, edit, key):
     if edit is None:

@@ -99,6 +99,20 @@ def test_a_secret_in_a_folder_name_is_refused_before_anything_is_written(tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_working_directory_is_no_secret_although_pwd_names_a_password(tmp_path, capsys, monkeypatch):
+    """``pwd=`` is a password's short name (a database URL's query), but the shell's ``PWD`` is
+    the working directory: as a secret variable it masked every path under it, and a run
+    directory there was refused as holding a secret."""
+    from llmforge.runs.credentials import is_secret_name
+
+    assert is_secret_key("pwd") and not is_secret_name("PWD") and not is_secret_name("OLDPWD")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PWD", str(tmp_path))
+    assert redact({"path": f"{tmp_path}/corpus.jsonl"}) == {"path": f"{tmp_path}/corpus.jsonl"}
+    assert main(["train", DEMO, *TINY_OVERRIDES, f"run.output_dir={tmp_path}/runs", "--dry-run"]) == 0
+    assert "***" not in capsys.readouterr().out
+
+
 def test_a_type_error_from_an_environment_variable_never_prints_its_value(tmp_path, capsys, monkeypatch):
     """Issue 47, item 3: ``${oc.env:HOOK}`` with a value of the wrong type names the key, the
     interpolation and the types, never the value (whatever the variable's name)."""

@@ -228,10 +228,10 @@ def _refuse_literal_braces(node: Any, where: str = "") -> None:
         if isinstance(child, (DictConfig, ListConfig)):
             _refuse_literal_braces(child, here)
         elif isinstance(value := child._value(), str) and "${" in value:
-            raise ConfigError(f"{here}: its value holds the text '${{' (an escaped interpolation, "
-                              "'\\${...}'), which llmforge cannot keep as text: the run's config.yaml is "
-                              "read again on resume, where it would become a reference; write the "
-                              "value without '${'")
+            raise ConfigError(f"{here}: its value holds the text '${{' (written '\\${{...}}', or from "
+                              "an environment variable's value), which llmforge cannot keep as text: "
+                              "the run's config.yaml is read again on resume, where it would become a "
+                              "reference; write the value without '${'")
 
 
 def resolve_config(cfg: DictConfig, *, in_place: bool = False) -> DictConfig:

@@ -24,7 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 from llmforge.config.keycheck import _omega_message
 from llmforge.errors import ConfigError
 
-__all__ = ["is_secret_key", "redact", "redact_argv", "remember_secret_values", "scrub_message",
+__all__ = ["is_secret_key", "is_secret_variable", "redact", "redact_argv", "remember_secret_values", "scrub_message",
            "scrub_url_credentials"]
 
 
@@ -32,7 +32,8 @@ __all__ = ["is_secret_key", "redact", "redact_argv", "remember_secret_values", "
 # carry access as much as keys do (issue 47, item 5)
 _SECRET = re.compile(r"(?i)(api_?key|secret|passw(or)?d|passwd|passphrase|access_key|private_key|"
                      r"credential|auth|bearer|cookie|signature|^sig$|_sig$|_pat$|^pat$|^key$|_key$|"
-                     r"^token$|_token$|connection_string|^pwd$|_pwd$|^pass$|_pass$|jwt|^session(_?id)?$)")
+                     r"^token$|_token$|connection_string|^pwd$|_pwd$|^pass$|_pass$|jwt|^session$|session_?id$|"
+                     r"^(j|php)sess(ion)?id$)")
 _NOT_SECRET = re.compile(r"(?i)(_tokens$|^(bos|eos|pad|unk|sep|cls|mask|start|end)_token$)")
 
 
@@ -105,11 +106,22 @@ def _secret_values(container: Any, out: set) -> set:
     return out
 
 
+SHELL_VARIABLES = frozenset({"PWD", "OLDPWD", "XDG_SESSION_ID"})
+"""Variables the shell and the login session set whose names read like secrets (``pwd`` is a
+password's short name too): the working directory is no secret."""
+
+
+def is_secret_variable(name: str) -> bool:
+    """Whether an environment variable's name names a secret: :func:`is_secret_key`, except
+    :data:`SHELL_VARIABLES`."""
+    return name not in SHELL_VARIABLES and is_secret_key(name)
+
+
 def _env_secret_values() -> set:
     """Values of the environment's credential variables (``*_API_KEY``, ``*_TOKEN``, ...)."""
     import os
 
-    return {v for k, v in os.environ.items() if is_secret_key(k) and v and len(v) >= 6}
+    return {v for k, v in os.environ.items() if is_secret_variable(k) and v and len(v) >= 6}
 
 
 # user:password@ or a bare token@ (https://ghp_xxx@github.com, s3://KEY@bucket), also after the

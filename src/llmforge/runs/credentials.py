@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
-from llmforge.config.redaction import is_secret_key
+from llmforge.config.redaction import is_secret_key, is_secret_variable
 from llmforge.errors import ConfigError
 
 KNOWN: dict[str, str] = {
@@ -44,8 +44,8 @@ _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 def is_secret_name(name: str) -> bool:
     """A known credential variable, or a name that looks like one (``*_API_KEY``, ``*_TOKEN``,
     ``*SECRET*``, ``*PASSWORD*``, ...): the one rule of
-    :func:`llmforge.config.redaction.is_secret_key`."""
-    return name in KNOWN or is_secret_key(name)
+    :func:`llmforge.config.redaction.is_secret_variable` (not PWD)."""
+    return name in KNOWN or is_secret_variable(name)
 
 
 def available(env: Optional[Mapping[str, str]] = None) -> list[dict[str, str]]:

@@ -9,6 +9,7 @@ and a resolver call (``${oc.env:HOME}``) is refused; no code in it is run or imp
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -172,12 +173,16 @@ def render(c: Conversion, source: str) -> str:
     return "\n".join(head) + "\n\n" + body
 
 
+_BRACE = re.compile(r"(\\*)\$\{")
+
+
 def _escape_interpolations(value: Any) -> Any:
-    """``value`` with each ``${`` of its strings written ``\\${``: the values are resolved
-    already (a Foundry ``'\\${x}'`` reads as the text ``${x}``), and llmforge would otherwise
-    read that text as a reference when it loads the file."""
+    """``value`` with each ``${`` of its strings escaped as OmegaConf escapes it: the values
+    are resolved already (a Foundry ``'\\${x}'`` reads as the text ``${x}``), and llmforge would
+    otherwise read that text as a reference when it loads the file. ``k`` backslashes before
+    ``${`` become ``2 k + 1`` (each backslash escaped, then the ``${``)."""
     if isinstance(value, str):
-        return value.replace("${", "\\${")
+        return _BRACE.sub(lambda m: m[1] * 2 + "\\${", value)
     if isinstance(value, dict):
         return {k: _escape_interpolations(v) for k, v in value.items()}
     if isinstance(value, list):

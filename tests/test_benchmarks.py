@@ -110,11 +110,11 @@ def test_side_by_side_barrier(tmp_path, monkeypatch):
     monkeypatch.setenv("PEERS_BARRIER", str(tmp_path))
     side_by_side_barrier(timeout_s=0.2)  # alone: waits until its timeout
     waited = time.monotonic() - t0
-    assert 0.2 <= waited < 2 and [p.name for p in tmp_path.iterdir()] == [f"ready-{os.getpid()}"]
+    assert 0.2 <= waited < 10 and [p.name for p in tmp_path.iterdir()] == [f"ready-{os.getpid()}"]
     (tmp_path / "ended-1").touch()  # the other run ended (or marked itself ready)
     t0 = time.monotonic()
     side_by_side_barrier(timeout_s=5)
-    assert time.monotonic() - t0 < 1
+    assert time.monotonic() - t0 < 4  # not the timeout (bounds wide: a loaded machine stalls)
 
 
 def test_turns_hand_over_wait_and_time_out(tmp_path, monkeypatch):

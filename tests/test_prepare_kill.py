@@ -33,6 +33,7 @@ import pytest
 import llmforge.data.prepare as prep  # here, not in each child: its imports (datasets, torch) cost 2 s
 from helpers.prepared import TOK, write_corpus
 from llmforge.cli import data_commands, main
+from llmforge.data import prepare_pool
 
 ARGS = [*TOK, "data.val_fraction=0.2", "--docs-per-shard", "3", "--no-progress"]
 
@@ -68,25 +69,34 @@ def _child(source: str, out: Path, err: Path, kill: Optional[tuple[str, int, int
     """In the forked child: ``data prepare SOURCE OUT`` with stderr into ``err``, killed at
     ``kill`` (``group``: in a process group of its own, the signal sent to the group;
     ``("worker", 0, signal)``: sent by the first tokenizing worker as it starts); the pids of its
-    tokenizing workers (``workers`` > 1) go to ``OUT.pids``. ``own_process``: as the command
-    line runs it (a stop exits at once, llmforge.signals), else as an in-process caller."""
+    tokenizing workers (``workers`` > 1) go to ``OUT.pids`` as the pool forks them (here, not in
+    the worker: a worker the scheduler starts late may be ended before it ran a line).
+    ``own_process``: as the command line runs it (a stop exits at once, llmforge.signals), else
+    as an in-process caller."""
     if group:
         os.setpgid(0, 0)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # the files, not only Python's streams: an
     os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)  # exit at once writes to fd 2
     sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", buffering=1, closefd=False)
     os.replace, prep.build_tokenizer = _hooks(out, kill, [], group)
-    real_init = prep.init_worker
+    real_init, real_add_child = prep.init_worker, prepare_pool.add_child
+
+    def add_child(pid):
+        with open(out.with_name(out.name + ".pids"), "a") as f:
+            f.write(f"{pid}\n")
+        real_add_child(pid)
 
     def init(*a):
-        with open(out.with_name(out.name + ".pids"), "a") as f:
-            f.write(f"{os.getpid()}\n")
-            first = f.tell() == len(f"{os.getpid()}\n")
-        if kill is not None and kill[0] == "worker" and first:
-            os.killpg(0, kill[2])  # the pool is starting: the other worker may be mid-fork
+        if kill is not None and kill[0] == "worker":
+            try:  # the first worker to start signals; the other may be mid-fork
+                os.close(os.open(out.with_name(out.name + ".first"), os.O_CREAT | os.O_EXCL))
+                os.killpg(0, kill[2])
+            except FileExistsError:
+                pass
         real_init(*a)
 
     prep.init_worker = init  # the name prepare() hands its ShardPool
+    prepare_pool.add_child = add_child  # called by the pool for each worker it forks
     return main(["data", "prepare", source, str(out), *ARGS, "--workers", str(workers)], own_process=own_process)
 
 
@@ -209,13 +219,14 @@ def test_prepare_with_workers_killed_reruns_and_leaves_no_worker_behind(corpus, 
     out = tmp_path / "pool"
     assert run(source, out, ("after", listed_one, signal.SIGKILL), workers=2) == (-signal.SIGKILL, "")
     assert run(source, out, workers=2) == (0, "")
-    assert digests(out) == digests(root / "ref") and not list(out.rglob("*.tmp"))
     pids = [int(p) for p in out.with_name("pool.pids").read_text().split()]
     assert len(pids) == 4  # two per run
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(_alive(p) for p in pids):
         time.sleep(0.01)
     assert not any(_alive(p) for p in pids)
+    # after the killed run's workers ended: one started late may still finish its task
+    assert digests(out) == digests(root / "ref") and not list(out.rglob("*.tmp"))
 
 
 def test_prepare_stopped_while_its_workers_tokenize_ends_them_too(corpus, tmp_path, monkeypatch):
@@ -229,12 +240,8 @@ def test_prepare_stopped_while_its_workers_tokenize_ends_them_too(corpus, tmp_pa
     out = tmp_path / "busy"
 
     def slow_shard(args):
-        # the other worker writes its pid before it takes a task: wait for it, else the stop may
-        # end that worker before it wrote (CI saw one pid of two)
-        pids, deadline = out.with_name("busy.pids"), time.monotonic() + 30
-        while len(pids.read_text().split()) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if pids.read_text().split()[0] == str(os.getpid()):  # one stop, from the first
+        # both pids were written as the pool forked, before any task was sent
+        if out.with_name("busy.pids").read_text().split()[0] == str(os.getpid()):  # one stop
             os.kill(os.getppid(), signal.SIGUSR1)
         time.sleep(60)
 

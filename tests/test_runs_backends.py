@@ -340,12 +340,13 @@ def test_default_cancel_calls_stop_job_and_scheduler_variables_join_the_environm
 
 def test_stop_escalates_to_sigkill_for_a_process_that_ignores_sigterm(home, capsys):
     # a local run's process that ignores SIGTERM (sh's `trap '' TERM` is inherited by sleep)
-    job = subprocess.Popen(["sh", "-c", "trap '' TERM; sleep 60 & wait; sleep 60"], start_new_session=True)
+    job = subprocess.Popen(["sh", "-c", "trap '' TERM; echo trapped; sleep 60 & wait; sleep 60"],
+                           start_new_session=True, stdout=subprocess.PIPE, text=True)
     try:
         reg = RunRegistry()
         run = reg.create("stuck", "local", "local", pgid=job.pid)
         reg.set_status(run.id, "running", "training started")
-        time.sleep(0.3)  # sh has set its trap
+        assert job.stdout.readline() == "trapped\n"  # sh has set its trap (a sleep raced a loaded machine)
         assert main(["runs", "stop", run.id, "--timeout", "1"]) == 0
         assert job.wait(timeout=5) == -9  # SIGTERM ignored, SIGKILL after the 1 s grace period
         now = reg.get(run.id)
@@ -356,6 +357,7 @@ def test_stop_escalates_to_sigkill_for_a_process_that_ignores_sigterm(home, caps
     finally:
         if job.poll() is None:
             job.kill()
+        job.stdout.close()
 
 
 @pytest.mark.parametrize("fault_tolerant", [False, True])

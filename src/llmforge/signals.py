@@ -167,10 +167,16 @@ def install(exit_at_once: bool = False) -> bool:
         return False
     if threading.current_thread() is not threading.main_thread():
         return False
-    _state.exit_at_once, _state.describe = exit_at_once, None
-    _state.previous = {sig: signal.signal(sig, _handler) for sig in STOP_SIGNALS}
-    _state.previous_hook, sys.unraisablehook = sys.unraisablehook, _quiet_unraisable
-    _state.phase, _state.received = "startup", None
+    # blocked while the state is set: a stop in between ran the handler in phase "off" and
+    # was then forgotten; now it waits and runs once the state is whole
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        _state.exit_at_once, _state.describe = exit_at_once, None
+        _state.previous = {sig: signal.signal(sig, _handler) for sig in STOP_SIGNALS}
+        _state.previous_hook, sys.unraisablehook = sys.unraisablehook, _quiet_unraisable
+        _state.phase, _state.received = "startup", None
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     return True
 
 

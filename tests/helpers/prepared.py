@@ -74,7 +74,27 @@ def _rank(url: str, cache_dir: str, barrier: str, seq_len: int) -> None:
         count[0] += sha256 is not None  # shards only (the tokenizer files carry no hash)
         return real(fs, src, target, where, size, sha256)
 
-    remote._download = counting
+    # the copier starts its first shard only once the other process found the lock taken: on a
+    # loaded machine the other could otherwise arrive after the copy and never wait
+    import filelock
+
+    waiting, real_acquire = Path(f"{barrier}-waiting"), filelock.FileLock.acquire
+
+    def acquire(self, timeout=None, *a, **kw):
+        try:
+            return real_acquire(self, timeout, *a, **kw)
+        except filelock.Timeout:
+            waiting.touch()
+            raise
+
+    def counting_after_the_other_waits(fs, src, target, where, size=None, sha256=None):
+        deadline = time.monotonic() + 60
+        while sha256 is not None and count[0] == 0 and not waiting.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return counting(fs, src, target, where, size, sha256)
+
+    filelock.FileLock.acquire = acquire
+    remote._download = counting_after_the_other_waits
     Path(barrier, str(time.time_ns())).touch()  # start together: wait for the other process
     while len(list(Path(barrier).iterdir())) < 2:
         time.sleep(0.01)

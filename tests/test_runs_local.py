@@ -187,7 +187,8 @@ def test_max_retries_restarts_a_killed_run_which_completes(home, out):
 
 @pytest.mark.slow
 def test_stop_before_the_first_step_loses_nothing_and_says_stopped(home, out):
-    run = launch(home, out, "early", "trainer.max_steps=40", f"callbacks=[{SLOW}]")
+    stall = "{name: tests.helpers.slow.StallSetup, seconds: 120}"  # startup lasts until the stop
+    run = launch(home, out, "early", "trainer.max_steps=40", f"callbacks=[{SLOW}, {stall}]")
 
     def workers_listening():  # the training process started and owns its stop signals
         workers = [p for p in local.run_pids(run.pgid) if os.getpgid(p) != run.pgid]

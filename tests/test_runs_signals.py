@@ -139,9 +139,11 @@ def _wait_catching(proc, sig, timeout=120):
 @pytest.mark.slow
 def test_sigusr1_during_startup_exits_75_and_writes_nothing(tmp_path):
     out = tmp_path / "runs"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    stall = "callbacks=[{name: tests.helpers.slow.StallSetup, seconds: 120}]"  # startup lasts until the stop
     proc = subprocess.Popen([sys.executable, "-m", "llmforge", "train", str(REPO / "yamls" / "demo_cpu.yaml"),
-                             *TINY_OVERRIDES, f"run.output_dir={out}", "run.name=early"], cwd=tmp_path,
+                             *TINY_OVERRIDES, f"run.output_dir={out}", "run.name=early", stall], cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_catching(proc, signal.SIGUSR1)
     os.kill(proc.pid, signal.SIGUSR1)  # what SLURM sends before the time limit, here while importing

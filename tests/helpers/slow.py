@@ -31,3 +31,15 @@ class EnvProbe(Callback):
         if trainer.global_rank == 0:
             probe = {n: bool(os.environ.get(n)) for n in self.names}
             (Path(trainer.default_root_dir) / "env_probe.json").write_text(json.dumps(probe))
+
+
+class StallSetup(Callback):
+    """Sleep ``seconds`` in Lightning's ``setup``, which runs before llmforge's FIT_START (where
+    training starts for the stop signals): a stop sent during startup lands there however late
+    a loaded machine delivers it."""
+
+    def __init__(self, seconds: float = 60.0) -> None:
+        self.seconds = seconds
+
+    def setup(self, trainer, pl_module, stage):
+        time.sleep(self.seconds)

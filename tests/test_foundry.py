@@ -221,9 +221,9 @@ def test_bad_foundry_input_exits_2_naming_the_key(tmp_path, edit, key):
                 data[k] = v
         src = tmp_path / "in.yaml"
         src.write_text(yaml.safe_dump(data))
-    r = run_main("convert", "foundry", str(src), "-o", str(tmp_path / "out.yaml"))
+    r = run_main("convert", "foundry", str(src), "-o", str(tmp_path / "new" / "out.yaml"))
     assert r.returncode == 2 and key in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr and not (tmp_path / "out.yaml").exists()
+    assert "Traceback" not in r.stderr and not (tmp_path / "new").exists()  # no empty folder either
 
 
 def test_peft_config_becomes_the_plugin_that_takes_it(tmp_path):

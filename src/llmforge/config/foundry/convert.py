@@ -219,8 +219,10 @@ def write_converted(src: str, out: Optional[str], *, overwrite: bool = False,
     c = convert(src, steps_per_epoch=steps_per_epoch, prepared=prepared)
     text = render(c, src)
     where = Path(out).parent if out else Path(tempfile.gettempdir())
+    made = [d for d in (where, *where.parents) if not d.exists()]  # deepest first
     where.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".yaml", dir=where, prefix=".foundry-")
+    written = False
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -242,7 +244,13 @@ def write_converted(src: str, out: Optional[str], *, overwrite: bool = False,
             Path(tmp).write_text(text, encoding="utf-8")
         if out is not None:
             os.replace(tmp, out)
+        written = True
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        for folder in made if not written else ():  # a refused conversion leaves no empty folders
+            try:
+                folder.rmdir()
+            except OSError:  # not empty: something else wrote there meanwhile
+                break
     return text, report(c)

@@ -246,9 +246,9 @@ def test_two_groups_of_two_fsdp2_ranks_equal_hsdp_then_kill_and_rejoin(tmp_path)
     """2 groups x 2 processes, FSDP2 inside each group, torchft's managed group across them
     (the replicate dimension). min_replicas 2: both groups in every step. Steps 1..3 without a
     failure equal a plain 4-rank HSDP run (dp_replicate=2, dp_shard=2), which equals one process
-    (test_parallel.py: the reference here), within 1e-5; then group 1
-    is SIGKILLed (its launcher and both workers), restarted, receives the live shards from
-    group 0 rank by rank, and from its rejoin on equals group 0 bit for bit at every step."""
+    (test_parallel.py: the reference here), within 1e-5; then group 1 is SIGKILLed (its launcher
+    and both workers), restarted, receives the live shards from group 0 rank by rank, and from
+    its rejoin on equals group 0 bit for bit at every step."""
     max_steps, kill_at = 10, 3
     fsdp = ["strategy.name=fsdp2", "trainer.devices=2", "trainer.micro_batch_size=4", "scheduler.name=constant",
             f"trainer.max_steps={max_steps}",

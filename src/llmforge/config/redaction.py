@@ -24,16 +24,16 @@ from omegaconf.errors import OmegaConfBaseException
 from llmforge.config.keycheck import _omega_message
 from llmforge.errors import ConfigError
 
-__all__ = ["is_secret_key", "is_secret_variable", "redact", "redact_argv", "remember_secret_values", "scrub_message",
-           "scrub_url_credentials"]
+__all__ = ["is_secret_key", "is_secret_variable", "redact", "redact_argv", "remember_secret_values",
+           "scrub_message", "scrub_url_credentials"]
 
 
 # cookies, passphrases and the signatures of pre-signed URLs (X-Amz-Signature, Azure's sig=)
 # carry access as much as keys do (issue 47, item 5)
 _SECRET = re.compile(r"(?i)(api_?key|secret|passw(or)?d|passwd|passphrase|access_key|private_key|"
                      r"credential|auth|bearer|cookie|signature|^sig$|_sig$|_pat$|^pat$|^key$|_key$|"
-                     r"^token$|_token$|connection_string|^pwd$|_pwd$|^pass$|_pass$|jwt|^session$|session_?id$|"
-                     r"^(j|php)sess(ion)?id$)")
+                     r"^token$|_token$|connection_string|^pwd$|_pwd$|^pass$|_pass$|jwt|^session$|"
+                     r"session_?id$|^(j|php)sess(ion)?id$)")
 _NOT_SECRET = re.compile(r"(?i)(_tokens$|^(bos|eos|pad|unk|sep|cls|mask|start|end)_token$)")
 
 
@@ -44,8 +44,9 @@ _SEPARATORS = re.compile(r"[-\s]+")
 def is_secret_key(key: Any) -> bool:
     """Whether a config key, HTTP header, URL query parameter or variable name names a secret
     (``api_key``, ``X-Api-Key``, ``Private-Token``, ``apiKey``, ``HF_TOKEN``, ``Cookie``,
-    ``passphrase``, ``X-Amz-Signature``, ``X-Amz-Credential``, ``sig``, ``token``; not
-    ``max_tokens``, ``eos_token``)."""
+    ``passphrase``, ``X-Amz-Signature``, ``X-Amz-Credential``, ``sig``, ``token``, ``pwd``,
+    ``jwt``, ``JSESSIONID``; not ``max_tokens``, ``eos_token``). Environment variables:
+    :func:`is_secret_variable`."""
     if not isinstance(key, str):
         return False
     key = _SEPARATORS.sub("_", _CAMEL.sub(r"\1_\2", key)).lower()

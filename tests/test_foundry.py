@@ -221,9 +221,11 @@ def test_bad_foundry_input_exits_2_naming_the_key(tmp_path, edit, key):
                 data[k] = v
         src = tmp_path / "in.yaml"
         src.write_text(yaml.safe_dump(data))
-    r = run_main("convert", "foundry", str(src), "-o", str(tmp_path / "new" / "out.yaml"))
+    r = run_main("convert", "foundry", str(src), "-o", str(tmp_path / "new" / ".." / "other" / "out.yaml"))
     assert r.returncode == 2 and key in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr and not (tmp_path / "new").exists()  # no empty folder either
+    assert "Traceback" not in r.stderr
+    left = sorted(p.name for p in tmp_path.iterdir())  # no file, no empty folder either
+    assert left == ([] if edit is None else ["in.yaml"]), left
 
 
 def test_peft_config_becomes_the_plugin_that_takes_it(tmp_path):

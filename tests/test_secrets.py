@@ -67,6 +67,7 @@ def test_url_passwords_holding_a_slash_or_an_at_are_masked_whole_and_paths_keep_
                                                        "https://h/cb#state=2"),
              "https://h/db?user=me&pwd=PWD#top": ("https://h/db?user=me&pwd=***#top", "https://h/db?user=me#top"),
              "https://h/docs#section-2": ("https://h/docs#section-2",) * 2,
+             "https://h/app;jsessionid=JSID?x=1": ("https://h/app;jsessionid=***?x=1", "https://h/app?x=1"),
              "run what?token=xyz": ("run what?token=***", "run what?token=xyz")}  # no URL: kept
     for text, (masked, stripped) in cases.items():
         assert (scrub_url_credentials(text), strip_url_credentials(text)) == (masked, stripped), text

@@ -135,8 +135,9 @@ _URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)(/?)(?:[^\s@:/]+:[^\s]*
 _SSH = re.compile(r"(?i)^[a-z+]*ssh://")  # ssh://git@host: a user name, not a credential
 # a query's parameters: name=value after ? and & (or ;), with or without the URL's scheme (a
 # path printed through pathlib loses one of its slashes; an "extension" keeps only the query);
-# a fragment's too (OAuth's implicit flow returns #access_token=...)
-_URL_QUERY = re.compile(r"([?#])([^\s?#'\"<>\]]*)")
+# a fragment's too (OAuth's implicit flow returns #access_token=...), and a path's parameters
+# (Java's ;jsessionid=...)
+_URL_QUERY = re.compile(r"([?#;])([^\s?#'\"<>\]]*)")
 # a header written as one string (a list item, a whole value): "Authorization: Bearer X"
 _HEADER_LINE = re.compile(r"(?i)^(\s*[a-z][a-z0-9_-]*)(\s*:\s*)(\S[^\n]*)$")
 _QUERY_PARAM = re.compile(r"([^=&;]+)=([^&;]*)")

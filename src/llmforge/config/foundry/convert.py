@@ -251,6 +251,6 @@ def write_converted(src: str, out: Optional[str], *, overwrite: bool = False,
         for folder in made if not written else ():  # a refused conversion leaves no empty folders
             try:
                 folder.rmdir()
-            except OSError:  # not empty: something else wrote there meanwhile
-                break
+            except OSError:  # not empty (something else wrote there), or a '..' of the path
+                continue
     return text, report(c)

@@ -168,8 +168,7 @@ def strip_url_credentials(text: str) -> str:
     for a file llmforge writes that must load again (a masked ``***@`` is refused as a secret)."""
     def query(match: re.Match) -> str:
         params = re.split(r"[&;]", match[2])
-        kept = [q for q in params if not ("=" in q and q.split("=", 1)[1]
-                                          and is_secret_key(unquote(q.split("=", 1)[0])))]
+        kept = [q for q in params if not ((kv := q.partition("="))[2] and is_secret_key(unquote(kv[0])))]
         if len(kept) == len(params):
             return match[0]  # not a query with secrets
         return match[1] + "&".join(kept) if kept else ""

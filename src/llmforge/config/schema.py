@@ -25,8 +25,9 @@ TOKENIZER_TYPES = ("huggingface", "tiktoken", "train_bpe")
 DATA_SOURCES = ("shakespeare", "files", "hub", "prepared")
 """``data.source`` values."""
 DATA_TASKS = ("pretrain", "sft")
-DATA_FORMATS = ("text", "txt", "json", "jsonl", "parquet", "csv", "mds")
 """``data.task`` values."""
+DATA_FORMATS = ("text", "txt", "json", "jsonl", "parquet", "csv", "mds")
+"""``data.format`` values (null: from the files' extensions)."""
 OVERLONG = ("drop", "truncate", "error")
 """``data.overlong`` values."""
 PRECISIONS = {"fp32": "32-true", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true"}

@@ -132,17 +132,9 @@ def _leave_out_credentials(c: Conversion) -> None:
     """Drop the credentials of every URL (``s3://KEY:SECRET@bucket``, a tracking URI's
     ``user:password@``, a pre-signed URL's signature) from the converted config and the report:
     secrets come from the environment, never from a file llmforge writes."""
-    def strip(value: Any) -> Any:
-        if isinstance(value, str):
-            return strip_url_credentials(value)
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(strip(v) for v in value)
-        return value
-
     before = (c.out, c.mapped, c.changed, c.unmapped, c.todo)
-    c.out, c.mapped, c.changed, c.unmapped, c.todo = (strip(x) for x in before)
+    c.out, c.mapped, c.changed, c.unmapped, c.todo = (_map_strings(strip_url_credentials, x)
+                                                      for x in before)
     if (c.out, c.mapped, c.changed, c.unmapped, c.todo) != before:
         c.todo.append("credentials in URLs (user:password@, a signature) were left out of this file: "
                       "give them through the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
@@ -169,25 +161,31 @@ def render(c: Conversion, source: str) -> str:
     """The output YAML: the report as a comment header, then the config."""
     head = [f"# llmforge YAML converted from the LLM Foundry YAML {source} by `llmforge convert foundry`."]
     head += [f"# {line}" for line in report(c).splitlines()]
-    body = yaml.safe_dump(_escape_interpolations(c.out), sort_keys=False, default_flow_style=False, width=100)
+    body = yaml.safe_dump(_map_strings(_escape_interpolations, c.out), sort_keys=False,
+                          default_flow_style=False, width=100)
     return "\n".join(head) + "\n\n" + body
 
 
 _BRACE = re.compile(r"(\\*)\$\{")
 
 
-def _escape_interpolations(value: Any) -> Any:
-    """``value`` with each ``${`` of its strings escaped as OmegaConf escapes it: the values
-    are resolved already (a Foundry ``'\\${x}'`` reads as the text ``${x}``), and llmforge would
-    otherwise read that text as a reference when it loads the file. ``k`` backslashes before
-    ``${`` become ``2 k + 1`` (each backslash escaped, then the ``${``)."""
+def _map_strings(fn: Callable[[str], str], value: Any) -> Any:
+    """``value`` (dicts, lists and tuples of them) with ``fn`` applied to every string in it."""
     if isinstance(value, str):
-        return _BRACE.sub(lambda m: m[1] * 2 + "\\${", value)
+        return fn(value)
     if isinstance(value, dict):
-        return {k: _escape_interpolations(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_escape_interpolations(v) for v in value]
+        return {k: _map_strings(fn, v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_strings(fn, v) for v in value)
     return value
+
+
+def _escape_interpolations(text: str) -> str:
+    """``text`` with each ``${`` escaped as OmegaConf escapes it: the values are resolved
+    already (a Foundry ``'\\${x}'`` reads as the text ``${x}``), and llmforge would otherwise
+    read that text as a reference when it loads the file. ``k`` backslashes before ``${``
+    become ``2 k + 1`` (each backslash escaped, then the ``${``)."""
+    return _BRACE.sub(lambda m: m[1] * 2 + "\\${", text)
 
 
 def _umask() -> int:

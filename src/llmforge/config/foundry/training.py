@@ -56,7 +56,7 @@ def batch_and_duration(c: Conversion, steps_per_epoch: Any) -> Clock:
     c.used.add("max_seq_len")
     c.map("max_seq_len", "trainer.seq_len", seq_len)
     spe = int(steps_per_epoch) if steps_per_epoch else None
-    clock = Clock(global_batch, int(seq_len), steps_per_epoch=spe)
+    clock = Clock(global_batch, seq_len, steps_per_epoch=spe)
     steps, how = clock.steps(c.take("max_duration", "1ep"), "max_duration")
     c.map("max_duration", "trainer.max_steps", steps, how)
     clock.max_steps = steps

@@ -24,12 +24,12 @@ def test_held_out_error_is_the_stored_one():
     assert stats["max"] == pytest.approx(HELD_OUT["max"], abs=6e-7)
     # a comparison's error: the ratios of held-out rows of one source and one model
     pairs = sorted(comparison_errors(errors))
-    assert len(pairs) == HELD_OUT["pairs"] == 96
-    assert (pairs[47] + pairs[48]) / 2 == pytest.approx(HELD_OUT["comparison"], abs=6e-7)
+    assert len(pairs) == HELD_OUT["pairs"] == 99
+    assert pairs[49] == pytest.approx(HELD_OUT["comparison"], abs=6e-7)
     a, b = (e for e in errors if e.run.label in ("8B fsdp8", "8B fsdp128"))  # -3 % and +1 %
     assert abs((1 + a.error) / (1 + b.error) - 1) in pairs
     # the figures docs/scale.md states (a worse model must update them knowingly)
-    assert stats["median"] <= 0.074 and stats["max"] <= 0.505
+    assert stats["median"] <= 0.062 and stats["max"] <= 0.50
     # every constant has its interval, and no interval names a constant the model lost
     assert set(BOUNDS) == set(CostParams.names()) == set(FITTED.as_dict())
     # a prior on its bound cannot move in the fit (tp_exposed's did, at 1): each sits inside
@@ -105,6 +105,45 @@ def test_step_terms_follow_the_layout():
     rowwise = replace(tp8, precision="fp8_rowwise")
     assert predict(replace(rowwise, fp8_tp_all_gather=True), no_latency).terms["tp"] == pytest.approx(
         predict(rowwise, no_latency).terms["tp"])
+
+
+def test_float8_casts_cost_their_bytes_and_narrow_matmuls_gain_least():
+    from llmforge.planning.step_model import FLOAT8_CAST_BANDWIDTH, block_matrices, float8_cast_seconds
+
+    # torchao's 8B row: 8 H100 (2.4 TB/s), FSDP 8, one 8,192-token sequence, compiled, selective AC
+    run = run_labelled("8B fsdp8 fp8_tensorwise", "torchao-float8-2025-03")
+    s, gpu = run.setting, gpu_kind(run.setting.gpu, "gpu")
+    widths = sum(k + n for k, n, _ in block_matrices(LLAMA3_8B, 1))  # input and output gradient per row
+    assert widths == 81_920 and sum(k * n for k, n, _ in block_matrices(LLAMA3_8B, 1)) == 218_103_808
+    per_block = 8192 * 81_920 * 4 + 218_103_808 * 6  # torchao's roofline: 4 and 6 bytes compiled
+    want = 32 * per_block * 7 / 6 / (2.4e12 * 0.9 * FLOAT8_CAST_BANDWIDTH)  # 32 blocks, one micro-batch
+    assert float8_cast_seconds(s, gpu, 0.9, 7 / 6) == pytest.approx(want)
+    assert float8_cast_seconds(replace(s, precision="bf16"), gpu, 0.9, 7 / 6) == 0.0
+    eager = 32 * (8192 * 81_920 * 6 + 218_103_808 * 8) * 7 / 6 / (2.4e12 * 0.9 * FLOAT8_CAST_BANDWIDTH)
+    assert float8_cast_seconds(replace(s, compile=False), gpu, 0.9, 7 / 6) == pytest.approx(eager)
+    # under TP with float8 all-gathers a gathered operand is cast on its 1/tp shard, then transposed
+    tp8 = replace(s, world=64, tp=8, global_batch_size=96, micro_batch_size=12, fp8_tp_all_gather=True)
+    m = 12 * 8192
+    mats = block_matrices(LLAMA3_8B, 8)
+    sharded = sum(m * ((k * (3 / 8 + 2) + n * 4) if col else (k * 4 + n * (3 / 8 + 2))) + k * n * 6
+                  for k, n, col in mats)
+    assert float8_cast_seconds(tp8, gpu, 1.0, 1.0) == pytest.approx(
+        32 * sharded / (2.4e12 * FLOAT8_CAST_BANDWIDTH))
+    # what the term is for: as measured (torchtitan's async TP table; torchao's), rowwise float8
+    # is slower than bf16 on the 8B's TP 8 shards (3,708 against 4,378 tokens/s), about even on
+    # the 70B's (600 against 597), faster on the unsharded 8B (6,768 against 6,150)
+    def ratio(label: str, source: str) -> float:
+        r = run_labelled(label, source).setting
+        return (predict(r, FITTED).tokens_per_second_per_gpu
+                / predict(replace(r, precision="bf16"), FITTED).tokens_per_second_per_gpu)
+
+    asynctp = "torchtitan-asynctp-2025-06"
+    assert ratio("8B fsdp8 tp8 fp8_rowwise", asynctp) < 0.98
+    assert 0.95 < ratio("70B fsdp32 tp8 fp8_rowwise", asynctp) < 1.05
+    assert ratio("8B fsdp8 fp8_rowwise", "torchao-float8-2025-03") > 1.0
+    # and tensorwise gains more on the 70B's wider shards than on the 8B's (measured 1.36x and
+    # 1.16x; the model says 1.31x and 1.24x: part of the gap)
+    assert ratio("70B fsdp32 tp8 fp8_tensorwise", asynctp) > ratio("8B fsdp8 tp8 fp8_tensorwise", asynctp) + 0.05
 
 
 def test_float8_speeds_up_the_layers_it_converts():
@@ -244,7 +283,9 @@ def test_plan_layout_predicts_one_layout_and_names_bad_keys():
                          ("{name: float8, modules: [zzz]}", "float8.modules entry 'zzz'")):  # as training
         bad = run_main("plan", DEMO, "--gpus", "2", "--layout", "tp=2,dp_shard=1", f"algorithms=[{entry}]")
         assert bad.returncode == 2 and words in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
-    assert kept_wq[1] == bf16_gathers[1] and plain[0] < kept_wq[0] < bf16_gathers[0]
+    # wq in bf16: part of float8's effect, a slow-down on this narrow model (its casts weigh
+    # more than its faster matmuls: torchao's roofline), a speed-up on a wide one
+    assert kept_wq[1] == bf16_gathers[1] and bf16_gathers[0] < kept_wq[0] < plain[0]
     # the best layout printed is one --layout (and training) accepts: 80 blocks on 120 GPUs had
     # named pp=3 (uneven stages the config's balanced split refuses)
     seventy = [str(REPO / "yamls" / "llama3_70b.yaml"), "--gpus", "120", "trainer.global_batch_size=15"]

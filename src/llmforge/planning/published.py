@@ -7,7 +7,8 @@ configuration file the source names (``Run.notes`` says which). No number here i
 
 GPU kinds: ``H100-96GB-500W`` is the power-limited H100 of Meta's Grand Teton hosts that
 torchtitan's benchmarks ran on (96 GB HBM2e, 500 W; "the actual peak TFLOPs number is between
-SXM and NVL, and we don't know its exact value"); the others are rows of
+SXM and NVL, and we don't know its exact value"), and torchao's float8 benchmark (its roofline's
+H100 is "Meta's H100 variant", 2.4 TB/s); the others are rows of
 :data:`llmforge.planning.gpus.GPU_KINDS`.
 """
 
@@ -207,6 +208,13 @@ SOURCES: dict[str, Source] = {
         "github.com/pytorch/torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md "
         "(torchtitan e7c0cae; seq_len, AC: torchtitan/models/llama3/train_configs/llama3_8b.toml)",
         "2025-06-13"),
+    "torchao-float8-2025-03": Source(
+        "torchao float8 training benchmarks, Llama 3 8B on 8 H100 (torchtitan, bf16 / tensorwise / rowwise)",
+        "github.com/pytorch/ao torchao/float8/README.md at 8c81863 (\"Training benchmarks\": 8 H100, "
+        "batch size 1, sequence length 8192, torch.compile, FSDP2, per-op SAC; the recipes' flags: "
+        "benchmarks/float8/training/float8_training_benchmark.sh there; the H100 is Meta's 2.4 TB/s "
+        "variant: torchao/testing/training/roofline_utils.py's H100 entry)",
+        "2025-03-12"),
     "olmo-core-2024-11": Source(
         "OLMo-core throughput table, OLMo 1B/7B/13B and Llama 8B on H100",
         "github.com/allenai/OLMo-core README.md at e27ba74 (micro and global batch sizes, compile: "
@@ -284,6 +292,14 @@ for _nodes, _tps, _mem in ((4, 10938, 47.96), (8, 10753, 46.97)):
                     dp_shard=8 * _nodes, lbs=2, mem=_mem, gpu="H200-141GB", src="trainy-h200-2025-06",
                     ac="selective", compile=True, precision="fp8_tensorwise", fp8_all_gather=True,
                     fp8_recompute_weight=True))
+
+
+for _prec, _tps, _mem in (("bf16", 6150, 47.65), ("fp8_tensorwise", 7689.5, 47.77), ("fp8_rowwise", 6768, 47.79)):
+    _ao = dict(fp8_all_gather=True, fp8_recompute_weight=True) if _prec == "fp8_tensorwise" else {}
+    RUNS.append(_tt(LLAMA3_8B, 8, _tps, "Training benchmarks", f"8B fsdp8 {_prec}", dp_shard=8, lbs=1, mem=_mem,
+                    src="torchao-float8-2025-03", ac="selective", compile=True, precision=_prec,
+                    notes="the README says 8xH100; the kind is inferred: torchao's roofline takes its H100 "
+                          "as Meta's variant (2.4 TB/s), the Grand Teton part torchtitan's rows ran on", **_ao))
 
 
 def _olmo(shape: Shape, tps: float, mbs: int, gbs: int, fp8: bool) -> Run:

@@ -22,10 +22,13 @@ Terms (seconds per step, one rank):
   times ``power_limited_clock``); compiled, ``compile_fusion`` of it is left (inductor fuses
   the chains into fewer kernels). Its share of the step falls as ``1 / d``: what makes a 1B
   model slower per FLOP than an 8B one on the same GPU (roofline, Williams et al. 2009).
-* **pipeline stages**: the most loaded rank paces the schedule, so with stages compute and
-  elementwise are the mean rank's times :func:`stage_imbalance` (whole blocks per stage, the
-  output layer on the last one; nothing fitted); the **bubble** is (compute + elementwise)
-  ``x bubble / (1 - bubble)`` (:func:`llmforge.parallel.pipeline.bubble_fraction`, the
+* **float8_cast**: under float8 the memory-bound casts of each block matmul's input, weight
+  and output gradient, at torchao's roofline bytes per element (:func:`float8_cast_seconds`;
+  nothing fitted): what leaves float8 little or no gain on narrow matmuls.
+* **pipeline stages**: the most loaded rank paces the schedule, so with stages compute,
+  elementwise and float8_cast are the mean rank's times :func:`stage_imbalance` (whole blocks per stage, the
+  output layer on the last one; nothing fitted); the **bubble** is (compute + elementwise +
+  float8_cast) ``x bubble / (1 - bubble)`` (:func:`llmforge.parallel.pipeline.bubble_fraction`, the
   schedule's formula, nothing fitted).
 * **FSDP** (over ``dp_shard x cp`` ranks): per block two all-gathers of the weights (one with
   pipeline stages: torchtitan keeps them after the forward) in bf16 (1 byte for float8
@@ -34,9 +37,10 @@ Terms (seconds per step, one rank):
   with them; **CP**: the ring passes the K, V shard
   ``cp - 1`` times per block (forward, and twice in the backward; ``cp_mode: ring``, the mode
   of the published cp rows); **HSDP**: an all-reduce of
-  the sharded gradient across replicas (as often as the reduce-scatter). These overlap with compute up to ``fsdp_overlap`` of
-  it; the rest is exposed. Hidden traffic is not free inside a node: NCCL's NVLink kernels take
-  SMs and memory bandwidth from the matmuls they run beside, so ``nvlink_contention`` of the
+  the sharded gradient across replicas (as often as the reduce-scatter). These overlap with
+  the compute (with elementwise and float8_cast) up to ``fsdp_overlap`` of it; the rest is
+  exposed. Hidden traffic is not free inside a node: NCCL's NVLink kernels take SMs and
+  memory bandwidth from the matmuls they run beside, so ``nvlink_contention`` of the
   overlapped NVLink seconds is added (Lee et al. 2025, arXiv 2507.03114: overlapping slowed
   compute by 18.9 % on average, up to 40 %, on 4 A100 / H100); network traffic moves ~10x fewer
   bytes per second per GPU and is charged nothing for it.
@@ -129,7 +133,9 @@ class CostParams:
 @dataclass(frozen=True)
 class Prediction:
     """Seconds per step of one rank by term, and what follows. ``terms``: compute (matmuls and
-    attention), elementwise (memory-bound), bubble, data_parallel (FSDP / HSDP / ring CP, exposed), tp, pp, cp (all_gather / ulysses), with the raw (before overlap) FSDP/CP traffic in ``overlapped``."""
+    attention), elementwise (memory-bound), float8_cast (memory-bound), bubble, data_parallel
+    (FSDP / HSDP / ring CP, exposed), tp, pp, cp (all_gather / ulysses), with the raw (before
+    overlap) FSDP/CP traffic in ``overlapped``."""
 
     step_seconds: float
     tokens_per_second_per_gpu: float
@@ -238,6 +244,61 @@ def context_parallel_seconds(s: Setting, p: CostParams) -> float:
     return _collective(s.cp, calls * full, calls, intra, gpu, p)
 
 
+def block_matrices(sh: Shape, tp: int) -> list[tuple[float, float, bool]]:
+    """``(K, N, column_parallel)`` of one block's q, k, v, o and SwiGLU (w1, w3, w2) matrices on
+    one rank, sharded by ``tp`` as Megatron-LM shards them: column-parallel q, k, v, w1, w3
+    ``N / tp`` (their input is all-gathered under sequence parallelism), row-parallel o, w2
+    ``K / tp`` (their output reduce-scattered, its gradient all-gathered)."""
+    d, hd, f = sh.dim, sh.head_dim, sh.ffn_dim
+    q, kv = sh.n_heads * hd / tp, sh.n_kv_heads * hd / tp
+    return [(d, q, True), (d, kv, True), (d, kv, True), (q, d, False), (d, f / tp, True), (d, f / tp, True),
+            (f / tp, d, False)]
+
+
+FLOAT8_CAST_BYTES = {"fp8_tensorwise": (4.0, 6.0), "fp8_rowwise": (6.0, 8.0)}
+"""Bytes read and written per element to cast a float8 matmul's operands, compiled,
+``(activation, weight)``: torchao's float8 roofline (``torchao/testing/training/roofline_utils.py``
+at pytorch/ao 36027d8, ``get_tensor_memory_traffic_ovhd_s`` with ``fuse_with_prev``: the first
+bf16 read fused into the op before it; eager reads it once more, 2 bytes). Tensorwise: an
+activation (input, output gradient) is read once in bf16 and written twice in float8 (row- and
+column-major); a weight is cast twice (forward, backward). Rowwise: each layout is scaled along
+its own rows, so an activation is cast, transposed in bf16 and cast again; a weight is cast,
+transposed and cast."""
+
+FLOAT8_CAST_BANDWIDTH = 0.92
+"""Share of the GPU's memory bandwidth the casting kernels reach (torchao's roofline:
+``pct_achievable_mem_bw``, pointwise triton kernels with large inputs on an H100)."""
+
+
+def float8_cast_seconds(s: Setting, gpu: GPUKind, clock: float, recompute: float) -> float:
+    """Seconds per step of one rank casting the float8 matmuls' operands (0 under bf16).
+
+    Per block matmul ``(M, K) x (K, N)`` on the rank (:func:`block_matrices`; ``M`` the
+    micro-batch's ``mbs x s / cp`` rows): its input ``M K`` and output gradient ``M N`` at the
+    activation's :data:`FLOAT8_CAST_BYTES` (2 more eager), its weight ``K N`` at the weight's;
+    under TP with float8 all-gathers (``fp8_tp_all_gather``, tensorwise) the gathered operand,
+    a column-parallel input or a row-parallel output gradient, is cast on the rank's ``1 / tp``
+    shard (1 byte written, not 2) and the gathered float8 copy transposed for the backward
+    (1 byte read, 1 written). Every micro-batch, the forward's again under recomputation
+    (``recompute``), scaled to the setting's float8 share of the blocks, at
+    :data:`FLOAT8_CAST_BANDWIDTH` of ``gpu.memory_bw`` times ``clock``. Why float8 gains less
+    on narrow matmuls (TP shards) than on wide ones: the cast grows with ``K + N`` per row, the
+    FLOPs with ``K N`` (torchao's float8 README: small shapes run slower in float8).
+    """
+    if s.precision not in FLOAT8_CAST_BYTES:
+        return 0.0
+    act, weight = (b + (0.0 if s.compile else 2.0) for b in FLOAT8_CAST_BYTES[s.precision])
+    rows = s.micro_batch_size * s.seq_len / s.cp
+    sharded = s.tp > 1 and s.fp8_tp_all_gather and s.precision == "fp8_tensorwise"
+    gathered_act = (act - 1.0) / s.tp + 2.0 if sharded else act
+    per_block = sum(rows * ((k * gathered_act + n * act) if column else (k * act + n * gathered_act))
+                    + k * n * weight for k, n, column in block_matrices(s.shape, s.tp))
+    n_micro = s.global_batch_size // (s.dp_replicate * s.dp_shard) // s.micro_batch_size
+    share = fp8_share(s) / block_linear_share(s.shape)
+    return (n_micro * s.shape.n_layers / s.pp * per_block * recompute * share
+            / (gpu.memory_bw * clock * FLOAT8_CAST_BANDWIDTH))
+
+
 def gemm_slowdown(sh: Shape, tp: int, p: CostParams, rows: float = float("inf")) -> float:
     """How much slower than a wide matmul the rank's matmuls run (>= 1): the FLOP-weighted mean of
     ``1 + (narrow_width / I) ** narrow_power`` over the block's q, k, v, o and SwiGLU matrices
@@ -261,10 +322,8 @@ def gemm_slowdown(sh: Shape, tp: int, p: CostParams, rows: float = float("inf"))
     """
     if not 1 <= tp < float("inf") or not rows > 0:
         raise ValueError(f"gemm_slowdown: tp must be >= 1 and rows > 0, got tp={tp!r}, rows={rows!r}")
-    d, hd, f, v = sh.dim, sh.head_dim, sh.ffn_dim, sh.vocab_size
-    q, kv = sh.n_heads * hd / tp, sh.n_kv_heads * hd / tp
-    block = [(d, q), (d, kv), (d, kv), (q, d), (d, f / tp), (d, f / tp), (f / tp, d)]
-    mats = [(k * n * sh.n_layers, k, n) for k, n in block] + [(d * v / tp, d, v / tp)]
+    d, v = sh.dim, sh.vocab_size
+    mats = [(k * n * sh.n_layers, k, n) for k, n, _ in block_matrices(sh, tp)] + [(d * v / tp, d, v / tp)]
     slow = sum(w * (1 + (p.narrow_width * (k + n + k * n / rows) / (k * n)) ** p.narrow_power) for w, k, n in mats)
     return slow / sum(w for w, _, _ in mats)
 
@@ -339,9 +398,10 @@ def predict(s: Setting, p: CostParams) -> Prediction:
                    * recompute * (p.compile_fusion if s.compile else 1.0) / (gpu.memory_bw * clock))
     # the slowest pipeline rank paces the schedule
     slowest = stage_imbalance(sh, s.pp, s.stages_per_rank, s.seq_len)
-    compute, elementwise = compute * slowest, elementwise * slowest
+    cast = float8_cast_seconds(s, gpu, clock, recompute)
+    compute, elementwise, cast = compute * slowest, elementwise * slowest, cast * slowest
     bubble_share = bubble_fraction(s.schedule, s.pp, n_micro, s.stages_per_rank) if s.pp > 1 else 0.0
-    bubble = (compute + elementwise) * bubble_share / (1 - bubble_share)
+    bubble = (compute + elementwise + cast) * bubble_share / (1 - bubble_share)
 
     layers = sh.n_layers / s.pp  # blocks on this rank
     w_gather = 1.0 if s.fp8_all_gather and s.precision != "bf16" else 2.0
@@ -368,9 +428,9 @@ def predict(s: Setting, p: CostParams) -> Prediction:
         # a ring pass sends the rank's K, V shard to the next rank, cp - 1 times per pass
         fsdp += n_micro * layers * passes * (s.cp - 1) * _collective(
             2, 2 * kv, 1, in_node(s.cp * s.tp, node), gpu, p)
-    exposed_fsdp = max(0.0, fsdp - p.fsdp_overlap * (compute + elementwise))
+    exposed_fsdp = max(0.0, fsdp - p.fsdp_overlap * (compute + elementwise + cast))
     if fsdp_intra:
-        exposed_fsdp += p.nvlink_contention * min(fsdp, p.fsdp_overlap * (compute + elementwise))
+        exposed_fsdp += p.nvlink_contention * min(fsdp, p.fsdp_overlap * (compute + elementwise + cast))
     tp = 0.0
     if s.tp > 1:
         calls = n_micro * layers * TP_CALLS_PER_BLOCK[s.ac]
@@ -387,14 +447,15 @@ def predict(s: Setting, p: CostParams) -> Prediction:
         hidden = micro_tokens * sh.dim * 2.0 / s.tp
         pp = _collective(2, 2 * hidden * sends, sends, s.world // s.pp < node, gpu, p)
     cp = context_parallel_seconds(s, p) * n_micro * layers
-    terms = {"compute": compute, "elementwise": elementwise, "bubble": bubble, "data_parallel": exposed_fsdp,
-             "tp": tp, "pp": pp, "cp": cp}
+    terms = {"compute": compute, "elementwise": elementwise, "float8_cast": cast, "bubble": bubble,
+             "data_parallel": exposed_fsdp, "tp": tp, "pp": pp, "cp": cp}
     step = sum(terms.values())
     tps = tokens / step / s.world
     mfu = tps * model_flops_per_token(sh, s.seq_len) / gpu.bf16_flops
     return Prediction(step, tps, mfu, terms, fsdp)
 
 
-__all__ = ["CostParams", "Prediction", "block_linear_share", "context_parallel_seconds", "flops_per_token",
-           "fp8_share", "gemm_slowdown", "in_node", "model_flops_per_token", "predict", "stage_imbalance",
-           "TP_CALLS_PER_BLOCK", "TP_GATHERS_PER_BLOCK"]
+__all__ = ["CostParams", "FLOAT8_CAST_BANDWIDTH", "FLOAT8_CAST_BYTES", "Prediction", "block_linear_share",
+           "block_matrices", "context_parallel_seconds", "flops_per_token", "float8_cast_seconds", "fp8_share",
+           "gemm_slowdown", "in_node", "model_flops_per_token", "predict", "stage_imbalance", "TP_CALLS_PER_BLOCK",
+           "TP_GATHERS_PER_BLOCK"]

@@ -26,10 +26,10 @@ Terms (seconds per step, one rank):
   and output gradient, at torchao's roofline bytes per element (:func:`float8_cast_seconds`;
   nothing fitted): what leaves float8 little or no gain on narrow matmuls.
 * **pipeline stages**: the most loaded rank paces the schedule, so with stages compute,
-  elementwise and float8_cast are the mean rank's times :func:`stage_imbalance` (whole blocks per stage, the
-  output layer on the last one; nothing fitted); the **bubble** is (compute + elementwise +
-  float8_cast) ``x bubble / (1 - bubble)`` (:func:`llmforge.parallel.pipeline.bubble_fraction`, the
-  schedule's formula, nothing fitted).
+  elementwise and float8_cast are the mean rank's times :func:`stage_imbalance` (whole blocks
+  per stage, the output layer on the last one; nothing fitted); the **bubble** is (compute +
+  elementwise + float8_cast) ``x bubble / (1 - bubble)``
+  (:func:`llmforge.parallel.pipeline.bubble_fraction`, the schedule's formula, nothing fitted).
 * **FSDP** (over ``dp_shard x cp`` ranks): per block two all-gathers of the weights (one with
   pipeline stages: torchtitan keeps them after the forward) in bf16 (1 byte for float8
   all-gather) and one reduce-scatter of fp32 gradients, every micro-batch without pipeline

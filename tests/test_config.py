@@ -245,6 +245,10 @@ def test_interpolation_errors(tmp_path):
     # as a reference (here to trainer.seq_len's value): refused, naming the key
     msg = error_of(load_config, write(tmp_path, "e.yaml", "run: {tags: [ok, 'a\\${trainer.seq_len}']}\n"))
     assert msg.startswith("run.tags.1: its value holds the text '${'"), msg
+    # an escaped '\${' that opens nothing: OmegaConf's own parse error, with the key it is under
+    for where, over in (("run.name", ["run.name=\\${"]), ("run.tags.1", ["run.tags=[ok, 'x\\${y']"])):
+        msg = error_of(load_config, write(tmp_path, "ok.yaml", "run: {}\n"), over)
+        assert msg.startswith(f"cannot resolve the config at {where}: no viable alternative"), msg
 
 
 # ------------------------------------------------------------------------------- save/redact

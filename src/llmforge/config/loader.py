@@ -234,6 +234,25 @@ def _refuse_literal_braces(node: Any, where: str = "") -> None:
                               "reference; write the value without '${'")
 
 
+def _unresolvable_key(node: Any, where: str = "") -> str:
+    """The dotted key of the first value under ``node`` that does not resolve (OmegaConf's
+    ``resolve`` raises without naming it), or ``""``: one whose interpolation raises as it is
+    read, or whose resolved text holds ``${`` (an escaped ``\\${``, which ``resolve`` parses
+    again)."""
+    keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
+    for k in keys:
+        here = f"{where}.{k}" if where else str(k)
+        try:
+            child = node[k]  # a leaf resolves its interpolation as it is read
+        except OmegaConfBaseException:
+            return here
+        if isinstance(child, str) and "${" in child:
+            return here
+        if isinstance(child, (DictConfig, ListConfig)) and (found := _unresolvable_key(child, here)):
+            return found
+    return ""
+
+
 def resolve_config(cfg: DictConfig, *, in_place: bool = False) -> DictConfig:
     """``cfg`` from :func:`read_config` with every interpolation resolved in the current
     environment (``${oc.env:NAME}`` reads ``os.environ`` now): a deep copy, or ``cfg`` itself
@@ -252,7 +271,8 @@ def resolve_config(cfg: DictConfig, *, in_place: bool = False) -> DictConfig:
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as exc:
-        raise ConfigError(f"cannot resolve the config: {_omega_message(exc)}") from None
+        key = _unresolvable_key(cfg)
+        raise ConfigError(f"cannot resolve the config{f' at {key}' if key else ''}: {_omega_message(exc)}") from None
     _refuse_literal_braces(cfg)
     # a secret key's value echoed through ${...} into another key's error is not printed either
     remember_secret_values(_secret_values(OmegaConf.to_container(cfg), set()))

@@ -228,6 +228,21 @@ def test_bad_foundry_input_exits_2_naming_the_key(tmp_path, edit, key):
     assert left == ([] if edit is None else ["in.yaml"]), left
 
 
+def test_output_through_a_missing_folder_and_dotdot_is_the_file_it_names(tmp_path):
+    """``-o new/../x.yaml`` with no ``new/``: the file is ``x.yaml`` (a ``..`` after a folder that
+    does not exist has no link to follow); an existing ``x.yaml`` is refused without
+    ``--overwrite`` (it was replaced before) and no ``new/`` is made."""
+    src = str(FOUNDRY / "mpt_pretrain.yaml")
+    (tmp_path / "x.yaml").write_text("keep me\n")
+    r = run_main("convert", "foundry", src, "-o", str(tmp_path / "new" / ".." / "x.yaml"))
+    assert r.returncode == 2 and "already exists" in r.stderr and "--overwrite" in r.stderr, r.stderr
+    assert (tmp_path / "x.yaml").read_text() == "keep me\n"
+    r = run_main("convert", "foundry", src, "-o", str(tmp_path / "new" / ".." / "y.yaml"))
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.yaml", "y.yaml"]
+    assert (tmp_path / "y.yaml").read_text().startswith("# llmforge YAML converted from the LLM Foundry")
+
+
 def test_peft_config_becomes_the_plugin_that_takes_it(tmp_path):
     """PEFT's LoRA settings become a `lora` entry through Algorithm.from_peft_config (the
     converter names no plugin); an adapter kind no plugin takes is reported, not guessed."""

@@ -194,6 +194,18 @@ def _umask() -> int:
     return mask
 
 
+def _target(out: str) -> Path:
+    """The file ``out`` names. A ``..`` after a folder that does not exist yet has no link to
+    follow, so it is taken lexically (``new/../x.yaml`` is ``x.yaml``): the checks then see the
+    file that would be replaced, and no ``new/`` is made on the way."""
+    path, probe = Path(out), Path()
+    for part in path.parent.parts:
+        if part == ".." and not probe.exists():
+            return Path(os.path.normpath(path))
+        probe = probe / part
+    return path
+
+
 def write_converted(src: str, out: Optional[str], *, overwrite: bool = False,
                     steps_per_epoch: Optional[int] = None, prepared: Optional[str] = None,
                     checks: Sequence[Callable[[Any], None]] = ()) -> tuple[str, str]:
@@ -210,13 +222,14 @@ def write_converted(src: str, out: Optional[str], *, overwrite: bool = False,
         ConfigError: as :func:`convert`; ``out`` exists and ``overwrite`` is false."""
     if out is not None and (not str(out).strip() or str(out).endswith(("/", os.sep))):
         raise ConfigError(f"-o: {out!r} is not a file path; give the path of the YAML file to write")
-    if out is not None and Path(out).is_dir():
+    target = _target(out) if out is not None else None
+    if target is not None and target.is_dir():
         raise ConfigError(f"-o: {out} is a folder; give the path of the YAML file to write")
-    if out is not None and Path(out).exists() and not overwrite:
+    if target is not None and target.exists() and not overwrite:
         raise ConfigError(f"-o: {out} already exists; choose another file or pass --overwrite")
     c = convert(src, steps_per_epoch=steps_per_epoch, prepared=prepared)
     text = render(c, src)
-    where = Path(out).parent if out else Path(tempfile.gettempdir())
+    where = target.parent if target is not None else Path(tempfile.gettempdir())
     made = [d for d in (where, *where.parents) if not d.exists()]  # deepest first
     where.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".yaml", dir=where, prefix=".foundry-")
@@ -240,8 +253,8 @@ def write_converted(src: str, out: Optional[str], *, overwrite: bool = False,
             c.todo.append(f"llmforge train refuses this file as written: {exc}")
             text = render(c, src)
             Path(tmp).write_text(text, encoding="utf-8")
-        if out is not None:
-            os.replace(tmp, out)
+        if target is not None:
+            os.replace(tmp, target)
         written = True
     finally:
         if os.path.exists(tmp):
@@ -249,6 +262,6 @@ def write_converted(src: str, out: Optional[str], *, overwrite: bool = False,
         for folder in made if not written else ():  # a refused conversion leaves no empty folders
             try:
                 folder.rmdir()
-            except OSError:  # not empty (something else wrote there), or a '..' of the path
+            except OSError:  # not empty: something else wrote there
                 continue
     return text, report(c)

@@ -146,6 +146,11 @@ def test_train_on_shakespeare_then_generate(tmp_path, tiny_overrides, capsys):
 
     config_error(capsys, ["train", DEMO, *tiny_overrides, "run.name=e2e"],
                  "already holds a run", "--overwrite")
+    # the same folder named through one that does not exist ('new/..'): the same refusal, and no
+    # new/ left behind (it had said the run appeared while it prepared, after making new/)
+    config_error(capsys, ["train", DEMO, *tiny_overrides, "run.name=e2e",
+                          f"run.output_dir={tmp_path / 'new' / '..' / 'runs'}"], "already holds a run")
+    assert not (tmp_path / "new").exists()
     # resuming with another model shape is refused; the run's config.yaml stays as it was
     before = (run_dir / "config.yaml").read_text()
     changed = ["run.name=e2e", "model.dim=128", "checkpoint.resume=auto", "trainer.max_steps=130"]

@@ -241,6 +241,13 @@ def test_output_through_a_missing_folder_and_dotdot_is_the_file_it_names(tmp_pat
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.yaml", "y.yaml"]
     assert (tmp_path / "y.yaml").read_text().startswith("# llmforge YAML converted from the LLM Foundry")
+    # through an existing folder the '..' is the file system's (a link's parent, not the name's)
+    from llmforge.paths import through_missing
+
+    (tmp_path / "d").mkdir()
+    assert through_missing(tmp_path / "d" / ".." / "x.yaml") == tmp_path / "d" / ".." / "x.yaml"
+    assert through_missing(tmp_path / "a" / "b" / ".." / "c" / "x") == tmp_path / "a" / "c" / "x"
+    assert through_missing("x.yaml") == Path("x.yaml") and through_missing("../x") == Path("../x")
 
 
 def test_peft_config_becomes_the_plugin_that_takes_it(tmp_path):

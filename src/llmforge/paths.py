@@ -40,6 +40,20 @@ def check_printable(value: str, key: str) -> None:
                           f"printable characters only in {key}")
 
 
+def through_missing(path: str | os.PathLike) -> Path:
+    """``path`` with a ``..`` that follows a folder which does not exist taken lexically
+    (``new/../x`` is ``x`` while there is no ``new``; otherwise ``path`` as given): with no
+    folder there is no link for the ``..`` to follow, and a writer that created ``new`` on the
+    way would leave it behind, while an existence check of ``new/../x`` (which does not stat)
+    would miss the ``x`` it then replaces."""
+    path, probe = Path(path), Path()
+    for part in path.parts[:-1]:
+        if part == ".." and not probe.exists():
+            return Path(os.path.normpath(path))
+        probe = probe / part
+    return path
+
+
 def is_special_file(path: str | os.PathLike) -> bool:
     """``path`` exists (links followed) but is not a regular file: a named pipe (opening it
     blocks for ever), a device, a socket or a folder. Files llmforge reads or appends to from a

@@ -33,6 +33,7 @@ from llmforge.config.redaction import _secret_values, config_to_dict, redact, re
 from llmforge.config.schema import TrainConfig, model_config_class
 from llmforge.config.yaml_files import _Dumper, _read_chain, _type_name
 from llmforge.errors import ConfigError
+from llmforge.paths import through_missing
 
 __all__ = ["load_config", "read_config", "resolve_config", "save_config", "structured_config"]
 
@@ -274,6 +275,10 @@ def resolve_config(cfg: DictConfig, *, in_place: bool = False) -> DictConfig:
         key = _unresolvable_key(cfg)
         raise ConfigError(f"cannot resolve the config{f' at {key}' if key else ''}: {_omega_message(exc)}") from None
     _refuse_literal_braces(cfg)
+    for key in ("run.output_dir", "checkpoint.dir"):  # 'new/../runs' without new/: 'runs'
+        value = OmegaConf.select(cfg, key)
+        if isinstance(value, str) and value and str(through_missing(value)) != value:
+            OmegaConf.update(cfg, key, str(through_missing(value)))
     # a secret key's value echoed through ${...} into another key's error is not printed either
     remember_secret_values(_secret_values(OmegaConf.to_container(cfg), set()))
     return cfg

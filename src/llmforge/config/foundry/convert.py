@@ -31,6 +31,7 @@ from llmforge.config.redaction import strip_url_credentials
 from llmforge.config.validate import validate
 from llmforge.config.yaml_files import _read_yaml
 from llmforge.errors import ConfigError
+from llmforge.paths import through_missing
 
 REQUIRED = ("model", "train_loader", "max_duration", "global_train_batch_size")
 """Top-level keys every LLM Foundry training YAML has (``scripts/train/train.py``)."""
@@ -194,18 +195,6 @@ def _umask() -> int:
     return mask
 
 
-def _target(out: str) -> Path:
-    """The file ``out`` names. A ``..`` after a folder that does not exist yet has no link to
-    follow, so it is taken lexically (``new/../x.yaml`` is ``x.yaml``): the checks then see the
-    file that would be replaced, and no ``new/`` is made on the way."""
-    path, probe = Path(out), Path()
-    for part in path.parent.parts:
-        if part == ".." and not probe.exists():
-            return Path(os.path.normpath(path))
-        probe = probe / part
-    return path
-
-
 def write_converted(src: str, out: Optional[str], *, overwrite: bool = False,
                     steps_per_epoch: Optional[int] = None, prepared: Optional[str] = None,
                     checks: Sequence[Callable[[Any], None]] = ()) -> tuple[str, str]:
@@ -222,7 +211,7 @@ def write_converted(src: str, out: Optional[str], *, overwrite: bool = False,
         ConfigError: as :func:`convert`; ``out`` exists and ``overwrite`` is false."""
     if out is not None and (not str(out).strip() or str(out).endswith(("/", os.sep))):
         raise ConfigError(f"-o: {out!r} is not a file path; give the path of the YAML file to write")
-    target = _target(out) if out is not None else None
+    target = through_missing(out) if out is not None else None
     if target is not None and target.is_dir():
         raise ConfigError(f"-o: {out} is a folder; give the path of the YAML file to write")
     if target is not None and target.exists() and not overwrite:

@@ -200,6 +200,20 @@ def test_full_disk_in_an_export_leaves_no_half_written_output(trained, tmp_path,
     assert f"nothing of {out}" in line and not out.exists()
 
 
+def test_an_export_through_a_missing_folder_and_dotdot_is_the_path_it_names(trained, tmp_path, capsys):
+    """``OUT`` given as ``new/../out`` with no ``new/``: the output is ``out``; an existing,
+    non-empty ``out`` is refused without --overwrite (the path did not stat, so it was written
+    into), and no ``new/`` is made."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code, line = run_main(["convert", "to-hf", str(trained), str(tmp_path / "new" / ".." / "out")], capsys)
+    assert code == 2 and "already exists" in line and "--overwrite" in line, line
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and not (tmp_path / "new").exists()
+    assert main(["checkpoint", "consolidate", str(trained / STEP), str(tmp_path / "new" / ".." / "m.safetensors")]) == 0
+    assert (tmp_path / "m.safetensors").stat().st_size > 0 and not (tmp_path / "new").exists()
+
+
 def test_full_disk_in_data_prepare_keeps_no_partial_shard(trained, tmp_path, monkeypatch, capsys):
     import llmforge.data.prepare as prepare
 

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from llmforge import signals
 from llmforge.errors import ConfigError
+from llmforge.paths import through_missing
 
 
 def add_parser(sub: Any) -> None:
@@ -105,6 +106,8 @@ def _prepare_command(args: argparse.Namespace) -> int:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
     cfg = load_prepare_config(args.source, list(args.overrides))
     _check_preparable(cfg)
+    if "://" not in str(args.out):  # a local 'new/../prep' without new/: the folder 'prep'
+        args.out = str(through_missing(args.out))
     manifest = prepare(cfg, args.out, workers=args.workers, docs_per_shard=args.docs_per_shard,
                        show_progress=not args.no_progress and sys.stderr.isatty())
     out = scrub_url_credentials(str(args.out))  # s3://KEY:SECRET@bucket/x: never printed

@@ -13,6 +13,7 @@ from typing import Any
 from llmforge.cli.runs_commands import RUN_COMMANDS
 from llmforge.errors import ConfigError, LLMForgeError
 from llmforge.job.torchrun import die_with_launcher
+from llmforge.paths import through_missing
 from llmforge.planning.gpus import gpu_kind
 from llmforge.quiet import quiet_libraries
 from llmforge.runs.plot import plot_runs
@@ -220,14 +221,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     if args.convert_command == "foundry":
         return _convert_foundry(args)
 
     from llmforge.checkpoint.convert import from_hf, to_hf  # heavy (torch): off the CLI's fast path
 
-    out = Path(args.out)
+    out = through_missing(args.out)  # 'new/../hf' without new/: the folder 'hf' (checked here)
+    args.out = str(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
         raise ConfigError(f"{out} already exists and is not empty; choose another output folder or "
                           "pass --overwrite to write into it")
@@ -272,5 +272,5 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     if args.checkpoint_command == "inspect":
         print(inspect_checkpoint(args.path))
     else:
-        print(f"wrote {consolidate(args.path, args.out)}")
+        print(f"wrote {consolidate(args.path, str(through_missing(args.out)))}")
     return 0

@@ -151,6 +151,11 @@ def test_train_on_shakespeare_then_generate(tmp_path, tiny_overrides, capsys):
     config_error(capsys, ["train", DEMO, *tiny_overrides, "run.name=e2e",
                           f"run.output_dir={tmp_path / 'new' / '..' / 'runs'}"], "already holds a run")
     assert not (tmp_path / "new").exists()
+    # after a link the '..' is the file system's: link/.. is runs/, where e2e is (taken by its
+    # text, link/.. was tmp_path, and the run's files went to two folders)
+    (tmp_path / "link").symlink_to(run_dir)
+    config_error(capsys, ["train", DEMO, *tiny_overrides, "run.name=e2e",
+                          f"run.output_dir={tmp_path / 'link' / '..'}"], "already holds a run")
     # resuming with another model shape is refused; the run's config.yaml stays as it was
     before = (run_dir / "config.yaml").read_text()
     changed = ["run.name=e2e", "model.dim=128", "checkpoint.resume=auto", "trainer.max_steps=130"]

@@ -241,13 +241,21 @@ def test_output_through_a_missing_folder_and_dotdot_is_the_file_it_names(tmp_pat
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.yaml", "y.yaml"]
     assert (tmp_path / "y.yaml").read_text().startswith("# llmforge YAML converted from the LLM Foundry")
-    # through an existing folder the '..' is the file system's (a link's parent, not the name's)
-    from llmforge.paths import through_missing
+    # through an existing link the '..' is the file system's (the target's parent), through a
+    # folder that does not exist the name's; a path without '..' stays as given
+    import os
 
-    (tmp_path / "d").mkdir()
-    assert through_missing(tmp_path / "d" / ".." / "x.yaml") == tmp_path / "d" / ".." / "x.yaml"
-    assert through_missing(tmp_path / "a" / "b" / ".." / "c" / "x") == tmp_path / "a" / "c" / "x"
-    assert through_missing("x.yaml") == Path("x.yaml") and through_missing("../x") == Path("../x")
+    from llmforge.paths import resolve_dotdot
+
+    real = Path(os.path.realpath(tmp_path))
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "d" / "sub")
+    assert resolve_dotdot(tmp_path / "link" / ".." / "x.yaml") == real / "d" / "x.yaml"
+    assert resolve_dotdot(tmp_path / "a" / "b" / ".." / "c" / "x") == real / "a" / "c" / "x"
+    assert resolve_dotdot("x.yaml") == Path("x.yaml")
+    r = run_main("convert", "foundry", src, "-o", str(tmp_path / "link" / ".." / "z.yaml"))
+    assert r.returncode == 0 and (tmp_path / "d" / "z.yaml").is_file(), r.stderr
+    assert f"check it: llmforge train {real / 'd' / 'z.yaml'} --dry-run" in r.stdout, r.stdout
 
 
 def test_peft_config_becomes_the_plugin_that_takes_it(tmp_path):

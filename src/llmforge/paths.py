@@ -40,18 +40,17 @@ def check_printable(value: str, key: str) -> None:
                           f"printable characters only in {key}")
 
 
-def through_missing(path: str | os.PathLike) -> Path:
-    """``path`` with a ``..`` that follows a folder which does not exist taken lexically
-    (``new/../x`` is ``x`` while there is no ``new``; otherwise ``path`` as given): with no
-    folder there is no link for the ``..`` to follow, and a writer that created ``new`` on the
-    way would leave it behind, while an existence check of ``new/../x`` (which does not stat)
-    would miss the ``x`` it then replaces."""
-    path, probe = Path(path), Path()
-    for part in path.parts[:-1]:
-        if part == ".." and not probe.exists():
-            return Path(os.path.normpath(path))
-        probe = probe / part
-    return path
+def resolve_dotdot(path: str | os.PathLike) -> Path:
+    """``path`` with its ``..`` resolved as the file system resolves them, to an absolute path
+    (``os.path.realpath``): after a symbolic link that exists, the link's target's parent; after
+    a folder that does not exist yet, the name as written (``new/../x`` is ``x``: no folder, no
+    link to follow). A path without ``..`` is returned as given. Writers that check an output
+    and then create its folders see one path: ``new/../x`` does not stat while ``new`` is
+    missing, so a check by that name missed an existing ``x``, and creating ``new`` on the way
+    left it behind; code that normalises ``link/..`` by its text wrote elsewhere than the folder
+    the file system made."""
+    path = Path(path)
+    return Path(os.path.realpath(path)) if ".." in path.parts else path
 
 
 def is_special_file(path: str | os.PathLike) -> bool:

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from llmforge import signals
 from llmforge.errors import ConfigError
-from llmforge.paths import through_missing
+from llmforge.paths import resolve_dotdot
 
 
 def add_parser(sub: Any) -> None:
@@ -107,7 +107,7 @@ def _prepare_command(args: argparse.Namespace) -> int:
     cfg = load_prepare_config(args.source, list(args.overrides))
     _check_preparable(cfg)
     if "://" not in str(args.out):  # a local 'new/../prep' without new/: the folder 'prep'
-        args.out = str(through_missing(args.out))
+        args.out = str(resolve_dotdot(args.out))
     manifest = prepare(cfg, args.out, workers=args.workers, docs_per_shard=args.docs_per_shard,
                        show_progress=not args.no_progress and sys.stderr.isatty())
     out = scrub_url_credentials(str(args.out))  # s3://KEY:SECRET@bucket/x: never printed

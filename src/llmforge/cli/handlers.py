@@ -13,7 +13,7 @@ from typing import Any
 from llmforge.cli.runs_commands import RUN_COMMANDS
 from llmforge.errors import ConfigError, LLMForgeError
 from llmforge.job.torchrun import die_with_launcher
-from llmforge.paths import through_missing
+from llmforge.paths import resolve_dotdot
 from llmforge.planning.gpus import gpu_kind
 from llmforge.quiet import quiet_libraries
 from llmforge.runs.plot import plot_runs
@@ -226,7 +226,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     from llmforge.checkpoint.convert import from_hf, to_hf  # heavy (torch): off the CLI's fast path
 
-    out = through_missing(args.out)  # 'new/../hf' without new/: the folder 'hf' (checked here)
+    out = resolve_dotdot(args.out)  # 'new/../hf' without new/: the folder 'hf' (checked here)
     args.out = str(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
         raise ConfigError(f"{out} already exists and is not empty; choose another output folder or "
@@ -254,6 +254,8 @@ def _convert_foundry(args: argparse.Namespace) -> int:
 
     if args.steps_per_epoch is not None and args.steps_per_epoch < 1:
         raise ConfigError(f"--steps-per-epoch must be >= 1, got {args.steps_per_epoch}")
+    if args.out is not None and not str(args.out).endswith(("/", os.sep)):  # as `train` will read it
+        args.out = str(resolve_dotdot(args.out))
     text, report = write_converted(args.path, args.out, overwrite=args.overwrite,
                                    steps_per_epoch=args.steps_per_epoch, prepared=args.prepared,
                                    checks=(_model_shape,))
@@ -272,5 +274,5 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     if args.checkpoint_command == "inspect":
         print(inspect_checkpoint(args.path))
     else:
-        print(f"wrote {consolidate(args.path, str(through_missing(args.out)))}")
+        print(f"wrote {consolidate(args.path, str(resolve_dotdot(args.out)))}")
     return 0

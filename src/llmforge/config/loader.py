@@ -33,7 +33,7 @@ from llmforge.config.redaction import _secret_values, config_to_dict, redact, re
 from llmforge.config.schema import TrainConfig, model_config_class
 from llmforge.config.yaml_files import _Dumper, _read_chain, _type_name
 from llmforge.errors import ConfigError
-from llmforge.paths import through_missing
+from llmforge.paths import resolve_dotdot
 
 __all__ = ["load_config", "read_config", "resolve_config", "save_config", "structured_config"]
 
@@ -235,21 +235,27 @@ def _refuse_literal_braces(node: Any, where: str = "") -> None:
                               "reference; write the value without '${'")
 
 
-def _unresolvable_key(node: Any, where: str = "") -> str:
-    """The dotted key of the first value under ``node`` that does not resolve (OmegaConf's
-    ``resolve`` raises without naming it), or ``""``: one whose interpolation raises as it is
-    read, or whose resolved text holds ``${`` (an escaped ``\\${``, which ``resolve`` parses
-    again)."""
+def _unresolvable_key(node: Any, message: str, where: str = "") -> str:
+    """The dotted key of the value under ``node`` that fails as ``OmegaConf.resolve`` failed
+    with ``message`` (it raises without naming the key), or ``""``: one whose interpolation
+    raises that message as it is read, or whose resolved text (an escaped ``\\${``, which
+    ``resolve`` parses again) raises it when parsed once more."""
     keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
     for k in keys:
         here = f"{where}.{k}" if where else str(k)
         try:
             child = node[k]  # a leaf resolves its interpolation as it is read
-        except OmegaConfBaseException:
-            return here
+        except OmegaConfBaseException as exc:
+            if _omega_message(exc) == message:
+                return here
+            continue
         if isinstance(child, str) and "${" in child:
-            return here
-        if isinstance(child, (DictConfig, ListConfig)) and (found := _unresolvable_key(child, here)):
+            try:
+                OmegaConf.resolve(OmegaConf.create({"v": child}))
+            except OmegaConfBaseException as exc:
+                if _omega_message(exc) == message:
+                    return here
+        elif isinstance(child, (DictConfig, ListConfig)) and (found := _unresolvable_key(child, message, here)):
             return found
     return ""
 
@@ -272,13 +278,13 @@ def resolve_config(cfg: DictConfig, *, in_place: bool = False) -> DictConfig:
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as exc:
-        key = _unresolvable_key(cfg)
+        key = _unresolvable_key(cfg, _omega_message(exc))
         raise ConfigError(f"cannot resolve the config{f' at {key}' if key else ''}: {_omega_message(exc)}") from None
     _refuse_literal_braces(cfg)
-    for key in ("run.output_dir", "checkpoint.dir"):  # 'new/../runs' without new/: 'runs'
+    for key in ("run.output_dir", "checkpoint.dir"):  # one path for every writer: paths.resolve_dotdot
         value = OmegaConf.select(cfg, key)
-        if isinstance(value, str) and value and str(through_missing(value)) != value:
-            OmegaConf.update(cfg, key, str(through_missing(value)))
+        if isinstance(value, str) and ".." in Path(value).parts:
+            OmegaConf.update(cfg, key, str(resolve_dotdot(value)))
     # a secret key's value echoed through ${...} into another key's error is not printed either
     remember_secret_values(_secret_values(OmegaConf.to_container(cfg), set()))
     return cfg

@@ -52,8 +52,8 @@ class RunConfig:
     """Run name; the run directory is ``<output_dir>/<name>``."""
     output_dir: str = "runs"
     """Parent folder of run directories (relative paths are relative to the working directory; a
-    `..` after a folder that does not exist is taken lexically: `new/../runs` is `runs`, and no
-    `new/` is made)."""
+    path with `..` is resolved as the file system resolves it, recorded absolute: `new/../runs`
+    without `new/` is `runs`, and no `new/` is made)."""
     seed: int = 1234
     """Seed for model init, data order and dropout; two runs with one seed are identical on CPU."""
     group: Optional[str] = None

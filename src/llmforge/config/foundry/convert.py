@@ -31,7 +31,7 @@ from llmforge.config.redaction import strip_url_credentials
 from llmforge.config.validate import validate
 from llmforge.config.yaml_files import _read_yaml
 from llmforge.errors import ConfigError
-from llmforge.paths import through_missing
+from llmforge.paths import resolve_dotdot
 
 REQUIRED = ("model", "train_loader", "max_duration", "global_train_batch_size")
 """Top-level keys every LLM Foundry training YAML has (``scripts/train/train.py``)."""
@@ -211,7 +211,7 @@ def write_converted(src: str, out: Optional[str], *, overwrite: bool = False,
         ConfigError: as :func:`convert`; ``out`` exists and ``overwrite`` is false."""
     if out is not None and (not str(out).strip() or str(out).endswith(("/", os.sep))):
         raise ConfigError(f"-o: {out!r} is not a file path; give the path of the YAML file to write")
-    target = through_missing(out) if out is not None else None
+    target = resolve_dotdot(out) if out is not None else None
     if target is not None and target.is_dir():
         raise ConfigError(f"-o: {out} is a folder; give the path of the YAML file to write")
     if target is not None and target.exists() and not overwrite:

@@ -249,6 +249,9 @@ def test_interpolation_errors(tmp_path):
     for where, over in (("run.name", ["run.name=\\${"]), ("run.tags.1", ["run.tags=[ok, 'x\\${y']"])):
         msg = error_of(load_config, write(tmp_path, "ok.yaml", "run: {}\n"), over)
         assert msg.startswith(f"cannot resolve the config at {where}: no viable alternative"), msg
+    # an unclosed '${' in a file: the file and the key
+    bad = write(tmp_path, "u.yaml", "run: {name: '${'}\n")
+    assert error_of(load_config, bad).startswith(f"{bad}: run.name: no viable alternative at input")
 
 
 # ------------------------------------------------------------------------------- save/redact

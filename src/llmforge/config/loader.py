@@ -203,7 +203,8 @@ def read_config(path: str | Path, overrides: Sequence[str] = (), *,
             try:
                 cfg.merge_with(data)
             except OmegaConfBaseException as exc:
-                raise ConfigError(f"{shown}: {_omega_message(exc)}") from None
+                at = f" {exc.full_key}:" if getattr(exc, "full_key", None) else ""
+                raise ConfigError(f"{shown}:{at} {_omega_message(exc)}") from None
         for item in overrides:
             _apply_override(cfg, item)
         raw = OmegaConf.to_container(cfg, resolve=False)

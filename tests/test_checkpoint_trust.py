@@ -212,6 +212,15 @@ def test_an_export_through_a_missing_folder_and_dotdot_is_the_path_it_names(trai
     assert [p.name for p in out.iterdir()] == ["keep.txt"] and not (tmp_path / "new").exists()
     assert main(["checkpoint", "consolidate", str(trained / STEP), str(tmp_path / "new" / ".." / "m.safetensors")]) == 0
     assert (tmp_path / "m.safetensors").stat().st_size > 0 and not (tmp_path / "new").exists()
+    # an existing file is kept unless --overwrite (consolidate replaced it silently before)
+    first = (tmp_path / "m.safetensors").read_bytes()
+    (tmp_path / "m.safetensors").write_bytes(b"mine")
+    code, line = run_main(["checkpoint", "consolidate", str(trained / STEP), str(tmp_path / "m.safetensors")], capsys)
+    assert code == 2 and "already exists" in line and "--overwrite" in line, line
+    assert (tmp_path / "m.safetensors").read_bytes() == b"mine"
+    assert main(["checkpoint", "consolidate", str(trained / STEP), str(tmp_path), "--overwrite"]) == 0
+    assert main(["checkpoint", "consolidate", str(trained / STEP), str(tmp_path / "m.safetensors"), "--overwrite"]) == 0
+    assert (tmp_path / "m.safetensors").read_bytes() == first and (tmp_path / "model.safetensors").is_file()
 
 
 def test_full_disk_in_data_prepare_keeps_no_partial_shard(trained, tmp_path, monkeypatch, capsys):

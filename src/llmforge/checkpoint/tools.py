@@ -73,13 +73,19 @@ def inspect_checkpoint(path: str | Path) -> str:
     return "\n".join(lines)
 
 
-def consolidate(path: str | Path, out: str | Path) -> Path:
-    """Write the model's full tensors to one safetensors file; returns its path.
+def consolidate(path: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
+    """Write the model's full tensors to one safetensors file; returns its path. ``out``: the
+    ``.safetensors`` file, or a folder (``model.safetensors`` in it).
 
     Raises:
+        ConfigError: the file exists and ``overwrite`` is false (checked before the checkpoint
+            is read).
         WriteError: the file could not be written (e.g. a full disk); no part of it is left."""
     from safetensors.torch import save_file
 
+    file = Path(out) if Path(out).suffix == ".safetensors" else Path(out) / "model.safetensors"
+    if file.exists() and not overwrite:
+        raise ConfigError(f"{file} already exists; choose another file or pass --overwrite to replace it")
     ckpt = resolve(path)
     entries = {k: v for k, v in tensor_entries(ckpt).items() if k.startswith("model.")}
     state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in entries.items()}

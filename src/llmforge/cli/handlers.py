@@ -274,5 +274,5 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     if args.checkpoint_command == "inspect":
         print(inspect_checkpoint(args.path))
     else:
-        print(f"wrote {consolidate(args.path, str(resolve_dotdot(args.out)))}")
+        print(f"wrote {consolidate(args.path, str(resolve_dotdot(args.out)), overwrite=args.overwrite)}")
     return 0

@@ -124,6 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     cc = ck_sub.add_parser("consolidate", help="write the model as one safetensors file")
     cc.add_argument("path", help="a checkpoint folder or a run directory (its newest checkpoint)")
     cc.add_argument("out", help="output .safetensors file, or a folder (model.safetensors in it)")
+    cc.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     add_debug(cc)
 
     a = sub.add_parser("algorithms", help="list the algorithm plugins (name, stage, summary)")

@@ -108,7 +108,7 @@ def test_step_terms_follow_the_layout():
 
 
 def test_float8_casts_cost_their_bytes_and_narrow_matmuls_gain_least():
-    from llmforge.planning.step_model import FLOAT8_CAST_BANDWIDTH, block_matrices, float8_cast_seconds
+    from llmforge.planning.float8_cast import FLOAT8_CAST_BANDWIDTH, block_matrices, float8_cast_seconds
 
     # torchao's 8B row: 8 H100 (2.4 TB/s), FSDP 8, one 8,192-token sequence, compiled, selective AC
     run = run_labelled("8B fsdp8 fp8_tensorwise", "torchao-float8-2025-03")

@@ -24,12 +24,12 @@ def test_held_out_error_is_the_stored_one():
     assert stats["max"] == pytest.approx(HELD_OUT["max"], abs=6e-7)
     # a comparison's error: the ratios of held-out rows of one source and one model
     pairs = sorted(comparison_errors(errors))
-    assert len(pairs) == HELD_OUT["pairs"] == 99
-    assert pairs[49] == pytest.approx(HELD_OUT["comparison"], abs=6e-7)
+    assert len(pairs) == HELD_OUT["pairs"] == 102
+    assert (pairs[50] + pairs[51]) / 2 == pytest.approx(HELD_OUT["comparison"], abs=6e-7)
     a, b = (e for e in errors if e.run.label in ("8B fsdp8", "8B fsdp128"))  # -3 % and +1 %
     assert abs((1 + a.error) / (1 + b.error) - 1) in pairs
     # the figures docs/scale.md states (a worse model must update them knowingly)
-    assert stats["median"] <= 0.062 and stats["max"] <= 0.50
+    assert stats["median"] <= 0.059 and stats["max"] <= 0.47
     # every constant has its interval, and no interval names a constant the model lost
     assert set(BOUNDS) == set(CostParams.names()) == set(FITTED.as_dict())
     # a prior on its bound cannot move in the fit (tp_exposed's did, at 1): each sits inside
@@ -308,7 +308,7 @@ def test_fidelity_benchmark_prints_the_stored_figures(capsys):
     assert bench.main([]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last == (f"held-out median error {HELD_OUT['median']:.1%} max {HELD_OUT['max']:.1%} over "
-                    f"{len(RUNS)} rows; published layouts chosen or within error 1 of 3")
+                    f"{len(RUNS)} rows; published layouts chosen or within error 2 of 4")
 
 
 def test_comparisons_say_within_the_error_and_progress_prints_lines():
@@ -411,7 +411,8 @@ def test_degrees_no_published_run_of_the_size_used_are_called_extrapolated():
     assert unmeasured_degrees(LLAMA3_70B, 2, 1, 1) == (
         "no published run of a model within 2x of its 70.6B parameters used tp 2 x pp 1 (they used "
         "tp 8 x pp 1): extrapolated, less certain than the model's held-out error")
-    assert "(they used tp 8 x pp 8 x cp 1/2/4/8)" in unmeasured_degrees(LLAMA3_405B, 4, 1, 1)
+    assert "(they used tp 8 x pp 1; tp 8 x pp 8 x cp 1/2/4/8)" in unmeasured_degrees(LLAMA3_405B, 4, 1, 1)
+    assert unmeasured_degrees(LLAMA3_405B, 8, 1, 1) == ""  # torchtitan's 2024-08 FSDP 16 x TP 8 on 128
     assert "used dp_replicate 2 x tp 1 x pp 1 (they used tp 1 x pp 1 x cp 1/2/4/8; tp 8 x pp 1, none with " \
         "replicas)" in unmeasured_degrees(LLAMA3_8B, 1, 1, 1, dp_replicate=2)  # HSDP: never published
     tiny = replace(LLAMA3_8B, n_layers=1, dim=64, ffn_dim=128, n_heads=4, n_kv_heads=2, vocab_size=100)

@@ -197,6 +197,12 @@ SOURCES: dict[str, Source] = {
         "github.com/pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md "
         "(torchtitan 9dec370; seq_len, AC, float8 defaults: train_configs/llama3_*.toml there)",
         "2024-12-26"),
+    "torchtitan-2024-08-405b": Source(
+        "torchtitan performance, Llama 3.1 405B with FSDP 16 x TP 8 on 128 H100 (95 GB, lower TDP)",
+        "github.com/pytorch/torchtitan docs/performance.md at 3faaa1a0d (the corrected numbers of "
+        "#556; seq_len, compile, float8 all-gather: train_configs/llama3_405b.toml at 9515a140b, "
+        "the preset of the table's last row)",
+        "2024-08-23"),
     "torchtitan-asynctp-2025-06": Source(
         "torchtitan async TP benchmarks, Llama 3.1 8B on 64 and 70B on 256 H100",
         "github.com/pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md "
@@ -275,6 +281,18 @@ RUNS: list[Run] = [
                                 (8, 262144, 16, 84.9))],
 ]
 
+# torchtitan 2024-08, 405B on 128 H100 (16 Grand Teton-like hosts), FSDP 16 x TP 8, local batch 2,
+# full AC, compiled (the preset); "None": no float8, no async TP
+_T405 = dict(src="torchtitan-2024-08-405b", dp_shard=16, tp=8, lbs=2, ac="full", compile=True)
+RUNS += [
+    _tt(LLAMA3_405B, 128, 109, "Llama 3.1", "405B fsdp16 tp8", **_T405,
+        notes="compile as the config file of the table's last row sets it; the table says 'None' of "
+              "the optimizations (float8, async TP)"),
+    _tt(LLAMA3_405B, 128, 177, "Llama 3.1", "405B fsdp16 tp8 fp8", precision="fp8_tensorwise",
+        fp8_all_gather=True, **_T405),
+    _tt(LLAMA3_405B, 128, 185, "Llama 3.1", "405B fsdp16 tp8 fp8 asyncTP", precision="fp8_tensorwise",
+        fp8_all_gather=True, async_tp=True, **_T405)]
+
 _ASYNC = "torchtitan-asynctp-2025-06"
 for _prec, _v, _a in (("bf16", 597.3, 652.4), ("fp8_tensorwise", 809.8, 942.4), ("fp8_rowwise", 599.6, 624.8)):
     for _async, _tps in ((False, _v), (True, _a)):
@@ -331,9 +349,12 @@ def run_labelled(label: str, source: str = "torchtitan-2024-12") -> Run:
 PUBLISHED_LAYOUTS: dict[tuple[str, int], Run] = {
     ("llama3.1-8b", 8): run_labelled("8B fsdp8 compile"),
     ("llama3.1-70b", 256): run_labelled("70B fsdp32 tp8 fp8"),
-    ("llama3.1-405b", 512): run_labelled("405B fsdp8 tp8 pp8 interleaved")}
+    ("llama3.1-405b", 512): run_labelled("405B fsdp8 tp8 pp8 interleaved"),
+    ("llama3.1-405b", 128): run_labelled("405B fsdp16 tp8 fp8 asyncTP", "torchtitan-2024-08-405b")}
 """The layout torchtitan published as its recipe for each (model, GPU count): 8B on 8 (FSDP 8,
-compiled), 70B on 256 (FSDP 32 x TP 8), 405B on 512 (FSDP 8 x TP 8 x PP 8, interleaved)."""
+compiled), 70B on 256 (FSDP 32 x TP 8), 405B on 512 (FSDP 8 x TP 8 x PP 8, interleaved), and
+405B on 128 (FSDP 16 x TP 8, float8 and async TP: its 2024-08 ``llama3_405b.toml``, "a preset
+for 128 H100 GPUs")."""
 
 
 PRESET_SHAPES = {"llama3_8b": "llama3.1-8b", "llama3_70b": "llama3.1-70b", "llama3_405b": "llama3.1-405b"}

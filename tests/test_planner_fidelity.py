@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from llmforge.planning.calibration import BOUNDS, FITTED, HELD_OUT, comparison_errors, held_out, summary
-from llmforge.planning.published import LLAMA3_8B, RUNS, SOURCES, Setting, run_labelled
+from llmforge.planning.published import LLAMA3_8B, RUNS, SOURCES, Setting, published_layout, run_labelled
 from llmforge.planning.step_model import CostParams, predict, stage_imbalance
 from llmforge.planning.gpus import gpu_kind
 from llmforge.planning.stages import in_flight
@@ -61,6 +61,11 @@ def test_published_rows_are_sourced_and_predicted_to_fit():
     run = run_labelled("405B fsdp8 tp8 pp8 interleaved")
     flat = replace(run.setting, schedule="1f1b", stages_per_rank=1)
     assert assess(run.setting).memory["activations"] == assess(flat).memory["activations"]
+    # torchtitan's 2024-08 preset for 128 GPUs, the one 405B run without stages, is the published
+    # layout there (the planner's `published:` line; the benchmark checks the model chooses it)
+    pub = published_layout("llama3_405b", 128, 8192)
+    assert (pub.source, pub.setting.dp_shard, pub.setting.tp, pub.setting.pp, pub.tokens_per_second_per_gpu) == (
+        "torchtitan-2024-08-405b", 16, 8, 1, 185)
     with pytest.raises(ValueError, match="!= world 16"):
         Setting(LLAMA3_8B, "H100-SXM-80GB", 16, dp_shard=4, global_batch_size=8, micro_batch_size=1, seq_len=8192)
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from llmforge.planning.calibration import BOUNDS, FITTED, HELD_OUT, comparison_errors, held_out, summary
-from llmforge.planning.published import LLAMA3_8B, RUNS, SOURCES, Setting, published_layout, run_labelled
+from llmforge.planning.published import LLAMA3_8B, RUNS, SOURCES, published_layout, run_labelled
+from llmforge.planning.setting import Setting
 from llmforge.planning.step_model import CostParams, predict, stage_imbalance
 from llmforge.planning.gpus import gpu_kind
 from llmforge.planning.stages import in_flight

@@ -13,7 +13,8 @@ from conftest import REPO, run_main
 from llmforge.planning.calibration import FITTED
 from llmforge.planning.context import attention_extra_bytes, cp_degrees
 from llmforge.planning.gpus import gpu_kind
-from llmforge.planning.published import LLAMA3_8B, Setting
+from llmforge.planning.published import LLAMA3_8B
+from llmforge.planning.setting import Setting
 from llmforge.planning.step_model import context_parallel_seconds, predict
 from llmforge.planning.whatif import FIT_SHARE, memory_per_rank
 

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 
 from llmforge.errors import ConfigError
 from llmforge.planning.layout import Layout
-from llmforge.planning.published import Shape
+from llmforge.planning.setting import Shape
 from llmforge.planning.simulate import StepMeasurement
 
 MODES = ("all_gather", "ulysses")

@@ -5,7 +5,7 @@ FLOPs float8 converts, and the memory-bound casts of its operands at torchao's r
 from __future__ import annotations
 
 from llmforge.planning.gpus import GPUKind
-from llmforge.planning.published import Setting, Shape
+from llmforge.planning.setting import Setting, Shape
 
 
 def block_linear_share(shape: Shape) -> float:

@@ -24,7 +24,8 @@ from llmforge.planning.calibration import comparison_error, model_error
 from llmforge.planning.context import check_cp, cp_of
 from llmforge.planning.gpus import GPUKind
 from llmforge.planning.layout import AC_MODES
-from llmforge.planning.published import Setting, Shape, published_layout, unmeasured_degrees
+from llmforge.planning.published import published_layout, unmeasured_degrees
+from llmforge.planning.setting import Setting, Shape
 from llmforge.planning.search import tp_degrees
 from llmforge.planning.stages import pp_allowed
 from llmforge.planning.step_model import fp8_share

@@ -81,7 +81,7 @@ from llmforge.planning.calibration import FITTED
 from llmforge.planning.context import ESTIMATED, SIMULATED, fitting_cp, peak_delta, per_token_bytes, twin
 from llmforge.planning.layout import AC_MODES, Layout
 from llmforge.planning.layout_arg import at_layout, built_algorithms, calibrated_setting, check_float8
-from llmforge.planning.published import Setting
+from llmforge.planning.setting import Setting
 from llmforge.planning.search import (MAX_GPUS, Candidate, _divisors, check_gpus, enumerate_layouts,
                                       tp_degrees)
 from llmforge.planning.simulate import StepMeasurement, frozen_heap

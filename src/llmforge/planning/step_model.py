@@ -1,5 +1,5 @@
 """The analytic step-time model: seconds per optimizer step of one rank for a
-:class:`~llmforge.planning.published.Setting`, split into the terms that make it, with the few
+:class:`~llmforge.planning.setting.Setting`, split into the terms that make it, with the few
 constants of :class:`CostParams` (fitted in :mod:`llmforge.planning.calibration`).
 
 Terms (seconds per step, one rank):
@@ -69,7 +69,7 @@ from dataclasses import asdict, dataclass, fields
 from llmforge.parallel.pipeline import bubble_fraction, min_microbatches
 from llmforge.planning.float8_cast import block_linear_share, block_matrices, float8_cast_seconds, fp8_share
 from llmforge.planning.gpus import GPUKind, gpu_kind
-from llmforge.planning.published import Setting, Shape
+from llmforge.planning.setting import Setting, Shape
 
 
 @dataclass(frozen=True)

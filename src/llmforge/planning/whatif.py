@@ -15,7 +15,7 @@ from llmforge.planning.calibration import FITTED, comparison_error
 from llmforge.planning.context import attention_extra_bytes
 from llmforge.planning.gpus import gpu_kind
 from llmforge.planning.layout import AC_MODES
-from llmforge.planning.published import Setting
+from llmforge.planning.setting import Setting
 from llmforge.planning.stages import in_flight
 from llmforge.planning.step_model import CostParams, Prediction, predict
 

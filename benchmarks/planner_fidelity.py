@@ -3,7 +3,7 @@
 Every row of ``llmforge.planning.published.RUNS`` with its measured tokens/s per GPU, the
 prediction of the constants fitted on all rows, and the held-out prediction (constants fitted
 without the row's whole source: leave one source out) with its error; the fitted constants;
-the published recipes (8B on 8, 70B on 256, 405B on 512 GPUs) against the layout the model
+the published recipes (8B on 8, 70B on 256, 405B on 128 and 512 GPUs) against the layout the model
 would choose among all that fit (the published degrees at their best activation checkpointing
 and micro-batch); whether every published run is predicted to fit in ``FIT_SHARE`` of its GPU
 and the fullest one's share (the evidence that threshold was chosen from); the held-out rows

@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from llmforge.planning.setting import Setting, Shape
+# Shape and Setting lived here until 2026-12-07: still importable from here, for code that did
+from llmforge.planning.setting import CP_MODES, PRECISIONS, Setting, Shape  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -210,11 +211,11 @@ PUBLISHED_LAYOUTS: dict[tuple[str, int], Run] = {
     ("llama3.1-8b", 8): run_labelled("8B fsdp8 compile"),
     ("llama3.1-70b", 256): run_labelled("70B fsdp32 tp8 fp8"),
     ("llama3.1-405b", 512): run_labelled("405B fsdp8 tp8 pp8 interleaved"),
-    ("llama3.1-405b", 128): run_labelled("405B fsdp16 tp8 fp8 asyncTP", "torchtitan-2024-08-405b")}
+    ("llama3.1-405b", 128): run_labelled("405B fsdp16 tp8 fp8", "torchtitan-2024-08-405b")}
 """The layout torchtitan published as its recipe for each (model, GPU count): 8B on 8 (FSDP 8,
 compiled), 70B on 256 (FSDP 32 x TP 8), 405B on 512 (FSDP 8 x TP 8 x PP 8, interleaved), and
-405B on 128 (FSDP 16 x TP 8, float8 and async TP: its 2024-08 ``llama3_405b.toml``, "a preset
-for 128 H100 GPUs")."""
+405B on 128 (FSDP 16 x TP 8, float8: its 2024-08 ``llama3_405b.toml``, "a preset for 128 H100
+GPUs", without the async TP llmforge does not run, as the 70B's is the row without it)."""
 
 
 PRESET_SHAPES = {"llama3_8b": "llama3.1-8b", "llama3_70b": "llama3.1-70b", "llama3_405b": "llama3.1-405b"}

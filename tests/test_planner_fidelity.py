@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from llmforge.planning.calibration import BOUNDS, FITTED, HELD_OUT, comparison_errors, held_out, summary
-from llmforge.planning.published import LLAMA3_8B, RUNS, SOURCES, published_layout, run_labelled
+from llmforge.planning.published import LLAMA3_8B, LLAMA3_405B, RUNS, SOURCES, published_layout, run_labelled
 from llmforge.planning.setting import Setting
 from llmforge.planning.step_model import CostParams, predict, stage_imbalance
 from llmforge.planning.gpus import gpu_kind
@@ -64,9 +64,15 @@ def test_published_rows_are_sourced_and_predicted_to_fit():
     assert assess(run.setting).memory["activations"] == assess(flat).memory["activations"]
     # torchtitan's 2024-08 preset for 128 GPUs, the one 405B run without stages, is the published
     # layout there (the planner's `published:` line; the benchmark checks the model chooses it)
-    pub = published_layout("llama3_405b", 128, 8192)
+    pub = published_layout(LLAMA3_405B, 128, 8192)
     assert (pub.source, pub.setting.dp_shard, pub.setting.tp, pub.setting.pp, pub.tokens_per_second_per_gpu) == (
         "torchtitan-2024-08-405b", 16, 8, 1, 177)
+    # a measured tokens/s measures that model at that length: a preset with another depth or
+    # sequence length gets none, a shape under another name (an llmforge preset) the same
+    assert published_layout(replace(LLAMA3_405B, n_layers=64), 128, 8192) is None
+    assert published_layout(LLAMA3_405B, 128, 4096) is None
+    assert published_layout(replace(LLAMA3_8B, name="llama3_8b", head_size=128), 8, 8192).tokens_per_second_per_gpu == 6667
+    assert published_layout(LLAMA3_8B, 8, 131072).setting.cp == 4  # torchtitan's CP rows by length
     with pytest.raises(ValueError, match="!= world 16"):
         Setting(LLAMA3_8B, "H100-SXM-80GB", 16, dp_shard=4, global_batch_size=8, micro_batch_size=1, seq_len=8192)
 

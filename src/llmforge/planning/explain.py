@@ -108,7 +108,7 @@ def explain(p: Any, cfg: Any) -> list[str]:
             lines.append(_compare(name, own.tokens_per_second_per_gpu, own.peak_bytes, own.terms, win, error) + fits)
         else:
             lines.append(f"{name}: {own.status}{': ' + own.reason if own.reason else ''}")
-    pub = published_layout(base.shape.name, p.world_size, base.seq_len) if base is not None else None
+    pub = published_layout(base.shape, p.world_size, base.seq_len) if base is not None else None
     if pub is not None:
         s = pub.setting
         where = f"published ({pub.source}, {pub.table}, measured {pub.tokens_per_second_per_gpu:.0f} tokens/s per GPU)"

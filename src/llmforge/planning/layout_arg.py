@@ -299,7 +299,7 @@ def layout_report(s: Setting, gpu: GPUKind, config: str, compare: bool = True,
                            "versus": "this layout" if same else versus(best, v), "is_this_layout": same,
                            "unmeasured": unmeasured_degrees(s.shape, best.setting.tp, best.setting.pp,
                                                             best.setting.cp, best.setting.dp_replicate) or None}
-        pub = published_layout(s.shape.name, s.world, s.seq_len)
+        pub = published_layout(s.shape, s.world, s.seq_len)
         if pub is not None:
             out["published"] = {"layout": _text(pub.setting), "measured_tokens_per_second_per_gpu":
                                 pub.tokens_per_second_per_gpu, "gpu": pub.setting.gpu, "source": pub.source,

@@ -218,10 +218,6 @@ compiled), 70B on 256 (FSDP 32 x TP 8), 405B on 512 (FSDP 8 x TP 8 x PP 8, inter
 GPUs", without the async TP llmforge does not run, as the 70B's is the row without it)."""
 
 
-PRESET_SHAPES = {"llama3_8b": "llama3.1-8b", "llama3_70b": "llama3.1-70b", "llama3_405b": "llama3.1-405b"}
-"""llmforge's model presets that are the published shapes (same widths, depth, vocabulary)."""
-
-
 LONG_CONTEXT_LAYOUTS: dict[tuple[str, int, int], Run] = {
     (r.setting.shape.name, r.setting.world, r.setting.seq_len): r for r in RUNS
     if r.table in ("Table 2", "Table 6") and r.setting.cp > 1}
@@ -229,12 +225,25 @@ LONG_CONTEXT_LAYOUTS: dict[tuple[str, int, int], Run] = {
 FSDP x CP 2 / 4 / 8 at 64K / 128K / 256K tokens, 405B on 512 with TP 8 x PP 8 x CP."""
 
 
-def published_layout(shape_name: str, world: int, seq_len: int = 0) -> Optional[Run]:
-    """The published recipe for ``shape_name`` (a shape's name or an llmforge preset) on
-    ``world`` GPUs (at ``seq_len`` tokens, when a context-parallel row has that length), or
-    ``None``."""
-    name = PRESET_SHAPES.get(shape_name, shape_name)
-    return LONG_CONTEXT_LAYOUTS.get((name, world, seq_len)) or PUBLISHED_LAYOUTS.get((name, world))
+def same_model(a: Shape, b: Shape) -> bool:
+    """Whether ``a`` and ``b`` are one model: depth, widths, heads, head width, vocabulary and
+    tied embeddings equal (the names may differ: an llmforge preset and a published shape)."""
+    def key(s: Shape) -> tuple:
+        return s.n_layers, s.dim, s.ffn_dim, s.n_heads, s.n_kv_heads, s.head_dim, s.vocab_size, s.tie_embeddings
+
+    return key(a) == key(b)
+
+
+def published_layout(shape: Shape, world: int, seq_len: int) -> Optional[Run]:
+    """The published recipe (:data:`PUBLISHED_LAYOUTS`, :data:`LONG_CONTEXT_LAYOUTS`) for the
+    model of ``shape`` on ``world`` GPUs at ``seq_len`` tokens per sequence, or ``None``: its
+    measured tokens/s measures that model at that length only, so a config with another depth,
+    width, vocabulary or sequence length gets none."""
+    for run in (*LONG_CONTEXT_LAYOUTS.values(), *PUBLISHED_LAYOUTS.values()):
+        s = run.setting
+        if s.world == world and s.seq_len == seq_len and same_model(s.shape, shape):
+            return run
+    return None
 
 
 NEAR_SIZE = 2.0

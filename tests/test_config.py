@@ -252,6 +252,16 @@ def test_interpolation_errors(tmp_path):
     # an unclosed '${' in a file: the file and the key
     bad = write(tmp_path, "u.yaml", "run: {name: '${'}\n")
     assert error_of(load_config, bad).startswith(f"{bad}: run.name: no viable alternative at input")
+    # ... and in an override, where '${oc.env:' ends in a colon that YAML reads as a mapping's key
+    # (it said 'expected a string, got a mapping'); a secret key's value stays unechoed
+    for over in ("run.name=${oc.env:", "run.name=${oc.env:HOME", "trainer.max_steps=${oc.env:"):
+        key = over.split("=")[0]
+        msg = error_of(load_config, write(tmp_path, "ok.yaml", "run: {}\n"), [over])
+        assert msg == (f"override '{over}': cannot set '{key}': its value opens an interpolation '${{' that "
+                       "it does not close; end it with '}' (e.g. ${oc.env:NAME})"), msg
+    msg = error_of(load_config, write(tmp_path, "ok.yaml", "loggers: [{name: wandb}]\n"),
+                   ["loggers.0.api_key=${oc.env:MY_KEY"])
+    assert "override 'loggers.0.api_key=***'" in msg and "MY_KEY" not in msg and "does not close" in msg
 
 
 # ------------------------------------------------------------------------------- save/redact

@@ -18,6 +18,7 @@ from llmforge.config.redaction import is_secret_key, redact_argv
 from llmforge.config.yaml_files import _Loader, _yaml_error
 from llmforge.errors import ConfigError
 
+
 def _parse_override(item: str) -> tuple[str, Any]:
     if not isinstance(item, str) or "=" not in item:
         raise ConfigError(
@@ -33,6 +34,10 @@ def _parse_override(item: str) -> tuple[str, Any]:
         value = yaml.load(raw, Loader=_Loader)
     except yaml.YAMLError as exc:
         raise _yaml_error(exc, f"the value of override {item!r}") from None
+    if isinstance(value, dict) and len(value) == 1 and str(next(iter(value))).startswith("${"):
+        # '${oc.env:' ends in a colon, which YAML reads as a mapping's key: it is an interpolation
+        # left open, which OmegaConf then names as such
+        value = raw.strip()
     return key, value
 
 
@@ -78,5 +83,9 @@ def _apply_override(cfg: DictConfig, item: str) -> None:
         except ConfigError:
             raise
         except OmegaConfBaseException as exc:
+            if isinstance(value, str) and "${" in value and value.count("{") > value.count("}"):
+                # OmegaConf's grammar lists the tokens it expected; say what is missing instead
+                raise ConfigError(f"{source}: cannot set '{here}': its value opens an interpolation "
+                                  "'${' that it does not close; end it with '}' (e.g. ${oc.env:NAME})") from None
             raise ConfigError(f"{source}: cannot set '{here}': {_omega_message(exc)}") from None
 

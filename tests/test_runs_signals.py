@@ -212,6 +212,34 @@ def test_the_process_own_command_stops_at_once_on_a_startup_stop_or_a_second_ctr
         assert (proc.returncode, proc.stdout, proc.stderr) == (code_wanted, out, err), (sig, how)
 
 
+def test_a_second_ctrl_c_ends_the_multiprocessing_children_too():
+    """The data loader's workers are ``multiprocessing`` children, which the exit at once left
+    running until their next 5 s check of the parent (a breaker saw them linger): they get
+    SIGKILL with the process."""
+    code = ("import multiprocessing as mp, os, signal, sys, time\nfrom llmforge import signals\n"
+            "signals.install(exit_at_once=True); signals.training_started()\n"
+            "child = mp.get_context('fork').Process(target=time.sleep, args=(60,)); child.start()\n"
+            "print(child.pid, flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGINT); os.kill(os.getpid(), signal.SIGINT); time.sleep(30)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    assert proc.returncode == 130 and "a second Ctrl-C stops at once" in proc.stderr, proc.stderr
+    pid = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 2  # SIGKILL is sent before the exit; init reaps the orphan
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.05)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_a_launcher_stopped_by_a_signal_exits_with_the_workers_code():
     """torch's agent passes SIGTERM/SIGINT to llmforge's workers, which save and exit 75/130:
     the launcher (`--nproc`, `llmforge.job.torchrun`) says so too, not 143 (a crash: `failed`)."""

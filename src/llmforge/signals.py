@@ -121,8 +121,17 @@ def _exit_now(line: str, code: int) -> None:
     """Print ``line`` (rank 0 only: every rank gets the signal) and end the process with exit
     ``code``, running no other Python code (see the module doc). Output buffered so far is
     flushed first; a flush the signal interrupted (a reentrant write) is skipped. The processes
-    of :func:`add_child` get SIGKILL first: the ``finally`` that would end them does not run."""
-    for pid in list(_state.children):
+    of :func:`add_child` get SIGKILL first, and so do the process's ``multiprocessing``
+    children (the data loader's workers): the ``finally`` that would end them does not run, and
+    a worker only notices its parent is gone at its next 5 s status check."""
+    pids = set(_state.children)
+    mp = sys.modules.get("multiprocessing")  # never imported: no such children
+    if mp is not None:
+        try:
+            pids.update(p.pid for p in mp.active_children() if p.pid)
+        except Exception:  # noqa: BLE001 - interrupted inside multiprocessing's own bookkeeping
+            pass
+    for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:  # gone already

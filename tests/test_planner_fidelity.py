@@ -129,17 +129,17 @@ def test_float8_casts_cost_their_bytes_and_narrow_matmuls_gain_least():
     assert widths == 81_920 and sum(k * n for k, n, _ in block_matrices(LLAMA3_8B, 1)) == 218_103_808
     per_block = 8192 * 81_920 * 4 + 218_103_808 * 6  # torchao's roofline: 4 and 6 bytes compiled
     want = 32 * per_block * 7 / 6 / (2.4e12 * 0.9 * FLOAT8_CAST_BANDWIDTH)  # 32 blocks, one micro-batch
-    assert float8_cast_seconds(s, gpu, 0.9, 7 / 6) == pytest.approx(want)
-    assert float8_cast_seconds(replace(s, precision="bf16"), gpu, 0.9, 7 / 6) == 0.0
+    assert float8_cast_seconds(s, gpu, 0.9, 7 / 6, 1) == pytest.approx(want)
+    assert float8_cast_seconds(replace(s, precision="bf16"), gpu, 0.9, 7 / 6, 1) == 0.0
     eager = 32 * (8192 * 81_920 * 6 + 218_103_808 * 8) * 7 / 6 / (2.4e12 * 0.9 * FLOAT8_CAST_BANDWIDTH)
-    assert float8_cast_seconds(replace(s, compile=False), gpu, 0.9, 7 / 6) == pytest.approx(eager)
+    assert float8_cast_seconds(replace(s, compile=False), gpu, 0.9, 7 / 6, 1) == pytest.approx(eager)
     # under TP with float8 all-gathers a gathered operand is cast on its 1/tp shard, then transposed
     tp8 = replace(s, world=64, tp=8, global_batch_size=96, micro_batch_size=12, fp8_tp_all_gather=True)
     m = 12 * 8192
     mats = block_matrices(LLAMA3_8B, 8)
     sharded = sum(m * ((k * (3 / 8 + 2) + n * 4) if col else (k * 4 + n * (3 / 8 + 2))) + k * n * 6
                   for k, n, col in mats)
-    assert float8_cast_seconds(tp8, gpu, 1.0, 1.0) == pytest.approx(
+    assert float8_cast_seconds(tp8, gpu, 1.0, 1.0, 1) == pytest.approx(
         32 * sharded / (2.4e12 * FLOAT8_CAST_BANDWIDTH))
     # what the term is for: as measured (torchtitan's async TP table; torchao's), rowwise float8
     # is slower than bf16 on the 8B's TP 8 shards (3,708 against 4,378 tokens/s), about even on

@@ -216,19 +216,26 @@ def test_a_second_ctrl_c_ends_the_multiprocessing_children_too():
     """The data loader's workers are ``multiprocessing`` children, which the exit at once left
     running until their next 5 s check of the parent (a breaker saw them linger): they get
     SIGKILL with the process."""
+    # the child lets go of the pipes, so the run returns when the parent exits, child or not
     code = ("import multiprocessing as mp, os, signal, sys, time\nfrom llmforge import signals\n"
+            "def worker():\n    null = os.open(os.devnull, os.O_WRONLY); os.dup2(null, 1); os.dup2(null, 2)\n"
+            "    time.sleep(60)\n"
             "signals.install(exit_at_once=True); signals.training_started()\n"
-            "child = mp.get_context('fork').Process(target=time.sleep, args=(60,)); child.start()\n"
-            "print(child.pid, flush=True)\n"
+            "child = mp.get_context('fork').Process(target=worker); child.start()\n"
+            "print(child.pid, flush=True); time.sleep(0.5)\n"
             "os.kill(os.getpid(), signal.SIGINT); os.kill(os.getpid(), signal.SIGINT); time.sleep(30)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(REPO / "src")})
     assert proc.returncode == 130 and "a second Ctrl-C stops at once" in proc.stderr, proc.stderr
     pid = int(proc.stdout.split()[0])
-    deadline = time.monotonic() + 2  # SIGKILL is sent before the exit; init reaps the orphan
-    while time.monotonic() < deadline and _alive(pid):
-        time.sleep(0.05)
-    assert not _alive(pid)
+    try:
+        deadline = time.monotonic() + 2  # SIGKILL is sent before the exit; init reaps the orphan
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.05)
+        assert not _alive(pid)
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:

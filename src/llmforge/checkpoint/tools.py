@@ -17,7 +17,7 @@ from llmforge.checkpoint.dcp import read_json
 from llmforge.checkpoint.layout import COMPLETE, latest_checkpoint
 from llmforge.checkpoint.safe_load import SafeReader, safe_load
 from llmforge.errors import ConfigError
-from llmforge.paths import all_or_nothing
+from llmforge.paths import all_or_nothing, resolve_dotdot
 
 
 def resolve(path: str | Path) -> Path:
@@ -83,19 +83,17 @@ def consolidate(path: str | Path, out: str | Path, *, overwrite: bool = False) -
         WriteError: the file could not be written (e.g. a full disk); no part of it is left."""
     from safetensors.torch import save_file
 
-    file = Path(out) if Path(out).suffix == ".safetensors" else Path(out) / "model.safetensors"
+    target = resolve_dotdot(out)  # 'new/../m.safetensors' without new/: the file 'm.safetensors'
+    file = target if target.suffix == ".safetensors" else target / "model.safetensors"
     if file.exists() and not overwrite:
         raise ConfigError(f"{file} already exists; choose another file or pass --overwrite to replace it")
     ckpt = resolve(path)
     entries = {k: v for k, v in tensor_entries(ckpt).items() if k.startswith("model.")}
     state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in entries.items()}
     safe_load(state, str(ckpt))
-    out = target = Path(out)
-    if out.suffix != ".safetensors":
-        out = out / "model.safetensors"
     meta = read_json(ckpt, "meta.json")
     with all_or_nothing(target):
-        out.parent.mkdir(parents=True, exist_ok=True)
-        save_file({k[6:]: v.contiguous() for k, v in state.items()}, str(out),
+        file.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k[6:]: v.contiguous() for k, v in state.items()}, str(file),
                   metadata={"step": str(meta.get("step")), "source": str(ckpt)})
-    return out
+    return file

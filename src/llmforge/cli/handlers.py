@@ -254,8 +254,6 @@ def _convert_foundry(args: argparse.Namespace) -> int:
 
     if args.steps_per_epoch is not None and args.steps_per_epoch < 1:
         raise ConfigError(f"--steps-per-epoch must be >= 1, got {args.steps_per_epoch}")
-    if args.out is not None and not str(args.out).endswith(("/", os.sep)):  # as `train` will read it
-        args.out = str(resolve_dotdot(args.out))
     text, report = write_converted(args.path, args.out, overwrite=args.overwrite,
                                    steps_per_epoch=args.steps_per_epoch, prepared=args.prepared,
                                    checks=(_model_shape,))
@@ -263,8 +261,9 @@ def _convert_foundry(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         print(report, file=sys.stderr)
         return 0
-    print(f"wrote {args.out}: {report}")
-    print(f"check it: llmforge train {args.out} --dry-run")
+    written = resolve_dotdot(args.out)  # the file write_converted wrote, as `train` will read it
+    print(f"wrote {written}: {report}")
+    print(f"check it: llmforge train {written} --dry-run")
     return 0
 
 
@@ -274,5 +273,5 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     if args.checkpoint_command == "inspect":
         print(inspect_checkpoint(args.path))
     else:
-        print(f"wrote {consolidate(args.path, str(resolve_dotdot(args.out)), overwrite=args.overwrite)}")
+        print(f"wrote {consolidate(args.path, args.out, overwrite=args.overwrite)}")
     return 0

@@ -46,7 +46,7 @@ FLOAT8_CAST_BANDWIDTH = 0.92
 ``pct_achievable_mem_bw``, pointwise triton kernels with large inputs on an H100)."""
 
 
-def float8_cast_seconds(s: Setting, gpu: GPUKind, clock: float, recompute: float) -> float:
+def float8_cast_seconds(s: Setting, gpu: GPUKind, clock: float, recompute: float, n_micro: int) -> float:
     """Seconds per step of one rank casting the float8 matmuls' operands (0 under bf16).
 
     Per block matmul ``(M, K) x (K, N)`` on the rank (:func:`block_matrices`; ``M`` the
@@ -55,7 +55,7 @@ def float8_cast_seconds(s: Setting, gpu: GPUKind, clock: float, recompute: float
     under TP with float8 all-gathers (``fp8_tp_all_gather``, tensorwise) the gathered operand,
     a column-parallel input or a row-parallel output gradient, is cast on the rank's ``1 / tp``
     shard (1 byte written, not 2) and the gathered float8 copy transposed for the backward
-    (1 byte read, 1 written). Every micro-batch, the forward's again under recomputation
+    (1 byte read, 1 written). Every one of the rank's ``n_micro`` micro-batches per step, the forward's again under recomputation
     (``recompute``), scaled to the setting's float8 share of the blocks, at
     :data:`FLOAT8_CAST_BANDWIDTH` of ``gpu.memory_bw`` times ``clock``. Why float8 gains less
     on narrow matmuls (TP shards) than on wide ones: the cast grows with ``K + N`` per row, the
@@ -69,7 +69,6 @@ def float8_cast_seconds(s: Setting, gpu: GPUKind, clock: float, recompute: float
     gathered_act = (act - 1.0) / s.tp + 2.0 if sharded else act
     per_block = sum(rows * ((k * gathered_act + n * act) if column else (k * act + n * gathered_act))
                     + k * n * weight for k, n, column in block_matrices(s.shape, s.tp))
-    n_micro = s.global_batch_size // (s.dp_replicate * s.dp_shard) // s.micro_batch_size
     share = fp8_share(s) / block_linear_share(s.shape)
     return (n_micro * s.shape.n_layers / s.pp * per_block * recompute * share
             / (gpu.memory_bw * clock * FLOAT8_CAST_BANDWIDTH))

@@ -218,10 +218,8 @@ compiled), 70B on 256 (FSDP 32 x TP 8), 405B on 512 (FSDP 8 x TP 8 x PP 8, inter
 GPUs", without the async TP llmforge does not run, as the 70B's is the row without it)."""
 
 
-LONG_CONTEXT_LAYOUTS: dict[tuple[str, int, int], Run] = {
-    (r.setting.shape.name, r.setting.world, r.setting.seq_len): r for r in RUNS
-    if r.table in ("Table 2", "Table 6") and r.setting.cp > 1}
-"""torchtitan's context-parallel rows by (model, GPU count, sequence length): 8B on 8 H100 with
+LONG_CONTEXT_LAYOUTS: tuple[Run, ...] = tuple(r for r in RUNS if r.table in ("Table 2", "Table 6") and r.setting.cp > 1)
+"""torchtitan's context-parallel rows (:func:`published_layout` finds them by length): 8B on 8 H100 with
 FSDP x CP 2 / 4 / 8 at 64K / 128K / 256K tokens, 405B on 512 with TP 8 x PP 8 x CP."""
 
 
@@ -239,7 +237,7 @@ def published_layout(shape: Shape, world: int, seq_len: int) -> Optional[Run]:
     model of ``shape`` on ``world`` GPUs at ``seq_len`` tokens per sequence, or ``None``: its
     measured tokens/s measures that model at that length only, so a config with another depth,
     width, vocabulary or sequence length gets none."""
-    for run in (*LONG_CONTEXT_LAYOUTS.values(), *PUBLISHED_LAYOUTS.values()):
+    for run in (*LONG_CONTEXT_LAYOUTS, *PUBLISHED_LAYOUTS.values()):
         s = run.setting
         if s.world == world and s.seq_len == seq_len and same_model(s.shape, shape):
             return run

@@ -246,8 +246,8 @@ def gemm_slowdown(sh: Shape, tp: int, p: CostParams, rows: float = float("inf"))
 
     The narrow side decides: Llama 3.1 70B under TP 8 (its SwiGLU 8,192 x 3,584 per rank,
     ``K N / (K + N)`` 2,493) is close to the 8B without TP (4,096 x 14,336: 3,186), the 8B under
-    TP 8 (4,096 x 1,792: 1,247) is not (slowdowns 1.10, 1.19 and 1.37 over many rows with the
-    fitted constants; 1.14, 1.23 and 1.41 at 8,192 rows); the width ``d / tp`` this replaced put
+    TP 8 (4,096 x 1,792: 1,247) is not (slowdowns 1.09, 1.16 and 1.32 over many rows with the
+    fitted constants; 1.12, 1.19 and 1.35 at 8,192 rows); the width ``d / tp`` this replaced put
     the 70B at a quarter of the 8B's. OLMo-core's 13B at one 4,096-token sequence per
     micro-batch: 1.07x its slowdown over many rows.
 
@@ -332,7 +332,7 @@ def predict(s: Setting, p: CostParams) -> Prediction:
                    * recompute * (p.compile_fusion if s.compile else 1.0) / (gpu.memory_bw * clock))
     # the slowest pipeline rank paces the schedule
     slowest = stage_imbalance(sh, s.pp, s.stages_per_rank, s.seq_len)
-    cast = float8_cast_seconds(s, gpu, clock, recompute)
+    cast = float8_cast_seconds(s, gpu, clock, recompute, n_micro)
     compute, elementwise, cast = compute * slowest, elementwise * slowest, cast * slowest
     bubble_share = bubble_fraction(s.schedule, s.pp, n_micro, s.stages_per_rank) if s.pp > 1 else 0.0
     bubble = (compute + elementwise + cast) * bubble_share / (1 - bubble_share)

@@ -27,10 +27,10 @@ def test_held_out_error_is_the_stored_one():
     pairs = sorted(comparison_errors(errors))
     assert len(pairs) == HELD_OUT["pairs"] == 102
     assert (pairs[50] + pairs[51]) / 2 == pytest.approx(HELD_OUT["comparison"], abs=6e-7)
-    a, b = (e for e in errors if e.run.label in ("8B fsdp8", "8B fsdp128"))  # -3 % and +1 %
+    a, b = (e for e in errors if e.run.label in ("8B fsdp8", "8B fsdp128"))  # -1 % and +4 %
     assert abs((1 + a.error) / (1 + b.error) - 1) in pairs
     # the figures docs/scale.md states (a worse model must update them knowingly)
-    assert stats["median"] <= 0.059 and stats["max"] <= 0.47
+    assert stats["median"] <= 0.059 and stats["max"] <= 0.35
     # every constant has its interval, and no interval names a constant the model lost
     assert set(BOUNDS) == set(CostParams.names()) == set(FITTED.as_dict())
     # a prior on its bound cannot move in the fit (tp_exposed's did, at 1): each sits inside
@@ -185,6 +185,18 @@ def test_float8_speeds_up_the_layers_it_converts():
         replace(s, fp8_share=1.5)
     assert predict(replace(s, fp8_share=np.float32(0.5)), FITTED).terms == \
         predict(replace(s, fp8_share=0.5), FITTED).terms  # a numpy share is a number
+
+
+def test_compile_speeds_up_the_linear_layers_not_the_attention():
+    # inductor calls the same flash attention kernel: halving the attention's efficiency adds
+    # the same seconds compiled or eager, while compiling takes time off the linear layers
+    s = run_labelled("8B fsdp1 cp8 seq256k").setting
+    slow = replace(FITTED, attention_efficiency=FITTED.attention_efficiency / 2)
+    added = {c: predict(replace(s, compile=c), slow).terms["compute"]
+             - predict(replace(s, compile=c), FITTED).terms["compute"] for c in (False, True)}
+    assert added[True] == pytest.approx(added[False], rel=1e-12) and added[True] > 0
+    eager, compiled = (predict(replace(s, compile=c), FITTED).terms["compute"] for c in (False, True))
+    assert 1 < eager / compiled < FITTED.compile_speedup
 
 
 def test_plan_layout_predicts_one_layout_and_names_bad_keys():

@@ -7,7 +7,9 @@ Terms (seconds per step, one rank):
 * **compute**: the rank's FLOPs (``global tokens x FLOPs per token / world``) at
   ``matmul_efficiency / gemm_slowdown`` of the GPU's dense bf16 peak (:func:`gemm_slowdown`:
   the rank's matmul shapes, narrower under ``tp`` and with fewer tokens per micro-batch;
-  attention at ``attention_efficiency`` of that), times ``compile_speedup`` when compiled;
+  attention at ``attention_efficiency`` of that); compiled, the linear layers' matmul time is
+  divided by ``compile_speedup`` and the attention's is not (inductor calls the same flash
+  attention kernel: a long-context step, mostly attention, gains little from compiling);
   the linear FLOPs float8 converts (``Setting.fp8_share``; by default every block's, not the
   output layer's) divided again by ``fp8_*_speedup``. FLOPs per token:
   ``6 x`` the matmul parameters (blocks and output layer) plus causal attention
@@ -82,7 +84,8 @@ class CostParams:
             matmul at which its efficiency halves (:func:`gemm_slowdown`).
         narrow_power: how sharply the efficiency falls below ``narrow_width`` (1: a hyperbola).
         attention_efficiency: attention's speed relative to the matmuls (flash attention).
-        compile_speedup: compute speed-up of ``torch.compile``.
+        compile_speedup: speed-up of the linear layers' compute under ``torch.compile`` (not
+            the attention's: the same flash attention kernel runs compiled or eager).
         fp8_tensorwise_speedup, fp8_rowwise_speedup: speed-up of the linear layers' matmuls
             under float8 (tensorwise / rowwise scaling).
         power_limited_clock: share of the SXM peak a ``-500W`` GPU kind runs at.
@@ -324,10 +327,12 @@ def predict(s: Setting, p: CostParams) -> Prediction:
         attention *= recompute
     clock = p.power_limited_clock if gpu.name.endswith("-500W") else 1.0
     efficiency = p.matmul_efficiency / gemm_slowdown(sh, s.tp, p, s.micro_batch_size * s.seq_len / s.cp)
-    speed = gpu.bf16_flops * efficiency * clock * (p.compile_speedup if s.compile else 1.0)
+    speed = gpu.bf16_flops * efficiency * clock
     fp8 = {"fp8_tensorwise": p.fp8_tensorwise_speedup, "fp8_rowwise": p.fp8_rowwise_speedup}.get(s.precision, 1.0)
     share = fp8_share(s)
-    compute = tokens / s.world * (linear * (share / fp8 + 1 - share) + attention / p.attention_efficiency) / speed
+    compiled = p.compile_speedup if s.compile else 1.0
+    compute = (tokens / s.world * (linear * (share / fp8 + 1 - share) / compiled
+                                   + attention / p.attention_efficiency) / speed)
     elementwise = (tokens / s.world * sh.n_layers * p.elementwise_passes * (sh.dim + sh.ffn_dim) * 2.0
                    * recompute * (p.compile_fusion if s.compile else 1.0) / (gpu.memory_bw * clock))
     # the slowest pipeline rank paces the schedule

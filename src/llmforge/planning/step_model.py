@@ -7,9 +7,11 @@ Terms (seconds per step, one rank):
 * **compute**: the rank's FLOPs (``global tokens x FLOPs per token / world``) at
   ``matmul_efficiency / gemm_slowdown`` of the GPU's dense bf16 peak (:func:`gemm_slowdown`:
   the rank's matmul shapes, narrower under ``tp`` and with fewer tokens per micro-batch;
-  attention at ``attention_efficiency`` of that); compiled, the linear layers' matmul time is
-  divided by ``compile_speedup`` and the attention's is not (inductor calls the same flash
-  attention kernel: a long-context step, mostly attention, gains little from compiling);
+  attention at ``attention_efficiency`` of that); compiled, the linear layers' time is divided
+  by ``compile_speedup`` (a fitted lump: the GEMM kernels are the same, what compiling saves
+  around them, fused casts, fewer copies and launches, is charged there) and the attention's is
+  not (inductor calls the same flash attention kernel and nothing around it scales with its
+  FLOPs: a long-context step, mostly attention, gains little from compiling);
   the linear FLOPs float8 converts (``Setting.fp8_share``; by default every block's, not the
   output layer's) divided again by ``fp8_*_speedup``. FLOPs per token:
   ``6 x`` the matmul parameters (blocks and output layer) plus causal attention
@@ -84,8 +86,9 @@ class CostParams:
             matmul at which its efficiency halves (:func:`gemm_slowdown`).
         narrow_power: how sharply the efficiency falls below ``narrow_width`` (1: a hyperbola).
         attention_efficiency: attention's speed relative to the matmuls (flash attention).
-        compile_speedup: speed-up of the linear layers' compute under ``torch.compile`` (not
-            the attention's: the same flash attention kernel runs compiled or eager).
+        compile_speedup: speed-up of the linear layers' compute under ``torch.compile``, a
+            fitted lump of what compiling saves around the same GEMMs (not the attention's:
+            the same flash attention kernel runs compiled or eager).
         fp8_tensorwise_speedup, fp8_rowwise_speedup: speed-up of the linear layers' matmuls
             under float8 (tensorwise / rowwise scaling).
         power_limited_clock: share of the SXM peak a ``-500W`` GPU kind runs at.
@@ -250,9 +253,9 @@ def gemm_slowdown(sh: Shape, tp: int, p: CostParams, rows: float = float("inf"))
     The narrow side decides: Llama 3.1 70B under TP 8 (its SwiGLU 8,192 x 3,584 per rank,
     ``K N / (K + N)`` 2,493) is close to the 8B without TP (4,096 x 14,336: 3,186), the 8B under
     TP 8 (4,096 x 1,792: 1,247) is not (slowdowns 1.09, 1.16 and 1.32 over many rows with the
-    fitted constants; 1.12, 1.19 and 1.35 at 8,192 rows); the width ``d / tp`` this replaced put
+    fitted constants; 1.12, 1.20 and 1.35 at 8,192 rows); the width ``d / tp`` this replaced put
     the 70B at a quarter of the 8B's. OLMo-core's 13B at one 4,096-token sequence per
-    micro-batch: 1.07x its slowdown over many rows.
+    micro-batch: 1.06x its slowdown over many rows.
 
     Raises:
         ValueError: ``tp`` below 1 or ``rows`` not above 0.

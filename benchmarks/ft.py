@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from llmforge.parallel.fault_tolerance import start_lighthouse  # noqa: E402  (after the path)
+from llmforge.parallel.lighthouse import start_lighthouse  # noqa: E402  (after the path)
 
 DEMO = str(REPO / "yamls" / "demo_cpu.yaml")
 BASE = ["trainer.progress_bar=false", "trainer.eval_every=0", "trainer.eval_batches=1",

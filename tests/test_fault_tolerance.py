@@ -14,7 +14,7 @@ import torch
 from conftest import DEMO, REPO, TINY_OVERRIDES, run_main
 from helpers.dist import free_port, llmforge, torchrun_job
 
-from llmforge.parallel.fault_tolerance import start_lighthouse
+from llmforge.parallel.lighthouse import start_lighthouse
 
 pytest.importorskip("torchft", reason="needs the llmforge[ft] extra")
 
@@ -63,6 +63,7 @@ def test_fault_tolerance_bad_input(tiny_overrides, tmp_path):
         "strategy.name=ddp": ["strategy.name=ddp", "trainer.devices=2"],
         "strategy.name=fsdp2": ["strategy.name=fsdp2", "strategy.tp=2", "trainer.devices=2"],  # FSDP2 alone
         "fault_tolerance.lighthouse": [f"fault_tolerance.lighthouse=http://127.0.0.1:{free_port()}"],
+        "fault_tolerance.first_quorum_timeout_s": ["fault_tolerance.first_quorum_timeout_s=0"],
     }
     for key, extra in cases.items():
         res = run_main(*base, *extra)
@@ -126,6 +127,44 @@ def test_rejoin_batch_is_the_loaders(tiny_overrides):
     for a, b in zip(batches[0], batches[1]):
         rows = {tuple(r.tolist()) for r in torch.cat([a, b])}
         assert len(rows) == 16
+
+
+def test_first_quorum_waits_its_own_timeout(tmp_path):
+    """The process's first quorum waits ``first_quorum_timeout_s`` (groups may still be starting),
+    every later one ``quorum_timeout_s``; a quorum that does not form ends the group with
+    QuorumLost naming the key it waited on. torchft's Manager is replaced by a recorder here:
+    the real one, and the timeouts through a real lighthouse, run in the tests below."""
+    from types import SimpleNamespace
+
+    from llmforge.config import load_config
+    from llmforge.parallel.fault_tolerance import QuorumLost, ReplicaGroup
+
+    ft = load_config(DEMO, ["fault_tolerance.first_quorum_timeout_s=7",
+                            "fault_tolerance.quorum_timeout_s=3"]).fault_tolerance
+
+    class Manager:  # torchft.Manager.start_quorum's contract: returns, or raises on timeout
+        def __init__(self, fail_after: int = 99):
+            self.waits, self.fail_after = [], fail_after
+
+        def start_quorum(self, timeout):
+            self.waits.append(timeout.total_seconds())
+            if len(self.waits) > self.fail_after:
+                raise TimeoutError("quorum timed out\ndetails")
+
+    group = ReplicaGroup(ft, batch_for_step=lambda step: None)
+    group.manager = Manager()
+    for step in (1, 2, 3):
+        group.batch_start(SimpleNamespace(step=step))
+    assert group.manager.waits == [7.0, 3.0, 3.0]
+    saved = []
+    for fail_after, key, value in ((0, "first_quorum_timeout_s", 7.0), (1, "quorum_timeout_s", 3.0)):
+        group = ReplicaGroup(ft, batch_for_step=lambda step: None, save=lambda: saved.append(1) or tmp_path)
+        group.manager = Manager(fail_after)
+        with pytest.raises(QuorumLost, match=rf"within fault_tolerance\.{key}={value} s before step") as err:
+            for step in (5, 6):
+                group.batch_start(SimpleNamespace(step=step))
+        assert err.value.exit_code == 75 and "quorum timed out" in str(err.value) and "details" not in str(err.value)
+    assert len(saved) == 2
 
 
 def test_two_groups_equal_ddp_then_lighthouse_lost(tmp_path):

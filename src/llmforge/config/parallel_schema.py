@@ -126,3 +126,7 @@ class FaultToleranceConfig:
     """Seconds a collective, a commit vote or a checkpoint transfer between groups may take."""
     quorum_timeout_s: float = 120.0
     """Seconds to wait for a quorum of groups before the step fails."""
+    first_quorum_timeout_s: float = 600.0
+    """Seconds this process waits for its first quorum, in place of ``quorum_timeout_s``: the
+    other groups may still be queued, starting or compiling (with ``min_replicas`` > 1 a group
+    started first waits for them); every later quorum waits ``quorum_timeout_s``."""

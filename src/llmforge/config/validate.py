@@ -272,7 +272,7 @@ def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
 def _check_fault_tolerance(cfg: Any, world: int) -> None:
     """``fault_tolerance:`` against itself and the run: what this version supports (one
     process per replica group, data whose position is the step). The lighthouse is reached at
-    the run's start (:func:`llmforge.parallel.fault_tolerance.check_lighthouse`)."""
+    the run's start (:func:`llmforge.parallel.lighthouse.check_lighthouse`)."""
     ft = cfg.fault_tolerance
     _require(_is_int(ft.replica_groups) and ft.replica_groups >= 1, "fault_tolerance.replica_groups",
              "an integer >= 1", ft.replica_groups)
@@ -285,7 +285,7 @@ def _check_fault_tolerance(cfg: Any, world: int) -> None:
     _require(_is_int(ft.replica_id) and 0 <= ft.replica_id < ft.replica_groups,
              "fault_tolerance.replica_id", f"in [0, {ft.replica_groups - 1}] (one per replica group)",
              ft.replica_id)
-    for key in ("timeout_s", "quorum_timeout_s"):
+    for key in ("timeout_s", "quorum_timeout_s", "first_quorum_timeout_s"):
         v = ft[key]
         _require(0 < v < float("inf"), f"fault_tolerance.{key}", "> 0 and finite (seconds)", v)
     try:  # urlsplit and .port raise ValueError on "http://[::1" or a port past 65535

@@ -1,7 +1,7 @@
 """A fault-tolerant run on this machine (``llmforge launch`` with ``fault_tolerance.enabled``).
 
 The local supervisor (:mod:`llmforge.job.supervisor`) of such a run starts torchft's lighthouse
-(:func:`llmforge.parallel.fault_tolerance.start_lighthouse`, on the port of
+(:func:`llmforge.parallel.lighthouse.start_lighthouse`, on the port of
 ``fault_tolerance.lighthouse``) and one torchrun job per replica group, each an ordinary
 ``llmforge train`` with ``fault_tolerance.replica_id=G`` and ``run.name=<run.name>-g<G>`` (its own
 run directory beside the launch's; output in ``<run_dir>/logs/group-<G>.log``). It then keeps
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
-from llmforge.parallel.fault_tolerance import start_lighthouse
+from llmforge.parallel.lighthouse import start_lighthouse
 from llmforge.signals import EXIT_PREEMPTED
 
 STATE_FILE = "ft_groups.json"

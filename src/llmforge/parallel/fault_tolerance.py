@@ -30,15 +30,8 @@ import importlib
 import logging
 import os
 import random
-import shutil
-import socket
-import subprocess
-import sys
-import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Callable, Optional
-from urllib.parse import urlsplit
 
 import numpy as np
 import torch
@@ -48,14 +41,13 @@ from torch.distributed.tensor import DTensor
 from llmforge.errors import ConfigError, LLMForgeError
 from llmforge.parallel.lightning_private import optimizer_step_progress
 
-__all__ = ["QuorumLost", "ReplicaGroup", "check_lighthouse", "import_torchft", "lighthouse_command",
-           "start_lighthouse"]
+__all__ = ["QuorumLost", "ReplicaGroup", "import_torchft"]
 
 
 class QuorumLost(LLMForgeError):
     """No quorum of replica groups formed within ``fault_tolerance.quorum_timeout_s`` (the
-    lighthouse is gone, or fewer than ``min_replicas`` groups are alive). Exit code 75
-    (EX_TEMPFAIL: try again later, e.g. requeue)."""
+    process's first: ``first_quorum_timeout_s``; the lighthouse is gone, or fewer than
+    ``min_replicas`` groups are alive). Exit code 75 (EX_TEMPFAIL: try again later, e.g. requeue)."""
 
     exit_code = 75
 
@@ -79,88 +71,6 @@ def import_torchft() -> Any:
     except ImportError as exc:
         raise ConfigError("fault_tolerance.enabled needs torchft: pip install 'llmforge[ft]' "
                           f"(torchft==0.2.0); importing it failed: {exc}") from exc
-
-
-def check_lighthouse(address: str, wait_s: float = 5.0) -> None:
-    """Connect to the lighthouse at ``address`` (``http://HOST:PORT``), retrying for ``wait_s``
-    seconds (a lighthouse started beside the groups may still be coming up).
-
-    Raises:
-        ConfigError: it cannot be reached; names ``fault_tolerance.lighthouse``."""
-    parts = urlsplit(address)
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            with socket.create_connection((parts.hostname or "", parts.port or 80), timeout=wait_s):
-                return
-        except (OSError, ValueError) as exc:
-            if time.monotonic() >= deadline or isinstance(exc, ValueError):
-                raise ConfigError(f"fault_tolerance.lighthouse={address}: cannot reach it ({exc}); "
-                                  f"start one (`torchft_lighthouse --min_replicas 1 --bind "
-                                  f"{parts.hostname}:{parts.port}`) or fix the address") from exc
-            time.sleep(0.2)
-
-
-def lighthouse_command(bind: str, min_replicas: int = 1, join_timeout_ms: int = 1000,
-                       heartbeat_timeout_ms: int = 2000, quorum_tick_ms: int = 100,
-                       exe: Optional[str] = None) -> list[str]:
-    """The argument list of torchft's lighthouse (``torchft_lighthouse``, from the wheel of the
-    ``llmforge[ft]`` extra) listening on ``bind`` (``HOST:PORT``).
-
-    ``join_timeout_ms``: how long a quorum waits for stragglers beyond ``min_replicas`` (torchft's
-    default, 60 s, would make a rejoin wait a minute; 1 s here); ``heartbeat_timeout_ms``: a
-    group silent this long is dead. ``exe`` defaults to the one beside this interpreter."""
-    exe = exe or shutil.which("torchft_lighthouse") or str(Path(sys.executable).parent / "torchft_lighthouse")
-    return [exe, "--min_replicas", str(int(min_replicas)), "--join_timeout_ms", str(int(join_timeout_ms)),
-            "--heartbeat_timeout_ms", str(int(heartbeat_timeout_ms)),
-            "--quorum_tick_ms", str(int(quorum_tick_ms)), "--bind", bind]
-
-
-def start_lighthouse(port: int, host: str = "127.0.0.1", min_replicas: int = 1, *,
-                     join_timeout_ms: int = 1000, heartbeat_timeout_ms: int = 2000,
-                     wait_s: float = 30.0, log: Optional[Path] = None,
-                     detach: bool = False) -> subprocess.Popen:
-    """Start torchft's lighthouse on ``HOST:PORT`` (:func:`lighthouse_command`) and return its
-    process once it accepts connections; the caller stops it (``proc.kill()``).
-
-    The one lighthouse starter of llmforge: ``llmforge launch`` (:mod:`llmforge.job.ft_groups`),
-    ``benchmarks/ft.py`` and the tests use it. ``log``: a file for its output (else discarded);
-    ``detach``: in a session of its own (it outlives the caller's terminal and process group).
-
-    Raises:
-        LLMForgeError: the executable is missing (``pip install 'llmforge[ft]'``), or nothing
-            listens on the port within ``wait_s`` seconds (the port is taken, say).
-    """
-    cmd = lighthouse_command(f"{host}:{int(port)}", min_replicas, join_timeout_ms, heartbeat_timeout_ms)
-    try:  # something already listening there would pass the readiness check below
-        socket.create_connection((host, int(port)), timeout=1).close()
-    except OSError:
-        pass
-    else:
-        raise LLMForgeError(f"cannot start a torchft lighthouse on {host}:{port}: the port is taken")
-    out = open(log, "ab") if log is not None else subprocess.DEVNULL
-    try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=detach)
-    except OSError as exc:
-        raise LLMForgeError(f"cannot start the torchft lighthouse {cmd[0]} ({exc}): "
-                            "pip install 'llmforge[ft]'") from exc
-    finally:
-        if log is not None:
-            out.close()  # the child holds its own copy
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            break
-        try:
-            socket.create_connection((host, int(port)), timeout=1).close()
-            return proc
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    proc.wait()
-    raise LLMForgeError(f"the torchft lighthouse did not listen on {host}:{port} within {wait_s:.0f} s "
-                        f"(exit {proc.returncode}; is the port taken?)")
 
 
 class ReplicaGroup(Callback):
@@ -194,6 +104,7 @@ class ReplicaGroup(Callback):
         self.rejoined_at: Optional[int] = None
         self.loader_behind = False  # after a rejoin the loader's batches are not this step's
         self.resumed: Optional[dict[str, int]] = None  # torchft's state from a disk checkpoint
+        self.quorums = 0  # formed in this process: the first may wait for groups still starting
 
     # ---------------------------------------------------------------- set-up
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -281,16 +192,18 @@ class ReplicaGroup(Callback):
 
     # ------------------------------------------------------------- events
     def batch_start(self, state: Any) -> None:
+        key = "quorum_timeout_s" if self.quorums else "first_quorum_timeout_s"
         try:
-            self.manager.start_quorum(timeout=timedelta(seconds=float(self.ft.quorum_timeout_s)))
+            self.manager.start_quorum(timeout=timedelta(seconds=float(getattr(self.ft, key))))
         except Exception as exc:  # torchft raises a plain RuntimeError/TimeoutError
             saved = self.save() if self.save is not None else None
             where = f"saved the checkpoint of step {state.step - 1} in {saved}" if saved else "nothing saved"
-            raise QuorumLost(f"no quorum of replica groups within fault_tolerance.quorum_timeout_s="
-                             f"{self.ft.quorum_timeout_s} s before step {state.step} (lighthouse "
+            raise QuorumLost(f"no quorum of replica groups within fault_tolerance.{key}="
+                             f"{getattr(self.ft, key)} s before step {state.step} (lighthouse "
                              f"{self.ft.lighthouse}: {str(exc).splitlines()[0][:200]}); {where}; "
                              "exit code 75 (restart the lighthouse, then the groups with "
                              "checkpoint.resume=auto)") from exc
+        self.quorums += 1
         if self.loader_behind:  # the state (and the step) came from a peer
             state.step = self.trainer.global_step + 1
             state.batch = self.batch_for_step(state.step)

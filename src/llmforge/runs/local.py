@@ -25,7 +25,7 @@ from llmforge.job.ft_groups import group_overrides
 from llmforge.job.records import RunRecord
 from llmforge.job.supervisor import torchrun_command
 from llmforge.job.torchrun import proc_table as _proc_table
-from llmforge.parallel.fault_tolerance import lighthouse_command
+from llmforge.parallel.lighthouse import lighthouse_command
 from llmforge.run_guard import mark_run_dir
 from llmforge.runs.backend import Backend, replica_group
 from llmforge.runs.cluster_types import LocalCluster

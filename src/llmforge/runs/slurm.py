@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 from llmforge.errors import LLMForgeError
 from llmforge.job.ft_groups import group_overrides
 from llmforge.job.records import RunRecord
-from llmforge.parallel.fault_tolerance import lighthouse_command
+from llmforge.parallel.lighthouse import lighthouse_command
 from llmforge.paths import check_printable
 from llmforge.run_guard import mark_run_dir
 from llmforge.runs.backend import JOB_VARIABLES, Backend, files_dir, train_args

@@ -37,7 +37,8 @@ from llmforge.data.mixture import MixtureTokens, PreparedMixture
 from llmforge.data.tokenizers import Tokenizer
 from llmforge.errors import ConfigError
 from llmforge.job.tracker import RunTracker
-from llmforge.parallel.fault_tolerance import ReplicaGroup, check_lighthouse, import_torchft
+from llmforge.parallel.fault_tolerance import ReplicaGroup, import_torchft
+from llmforge.parallel.lighthouse import check_lighthouse
 from llmforge.parallel.strategy import LLMParallelStrategy
 from llmforge.parallel.threads import available_cores, explicit_threads, machine_wide
 from llmforge.parallel.transforms import check_strategy, strategy_transforms

@@ -64,6 +64,8 @@ def test_fault_tolerance_bad_input(tiny_overrides, tmp_path):
         "strategy.name=fsdp2": ["strategy.name=fsdp2", "strategy.tp=2", "trainer.devices=2"],  # FSDP2 alone
         "fault_tolerance.lighthouse": [f"fault_tolerance.lighthouse=http://127.0.0.1:{free_port()}"],
         "fault_tolerance.first_quorum_timeout_s": ["fault_tolerance.first_quorum_timeout_s=0"],
+        # torchft makes each a duration: 1e12 s panicked there, 1e15 overflowed
+        "fault_tolerance.quorum_timeout_s": ["fault_tolerance.quorum_timeout_s=1e12"],
     }
     for key, extra in cases.items():
         res = run_main(*base, *extra)
@@ -164,6 +166,7 @@ def test_first_quorum_waits_its_own_timeout(tmp_path):
             for step in (5, 6):
                 group.batch_start(SimpleNamespace(step=step))
         assert err.value.exit_code == 75 and "quorum timed out" in str(err.value) and "details" not in str(err.value)
+        assert ("start the other groups" in str(err.value)) == (key == "first_quorum_timeout_s")
     assert len(saved) == 2
 
 

@@ -269,6 +269,11 @@ def validate(cfg: Any, world_size: Optional[int] = 1) -> BatchPlan:
     return plan_batch(cfg, world_size)
 
 
+FT_TIMEOUT_MAX_S = 7 * 24 * 3600.0
+"""The longest ``fault_tolerance`` timeout taken (a week): torchft converts each into a duration,
+and 1e12 s panics in its Rust client, 1e15 s overflows in Python."""
+
+
 def _check_fault_tolerance(cfg: Any, world: int) -> None:
     """``fault_tolerance:`` against itself and the run: what this version supports (one
     process per replica group, data whose position is the step). The lighthouse is reached at
@@ -286,8 +291,9 @@ def _check_fault_tolerance(cfg: Any, world: int) -> None:
              "fault_tolerance.replica_id", f"in [0, {ft.replica_groups - 1}] (one per replica group)",
              ft.replica_id)
     for key in ("timeout_s", "quorum_timeout_s", "first_quorum_timeout_s"):
-        v = ft[key]
-        _require(0 < v < float("inf"), f"fault_tolerance.{key}", "> 0 and finite (seconds)", v)
+        v = ft[key]  # torchft turns them into durations: a huge one overflows (or panics) there
+        _require(0 < v <= FT_TIMEOUT_MAX_S, f"fault_tolerance.{key}",
+                 f"> 0 and at most {FT_TIMEOUT_MAX_S:.0f} (seconds: a week)", v)
     try:  # urlsplit and .port raise ValueError on "http://[::1" or a port past 65535
         parts = urlsplit(str(ft.lighthouse))
         good = (parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port is not None

@@ -198,11 +198,14 @@ class ReplicaGroup(Callback):
         except Exception as exc:  # torchft raises a plain RuntimeError/TimeoutError
             saved = self.save() if self.save is not None else None
             where = f"saved the checkpoint of step {state.step - 1} in {saved}" if saved else "nothing saved"
+            # a first quorum waits for groups still starting; a later one lost the lighthouse or peers
+            todo = ("start the other groups or raise fault_tolerance.first_quorum_timeout_s, check the "
+                    "lighthouse, then restart this group" if not self.quorums else
+                    "restart the lighthouse, then the groups")
             raise QuorumLost(f"no quorum of replica groups within fault_tolerance.{key}="
                              f"{getattr(self.ft, key)} s before step {state.step} (lighthouse "
                              f"{self.ft.lighthouse}: {str(exc).splitlines()[0][:200]}); {where}; "
-                             "exit code 75 (restart the lighthouse, then the groups with "
-                             "checkpoint.resume=auto)") from exc
+                             f"exit code 75 ({todo} with checkpoint.resume=auto)") from exc
         self.quorums += 1
         if self.loader_behind:  # the state (and the step) came from a peer
             state.step = self.trainer.global_step + 1

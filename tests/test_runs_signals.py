@@ -284,3 +284,34 @@ def test_a_startup_stop_raised_inside_a_callback_prints_no_traceback(monkeypatch
     finally:
         signals.uninstall()
     assert seen == [ZeroDivisionError] and sys.unraisablehook is hook
+
+
+def test_one_signalled_rank_stops_every_rank_with_its_code():
+    """A stop is agreed at each step's end (``all_reduce``): every rank stops there, and with the
+    same exit code, the largest of the signalled ranks' (130 where any got SIGINT, else 75): a
+    Ctrl-C sent to one rank of a torchrun job no longer leaves the others reporting 75. Two real
+    gloo ranks (forked), in a child interpreter whose signal handlers the test may take."""
+    code = ("import multiprocessing as mp, os, signal, sys\n"
+            "import torch.distributed as dist\n"
+            "from llmforge import signals\nfrom llmforge.callbacks.checkpointing import agreed_stop_code\n"
+            "ROUNDS = [{}, {1: signal.SIGINT}, {0: signal.SIGTERM}, {0: signal.SIGTERM, 1: signal.SIGINT},\n"
+            "          {1: signal.SIGUSR1}]\n"
+            "def rank(r, port, q):\n"
+            "    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=r, world_size=2)\n"
+            "    for sent in ROUNDS:\n"
+            "        signals.install(); signals.training_started()\n"
+            "        if r in sent: os.kill(os.getpid(), sent[r])\n"
+            "        q.put((r, agreed_stop_code())); signals.uninstall()\n"
+            "    dist.destroy_process_group()\n"
+            "ctx = mp.get_context('fork'); q = ctx.Queue()\n"
+            "procs = [ctx.Process(target=rank, args=(r, int(sys.argv[1]), q)) for r in (0, 1)]\n"
+            "[p.start() for p in procs]; got = [q.get(timeout=60) for _ in range(2 * len(ROUNDS))]\n"
+            "[p.join(60) for p in procs]\n"
+            "print([[c for rr, c in got if rr == r] for r in (0, 1)], [p.exitcode for p in procs])\n")
+    from helpers.dist import free_port
+
+    proc = subprocess.run([sys.executable, "-c", code, str(free_port())], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # per rank, the codes of the rounds: none, SIGINT on 1, SIGTERM on 0, both, SIGUSR1 on 1
+    assert proc.stdout.split("\n")[0] == "[[0, 130, 75, 130, 75], [0, 130, 75, 130, 75]] [0, 0]", proc.stdout

@@ -70,7 +70,8 @@ class StoppedBeforeTraining(StopRequested):
 
 
 def exit_code_for(signum: Optional[int]) -> int:
-    """75 for SIGTERM/SIGUSR1 (and a stop seen on another rank: ``None``), 130 for SIGINT."""
+    """75 for SIGTERM/SIGUSR1 (and ``None``), 130 for SIGINT. Under several ranks the largest of
+    theirs is every rank's (:func:`llmforge.callbacks.checkpointing.agreed_stop_code`)."""
     return EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED
 
 

@@ -37,6 +37,21 @@ from llmforge.parallel.lightning_private import optimizer_step_progress
 from llmforge.signals import StopRequested
 
 
+def agreed_stop_code(device: Any = None) -> int:
+    """The exit code every rank stops with at this step: 0 if no rank received a stop signal, else
+    the largest of their :func:`~llmforge.signals.exit_code_for` codes (130 where any rank got
+    SIGINT, else 75), so one signalled rank stops the run with its own code on every rank.
+    A collective (``all_reduce``, on ``device`` for NCCL) when a process group of several ranks
+    is up; the local code otherwise."""
+    sig = signals.received()
+    code = torch.tensor(float(signals.exit_code_for(sig) if sig is not None else 0))
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if device is not None:
+            code = code.to(device)
+        dist.all_reduce(code, op=dist.ReduceOp.MAX)  # every rank stops at the same step
+    return int(code.item())
+
+
 class Preempted(StopRequested):
     """Training stopped on a signal after saving a checkpoint: exit code 75 for SIGTERM and
     SIGUSR1 (requeue), 130 for SIGINT (Ctrl-C)."""
@@ -228,14 +243,6 @@ class Checkpointer(Callback):
             signals.uninstall()
             self._owns_signals = False
 
-    def _stop_requested(self, pl_module: Any) -> bool:
-        flag = torch.tensor(float(signals.received() is not None))
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            if dist.get_backend() == "nccl":
-                flag = flag.to(pl_module.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops at the same step
-        return bool(flag.item())
-
     def after_optimizer_step(self, state: Any) -> None:
         self._awaiting_record = state.step  # the step's STEP_RECORDED comes next
 
@@ -257,7 +264,9 @@ class Checkpointer(Callback):
         due = bool(self.save_every and step % self.save_every == 0)
         if self.save_every_minutes and time.monotonic() - self._last_save_time >= 60 * self.save_every_minutes:
             due = True
-        if self._stop_requested(pl_module):
+        nccl = dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+        code = agreed_stop_code(pl_module.device if nccl else None)
+        if code:
             # not a logging step: write this last step's record anyway before stopping
             history = getattr(pl_module, "history", None)
             recorded = bool(history) and history[-1].get("step") == step
@@ -267,8 +276,7 @@ class Checkpointer(Callback):
                 self.save(trainer, pl_module)
             self._finish_pending()
             sig = signals.received()
-            name = signal.Signals(sig).name if sig else "a signal on another rank"
-            code = signals.exit_code_for(sig)
+            name = signal.Signals(sig).name if sig else "a stop signal on another rank"
             raise Preempted(f"received {name}: saved the checkpoint of step {step} in {self.dir}; "
                             f"exit code {code} (continue with checkpoint.resume=auto)", code)
         if due:

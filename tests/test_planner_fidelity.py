@@ -11,7 +11,8 @@ import pytest
 from llmforge.planning.calibration import BOUNDS, FITTED, HELD_OUT, comparison_errors, held_out, summary
 from llmforge.planning.published import LLAMA3_8B, LLAMA3_405B, RUNS, SOURCES, published_layout, run_labelled
 from llmforge.planning.setting import Setting
-from llmforge.planning.step_model import CostParams, predict, stage_imbalance
+from llmforge.planning.stages import stage_imbalance
+from llmforge.planning.step_model import CostParams, predict
 from llmforge.planning.gpus import gpu_kind
 from llmforge.planning.stages import in_flight
 from llmforge.planning.whatif import FIT_SHARE, assess, memory_per_rank

@@ -193,8 +193,9 @@ class ReplicaGroup(Callback):
     # ------------------------------------------------------------- events
     def batch_start(self, state: Any) -> None:
         key = "quorum_timeout_s" if self.quorums else "first_quorum_timeout_s"
+        wait_s = float(getattr(self.ft, key))
         try:
-            self.manager.start_quorum(timeout=timedelta(seconds=float(getattr(self.ft, key))))
+            self.manager.start_quorum(timeout=timedelta(seconds=wait_s))
         except Exception as exc:  # torchft raises a plain RuntimeError/TimeoutError
             saved = self.save() if self.save is not None else None
             where = f"saved the checkpoint of step {state.step - 1} in {saved}" if saved else "nothing saved"
@@ -203,7 +204,7 @@ class ReplicaGroup(Callback):
                     "lighthouse, then restart this group" if not self.quorums else
                     "restart the lighthouse, then the groups")
             raise QuorumLost(f"no quorum of replica groups within fault_tolerance.{key}="
-                             f"{getattr(self.ft, key)} s before step {state.step} (lighthouse "
+                             f"{wait_s} s before step {state.step} (lighthouse "
                              f"{self.ft.lighthouse}: {str(exc).splitlines()[0][:200]}); {where}; "
                              f"exit code 75 ({todo} with checkpoint.resume=auto)") from exc
         self.quorums += 1

@@ -23,11 +23,12 @@ from llmforge.models.memory_estimate import StageShare
 from llmforge.models.spec import get_spec
 from llmforge.parallel.pipeline import bubble_fraction, rank_stages, resolve_layout, stage_params
 from llmforge.parallel.transforms import pipeline_layout
+from llmforge.planning.setting import Shape
 from llmforge.planning.layout import Layout, last_stage_rank, pipeline_settings
 from llmforge.planning.simulate import StepMeasurement
 from llmforge.plugin import meta_model
 
-__all__ = ["StageShape", "forward_activations", "in_flight", "pp_allowed", "simulate_layout",
+__all__ = ["StageShape", "stage_imbalance", "forward_activations", "in_flight", "pp_allowed", "simulate_layout",
            "stage_share"]
 
 
@@ -131,3 +132,35 @@ class StageShape:
         """Bytes of one send between stages: a micro-batch's hidden states ``[mbs, seq_len,
         dim]`` (forward) or their gradient (backward)."""
         return float(micro_batch_size * seq_len * self.dim * width)
+
+
+def stage_imbalance(sh: Shape, pp: int, stages_per_rank: int = 1, seq_len: int = 0) -> float:
+    """The most loaded pipeline rank's compute over the mean rank's (>= 1; 1 without stages).
+
+    A stage holds whole blocks, and the last one also the output layer, ``w = V d / (P + s d)``
+    blocks of FLOPs (``P`` a block's matmul parameters, ``s d`` its causal attention per token;
+    :func:`flops_per_token`). The split is the most even one whole blocks allow (an explicit
+    ``pipeline.split`` reaches it): the last rank ``k`` blocks and the output, the other
+    ``pp - 1`` ranks the rest, ``min over k of max(k + w, ceil((L - k) / (pp - 1)))``, against
+    the mean ``(L + w) / pp``; each of a rank's ``stages_per_rank`` stages holds a block at least.
+    The schedule runs at the pace of its slowest rank (Narayanan et al. 2021, arXiv 2104.04473,
+    section 2.2); Llama 3's 405B has 126 blocks so that its first and last stage hold one fewer
+    (Dubey et al. 2024, section 3.3.2): 1.011 on 8 stages, where the 70B's 80 blocks give 1.085.
+
+    Raises:
+        ValueError: ``pp``, ``stages_per_rank`` not integers >= 1, ``seq_len`` below 0, more
+            stages (``pp x stages_per_rank``) than blocks.
+    """
+    for name, value in (("pp", pp), ("stages_per_rank", stages_per_rank)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"stage_imbalance: {name} must be an integer >= 1, got {value!r}")
+    if not seq_len >= 0:
+        raise ValueError(f"stage_imbalance: seq_len must be >= 0 tokens, got {seq_len!r}")
+    if pp == 1:
+        return 1.0
+    w = sh.vocab_size * sh.dim / (sh.block_params + seq_len * sh.dim)
+    v, blocks = stages_per_rank, sh.n_layers
+    if pp * v > blocks:
+        raise ValueError(f"{pp} x {v} pipeline stages for {blocks} blocks: a stage holds one at least")
+    slowest = min(max(k + w, -(-(blocks - k) // (pp - 1))) for k in range(v, blocks - v * (pp - 1) + 1))
+    return slowest / ((blocks + w) / pp)

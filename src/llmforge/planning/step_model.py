@@ -30,7 +30,8 @@ Terms (seconds per step, one rank):
   and output gradient, at torchao's roofline bytes per element (:func:`float8_cast_seconds`;
   nothing fitted): what leaves float8 little or no gain on narrow matmuls.
 * **pipeline stages**: the most loaded rank paces the schedule, so with stages compute,
-  elementwise and float8_cast are the mean rank's times :func:`stage_imbalance` (whole blocks
+  elementwise and float8_cast are the mean rank's times
+  :func:`~llmforge.planning.stages.stage_imbalance` (whole blocks
   per stage, the output layer on the last one; nothing fitted); the **bubble** is (compute +
   elementwise + float8_cast) ``x bubble / (1 - bubble)``
   (:func:`llmforge.parallel.pipeline.bubble_fraction`, the schedule's formula, nothing fitted).
@@ -74,6 +75,7 @@ from llmforge.parallel.pipeline import bubble_fraction, min_microbatches
 from llmforge.planning.float8_cast import block_linear_share, block_matrices, float8_cast_seconds, fp8_share
 from llmforge.planning.gpus import GPUKind, gpu_kind
 from llmforge.planning.setting import Setting, Shape
+from llmforge.planning.stages import stage_imbalance
 
 
 @dataclass(frozen=True)
@@ -268,38 +270,6 @@ def gemm_slowdown(sh: Shape, tp: int, p: CostParams, rows: float = float("inf"))
     return slow / sum(w for w, _, _ in mats)
 
 
-def stage_imbalance(sh: Shape, pp: int, stages_per_rank: int = 1, seq_len: int = 0) -> float:
-    """The most loaded pipeline rank's compute over the mean rank's (>= 1; 1 without stages).
-
-    A stage holds whole blocks, and the last one also the output layer, ``w = V d / (P + s d)``
-    blocks of FLOPs (``P`` a block's matmul parameters, ``s d`` its causal attention per token;
-    :func:`flops_per_token`). The split is the most even one whole blocks allow (an explicit
-    ``pipeline.split`` reaches it): the last rank ``k`` blocks and the output, the other
-    ``pp - 1`` ranks the rest, ``min over k of max(k + w, ceil((L - k) / (pp - 1)))``, against
-    the mean ``(L + w) / pp``; each of a rank's ``stages_per_rank`` stages holds a block at least.
-    The schedule runs at the pace of its slowest rank (Narayanan et al. 2021, arXiv 2104.04473,
-    section 2.2); Llama 3's 405B has 126 blocks so that its first and last stage hold one fewer
-    (Dubey et al. 2024, section 3.3.2): 1.011 on 8 stages, where the 70B's 80 blocks give 1.085.
-
-    Raises:
-        ValueError: ``pp``, ``stages_per_rank`` not integers >= 1, ``seq_len`` below 0, more
-            stages (``pp x stages_per_rank``) than blocks.
-    """
-    for name, value in (("pp", pp), ("stages_per_rank", stages_per_rank)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"stage_imbalance: {name} must be an integer >= 1, got {value!r}")
-    if not seq_len >= 0:
-        raise ValueError(f"stage_imbalance: seq_len must be >= 0 tokens, got {seq_len!r}")
-    if pp == 1:
-        return 1.0
-    w = sh.vocab_size * sh.dim / (sh.block_params + seq_len * sh.dim)
-    v, blocks = stages_per_rank, sh.n_layers
-    if pp * v > blocks:
-        raise ValueError(f"{pp} x {v} pipeline stages for {blocks} blocks: a stage holds one at least")
-    slowest = min(max(k + w, -(-(blocks - k) // (pp - 1))) for k in range(v, blocks - v * (pp - 1) + 1))
-    return slowest / ((blocks + w) / pp)
-
-
 def predict(s: Setting, p: CostParams) -> Prediction:
     """The step of ``s`` under ``p`` (module docstring).
 
@@ -398,5 +368,5 @@ def predict(s: Setting, p: CostParams) -> Prediction:
 
 
 __all__ = ["CostParams", "Prediction", "block_linear_share", "context_parallel_seconds", "flops_per_token",
-           "fp8_share", "gemm_slowdown", "in_node", "model_flops_per_token", "predict", "stage_imbalance", "TP_CALLS_PER_BLOCK",
+           "fp8_share", "gemm_slowdown", "in_node", "model_flops_per_token", "predict", "TP_CALLS_PER_BLOCK",
            "TP_GATHERS_PER_BLOCK"]
